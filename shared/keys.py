@@ -1,0 +1,52 @@
+"""Redis key names (DESIGN.md §3). Every key a process touches is built here.
+
+Keys of one model share the hash tag ``{model}`` so that a multi-lane XREADGROUP
+is legal on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GROUP", "LANES", "Keys"]
+
+#: consumer group every worker of a model joins on each lane stream
+GROUP = "workers"
+#: lanes in priority order
+LANES: tuple[str, ...] = ("high", "normal")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one key prefix (default ``sf``)."""
+
+    prefix: str = "sf"
+
+    def lane(self, model: str, lane: str) -> str:
+        return f"{self.prefix}:{{{model}}}:tasks:{lane}"
+
+    def lanes(self, model: str) -> dict[str, str]:
+        return {lane: self.lane(model, lane) for lane in LANES}
+
+    def dead(self, model: str) -> str:
+        return f"{self.prefix}:{{{model}}}:dead"
+
+    def reply(self, connection_id: str) -> str:
+        return f"{self.prefix}:reply:{connection_id}"
+
+    @property
+    def reply_pattern(self) -> str:
+        return f"{self.prefix}:reply:*"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def log(self, request_id: str) -> str:
+        return f"{self.prefix}:log:{request_id}"
+
+    def workers(self, model: str) -> str:
+        return f"{self.prefix}:workers:{model}"
+
+    def ratelimit(self, key_id: str) -> str:
+        return f"{self.prefix}:rl:{key_id}"

@@ -1,0 +1,172 @@
+"""The wire schema: every payload that crosses Redis, encoded in one place.
+
+* ``Task``            gateway → worker, one entry (field ``task``) in a lane stream
+* ``TokenEvent``,
+  ``DoneEvent``,
+  ``ErrorEvent``      worker → gateway, published on ``sf:reply:{connection_id}`` as a
+                      JSON array (all events of one decode step for one connection)
+* ``Cancel``          gateway → all workers, published on ``sf:cancel``
+
+All encodings are orjson; field names are spelled out so that ``redis-cli`` output
+reads on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Union
+
+import orjson
+
+__all__ = [
+    "FinishReason",
+    "Lane",
+    "SamplingParams",
+    "Task",
+    "TokenEvent",
+    "DoneEvent",
+    "ErrorEvent",
+    "Event",
+    "Cancel",
+    "encode_events",
+    "decode_events",
+    "event_from_dict",
+]
+
+
+class FinishReason(StrEnum):
+    stop = "stop"
+    length = "length"
+    cancelled = "cancelled"
+
+
+class Lane(StrEnum):
+    high = "high"
+    normal = "normal"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples. ``temperature == 0`` means greedy.
+
+    ``seed`` is always set by the time a task is enqueued (the gateway draws one when
+    the client gave none), so a redelivered task regenerates the same tokens.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Task:
+    """A validated inference request, as it sits in a lane stream."""
+
+    request_id: str
+    model: str
+    lane: str
+    reply_to: str  # connection id: events go to sf:reply:{reply_to}
+    client_id: str  # the id the client chose (for logs only)
+    prompt_ids: list[int]
+    params: SamplingParams
+    created_at: float  # unix seconds, set by the gateway
+    deadline: float | None = None  # unix seconds; expired tasks are not run
+    trace_id: str = ""
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Task":
+        """Parse a task; raises ``ValueError`` on anything malformed."""
+        try:
+            d = orjson.loads(raw)
+            params = SamplingParams(**d.pop("params"))
+            task = cls(params=params, **d)
+        except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"malformed task: {exc}") from exc
+        return task
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    request_id: str
+    index: int  # completion-token index, from 0
+    text: str  # valid UTF-8; may be "" while a character or stop match is held back
+    type: str = "token"
+
+
+@dataclass(slots=True)
+class DoneEvent:
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    type: str = "done"
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+    def timing(self) -> dict[str, float]:
+        return {
+            "queue_ms": round(self.queue_ms, 3),
+            "ttft_ms": round(self.ttft_ms, 3),
+            "total_ms": round(self.total_ms, 3),
+        }
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    request_id: str
+    code: str
+    message: str
+    type: str = "error"
+
+
+Event = Union[TokenEvent, DoneEvent, ErrorEvent]
+
+_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "done": DoneEvent, "error": ErrorEvent}
+
+
+def event_from_dict(d: dict[str, Any]) -> Event:
+    cls = _EVENT_TYPES[d["type"]]
+    return cls(**d)
+
+
+def encode_events(events: list[Event]) -> bytes:
+    """One pub/sub message: the events of one step for one connection."""
+    return orjson.dumps(events, option=orjson.OPT_SERIALIZE_DATACLASS)
+
+
+def decode_events(raw: bytes | str) -> list[Event]:
+    """Inverse of ``encode_events``; raises ``ValueError`` on malformed input."""
+    try:
+        items = orjson.loads(raw)
+        if isinstance(items, dict):
+            items = [items]
+        return [event_from_dict(d) for d in items]
+    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+        raise ValueError(f"malformed event message: {exc}") from exc
+
+
+@dataclass(slots=True)
+class Cancel:
+    request_id: str
+    reason: str = "client"
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Cancel":
+        try:
+            return cls(**orjson.loads(raw))
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"malformed cancel: {exc}") from exc

@@ -1,0 +1,55 @@
+"""Engine backends behind one small interface, imported lazily by name.
+
+``BACKENDS`` maps a backend name to ``"module:Class"``; ``load_engine`` imports only
+the chosen one, so a CPU machine never imports TensorRT or CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from shared.errors import FatalError
+from shared.modelrepo import ModelSpec
+from workers.engines.base import Engine, SequenceError
+
+__all__ = ["BACKENDS", "Engine", "SequenceError", "import_from_string", "load_engine"]
+
+BACKENDS: dict[str, str] = {
+    "onnxruntime": "workers.engines.onnxruntime:OnnxRuntimeEngine",
+    "echo": "workers.engines.echo:EchoEngine",
+    "tensorrt": "workers.engines.tensorrt:TensorRTEngine",
+}
+
+
+def import_from_string(spec: str) -> Any:
+    """Import ``"package.module:Attribute"``.
+
+    Raises:
+        FatalError: malformed string, missing module or attribute.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise FatalError(f'import string {spec!r} must be "module:attribute"')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FatalError(f"cannot import {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise FatalError(f"{module_name!r} has no attribute {attr!r}") from exc
+
+
+def load_engine(spec: ModelSpec, backend: str | None = None, **options: Any) -> Engine:
+    """Instantiate the engine for ``spec`` (backend from ``engine.toml`` unless overridden).
+
+    Raises:
+        FatalError: unknown backend, or the backend cannot start.
+    """
+    name = backend or spec.backend
+    target = BACKENDS.get(name, name if ":" in name else None)
+    if target is None:
+        raise FatalError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    cls = import_from_string(target)
+    return cls(spec, **options)
