@@ -1,0 +1,67 @@
+"""The gateway's ASGI application."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.responses import ORJSONResponse
+
+from shared.modelrepo import ModelRepository
+from shared.settings import GatewaySettings
+
+from gateway.broker import Broker
+from gateway.validation import Validator
+from gateway.ws import websocket_stream
+
+__all__ = ["Hub", "create_app"]
+
+
+@dataclass
+class Hub:
+    """What every request handler of one gateway process shares."""
+
+    settings: GatewaySettings
+    validator: Validator
+    broker: Broker
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    repo = ModelRepository(settings.engines_dir)
+    hub = Hub(settings=settings, validator=Validator(settings, repo), broker=Broker(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await hub.broker.start()
+        # load tokenizers up front so the first request is not slow
+        for name in hub.validator.model_names():
+            try:
+                hub.validator.tokenizer(hub.validator.spec(name))
+            except Exception:
+                pass
+        yield
+        await hub.broker.stop()
+
+    app = FastAPI(title="streamfleet gateway", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app.state.hub = hub
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "gateway_id": hub.broker.gateway_id}
+
+    @app.get("/readyz")
+    async def readyz():
+        if not await hub.broker.ping():
+            return ORJSONResponse({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
+        models = {}
+        for name in hub.validator.model_names():
+            models[name] = len(await hub.broker.live_workers(name))
+        if not any(models.values()):
+            return ORJSONResponse({"status": "unavailable", "reason": "no live worker", "workers": models},
+                                  status_code=503)
+        return {"status": "ready", "workers": models}
+
+    app.add_api_websocket_route("/v1/stream", websocket_stream)
+    return app

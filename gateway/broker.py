@@ -1,0 +1,173 @@
+"""The gateway's side of Redis: enqueue tasks, broadcast cancels, and one pub/sub
+reader task per process that routes worker events to connections (STYLE habit 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import orjson
+import redis.asyncio as aioredis
+
+from shared.errors import UnavailableError
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.redis import BROKER_ERRORS, connect
+from shared.schema import Cancel, Event, Task, decode_events
+from shared.settings import GatewaySettings
+
+__all__ = ["Broker"]
+
+log = get_logger("gateway.broker")
+
+Sink = Callable[[list[Event]], None]
+
+
+class Broker:
+    """Redis I/O for one gateway process."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.redis: aioredis.Redis | None = None
+        self._pubsub: aioredis.client.PubSub | None = None
+        self._routes: dict[bytes, Sink] = {}
+        self._reader: asyncio.Task | None = None
+        self._closing = False
+        self.healthy = False
+
+    @property
+    def control_channel(self) -> str:
+        return f"{self.keys.prefix}:gateway:{self.gateway_id}"
+
+    async def start(self) -> None:
+        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
+        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            # the control channel keeps the pub/sub connection open before any client arrives
+            await self._pubsub.subscribe(self.control_channel)
+            self.healthy = True
+        except BROKER_ERRORS as exc:
+            log.warning("redis unreachable at start; will retry", error=str(exc))
+        self._reader = asyncio.create_task(self._read_loop(), name="pubsub-reader")
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._reader:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._pubsub is not None:
+            try:
+                await self._pubsub.aclose()
+            except Exception:
+                pass
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # -- connections --------------------------------------------------------------
+    async def register(self, connection_id: str, sink: Sink) -> None:
+        """Route events of ``sf:reply:{connection_id}`` to ``sink`` (subscribes)."""
+        channel = self.keys.reply(connection_id)
+        self._routes[channel.encode()] = sink
+        try:
+            await self._pubsub.subscribe(channel)
+        except BROKER_ERRORS as exc:
+            self._routes.pop(channel.encode(), None)
+            raise UnavailableError(f"message broker unavailable: {exc}") from exc
+
+    async def unregister(self, connection_id: str) -> None:
+        channel = self.keys.reply(connection_id)
+        self._routes.pop(channel.encode(), None)
+        try:
+            await self._pubsub.unsubscribe(channel)
+        except BROKER_ERRORS:
+            pass  # the subscription dies with the connection anyway
+
+    async def _read_loop(self) -> None:
+        backoff = 0.05
+        ps = self._pubsub
+        while not self._closing:
+            try:
+                if not ps.subscribed:
+                    await ps.subscribe(self.control_channel)
+                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                self.healthy = True
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except BROKER_ERRORS as exc:
+                if self.healthy:
+                    log.warning("pub/sub connection lost; reconnecting", error=str(exc))
+                self.healthy = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            except Exception:
+                log.exception("pub/sub reader error")
+                await asyncio.sleep(0.1)
+                continue
+            if msg is None or msg.get("type") != "message":
+                continue
+            sink = self._routes.get(msg["channel"])
+            if sink is None:
+                continue
+            try:
+                events = decode_events(msg["data"])
+            except ValueError as exc:
+                log.warning("dropping malformed event message", error=str(exc))
+                continue
+            try:
+                sink(events)
+            except Exception:
+                log.exception("event sink failed")
+
+    # -- tasks --------------------------------------------------------------------
+    async def submit(self, task: Task) -> int:
+        """XADD the task to its lane; returns the lane's depth (queued + in flight).
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
+        lane_key = self.keys.lane(task.model, task.lane)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(lane_key, {"task": task.encode()})
+                pipe.xlen(lane_key)
+                _, depth = await pipe.execute()
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        return int(depth)
+
+    async def cancel(self, request_id: str, reason: str = "client") -> None:
+        try:
+            await self.redis.publish(self.keys.cancel, Cancel(request_id, reason).encode())
+        except BROKER_ERRORS as exc:
+            log.warning("cancel not delivered", request_id=request_id, error=str(exc))
+
+    # -- fleet state ----------------------------------------------------------------
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except BROKER_ERRORS:
+            return False
+
+    async def live_workers(self, model: str) -> list[dict]:
+        """Workers of ``model`` whose heartbeat is fresh."""
+        raw = await self.redis.hgetall(self.keys.workers(model))
+        now = time.time()
+        out = []
+        for wid, blob in raw.items():
+            try:
+                info = orjson.loads(blob)
+            except orjson.JSONDecodeError:
+                continue
+            if now - float(info.get("heartbeat", 0)) <= self.settings.worker_ttl_s:
+                info["worker_id"] = wid.decode()
+                out.append(info)
+        return out

@@ -1,0 +1,248 @@
+"""One validation path for every protocol (STYLE habit 6: validation returns a new type).
+
+``Validator.generate(payload)`` turns a raw client payload (a WebSocket ``generate``
+frame, later an OpenAI request body mapped to the same shape) into a
+``ValidRequest``; only a ``ValidRequest`` can become a ``Task``. Each rule that can
+fail raises ``ValidationError`` with its own code and the offending ``param``.
+
+Unknown fields are ignored (as the OpenAI API does), so clients can send fields
+newer gateways understand.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
+from shared.keys import LANES
+from shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
+from shared.schema import SamplingParams, Task
+from shared.settings import GatewaySettings
+
+__all__ = ["ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
+
+MAX_ID_CHARS = 128
+MAX_SEED = 2**63 - 1
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed every rule; ``to_task`` is the only way to a Task."""
+
+    client_id: str
+    model: str
+    lane: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    timeout_s: float
+    prompt_text: str
+
+    def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None) -> Task:
+        now = time.time()
+        return Task(
+            request_id=request_id or uuid.uuid4().hex,
+            model=self.model,
+            lane=self.lane,
+            reply_to=reply_to,
+            client_id=self.client_id,
+            prompt_ids=list(self.prompt_ids),
+            params=self.params,
+            created_at=now,
+            deadline=now + self.timeout_s,
+            trace_id=trace_id or uuid.uuid4().hex[:16],
+        )
+
+
+DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+"""The fallback chat format for models without a chat template: each message as
+``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply."""
+
+
+def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = [DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+class Validator:
+    """Validates generate payloads against the settings and the model repository."""
+
+    def __init__(self, settings: GatewaySettings, repo: ModelRepository) -> None:
+        self.settings = settings
+        self.repo = repo
+        self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
+
+    # -- models -----------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        names = self.repo.names()
+        return [n for n in names if not self._allowed or n in self._allowed]
+
+    def spec(self, model: str) -> ModelSpec:
+        if self._allowed and model not in self._allowed:
+            raise NotFoundError(f"model {model!r} is not served here", param="model")
+        return self.repo.get(model)
+
+    def tokenizer(self, spec: ModelSpec) -> Any:
+        try:
+            return load_tokenizer(spec)
+        except FatalError as exc:
+            raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
+
+    # -- the rules --------------------------------------------------------------
+    def generate(self, p: dict[str, Any]) -> ValidRequest:
+        """Validate one generate payload.
+
+        Raises:
+            ValidationError: a rule failed (code and param say which).
+            NotFoundError: unknown model.
+        """
+        s = self.settings
+        client_id = p.get("id")
+        if client_id is None:
+            raise ValidationError("field 'id' is required", code=ErrorCode.missing_field, param="id")
+        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_CHARS:
+            raise ValidationError(
+                f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters",
+                code=ErrorCode.invalid_type, param="id")
+
+        model = p.get("model", s.default_model)
+        if model is None:
+            model = s.default_model
+        if not isinstance(model, str):
+            raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
+        spec = self.spec(model)
+
+        lane = p.get("priority", "normal")
+        if lane is None:
+            lane = "normal"
+        if lane not in LANES:
+            raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
+                                  code=ErrorCode.out_of_range if isinstance(lane, str) else ErrorCode.invalid_type,
+                                  param="priority")
+
+        max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
+        temperature = self._float(p, "temperature", 1.0, 0.0, 2.0)
+        top_p = self._float(p, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0.0:
+            raise ValidationError("'top_p' must be greater than 0", code=ErrorCode.out_of_range, param="top_p")
+        top_k = self._int(p, "top_k", 0, 0, 1_000_000)
+        seed = self._int(p, "seed", None, 0, MAX_SEED)
+        if seed is None:
+            seed = secrets.randbits(63)
+        stop = self._stop(p.get("stop"))
+        timeout_s = self._float(p, "timeout", s.request_timeout_s, 0.001, 3600.0)
+
+        prompt, messages = p.get("prompt"), p.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ValidationError("exactly one of 'prompt' or 'messages' is required",
+                                  code=ErrorCode.missing_field, param="prompt")
+        tokenizer = self.tokenizer(spec)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValidationError("'prompt' must be a string", code=ErrorCode.invalid_type, param="prompt")
+            text = prompt
+        else:
+            text = render_chat(self._messages(messages), tokenizer)
+        if not text:
+            raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
+        if len(text) > s.max_prompt_chars:
+            raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
+                                  code=ErrorCode.prompt_too_long, param="prompt")
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
+        if len(ids) >= spec.max_context:
+            raise ValidationError(
+                f"the prompt has {len(ids)} tokens; model {spec.name!r} has a context of {spec.max_context} "
+                f"and needs room for at least one completion token",
+                code=ErrorCode.prompt_too_long, param="prompt")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                stop=stop, seed=seed)
+        return ValidRequest(client_id=client_id, model=spec.name, lane=lane, prompt_ids=tuple(ids),
+                            params=params, timeout_s=timeout_s, prompt_text=text)
+
+    # -- field helpers ----------------------------------------------------------
+    @staticmethod
+    def _int(p: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+        v = p.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not _is_int(v):
+            raise ValidationError(f"'{name}' must be an integer", code=ErrorCode.invalid_type, param=name)
+        if not lo <= v <= hi:
+            raise ValidationError(f"'{name}' must be between {lo} and {hi}, got {v}",
+                                  code=ErrorCode.out_of_range, param=name)
+        return v
+
+    @staticmethod
+    def _float(p: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+        v = p.get(name)
+        if v is None:
+            return default
+        if not _is_number(v):
+            raise ValidationError(f"'{name}' must be a number", code=ErrorCode.invalid_type, param=name)
+        if not lo <= v <= hi:
+            raise ValidationError(f"'{name}' must be between {lo} and {hi}, got {v}",
+                                  code=ErrorCode.out_of_range, param=name)
+        return float(v)
+
+    def _stop(self, v: Any) -> list[str]:
+        s = self.settings
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValidationError("'stop' must be a string or a list of strings",
+                                  code=ErrorCode.invalid_type, param="stop")
+        if len(v) > s.max_stop_sequences:
+            raise ValidationError(f"at most {s.max_stop_sequences} stop sequences are allowed",
+                                  code=ErrorCode.out_of_range, param="stop")
+        for x in v:
+            if not x or len(x) > s.max_stop_chars:
+                raise ValidationError(f"each stop sequence must have 1 to {s.max_stop_chars} characters",
+                                      code=ErrorCode.out_of_range, param="stop")
+        return list(v)
+
+    @staticmethod
+    def _messages(v: Any) -> list[dict[str, str]]:
+        if not isinstance(v, list) or not v:
+            raise ValidationError("'messages' must be a non-empty list", code=ErrorCode.invalid_type,
+                                  param="messages")
+        out = []
+        for i, m in enumerate(v):
+            if not isinstance(m, dict):
+                raise ValidationError(f"messages[{i}] must be an object", code=ErrorCode.invalid_type,
+                                      param="messages")
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise ValidationError(f"messages[{i}].role must be one of {', '.join(ROLES)}",
+                                      code=ErrorCode.invalid_request, param="messages")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+                if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                    raise ValidationError(f"messages[{i}].content parts must all be text",
+                                          code=ErrorCode.invalid_type, param="messages")
+                content = "".join(texts)
+            if not isinstance(content, str):
+                raise ValidationError(f"messages[{i}].content must be a string", code=ErrorCode.invalid_type,
+                                      param="messages")
+            out.append({"role": role, "content": content})
+        return out

@@ -1,0 +1,76 @@
+"""Settings are data: one object per process kind, read once at start-up from the
+environment (prefix ``SF_``) and command-line flags, then passed down explicitly.
+
+``REDIS_URL`` is honoured as well as ``SF_REDIS_URL``.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CommonSettings", "GatewaySettings", "WorkerSettings"]
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SF_", extra="ignore")
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("SF_REDIS_URL", "REDIS_URL")
+    )
+    #: prefix of every Redis key (DESIGN.md §3)
+    key_prefix: str = "sf"
+    #: model repository folder (default: <repo>/engines)
+    engines_dir: str | None = None
+    log_level: str = "info"
+    #: "json" (production) or "console" (readable; `streamfleet serve`)
+    log_format: str = "json"
+    #: log prompt text (off by default: prompts may be private)
+    log_prompts: bool = False
+    #: seconds a worker heartbeat stays valid
+    worker_ttl_s: float = 10.0
+    #: redis-py socket timeout for plain commands (blocking reads add their block time)
+    redis_socket_timeout_s: float = 5.0
+
+
+class GatewaySettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_model: str = "tiny-gpt"
+    #: models served, comma separated; empty = every model in the repository
+    models: str = ""
+    max_frame_bytes: int = 1 << 20
+    max_prompt_chars: int = 100_000
+    max_inflight_per_connection: int = 64
+    max_max_tokens: int = 4096
+    default_max_tokens: int = 64
+    max_stop_sequences: int = 4
+    max_stop_chars: int = 64
+    #: max tasks queued+in flight per lane; refuse new work above 80% of it
+    lane_capacity: int = 1024
+    overload_fraction: float = 0.8
+    #: default request timeout (queue deadline), seconds
+    request_timeout_s: float = 120.0
+    ws_ping_interval_s: float = 20.0
+    ws_ping_timeout_s: float = 20.0
+
+
+class WorkerSettings(CommonSettings):
+    model: str = "tiny-gpt"
+    #: override the backend named in engine.toml (onnxruntime | tensorrt | echo)
+    backend: str | None = None
+    #: override engine.toml's max_batch
+    max_batch: int | None = None
+    #: admission weights per lane; with both lanes backlogged each gets at least its share
+    lane_weights: dict[str, float] = {"high": 0.8, "normal": 0.2}
+    #: ms an idle worker blocks on XREADGROUP
+    block_ms: int = 1000
+    heartbeat_interval_s: float = 2.0
+    #: worker consumer name (default: host-pid-random)
+    worker_id: str | None = None
+    #: intra-op threads for ONNX Runtime (0 = runtime default)
+    threads: int = 0
+    #: echo engine: per-step delay
+    echo_delay_ms: float = 0.0
+    #: metrics / health port (0 = none)
+    metrics_port: int = 0

