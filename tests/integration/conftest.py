@@ -1,0 +1,161 @@
+"""Integration fixtures: a real redis-server on a free port for the session, and
+factories that start real gateway and worker processes (closed at teardown).
+
+Each test gets its own key prefix, so tests share the server without sharing keys.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+from streamfleet.launcher import EmbeddedRedis
+
+REPO = Path(__file__).resolve().parents[2]
+_prefix_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def key_prefix(redis_server) -> str:
+    return f"sft{os.getpid()}x{next(_prefix_counter)}"
+
+
+@pytest.fixture
+def rds(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+class FleetFactory:
+    def __init__(self, redis_url: str, prefix: str, tmp: Path) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self._n = itertools.count()
+
+    def env(self, **extra: object) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
+        env.update(SF_REDIS_URL=self.redis_url, SF_KEY_PREFIX=self.prefix, SF_LOG_FORMAT="json",
+                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        env.update({f"SF_{k.upper()}": str(v) for k, v in extra.items()})
+        return env
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
+        log_path = self.tmp / f"{name}-{next(self._n)}.log"
+        fh = open(log_path, "wb")
+        p = subprocess.Popen([sys.executable, "-m", "streamfleet", *args], env=env, cwd=REPO,
+                             stdout=fh, stderr=subprocess.STDOUT)
+        proc = Proc(name, p, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def gateway(self, wait: bool = True, **settings: object) -> Proc:
+        port_file = self.tmp / f"gw-{next(self._n)}.port"
+        proc = self._spawn("gateway", ["gateway", "--port", "0", "--port-file", str(port_file)],
+                           self.env(**settings))
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if not proc.alive():
+                raise RuntimeError(f"gateway died:\n{proc.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start:\n{proc.log()}")
+            time.sleep(0.05)
+        proc.port = int(port_file.read_text())
+        return proc
+
+    def worker(self, model: str = "tiny-gpt", wait: bool = True, **settings: object) -> Proc:
+        settings.setdefault("threads", 1)
+        proc = self._spawn("worker", ["worker", "--model", model], self.env(model=model, **settings))
+        if wait:
+            self.wait_worker(proc, model)
+        return proc
+
+    def wait_worker(self, proc: Proc, model: str = "tiny-gpt", timeout: float = 60.0) -> None:
+        r = redis.Redis.from_url(self.redis_url)
+        key = f"{self.prefix}:workers:{model}"
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                for blob in r.hvals(key):
+                    if f'"pid":{proc.popen.pid},'.encode() in blob:
+                        return
+                if not proc.alive():
+                    raise RuntimeError(f"worker died:\n{proc.log()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker did not register:\n{proc.log()}")
+                time.sleep(0.05)
+        finally:
+            r.close()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+
+@pytest.fixture
+def fleet(redis_server, key_prefix, tiny_spec, tmp_path):
+    factory = FleetFactory(redis_server.url, key_prefix, tmp_path)
+    yield factory
+    factory.close()

@@ -1,0 +1,200 @@
+"""End to end: real gateway and worker processes, a real redis-server, real WebSockets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import orjson
+import pytest
+import websockets
+
+from tests.integration.wsclient import Client
+
+
+async def test_health_and_ready(fleet):
+    gw = fleet.gateway()
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(gw.http + "/healthz")).status_code == 200
+        r = await http.get(gw.http + "/readyz")
+        assert r.status_code == 503 and r.json()["reason"] == "no live worker"
+        fleet.worker()
+        r = await http.get(gw.http + "/readyz")
+        assert r.status_code == 200, r.text
+        assert r.json()["workers"]["tiny-gpt"] == 1
+
+
+async def test_one_request_streams_in_order(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    fleet.worker()
+    c = await Client.connect(gw.ws)
+    res = await c.generate("r1", "Once upon a time", max_tokens=20, temperature=0, seed=1)
+    assert res.accepted["request_id"] and res.accepted["queue_depth"] >= 1
+    assert res.end["type"] == "done", res.end
+    assert res.indices == list(range(len(res.tokens)))
+    assert res.end["usage"]["completion_tokens"] == len(res.tokens)
+    assert res.end["usage"]["prompt_tokens"] > 0
+    assert res.end["finish_reason"] in ("length", "stop")
+    if res.end["finish_reason"] == "length":
+        assert len(res.tokens) == 20
+    t = res.end["timing"]
+    assert 0 <= t["queue_ms"] <= t["ttft_ms"] <= t["total_ms"]
+    # the worker acked and deleted the task: the lane is empty again
+    await asyncio.sleep(0.2)
+    assert rds.xlen(f"{key_prefix}:{{tiny-gpt}}:tasks:normal") == 0
+    assert rds.xpending(f"{key_prefix}:{{tiny-gpt}}:tasks:normal", "workers")["pending"] == 0
+    # pings work on the same connection
+    await c.send({"type": "ping"})
+    assert (await c.next_other())["type"] == "pong"
+    await c.close()
+
+
+async def test_same_seed_same_text_and_chat_messages(fleet):
+    gw = fleet.gateway()
+    fleet.worker()
+    c = await Client.connect(gw.ws)
+    a = await c.generate("a", "The fleet", max_tokens=24, temperature=0.9, top_p=0.9, seed=42)
+    b = await c.generate("b", "The fleet", max_tokens=24, temperature=0.9, top_p=0.9, seed=42)
+    assert a.text == b.text and len(a.tokens) == len(b.tokens)
+    m = await c.generate("m", prompt=None, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    assert m.end["type"] == "done"
+    await c.close()
+
+
+BAD_FRAMES = [
+    ("not json at all", "invalid_json"),
+    ("[1, 2, 3]", "invalid_frame"),
+    ('{"type": 5}', "invalid_frame"),
+    ('{"type": "teleport", "id": "x"}', "unknown_type"),
+    ('{"type": "generate", "prompt": "hi"}', "missing_field"),
+    ('{"type": "generate", "id": "x"}', "missing_field"),
+    ('{"type": "generate", "id": "x", "prompt": 12}', "invalid_type"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": "ten"}', "invalid_type"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": true}', "invalid_type"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": 0}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": 1e300}', "invalid_type"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "temperature": -1}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "temperature": 9}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "top_p": 0}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "top_k": -3}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "seed": -1}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "stop": [1]}', "invalid_type"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "priority": "urgent"}', "out_of_range"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "model": "nope"}', "unknown_model"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "model": "../etc"}', "unknown_model"),
+    ('{"type": "generate", "id": "x", "prompt": ""}', "invalid_request"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "messages": []}', "missing_field"),
+    ('{"type": "generate", "id": "x", "messages": [{"role": "wizard", "content": "hi"}]}', "invalid_request"),
+    ('{"type": "generate", "id": "", "prompt": "hi"}', "invalid_type"),
+    ('{"type": "cancel", "id": "never-sent"}', "unknown_id"),
+    ('{"type": "cancel"}', "missing_field"),
+]
+
+
+async def test_invalid_frames_get_errors_and_nothing_is_enqueued(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    c = await Client.connect(gw.ws)
+    for raw, code in BAD_FRAMES:
+        await c.send(raw)
+        err = await c.next_other()
+        assert err["type"] == "error" and err["code"] == code, (raw, err)
+        assert err["message"] and err["status"] in (400, 404)
+    # binary frames and a prompt longer than the context
+    await c.send(b"\x00\x01binary")
+    assert (await c.next_other())["code"] == "binary_frame"
+    await c.send({"type": "generate", "id": "long", "prompt": "word " * 2000})
+    err = await c.next_other()
+    assert err["code"] == "prompt_too_long" and err["id"] == "long"
+    # the connection is still healthy
+    await c.send({"type": "ping"})
+    assert (await c.next_other())["type"] == "pong"
+    await c.close()
+    # nothing reached Redis: no lane stream was ever written
+    for lane in ("high", "normal"):
+        assert not rds.exists(f"{key_prefix}:{{tiny-gpt}}:tasks:{lane}")
+
+
+async def test_duplicate_in_flight_id_is_refused(fleet):
+    gw = fleet.gateway()
+    fleet.worker()
+    c = await Client.connect(gw.ws)
+    fut = c.start("dup", "Once upon a time", max_tokens=60, temperature=0)
+    await asyncio.sleep(0)
+    await c.send({"type": "generate", "id": "dup", "prompt": "again"})
+    err = await c.next_other()
+    assert err["code"] == "duplicate_id"
+    res = await asyncio.wait_for(fut, 60)
+    assert res.end["type"] == "done"
+    await c.close()
+
+
+async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    fleet.worker()
+    c = await Client.connect(gw.ws)
+    fut = c.start("long", "Once upon a time", max_tokens=240, temperature=0.8, seed=3, stop=None)
+    while not c.results["long"].tokens:
+        await asyncio.sleep(0.005)
+    await c.send({"type": "cancel", "id": "long"})
+    res = await asyncio.wait_for(fut, 10)
+    assert res.end["type"] == "done" and res.end["finish_reason"] == "cancelled"
+    assert len(res.tokens) < 240
+    assert res.end["usage"]["completion_tokens"] == len(res.tokens)
+    await asyncio.sleep(0.3)
+    assert rds.xpending(f"{key_prefix}:{{tiny-gpt}}:tasks:normal", "workers")["pending"] == 0
+    await c.close()
+
+
+async def test_32_clients_mixed_lanes_match_single_runs(fleet):
+    gw = fleet.gateway()
+    fleet.worker(max_batch=16)
+    rng = random.Random(5)
+    prompts = ["Once upon a time", "The quick brown fox", "In the beginning", "Redis streams",
+               "你好，世界", "Tokens 🚀 flow", "A", "Streaming fleets scale out"]
+    combos = [dict(prompt=p, seed=100 + i, temperature=[0.0, 0.8][i % 2], max_tokens=12 + i)
+              for i, p in enumerate(prompts)]
+    # references: each combo alone
+    solo = await Client.connect(gw.ws)
+    ref = {}
+    for i, combo in enumerate(combos):
+        r = await solo.generate(f"ref{i}", **combo)
+        assert r.end["type"] == "done", r.end
+        ref[i] = r.text, len(r.tokens)
+    await solo.close()
+
+    async def one_client(k: int):
+        c = await Client.connect(gw.ws)
+        picks = [rng.randrange(len(combos)) for _ in range(3)]
+        futs = [c.start(f"c{k}r{j}", priority=rng.choice(["high", "normal"]), **combos[i])
+                for j, i in enumerate(picks)]
+        results = await asyncio.wait_for(asyncio.gather(*futs), 120)
+        await c.close()
+        return list(zip(picks, results))
+
+    all_results = await asyncio.gather(*(one_client(k) for k in range(32)))
+    n = 0
+    for per_client in all_results:
+        for i, res in per_client:
+            assert res.end["type"] == "done", res.end
+            assert res.indices == list(range(len(res.tokens)))
+            assert (res.text, len(res.tokens)) == ref[i]
+            n += 1
+    assert n == 96
+
+
+async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    fleet.worker()
+    ws = await websockets.connect(gw.ws)
+    await ws.send(orjson.dumps({"type": "generate", "id": "x", "prompt": "Once", "max_tokens": 240}).decode())
+    first = orjson.loads(await ws.recv())
+    assert first["type"] == "accepted"
+    await ws.recv()  # a token: the request is running
+    await ws.close()
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    for _ in range(100):
+        if rds.xpending(lane, "workers")["pending"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert rds.xpending(lane, "workers")["pending"] == 0

@@ -1,0 +1,91 @@
+"""A small real WebSocket client for the tests (the `websockets` library)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import orjson
+import websockets
+
+
+@dataclass
+class Result:
+    id: str
+    accepted: dict | None = None
+    tokens: list[dict] = field(default_factory=list)
+    end: dict | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(t["text"] for t in self.tokens)
+
+    @property
+    def indices(self) -> list[int]:
+        return [t["index"] for t in self.tokens]
+
+
+class Client:
+    """One connection; `generate` many requests concurrently; frames routed by id."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.results: dict[str, Result] = {}
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.other: asyncio.Queue = asyncio.Queue()
+        self.reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def connect(cls, url: str, **kw) -> "Client":
+        return cls(await websockets.connect(url, max_size=None, **kw))
+
+    async def _read(self) -> None:
+        try:
+            async for raw in self.ws:
+                msg = orjson.loads(raw)
+                rid = msg.get("id")
+                res = self.results.get(rid) if rid is not None else None
+                if res is None or (msg["type"] == "error" and res.end is not None):
+                    await self.other.put(msg)
+                    continue
+                kind = msg["type"]
+                if kind == "accepted":
+                    res.accepted = msg
+                elif kind == "token":
+                    res.tokens.append(msg)
+                elif kind in ("done", "error"):
+                    res.end = msg
+                    fut = self.waiters.pop(rid, None)
+                    if fut and not fut.done():
+                        fut.set_result(res)
+                else:
+                    await self.other.put(msg)
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            for fut in self.waiters.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError("connection closed"))
+
+    async def send(self, frame: dict | str | bytes) -> None:
+        if isinstance(frame, dict):
+            frame = orjson.dumps(frame).decode()
+        await self.ws.send(frame)
+
+    def start(self, id: str, prompt: str = "Once upon a time", **fields) -> asyncio.Future:
+        self.results[id] = Result(id)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[id] = fut
+        frame = {"type": "generate", "id": id, "prompt": prompt, **fields}
+        asyncio.ensure_future(self.send(frame))
+        return fut
+
+    async def generate(self, id: str, prompt: str = "Once upon a time", timeout: float = 60, **fields) -> Result:
+        return await asyncio.wait_for(self.start(id, prompt, **fields), timeout)
+
+    async def next_other(self, timeout: float = 10) -> dict:
+        return await asyncio.wait_for(self.other.get(), timeout)
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self.reader.cancel()
