@@ -1,0 +1,228 @@
+"""The ONNX Runtime engine against a cache-free reference, alone and in a changing batch;
+and the echo engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import numpy as np
+import pytest
+
+from workers.engines import Engine, SequenceError, load_engine
+from workers.engines.echo import EchoEngine
+from workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_spec):
+    eng = OnnxRuntimeEngine(tiny_spec, threads=1)
+    yield eng
+    eng.close()
+
+
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, vocab, n)]
+
+
+def reference(engine: OnnxRuntimeEngine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens with no cache: the whole sequence from an empty past at every step."""
+    ids, tokens, rows = list(ids), [], []
+    for _ in range(steps + 1):
+        n = len(ids)
+        past = [np.zeros((1, engine.kv_heads, 0, engine.head_dim), np.float32)] * (2 * engine.n_layer)
+        logits = engine._run(np.array([ids]), np.ones((1, n), np.int64), np.arange(n)[None], past)[0][0, -1]
+        rows.append(logits)
+        tokens.append(int(logits.argmax()))
+        ids.append(tokens[-1])
+    return tokens, rows
+
+
+def alone(engine: OnnxRuntimeEngine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    rows = [engine.prefill([("solo", ids)])[0]]
+    tokens = [int(rows[-1].argmax())]
+    for _ in range(steps):
+        rows.append(engine.decode([("solo", tokens[-1])])[0])
+        tokens.append(int(rows[-1].argmax()))
+    engine.release("solo")
+    return tokens, rows
+
+
+def test_layout_read_from_graph(engine, tiny_spec):
+    b = tiny_spec.build
+    assert isinstance(engine, Engine)
+    assert (engine.n_layer, engine.kv_heads, engine.head_dim, engine.vocab_size) == (
+        b["n_layer"], b["n_head"], b["d_model"] // b["n_head"], b["vocab_size"])
+    assert engine.max_context == tiny_spec.max_context and engine.max_batch == tiny_spec.max_batch
+
+
+def test_cache_matches_reference(engine):
+    ids = prompt(1, 7, engine.vocab_size)
+    ref_tokens, ref_rows = reference(engine, ids, STEPS)
+    tokens, rows = alone(engine, ids, STEPS)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(np.array(rows), np.array(ref_rows), atol=1e-3, rtol=1e-4)
+    assert len(set(tokens)) > 4
+
+
+SCENARIOS = {
+    # step -> sequences that join (one prefill call) / are released / sit the step out
+    "joins-leaves-pause": dict(joins={0: "abc", 3: "d", 6: "e"}, leaves={5: "b", 9: "c"}, paused={11: "d", 12: "d"}),
+    # a full slab: one leaves and a newcomer takes its row in place; a paused row keeps
+    # a masked slot inside its cache, then a compaction copies it out
+    "reuse-rows": dict(joins={0: "abcd", 4: "e"}, leaves={3: "b", 10: "a", 11: "e"}, paused={6: "c"}),
+    "one-at-a-time": dict(joins={0: "a", 1: "b", 2: "c", 3: "d", 4: "e"}, leaves={8: "a", 9: "d"}, paused={}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_batch_with_joins_and_leaves(engine, name):
+    """Sequences of different lengths join and leave mid-way, decode order shuffles, some
+    sit out a step; each still gets exactly its solo tokens."""
+    plan = SCENARIOS[name]
+    v = engine.vocab_size
+    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
+               "e": prompt(5, 12, v)}
+    solo = {k: alone(engine, p, STEPS) for k, p in prompts.items()}
+    got: dict[str, list[int]] = {}
+    rows: dict[str, list[np.ndarray]] = {}
+    rng = random.Random(0)
+    for step in range(STEPS + 8):
+        for k in plan["leaves"].get(step, ""):
+            engine.release(k)
+            del got[k]
+        batch = [(k, got[k][-1]) for k in got if len(got[k]) <= STEPS and k not in plan["paused"].get(step, "")]
+        rng.shuffle(batch)
+        if batch:
+            for (k, _), row in zip(batch, engine.decode(batch)):
+                got[k].append(int(row.argmax()))
+                rows[k].append(row)
+        new = plan["joins"].get(step, "")
+        if new:
+            for k, row in zip(new, engine.prefill([(k, prompts[k]) for k in new])):
+                got[k], rows[k] = [int(row.argmax())], [row]
+    assert got
+    for k in got:
+        assert got[k] == solo[k][0], k
+        np.testing.assert_allclose(np.array(rows[k]), np.array(solo[k][1]), atol=1e-3, rtol=1e-4)
+    for k in list(got):
+        engine.release(k)
+
+
+def test_prefill_groups_lengths():
+    groups = OnnxRuntimeEngine._prefill_groups([3, 200, 5, 190, 4, 1])
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert [1, 3] in groups  # the long pair together, apart from the short ones
+    assert all(len(g) >= 1 for g in groups)
+
+
+def test_refusals(engine, tiny_spec):
+    v = engine.vocab_size
+    with pytest.raises(InvalidSequenceError) as exc:
+        engine.prefill([("ok", [1, 2]), ("long", [1] * (engine.max_context + 1))])
+    assert exc.value.seq_ids == ["long"] and isinstance(exc.value, (ValueError, SequenceError))
+    engine.prefill([("x", [1, 2, 3])])
+    with pytest.raises(InvalidSequenceError):
+        engine.prefill([("x", [1])])                      # already live
+    with pytest.raises(InvalidSequenceError):
+        engine.prefill([("y", [])])
+    with pytest.raises(InvalidSequenceError):
+        engine.prefill([("y", [v])])
+    with pytest.raises(ValueError):
+        engine.prefill([("y", [1]), ("y", [2])])
+    with pytest.raises(InvalidSequenceError) as exc:
+        engine.decode([("x", 1), ("ghost", 1)])
+    assert exc.value.seq_ids == ["ghost"]
+    engine.decode([("x", 1)])                             # x untouched by the refused call
+    engine.release("x")
+    engine.release("x")                                   # unknown ids are ignored
+    with pytest.raises(InvalidSequenceError):
+        engine.decode([("x", 1)])
+    with pytest.raises(ValueError):
+        engine.prefill([(f"s{i}", [1]) for i in range(engine.max_batch + 1)])
+    assert engine.decode([]).shape == (0, v) and engine.prefill([]).shape == (0, v)
+
+
+def test_max_context(tiny_spec):
+    spec = dataclasses.replace(tiny_spec, max_context=8)
+    eng = OnnxRuntimeEngine(spec)
+    eng.prefill([("full", [5] * 8), ("room", [5] * 6)])
+    with pytest.raises(InvalidSequenceError) as exc:
+        eng.decode([("full", 1), ("room", 1)])
+    assert exc.value.seq_ids == ["full"]                  # and released
+    eng.decode([("room", 1)])
+    eng.decode([("room", 1)])                             # length 8 now
+    with pytest.raises(InvalidSequenceError):
+        eng.decode([("room", 1)])
+    eng.close()
+
+
+def test_registry_loads_onnxruntime(tiny_spec):
+    eng = load_engine(tiny_spec, threads=1)
+    assert isinstance(eng, OnnxRuntimeEngine)
+    eng.close()
+
+
+# -- echo ------------------------------------------------------------------------------
+
+
+def test_echo_cycles_prompt_and_never_eos(tiny_spec):
+    spec = dataclasses.replace(tiny_spec, backend="echo", eos_token_ids=(0, 7))
+    eng = load_engine(spec)
+    assert isinstance(eng, EchoEngine) and isinstance(eng, Engine)
+    assert eng.vocab_size == tiny_spec.build["vocab_size"]  # from tokenizer.json
+    logits = eng.prefill([("p", [5, 0, 6, 7]), ("eos-only", [0, 7, 0]), ("q", [9])])
+    assert logits.shape == (3, eng.vocab_size) and logits.dtype == np.float32
+    out = {"p": [], "eos-only": [], "q": []}
+    for _ in range(5):
+        for k, row in zip(out, logits):
+            out[k].append(int(row.argmax()))
+            assert row[0] < -1e8 and row[7] < -1e8
+        logits = eng.decode([(k, v[-1]) for k, v in out.items()])
+    assert out["p"] == [5, 6, 5, 6, 5]
+    assert out["eos-only"] == [1, 1, 1, 1, 1]
+    assert out["q"] == [9] * 5
+    with pytest.raises(ValueError):
+        eng.decode([("nope", 1)])
+    eng.close()
+
+
+def test_echo_delay_and_vocab_option(tiny_spec):
+    spec = dataclasses.replace(tiny_spec, backend="echo", options={"vocab_size": 50, "delay_ms": 20})
+    eng = EchoEngine(spec)
+    assert eng.vocab_size == 50
+    t0 = time.perf_counter()
+    eng.prefill([("a", [49])])
+    eng.decode([("a", 49)])
+    assert time.perf_counter() - t0 >= 0.04
+    assert EchoEngine(spec, delay_ms=0).delay_s == 0
+    with pytest.raises(ValueError):
+        eng.prefill([("b", [50])])
+
+
+def test_steady_batch_feeds_presents_back(engine):
+    """While the set of sequences stays the same, no new slab is assembled."""
+    engine.prefill([("s1", [1, 2, 3]), ("s2", [4])])
+    engine.decode([("s1", 5), ("s2", 6)])
+    slab = engine._slab
+    for _ in range(3):
+        engine.decode([("s2", 6), ("s1", 5)])  # order may change
+        assert engine._slab is slab
+    assert slab.width == 3 + 4 and slab.past[0].shape[2] == 7
+    engine.prefill([("s3", [7, 8]), ("s4", [9])])
+    engine.decode([("s1", 5), ("s2", 6), ("s3", 1), ("s4", 2)])  # too few rows: a new slab
+    slab = engine._slab
+    assert len(slab.rows) == 4
+    engine.release("s1")
+    engine.prefill([("s5", [3, 4, 5])])
+    engine.decode([("s5", 1), ("s2", 6), ("s3", 1), ("s4", 2)])  # s5 takes s1's row
+    assert engine._slab is slab and slab.rows[0] == "s5"
+    engine.release("s2")
+    engine.release("s3")
+    engine.decode([("s4", 2), ("s5", 1)])  # half the rows idle: compacted
+    assert engine._slab is not slab and engine._slab.rows == ["s4", "s5"]
+    for k in ("s4", "s5"):
+        engine.release(k)

@@ -1,0 +1,408 @@
+"""ONNX Runtime (CPU) backend for graphs in Optimum's ``text-generation-with-past`` layout.
+
+The layout (``input_ids``, ``attention_mask``, ``position_ids``,
+``past_key_values.N.key/value`` in, ``logits`` and ``present.N.key/value`` out) is read
+from the graph itself: layer count, KV heads, head size, vocabulary and cache dtype, so
+any model exported that way runs, not only the generated ``tiny-gpt``.
+
+Batching. Sequences of different lengths share one ``session.run``: their pasts are
+left-padded to the longest, pad slots carry ``attention_mask`` 0 and each row gets its
+own ``position_ids``. The padded batch (the "slab") is kept between decode steps and
+the ``present.*`` outputs of one step are the ``past_key_values.*`` of the next, with
+no copy. Membership changes are absorbed in place where possible: a released sequence
+leaves an idle row (fed a pad token, its new slot masked), a newcomer from prefill is
+written into an idle row, and a live sequence left out of a step just gets a masked
+slot. Only when newcomers do not fit, or idle rows or padding grow too large, is a new,
+compact slab assembled (one copy of every member's cache).
+
+Prefill runs prompts in groups of similar length (one run per group, left-padded) so a
+short prompt does not pay for a long one's padding.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared.errors import FatalError
+from shared.modelrepo import ModelSpec
+from workers.engines.base import SequenceError
+
+__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
+
+_PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+#: a prefill group may hold at most this many (padded) tokens
+_PREFILL_GROUP_TOKENS = 8192
+#: padding a prefill group may add: this share of its real tokens, or this many per row
+_PREFILL_PAD_SHARE = 0.25
+_PREFILL_PAD_ROWS = 16
+#: assemble a compact slab when more than this share of its rows sit idle in a step
+_IDLE_ROW_SHARE = 0.25
+#: ... or when its width exceeds the longest member by more than this many slots and half
+_SPARE_WIDTH = 32
+
+
+class InvalidSequenceError(SequenceError, ValueError):
+    """Some sequences of a call were refused before anything ran: a ``SequenceError``
+    (the worker core ends those and retries the rest) and a ``ValueError`` (bad input)."""
+
+
+def check_prefill(seqs: list[tuple[str, list[int]]], live: dict[str, Any], max_context: int,
+                  vocab_size: int, max_batch: int) -> None:
+    """Refuse a prefill call, or the sequences of it that cannot start.
+
+    Raises:
+        InvalidSequenceError: naming each sequence with a live id, an empty prompt, a
+            prompt over ``max_context`` or a token outside ``0..vocab_size-1``.
+        ValueError: an id given twice, or more than ``max_batch`` live sequences.
+    """
+    ids = [seq_id for seq_id, _ in seqs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a sequence id appears twice in one prefill call")
+    bad: dict[str, str] = {}
+    for seq_id, prompt in seqs:
+        if seq_id in live:
+            bad[seq_id] = "is already live"
+        elif len(prompt) == 0:
+            bad[seq_id] = "has an empty prompt"
+        elif len(prompt) > max_context:
+            bad[seq_id] = f"has a prompt of {len(prompt)} tokens; max_context is {max_context}"
+        elif min(prompt) < 0 or max(prompt) >= vocab_size:
+            bad[seq_id] = f"has a token outside 0..{vocab_size - 1}"
+    if bad:
+        raise InvalidSequenceError(_describe(bad), list(bad))
+    if len(live) + len(seqs) > max_batch:
+        raise ValueError(f"{len(live)} live + {len(seqs)} new sequences exceed max_batch {max_batch}")
+
+
+def check_decode(seqs: list[tuple[str, int]], live: dict[str, Any], max_context: int,
+                 vocab_size: int, release: Any) -> set[str]:
+    """Refuse a decode call, or the sequences of it that cannot go on; returns the ids.
+
+    ``live`` maps ids to objects with a ``length``; ``release`` frees a refused one.
+
+    Raises:
+        InvalidSequenceError: naming the unknown sequences, those at ``max_context`` and
+            those fed a token outside ``0..vocab_size-1`` (the live ones are released).
+        ValueError: an id given twice.
+    """
+    ids = {seq_id for seq_id, _ in seqs}
+    if len(ids) != len(seqs):
+        raise ValueError("a sequence id appears twice in one decode step")
+    bad: dict[str, str] = {}
+    for seq_id, token in seqs:
+        seq = live.get(seq_id)
+        if seq is None:
+            bad[seq_id] = "is not live"
+        elif seq.length >= max_context:
+            bad[seq_id] = f"is at max_context {max_context}"
+        elif not 0 <= token < vocab_size:
+            bad[seq_id] = f"was fed token {token}, outside 0..{vocab_size - 1}"
+    if bad:
+        for seq_id in bad:
+            release(seq_id)
+        raise InvalidSequenceError(_describe(bad), list(bad))
+    return ids
+
+
+def _describe(bad: dict[str, str]) -> str:
+    return "; ".join(f"sequence {seq_id!r} {why}" for seq_id, why in bad.items())
+
+
+@dataclass(slots=True)
+class _Seq:
+    length: int
+    #: own cache, one ``[kv_heads, length, head_dim]`` array per past input; None while in the slab
+    kv: list[np.ndarray] | None
+    #: row in the slab (meaningful while ``kv`` is None)
+    row: int = -1
+
+
+@dataclass(slots=True)
+class _Slab:
+    """The padded batch of the last decode step, fed back as the next step's past."""
+
+    rows: list[str | None]  # the sequence in each row; None: idle (released)
+    past: list[np.ndarray]  # [rows, kv_heads, width, head_dim] each
+    mask: np.ndarray        # [rows, width] int64: 1 where a slot holds a real token
+    positions: np.ndarray   # [rows] int64: each row's real length = its next position
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def free_rows(self) -> list[int]:
+        return [r for r, seq_id in enumerate(self.rows) if seq_id is None]
+
+
+class OnnxRuntimeEngine:
+    """Runs an Optimum-layout decoder on ONNX Runtime, keeping every sequence's KV cache.
+
+    Args:
+        spec: the model folder (``onnx`` graph, ``max_batch``, ``max_context``).
+        threads: ``intra_op_num_threads``; None leaves ONNX Runtime's default (all cores).
+        options: ``providers`` (a list, default ``["CPUExecutionProvider"]``); others are ignored.
+
+    Raises:
+        FatalError: the graph is missing or not in the with-past layout.
+    """
+
+    def __init__(self, spec: ModelSpec, *, threads: int | None = None, **options: Any) -> None:
+        import onnxruntime as ort  # lazily: the registry imports backends by name
+
+        if not spec.onnx_path.exists():
+            raise FatalError(f"{spec.onnx_path} is missing; run `python scripts/make_tiny_model.py "
+                             f"--model-dir {spec.path}`")
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if threads is not None:
+            so.intra_op_num_threads = int(threads)
+            so.inter_op_num_threads = 1
+        providers = list(options.get("providers") or ["CPUExecutionProvider"])
+        try:
+            self._session = ort.InferenceSession(str(spec.onnx_path), so, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise FatalError(f"cannot load {spec.onnx_path}: {exc}") from exc
+
+        self.spec = spec
+        self.max_batch = spec.max_batch
+        self.max_context = spec.max_context
+        self._read_layout()
+        self._seqs: dict[str, _Seq] = {}
+        self._slab: _Slab | None = None
+
+    # -- graph layout ------------------------------------------------------------------
+
+    def _read_layout(self) -> None:
+        inputs = {i.name: i for i in self._session.get_inputs()}
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        layers: dict[int, set[str]] = {}
+        for name in inputs:
+            m = _PAST_RE.match(name)
+            if m:
+                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+        n_layer = len(layers)
+        where = self.spec.onnx_path
+        if not n_layer or sorted(layers) != list(range(n_layer)) or any(v != {"key", "value"} for v in layers.values()):
+            raise FatalError(f"{where} is not a text-generation-with-past graph (past_key_values.N.key/value)")
+        for name in ("input_ids", "attention_mask"):
+            if name not in inputs:
+                raise FatalError(f"{where} has no {name!r} input")
+        if "logits" not in outputs:
+            raise FatalError(f"{where} has no 'logits' output")
+
+        self._past_names = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+        self._output_names = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+        missing = [n for n in self._output_names if n not in outputs]
+        if missing:
+            raise FatalError(f"{where} lacks outputs {missing}")
+
+        first = inputs[self._past_names[0]]
+        shape = first.shape
+        kv_heads = shape[1] if isinstance(shape[1], int) else self.spec.options.get("num_key_value_heads")
+        head_dim = shape[3] if isinstance(shape[3], int) else self.spec.options.get("head_dim")
+        if not isinstance(kv_heads, int) or not isinstance(head_dim, int):
+            raise FatalError(f"{where}: KV heads / head size are not fixed in the graph; "
+                             f"set num_key_value_heads and head_dim in engine.toml")
+        self.n_layer, self.kv_heads, self.head_dim = n_layer, kv_heads, head_dim
+        self._kv_dtype = _DTYPES.get(first.type)
+        if self._kv_dtype is None:
+            raise FatalError(f"{where}: unsupported KV cache type {first.type}")
+        self._has_positions = "position_ids" in inputs
+
+        vocab = outputs["logits"].shape[-1]
+        if not isinstance(vocab, int):
+            vocab = self._probe_vocab()
+        self.vocab_size = int(vocab)
+
+    def _probe_vocab(self) -> int:
+        ids = np.zeros((1, 1), dtype=np.int64)
+        logits = self._run(ids, np.ones((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64),
+                           [self._empty_past(1)] * len(self._past_names))[0]
+        return int(logits.shape[-1])
+
+    def _empty_past(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, self.kv_heads, 0, self.head_dim), dtype=self._kv_dtype)
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+             past: list[np.ndarray]) -> list[np.ndarray]:
+        feed: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        if self._has_positions:
+            feed["position_ids"] = positions
+        feed.update(zip(self._past_names, past))
+        return self._session.run(self._output_names, feed)
+
+    # -- the Engine interface ------------------------------------------------------------
+
+    def prefill(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
+        """Start new sequences; see ``Engine.prefill``.
+
+        Raises:
+            InvalidSequenceError: (a ``SequenceError`` and a ``ValueError``) naming the
+                sequences with a live id, an empty prompt, a prompt longer than
+                ``max_context`` or a token outside the vocabulary; nothing is started.
+            ValueError: an id given twice, or more than ``max_batch`` live sequences.
+        """
+        out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
+        if not seqs:
+            return out
+        check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
+        for group in self._prefill_groups([len(p) for _, p in seqs]):
+            width = len(seqs[group[0]][1])
+            rows = len(group)
+            ids = np.zeros((rows, width), dtype=np.int64)
+            mask = np.zeros((rows, width), dtype=np.int64)
+            positions = np.zeros((rows, width), dtype=np.int64)
+            for r, i in enumerate(group):
+                prompt = seqs[i][1]
+                n = len(prompt)
+                ids[r, width - n:] = prompt
+                mask[r, width - n:] = 1
+                positions[r, width - n:] = np.arange(n)
+            logits, *presents = self._run(ids, mask, positions, [self._empty_past(rows)] * len(self._past_names))
+            out[group] = logits[:, -1, :]
+            for r, i in enumerate(group):
+                seq_id, prompt = seqs[i]
+                n = len(prompt)
+                # Views into this group's outputs; copied once when the sequence joins a slab.
+                self._seqs[seq_id] = _Seq(length=n, kv=[p[r, :, width - n:, :] for p in presents])
+        return out
+
+    def decode(self, seqs: list[tuple[str, int]]) -> np.ndarray:
+        """Feed one token to each live sequence, all in one run; see ``Engine.decode``.
+
+        Raises:
+            InvalidSequenceError: (a ``SequenceError`` and a ``ValueError``) naming the
+                unknown sequences, those fed a token outside the vocabulary and those
+                already at ``max_context`` (these are released); nothing is run.
+            ValueError: an id given twice.
+        """
+        if not seqs:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        check_decode(seqs, self._seqs, self.max_context, self.vocab_size, self.release)
+        slab = self._place(seqs)
+        active = np.zeros(len(slab.rows), dtype=bool)
+        ids = np.zeros((len(slab.rows), 1), dtype=np.int64)  # idle rows get token 0 ...
+        order = []
+        for seq_id, token in seqs:
+            r = self._seqs[seq_id].row
+            order.append(r)
+            active[r] = True
+            ids[r, 0] = token
+        # ... and a masked slot; their position does not matter, it only has to be valid
+        positions = np.where(active, slab.positions, 0)
+        mask = np.concatenate([slab.mask, active[:, None].astype(np.int64)], axis=1)
+
+        logits, *presents = self._run(ids, mask, positions[:, None], slab.past)
+
+        slab.past, slab.mask = presents, mask
+        slab.positions = slab.positions + active
+        for seq_id, _ in seqs:
+            self._seqs[seq_id].length += 1
+        return np.ascontiguousarray(logits[order, -1, :], dtype=np.float32)
+
+    def release(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None and seq.kv is None and self._slab is not None:
+            self._slab.rows[seq.row] = None
+            self._slab.mask[seq.row] = 0
+            self._slab.positions[seq.row] = 0
+
+    def close(self) -> None:
+        self._seqs.clear()
+        self._slab = None
+
+    # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _prefill_groups(lengths: list[int]) -> list[list[int]]:
+        """Indices grouped by similar length, longest first within each group."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        groups: list[list[int]] = []
+        group: list[int] = []
+        real = 0
+        for i in order:
+            if group:
+                rows, width = len(group) + 1, lengths[group[0]]
+                pad = rows * width - (real + lengths[i])
+                if rows * width <= _PREFILL_GROUP_TOKENS and pad <= max(_PREFILL_PAD_SHARE * (real + lengths[i]),
+                                                                        _PREFILL_PAD_ROWS * rows):
+                    group.append(i)
+                    real += lengths[i]
+                    continue
+                groups.append(group)
+            group, real = [i], lengths[i]
+        groups.append(group)
+        return groups
+
+    def _place(self, seqs: list[tuple[str, int]]) -> _Slab:
+        """The slab for this step: the current one with newcomers written into idle
+        rows when they fit and little is wasted, else a new compact one."""
+        slab = self._slab
+        if slab is None:
+            return self._assemble([seq_id for seq_id, _ in seqs])
+        newcomers = [self._seqs[seq_id] for seq_id, _ in seqs if self._seqs[seq_id].kv is not None]
+        free = slab.free_rows()
+        idle = len(slab.rows) - len(seqs)
+        longest = max(self._seqs[seq_id].length for seq_id, _ in seqs)
+        if (len(newcomers) > len(free) or any(s.length > slab.width for s in newcomers)
+                or idle > _IDLE_ROW_SHARE * len(slab.rows)
+                or slab.width - longest > max(_SPARE_WIDTH, longest // 2)):
+            return self._assemble([seq_id for seq_id, _ in seqs])
+        width = slab.width
+        for seq_id, _ in seqs:
+            seq = self._seqs[seq_id]
+            if seq.kv is None:
+                continue
+            r = free.pop(0)
+            n = seq.length
+            for buf, kv in zip(slab.past, seq.kv):
+                buf[r, :, : width - n, :] = 0
+                buf[r, :, width - n:, :] = kv
+            slab.mask[r] = 0
+            slab.mask[r, width - n:] = 1
+            slab.positions[r] = n
+            slab.rows[r] = seq_id
+            seq.kv, seq.row = None, r
+        return slab
+
+    def _cache_of(self, seq: _Seq) -> list[np.ndarray]:
+        """A sequence's real slots, ``[kv_heads, length, head_dim]`` per past input."""
+        if seq.kv is not None:
+            return seq.kv
+        slab = self._slab
+        assert slab is not None
+        width, n, row = slab.width, seq.length, seq.row
+        if slab.mask[row, width - n:].all():  # the usual case: one run at the right end
+            return [p[row, :, width - n:, :] for p in slab.past]
+        keep = slab.mask[row].astype(bool)  # it sat out some steps: masked slots inside
+        return [p[row][:, keep, :] for p in slab.past]
+
+    def _assemble(self, ids: list[str]) -> _Slab:
+        """A new slab of exactly ``ids``, left-padded to the longest. Live sequences of
+        the old slab that are not in ``ids`` get their own copy of their cache."""
+        members = [self._seqs[i] for i in ids]
+        width = max(s.length for s in members)
+        rows = len(ids)
+        chosen = set(ids)
+        for seq_id, seq in self._seqs.items():
+            if seq.kv is None and seq_id not in chosen:
+                seq.kv = [c.copy() for c in self._cache_of(seq)]
+
+        past = [np.zeros((rows, self.kv_heads, width, self.head_dim), dtype=self._kv_dtype)
+                for _ in self._past_names]
+        mask = np.zeros((rows, width), dtype=np.int64)
+        for r, seq in enumerate(members):
+            for buf, kv in zip(past, self._cache_of(seq)):
+                buf[r, :, width - seq.length:, :] = kv
+            mask[r, width - seq.length:] = 1
+        for r, seq in enumerate(members):
+            seq.kv, seq.row = None, r
+        self._slab = _Slab(rows=list(ids), past=past, mask=mask,
+                           positions=np.array([s.length for s in members], dtype=np.int64))
+        return self._slab
