@@ -1,0 +1,363 @@
+"""The worker core: continuous batching over one engine, without any I/O.
+
+``WorkerCore`` turns admitted ``Task``s into the events of their streams. It knows
+nothing of Redis, signals or asyncio (STYLE habit 3): the worker process reads tasks
+from the lanes and calls ``add``, forwards cancels with ``cancel``, runs ``step()`` in a
+thread (the engine call blocks) and publishes ``StepOutput.events``, XACKing
+``StepOutput.finished``.
+
+Stream invariants, per request:
+
+* TokenEvents carry index 0, 1, 2, ... with no gap, one per generated token that is
+  not EOS; ``text`` may be "" while a character or a possible stop string is held back.
+* Exactly one DoneEvent or ErrorEvent ends it; ``DoneEvent.completion_tokens`` equals
+  the number of TokenEvents.
+* No text is lost and no extra index is made up for it: a TokenEvent after which text
+  is held back is itself kept back until the next token (see ``Sequence.deferred``),
+  so that if the next token is EOS the held text joins that last event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ErrorCode
+from shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
+from workers.batcher import Scheduler, Sequence
+from workers.detokenize import IncrementalDetokenizer, StopMatcher
+from workers.engines.base import Engine, SequenceError
+from workers.sampling import Sampler
+
+__all__ = ["WorkerCore", "StepOutput"]
+
+log = logging.getLogger("streamfleet.worker.core")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced.
+
+    Attributes:
+        events: ``(reply_to, event)`` in the order they happened; per request the
+            order is the stream order.
+        finished: request ids that ended this step (done or error): XACK them.
+        batch_size: sequences that went through the engine this step.
+        new_tokens: TokenEvents produced this step (completion tokens; EOS excluded).
+    """
+
+    events: list[tuple[str, Event]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    batch_size: int = 0
+    new_tokens: int = 0
+
+
+class WorkerCore:
+    """Continuous batching of one engine.
+
+    Thread safety: ``add``, ``cancel`` and the read-only properties may be called from
+    the event loop while ``step()`` runs in a worker thread (they take a short lock;
+    a task added or cancelled during a step takes effect at the next one). ``step()``
+    must not run concurrently with itself, nor with ``abandon_all()``.
+
+    Args:
+        engine: the model backend.
+        tokenizer: the model's tokenizer (``PreTrainedTokenizerFast``), for text.
+        max_batch: most sequences at once; defaults to, and is capped by,
+            ``engine.max_batch``.
+        clock: unix-seconds clock (``Task.created_at`` is on the same scale).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        *,
+        max_batch: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._clock = clock
+        limit = int(engine.max_batch)
+        self._sched = Scheduler(min(int(max_batch), limit) if max_batch else limit)
+        self._eos = frozenset(int(t) for t in engine.spec.eos_token_ids)
+        self._max_context = int(engine.max_context)
+        self._vocab_size = int(engine.vocab_size)
+        self._lock = threading.Lock()
+        self._rejected: list[tuple[Task, ErrorCode, str]] = []
+
+    # -- admission -----------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        return self._sched.max_batch
+
+    @property
+    def free_slots(self) -> int:
+        """Tasks that can be added now."""
+        return self._sched.free_slots
+
+    @property
+    def active(self) -> int:
+        """Sequences in the batch (waiting + running)."""
+        return len(self._sched)
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` has anything to do."""
+        return bool(len(self._sched) or self._rejected)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._sched
+
+    def add(self, task: Task) -> None:
+        """Admit a task; its first token comes out of the next ``step()``.
+
+        A task that cannot run (empty or too long prompt, token ids out of range,
+        invalid sampling parameters, deadline passed) does not take a slot and ends
+        with an ErrorEvent in the next step's output.
+
+        Raises:
+            ValueError: no free slot, or the request is already in the batch (the
+                process checks ``free_slots`` and ``request_id in core`` first).
+        """
+        now = self._clock()
+        problem = self._validate(task, now)
+        if problem is not None:
+            with self._lock:
+                self._rejected.append((task, *problem))
+            return
+        seq = Sequence(
+            task=task,
+            sampler=Sampler(task.params, self._vocab_size),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, task.prompt_ids),
+            stop=StopMatcher(task.params.stop),
+            lane=task.lane,
+            admitted_at=now,
+        )
+        with self._lock:
+            self._sched.add(seq)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request: it ends with DoneEvent ``cancelled`` at the next step and its
+        engine cache is released. Returns whether this core held the request."""
+        with self._lock:
+            return self._sched.cancel(request_id)
+
+    def abandon_all(self) -> list[Task]:
+        """Drop every sequence without emitting anything and release their caches.
+
+        For shutdown: the process leaves these tasks un-ACKed so another worker
+        reclaims and regenerates them with the same seed (DESIGN §5).
+        """
+        with self._lock:
+            plan = self._sched.plan()
+            seqs = plan.cancelled + plan.decode + plan.prefill
+            for seq in seqs:
+                self._sched.finish(seq.request_id)
+            rejected, self._rejected = self._rejected, []
+        for seq in seqs:
+            if seq.prefilled:
+                self._release(seq)
+        return [s.task for s in seqs] + [t for t, _, _ in rejected]
+
+    def _validate(self, task: Task, now: float) -> tuple[ErrorCode, str] | None:
+        ids = task.prompt_ids
+        if not ids:
+            return ErrorCode.invalid_request, "the prompt is empty"
+        limit = self._max_context - 1
+        if len(ids) > limit:
+            return (
+                ErrorCode.prompt_too_long,
+                f"the prompt has {len(ids)} tokens; this model takes at most {limit}",
+            )
+        vocab = self._vocab_size
+        if not all(type(i) is int and 0 <= i < vocab for i in ids):
+            return ErrorCode.invalid_request, f"prompt token ids must be integers in [0, {vocab})"
+        p = task.params
+        if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
+            return ErrorCode.invalid_request, "max_tokens must be at least 1"
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            return ErrorCode.invalid_request, "temperature must be a number >= 0"
+        if not (0.0 <= p.top_p <= 1.0):
+            return ErrorCode.invalid_request, "top_p must be in [0, 1]"
+        if not (isinstance(p.top_k, int) and p.top_k >= 0):
+            return ErrorCode.invalid_request, "top_k must be an integer >= 0"
+        if not all(isinstance(s, str) for s in p.stop):
+            return ErrorCode.invalid_request, "stop must be a list of strings"
+        if task.deadline is not None and now > task.deadline:
+            return ErrorCode.timeout, "the request's deadline passed before a worker could start it"
+        return None
+
+    # -- the step ------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """One continuous-batching step: drop cancelled sequences, prefill the new
+        ones (their token 0), decode the running ones (one token each), sample,
+        detokenize, and end the sequences that finished."""
+        out = StepOutput()
+        with self._lock:
+            rejected, self._rejected = self._rejected, []
+            plan = self._sched.plan()
+        for task, code, message in rejected:
+            out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
+            out.finished.append(task.request_id)
+        for seq in plan.cancelled:
+            self._finish(seq, FinishReason.cancelled, out)
+
+        ready = self._engine_call(plan.prefill, out, prefill=True)
+        ready += self._engine_call(plan.decode, out, prefill=False)
+        out.batch_size = len(plan.prefill) + len(plan.decode)
+        now = self._clock()
+        for seq, row in ready:
+            try:
+                self._advance(seq, row, now, out)
+            except Exception as exc:  # a bug or a bad row must not take the batch down
+                log.exception("sampling/detokenizing %s failed", seq.request_id)
+                self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
+        return out
+
+    def _engine_call(
+        self, seqs: list[Sequence], out: StepOutput, *, prefill: bool
+    ) -> list[tuple[Sequence, np.ndarray]]:
+        """Run prefill or decode on ``seqs``; returns ``(seq, logits_row)`` of those
+        that succeeded. A ``SequenceError`` ends only the sequences it names and the
+        call is retried without them (the engine left the others untouched); any
+        other error ends every sequence of the call."""
+        live = list(seqs)
+        kind = "prefill" if prefill else "decode"
+        while live:
+            try:
+                if prefill:
+                    logits = self.engine.prefill([(s.request_id, list(s.task.prompt_ids)) for s in live])
+                else:
+                    logits = self.engine.decode([(s.request_id, s.last_token) for s in live])
+                logits = np.asarray(logits)
+                if logits.ndim != 2 or logits.shape[0] != len(live):
+                    raise RuntimeError(
+                        f"engine {kind} returned logits of shape {logits.shape} for {len(live)} sequences"
+                    )
+            except SequenceError as exc:
+                failed = set(exc.seq_ids) & {s.request_id for s in live}
+                if not failed:
+                    self._fail_all(live, exc, kind, out)
+                    return []
+                log.warning("engine %s failed for %s: %s", kind, sorted(failed), exc)
+                for seq in live:
+                    if seq.request_id in failed:
+                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+                live = [s for s in live if s.request_id not in failed]
+                continue
+            except Exception as exc:
+                self._fail_all(live, exc, kind, out)
+                return []
+            if prefill:
+                for seq in live:
+                    seq.prefilled = True
+            return list(zip(live, logits))
+        return []
+
+    def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
+        log.error("engine %s failed for %d sequences", kind, len(seqs), exc_info=exc)
+        for seq in seqs:
+            self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
+
+    def _advance(self, seq: Sequence, logits: np.ndarray, now: float, out: StepOutput) -> None:
+        """Sample one token for ``seq`` and turn it into events."""
+        token = seq.sampler.sample(logits)
+        seq.generated.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        if token in self._eos:
+            # EOS is not a token event: held-back text joins the deferred last event
+            self._finish(seq, FinishReason.stop, out, tail=self._drain_text(seq)[0], now=now)
+            return
+
+        text, hit = seq.stop.push(seq.detokenizer.push(token))
+        reason: FinishReason | None = FinishReason.stop if hit else None
+        if reason is None and (
+            seq.emitted + 1 >= seq.task.params.max_tokens or seq.prompt_len + len(seq.generated) >= self._max_context
+        ):
+            tail, hit = self._drain_text(seq)
+            text += tail
+            reason = FinishReason.stop if hit else FinishReason.length
+
+        self._emit_deferred(seq, out)
+        event = TokenEvent(seq.request_id, seq.emitted, text)
+        seq.emitted += 1
+        out.new_tokens += 1
+        if reason is None and (seq.detokenizer.holding or seq.stop.held):
+            seq.deferred = event
+            return
+        out.events.append((seq.task.reply_to, event))
+        if reason is not None:
+            self._finish(seq, reason, out, now=now)
+
+    @staticmethod
+    def _drain_text(seq: Sequence) -> tuple[str, bool]:
+        """All text still held back (detokenizer tail, then stop matcher), cut at a stop string."""
+        text, hit = seq.stop.push(seq.detokenizer.flush())
+        if not hit:
+            text += seq.stop.flush()
+        return text, hit
+
+    def _emit_deferred(self, seq: Sequence, out: StepOutput, tail: str = "") -> None:
+        if seq.deferred is not None:
+            seq.deferred.text += tail
+            out.events.append((seq.task.reply_to, seq.deferred))
+            seq.deferred = None
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        out: StepOutput,
+        *,
+        tail: str = "",
+        now: float | None = None,
+    ) -> None:
+        """End ``seq`` with a DoneEvent (after its deferred token event, if any);
+        ``tail`` is held-back text that joins that deferred event."""
+        self._emit_deferred(seq, out, tail)
+        now = self._clock() if now is None else now
+        created = seq.task.created_at
+        done = DoneEvent(
+            request_id=seq.request_id,
+            finish_reason=str(reason),
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.emitted,
+            # clamped: created_at comes from the gateway's clock, which may run ahead
+            queue_ms=max(0.0, (seq.admitted_at - created) * 1000.0),
+            ttft_ms=max(0.0, (seq.first_token_at - created) * 1000.0) if seq.first_token_at is not None else 0.0,
+            total_ms=max(0.0, (now - created) * 1000.0),
+        )
+        out.events.append((seq.task.reply_to, done))
+        self._remove(seq, out, release=seq.prefilled)
+
+    def _fail(self, seq: Sequence, code: ErrorCode, message: str, out: StepOutput) -> None:
+        """End ``seq`` with an ErrorEvent and release its cache (also after a failed
+        prefill: the engine may have registered it before failing)."""
+        self._emit_deferred(seq, out)
+        out.events.append((seq.task.reply_to, ErrorEvent(seq.request_id, str(code), message)))
+        self._remove(seq, out, release=True)
+
+    def _remove(self, seq: Sequence, out: StepOutput, *, release: bool) -> None:
+        if release:
+            self._release(seq)
+        with self._lock:
+            self._sched.finish(seq.request_id)
+        out.finished.append(seq.request_id)
+
+    def _release(self, seq: Sequence) -> None:
+        try:
+            self.engine.release(seq.request_id)
+        except Exception:
+            log.exception("engine release of %s failed", seq.request_id)
+        seq.prefilled = False
