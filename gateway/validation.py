@@ -145,6 +145,10 @@ class Validator:
         if seed is None:
             seed = secrets.randbits(63)
         stop = self._stop(p.get("stop"))
+        ignore_eos = p.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ValidationError("'ignore_eos' must be true or false", code=ErrorCode.invalid_type,
+                                  param="ignore_eos")
         timeout_s = self._float(p, "timeout", s.request_timeout_s, 0.001, 3600.0)
 
         prompt, messages = p.get("prompt"), p.get("messages")
@@ -172,7 +176,7 @@ class Validator:
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos)
         return ValidRequest(client_id=client_id, model=spec.name, lane=lane, prompt_ids=tuple(ids),
                             params=params, timeout_s=timeout_s, prompt_text=text)
 

@@ -49,7 +49,7 @@ async def client(url: str, n_requests: int, max_tokens: int, cid: int, ttfts: li
     async with websockets.connect(url, max_size=None) as ws:
         for j in range(n_requests):
             frame = {"type": "generate", "id": f"{cid}-{j}", "prompt": PROMPTS[(cid + j) % len(PROMPTS)],
-                     "max_tokens": max_tokens, "temperature": 0.8, "seed": cid * 1000 + j, "stop": []}
+                     "max_tokens": max_tokens, "temperature": 0.8, "seed": cid * 1000 + j, "ignore_eos": True}
             t0 = time.perf_counter()
             await ws.send(orjson.dumps(frame).decode())
             first = None

@@ -60,6 +60,8 @@ class SamplingParams:
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    #: keep generating past EOS (fixed-length outputs for benchmarks and tests)
+    ignore_eos: bool = False
 
 
 @dataclass(slots=True)

@@ -85,7 +85,7 @@ class EmbeddedRedis:
         self.proc = spawn(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning",
-             "--client-output-buffer-limit", "pubsub 64mb 16mb 60"],
+             "--client-output-buffer-limit", "pubsub", "64mb", "16mb", "60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + timeout

@@ -275,7 +275,7 @@ class WorkerCore:
         seq.generated.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
-        if token in self._eos:
+        if token in self._eos and not seq.task.params.ignore_eos:
             # EOS is not a token event: held-back text joins the deferred last event
             self._finish(seq, FinishReason.stop, out, tail=self._drain_text(seq)[0], now=now)
             return

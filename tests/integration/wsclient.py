@@ -45,7 +45,7 @@ class Client:
                 msg = orjson.loads(raw)
                 rid = msg.get("id")
                 res = self.results.get(rid) if rid is not None else None
-                if res is None or (msg["type"] == "error" and res.end is not None):
+                if res is None or (msg["type"] == "error" and (res.end is not None or msg["code"] == "duplicate_id")):
                     await self.other.put(msg)
                     continue
                 kind = msg["type"]
