@@ -6,7 +6,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
+import orjson
 
 from shared.modelrepo import ModelRepository
 from shared.settings import GatewaySettings
@@ -27,6 +28,11 @@ class Hub:
     broker: Broker
 
 
+def json_response(data: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded with orjson."""
+    return Response(orjson.dumps(data), status_code=status_code, media_type="application/json", headers=headers)
+
+
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     repo = ModelRepository(settings.engines_dir)
@@ -44,24 +50,24 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         yield
         await hub.broker.stop()
 
-    app = FastAPI(title="streamfleet gateway", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app = FastAPI(title="streamfleet gateway", lifespan=lifespan)
     app.state.hub = hub
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "gateway_id": hub.broker.gateway_id}
+        return json_response({"status": "ok", "gateway_id": hub.broker.gateway_id})
 
     @app.get("/readyz")
     async def readyz():
         if not await hub.broker.ping():
-            return ORJSONResponse({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
+            return json_response({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
         models = {}
         for name in hub.validator.model_names():
             models[name] = len(await hub.broker.live_workers(name))
         if not any(models.values()):
-            return ORJSONResponse({"status": "unavailable", "reason": "no live worker", "workers": models},
+            return json_response({"status": "unavailable", "reason": "no live worker", "workers": models},
                                   status_code=503)
-        return {"status": "ready", "workers": models}
+        return json_response({"status": "ready", "workers": models})
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
     return app

@@ -36,7 +36,7 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> None
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        ws="websockets",
+        ws="websockets-sansio",  # the `websockets` library's sans-I/O protocol
         ws_max_size=settings.max_frame_bytes * 4,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,

@@ -230,6 +230,11 @@ class WorkerProcess:
             asyncio.create_task(self._dead_letter(lane, msg_id, raw, f"malformed task: {exc}"))
             return
         now = time.time()
+        if task.request_id in self.core:
+            # the same request delivered twice to this worker (e.g. reclaimed while still running here):
+            # the running copy answers; drop the extra delivery without acking the live one
+            log.warning("duplicate delivery ignored", request_id=task.request_id, message_id=msg_id.decode())
+            return
         self.inflight[task.request_id] = InFlight(lane, msg_id, task)
         self.core.add(task)
         if task.request_id in self._cancel_memory:
