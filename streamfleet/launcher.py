@@ -87,6 +87,8 @@ class EmbeddedRedis:
              "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning",
              "--client-output-buffer-limit", "pubsub", "64mb", "16mb", "60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            # its own session: a terminal Ctrl-C must not stop Redis before the processes using it
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
