@@ -1,30 +1,27 @@
-"""Per-connection WebSocket protocol state, without I/O (STYLE habit 2).
+"""WebSocket protocol state of one connection, without I/O (STYLE habit 2).
 
-The adapter in ``gateway/ws.py`` feeds it client frames and worker events and carries
-out what it returns:
+``ConnectionProtocol`` parses client frames and keeps the connection's bookkeeping
+(which ids are in flight, the per-connection limit); it returns what to do:
 
-* ``Send(frame)``             write a JSON frame to the client
-* ``Submit(request, rid)``    enqueue a validated request (then call ``submitted`` or
-                              ``submit_failed``)
-* ``CancelUpstream(rid)``     tell the workers to stop a request
+* ``Send(frame)``        write a JSON frame to the client
+* ``Submit(request)``    enqueue a validated request (a ``ValidRequest``)
+* ``Cancel(client_id)``  interrupt a request in flight
 
-It guarantees, per request: ``accepted`` before any token, token indices in order and
-each exactly once (duplicates from a redelivered task are dropped), exactly one final
-``done`` or ``error``.
+``render`` turns the internal stream events (``gateway.streams``) into wire frames.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import orjson
 
-from shared.errors import ErrorCode, StreamfleetError, ValidationError, error_from_code
-from shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+from shared.errors import ErrorCode, StreamfleetError, ValidationError
 
-__all__ = ["Send", "Submit", "CancelUpstream", "Output", "RequestState", "ConnectionProtocol"]
+from gateway.streams import End, Failed, StreamEvent, Token
+
+__all__ = ["Send", "Submit", "Cancel", "Output", "ConnectionProtocol", "render", "accepted_frame"]
 
 
 @dataclass(slots=True)
@@ -35,31 +32,33 @@ class Send:
 @dataclass(slots=True)
 class Submit:
     request: Any  # gateway.validation.ValidRequest
-    request_id: str
 
 
 @dataclass(slots=True)
-class CancelUpstream:
-    request_id: str
-
-
-Output = Union[Send, Submit, CancelUpstream]
-
-
-@dataclass(slots=True)
-class RequestState:
+class Cancel:
     client_id: str
-    request_id: str
-    accepted: bool = False
-    cancelled: bool = False
-    next_index: int = 0
-    prompt_tokens: int = 0
-    #: events that arrived before ``accepted`` was sent
-    early: list[Event] = field(default_factory=list)
+
+
+Output = Union[Send, Submit, Cancel]
+
+
+def accepted_frame(client_id: str, request_id: str, queue_depth: int) -> dict[str, Any]:
+    return {"type": "accepted", "id": client_id, "request_id": request_id, "queue_depth": queue_depth}
+
+
+def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
+    """The wire frame of one stream event."""
+    if isinstance(ev, Token):
+        return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text}
+    if isinstance(ev, End):
+        return {"type": "done", "id": client_id, "request_id": request_id, "finish_reason": ev.finish_reason,
+                "usage": ev.usage, "timing": ev.timing}
+    assert isinstance(ev, Failed)
+    return ev.error.to_frame(client_id)
 
 
 class ConnectionProtocol:
-    """State of one client connection.
+    """Frame parsing and in-flight bookkeeping of one client connection.
 
     Args:
         validator: a ``gateway.validation.Validator``.
@@ -71,13 +70,8 @@ class ConnectionProtocol:
         self.validator = validator
         self.max_inflight = max_inflight
         self.max_frame_bytes = max_frame_bytes
-        self.by_client: dict[str, RequestState] = {}
-        self.by_request: dict[str, RequestState] = {}
-        #: indices dropped as duplicates (redelivery), for metrics and tests
-        self.duplicates_dropped = 0
-        self.gaps_seen = 0
+        self.in_flight: set[str] = set()
 
-    # -- client → server ----------------------------------------------------------
     def receive_bytes(self, data: bytes) -> list[Output]:
         return [Send(ValidationError("binary frames are not supported; send JSON text frames",
                                      code=ErrorCode.binary_frame).to_frame(None))]
@@ -98,7 +92,7 @@ class ConnectionProtocol:
         if kind == "generate":
             return self._generate(msg, cid)
         if kind == "cancel":
-            return self._cancel(msg, cid)
+            return self._cancel(cid)
         if kind == "ping":
             return [Send({"type": "pong"})]
         if kind == "resume":
@@ -112,107 +106,28 @@ class ConnectionProtocol:
                                      code=ErrorCode.unknown_type, param="type").to_frame(cid))]
 
     def _generate(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
-        if cid is not None and cid in self.by_client:
+        if cid is not None and cid in self.in_flight:
             return [Send(ValidationError(f"a request with id {cid!r} is already in flight on this connection",
                                          code=ErrorCode.duplicate_id, param="id").to_frame(cid))]
-        if len(self.by_client) >= self.max_inflight:
+        if len(self.in_flight) >= self.max_inflight:
             return [Send(ValidationError(f"at most {self.max_inflight} requests may be in flight per connection",
                                          code=ErrorCode.too_many_requests).to_frame(cid))]
         try:
             valid = self.validator.generate(msg)
         except StreamfleetError as exc:
             return [Send(exc.to_frame(cid))]
-        rid = uuid.uuid4().hex
-        st = RequestState(client_id=valid.client_id, request_id=rid, prompt_tokens=len(valid.prompt_ids))
-        self.by_client[st.client_id] = st
-        self.by_request[rid] = st
-        return [Submit(valid, rid)]
+        self.in_flight.add(valid.client_id)
+        return [Submit(valid)]
 
-    def _cancel(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
+    def _cancel(self, cid: str | None) -> list[Output]:
         if cid is None:
             return [Send(ValidationError("cancel needs the string 'id' of a request", code=ErrorCode.missing_field,
                                          param="id").to_frame(None))]
-        st = self.by_client.get(cid)
-        if st is None:
+        if cid not in self.in_flight:
             return [Send(ValidationError(f"no request with id {cid!r} is in flight", code=ErrorCode.unknown_id,
                                          param="id").to_frame(cid))]
-        if st.cancelled:
-            return []
-        st.cancelled = True
-        return [CancelUpstream(st.request_id)]
+        return [Cancel(cid)]
 
-    # -- results of Submit ----------------------------------------------------------
-    def submitted(self, request_id: str, queue_depth: int) -> list[Output]:
-        st = self.by_request.get(request_id)
-        if st is None:
-            return []
-        st.accepted = True
-        out: list[Output] = [Send({"type": "accepted", "id": st.client_id, "request_id": request_id,
-                                   "queue_depth": queue_depth})]
-        early, st.early = st.early, []
-        out.extend(self.receive_events(early))
-        return out
-
-    def submit_failed(self, request_id: str, error: StreamfleetError) -> list[Output]:
-        st = self._forget(request_id)
-        return [Send(error.to_frame(st.client_id))] if st else []
-
-    def fail(self, request_id: str, error: StreamfleetError) -> list[Output]:
-        """End an accepted request with an error the gateway decided on."""
-        return self.submit_failed(request_id, error)
-
-    # -- worker → client ------------------------------------------------------------
-    def receive_events(self, events: list[Event]) -> list[Output]:
-        out: list[Output] = []
-        for ev in events:
-            st = self.by_request.get(ev.request_id)
-            if st is None:
-                continue
-            if not st.accepted:
-                st.early.append(ev)
-                continue
-            if isinstance(ev, TokenEvent):
-                if ev.index < st.next_index:
-                    self.duplicates_dropped += 1
-                    continue
-                if ev.index > st.next_index:
-                    self.gaps_seen += 1
-                st.next_index = ev.index + 1
-                out.append(Send({"type": "token", "id": st.client_id, "index": ev.index, "text": ev.text}))
-            elif isinstance(ev, DoneEvent):
-                self._forget(ev.request_id)
-                out.append(Send({"type": "done", "id": st.client_id, "request_id": ev.request_id,
-                                 "finish_reason": ev.finish_reason, "usage": ev.usage(), "timing": ev.timing()}))
-            elif isinstance(ev, ErrorEvent):
-                self._forget(ev.request_id)
-                out.append(Send(error_from_code(ev.code, ev.message).to_frame(st.client_id)))
-        return out
-
-    def cancel_expired(self, request_id: str) -> list[Output]:
-        """A cancel got no answer from any worker in time (for example the task is
-        still queued with no live worker): end the request here."""
-        st = self.by_request.get(request_id)
-        if st is None or not st.cancelled:
-            return []
-        done = DoneEvent(request_id=request_id, finish_reason="cancelled", prompt_tokens=st.prompt_tokens,
-                         completion_tokens=st.next_index)
-        if not st.accepted:
-            st.accepted = True
-        return self.receive_events([done])
-
-    # -- lifecycle --------------------------------------------------------------------
-    def in_flight(self) -> list[str]:
-        return list(self.by_request)
-
-    def close(self) -> list[Output]:
-        """The client went away: cancel whatever it still had running."""
-        out: list[Output] = [CancelUpstream(rid) for rid, st in self.by_request.items() if not st.cancelled]
-        self.by_client.clear()
-        self.by_request.clear()
-        return out
-
-    def _forget(self, request_id: str) -> RequestState | None:
-        st = self.by_request.pop(request_id, None)
-        if st is not None:
-            self.by_client.pop(st.client_id, None)
-        return st
+    def finished(self, client_id: str) -> None:
+        """A request ended (its final frame was queued): its id may be reused."""
+        self.in_flight.discard(client_id)
