@@ -7,16 +7,22 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 import orjson
 
+from shared.errors import ErrorCode, StreamfleetError
+from shared.logging import get_logger
 from shared.modelrepo import ModelRepository
 from shared.settings import GatewaySettings
 
+from gateway import openai
 from gateway.broker import Broker
 from gateway.validation import Validator
 from gateway.ws import websocket_stream
 
-__all__ = ["Hub", "create_app"]
+__all__ = ["Hub", "create_app", "json_response"]
+
+log = get_logger("gateway")
 
 
 @dataclass
@@ -70,4 +76,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         return json_response({"status": "ready", "workers": models})
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
+    app.include_router(openai.router)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        code = {404: ErrorCode.invalid_request, 405: ErrorCode.invalid_request}.get(exc.status_code, ErrorCode.internal)
+        body = {"error": {"message": str(exc.detail), "type": "invalid_request_error" if exc.status_code < 500
+                          else "server_error", "param": None, "code": str(code)}}
+        return json_response(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):
+        log.exception("unhandled error", path=request.url.path)
+        return openai.openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
     return app

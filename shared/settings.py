@@ -51,6 +51,8 @@ class GatewaySettings(CommonSettings):
     overload_fraction: float = 0.8
     #: default request timeout (queue deadline), seconds
     request_timeout_s: float = 120.0
+    #: SSE comment sent after this many seconds without an event
+    sse_keepalive_s: float = 15.0
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
 

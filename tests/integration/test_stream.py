@@ -132,7 +132,7 @@ async def test_duplicate_in_flight_id_is_refused(fleet):
 
 async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     gw = fleet.gateway()
-    fleet.worker()
+    fleet.worker(backend="echo", echo_delay_ms=20)  # slow enough to cancel mid-way
     c = await Client.connect(gw.ws)
     fut = c.start("long", "Once upon a time", max_tokens=240, temperature=0.8, seed=3, stop=None,
                   ignore_eos=True)
@@ -190,7 +190,7 @@ async def test_32_clients_mixed_lanes_match_single_runs(fleet):
 
 async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefix):
     gw = fleet.gateway()
-    fleet.worker()
+    fleet.worker(backend="echo", echo_delay_ms=20)  # slow enough to cancel mid-way
     ws = await websockets.connect(gw.ws)
     await ws.send(orjson.dumps({"type": "generate", "id": "x", "prompt": "Once", "max_tokens": 240,
                                  "ignore_eos": True}).decode())

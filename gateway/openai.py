@@ -1,0 +1,280 @@
+"""OpenAI-compatible HTTP adapter: ``/v1/completions``, ``/v1/chat/completions`` (streamed
+as SSE or not) and ``/v1/models``, over the same validation and stream-event model as
+the WebSocket.
+
+An OpenAI body is mapped to the generate payload the WebSocket uses and goes through
+``Validator.generate``; the same bad input gets the same error code on both. Errors use
+the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
+
+Priority: the ``X-Priority: high|normal`` header, or ``"priority"`` in the body (with the
+SDK: ``extra_body={"priority": "high"}``). Also accepted as extras: ``top_k``,
+``ignore_eos``, ``timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from shared.errors import ErrorCode, StreamfleetError, ValidationError
+from shared.logging import get_logger
+
+from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
+
+__all__ = ["router", "openai_error_response", "SSE_HEADERS"]
+
+log = get_logger("gateway.openai")
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: OpenAI has no "cancelled"; a cancelled HTTP request only happens when its client left
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def openai_error_response(exc: StreamfleetError) -> Response:
+    headers = {}
+    if exc.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
+    return Response(orjson.dumps(exc.to_openai()), status_code=exc.status, media_type="application/json",
+                    headers=headers)
+
+
+def _payload(body: Any, request: Request, chat: bool) -> dict[str, Any]:
+    """Map an OpenAI body to the generate payload of the WebSocket protocol."""
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
+    p: dict[str, Any] = {"id": "http"}
+    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout"):
+        if name in body:
+            p[name] = body[name]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        p["max_tokens"] = max_tokens
+    priority = request.headers.get("x-priority") or body.get("priority")
+    if priority is not None:
+        p["priority"] = priority
+    if chat:
+        if "messages" not in body:
+            raise ValidationError("'messages' is required", code=ErrorCode.missing_field, param="messages")
+        p["messages"] = body["messages"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ValidationError("'prompt' must be a string or a list of exactly one string",
+                                      code=ErrorCode.invalid_type, param="prompt")
+            prompt = prompt[0]
+        if prompt is None:
+            raise ValidationError("'prompt' is required", code=ErrorCode.missing_field, param="prompt")
+        p["prompt"] = prompt
+    return p
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ValidationError("'stream' must be a boolean", code=ErrorCode.invalid_type, param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ValidationError("'stream_options' must be an object", code=ErrorCode.invalid_type,
+                              param="stream_options")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ValidationError("'stream_options.include_usage' must be a boolean", code=ErrorCode.invalid_type,
+                              param="stream_options")
+    return stream, include_usage
+
+
+def _usage(end: End) -> dict[str, int]:
+    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens}
+
+
+class _Shape:
+    """The response shapes of one endpoint (completion vs chat)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False) -> dict:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            elif text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if usage_null:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, end: End) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": _usage(end)}
+
+    def full(self, text: str, end: End) -> dict:
+        finish = _FINISH.get(end.finish_reason, end.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
+                "usage": _usage(end)}
+
+
+def _sse(data: dict | str, event_id: int | None = None) -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    body = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    return head + b"data: " + body + b"\n\n"
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    hub = request.app.state.hub
+    try:
+        raw = await request.body()
+        if len(raw) > hub.settings.max_frame_bytes:
+            raise ValidationError(f"body of {len(raw)} bytes exceeds the limit of {hub.settings.max_frame_bytes}",
+                                  code=ErrorCode.frame_too_large)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
+        payload = _payload(body, request, chat)
+        stream_mode, include_usage = _stream_flags(body)
+        valid = hub.validator.generate(payload)
+        channel = await ReplyChannel(hub.broker).open()
+        try:
+            stream, _depth = await channel.submit(valid)
+        except BaseException:
+            await channel.close()
+            raise
+    except StreamfleetError as exc:
+        return openai_error_response(exc)
+    shape = _Shape(chat, stream.request_id, valid.model)
+    if stream_mode:
+        return StreamingResponse(_sse_events(hub, channel, stream, shape, include_usage),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _collect(request, channel, stream, shape)
+
+
+async def _close(channel: ReplyChannel) -> None:
+    with anyio.CancelScope(shield=True):
+        await channel.close("http_disconnect")
+
+
+async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: _Shape,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    keepalive = hub.settings.sse_keepalive_s
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
+        pending: asyncio.Task | None = None
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(stream.next())
+            done, _ = await asyncio.wait({pending}, timeout=keepalive)
+            if not done:
+                yield b": keepalive\n\n"
+                continue
+            ev, pending = pending.result(), None
+            if isinstance(ev, Token):
+                if ev.text:
+                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage), ev.index)
+            elif isinstance(ev, End):
+                yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
+                                       usage_null=include_usage))
+                if include_usage:
+                    yield _sse(shape.usage_chunk(ev))
+                yield _sse("[DONE]")
+                return
+            elif isinstance(ev, Failed):
+                yield _sse(ev.error.to_openai())
+                yield _sse("[DONE]")
+                return
+    finally:
+        await _close(channel)
+
+
+async def _collect(request: Request, channel: ReplyChannel, stream: RequestStream, shape: _Shape) -> Response:
+    """Non-streamed: gather the whole completion, cancelling if the client leaves."""
+    parts: list[str] = []
+
+    async def consume():
+        async for ev in stream:
+            if isinstance(ev, Token):
+                parts.append(ev.text)
+            else:
+                return ev
+
+    async def disconnected():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return None
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer not in done:
+            return Response(status_code=499)
+        ev = consumer.result()
+    finally:
+        for t in (consumer, watcher):
+            t.cancel()
+        await _close(channel)
+    if isinstance(ev, Failed):
+        return openai_error_response(ev.error)
+    return Response(orjson.dumps(shape.full("".join(parts), ev)), media_type="application/json")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """Models that have at least one live worker."""
+    hub = request.app.state.hub
+    data = []
+    try:
+        for name in hub.validator.model_names():
+            workers = await hub.broker.live_workers(name)
+            if workers:
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamfleet",
+                             "workers": len(workers)})
+    except Exception as exc:  # Redis down: say so in OpenAI's shape
+        from shared.errors import UnavailableError
+
+        return openai_error_response(UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000))
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -1,0 +1,191 @@
+"""The OpenAI-compatible facade, driven by the official `openai` SDK and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.integration.wsclient import Client
+
+
+@pytest.fixture
+def fleet_up(fleet):
+    gw = fleet.gateway()
+    fleet.worker()
+    return gw
+
+
+@pytest.fixture
+def slow_fleet(fleet):
+    """A worker on the echo engine at 20 ms a step: generations last long enough to
+    observe them mid-way, whatever the machine's speed."""
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=20)
+    return gw
+
+
+def sdk(gw, cls=openai.OpenAI):
+    return cls(base_url=gw.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_sdk_sync_completions_and_chat(fleet_up):
+    client = sdk(fleet_up)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-gpt"]
+
+    c = client.completions.create(model="tiny-gpt", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                  seed=1, extra_body={"ignore_eos": True})
+    assert c.object == "text_completion" and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 12 and c.usage.prompt_tokens > 0
+    assert c.usage.total_tokens == c.usage.prompt_tokens + 12
+    text = c.choices[0].text
+
+    # the same request streamed gives the same text, chunk by chunk
+    chunks = list(client.completions.create(model="tiny-gpt", prompt="Once upon a time", max_tokens=12,
+                                            temperature=0, seed=1, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+    chat = client.chat.completions.create(model="tiny-gpt", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=8, seed=3, extra_body={"ignore_eos": True})
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 8
+    streamed = client.chat.completions.create(model="tiny-gpt", messages=[{"role": "user", "content": "hi"}],
+                                              max_completion_tokens=8, seed=3, stream=True,
+                                              extra_body={"ignore_eos": True})
+    deltas = [ch.choices[0].delta for ch in streamed]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+
+
+async def test_sdk_async_streaming_with_priority_header(fleet_up):
+    client = sdk(fleet_up, openai.AsyncOpenAI)
+
+    async def one(i):
+        stream = await client.chat.completions.create(
+            model="tiny-gpt", messages=[{"role": "user", "content": f"story {i}"}], max_tokens=10, stream=True,
+            extra_headers={"X-Priority": "high" if i % 2 else "normal"}, extra_body={"ignore_eos": True})
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    texts = await asyncio.gather(*(one(i) for i in range(6)))
+    assert all(texts)
+    await client.close()
+
+
+def test_sdk_errors(fleet_up):
+    client = sdk(fleet_up)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x")
+    assert e.value.body["code"] == "unknown_model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-gpt", prompt="x", n=2)
+    assert e.value.body["code"] == "out_of_range" and e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-gpt", messages=[{"role": "user", "content": "x"}],
+                                       temperature=7)
+    assert e.value.body["code"] == "out_of_range" and e.value.body["param"] == "temperature"
+    r = httpx.post(fleet_up.http + "/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(fleet_up.http + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+BAD = [
+    ({"prompt": "hi", "max_tokens": 0}, "out_of_range"),
+    ({"prompt": "hi", "max_tokens": "many"}, "invalid_type"),
+    ({"prompt": "hi", "top_p": 0}, "out_of_range"),
+    ({"prompt": "hi", "stop": [3]}, "invalid_type"),
+    ({"prompt": "hi", "model": "nope"}, "unknown_model"),
+    ({"prompt": ""}, "invalid_request"),
+    ({"prompt": "word " * 2000}, "prompt_too_long"),
+    ({"prompt": "hi", "priority": "urgent"}, "out_of_range"),
+    ({"prompt": 5}, "invalid_type"),
+]
+
+
+async def test_same_bad_input_same_code_on_both_protocols(fleet_up):
+    c = await Client.connect(fleet_up.ws)
+    async with httpx.AsyncClient() as http:
+        for body, code in BAD:
+            await c.send({"type": "generate", "id": "x", **body})
+            ws_err = await c.next_other()
+            r = await http.post(fleet_up.http + "/v1/completions", json=body)
+            assert ws_err["code"] == code == r.json()["error"]["code"], (body, ws_err, r.text)
+            assert ws_err["status"] == r.status_code
+    await c.close()
+
+
+def test_sse_headers_and_first_token_before_last_is_generated(slow_fleet, rds, key_prefix):
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    body = {"model": "tiny-gpt", "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
+            "ignore_eos": True, "seed": 9}
+    with httpx.stream("POST", slow_fleet.http + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-accel-buffering"] == "no"
+        assert "content-encoding" not in r.headers
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                first = orjson.loads(line[6:])
+                break
+        # the first chunk is here while the worker is still generating the rest
+        assert first["choices"][0]["text"] is not None
+        assert rds.xpending(lane, "workers")["pending"] == 1
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert orjson.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sse_keepalive_comment(fleet):
+    gw = fleet.gateway(sse_keepalive_s=0.3)  # no worker: the request waits in the lane
+    with httpx.stream("POST", gw.http + "/v1/completions", json={"prompt": "hi", "stream": True},
+                      timeout=30) as r:
+        assert r.status_code == 200
+        seen = []
+        for line in r.iter_lines():
+            seen.append(line)
+            if line.startswith(": keepalive"):
+                break
+    assert ": keepalive" in seen
+
+
+def _wait_pending(rds, lane: str, want: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    while rds.xpending(lane, "workers")["pending"] != want and time.monotonic() - t0 < timeout:
+        time.sleep(0.005)
+    assert rds.xpending(lane, "workers")["pending"] == want
+    return time.monotonic() - t0
+
+
+def test_sse_disconnect_cancels_and_frees_the_slot(slow_fleet, rds, key_prefix):
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    body = {"prompt": "Once upon a time", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", slow_fleet.http + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert rds.xpending(lane, "workers")["pending"] == 1
+    # the client went away mid-generation: the worker lets the sequence go and acks the task
+    assert _wait_pending(rds, lane, 0, 5) < 2.0
+
+
+def test_unstreamed_disconnect_cancels_and_frees_the_slot(slow_fleet, rds, key_prefix):
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    body = orjson.dumps({"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True})
+    sock = socket.create_connection(("127.0.0.1", slow_fleet.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    _wait_pending(rds, lane, 1, 10)
+    sock.close()
+    assert _wait_pending(rds, lane, 0, 5) < 2.0
