@@ -69,7 +69,8 @@ def worker(
 @app.command()
 def client(
     prompt: str = typer.Argument(..., help="the prompt"),
-    url: str = typer.Option("ws://127.0.0.1:8000/v1/stream", help="gateway WebSocket URL"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL (http://host:port or ws://…/v1/stream)"),
+    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions)"),
     max_tokens: int = typer.Option(64),
     temperature: float = typer.Option(0.7),
     seed: Optional[int] = typer.Option(None),
@@ -77,9 +78,12 @@ def client(
     model: Optional[str] = typer.Option(None),
 ) -> None:
     """Stream a completion to the terminal."""
-    from streamfleet.client import stream_ws
+    from streamfleet.client import stream_sse, stream_ws
 
-    code = asyncio.run(stream_ws(url, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+    if transport not in ("ws", "sse"):
+        raise typer.BadParameter("--transport must be ws or sse")
+    fn = stream_ws if transport == "ws" else stream_sse
+    code = asyncio.run(fn(url, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                  priority=priority, model=model, out=sys.stdout))
     raise typer.Exit(code)
 

@@ -51,6 +51,11 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "tokens" in out.stderr and out.stdout.strip()
+        sse = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time", "--transport", "sse",
+                              "--url", f"http://127.0.0.1:{port}", "--max-tokens", "12", "--seed", "1"],
+                             capture_output=True, text=True, timeout=60)
+        assert sse.returncode == 0, sse.stderr
+        assert "tokens" in sse.stderr and sse.stdout.strip()
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
