@@ -1,0 +1,315 @@
+// streamfleet demo page: one WebSocket to this gateway's /v1/stream (reconnected when it
+// closes), one request at a time from the form, tokens appended as they arrive.
+// No build step, no dependencies, no requests anywhere but this origin.
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const el = {
+    form: $("form"), prompt: $("prompt"), model: $("model"), priority: $("priority"),
+    maxTokens: $("max-tokens"), temperature: $("temperature"), apiKey: $("api-key"),
+    ignoreEos: $("ignore-eos"), seed: $("seed"), generate: $("generate"), stop: $("stop"),
+    output: $("output"), status: $("status"), ttft: $("ttft"), tps: $("tps"), count: $("count"),
+    queue: $("queue"), usage: $("usage"), error: $("error"), conn: $("conn"),
+  };
+
+  const FALLBACK_MODELS = ["tiny-gpt"];
+  const RECONNECT_MIN_MS = 250;
+  const RECONNECT_MAX_MS = 8000;
+
+  let ws = null;              // the current socket (open or opening)
+  let reconnectDelay = RECONNECT_MIN_MS;
+  let reconnectTimer = null;
+  let pending = [];           // frames waiting for the socket to open: {frame, onSent}
+  let seq = 0;                // request ids: r1, r2, ...
+  let cur = null;             // the request in flight: {id, t0, tFirst, tLast, n, text, stopping}
+  const finished = new Set(); // ids that already ended (late cancel errors for them are ignored)
+  let renderQueued = false;
+
+  // ---- connection --------------------------------------------------------------------
+  function streamUrl() {
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const key = el.apiKey.value.trim();
+    return `${scheme}//${location.host}/v1/stream` + (key ? `?api_key=${encodeURIComponent(key)}` : "");
+  }
+
+  function setConn(state, text) {
+    el.conn.dataset.state = state;
+    el.conn.textContent = text;
+  }
+
+  function connect() {
+    clearTimeout(reconnectTimer);
+    reconnectTimer = null;
+    setConn("connecting", "connecting…");
+    const sock = new WebSocket(streamUrl());
+    ws = sock;
+    sock.onopen = () => {
+      if (sock !== ws) return;
+      reconnectDelay = RECONNECT_MIN_MS;
+      setConn("open", "connected");
+      const queued = pending;
+      pending = [];
+      for (const p of queued) sendNow(p.frame, p.onSent);
+    };
+    sock.onmessage = (ev) => {
+      if (sock !== ws) return;
+      let msg;
+      try { msg = JSON.parse(ev.data); } catch (e) { return; }
+      onFrame(msg);
+    };
+    sock.onclose = (ev) => {
+      if (sock !== ws) return;   // a socket we replaced on purpose
+      ws = null;
+      if (cur && !cur.queuedOnly) {
+        // the gateway cancels a closed socket's requests: this one is over
+        showError({code: "connection_closed", status: ev.code,
+                   message: `the WebSocket closed${ev.reason ? " (" + ev.reason + ")" : ""}; the request was cancelled`});
+        finish("error");
+      }
+      const secs = (reconnectDelay / 1000).toFixed(reconnectDelay < 1000 ? 2 : 0);
+      setConn("closed", `disconnected — retrying in ${secs} s`);
+      reconnectTimer = setTimeout(connect, reconnectDelay);
+      reconnectDelay = Math.min(reconnectDelay * 2, RECONNECT_MAX_MS);
+    };
+  }
+
+  function reconnectNow() {
+    if (ws) {
+      const old = ws;
+      ws = null;
+      old.onclose = null;
+      try { old.close(1000, "reconnecting"); } catch (e) { /* already closed */ }
+      if (cur && !cur.queuedOnly) {
+        showError({code: "connection_closed", message: "reconnected with a new API key; the request was cancelled"});
+        finish("error");
+      }
+    }
+    reconnectDelay = RECONNECT_MIN_MS;
+    connect();
+  }
+
+  function sendNow(frame, onSent) {
+    ws.send(JSON.stringify(frame));
+    if (onSent) onSent();
+  }
+
+  function send(frame, onSent) {
+    if (ws && ws.readyState === WebSocket.OPEN) sendNow(frame, onSent);
+    else {
+      pending.push({frame, onSent});
+      if (!ws && !reconnectTimer) connect();
+    }
+  }
+
+  // ---- models --------------------------------------------------------------------------
+  async function loadModels() {
+    let ids = FALLBACK_MODELS;
+    try {
+      const key = el.apiKey.value.trim();
+      const r = await fetch("/v1/models", {headers: key ? {Authorization: `Bearer ${key}`} : {}});
+      if (r.ok) {
+        const body = await r.json();
+        const got = (body && Array.isArray(body.data) ? body.data : [])
+          .map((m) => m && m.id).filter((id) => typeof id === "string" && id);
+        if (got.length) ids = got;
+      }
+    } catch (e) { /* keep the fallback */ }
+    const keep = el.model.value;
+    el.model.replaceChildren(...ids.map((id) => new Option(id, id)));
+    if (ids.includes(keep)) el.model.value = keep;
+    el.model.dataset.loaded = "1";
+  }
+
+  // ---- display -------------------------------------------------------------------------
+  function setStatus(state, text) {
+    el.status.dataset.state = state;
+    el.status.textContent = text;
+  }
+
+  function clearError() {
+    el.error.hidden = true;
+    el.error.replaceChildren();
+  }
+
+  function showError(e) {
+    const head = document.createElement("div");
+    head.className = "error-head";
+    const code = document.createElement("span");
+    code.className = "error-code";
+    code.textContent = e.code || "error";
+    head.append(code);
+    if (e.status !== undefined && e.status !== null) {
+      const status = document.createElement("span");
+      status.className = "error-status";
+      status.textContent = String(e.status);
+      head.append(status);
+    }
+    const message = document.createElement("div");
+    message.className = "error-message";
+    message.textContent = e.message || "";
+    const extra = [];
+    if (e.param) extra.push(`param: ${e.param}`);
+    if (typeof e.retry_after_ms === "number") extra.push(`retry after ${(e.retry_after_ms / 1000).toFixed(1)} s`);
+    if (e.id) extra.push(`request: ${e.id}`);
+    const details = document.createElement("div");
+    details.className = "error-details";
+    details.textContent = extra.join(" · ");
+    el.error.replaceChildren(head, message, ...(extra.length ? [details] : []));
+    el.error.hidden = false;
+  }
+
+  function fmtMs(ms) {
+    return ms < 10 ? `${ms.toFixed(1)} ms` : `${Math.round(ms)} ms`;
+  }
+
+  function rate(c) {
+    // decode rate: tokens after the first, over the time since the first
+    if (!c || c.n < 2 || c.tLast <= c.tFirst) return null;
+    return (c.n - 1) / ((c.tLast - c.tFirst) / 1000);
+  }
+
+  function render() {
+    renderQueued = false;
+    if (!cur) return;
+    el.count.textContent = String(cur.n);
+    const r = rate(cur);
+    el.tps.textContent = r === null ? "–" : r.toFixed(1);
+  }
+
+  function queueRender() {
+    if (!renderQueued) {
+      renderQueued = true;
+      requestAnimationFrame(render);
+    }
+  }
+
+  function resetResult() {
+    clearError();
+    el.output.textContent = "";
+    el.output.append(document.createTextNode(""));
+    el.usage.textContent = "";
+    el.ttft.textContent = "–";
+    el.tps.textContent = "–";
+    el.count.textContent = "0";
+    el.queue.textContent = "–";
+  }
+
+  function setBusy(busy) {
+    el.generate.disabled = busy;
+    el.stop.disabled = !busy;
+  }
+
+  // ---- requests ------------------------------------------------------------------------
+  function numberField(input, parse) {
+    const raw = input.value.trim();
+    if (raw === "") return undefined;
+    const v = parse(raw);
+    return Number.isFinite(v) ? v : raw;  // let the gateway name a bad value
+  }
+
+  function generate() {
+    if (cur) return;
+    resetResult();
+    const id = `r${++seq}`;
+    const frame = {type: "generate", id, prompt: el.prompt.value, model: el.model.value,
+                   priority: el.priority.value};
+    const maxTokens = numberField(el.maxTokens, Number);
+    if (maxTokens !== undefined) frame.max_tokens = maxTokens;
+    const temperature = numberField(el.temperature, Number);
+    if (temperature !== undefined) frame.temperature = temperature;
+    const seed = numberField(el.seed, Number);
+    if (seed !== undefined) frame.seed = seed;
+    if (el.ignoreEos.checked) frame.ignore_eos = true;
+
+    cur = {id, t0: 0, tFirst: 0, tLast: 0, n: 0, stopping: false, queuedOnly: true};
+    const mine = cur;
+    setBusy(true);
+    setStatus("streaming", "streaming");
+    send(frame, () => { mine.t0 = performance.now(); mine.queuedOnly = false; });
+  }
+
+  function stop() {
+    if (!cur || cur.stopping) return;
+    cur.stopping = true;
+    el.stop.disabled = true;
+    if (cur.queuedOnly) {  // never left the page: drop it
+      pending = pending.filter((p) => p.frame.id !== cur.id);
+      finish("cancelled");
+      return;
+    }
+    setStatus("stopping", "stopping…");
+    send({type: "cancel", id: cur.id});
+  }
+
+  function finish(state, text) {
+    if (!cur) return;
+    render();
+    finished.add(cur.id);
+    cur = null;
+    setStatus(state, text || state);
+    setBusy(false);
+  }
+
+  function onFrame(msg) {
+    const mine = cur && msg.id === cur.id;
+    switch (msg.type) {
+      case "accepted":
+        if (mine) el.queue.textContent = String(msg.queue_depth ?? "–");
+        break;
+      case "token":
+        if (!mine) break;
+        {
+          const now = performance.now();
+          if (cur.n === 0) {
+            cur.tFirst = now;
+            el.ttft.textContent = fmtMs(now - cur.t0);
+          }
+          cur.n += 1;
+          cur.tLast = now;
+          if (msg.text) {
+            const o = el.output;
+            const atBottom = o.scrollHeight - o.scrollTop - o.clientHeight < 24;
+            o.lastChild.appendData(msg.text);
+            if (atBottom) o.scrollTop = o.scrollHeight;
+          }
+          queueRender();
+        }
+        break;
+      case "done":
+        if (!mine) break;
+        {
+          const u = msg.usage || {};
+          const t = msg.timing || {};
+          const parts = [`finish_reason: ${msg.finish_reason}`];
+          if (u.prompt_tokens !== undefined) parts.push(`prompt ${u.prompt_tokens} tokens`);
+          if (u.completion_tokens !== undefined) parts.push(`completion ${u.completion_tokens} tokens`);
+          if (t.ttft_ms !== undefined) parts.push(`server ttft ${fmtMs(t.ttft_ms)}`);
+          if (t.total_ms !== undefined) parts.push(`total ${fmtMs(t.total_ms)}`);
+          el.usage.textContent = parts.join(" · ");
+          const reason = msg.finish_reason || "unknown";
+          if (reason === "cancelled") finish("cancelled", "cancelled");
+          else finish("done", `done: ${reason}`);
+        }
+        break;
+      case "error":
+        if (msg.id && !mine && finished.has(msg.id) && msg.code === "unknown_id") break; // a cancel that lost the race
+        showError(msg);
+        if (mine || (!msg.id && cur)) finish("error", "error");
+        break;
+      default:
+        break; // pong and frames this page does not know
+    }
+  }
+
+  // ---- wiring --------------------------------------------------------------------------
+  el.form.addEventListener("submit", (ev) => { ev.preventDefault(); generate(); });
+  el.stop.addEventListener("click", stop);
+  el.prompt.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) { ev.preventDefault(); generate(); }
+  });
+  el.apiKey.addEventListener("change", () => { reconnectNow(); loadModels(); });
+
+  loadModels();
+  connect();
+})();

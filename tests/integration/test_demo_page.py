@@ -1,0 +1,269 @@
+"""The demo page at ``GET /``, driven in a real headless Chromium (Debian's ``chromium``
+package through Playwright's Python API; no browser is downloaded) against a real gateway,
+a real worker and a real redis-server.
+
+The browser tests skip, saying why, when Playwright or a ``chromium`` executable is not
+installed; the plain HTTP test of the page's files always runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+try:
+    from playwright.sync_api import expect
+except ImportError:  # the browser tests skip (see the browser fixture)
+    expect = None
+
+DEMO_SCREENSHOT = Path("/tmp/streamfleet-demo.png")
+#: the echo engine's step time: 200 tokens take about 5 s, so Stop always lands mid-stream
+#: (tiny-gpt itself writes 200 tokens in well under a second on a CPU, too fast to stop reliably)
+ECHO_DELAY_MS = 25
+
+
+def _chromium() -> str | None:
+    for candidate in (os.environ.get("SF_TEST_CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium"):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("the playwright Python package is not installed (pip install 'playwright>=1.48')")
+    executable = _chromium()
+    if executable is None:
+        pytest.skip("no chromium executable (Debian: apt-get install chromium)")
+    expect.set_options(timeout=20_000)
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+class PageWatch:
+    """A page with everything it does recorded: requests, WebSocket frames, script errors."""
+
+    def __init__(self, browser, origin: str) -> None:
+        self.origin = origin
+        self.context = browser.new_context(viewport={"width": 1100, "height": 860})
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(20_000)
+        self.requests: list[str] = []
+        self.websockets: list[str] = []
+        self.sent: list[dict] = []
+        self.received: list[dict] = []
+        self.errors: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", self._on_console)
+        self.page.on("websocket", self._on_ws)
+
+    def _on_console(self, msg) -> None:
+        # a failed load is the browser's own note (e.g. no /v1/models yet: the page falls back)
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            self.errors.append(msg.text)
+
+    def _on_ws(self, ws) -> None:
+        self.websockets.append(ws.url)
+        ws.on("framesent", lambda payload: self.sent.append(json.loads(payload)))
+        ws.on("framereceived", lambda payload: self.received.append(json.loads(payload)))
+
+    def open(self) -> None:
+        self.page.goto(self.origin + "/")
+        self.page.wait_for_selector("#conn[data-state=open]")       # the WebSocket is up
+        self.page.wait_for_selector("#model[data-loaded]", state="attached")  # /v1/models answered (or failed)
+        self.page.wait_for_selector("#model option[value=tiny-gpt]", state="attached")
+
+    def assert_same_origin_only(self) -> None:
+        ws_origin = self.origin.replace("http://", "ws://", 1)
+        assert self.requests and all(u.startswith(self.origin + "/") for u in self.requests), self.requests
+        assert self.websockets and all(u.startswith(ws_origin + "/v1/stream") for u in self.websockets), \
+            self.websockets
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def test_page_files_are_served(fleet):
+    gw = fleet.gateway()
+    with httpx.Client(base_url=gw.http) as http:
+        r = http.get("/")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        for element_id in ("prompt", "model", "priority", "max-tokens", "temperature", "generate", "stop",
+                           "output", "status", "ttft", "tps", "error", "ignore-eos"):
+            assert f'id="{element_id}"' in r.text
+        assert "http://" not in r.text and "https://" not in r.text  # nothing from elsewhere
+        js = http.get("/static/app.js")
+        assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+        css = http.get("/static/style.css")
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+        for bad in ("/static/nope.js", "/static/..%2Fdemo.py", "/static/%2e%2e%2fdemo.py", "/static/../demo.py",
+                    "/static/.%2E/__init__.py"):
+            assert http.get(bad).status_code == 404, bad
+
+
+def test_generate_stream_and_stop(fleet, browser, tmp_path):
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=ECHO_DELAY_MS)
+    w = PageWatch(browser, gw.http)
+    try:
+        page = w.page
+        w.open()
+        assert page.text_content("#status") == "idle"
+        assert page.is_disabled("#stop")
+
+        page.fill("#prompt", "Once upon a time, a fleet of tiny workers streamed tokens to the world.")
+        page.select_option("#model", "tiny-gpt")
+        page.select_option("#priority", "high")
+        page.fill("#max-tokens", "200")
+        page.fill("#temperature", "0.7")
+        page.click("#advanced summary")
+        page.check("#ignore-eos")
+        page.click("#generate")
+
+        # (waits go through locators: the page's CSP forbids the eval behind wait_for_function)
+        expect(page.locator("#output")).to_have_text(re.compile(r"\S"))       # tokens arrived
+        expect(page.locator("#ttft")).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
+        expect(page.locator("#status")).to_have_text("streaming")
+        assert page.is_disabled("#generate") and page.is_enabled("#stop")
+        # let some more tokens in (about a second's worth), so tokens/s has something to measure
+        expect(page.locator("#count")).to_have_text(re.compile(r"^([4-9]\d|[1-9]\d{2,})$"))
+        page.click("#stop")
+        expect(page.locator("#status")).to_have_text("cancelled")
+
+        gen = [f for f in w.sent if f.get("type") == "generate"]
+        assert len(gen) == 1
+        gen = gen[0]
+        assert gen["max_tokens"] == 200 and gen["ignore_eos"] is True and gen["temperature"] == 0.7
+        assert gen["priority"] == "high" and gen["model"] == "tiny-gpt" and gen["prompt"].startswith("Once")
+        assert {"type": "cancel", "id": gen["id"]} in w.sent
+        done = [f for f in w.received if f.get("type") == "done" and f.get("id") == gen["id"]]
+        assert len(done) == 1 and done[0]["finish_reason"] == "cancelled"
+        tokens = [f for f in w.received if f.get("type") == "token" and f.get("id") == gen["id"]]
+        assert 40 <= len(tokens) < 200
+        assert done[0]["usage"]["completion_tokens"] == len(tokens)
+
+        assert re.fullmatch(r"\d+(\.\d+)? ms", page.text_content("#ttft")), page.text_content("#ttft")
+        assert re.fullmatch(r"\d+(\.\d+)?", page.text_content("#tps")), page.text_content("#tps")
+        assert float(page.text_content("#tps")) > 0
+        assert page.text_content("#count") == str(len(tokens))
+        assert page.text_content("#output") == "".join(t["text"] for t in tokens)
+        assert "finish_reason: cancelled" in page.text_content("#usage")
+        assert page.is_hidden("#error")
+        assert page.is_enabled("#generate") and page.is_disabled("#stop")
+
+        shot = tmp_path / "demo.png"
+        page.screenshot(path=str(shot), full_page=True)
+        shutil.copyfile(shot, DEMO_SCREENSHOT)
+        w.assert_same_origin_only()
+        assert any(u == gw.http + "/v1/models" for u in w.requests), w.requests
+        assert not w.errors, w.errors
+    finally:
+        w.close()
+
+
+def test_error_frame_is_shown(fleet, browser, tmp_path):
+    gw = fleet.gateway()
+    fleet.worker(backend="echo")
+    w = PageWatch(browser, gw.http)
+    try:
+        page = w.page
+        w.open()
+        page.fill("#prompt", "")
+        page.click("#generate")
+        expect(page.locator("#error")).to_be_visible()
+        expect(page.locator("#status")).to_have_text("error")
+        box = page.text_content("#error")
+        assert "invalid_request" in box and "400" in box and "prompt" in box, box
+        assert page.text_content("#output") == ""
+        assert page.is_enabled("#generate") and page.is_disabled("#stop")
+        page.screenshot(path=str(tmp_path / "demo-error.png"), full_page=True)
+
+        # the socket stayed open: the next request on it streams and clears the error
+        page.fill("#prompt", "hello again")
+        page.fill("#max-tokens", "8")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        assert page.is_hidden("#error")
+        assert page.text_content("#status") == "done: length"
+        assert page.text_content("#output")
+        assert len(w.websockets) == 1
+        w.assert_same_origin_only()
+        assert not w.errors, w.errors
+    finally:
+        w.close()
+
+
+def test_rate_limit_reconnect_and_api_key(fleet, browser):
+    """Frames the real fleet cannot produce on demand (a 429, a socket that drops mid-stream),
+    from a WebSocket the test plays itself; the page is still served by a real gateway."""
+    gw = fleet.gateway()
+    w = PageWatch(browser, gw.http)
+    conns: list[str] = []
+
+    def handler(route) -> None:
+        conns.append(route.url)
+
+        def on_message(message) -> None:
+            f = json.loads(message)
+            if f.get("type") != "generate":
+                return
+            if f["prompt"] == "flood":
+                route.send(json.dumps({"type": "error", "id": f["id"], "code": "rate_limited", "status": 429,
+                                       "message": "too many requests for this key", "retry_after_ms": 1500}))
+            else:
+                route.send(json.dumps({"type": "accepted", "id": f["id"], "request_id": "x", "queue_depth": 0}))
+                route.send(json.dumps({"type": "token", "id": f["id"], "index": 0, "text": "Hel"}))
+                route.close(code=1011, reason="gateway going away")
+
+        route.on_message(on_message)
+
+    try:
+        page = w.page
+        if not hasattr(page, "route_web_socket"):
+            pytest.skip("Playwright too old for page.route_web_socket (needs >= 1.48)")
+        page.route_web_socket(re.compile(r"/v1/stream"), handler)
+        w.open()
+
+        page.fill("#prompt", "flood")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text("error")
+        box = page.locator("#error")
+        expect(box).to_be_visible()
+        expect(box).to_contain_text("rate_limited")
+        expect(box).to_contain_text("429")
+        expect(box).to_contain_text("too many requests for this key")
+        expect(box).to_contain_text("retry after 1.5 s")
+
+        # the socket drops mid-stream: the request ends in an error, and the page reconnects
+        page.fill("#prompt", "hello")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text("error")
+        expect(page.locator("#output")).to_have_text("Hel")
+        expect(box).to_contain_text("connection_closed")
+        expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+        assert len(conns) == 2
+
+        # an API key: a fresh socket with ?api_key=, and /v1/models asked with the key
+        with page.expect_request(re.compile(r"/v1/models$")) as models_request:
+            page.fill("#api-key", "sk-test key")
+            page.press("#api-key", "Tab")
+        assert models_request.value.headers.get("authorization") == "Bearer sk-test key"
+        expect(page.locator("#conn")).to_have_attribute("data-state", "open")
+        assert len(conns) == 3 and conns[2].endswith("/v1/stream?api_key=sk-test%20key"), conns
+        assert not w.errors, w.errors
+    finally:
+        w.close()
