@@ -15,7 +15,7 @@ from shared.logging import get_logger
 from shared.modelrepo import ModelRepository
 from shared.settings import GatewaySettings
 
-from gateway import openai
+from gateway import demo, openai
 from gateway.broker import Broker
 from gateway.validation import Validator
 from gateway.ws import websocket_stream
@@ -32,6 +32,8 @@ class Hub:
     settings: GatewaySettings
     validator: Validator
     broker: Broker
+    #: WebSocket connections open on this process
+    connections: int = 0
 
 
 def json_response(data: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -77,6 +79,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
     app.include_router(openai.router)
+    app.include_router(demo.router)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import orjson
 import redis.asyncio as aioredis
 
-from shared.errors import UnavailableError
+from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
 from shared.logging import get_logger
 from shared.redis import BROKER_ERRORS, connect
@@ -23,6 +23,21 @@ __all__ = ["Broker"]
 log = get_logger("gateway.broker")
 
 Sink = Callable[[list[Event]], None]
+
+#: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
+#: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
+#: all gateways together never push a lane past it.
+#: KEYS[1] lane stream; ARGV[1] threshold (0 = none); ARGV[2] task JSON.
+#: Returns {1, depth after add} or {0, depth}.
+ENQUEUE_LUA = """
+local depth = redis.call('XLEN', KEYS[1])
+local limit = tonumber(ARGV[1])
+if limit > 0 and depth >= limit then
+  return {0, depth}
+end
+redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
+return {1, depth + 1}
+"""
 
 
 class Broker:
@@ -46,6 +61,7 @@ class Broker:
     async def start(self) -> None:
         self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._enqueue = self.redis.register_script(ENQUEUE_LUA)
         try:
             # the control channel keeps the pub/sub connection open before any client arrives
             await self._pubsub.subscribe(self.control_channel)
@@ -128,20 +144,30 @@ class Broker:
                 log.exception("event sink failed")
 
     # -- tasks --------------------------------------------------------------------
+    def lane_threshold(self, lane: str) -> int:
+        """Backlog at which a lane refuses new work (``overload_fraction`` of its capacity)."""
+        cap = self.settings.lane_capacity.get(lane, 0)
+        return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
+
     async def submit(self, task: Task) -> int:
-        """XADD the task to its lane; returns the lane's depth (queued + in flight).
+        """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
+        depth (queued + in flight) after the add.
 
         Raises:
+            RefusedError: ``overloaded`` — the lane's backlog is at its threshold.
             UnavailableError: Redis is unreachable.
         """
         lane_key = self.keys.lane(task.model, task.lane)
+        threshold = self.lane_threshold(task.lane)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(lane_key, {"task": task.encode()})
-                pipe.xlen(lane_key)
-                _, depth = await pipe.execute()
+            ok, depth = await self._enqueue(keys=[lane_key], args=[threshold, task.encode()])
         except BROKER_ERRORS as exc:
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        if not ok:
+            raise RefusedError(
+                f"the {task.lane} lane of {task.model} is overloaded ({depth} requests queued or running, "
+                f"limit {threshold}); retry shortly",
+                code=ErrorCode.overloaded, retry_after_ms=self.settings.overload_retry_after_ms)
         return int(depth)
 
     async def cancel(self, request_id: str, reason: str = "client") -> None:

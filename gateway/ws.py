@@ -5,11 +5,13 @@ state and the connection's reply channel; decisions live in ``gateway.protocol``
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from shared.errors import StreamfleetError
+from shared.errors import ErrorCode, RefusedError, StreamfleetError
 from shared.logging import get_logger
 
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Send, Submit, accepted_frame, render
@@ -77,7 +79,32 @@ class WebSocketSession:
                 return
             await self.ws.send_text(orjson.dumps(frame).decode())
 
+    async def _refuse(self, error: StreamfleetError, code: int, reason: str) -> None:
+        await self.ws.accept()
+        await self.ws.send_text(orjson.dumps(error.to_frame(None)).decode())
+        await self.ws.close(code=code, reason=reason)
+
     async def run(self) -> None:
+        s = self.hub.settings
+        allowed = {o.strip() for o in s.allowed_origins.split(",") if o.strip()}
+        origin = self.ws.headers.get("origin")
+        if allowed and origin not in allowed:
+            await self._refuse(StreamfleetError(f"origin {origin!r} is not allowed", code=ErrorCode.forbidden),
+                               1008, "origin not allowed")
+            return
+        if self.hub.connections >= s.max_connections:
+            await self._refuse(RefusedError("this gateway holds too many connections; retry another or later",
+                                            code=ErrorCode.overloaded, retry_after_ms=1000),
+                               1013, "too many connections; try again later")
+            return
+        self.hub.connections += 1
+        try:
+            await self._serve()
+        finally:
+            self.hub.connections -= 1
+
+    async def _serve(self) -> None:
+        s = self.hub.settings
         await self.ws.accept()
         try:
             await self.channel.open()
@@ -86,27 +113,58 @@ class WebSocketSession:
             await self.ws.close(code=1011, reason="broker unavailable")
             return
         sender = asyncio.create_task(self._send_loop())
+        opened = time.monotonic()
+        age_limit = opened + s.ws_max_age_s if s.ws_max_age_s > 0 else math.inf
+        hard_limit = age_limit + s.ws_max_age_grace_s
+        idle_since = opened
+        receiver: asyncio.Future | None = None
+        close: tuple[int, str] | None = None
         try:
             while True:
-                receiver = asyncio.ensure_future(self.ws.receive())
-                done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
-                if sender in done:  # the socket failed while sending
-                    receiver.cancel()
+                now = time.monotonic()
+                if self.proto.in_flight:
+                    idle_since = now
+                    deadline = age_limit if now < age_limit else hard_limit
+                else:
+                    deadline = min(idle_since + s.ws_idle_timeout_s, age_limit)
+                if now >= deadline:
+                    if now >= age_limit:
+                        close = (1001, "maximum connection age reached; please reconnect")
+                    else:
+                        close = (1000, f"idle: no request for {s.ws_idle_timeout_s:g} s")
                     break
-                msg = receiver.result()
+                if receiver is None:
+                    receiver = asyncio.ensure_future(self.ws.receive())
+                done, _ = await asyncio.wait({receiver, sender}, timeout=min(deadline - now, 1.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if sender in done:  # the socket failed while sending
+                    break
+                if receiver not in done:
+                    continue
+                msg, receiver = receiver.result(), None
                 if msg["type"] == "websocket.disconnect":
                     break
                 if msg.get("text") is not None:
                     self.dispatch(self.proto.receive_text(msg["text"]))
                 elif msg.get("bytes") is not None:
                     self.dispatch(self.proto.receive_bytes(msg["bytes"]))
+                if self.proto.in_flight:
+                    idle_since = time.monotonic()
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
+            if receiver is not None:
+                receiver.cancel()
             await self.channel.close()
             for t in list(self.tasks):
                 t.cancel()
             self.outbox.put_nowait(None)
+            if close is not None:
+                try:  # flush what is queued, then close with the reason
+                    await asyncio.wait_for(sender, 2.0)
+                    await self.ws.close(code=close[0], reason=close[1])
+                except BaseException:
+                    pass
             sender.cancel()
             try:
                 await sender

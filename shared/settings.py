@@ -31,11 +31,18 @@ class CommonSettings(BaseSettings):
     worker_ttl_s: float = 10.0
     #: redis-py socket timeout for plain commands (blocking reads add their block time)
     redis_socket_timeout_s: float = 5.0
+    #: API-key tier overrides as JSON, e.g. '{"free": {"requests_per_minute": 20}}'
+    #: (fields and defaults: shared/tiers.py); empty = the default tiers
+    tiers: str = ""
 
 
 class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
+    #: require an API key (Authorization: Bearer, or ?api_key= on WebSockets)
+    auth_enabled: bool = False
+    #: seconds a gateway caches an API-key record; a revocation takes effect within this
+    key_cache_s: float = 5.0
     default_model: str = "tiny-gpt"
     #: models served, comma separated; empty = every model in the repository
     models: str = ""
@@ -46,9 +53,21 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = 64
     max_stop_sequences: int = 4
     max_stop_chars: int = 64
-    #: max tasks queued+in flight per lane; refuse new work above 80% of it
-    lane_capacity: int = 1024
+    #: capacity of each lane (tasks queued + in flight); new work is refused with 429
+    #: ``overloaded`` once a lane's backlog reaches ``overload_fraction`` of it (0 = no limit)
+    lane_capacity: dict[str, int] = {"high": 1024, "normal": 1024}
     overload_fraction: float = 0.8
+    overload_retry_after_ms: int = 1000
+    #: most WebSocket connections one gateway process holds
+    max_connections: int = 10_000
+    #: close a WebSocket with no request in flight after this many seconds
+    ws_idle_timeout_s: float = 60.0
+    #: close a WebSocket this old once it has nothing in flight (0 = never)
+    ws_max_age_s: float = 3600.0
+    #: ... and regardless of what is in flight this long after that
+    ws_max_age_grace_s: float = 60.0
+    #: allowed Origin headers for WebSockets, comma separated (empty = any)
+    allowed_origins: str = ""
     #: default request timeout (queue deadline), seconds
     request_timeout_s: float = 120.0
     #: SSE comment sent after this many seconds without an event

@@ -1,0 +1,160 @@
+"""Connection protection and backpressure, against a live gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+import websockets
+
+from tests.integration.rawws import RawWebSocket
+from tests.integration.wsclient import Client
+
+
+async def test_backpressure_refuses_at_threshold_and_accepted_work_completes(fleet, rds, key_prefix):
+    # capacity 10 → refusals from a backlog of 8; offered: 30 = 3x the lane's capacity
+    gw = fleet.gateway(lane_capacity='{"normal": 10, "high": 10}')
+    fleet.worker(backend="echo", echo_delay_ms=100, max_batch=2)
+    c = await Client.connect(gw.ws)
+    futs = [c.start(f"r{i}", "Once upon a time", max_tokens=4, ignore_eos=True) for i in range(30)]
+    results = await asyncio.wait_for(asyncio.gather(*futs), 120)
+    accepted = [r for r in results if r.accepted]
+    refused = [r for r in results if not r.accepted]
+    assert len(accepted) == 8, [r.end for r in results]
+    assert sorted(r.accepted["queue_depth"] for r in accepted) == list(range(1, 9))
+    for r in refused:
+        assert r.end["code"] == "overloaded" and r.end["status"] == 429 and r.end["retry_after_ms"] > 0
+    for r in accepted:  # accepted work is never dropped
+        assert r.end["type"] == "done" and len(r.tokens) == 4
+    await c.close()
+    assert rds.xlen(f"{key_prefix}:{{tiny-gpt}}:tasks:normal") == 0
+
+
+async def test_http_overload_is_429_with_retry_after(fleet):
+    import httpx
+
+    gw = fleet.gateway(lane_capacity='{"normal": 2, "high": 2}')  # no worker: the backlog stays
+    async with httpx.AsyncClient(timeout=30) as http:
+        codes = []
+        for _ in range(3):
+            r = await http.post(gw.http + "/v1/completions", json={"prompt": "hi", "stream": True, "timeout": 1},
+                                headers={"Accept": "text/event-stream"})
+            codes.append(r.status_code)
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "overloaded"
+    assert codes.count(429) == 2  # threshold 80% of 2 → 1 accepted
+
+
+async def test_queue_deadline_expired_task_is_not_run(fleet):
+    gw = fleet.gateway()
+    c = await Client.connect(gw.ws)
+    fut = c.start("late", "Once upon a time", max_tokens=4, timeout=0.3)
+    await asyncio.sleep(1.0)
+    fleet.worker()  # reads the task after its deadline
+    res = await asyncio.wait_for(fut, 30)
+    assert res.end["type"] == "error" and res.end["code"] == "timeout", res.end
+    assert res.tokens == []
+    await c.close()
+
+
+async def test_connection_cap_per_gateway(fleet):
+    gw = fleet.gateway(max_connections=2)
+    a = await websockets.connect(gw.ws)
+    b = await websockets.connect(gw.ws)
+    c = await websockets.connect(gw.ws)
+    err = orjson.loads(await c.recv())
+    assert err["type"] == "error" and err["code"] == "overloaded"
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await c.recv()
+    assert e.value.rcvd.code == 1013
+    await a.close()
+    await asyncio.sleep(0.2)
+    d = await websockets.connect(gw.ws)  # a slot came free
+    await d.send('{"type":"ping"}')
+    assert orjson.loads(await d.recv())["type"] == "pong"
+    for w in (b, d):
+        await w.close()
+
+
+async def test_idle_connection_is_closed(fleet):
+    gw = fleet.gateway(ws_idle_timeout_s=0.5)
+    ws = await websockets.connect(gw.ws)
+    t0 = time.monotonic()
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd.code == 1000 and "idle" in e.value.rcvd.reason
+    assert 0.4 < time.monotonic() - t0 < 5
+
+
+async def test_connection_busy_is_not_idle_and_max_age_closes(fleet):
+    gw = fleet.gateway(ws_idle_timeout_s=0.5, ws_max_age_s=2.5, ws_max_age_grace_s=5)
+    fleet.worker(backend="echo", echo_delay_ms=50)
+    c = await Client.connect(gw.ws)
+    res = await c.generate("long", max_tokens=20, ignore_eos=True)  # ~1 s, longer than the idle limit
+    assert res.end["type"] == "done" and len(res.tokens) == 20
+    t0 = time.monotonic()
+    await asyncio.wait_for(c.reader, 10)
+    code = c.ws.close_code
+    assert code in (1000, 1001)
+    assert time.monotonic() - t0 < 6
+
+
+async def test_max_age_closes_with_1001(fleet):
+    gw = fleet.gateway(ws_idle_timeout_s=30, ws_max_age_s=0.5)
+    ws = await websockets.connect(gw.ws)
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd.code == 1001 and "age" in e.value.rcvd.reason
+
+
+async def test_origin_allowlist(fleet):
+    gw = fleet.gateway(allowed_origins="http://good.example")
+    bad = await websockets.connect(gw.ws, origin="http://evil.example")
+    assert orjson.loads(await bad.recv())["code"] == "forbidden"
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await bad.recv()
+    assert e.value.rcvd.code == 1008
+    good = await websockets.connect(gw.ws, origin="http://good.example")
+    await good.send('{"type":"ping"}')
+    assert orjson.loads(await good.recv())["type"] == "pong"
+    await good.close()
+
+
+def test_unanswered_pings_close_the_connection(fleet):
+    gw = fleet.gateway(ws_ping_interval_s=0.3, ws_ping_timeout_s=0.3)
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    assert raw.status == 101
+    t0 = time.monotonic()
+    code, _reason = raw.wait_close()  # never answers the server's pings
+    assert time.monotonic() - t0 < 5
+    assert code in (None, 1011)
+    raw.close()
+
+
+def test_frame_limits_and_invalid_utf8(fleet):
+    gw = fleet.gateway(max_frame_bytes=1000)
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "big", "prompt": "x" * 1500}))
+    op, payload = raw.recv_frame()
+    assert op == 0x1 and orjson.loads(payload)["code"] == "frame_too_large"
+    raw.send_frame(0x2, b"\xff\xfe binary")
+    op, payload = raw.recv_frame()
+    assert orjson.loads(payload)["code"] == "binary_frame"
+    raw.send_frame(0x1, b'{"type":"ping"}')
+    assert orjson.loads(raw.recv_frame()[1])["type"] == "pong"
+    # beyond the transport limit (4x the frame limit) the connection closes with 1009
+    raw.send_frame(0x1, b'"' + b"y" * 5000 + b'"')
+    assert raw.wait_close()[0] == 1009
+    raw.close()
+    # invalid UTF-8 in a text frame breaks RFC 6455: closed with 1007, the gateway lives on
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.send_frame(0x1, b'{"type":"ping","x":"\xc3\x28"}')
+    assert raw.wait_close()[0] == 1007
+    raw.close()
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.send_frame(0x1, b'{"type":"ping"}')
+    assert orjson.loads(raw.recv_frame()[1])["type"] == "pong"
+    raw.close()
