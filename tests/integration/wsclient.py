@@ -33,6 +33,7 @@ class Client:
         self.results: dict[str, Result] = {}
         self.waiters: dict[str, asyncio.Future] = {}
         self.other: asyncio.Queue = asyncio.Queue()
+        self.end_order: list[str] = []  # ids in the order their final frame arrived
         self.reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -55,6 +56,7 @@ class Client:
                     res.tokens.append(msg)
                 elif kind in ("done", "error"):
                     res.end = msg
+                    self.end_order.append(rid)
                     fut = self.waiters.pop(rid, None)
                     if fut and not fut.done():
                         fut.set_result(res)
