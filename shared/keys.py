@@ -49,4 +49,14 @@ class Keys:
         return f"{self.prefix}:workers:{model}"
 
     def ratelimit(self, key_id: str) -> str:
+        """Hash ``{tokens, ts}``: the token bucket of one API key."""
         return f"{self.prefix}:rl:{key_id}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash ``key_id -> JSON record`` of every API key (only a hash of each key)."""
+        return f"{self.prefix}:keys"
+
+    def streams(self, key_id: str) -> str:
+        """Sorted set ``request_id -> expiry ms``: streams one API key has open."""
+        return f"{self.prefix}:streams:{key_id}"

@@ -1,0 +1,311 @@
+"""Shared rate limits: a token bucket per API key and a cap on concurrent streams, both
+kept in Redis so every gateway process draws on one budget per key.
+
+Token bucket (``{prefix}:rl:{key_id}``, a hash ``{tokens, ts}``): a bucket holds up to
+``burst`` tokens and refills continuously at ``requests_per_minute / 60`` tokens per
+second; a request takes one. The decision is one Lua script (EVALSHA), so concurrent
+gateways cannot both spend the last token, and it reads the clock with Redis ``TIME``,
+so gateways with skewed clocks still agree. The key expires once the bucket would be
+full again: an idle key costs no memory and reads as a full bucket.
+
+:class:`TokenBucket` is the same arithmetic without I/O (STYLE habit 2); the script is
+its transcription, and the tests hold them to the same answers.
+
+Stream slots (``{prefix}:streams:{key_id}``, a sorted set ``request_id -> expiry ms``):
+acquiring drops expired members, refuses when ``ZCARD >= max_streams``, else adds the
+request. Members expire (default 10 min, see :meth:`StreamSlots.touch` for longer
+streams) so a gateway that died holding slots does not lock its keys out for good.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from gateway.auth import Identity
+from shared.errors import ErrorCode, RefusedError, UnavailableError
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.redis import BROKER_ERRORS
+from shared.tiers import Tier
+
+__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
+
+log = get_logger("gateway.ratelimit")
+
+#: kept past the moment the bucket is full again (ms) before the key expires
+EXPIRE_MARGIN_MS = 1000
+#: tokens short of ``cost`` that still count as enough: absorbs float rounding, so a
+#: request made exactly ``retry_after_ms`` later is admitted
+EPSILON = 1e-9
+#: retry hint when every stream slot is taken (a slot frees when a stream ends)
+STREAMS_RETRY_AFTER_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class BucketDecision:
+    """Outcome of one take: ``retry_after_ms`` is 0 when allowed, ``ttl_ms`` is how long
+    until the bucket is full again (plus the margin): the key's expiry."""
+
+    allowed: bool
+    tokens_left: float
+    retry_after_ms: int
+    ttl_ms: int
+
+
+class TokenBucket:
+    """Token-bucket arithmetic, no I/O; times are integer microseconds.
+
+    Args:
+        rate_per_s: tokens added per second (> 0).
+        burst: capacity (>= 1); a new bucket starts full.
+        tokens, ts_us: stored state, ``None`` for a new (or expired) bucket.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, tokens: float | None = None, ts_us: int | None = None) -> None:
+        if not rate_per_s > 0 or burst < 1:
+            raise ValueError("rate_per_s must be > 0 and burst >= 1")
+        self.rate_per_s = float(rate_per_s)
+        self.burst = burst
+        self.tokens = tokens
+        self.ts_us = ts_us
+
+    def take(self, now_us: int, cost: int = 1) -> BucketDecision:
+        """Refill up to ``now_us``, then take ``cost`` tokens if there are that many."""
+        rate_us = self.rate_per_s / 1e6
+        burst = float(self.burst)
+        tokens = burst
+        if self.tokens is not None and self.ts_us is not None:
+            elapsed = now_us - self.ts_us
+            if elapsed < 0:  # the clock went back (Redis failover): refill nothing
+                elapsed = 0
+            tokens = min(burst, self.tokens + elapsed * rate_us)
+        allowed = tokens + EPSILON >= cost
+        if allowed:
+            tokens = max(0.0, tokens - cost)
+            retry = 0
+        else:
+            retry = math.ceil((cost - EPSILON - tokens) / rate_us / 1000)
+        ttl = math.ceil((burst - tokens) / rate_us / 1000) + EXPIRE_MARGIN_MS
+        self.tokens, self.ts_us = tokens, now_us
+        return BucketDecision(allowed, tokens, retry, ttl)
+
+
+#: KEYS[1] bucket hash; ARGV rate per second, burst, cost, expiry margin ms,
+#: [now µs: tests only, else Redis TIME] -> {allowed 0|1, tokens left (string),
+#: retry_after_ms, ttl_ms}
+TOKEN_BUCKET_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local rate_us = tonumber(ARGV[1]) / 1e6
+local burst = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local now
+if ARGV[5] then
+  now = tonumber(ARGV[5])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = burst
+local stored, ts = tonumber(state[1]), tonumber(state[2])
+if stored and ts then
+  local elapsed = now - ts
+  if elapsed < 0 then elapsed = 0 end
+  tokens = math.min(burst, stored + elapsed * rate_us)
+end
+local allowed, retry = 0, 0
+if tokens + 1e-9 >= cost then
+  tokens = math.max(0, tokens - cost)
+  allowed = 1
+else
+  retry = math.ceil((cost - 1e-9 - tokens) / rate_us / 1000)
+end
+local ttl = math.ceil((burst - tokens) / rate_us / 1000) + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', now))
+redis.call('PEXPIRE', KEYS[1], ttl)
+return {allowed, string.format('%.17g', tokens), retry, ttl}
+"""
+
+
+class RateLimiter:
+    """The per-key token bucket in Redis, shared by every gateway.
+
+    Args:
+        redis: an asyncio client (``shared.redis.connect``).
+        keys: the key builder of this fleet's prefix.
+    """
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._script = redis.register_script(TOKEN_BUCKET_LUA)
+
+    async def take(self, key_id: str, tier: Tier, *, cost: int = 1,
+                   _now_us: int | None = None) -> BucketDecision | None:
+        """One atomic take from ``key_id``'s bucket; ``None`` for an unlimited tier (no
+        Redis call). Does not raise on refusal: see ``decision.allowed``.
+
+        Raises:
+            ValueError: ``cost`` exceeds the tier's burst (it could never be allowed).
+            UnavailableError: Redis cannot be reached.
+        """
+        if tier.unlimited:
+            return None
+        if cost > tier.burst:
+            raise ValueError(f"cost {cost} exceeds the burst {tier.burst} of tier {tier.name}")
+        args: list[str | int] = [repr(tier.rate_per_s), tier.burst, cost, EXPIRE_MARGIN_MS]
+        if _now_us is not None:
+            args.append(_now_us)
+        try:
+            allowed, tokens, retry, ttl = await self._script(keys=[self.keys.ratelimit(key_id)], args=args)
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"cannot check the rate limit: Redis unavailable ({exc})") from exc
+        return BucketDecision(bool(allowed), float(tokens), int(retry), int(ttl))
+
+    async def check(self, identity_or_key_id: Identity | str, tier: Tier | None = None, *, cost: int = 1) -> None:
+        """Admit one request of an API key, or refuse it.
+
+        Args:
+            identity_or_key_id: a ``gateway.auth.Identity`` or a bare key id.
+            tier: the key's tier (default: the identity's).
+
+        Raises:
+            RefusedError: 429 ``rate_limited`` with ``retry_after_ms``.
+            UnavailableError: Redis cannot be reached.
+        """
+        if isinstance(identity_or_key_id, Identity):
+            key_id, tier = identity_or_key_id.key_id, tier or identity_or_key_id.tier
+        else:
+            key_id = identity_or_key_id
+            if tier is None:
+                raise TypeError("check(key_id, tier): a bare key id needs its tier")
+        decision = await self.take(key_id, tier, cost=cost)
+        if decision is None or decision.allowed:
+            return
+        raise RefusedError(
+            f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} exceeded; "
+            f"retry in {_wait(decision.retry_after_ms)}",
+            code=ErrorCode.rate_limited,
+            retry_after_ms=decision.retry_after_ms,
+        )
+
+
+def _wait(ms: int) -> str:
+    return f"{ms} ms" if ms < 100 else f"{ms / 1000:.1f} s"
+
+
+#: KEYS[1] slots zset; ARGV request_id, max_streams, ttl_ms, [now ms: tests only]
+#: -> {acquired 0|1, streams held (after)}
+STREAM_SLOTS_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local now
+if ARGV[4] then
+  now = tonumber(ARGV[4])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local ttl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local held = redis.call('ZCARD', KEYS[1])
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  if held >= tonumber(ARGV[2]) then
+    return {0, held}
+  end
+  held = held + 1
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl)
+return {1, held}
+"""
+
+
+class StreamSlots:
+    """Concurrent streams per API key, counted in Redis across gateways.
+
+    Args:
+        redis: an asyncio client.
+        keys: the key builder of this fleet's prefix.
+        ttl_s: a slot lapses this long after its last acquire/touch, so slots held by
+            a gateway that died come back; touch longer streams before then.
+    """
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: float = 600.0) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._script = redis.register_script(STREAM_SLOTS_LUA)
+
+    async def acquire(self, key_id: str, request_id: str, max_streams: int | None, *,
+                      _now_ms: int | None = None) -> bool:
+        """Take a slot for ``request_id`` (idempotent: a held one is refreshed).
+
+        Returns:
+            True when a slot is now held (release it), False when ``max_streams`` is
+            None (no cap, nothing held, no Redis call).
+
+        Raises:
+            RefusedError: 429 ``too_many_requests`` when all ``max_streams`` are taken.
+            UnavailableError: Redis cannot be reached.
+        """
+        if max_streams is None:
+            return False
+        args: list[str | int] = [request_id, max_streams, self.ttl_ms]
+        if _now_ms is not None:
+            args.append(_now_ms)
+        try:
+            ok, held = await self._script(keys=[self.keys.streams(key_id)], args=args)
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"cannot count open streams: Redis unavailable ({exc})") from exc
+        if not ok:
+            raise RefusedError(
+                f"too many concurrent streams: {held} of {max_streams} allowed for this API key are open; "
+                "wait for one to finish",
+                code=ErrorCode.too_many_requests,
+                retry_after_ms=STREAMS_RETRY_AFTER_MS,
+            )
+        return True
+
+    async def touch(self, key_id: str, request_id: str) -> None:
+        """Push a held slot's expiry ``ttl_s`` into the future (for streams that may run
+        longer than ``ttl_s``); a slot that already lapsed is not revived."""
+        key = self.keys.streams(key_id)
+        try:
+            now_ms = await self._now_ms()
+            # XX: only a member still there; expiry follows the newest member
+            if await self.redis.zadd(key, {request_id: now_ms + self.ttl_ms}, xx=True, ch=True):
+                await self.redis.pexpire(key, self.ttl_ms)
+        except BROKER_ERRORS as exc:
+            log.warning("could not refresh a stream slot", key_id=key_id, request_id=request_id, error=str(exc))
+
+    async def release(self, key_id: str, request_id: str) -> None:
+        """Give a slot back. Never raises: a slot that cannot be released lapses after
+        ``ttl_s``."""
+        try:
+            await self.redis.zrem(self.keys.streams(key_id), request_id)
+        except BROKER_ERRORS as exc:
+            log.warning("could not release a stream slot", key_id=key_id, request_id=request_id, error=str(exc))
+
+    async def count(self, key_id: str) -> int:
+        """Slots held now (expired members excluded)."""
+        now_ms = await self._now_ms()
+        return int(await self.redis.zcount(self.keys.streams(key_id), f"({now_ms}", "+inf"))
+
+    async def _now_ms(self) -> int:
+        seconds, micros = await self.redis.time()  # Redis's clock, as the script uses
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    @asynccontextmanager
+    async def hold(self, key_id: str, request_id: str, max_streams: int | None) -> AsyncIterator[None]:
+        """``acquire`` on entry, ``release`` on exit."""
+        held = await self.acquire(key_id, request_id, max_streams)
+        try:
+            yield
+        finally:
+            if held:
+                await self.release(key_id, request_id)

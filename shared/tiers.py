@@ -1,0 +1,139 @@
+"""API-key tiers as data: what each tier may do (DESIGN.md §2 "Auth and limits").
+
+A tier names a token-bucket rate (requests per minute, refilled continuously, and a
+burst capacity), a cap on concurrent streams, and the highest priority lane it may use.
+The defaults below can be changed, and tiers added, with a JSON object (setting
+``tiers``, env ``SF_TIERS``)::
+
+    SF_TIERS='{"free": {"requests_per_minute": 20}, "gold": {"requests_per_minute": 600,
+               "burst": 50, "max_streams": 64, "max_lane": "high"}}'
+
+Fields given for a known tier replace that field of the default; a new tier must name
+``requests_per_minute`` (``null`` = unlimited) and, when it is rate limited, ``burst``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from shared.errors import FatalError
+from shared.keys import LANES
+
+__all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """Limits of one tier.
+
+    Args:
+        name: the tier's name, as stored with each API key.
+        requests_per_minute: token-bucket refill rate; ``None`` = unlimited (no bucket).
+        burst: bucket capacity: requests allowed back to back after an idle spell.
+        max_streams: concurrent streams per key; ``None`` = no cap.
+        max_lane: the highest lane the tier may ask for (``"high"`` or ``"normal"``).
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+
+    name: str
+    requests_per_minute: float | None
+    burst: int
+    max_streams: int | None
+    max_lane: str = "normal"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("tier name must be a non-empty string")
+        rpm = self.requests_per_minute
+        if rpm is not None:
+            if isinstance(rpm, bool) or not isinstance(rpm, (int, float)) or not math.isfinite(rpm) or rpm <= 0:
+                raise ValueError(f"tier {self.name}: requests_per_minute must be a number > 0 or null, got {rpm!r}")
+            if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+                raise ValueError(f"tier {self.name}: burst must be an integer >= 1, got {self.burst!r}")
+        ms = self.max_streams
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 1):
+            raise ValueError(f"tier {self.name}: max_streams must be an integer >= 1 or null, got {ms!r}")
+        if self.max_lane not in LANES:
+            raise ValueError(f"tier {self.name}: max_lane must be one of {', '.join(LANES)}, got {self.max_lane!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        """No rate limit: the limiter does not touch Redis for this tier."""
+        return self.requests_per_minute is None
+
+    @property
+    def rate_per_s(self) -> float | None:
+        return None if self.requests_per_minute is None else self.requests_per_minute / 60.0
+
+    def allows_lane(self, lane: str) -> bool:
+        """Whether a request of this tier may use ``lane`` (lanes rank as in ``LANES``)."""
+        if lane not in LANES:
+            return False
+        return LANES.index(lane) >= LANES.index(self.max_lane)
+
+    def describe(self) -> str:
+        rate = "unlimited" if self.unlimited else f"{self.requests_per_minute:g} req/min, burst {self.burst}"
+        streams = "no stream cap" if self.max_streams is None else f"{self.max_streams} streams"
+        return f"{self.name}: {rate}, {streams}, lanes up to {self.max_lane}"
+
+
+#: the tiers every gateway knows unless ``tiers`` overrides them
+DEFAULT_TIERS: dict[str, Tier] = {
+    "free": Tier("free", requests_per_minute=10, burst=5, max_streams=2, max_lane="normal"),
+    "paid": Tier("paid", requests_per_minute=100, burst=20, max_streams=16, max_lane="high"),
+    "internal": Tier("internal", requests_per_minute=None, burst=0, max_streams=None, max_lane="high"),
+}
+
+_FIELDS = tuple(f.name for f in fields(Tier) if f.name != "name")
+
+
+def parse_tiers(spec: str | Mapping[str, Any] | None) -> dict[str, Tier]:
+    """The tier table: ``DEFAULT_TIERS`` with the operator's overrides applied.
+
+    Args:
+        spec: a JSON object (text) or a mapping ``{tier_name: {field: value}}``; empty
+            or ``None`` gives the defaults.
+
+    Raises:
+        FatalError: the text is not JSON, not an object, names an unknown field, or a
+            value is out of range (the message says which).
+    """
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        return dict(DEFAULT_TIERS)
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise FatalError(f"tiers: not valid JSON ({exc})") from None
+    if not isinstance(spec, Mapping):
+        raise FatalError('tiers: expected a JSON object like {"free": {"requests_per_minute": 20}}')
+    tiers = dict(DEFAULT_TIERS)
+    for name, body in spec.items():
+        if not isinstance(name, str) or not name:
+            raise FatalError(f"tiers: tier names must be non-empty strings, got {name!r}")
+        if not isinstance(body, Mapping):
+            raise FatalError(f"tiers: {name} must be an object of fields ({', '.join(_FIELDS)})")
+        body = dict(body)
+        if body.pop("name", name) != name:
+            raise FatalError(f"tiers: {name} has a different 'name' inside")
+        unknown = sorted(set(body) - set(_FIELDS))
+        if unknown:
+            raise FatalError(f"tiers: {name}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+        try:
+            if name in tiers:
+                tiers[name] = replace(tiers[name], **body)
+            else:
+                if "requests_per_minute" not in body:
+                    raise ValueError(f"tier {name}: a new tier must give requests_per_minute (null = unlimited)")
+                body.setdefault("burst", 0)
+                body.setdefault("max_streams", None)
+                tiers[name] = Tier(name=name, **body)
+        except (TypeError, ValueError) as exc:
+            raise FatalError(f"tiers: {exc}") from None
+    return tiers
