@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -22,7 +22,12 @@ __all__ = ["Broker"]
 
 log = get_logger("gateway.broker")
 
-Sink = Callable[[list[Event]], None]
+class Listener(Protocol):
+    """What the reader routes a reply channel's traffic to (a ``ReplyChannel``)."""
+
+    def route(self, events: list[Event]) -> None: ...
+
+    def broker_lost(self) -> None: ...
 
 #: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
 #: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
@@ -49,7 +54,7 @@ class Broker:
         self.gateway_id = uuid.uuid4().hex[:12]
         self.redis: aioredis.Redis | None = None
         self._pubsub: aioredis.client.PubSub | None = None
-        self._routes: dict[bytes, Sink] = {}
+        self._routes: dict[bytes, Listener] = {}
         self._reader: asyncio.Task | None = None
         self._closing = False
         self.healthy = False
@@ -62,6 +67,9 @@ class Broker:
         self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
+        # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
+        s = self.settings
+        self.tail_redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s + 2, max_connections=512)
         try:
             # the control channel keeps the pub/sub connection open before any client arrives
             await self._pubsub.subscribe(self.control_channel)
@@ -85,12 +93,19 @@ class Broker:
                 pass
         if self.redis is not None:
             await self.redis.aclose()
+            await self.tail_redis.aclose()
 
     # -- connections --------------------------------------------------------------
-    async def register(self, connection_id: str, sink: Sink) -> None:
-        """Route events of ``sf:reply:{connection_id}`` to ``sink`` (subscribes)."""
+    async def register(self, connection_id: str, listener: Listener) -> None:
+        """Route events of ``sf:reply:{connection_id}`` to ``listener`` (subscribes).
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
+        if not self.healthy:
+            raise UnavailableError("message broker unavailable; retry shortly", retry_after_ms=1000)
         channel = self.keys.reply(connection_id)
-        self._routes[channel.encode()] = sink
+        self._routes[channel.encode()] = listener
         try:
             await self._pubsub.subscribe(channel)
         except BROKER_ERRORS as exc:
@@ -120,7 +135,14 @@ class Broker:
             except BROKER_ERRORS as exc:
                 if self.healthy:
                     log.warning("pub/sub connection lost; reconnecting", error=str(exc))
-                self.healthy = False
+                    self.healthy = False
+                    # events may be lost while the subscription is down: end every request
+                    # in flight now rather than let it hang
+                    for listener in list(self._routes.values()):
+                        try:
+                            listener.broker_lost()
+                        except Exception:
+                            log.exception("broker_lost handler failed")
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -130,8 +152,8 @@ class Broker:
                 continue
             if msg is None or msg.get("type") != "message":
                 continue
-            sink = self._routes.get(msg["channel"])
-            if sink is None:
+            listener = self._routes.get(msg["channel"])
+            if listener is None:
                 continue
             try:
                 events = decode_events(msg["data"])
@@ -139,9 +161,9 @@ class Broker:
                 log.warning("dropping malformed event message", error=str(exc))
                 continue
             try:
-                sink(events)
+                listener.route(events)
             except Exception:
-                log.exception("event sink failed")
+                log.exception("event routing failed")
 
     # -- tasks --------------------------------------------------------------------
     def lane_threshold(self, lane: str) -> int:
@@ -175,6 +197,50 @@ class Broker:
             await self.redis.publish(self.keys.cancel, Cancel(request_id, reason).encode())
         except BROKER_ERRORS as exc:
             log.warning("cancel not delivered", request_id=request_id, error=str(exc))
+
+    # -- request logs (resume, gap repair) ---------------------------------------------
+    async def read_log(self, request_id: str, after: bytes = b"0-0", block_ms: int | None = None,
+                       ) -> list[tuple[bytes, Event]]:
+        """Events of ``sf:log:{request_id}`` after entry ``after`` (blocking up to
+        ``block_ms`` for new ones when given).
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
+        client = self.redis if block_ms is None else self.tail_redis
+        try:
+            res = await client.xread({self.keys.log(request_id): after}, count=1000, block=block_ms)
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        out = []
+        for _key, entries in res or []:
+            for entry_id, fields in entries:
+                try:
+                    ev = decode_events(fields[b"e"])[0]
+                except (ValueError, KeyError, IndexError):
+                    continue
+                out.append((entry_id, ev))
+        return out
+
+    async def log_exists(self, request_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(self.keys.log(request_id)))
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+
+    async def mark_attached(self, request_id: str, ttl_s: float) -> None:
+        """Note that a client follows ``request_id`` here (so the gateway it left does not
+        cancel it when its resume grace runs out)."""
+        try:
+            await self.redis.set(self.keys.attach(request_id), self.gateway_id, px=int(ttl_s * 1000))
+        except BROKER_ERRORS:
+            pass
+
+    async def is_attached(self, request_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(self.keys.attach(request_id)))
+        except BROKER_ERRORS:
+            return False
 
     # -- fleet state ----------------------------------------------------------------
     async def ping(self) -> bool:

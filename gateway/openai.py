@@ -146,10 +146,22 @@ class _Shape:
                 "usage": _usage(end)}
 
 
-def _sse(data: dict | str, event_id: int | None = None) -> bytes:
+def _sse(data: dict | str, event_id: str | None = None) -> bytes:
     head = f"id: {event_id}\n".encode() if event_id is not None else b""
     body = data.encode() if isinstance(data, str) else orjson.dumps(data)
     return head + b"data: " + body + b"\n\n"
+
+
+def _last_event_id(request: Request) -> tuple[str, int] | None:
+    """``Last-Event-ID: <request_id>:<index>`` of a reconnecting SSE client."""
+    raw = request.headers.get("last-event-id")
+    if not raw:
+        return None
+    rid, _, idx = raw.strip().rpartition(":")
+    if not rid or not rid.isalnum() or len(rid) > 64 or not idx.isdigit():
+        raise ValidationError("Last-Event-ID must be '<request_id>:<index>' as sent in the stream's 'id:' lines",
+                              code=ErrorCode.invalid_request, param="Last-Event-ID")
+    return rid, int(idx)
 
 
 async def _generate(request: Request, chat: bool) -> Response:
@@ -163,27 +175,41 @@ async def _generate(request: Request, chat: bool) -> Response:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
-        payload = _payload(body, request, chat)
         stream_mode, include_usage = _stream_flags(body)
-        valid = hub.validator.generate(payload)
-        channel = await ReplyChannel(hub.broker).open()
-        try:
-            stream, _depth = await channel.submit(valid)
-        except BaseException:
-            await channel.close()
-            raise
+        resume = _last_event_id(request)
+        if resume is not None:  # a reconnecting SSE client: continue that request
+            if not stream_mode:
+                raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
+                                      param="stream")
+            model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else ""
+            channel = await ReplyChannel(hub.broker).open()
+            try:
+                stream = await channel.resume(resume[0], "http", resume[1] + 1)
+            except BaseException:
+                await channel.close()
+                raise
+        else:
+            payload = _payload(body, request, chat)
+            valid = hub.validator.generate(payload)
+            model = valid.model
+            channel = await ReplyChannel(hub.broker).open()
+            try:
+                stream, _depth = await channel.submit(valid)
+            except BaseException:
+                await channel.close()
+                raise
     except StreamfleetError as exc:
         return openai_error_response(exc)
-    shape = _Shape(chat, stream.request_id, valid.model)
+    shape = _Shape(chat, stream.request_id, model)
     if stream_mode:
         return StreamingResponse(_sse_events(hub, channel, stream, shape, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     return await _collect(request, channel, stream, shape)
 
 
-async def _close(channel: ReplyChannel) -> None:
+async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
     with anyio.CancelScope(shield=True):
-        await channel.close("http_disconnect")
+        await channel.close("http_disconnect", grace_s=grace_s)
 
 
 async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: _Shape,
@@ -203,20 +229,23 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: 
             ev, pending = pending.result(), None
             if isinstance(ev, Token):
                 if ev.text:
-                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage), ev.index)
+                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage),
+                               f"{stream.request_id}:{ev.index}")
             elif isinstance(ev, End):
                 yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
                                        usage_null=include_usage))
                 if include_usage:
                     yield _sse(shape.usage_chunk(ev))
                 yield _sse("[DONE]")
+                channel.release(stream)
                 return
             elif isinstance(ev, Failed):
                 yield _sse(ev.error.to_openai())
                 yield _sse("[DONE]")
+                channel.release(stream)
                 return
     finally:
-        await _close(channel)
+        await _close(channel, hub.settings.sse_resume_grace_s)
 
 
 async def _collect(request: Request, channel: ReplyChannel, stream: RequestStream, shape: _Shape) -> Response:

@@ -21,7 +21,7 @@ from shared.errors import ErrorCode, StreamfleetError, ValidationError
 
 from gateway.streams import End, Failed, StreamEvent, Token
 
-__all__ = ["Send", "Submit", "Cancel", "Output", "ConnectionProtocol", "render", "accepted_frame"]
+__all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame"]
 
 
 @dataclass(slots=True)
@@ -39,7 +39,14 @@ class Cancel:
     client_id: str
 
 
-Output = Union[Send, Submit, Cancel]
+@dataclass(slots=True)
+class Resume:
+    client_id: str
+    request_id: str
+    from_index: int
+
+
+Output = Union[Send, Submit, Cancel, Resume]
 
 
 def accepted_frame(client_id: str, request_id: str, queue_depth: int) -> dict[str, Any]:
@@ -96,8 +103,7 @@ class ConnectionProtocol:
         if kind == "ping":
             return [Send({"type": "pong"})]
         if kind == "resume":
-            return [Send(ValidationError("resume is not supported by this gateway yet",
-                                         code=ErrorCode.unknown_type, param="type").to_frame(cid))]
+            return self._resume(msg, cid)
         if not isinstance(kind, str):
             return [Send(ValidationError("field 'type' must be a string", code=ErrorCode.invalid_frame,
                                          param="type").to_frame(cid))]
@@ -105,13 +111,43 @@ class ConnectionProtocol:
         return [Send(ValidationError(f"unknown frame type {shown!r}; expected generate, cancel, resume or ping",
                                      code=ErrorCode.unknown_type, param="type").to_frame(cid))]
 
-    def _generate(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
+    def _admissible(self, cid: str | None) -> list[Output]:
         if cid is not None and cid in self.in_flight:
             return [Send(ValidationError(f"a request with id {cid!r} is already in flight on this connection",
                                          code=ErrorCode.duplicate_id, param="id").to_frame(cid))]
         if len(self.in_flight) >= self.max_inflight:
             return [Send(ValidationError(f"at most {self.max_inflight} requests may be in flight per connection",
                                          code=ErrorCode.too_many_requests).to_frame(cid))]
+        return []
+
+    def _resume(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
+        refused = self._admissible(cid)
+        if refused:
+            return refused
+        if cid is None:
+            return [Send(ValidationError("resume needs the string 'id' to answer under",
+                                         code=ErrorCode.missing_field, param="id").to_frame(None))]
+        rid = msg.get("request_id")
+        if not isinstance(rid, str) or not rid or len(rid) > 64 or not rid.isalnum():
+            return [Send(ValidationError("'request_id' must be the request_id that 'accepted' returned",
+                                         code=ErrorCode.invalid_type if not isinstance(rid, str)
+                                         else ErrorCode.invalid_request, param="request_id").to_frame(cid))]
+        idx = msg.get("from_index", 0)
+        if isinstance(idx, float) and idx.is_integer():
+            idx = int(idx)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            return [Send(ValidationError("'from_index' must be an integer", code=ErrorCode.invalid_type,
+                                         param="from_index").to_frame(cid))]
+        if not 0 <= idx <= 1_000_000:
+            return [Send(ValidationError("'from_index' must be between 0 and 1000000", code=ErrorCode.out_of_range,
+                                         param="from_index").to_frame(cid))]
+        self.in_flight.add(cid)
+        return [Resume(cid, rid, idx)]
+
+    def _generate(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
+        refused = self._admissible(cid)
+        if refused:
+            return refused
         try:
             valid = self.validator.generate(msg)
         except StreamfleetError as exc:

@@ -1,18 +1,20 @@
 """The one internal stream-event model that every protocol adapter consumes.
 
-A ``RequestStream`` is one accepted request as seen by the gateway. The pub/sub reader
-feeds it worker events; it drops token indices already delivered (a redelivered task
-regenerates from index 0), notices gaps, and turns everything into four kinds of
-``StreamEvent``:
+A ``RequestStream`` is one request as seen by the gateway. Worker events reach it over
+pub/sub (at most once) and are also in the request's log ``sf:log:{request_id}``; the
+stream turns them into exactly-once, in-order ``StreamEvent``s:
 
 * ``Token(index, text)``             a piece of the completion
 * ``End(finish_reason, usage, …)``   the request finished (``cancelled`` after an interrupt)
 * ``Failed(error)``                  the request failed (a ``StreamfleetError``)
 
-and the adapters (``gateway/ws.py``, ``gateway/openai.py``) only render them. A
-``ReplyChannel`` is one subscribed ``sf:reply:{connection_id}``: it submits requests and
-routes their events; a WebSocket has one for all its requests, an HTTP request has its
-own.
+Indices already delivered are dropped (a redelivered task regenerates from index 0);
+a gap, or silence, makes the stream catch up from the log; a resumed stream follows the
+log alone. The adapters (``gateway/ws.py``, ``gateway/openai.py``) only render events.
+
+A ``ReplyChannel`` is one subscribed ``sf:reply:{connection_id}``: it submits requests,
+routes their events, resumes requests from their logs and cancels what its client
+abandoned (at once, or after a resume grace period for connections that dropped).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Awaitable, Callable, Union
 
-from shared.errors import ErrorCode, GenerationError, StreamfleetError, error_from_code
+from shared.errors import ErrorCode, GenerationError, NotFoundError, StreamfleetError, UnavailableError, \
+    error_from_code
 from shared.logging import get_logger
 from shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
@@ -33,6 +36,12 @@ log = get_logger("gateway.streams")
 
 #: seconds a cancel may go unanswered before the gateway ends the request itself
 CANCEL_GRACE_S = 5.0
+#: seconds of silence from a running request before the stream checks its log
+CATCH_UP_AFTER_S = 2.0
+#: how long one blocking read of a followed log waits
+FOLLOW_BLOCK_MS = 1000
+
+LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,49 +75,85 @@ class RequestStream:
 
     Args:
         request_id: the fleet-wide id.
-        request: the ``ValidRequest`` it was made from.
-        stall_timeout_s: end with ``timeout`` when a started request goes this long
-            without an event (a queued one waits for its deadline instead).
+        client_id: the id the client chose.
+        prompt_tokens: for a locally decided ``End`` (0 when unknown, as for a resume).
+        deadline: unix time after which a request that has not started fails with ``timeout``.
+        log_reader: ``await log_reader(after_entry_id, block_ms)`` reads the request's log.
+        follow: take events from the log only (a resumed request).
+        next_index: first index the client still needs.
+        stall_timeout_s: a started request silent this long (log included) fails with ``timeout``.
     """
 
-    def __init__(self, request_id: str, request: Any, *, deadline: float, stall_timeout_s: float = 60.0) -> None:
+    def __init__(self, request_id: str, client_id: str, *, prompt_tokens: int = 0, deadline: float,
+                 log_reader: LogReader | None = None, follow: bool = False, next_index: int = 0,
+                 stall_timeout_s: float = 60.0) -> None:
         self.request_id = request_id
-        self.request = request
+        self.client_id = client_id
+        self.prompt_tokens = prompt_tokens
         self.deadline = deadline
+        self.log_reader = log_reader
+        self.follow = follow
+        self.next_index = next_index
         self.stall_timeout_s = stall_timeout_s
-        self.next_index = 0
-        self.finished = False
+        self.finished = False  # the final event is queued
         self.cancel_requested = False
+        self.started = False  # any event seen (tokens or end)
         self.duplicates_dropped = 0
-        self.gaps_seen = 0
+        self.gaps_repaired = 0
+        self.gaps_skipped = 0
         self.trace_id = ""
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
+        self._final: StreamEvent | None = None  # an end that arrived while a gap was open
+        self._log_pos = b"0-0"
+        self._last_event = time.monotonic()
 
-    @property
-    def client_id(self) -> str:
-        return self.request.client_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids)
-
-    # -- feeding (synchronous, from the pub/sub reader) ---------------------------------
+    # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
     def feed(self, ev: Event) -> None:
         if self.finished:
             return
+        self.started = True
+        self._last_event = time.monotonic()
         if isinstance(ev, TokenEvent):
-            if ev.index < self.next_index:
+            if ev.index < self.next_index or ev.index in self._ahead:
                 self.duplicates_dropped += 1
-                return
-            if ev.index > self.next_index:
-                self.gaps_seen += 1
-                log.warning("token gap", request_id=self.request_id, expected=self.next_index, got=ev.index)
-            self.next_index = ev.index + 1
-            self._queue.put_nowait(Token(ev.index, ev.text))
+            elif ev.index > self.next_index:
+                self._ahead[ev.index] = Token(ev.index, ev.text)
+            else:
+                self._deliver(Token(ev.index, ev.text))
         elif isinstance(ev, DoneEvent):
-            self._end(End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing()))
+            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing())
+            if self._ahead or self.next_index < ev.completion_tokens:
+                self._final = end  # tokens are missing before it
+            else:
+                self._end(end)
         elif isinstance(ev, ErrorEvent):
             self._end(Failed(error_from_code(ev.code, ev.message)))
+
+    def _deliver(self, tok: Token) -> None:
+        self._queue.put_nowait(tok)
+        self.next_index = tok.index + 1
+        while self.next_index in self._ahead:
+            t = self._ahead.pop(self.next_index)
+            self._queue.put_nowait(t)
+            self.next_index = t.index + 1
+        if self._final is not None and not self._ahead and isinstance(self._final, End) \
+                and self.next_index >= self._final.completion_tokens:
+            self._end(self._final)
+
+    @property
+    def gap_open(self) -> bool:
+        return bool(self._ahead) or self._final is not None
+
+    def _skip_gap(self) -> None:
+        """The log could not fill a gap (expired, lost with Redis): go on without it."""
+        self.gaps_skipped += 1
+        log.warning("token gap could not be repaired", request_id=self.request_id, missing_from=self.next_index)
+        if self._ahead:
+            first = min(self._ahead)
+            self._deliver(self._ahead.pop(first))
+        elif self._final is not None:
+            self._end(self._final)
 
     def fail(self, error: StreamfleetError) -> None:
         """End the request with an error the gateway decided on."""
@@ -121,21 +166,55 @@ class RequestStream:
 
     def _end(self, ev: StreamEvent) -> None:
         self.finished = True
+        self._ahead.clear()
+        self._final = None
         self._queue.put_nowait(ev)
 
     # -- consuming -----------------------------------------------------------------------
+    async def _read_log(self, block_ms: int | None) -> None:
+        if self.log_reader is None:
+            return
+        try:
+            entries = await self.log_reader(self._log_pos if self.follow else b"0-0", block_ms)
+        except UnavailableError as exc:
+            self.fail(exc)
+            return
+        before = self.gap_open
+        for entry_id, ev in entries:
+            if self.follow:
+                self._log_pos = entry_id
+            self.feed(ev)
+        if before and not self.gap_open:
+            self.gaps_repaired += 1
+
     async def next(self) -> StreamEvent:
         """The next event; ``Failed(timeout)`` when the deadline or stall limit passes."""
-        if self._queue.empty():
-            if self.next_index == 0:
+        while self._queue.empty():
+            if self.follow:
+                await self._read_log(FOLLOW_BLOCK_MS)
+                if self._queue.empty() and time.monotonic() - self._last_event > self.stall_timeout_s:
+                    self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
+                continue
+            if self.gap_open:
+                await self._read_log(None)
+                if self._queue.empty() and self.gap_open:
+                    self._skip_gap()
+                continue
+            if not self.started:
                 wait = max(0.0, self.deadline - time.time()) + CANCEL_GRACE_S
             else:
-                wait = self.stall_timeout_s
+                wait = min(CATCH_UP_AFTER_S, self.stall_timeout_s)
             try:
                 return await asyncio.wait_for(self._queue.get(), wait)
             except asyncio.TimeoutError:
-                what = "waiting in the queue" if self.next_index == 0 else "without a token"
-                self.fail(GenerationError(f"the request timed out {what}", code=ErrorCode.timeout))
+                pass
+            if not self.started:
+                self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))
+            else:  # silence: pub/sub may have lost a message; the log has it
+                await self._read_log(None)
+                if self._queue.empty() and not self.gap_open and \
+                        time.monotonic() - self._last_event > self.stall_timeout_s:
+                    self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
         return self._queue.get_nowait()
 
     def __aiter__(self):
@@ -167,16 +246,26 @@ class ReplyChannel:
 
     async def open(self) -> "ReplyChannel":
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
-        await self.broker.register(self.connection_id, self._route)
+        await self.broker.register(self.connection_id, self)
         return self
 
-    def _route(self, events: list[Event]) -> None:
+    # -- called by the broker's reader ----------------------------------------------------
+    def route(self, events: list[Event]) -> None:
         for ev in events:
             stream = self.streams.get(ev.request_id)
-            if stream is not None:
+            if stream is not None and not stream.follow:
                 stream.feed(ev)
-                if stream.finished:
-                    self.streams.pop(ev.request_id, None)
+
+    def broker_lost(self) -> None:
+        for stream in list(self.streams.values()):
+            stream.fail(UnavailableError("lost the connection to the message broker; the request was "
+                                         "interrupted", retry_after_ms=1000))
+
+    # -- requests -----------------------------------------------------------------------------
+    def _reader(self, request_id: str) -> LogReader:
+        async def read(after: bytes, block_ms: int | None) -> list[tuple[bytes, Event]]:
+            return await self.broker.read_log(request_id, after, block_ms)
+        return read
 
     async def submit(self, request: Any) -> tuple[RequestStream, int]:
         """Enqueue a validated request; returns its stream and the lane depth.
@@ -186,7 +275,8 @@ class ReplyChannel:
         """
         rid = uuid.uuid4().hex
         task = request.to_task(self.connection_id, request_id=rid)
-        stream = RequestStream(rid, request, deadline=task.deadline or (time.time() + 3600),
+        stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
+                               deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
                                stall_timeout_s=self.stall_timeout_s)
         stream.trace_id = task.trace_id
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
@@ -198,6 +288,33 @@ class ReplyChannel:
         log.info("request accepted", request_id=rid, trace_id=task.trace_id, model=task.model, lane=task.lane,
                  prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id)
         return stream, depth
+
+    async def resume(self, request_id: str, client_id: str, from_index: int) -> RequestStream:
+        """Follow a request started on any connection of any gateway, from ``from_index``.
+
+        Raises:
+            NotFoundError: no log for it (unknown id, or the log expired).
+        """
+        if not await self.broker.log_exists(request_id):
+            raise NotFoundError(f"no request {request_id!r} to resume (unknown, or its log expired)",
+                                code=ErrorCode.unknown_request, param="request_id")
+        stream = RequestStream(request_id, client_id, deadline=time.time() + 3600,
+                               log_reader=self._reader(request_id), follow=True, next_index=from_index,
+                               stall_timeout_s=self.stall_timeout_s)
+        self.streams[request_id] = stream
+        self._spawn(self._keep_attached(stream))
+        log.info("request resumed", request_id=request_id, from_index=from_index, connection_id=self.connection_id)
+        return stream
+
+    async def _keep_attached(self, stream: RequestStream) -> None:
+        while not stream.finished:
+            await self.broker.mark_attached(stream.request_id, 15.0)
+            await asyncio.sleep(5.0)
+
+    def release(self, stream: RequestStream) -> None:
+        """The adapter delivered the stream's final event."""
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
 
     def cancel(self, stream: RequestStream, reason: str = "client") -> None:
         """Interrupt a request: workers stop it within one decode step; if no worker answers
@@ -212,25 +329,67 @@ class ReplyChannel:
         await self.broker.cancel(stream.request_id, reason)
         await asyncio.sleep(CANCEL_GRACE_S)
         stream.end_cancelled()
-        self.streams.pop(stream.request_id, None)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def close(self, reason: str = "disconnect") -> None:
-        """Unsubscribe and cancel whatever is still running."""
+    async def close(self, reason: str = "disconnect", grace_s: float = 0.0) -> None:
+        """The client is gone: cancel what it still has running (after ``grace_s``, during
+        which it may resume elsewhere; a request followed elsewhere is left alone), then
+        unsubscribe."""
         if self.closed:
             return
         self.closed = True
-        pending = [s for s in self.streams.values() if not s.finished]
-        for s in pending:
-            s.cancel_requested = True
-        await asyncio.gather(*(self.broker.cancel(s.request_id, reason) for s in pending), return_exceptions=True)
-        for s in pending:
-            s.end_cancelled()
-        self.streams.clear()
         for t in list(self._tasks):
             t.cancel()
+        own = [s for s in self.streams.values() if not s.finished and not s.follow]
+        if own and grace_s > 0:
+            self._spawn_detached(self._close_later(own, reason, grace_s))
+            return
+        await self._cancel_all(own, reason)
         await self.broker.unregister(self.connection_id)
+
+    async def _cancel_all(self, streams: list[RequestStream], reason: str) -> None:
+        await asyncio.gather(*(self.broker.cancel(s.request_id, reason) for s in streams), return_exceptions=True)
+        for s in streams:
+            s.cancel_requested = True
+            s.end_cancelled()
+
+    def _spawn_detached(self, coro) -> None:
+        # outlives the connection's own tasks; kept referenced until done
+        t = asyncio.create_task(coro)
+        _DETACHED.add(t)
+        t.add_done_callback(_DETACHED.discard)
+
+    async def _close_later(self, streams: list[RequestStream], reason: str, grace_s: float) -> None:
+        """Keep the channel subscribed (so workers see a listener) while the requests may
+        still be resumed; then cancel those nobody took over."""
+        try:
+            deadline = time.monotonic() + grace_s
+            while True:
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                for s in streams:  # drain what arrived: only the log matters now
+                    while not s._queue.empty():
+                        ev = s._queue.get_nowait()
+                        if isinstance(ev, (End, Failed)):
+                            s.finished = True
+                streams = [s for s in streams if not s.finished]
+                if not streams:
+                    break
+                if time.monotonic() >= deadline:
+                    attached = [s for s in streams if await self.broker.is_attached(s.request_id)]
+                    abandoned = [s for s in streams if s not in attached]
+                    if abandoned:
+                        log.info("resume grace over; cancelling", count=len(abandoned))
+                        await self._cancel_all(abandoned, reason)
+                    streams = attached
+                    if not streams:
+                        break
+                    deadline = time.monotonic() + grace_s
+        finally:
+            await self.broker.unregister(self.connection_id)
+
+
+_DETACHED: set[asyncio.Task] = set()

@@ -14,7 +14,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from shared.errors import ErrorCode, RefusedError, StreamfleetError
 from shared.logging import get_logger
 
-from gateway.protocol import Cancel, ConnectionProtocol, Output, Send, Submit, accepted_frame, render
+from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
 from gateway.streams import ReplyChannel, RequestStream
 
 __all__ = ["websocket_stream"]
@@ -43,9 +43,9 @@ class WebSocketSession:
             if isinstance(out, Send):
                 self.send(out.frame)
             elif isinstance(out, Submit):
-                t = asyncio.create_task(self._run_request(out.request))
-                self.tasks.add(t)
-                t.add_done_callback(self.tasks.discard)
+                self._spawn(self._run(out.request.client_id, self._submit(out.request)))
+            elif isinstance(out, Resume):
+                self._spawn(self._run(out.client_id, self._resume(out)))
             elif isinstance(out, Cancel):
                 stream = self.streams.get(out.client_id)
                 if stream is None:
@@ -53,21 +53,39 @@ class WebSocketSession:
                 else:
                     self.channel.cancel(stream)
 
-    async def _run_request(self, request) -> None:
-        cid = request.client_id
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def _submit(self, request) -> RequestStream:
+        stream, depth = await self.channel.submit(request)
+        self.send(accepted_frame(request.client_id, stream.request_id, depth))
+        return stream
+
+    async def _resume(self, r: Resume) -> RequestStream:
+        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index)
+        frame = accepted_frame(r.client_id, r.request_id, 0)
+        frame["resumed_from"] = r.from_index
+        self.send(frame)
+        return stream
+
+    async def _run(self, cid: str, opening) -> None:
+        """Open a stream (submit or resume), then render its events until it ends."""
+        stream: RequestStream | None = None
         try:
             try:
-                stream, depth = await self.channel.submit(request)
+                stream = await opening
             except StreamfleetError as exc:
                 self.send(exc.to_frame(cid))
                 return
             self.streams[cid] = stream
-            self.send(accepted_frame(cid, stream.request_id, depth))
             if cid in self.cancel_early:
                 self.cancel_early.discard(cid)
                 self.channel.cancel(stream)
             async for ev in stream:
                 self.send(render(cid, stream.request_id, ev))
+            self.channel.release(stream)
         finally:
             self.streams.pop(cid, None)
             self.proto.finished(cid)
@@ -119,6 +137,7 @@ class WebSocketSession:
         idle_since = opened
         receiver: asyncio.Future | None = None
         close: tuple[int, str] | None = None
+        dropped = False
         try:
             while True:
                 now = time.monotonic()
@@ -143,6 +162,8 @@ class WebSocketSession:
                     continue
                 msg, receiver = receiver.result(), None
                 if msg["type"] == "websocket.disconnect":
+                    # 1006: the connection dropped without a close frame; the client may resume
+                    dropped = msg.get("code") == 1006
                     break
                 if msg.get("text") is not None:
                     self.dispatch(self.proto.receive_text(msg["text"]))
@@ -155,7 +176,7 @@ class WebSocketSession:
         finally:
             if receiver is not None:
                 receiver.cancel()
-            await self.channel.close()
+            await self.channel.close("disconnect", grace_s=s.ws_resume_grace_s if dropped else 0.0)
             for t in list(self.tasks):
                 t.cancel()
             self.outbox.put_nowait(None)

@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     binary_frame = "binary_frame"
     too_many_requests = "too_many_requests"
     unknown_model = "unknown_model"
+    unknown_request = "unknown_request"
     unauthorized = "unauthorized"
     forbidden = "forbidden"
     rate_limited = "rate_limited"
@@ -79,6 +80,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.binary_frame: 400,
     ErrorCode.too_many_requests: 429,
     ErrorCode.unknown_model: 404,
+    ErrorCode.unknown_request: 404,
     ErrorCode.unauthorized: 401,
     ErrorCode.forbidden: 403,
     ErrorCode.rate_limited: 429,

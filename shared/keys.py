@@ -45,6 +45,10 @@ class Keys:
     def log(self, request_id: str) -> str:
         return f"{self.prefix}:log:{request_id}"
 
+    def attach(self, request_id: str) -> str:
+        """Set (with a TTL) while a resumed client follows the request on some gateway."""
+        return f"{self.prefix}:attach:{request_id}"
+
     def workers(self, model: str) -> str:
         return f"{self.prefix}:workers:{model}"
 

@@ -29,6 +29,9 @@ class CommonSettings(BaseSettings):
     log_prompts: bool = False
     #: seconds a worker heartbeat stays valid
     worker_ttl_s: float = 10.0
+    #: request event logs (sf:log:{request_id}) for resume and gap repair
+    log_ttl_s: float = 600.0
+    log_maxlen: int = 10_000
     #: redis-py socket timeout for plain commands (blocking reads add their block time)
     redis_socket_timeout_s: float = 5.0
     #: API-key tier overrides as JSON, e.g. '{"free": {"requests_per_minute": 20}}'
@@ -66,6 +69,11 @@ class GatewaySettings(CommonSettings):
     ws_max_age_s: float = 3600.0
     #: ... and regardless of what is in flight this long after that
     ws_max_age_grace_s: float = 60.0
+    #: a WebSocket that drops without a close frame keeps its requests running this long,
+    #: so the client can resume them (on any gateway); a clean close cancels at once
+    ws_resume_grace_s: float = 30.0
+    #: the same for an SSE response whose client disconnects (0: cancel at once)
+    sse_resume_grace_s: float = 0.0
     #: allowed Origin headers for WebSockets, comma separated (empty = any)
     allowed_origins: str = ""
     #: default request timeout (queue deadline), seconds
@@ -93,5 +101,12 @@ class WorkerSettings(CommonSettings):
     threads: int = 0
     #: echo engine: per-step delay
     echo_delay_ms: float = 0.0
+    #: a delivery idle this long (its worker stopped refreshing it) is reclaimed by another worker
+    claim_idle_ms: int = 10_000
+    reclaim_interval_s: float = 1.0
+    #: deliveries after which a task goes to the dead-letter stream
+    max_deliveries: int = 3
+    #: SIGTERM: finish in-flight work for this long, then hand the rest back
+    drain_timeout_s: float = 30.0
     #: metrics / health port (0 = none)
     metrics_port: int = 0

@@ -33,7 +33,7 @@ from shared.keys import GROUP, LANES, Keys
 from shared.logging import get_logger
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 from shared.redis import BROKER_ERRORS, connect
-from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, encode_events
+from shared.schema import Cancel, ErrorEvent, Event, Task, TokenEvent, encode_events
 from shared.settings import WorkerSettings
 
 from workers.core import WorkerCore
@@ -46,6 +46,15 @@ log = get_logger("worker")
 
 #: how long a cancel for a request this worker has not seen yet is remembered
 CANCEL_MEMORY_S = 300.0
+
+#: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
+#: delivery, atomically. KEYS[1] lane; ARGV[1] group, ARGV[2] message id, ARGV[3] task.
+REQUEUE_LUA = """
+redis.call('XADD', KEYS[1], '*', 'task', ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 @dataclass(slots=True)
@@ -115,8 +124,10 @@ class WorkerProcess:
         self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
         await self._wait_for_redis()
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch)
+        self._requeue = self.redis.register_script(REQUEUE_LUA)
         aux = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-               asyncio.create_task(self._cancel_loop(), name="cancels")]
+               asyncio.create_task(self._cancel_loop(), name="cancels"),
+               asyncio.create_task(self._reclaim_loop(), name="reclaim")]
         try:
             await self._main_loop()
         finally:
@@ -144,10 +155,17 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         core = self.core
         backoff = 0.1
+        drain_deadline: float | None = None
         while True:
             stopping = self._stopping.is_set()
-            if stopping and not core.has_work():
-                return
+            if stopping:
+                if drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+                    log.info("draining: no new tasks", in_flight=core.active,
+                             drain_timeout_s=self.settings.drain_timeout_s)
+                if not core.has_work() or time.monotonic() >= drain_deadline:
+                    await self._hand_back()
+                    return
             self._apply_cancels()
             try:
                 if not stopping and core.free_slots > 0:
@@ -253,18 +271,119 @@ class WorkerProcess:
         except BROKER_ERRORS as exc:
             log.warning("dead-lettering failed", error=str(exc))
 
+    # -- drain ---------------------------------------------------------------------------
+    async def _hand_back(self) -> None:
+        """Give every unfinished task back to its lane so another worker runs it."""
+        loop = asyncio.get_running_loop()
+        tasks = await loop.run_in_executor(self._executor, self.core.abandon_all)
+        items = [(fl.lane, fl.message_id, fl.task.encode()) for t in tasks
+                 if (fl := self.inflight.pop(t.request_id, None)) is not None]
+        items += [(lane, mid, fields.get(b"task", b"")) for lane, mid, fields in self._held]
+        self._held = []
+        for lane, mid, raw in items:
+            try:
+                await self._requeue(keys=[self.lane_keys[lane]], args=[GROUP, mid, raw])
+            except BROKER_ERRORS as exc:  # it stays pending here and is reclaimed after the idle threshold
+                log.warning("hand-back failed", message_id=mid.decode(), error=str(exc))
+        if items:
+            log.info("handed back unfinished tasks", count=len(items))
+
+    # -- reclaiming tasks of dead workers ---------------------------------------------------
+    async def _reclaim_loop(self) -> None:
+        s = self.settings
+        while True:
+            await asyncio.sleep(s.reclaim_interval_s)
+            if self._stopping.is_set():
+                continue
+            try:
+                await self._refresh_own()
+                await self._reclaim()
+            except BROKER_ERRORS as exc:
+                log.warning("reclaim failed", error=str(exc))
+            except ResponseError as exc:
+                log.warning("reclaim failed", error=str(exc))
+
+    async def _refresh_own(self) -> None:
+        """Reset the idle time of this worker's own deliveries (XCLAIM JUSTID does not
+        count a delivery), so a long generation is never taken from a live worker."""
+        by_lane: dict[str, list[bytes]] = defaultdict(list)
+        for fl in self.inflight.values():
+            by_lane[fl.lane].append(fl.message_id)
+        for lane, mid, _ in self._held:
+            by_lane[lane].append(mid)
+        if not by_lane:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane, ids in by_lane.items():
+                pipe.xclaim(self.lane_keys[lane], GROUP, self.worker_id, 0, ids, justid=True)
+            await pipe.execute()
+
+    async def _reclaim(self) -> None:
+        s = self.settings
+        free = self.core.free_slots - len(self._held)
+        for lane in LANES:
+            if free <= 0:
+                return
+            key = self.lane_keys[lane]
+            res = await self.redis.xautoclaim(key, GROUP, self.worker_id, s.claim_idle_ms, "0-0", count=free)
+            entries = res[1] if res else []
+            for mid, fields in entries:
+                if fields is None:
+                    continue
+                info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
+                deliveries = info[0]["times_delivered"] if info else 1
+                if deliveries > s.max_deliveries:
+                    await self._give_up(lane, mid, fields, deliveries)
+                    continue
+                log.warning("reclaimed a task from a silent worker", message_id=mid.decode(), lane=lane,
+                            deliveries=deliveries)
+                self._held.append((lane, mid, fields))
+                free -= 1
+
+    async def _give_up(self, lane: str, mid: bytes, fields: dict, deliveries: int) -> None:
+        raw = fields.get(b"task", b"")
+        reason = f"delivered {deliveries} times without finishing (max {self.settings.max_deliveries})"
+        try:
+            task = Task.decode(raw)
+        except ValueError:
+            task = None
+        await self._dead_letter(lane, mid, raw, reason)
+        if task is not None:
+            log.error("task dead-lettered", request_id=task.request_id, trace_id=task.trace_id, reason=reason)
+            ev = ErrorEvent(task.request_id, "delivery_failed",
+                            f"the request failed on {deliveries} workers in a row and was given up")
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.publish(self.keys.reply(task.reply_to), encode_events([ev]))
+                self._log_events(pipe, [ev])
+                await pipe.execute()
+
+    def _log_events(self, pipe, events: list[Event]) -> None:
+        """Append events to their request logs (``sf:log:{request_id}``) in ``pipe``."""
+        s = self.settings
+        for ev in events:
+            key = self.keys.log(ev.request_id)
+            pipe.xadd(key, {"e": orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS)},
+                      maxlen=s.log_maxlen, approximate=True)
+            if not isinstance(ev, TokenEvent) or ev.index % 64 == 0:
+                pipe.expire(key, int(s.log_ttl_s))
+
     # -- publishing ----------------------------------------------------------------------
     async def _publish(self, out) -> None:
+        """One pipeline per step: log every event, PUBLISH each connection's events, XACK +
+        XDEL finished tasks. The log entries go first, so a gateway that sees a message can
+        already find it (and anything before it) in the log."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         rids_by_channel: dict[str, set[str]] = defaultdict(set)
         for reply_to, ev in out.events:
             by_channel[reply_to].append(ev)
             rids_by_channel[reply_to].add(ev.request_id)
         channels = list(by_channel)
+        acked = []
         async with self.redis.pipeline(transaction=False) as pipe:
+            self._log_events(pipe, [ev for _, ev in out.events])
+            first_publish = len(pipe)
             for ch in channels:
                 pipe.publish(self.keys.reply(ch), encode_events(by_channel[ch]))
-            acked = []
             for rid in out.finished:
                 fl = self.inflight.pop(rid, None)
                 if fl is None:
@@ -276,7 +395,7 @@ class WorkerProcess:
         for fl in acked:
             log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id)
         # a PUBLISH that reached nobody: the connection (or its gateway) is gone
-        for ch, receivers in zip(channels, results[: len(channels)]):
+        for ch, receivers in zip(channels, results[first_publish:first_publish + len(channels)]):
             if receivers == 0:
                 for rid in rids_by_channel[ch]:
                     if rid in self.inflight:
