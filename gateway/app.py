@@ -16,6 +16,7 @@ from shared.modelrepo import ModelRepository
 from shared.settings import GatewaySettings
 
 from gateway import demo, openai
+from gateway.admission import Admission
 from gateway.broker import Broker
 from gateway.validation import Validator
 from gateway.ws import websocket_stream
@@ -32,6 +33,7 @@ class Hub:
     settings: GatewaySettings
     validator: Validator
     broker: Broker
+    admission: Admission
     #: WebSocket connections open on this process
     connections: int = 0
 
@@ -44,11 +46,14 @@ def json_response(data: object, status_code: int = 200, headers: dict[str, str] 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     repo = ModelRepository(settings.engines_dir)
-    hub = Hub(settings=settings, validator=Validator(settings, repo), broker=Broker(settings))
+    broker = Broker(settings)
+    hub = Hub(settings=settings, validator=Validator(settings, repo), broker=broker,
+              admission=Admission(settings, broker))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await hub.broker.start()
+        hub.admission.start()
         # load tokenizers up front so the first request is not slow
         for name in hub.validator.model_names():
             try:

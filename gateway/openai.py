@@ -168,6 +168,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     hub = request.app.state.hub
     try:
         raw = await request.body()
+        ticket = None
         if len(raw) > hub.settings.max_frame_bytes:
             raise ValidationError(f"body of {len(raw)} bytes exceeds the limit of {hub.settings.max_frame_bytes}",
                                   code=ErrorCode.frame_too_large)
@@ -176,6 +177,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         except orjson.JSONDecodeError as exc:
             raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
         stream_mode, include_usage = _stream_flags(body)
+        identity = await hub.admission.authenticate(request.headers.get("authorization"))
         resume = _last_event_id(request)
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
@@ -192,19 +194,28 @@ async def _generate(request: Request, chat: bool) -> Response:
             payload = _payload(body, request, chat)
             valid = hub.validator.generate(payload)
             model = valid.model
-            channel = await ReplyChannel(hub.broker).open()
+            ticket = await hub.admission.admit(identity, valid)
             try:
-                stream, _depth = await channel.submit(valid)
+                channel = await ReplyChannel(hub.broker).open()
+            except BaseException:
+                await hub.admission.release(ticket)
+                raise
+            try:
+                stream, _depth = await channel.submit(valid, ticket.request_id)
             except BaseException:
                 await channel.close()
+                await hub.admission.release(ticket)
                 raise
     except StreamfleetError as exc:
         return openai_error_response(exc)
     shape = _Shape(chat, stream.request_id, model)
     if stream_mode:
-        return StreamingResponse(_sse_events(hub, channel, stream, shape, include_usage),
+        return StreamingResponse(_sse_events(hub, channel, stream, shape, include_usage, ticket),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    return await _collect(request, channel, stream, shape)
+    try:
+        return await _collect(request, channel, stream, shape)
+    finally:
+        await hub.admission.release(ticket)
 
 
 async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
@@ -213,7 +224,7 @@ async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
 
 
 async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: _Shape,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, ticket=None) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
     try:
         if shape.chat:
@@ -246,6 +257,8 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: 
                 return
     finally:
         await _close(channel, hub.settings.sse_resume_grace_s)
+        with anyio.CancelScope(shield=True):
+            await hub.admission.release(ticket)
 
 
 async def _collect(request: Request, channel: ReplyChannel, stream: RequestStream, shape: _Shape) -> Response:
@@ -295,6 +308,10 @@ async def chat_completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """Models that have at least one live worker."""
     hub = request.app.state.hub
+    try:
+        await hub.admission.authenticate(request.headers.get("authorization"))
+    except StreamfleetError as exc:
+        return openai_error_response(exc)
     data = []
     try:
         for name in hub.validator.model_names():

@@ -267,13 +267,13 @@ class ReplyChannel:
             return await self.broker.read_log(request_id, after, block_ms)
         return read
 
-    async def submit(self, request: Any) -> tuple[RequestStream, int]:
+    async def submit(self, request: Any, request_id: str | None = None) -> tuple[RequestStream, int]:
         """Enqueue a validated request; returns its stream and the lane depth.
 
         Raises:
             StreamfleetError: refused (overload, broker down).
         """
-        rid = uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         task = request.to_task(self.connection_id, request_id=rid)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),

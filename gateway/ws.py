@@ -34,6 +34,8 @@ class WebSocketSession:
         self.cancel_early: set[str] = set()  # cancelled before the submit finished
         self.outbox: asyncio.Queue[dict | None] = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
+        self.identity = None  # the API key's identity (None with auth off)
+        self.tickets: dict = {}
 
     def send(self, frame: dict) -> None:
         self.outbox.put_nowait(frame)
@@ -59,7 +61,14 @@ class WebSocketSession:
         t.add_done_callback(self.tasks.discard)
 
     async def _submit(self, request) -> RequestStream:
-        stream, depth = await self.channel.submit(request)
+        admission = self.hub.admission
+        ticket = await admission.admit(self.identity, request)
+        try:
+            stream, depth = await self.channel.submit(request, ticket.request_id)
+        except BaseException:
+            await admission.release(ticket)
+            raise
+        self.tickets[request.client_id] = ticket
         self.send(accepted_frame(request.client_id, stream.request_id, depth))
         return stream
 
@@ -89,6 +98,9 @@ class WebSocketSession:
         finally:
             self.streams.pop(cid, None)
             self.proto.finished(cid)
+            ticket = self.tickets.pop(cid, None)
+            if ticket is not None:
+                await self.hub.admission.release(ticket)
 
     async def _send_loop(self) -> None:
         while True:
@@ -114,6 +126,12 @@ class WebSocketSession:
             await self._refuse(RefusedError("this gateway holds too many connections; retry another or later",
                                             code=ErrorCode.overloaded, retry_after_ms=1000),
                                1013, "too many connections; try again later")
+            return
+        try:
+            self.identity = await self.hub.admission.authenticate(self.ws.headers.get("authorization"),
+                                                                  self.ws.query_params.get("api_key"))
+        except StreamfleetError as exc:
+            await self._refuse(exc, 1008, "unauthorized" if exc.status == 401 else exc.code)
             return
         self.hub.connections += 1
         try:

@@ -1,0 +1,108 @@
+"""API keys, tiers and shared rate limits through real gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import openai
+import orjson
+import pytest
+import websockets
+
+from tests.integration.wsclient import Client
+
+TIERS = ('{"test": {"requests_per_minute": 1, "burst": 6, "max_streams": null, "max_lane": "normal"},'
+         ' "solo": {"requests_per_minute": 600, "burst": 50, "max_streams": 1, "max_lane": "high"}}')
+
+
+def add_key(fleet, name: str, tier: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "add", name, "--tier", tier],
+                         env=fleet.env(tiers=TIERS), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+async def test_keys_are_required_and_checked(fleet):
+    gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
+    fleet.worker(backend="echo")
+    key = add_key(fleet, "alice", "free")
+    # HTTP: missing and wrong keys get 401 in OpenAI's shape
+    async with httpx.AsyncClient() as http:
+        r = await http.post(gw.http + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        assert "Authorization: Bearer" in r.json()["error"]["message"]
+        r = await http.post(gw.http + "/v1/completions", json={"prompt": "hi"},
+                            headers={"Authorization": "Bearer sf-000000000000-nope"})
+        assert r.status_code == 401
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key=key, max_retries=0)
+    c = await client.completions.create(model="tiny-gpt", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 3
+    # the free tier may not use the high lane
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        await client.completions.create(model="tiny-gpt", prompt="hi", max_tokens=3,
+                                        extra_headers={"X-Priority": "high"})
+    assert e.value.body["code"] == "forbidden"
+    await client.close()
+    # WebSocket: no key → error frame and close 1008; ?api_key= works for browsers
+    ws = await websockets.connect(gw.ws)
+    assert orjson.loads(await ws.recv())["code"] == "unauthorized"
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await ws.recv()
+    assert e.value.rcvd.code == 1008
+    ok = await Client.connect(gw.ws + "?api_key=" + key)
+    res = await ok.generate("a", max_tokens=2, ignore_eos=True)
+    assert res.end["type"] == "done"
+    await ok.close()
+    # revoked keys stop working (within the gateway's key cache TTL)
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "revoke", "alice"], env=fleet.env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    await asyncio.sleep(5.5)
+    async with httpx.AsyncClient() as http:
+        r = await http.post(gw.http + "/v1/completions", json={"prompt": "hi"},
+                            headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 401
+
+
+async def test_two_gateways_share_one_budget_per_key(fleet):
+    gws = [fleet.gateway(auth_enabled="true", tiers=TIERS) for _ in range(2)]
+    fleet.worker(backend="echo")
+    key = add_key(fleet, "bob", "test")
+    statuses = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        async def one(i):
+            gw = gws[i % 2]
+            r = await http.post(gw.http + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "rate_limited"
+                assert int(r.headers["retry-after"]) >= 1
+            return r.status_code
+
+        statuses = await asyncio.gather(*(one(i) for i in range(16)))
+    assert statuses.count(200) == 6  # the burst, exactly, over both gateways
+    assert statuses.count(429) == 10
+    # and on the WebSocket the refusal carries retry_after_ms
+    c = await Client.connect(gws[0].ws + "?api_key=" + key)
+    res = await c.generate("x", max_tokens=2)
+    assert res.end["code"] == "rate_limited" and res.end["retry_after_ms"] > 0
+    await c.close()
+
+
+async def test_concurrent_stream_cap(fleet):
+    gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
+    fleet.worker(backend="echo", echo_delay_ms=20)
+    key = add_key(fleet, "carol", "solo")
+    c = await Client.connect(gw.ws + "?api_key=" + key)
+    first = c.start("one", max_tokens=30, ignore_eos=True)
+    while not c.results["one"].accepted:
+        await asyncio.sleep(0.01)
+    second = await c.generate("two", max_tokens=2)
+    assert second.end["code"] == "too_many_requests" and second.end["status"] == 429
+    assert (await asyncio.wait_for(first, 30)).end["type"] == "done"
+    third = await c.generate("three", max_tokens=2, ignore_eos=True)  # the slot was released
+    assert third.end["type"] == "done"
+    await c.close()
