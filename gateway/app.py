@@ -36,6 +36,14 @@ class Hub:
     admission: Admission
     #: WebSocket connections open on this process
     connections: int = 0
+    #: SIGTERM received: refuse new work, let streams finish
+    draining: bool = False
+    #: the drain deadline passed: close what is left
+    drain_expired: bool = False
+
+    def active_streams(self) -> int:
+        """Requests this process still streams (WebSocket and HTTP)."""
+        return self.broker.active_streams()
 
 
 def json_response(data: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -72,6 +80,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz():
+        if hub.draining:
+            return json_response({"status": "draining"}, status_code=503)
         if not await hub.broker.ping():
             return json_response({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
         models = {}

@@ -198,6 +198,9 @@ class Broker:
         except BROKER_ERRORS as exc:
             log.warning("cancel not delivered", request_id=request_id, error=str(exc))
 
+    def active_streams(self) -> int:
+        return sum(len(getattr(listener, "streams", ())) for listener in self._routes.values())
+
     # -- request logs (resume, gap repair) ---------------------------------------------
     async def read_log(self, request_id: str, after: bytes = b"0-0", block_ms: int | None = None,
                        ) -> list[tuple[bytes, Event]]:

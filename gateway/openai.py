@@ -22,7 +22,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shared.errors import ErrorCode, StreamfleetError, ValidationError
+from shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
 from shared.logging import get_logger
 
 from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
@@ -167,6 +167,9 @@ def _last_event_id(request: Request) -> tuple[str, int] | None:
 async def _generate(request: Request, chat: bool) -> Response:
     hub = request.app.state.hub
     try:
+        if hub.draining:
+            raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
+                                   code=ErrorCode.shutting_down)
         raw = await request.body()
         ticket = None
         if len(raw) > hub.settings.max_frame_bytes:

@@ -31,9 +31,44 @@ async def _announce(server: uvicorn.Server, port_file: str | None) -> None:
         tmp.replace(port_file)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT meaning "drain" (STYLE habit 9): stop listening, let
+    streams finish until ``drain_timeout_s``, close WebSockets with 1001, then exit. A
+    second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, hub) -> None:
+        super().__init__(config)
+        self.hub = hub
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.hub.draining or not self.started:
+            return super().handle_exit(sig, frame)
+        self.hub.draining = True
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))
+
+    async def _drain(self) -> None:
+        hub = self.hub
+        s = hub.settings
+        for srv in self.servers:  # no new connections
+            srv.close()
+        log.info("draining", streams=hub.active_streams(), connections=hub.connections,
+                 drain_timeout_s=s.drain_timeout_s)
+        deadline = asyncio.get_running_loop().time() + s.drain_timeout_s
+        while hub.active_streams() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        hub.drain_expired = True  # sessions close with 1001 now, whatever they still run
+        while hub.connections and asyncio.get_running_loop().time() < deadline + 3:
+            await asyncio.sleep(0.05)
+        log.info("drained", streams_left=hub.active_streams(), connections_left=hub.connections)
+        self.should_exit = True
+
+
 async def serve(settings: GatewaySettings, port_file: str | None = None) -> None:
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         ws="websockets-sansio",  # the `websockets` library's sans-I/O protocol
@@ -43,9 +78,9 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> None
         log_config=None,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.hub)
     announce = asyncio.create_task(_announce(server, port_file))
     await server.serve()
     announce.cancel()

@@ -11,7 +11,7 @@ import time
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from shared.errors import ErrorCode, RefusedError, StreamfleetError
+from shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from shared.logging import get_logger
 
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
@@ -61,6 +61,9 @@ class WebSocketSession:
         t.add_done_callback(self.tasks.discard)
 
     async def _submit(self, request) -> RequestStream:
+        if self.hub.draining:
+            raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
+                                   code=ErrorCode.shutting_down)
         admission = self.hub.admission
         ticket = await admission.admit(self.identity, request)
         try:
@@ -159,6 +162,9 @@ class WebSocketSession:
         try:
             while True:
                 now = time.monotonic()
+                if self.hub.draining and (not self.proto.in_flight or self.hub.drain_expired):
+                    close = (1001, "gateway shutting down; reconnect to another")
+                    break
                 if self.proto.in_flight:
                     idle_since = now
                     deadline = age_limit if now < age_limit else hard_limit
@@ -180,8 +186,9 @@ class WebSocketSession:
                     continue
                 msg, receiver = receiver.result(), None
                 if msg["type"] == "websocket.disconnect":
-                    # 1006: the connection dropped without a close frame; the client may resume
-                    dropped = msg.get("code") == 1006
+                    # the connection dropped without a close frame (uvicorn reports 1005 or 1006):
+                    # the client may come back and resume; a close frame with a code cancels at once
+                    dropped = msg.get("code") in (1005, 1006)
                     break
                 if msg.get("text") is not None:
                     self.dispatch(self.proto.receive_text(msg["text"]))

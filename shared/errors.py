@@ -58,6 +58,7 @@ class ErrorCode(StrEnum):
     overloaded = "overloaded"
     broker_unavailable = "broker_unavailable"
     no_workers = "no_workers"
+    shutting_down = "shutting_down"
     engine_error = "engine_error"
     delivery_failed = "delivery_failed"
     timeout = "timeout"
@@ -87,6 +88,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.overloaded: 429,
     ErrorCode.broker_unavailable: 503,
     ErrorCode.no_workers: 503,
+    ErrorCode.shutting_down: 503,
     ErrorCode.engine_error: 500,
     ErrorCode.delivery_failed: 500,
     ErrorCode.timeout: 504,

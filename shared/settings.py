@@ -78,6 +78,8 @@ class GatewaySettings(CommonSettings):
     allowed_origins: str = ""
     #: default request timeout (queue deadline), seconds
     request_timeout_s: float = 120.0
+    #: SIGTERM: let streams finish for this long, then close what is left (1001)
+    drain_timeout_s: float = 30.0
     #: SSE comment sent after this many seconds without an event
     sse_keepalive_s: float = 15.0
     ws_ping_interval_s: float = 20.0

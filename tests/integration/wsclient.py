@@ -82,6 +82,14 @@ class Client:
         asyncio.ensure_future(self.send(frame))
         return fut
 
+    def resume(self, id: str, request_id: str, from_index: int) -> asyncio.Future:
+        self.results[id] = Result(id)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[id] = fut
+        asyncio.ensure_future(self.send({"type": "resume", "id": id, "request_id": request_id,
+                                         "from_index": from_index}))
+        return fut
+
     async def generate(self, id: str, prompt: str = "Once upon a time", timeout: float = 60, **fields) -> Result:
         return await asyncio.wait_for(self.start(id, prompt, **fields), timeout)
 
