@@ -120,14 +120,24 @@ class Broker:
         except BROKER_ERRORS:
             pass  # the subscription dies with the connection anyway
 
+    async def _resubscribe(self) -> None:
+        """A fresh pub/sub connection with every current subscription (redis-py's PubSub
+        does not come back by itself once its connection is closed)."""
+        old, self._pubsub = self._pubsub, self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await old.aclose()
+        except Exception:
+            pass
+        await self._pubsub.subscribe(self.control_channel, *self._routes)
+        log.info("pub/sub connection restored", channels=len(self._routes) + 1)
+
     async def _read_loop(self) -> None:
         backoff = 0.05
-        ps = self._pubsub
         while not self._closing:
             try:
-                if not ps.subscribed:
-                    await ps.subscribe(self.control_channel)
-                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if not self.healthy:
+                    await self._resubscribe()
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 self.healthy = True
                 backoff = 0.05
             except asyncio.CancelledError:
