@@ -1,0 +1,124 @@
+"""RequestStream: exactly-once, in-order delivery from at-most-once pub/sub plus the log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared.errors import UnavailableError
+from shared.schema import DoneEvent, ErrorEvent, TokenEvent
+
+from gateway.streams import End, Failed, RequestStream, Token
+
+
+def tok(i: int, text: str | None = None) -> TokenEvent:
+    return TokenEvent("r", i, text if text is not None else f"t{i}")
+
+
+def done(n: int, reason: str = "length") -> DoneEvent:
+    return DoneEvent("r", reason, 3, n)
+
+
+async def drain(stream: RequestStream) -> list:
+    return [ev async for ev in stream]
+
+
+def make(log=None, **kw) -> RequestStream:
+    async def reader(after: bytes, block_ms):
+        return list(log or [])
+
+    return RequestStream("r", "c", prompt_tokens=3, deadline=time.time() + 60, log_reader=reader, **kw)
+
+
+async def test_in_order_and_duplicates_dropped():
+    s = make()
+    for i in (0, 1, 0, 1, 2):  # a redelivered task starts again at 0
+        s.feed(tok(i))
+    s.feed(done(3))
+    evs = await drain(s)
+    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2]
+    assert isinstance(evs[-1], End) and evs[-1].completion_tokens == 3
+    assert s.duplicates_dropped == 2
+
+
+async def test_gap_is_repaired_from_the_log():
+    log = [(f"{i}-0".encode(), tok(i)) for i in range(5)] + [(b"5-0", done(5))]
+    s = make(log)
+    s.feed(tok(0))
+    s.feed(tok(1))
+    s.feed(tok(4))  # 2 and 3 were lost by pub/sub
+    s.feed(done(5))
+    evs = await drain(s)
+    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2, 3, 4]
+    assert [e.text for e in evs if isinstance(e, Token)] == ["t0", "t1", "t2", "t3", "t4"]
+    assert isinstance(evs[-1], End) and s.gaps_repaired == 1
+
+
+async def test_done_waits_for_missing_tokens():
+    log = [(b"1-0", tok(0)), (b"2-0", tok(1)), (b"3-0", done(2))]
+    s = make(log)
+    s.feed(done(2))  # both tokens were lost; the end must not overtake them
+    evs = await drain(s)
+    assert [type(e).__name__ for e in evs] == ["Token", "Token", "End"]
+
+
+async def test_unrepairable_gap_is_skipped_not_hung():
+    s = make([])  # the log expired
+    s.feed(tok(0))
+    s.feed(tok(2))
+    s.feed(done(3))
+    evs = await drain(s)
+    assert [e.index for e in evs if isinstance(e, Token)] == [0, 2]
+    assert isinstance(evs[-1], End) and s.gaps_skipped >= 1
+
+
+async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
+    monkeypatch.setattr("gateway.streams.CATCH_UP_AFTER_S", 0.05)
+    log = [(b"1-0", tok(0)), (b"2-0", done(1))]
+    s = make(log)
+    s.feed(tok(0))  # the done message was lost
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert isinstance(evs[-1], End)
+
+
+async def test_follow_mode_reads_only_the_log_from_an_index():
+    entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)] + [(b"9-0", done(6))]
+    calls = []
+
+    async def reader(after: bytes, block_ms):
+        calls.append((after, block_ms))
+        return [e for e in entries if e[0] > after][:2]  # paged
+
+    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader, follow=True, next_index=4)
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert [e.index for e in evs if isinstance(e, Token)] == [4, 5]
+    assert isinstance(evs[-1], End)
+    assert all(b is not None for _, b in calls)  # blocking reads
+
+
+async def test_errors_and_local_decisions():
+    s = make()
+    s.feed(ErrorEvent("r", "engine_error", "boom"))
+    evs = await drain(s)
+    assert isinstance(evs[0], Failed) and evs[0].error.code == "engine_error"
+
+    s = make()
+    s.feed(tok(0))
+    s.end_cancelled()
+    evs = await drain(s)
+    assert isinstance(evs[-1], End) and evs[-1].finish_reason == "cancelled" and evs[-1].completion_tokens == 1
+
+    s = make()
+    s.fail(UnavailableError("down"))
+    s.feed(tok(0))  # nothing after the end
+    evs = await drain(s)
+    assert len(evs) == 1 and isinstance(evs[0], Failed)
+
+
+async def test_queued_request_times_out_at_its_deadline(monkeypatch):
+    monkeypatch.setattr("gateway.streams.CANCEL_GRACE_S", 0.0)
+    s = RequestStream("r", "c", deadline=time.time() + 0.05)
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert isinstance(evs[0], Failed) and evs[0].error.code == "timeout"
