@@ -91,5 +91,76 @@ def client(
     raise typer.Exit(code)
 
 
+@app.command()
+def status(
+    model: Optional[str] = typer.Option(None, help="only this model (default: the repository's and any with workers)"),
+    watch: bool = typer.Option(False, "--watch", help="redraw every --interval seconds until Ctrl-C"),
+    interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document (one per line with --watch)"),
+    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
+) -> None:
+    """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
+    from shared.settings import CommonSettings
+    from streamfleet.status import run_status
+
+    if interval <= 0:
+        raise typer.BadParameter("--interval must be > 0")
+    settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    raise typer.Exit(run_status(settings, model=model, watch=watch, interval=interval, as_json=as_json))
+
+
+@app.command()
+def bench(
+    url: str = typer.Option("http://127.0.0.1:8000", help="gateway base URL (http://host:port or ws://…/v1/stream)"),
+    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions)"),
+    concurrency: int = typer.Option(8, help="closed loop: clients in parallel; open loop: WebSocket connections"),
+    requests: Optional[int] = typer.Option(None, help="requests to run (default 100 unless --duration is given)"),
+    duration: Optional[float] = typer.Option(None, help="stop starting requests after this many seconds"),
+    rate: Optional[float] = typer.Option(None, help="open loop: mean requests/s, Poisson arrivals (default: closed loop)"),
+    prompt_tokens: int = typer.Option(32, help="approximate prompt length (a word repeated)"),
+    prompt: Optional[str] = typer.Option(None, help="use this prompt instead of --prompt-tokens"),
+    max_tokens: int = typer.Option(64, help="tokens per request (ignore_eos: every request runs to the end)"),
+    lane: str = typer.Option("normal", help="high | normal | mixed"),
+    model: Optional[str] = typer.Option(None, help="model name (default: the gateway's)"),
+    temperature: float = typer.Option(0.0),
+    api_key: Optional[str] = typer.Option(None, help="API key, sent as Authorization: Bearer [SF_API_KEY]",
+                                          envvar="SF_API_KEY"),
+    timeout: float = typer.Option(120.0, help="seconds one request may take"),
+    warmup: int = typer.Option(0, help="requests run first and not counted"),
+    seed: int = typer.Option(0, help="seeds the arrival times, the mixed lanes and the requests' seeds"),
+    compression: bool = typer.Option(False, help="negotiate per-message deflate on WebSockets"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as one JSON document"),
+    png: Optional[str] = typer.Option(None, help="also plot the latency distributions to this PNG (needs matplotlib)"),
+    progress: Optional[bool] = typer.Option(None, help="progress line on stderr (default: when stderr is a terminal)"),
+) -> None:
+    """Load-test a running fleet: TTFT, inter-token and end-to-end latency percentiles, tokens/s."""
+    import orjson
+
+    from streamfleet.bench import BenchConfig, BenchError, run_bench, write_png
+
+    cfg = BenchConfig(url=url, transport=transport, concurrency=concurrency, requests=requests, duration=duration,
+                      rate=rate, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens, lane=lane,
+                      model=model, temperature=temperature, api_key=api_key, timeout=timeout, warmup=warmup,
+                      seed=seed, compression=compression,
+                      progress=sys.stderr.isatty() if progress is None else progress)
+    try:
+        result = asyncio.run(run_bench(cfg))
+    except BenchError as exc:
+        print(f"streamfleet bench: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        print("\nstreamfleet bench: interrupted", file=sys.stderr)
+        raise typer.Exit(130)
+    if as_json:
+        print(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(result.render())
+    if png:
+        problem = write_png(result, png)
+        print(f"streamfleet bench: {problem}" if problem else f"latency plot written to {png}", file=sys.stderr)
+    # some requests may fail under load and still be a result; none succeeding is not
+    raise typer.Exit(0 if result.ok else 1)
+
+
 if __name__ == "__main__":
     app()
