@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 import orjson
 
@@ -51,6 +52,31 @@ def json_response(data: object, status_code: int = 200, headers: dict[str, str] 
     return Response(orjson.dumps(data), status_code=status_code, media_type="application/json", headers=headers)
 
 
+async def refresh_fleet_gauges(hub: Hub) -> None:
+    """Lane depth, in-flight, lag, live workers and dead letters, read from Redis when
+    Prometheus scrapes (a few commands per model, not per token)."""
+    from shared.keys import GROUP
+    from shared.metrics import gateway as m
+    from shared.redis import BROKER_ERRORS
+
+    r, keys = hub.broker.redis, hub.broker.keys
+    try:
+        for model in hub.validator.model_names():
+            for lane, key in keys.lanes(model).items():
+                m.lane_depth.labels(model, lane).set(await r.xlen(key))
+                try:
+                    groups = await r.xinfo_groups(key)
+                except Exception:
+                    groups = []
+                g = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None)
+                m.lane_inflight.labels(model, lane).set(g.get("pending", 0) if g else 0)
+                m.lane_lag.labels(model, lane).set((g.get("lag") or 0) if g else 0)
+            m.live_workers.labels(model).set(len(await hub.broker.live_workers(model)))
+            m.dead_letters.labels(model).set(await r.xlen(keys.dead(model)))
+    except BROKER_ERRORS:
+        m.redis_errors.labels("metrics").inc()
+
+
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     repo = ModelRepository(settings.engines_dir)
@@ -91,6 +117,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             return json_response({"status": "unavailable", "reason": "no live worker", "workers": models},
                                   status_code=503)
         return json_response({"status": "ready", "workers": models})
+
+    @app.get("/metrics")
+    async def metrics():
+        await refresh_fleet_gauges(hub)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
     app.include_router(openai.router)

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
 from shared.logging import get_logger
+from shared.metrics import gateway as metrics
 from shared.redis import BROKER_ERRORS, connect
 from shared.schema import Cancel, Event, Task, decode_events
 from shared.settings import GatewaySettings
@@ -143,6 +144,7 @@ class Broker:
             except asyncio.CancelledError:
                 raise
             except BROKER_ERRORS as exc:
+                metrics.redis_errors.labels("pubsub").inc()
                 if self.healthy:
                     log.warning("pub/sub connection lost; reconnecting", error=str(exc))
                     self.healthy = False
@@ -194,6 +196,7 @@ class Broker:
         try:
             ok, depth = await self._enqueue(keys=[lane_key], args=[threshold, task.encode()])
         except BROKER_ERRORS as exc:
+            metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
         if not ok:
             raise RefusedError(

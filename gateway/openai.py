@@ -25,6 +25,9 @@ from fastapi.responses import Response, StreamingResponse
 from shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
 from shared.logging import get_logger
 
+from shared.metrics import gateway as metrics
+
+from gateway.observe import observed
 from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
@@ -182,6 +185,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         stream_mode, include_usage = _stream_flags(body)
         identity = await hub.admission.authenticate(request.headers.get("authorization"))
         resume = _last_event_id(request)
+        valid = None
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
@@ -210,13 +214,16 @@ async def _generate(request: Request, chat: bool) -> Response:
                 await hub.admission.release(ticket)
                 raise
     except StreamfleetError as exc:
+        metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
+    lane = "" if resume is not None else valid.lane
+    events = observed(stream, transport="sse" if stream_mode else "http", model=model, lane=lane)
     shape = _Shape(chat, stream.request_id, model)
     if stream_mode:
-        return StreamingResponse(_sse_events(hub, channel, stream, shape, include_usage, ticket),
+        return StreamingResponse(_sse_events(hub, channel, stream, events, shape, include_usage, ticket),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        return await _collect(request, channel, stream, shape)
+        return await _collect(request, channel, events, shape)
     finally:
         await hub.admission.release(ticket)
 
@@ -226,16 +233,16 @@ async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
         await channel.close("http_disconnect", grace_s=grace_s)
 
 
-async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: _Shape,
+async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events: AsyncIterator, shape: _Shape,
                       include_usage: bool, ticket=None) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
+    pending: asyncio.Future | None = None
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
-        pending: asyncio.Task | None = None
         while True:
             if pending is None:
-                pending = asyncio.ensure_future(stream.next())
+                pending = asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({pending}, timeout=keepalive)
             if not done:
                 yield b": keepalive\n\n"
@@ -259,17 +266,33 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, shape: 
                 channel.release(stream)
                 return
     finally:
+        with anyio.CancelScope(shield=True):
+            await _finish(pending, events)
         await _close(channel, hub.settings.sse_resume_grace_s)
         with anyio.CancelScope(shield=True):
             await hub.admission.release(ticket)
 
 
-async def _collect(request: Request, channel: ReplyChannel, stream: RequestStream, shape: _Shape) -> Response:
+async def _finish(pending: asyncio.Future | None, events: AsyncIterator) -> None:
+    """Stop reading a stream's events and let its observer record the outcome."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+        try:
+            await pending
+        except BaseException:
+            pass
+    try:
+        await events.aclose()
+    except RuntimeError:
+        pass
+
+
+async def _collect(request: Request, channel: ReplyChannel, events: AsyncIterator, shape: _Shape) -> Response:
     """Non-streamed: gather the whole completion, cancelling if the client leaves."""
     parts: list[str] = []
 
     async def consume():
-        async for ev in stream:
+        async for ev in events:
             if isinstance(ev, Token):
                 parts.append(ev.text)
             else:
@@ -289,8 +312,8 @@ async def _collect(request: Request, channel: ReplyChannel, stream: RequestStrea
             return Response(status_code=499)
         ev = consumer.result()
     finally:
-        for t in (consumer, watcher):
-            t.cancel()
+        watcher.cancel()
+        await _finish(consumer, events)
         await _close(channel)
     if isinstance(ev, Failed):
         return openai_error_response(ev.error)

@@ -106,7 +106,8 @@ class RequestStream:
         self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
         self._final: StreamEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
-        self._last_event = time.monotonic()
+        self.created = time.monotonic()
+        self._last_event = self.created
 
     # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
     def feed(self, ev: Event) -> None:
@@ -285,8 +286,9 @@ class ReplyChannel:
         except StreamfleetError:
             self.streams.pop(rid, None)
             raise
+        extra = {"prompt": request.prompt_text} if self.broker.settings.log_prompts else {}
         log.info("request accepted", request_id=rid, trace_id=task.trace_id, model=task.model, lane=task.lane,
-                 prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id)
+                 prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth
 
     async def resume(self, request_id: str, client_id: str, from_index: int) -> RequestStream:

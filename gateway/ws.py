@@ -14,6 +14,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from shared.logging import get_logger
 
+from shared.metrics import gateway as metrics
+
+from gateway.observe import observed
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
 from gateway.streams import ReplyChannel, RequestStream
 
@@ -36,6 +39,8 @@ class WebSocketSession:
         self.tasks: set[asyncio.Task] = set()
         self.identity = None  # the API key's identity (None with auth off)
         self.tickets: dict = {}
+        self.models: dict[str, str] = {}
+        self.lanes: dict[str, str] = {}
 
     def send(self, frame: dict) -> None:
         self.outbox.put_nowait(frame)
@@ -72,6 +77,7 @@ class WebSocketSession:
             await admission.release(ticket)
             raise
         self.tickets[request.client_id] = ticket
+        self.models[request.client_id], self.lanes[request.client_id] = request.model, request.lane
         self.send(accepted_frame(request.client_id, stream.request_id, depth))
         return stream
 
@@ -89,17 +95,21 @@ class WebSocketSession:
             try:
                 stream = await opening
             except StreamfleetError as exc:
+                metrics.refusals.labels("ws", str(exc.code)).inc()
                 self.send(exc.to_frame(cid))
                 return
             self.streams[cid] = stream
             if cid in self.cancel_early:
                 self.cancel_early.discard(cid)
                 self.channel.cancel(stream)
-            async for ev in stream:
+            async for ev in observed(stream, transport="ws", model=self.models.get(cid, ""),
+                                     lane=self.lanes.get(cid, "")):
                 self.send(render(cid, stream.request_id, ev))
             self.channel.release(stream)
         finally:
             self.streams.pop(cid, None)
+            self.models.pop(cid, None)
+            self.lanes.pop(cid, None)
             self.proto.finished(cid)
             ticket = self.tickets.pop(cid, None)
             if ticket is not None:
@@ -137,10 +147,12 @@ class WebSocketSession:
             await self._refuse(exc, 1008, "unauthorized" if exc.status == 401 else exc.code)
             return
         self.hub.connections += 1
+        metrics.connections.inc()
         try:
             await self._serve()
         finally:
             self.hub.connections -= 1
+            metrics.connections.dec()
 
     async def _serve(self) -> None:
         s = self.hub.settings

@@ -110,5 +110,6 @@ class WorkerSettings(CommonSettings):
     max_deliveries: int = 3
     #: SIGTERM: finish in-flight work for this long, then hand the rest back
     drain_timeout_s: float = 30.0
-    #: metrics / health port (0 = none)
+    #: Prometheus metrics port (0 = none)
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"

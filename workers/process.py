@@ -31,9 +31,10 @@ from redis.exceptions import ResponseError
 from shared.errors import FatalError
 from shared.keys import GROUP, LANES, Keys
 from shared.logging import get_logger
+from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 from shared.redis import BROKER_ERRORS, connect
-from shared.schema import Cancel, ErrorEvent, Event, Task, TokenEvent, encode_events
+from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, TokenEvent, encode_events
 from shared.settings import WorkerSettings
 
 from workers.core import WorkerCore
@@ -82,6 +83,10 @@ class WorkerProcess:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._tokens_window: list[tuple[float, int]] = []
         self.max_batch = 0
+        m = self.model
+        self._m_step = metrics.step_time.labels(m)
+        self._m_batch = metrics.batch_size.labels(m)
+        self._m_tokens = metrics.tokens.labels(m)
 
     # -- start-up -------------------------------------------------------------------
     def _load(self) -> WorkerCore:
@@ -121,6 +126,11 @@ class WorkerProcess:
             log.error("worker cannot start", error=exc.message)
             return 2
         self.max_batch = self.core.free_slots
+        if self.settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host)
+            log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics")
         self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
         await self._wait_for_redis()
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch)
@@ -171,11 +181,16 @@ class WorkerProcess:
                 if not stopping and core.free_slots > 0:
                     await self._admit(block=not core.has_work())
                 if core.has_work():
+                    t0 = time.perf_counter()
                     out = await loop.run_in_executor(self._executor, core.step)
+                    self._m_step.observe(time.perf_counter() - t0)
+                    if out.batch_size:
+                        self._m_batch.observe(out.batch_size)
                     self._count_tokens(out.new_tokens)
                     await self._publish(out)
                 backoff = 0.1
             except BROKER_ERRORS as exc:
+                metrics.redis_errors.labels("main_loop").inc()
                 log.warning("redis error in worker loop", error=str(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -255,12 +270,14 @@ class WorkerProcess:
             return
         self.inflight[task.request_id] = InFlight(lane, msg_id, task)
         self.core.add(task)
+        metrics.admissions.labels(self.model, lane).inc()
         if task.request_id in self._cancel_memory:
             self.core.cancel(task.request_id)
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
                  queue_ms=round((now - task.created_at) * 1000, 2))
 
     async def _dead_letter(self, lane: str, msg_id: bytes, raw: bytes | None, reason: str) -> None:
+        metrics.dead_letters.labels(self.model).inc()
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.keys.dead(self.model), {"task": raw or b"", "reason": reason,
@@ -337,6 +354,7 @@ class WorkerProcess:
                     continue
                 log.warning("reclaimed a task from a silent worker", message_id=mid.decode(), lane=lane,
                             deliveries=deliveries)
+                metrics.reclaimed.labels(self.model).inc()
                 self._held.append((lane, mid, fields))
                 free -= 1
 
@@ -392,13 +410,18 @@ class WorkerProcess:
                 pipe.xack(self.lane_keys[fl.lane], GROUP, fl.message_id)
                 pipe.xdel(self.lane_keys[fl.lane], fl.message_id)
             results = await pipe.execute()
+        ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
+                for _, ev in out.events if not isinstance(ev, TokenEvent)}
         for fl in acked:
-            log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id)
+            outcome = ends.get(fl.task.request_id, "unknown")
+            metrics.finished.labels(self.model, outcome).inc()
+            log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id, outcome=outcome)
         # a PUBLISH that reached nobody: the connection (or its gateway) is gone
         for ch, receivers in zip(channels, results[first_publish:first_publish + len(channels)]):
             if receivers == 0:
                 for rid in rids_by_channel[ch]:
                     if rid in self.inflight:
+                        metrics.cancelled_no_listener.labels(self.model).inc()
                         log.info("nobody listening; cancelling", request_id=rid)
                         self.core.cancel(rid)
 
@@ -443,6 +466,8 @@ class WorkerProcess:
 
     # -- heartbeat --------------------------------------------------------------------------
     def _count_tokens(self, n: int) -> None:
+        if n:
+            self._m_tokens.inc(n)
         now = time.monotonic()
         self._tokens_window.append((now, n))
         while self._tokens_window and self._tokens_window[0][0] < now - 10:
@@ -457,6 +482,8 @@ class WorkerProcess:
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.model)
         while True:
+            metrics.slots_in_use.labels(self.model).set(self.max_batch - self.core.free_slots)
+            metrics.slots.labels(self.model).set(self.max_batch)
             info = {
                 "heartbeat": time.time(),
                 "slots_used": self.max_batch - self.core.free_slots,
