@@ -1,0 +1,630 @@
+"""`streamfleet bench`: a load generator for a running fleet, over WebSocket or SSE.
+
+Each request asks for a fixed number of tokens (``ignore_eos: true``), so every run of
+the same settings moves the same amount of text. Per request it records the time to
+the first token (TTFT, from sending the request), the gaps between tokens (inter-token
+latency, ITL) and the end-to-end time; the result has their p50/p90/p99, tokens/s,
+requests/s and the errors by code.
+
+Load shapes:
+
+* closed loop (default): ``concurrency`` clients, each with its own connection, send
+  their next request as soon as the previous one ends;
+* open loop (``rate``): requests start at Poisson arrival times, ``rate`` per second on
+  average, whatever is still running; over WebSocket they are spread round-robin over
+  ``concurrency`` connections (each multiplexes requests by id), over SSE each request
+  is its own HTTP stream. Latencies count from the scheduled arrival, so a client that
+  falls behind does not hide the wait (no coordinated omission).
+
+The run ends after ``requests`` requests or ``duration`` seconds, whichever comes
+first; requests in flight at the deadline finish and count.
+
+Library use (scripts call it in-process)::
+
+    result = await run_bench(BenchConfig(url="http://127.0.0.1:8000", concurrency=8, requests=100))
+    print(result.render()); data = result.to_dict()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import httpx
+import orjson
+import websockets
+
+from streamfleet.client import urls
+
+__all__ = ["BenchConfig", "BenchResult", "RequestRecord", "BenchError", "run_bench", "percentile", "summarize",
+           "write_png"]
+
+TRANSPORTS = ("ws", "sse")
+LANES = ("high", "normal", "mixed")
+
+
+class BenchError(Exception):
+    """The benchmark could not run at all (bad settings, gateway unreachable)."""
+
+
+@dataclass
+class BenchConfig:
+    """What to run. ``requests`` and ``duration`` may both be set (whichever ends
+    first); with neither, 100 requests."""
+
+    url: str = "http://127.0.0.1:8000"
+    transport: str = "ws"
+    concurrency: int = 8
+    requests: int | None = None
+    duration: float | None = None
+    #: open loop: mean requests per second (Poisson arrivals); None = closed loop
+    rate: float | None = None
+    #: approximate prompt length: the word "hello" repeated (ignored when ``prompt`` is set)
+    prompt_tokens: int = 32
+    prompt: str | None = None
+    max_tokens: int = 64
+    #: high | normal | mixed (half and half, at random)
+    lane: str = "normal"
+    model: str | None = None
+    temperature: float = 0.0
+    api_key: str | None = None
+    #: seconds one request may take before it counts as a ``timeout`` error
+    timeout: float = 120.0
+    #: requests run (closed loop, same concurrency) before measuring; not counted
+    warmup: int = 0
+    seed: int = 0
+    #: per-message deflate on WebSockets (browsers negotiate it); off measures the fleet, not zlib
+    compression: bool = False
+    #: draw a progress line on stderr
+    progress: bool = False
+
+    def check(self) -> None:
+        """Raises BenchError for settings that cannot run."""
+        if self.transport not in TRANSPORTS:
+            raise BenchError(f"transport must be one of {', '.join(TRANSPORTS)}, not {self.transport!r}")
+        if self.lane not in LANES:
+            raise BenchError(f"lane must be one of {', '.join(LANES)}, not {self.lane!r}")
+        if self.concurrency < 1:
+            raise BenchError("concurrency must be at least 1")
+        if self.requests is not None and self.requests < 1:
+            raise BenchError("requests must be at least 1")
+        if self.duration is not None and self.duration <= 0:
+            raise BenchError("duration must be > 0")
+        if self.rate is not None and self.rate <= 0:
+            raise BenchError("rate must be > 0")
+        if self.max_tokens < 1:
+            raise BenchError("max_tokens must be at least 1")
+        if self.prompt is None and self.prompt_tokens < 1:
+            raise BenchError("prompt_tokens must be at least 1")
+        if not self.url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise BenchError(f"url must start with http://, https://, ws:// or wss://, not {self.url!r}")
+
+    @property
+    def total_requests(self) -> int | None:
+        if self.requests is None and self.duration is None:
+            return 100
+        return self.requests
+
+    def prompt_text(self) -> str:
+        return self.prompt if self.prompt is not None else " ".join(["hello"] * self.prompt_tokens)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the client saw it (times in seconds, ``perf_counter`` clock)."""
+
+    lane: str
+    start: float
+    first: float | None = None
+    end: float | None = None
+    #: arrival time of every token (WebSocket: each token frame; SSE: each chunk with text)
+    token_times: list[float] = field(default_factory=list)
+    #: completion tokens the server reported (``usage``), else the token frames counted
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return (self.first - self.start) * 1000 if self.first is not None else None
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return (self.end - self.start) * 1000 if self.end is not None else None
+
+    def itl_ms(self) -> list[float]:
+        t = self.token_times
+        return [(b - a) * 1000 for a, b in zip(t, t[1:])]
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default) of ``values``; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float | int | None]:
+    """count, mean, min, p50, p90, p99, max of ``values``."""
+    if not values:
+        return {"count": 0, "mean": None, "min": None, "p50": None, "p90": None, "p99": None, "max": None}
+    return {"count": len(values), "mean": sum(values) / len(values), "min": min(values),
+            "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+            "max": max(values)}
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    records: list[RequestRecord]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.ok]
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return dict(Counter(r.error for r in self.records if r.error is not None))
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.records)
+
+    def ttft_ms(self) -> list[float]:
+        return [r.ttft_ms for r in self.ok if r.ttft_ms is not None]
+
+    def itl_ms(self) -> list[float]:
+        return [x for r in self.ok for x in r.itl_ms()]
+
+    def e2e_ms(self) -> list[float]:
+        return [r.e2e_ms for r in self.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        ok = len(self.ok)
+        wall = max(self.wall_s, 1e-9)
+        cfg = asdict(self.config)
+        cfg.pop("api_key", None)
+        cfg["api_key_set"] = self.config.api_key is not None
+        cfg["mode"] = "open" if self.config.rate else "closed"
+        return {
+            "config": cfg,
+            "requests": {"total": len(self.records), "ok": ok, "failed": len(self.records) - ok},
+            "errors": self.errors,
+            "tokens": self.tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens / wall,
+            "requests_per_s": ok / wall,
+            "ttft_ms": summarize(self.ttft_ms()),
+            "itl_ms": summarize(self.itl_ms()),
+            "e2e_ms": summarize(self.e2e_ms()),
+        }
+
+    def render(self) -> str:
+        d = self.to_dict()
+        c = self.config
+        mode = f"open loop at {c.rate:g} req/s" if c.rate else f"closed loop, concurrency {c.concurrency}"
+        prompt = f"prompt {len(c.prompt)} chars" if c.prompt is not None else f"prompt ~{c.prompt_tokens} tokens"
+        lines = [
+            f"streamfleet bench: {c.transport} -> {c.url}",
+            f"  {mode}, {prompt}, {c.max_tokens} max tokens, lane {c.lane}",
+            f"  requests  {d['requests']['ok']} ok, {d['requests']['failed']} failed in {d['wall_s']:.2f} s"
+            f"  ({d['requests_per_s']:.1f} req/s)",
+            f"  tokens    {d['tokens']} completion tokens  ({d['tokens_per_s']:.1f} tokens/s)",
+            "",
+            f"  {'':10}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'max':>10}   (ms)",
+        ]
+        for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+            s = d[key]
+            cells = "".join(f"{s[k]:10.1f}" if s[k] is not None else f"{'-':>10}"
+                            for k in ("p50", "p90", "p99", "mean", "max"))
+            lines.append(f"  {name:10}{cells}")
+        errs = d["errors"]
+        lines.append("")
+        lines.append("  errors    " + (", ".join(f"{k}: {v}" for k, v in sorted(errs.items())) if errs else "none"))
+        return "\n".join(lines)
+
+
+# -- transports ------------------------------------------------------------------------
+
+class _WsConn:
+    """One WebSocket; a reader task routes frames to requests by id."""
+
+    def __init__(self, url: str, cfg: BenchConfig) -> None:
+        self.url = url
+        self.cfg = cfg
+        self.ws = None
+        self.live: dict[str, tuple[RequestRecord, asyncio.Future]] = {}
+        self.reader: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    async def open(self) -> None:
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+        self.ws = await websockets.connect(self.url, max_size=None, additional_headers=headers,
+                                           compression="deflate" if self.cfg.compression else None,
+                                           open_timeout=10, ping_interval=None)
+        self.reader = asyncio.create_task(self._read())
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            try:
+                await self.ws.close()
+            except Exception:
+                pass
+        if self.reader is not None:
+            self.reader.cancel()
+            try:
+                await self.reader
+            except BaseException:
+                pass
+
+    def _fail_all(self, code: str) -> None:
+        for rec, fut in self.live.values():
+            if rec.error is None:
+                rec.error = code
+            if not fut.done():
+                fut.set_result(None)
+        self.live.clear()
+
+    async def _read(self) -> None:
+        loads, perf = orjson.loads, time.perf_counter
+        try:
+            async for raw in self.ws:
+                now = perf()
+                msg = loads(raw)
+                item = self.live.get(msg.get("id"))
+                if item is None:
+                    continue
+                rec, fut = item
+                kind = msg.get("type")
+                if kind == "token":
+                    if rec.first is None:
+                        rec.first = now
+                    rec.token_times.append(now)
+                elif kind == "done":
+                    rec.end = now
+                    usage = msg.get("usage") or {}
+                    rec.tokens = int(usage.get("completion_tokens", len(rec.token_times)))
+                    del self.live[msg["id"]]
+                    fut.set_result(None)
+                elif kind == "error":
+                    rec.error = str(msg.get("code") or "error")
+                    rec.end = now
+                    rec.tokens = len(rec.token_times)
+                    del self.live[msg["id"]]
+                    fut.set_result(None)
+            self._fail_all("connection_closed")
+        except websockets.ConnectionClosed:
+            self._fail_all("connection_closed")
+        except Exception:
+            self._fail_all("client_error")
+            raise
+
+    async def request(self, rec: RequestRecord, frame: dict) -> None:
+        cid = f"b{next(self._ids)}"
+        frame["id"] = cid
+        fut = asyncio.get_running_loop().create_future()
+        self.live[cid] = (rec, fut)
+        try:
+            await self.ws.send(orjson.dumps(frame).decode())
+        except websockets.ConnectionClosed:
+            self.live.pop(cid, None)
+            rec.error = "connection_closed"
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.cfg.timeout)
+        except asyncio.TimeoutError:
+            if self.live.pop(cid, None) is not None:
+                rec.error = "timeout"
+                try:
+                    await self.ws.send(orjson.dumps({"type": "cancel", "id": cid}).decode())
+                except websockets.ConnectionClosed:
+                    pass
+
+
+async def _sse_request(http: httpx.AsyncClient, base: str, cfg: BenchConfig, rec: RequestRecord,
+                       body: dict) -> None:
+    headers = {"X-Priority": rec.lane}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    perf = time.perf_counter
+    try:
+        async with asyncio.timeout(cfg.timeout):
+            async with http.stream("POST", base + "/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    try:
+                        rec.error = str(orjson.loads(raw)["error"]["code"])
+                    except (orjson.JSONDecodeError, KeyError, TypeError):
+                        rec.error = f"http_{r.status_code}"
+                    rec.end = perf()
+                    return
+                chunks = 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    now = perf()
+                    data = line[6:]
+                    if data == "[DONE]":
+                        rec.end = now
+                        break
+                    chunk = orjson.loads(data)
+                    if "error" in chunk:
+                        rec.error = str((chunk["error"] or {}).get("code") or "error")
+                        continue
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("text"):
+                            chunks += 1
+                            if rec.first is None:
+                                rec.first = now
+                            rec.token_times.append(now)
+                    if chunk.get("usage"):
+                        rec.tokens = int(chunk["usage"].get("completion_tokens", chunks))
+                if rec.end is None and rec.error is None:
+                    rec.error = "stream_truncated"
+                if not rec.tokens:
+                    rec.tokens = chunks
+    except TimeoutError:
+        rec.error = "timeout"
+    except httpx.HTTPError:
+        rec.error = "connection_error"
+    if rec.end is None:
+        rec.end = perf()
+
+
+# -- the run -----------------------------------------------------------------------------
+
+class _Run:
+    def __init__(self, cfg: BenchConfig, ws_url: str, base: str, on_start=None) -> None:
+        self.cfg = cfg
+        self.on_start = on_start
+        self.ws_url = ws_url
+        self.base = base
+        self.records: list[RequestRecord] = []
+        self.rng = random.Random(cfg.seed)
+        self.n = itertools.count()
+        self.started = 0
+        self.done = 0
+        self.t0 = 0.0
+
+    def _lane(self) -> str:
+        if self.cfg.lane == "mixed":
+            return self.rng.choice(("high", "normal"))
+        return self.cfg.lane
+
+    def _frame(self, i: int, lane: str) -> dict:
+        c = self.cfg
+        frame = {"type": "generate", "prompt": c.prompt_text(), "max_tokens": c.max_tokens,
+                 "temperature": c.temperature, "seed": c.seed * 1_000_003 + i, "ignore_eos": True,
+                 "priority": lane}
+        if c.model:
+            frame["model"] = c.model
+        return frame
+
+    def _body(self, i: int, lane: str) -> dict:
+        c = self.cfg
+        body = {"prompt": c.prompt_text(), "max_tokens": c.max_tokens, "temperature": c.temperature,
+                "seed": c.seed * 1_000_003 + i, "ignore_eos": True, "stream": True, "priority": lane,
+                "stream_options": {"include_usage": True}}
+        if c.model:
+            body["model"] = c.model
+        return body
+
+    def _claim(self, deadline: float | None, limit: int | None) -> int | None:
+        """The next request number, or None when the run is over."""
+        if deadline is not None and time.perf_counter() >= deadline:
+            return None
+        if limit is not None and self.started >= limit:
+            return None
+        self.started += 1
+        return next(self.n)
+
+    async def _one(self, i: int, start: float, conn: _WsConn | None, http: httpx.AsyncClient | None,
+                   keep: bool) -> None:
+        lane = self._lane()
+        rec = RequestRecord(lane=lane, start=start)
+        if keep:
+            self.records.append(rec)
+        if conn is not None:
+            await conn.request(rec, self._frame(i, lane))
+        else:
+            await _sse_request(http, self.base, self.cfg, rec, self._body(i, lane))
+        if keep:
+            self.done += 1
+
+    async def run(self) -> BenchResult:
+        c = self.cfg
+        conns: list[_WsConn] = []
+        http: httpx.AsyncClient | None = None
+        try:
+            if c.transport == "ws":
+                n_conns = c.concurrency
+                conns = [_WsConn(self.ws_url, c) for _ in range(n_conns)]
+                results = await asyncio.gather(*(x.open() for x in conns), return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise BenchError(f"cannot open {len(failed)} of {n_conns} WebSocket connections to "
+                                     f"{self.ws_url}: {failed[0]!r}")
+            else:
+                limits = httpx.Limits(max_connections=None if c.rate else c.concurrency,
+                                      max_keepalive_connections=None if c.rate else c.concurrency)
+                http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=limits)
+            if c.warmup:
+                await self._closed(conns, http, limit=c.warmup, deadline=None, keep=False)
+                self.started = 0
+            if self.on_start is not None:
+                self.on_start()
+            progress = asyncio.create_task(self._progress()) if c.progress else None
+            self.t0 = time.perf_counter()
+            deadline = self.t0 + c.duration if c.duration else None
+            try:
+                if c.rate:
+                    await self._open(conns, http, deadline)
+                else:
+                    await self._closed(conns, http, limit=c.total_requests, deadline=deadline, keep=True)
+            finally:
+                wall = time.perf_counter() - self.t0
+                if progress is not None:
+                    progress.cancel()
+                    try:
+                        await progress
+                    except asyncio.CancelledError:
+                        pass
+                    self._draw(final=True)
+            return BenchResult(config=c, records=self.records, wall_s=wall)
+        finally:
+            await asyncio.gather(*(x.close() for x in conns), return_exceptions=True)
+            if http is not None:
+                await http.aclose()
+
+    async def _closed(self, conns: list[_WsConn], http, *, limit: int | None, deadline: float | None,
+                      keep: bool) -> None:
+        async def client(k: int) -> None:
+            conn = conns[k] if conns else None
+            while (i := self._claim(deadline, limit)) is not None:
+                await self._one(i, time.perf_counter(), conn, http, keep)
+
+        await asyncio.gather(*(client(k) for k in range(self.cfg.concurrency)))
+
+    async def _open(self, conns: list[_WsConn], http, deadline: float | None) -> None:
+        limit = self.cfg.total_requests
+        tasks: set[asyncio.Task] = set()
+        arrival = self.t0
+        k = 0
+        while True:
+            arrival += self.rng.expovariate(self.cfg.rate)
+            if deadline is not None and arrival >= deadline:
+                break
+            delay = arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            i = self._claim(None, limit)
+            if i is None:
+                break
+            conn = conns[k % len(conns)] if conns else None
+            k += 1
+            t = asyncio.create_task(self._one(i, arrival, conn, http, True))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    async def _progress(self) -> None:
+        while True:
+            self._draw()
+            await asyncio.sleep(0.25)
+
+    def _draw(self, final: bool = False) -> None:
+        c = self.cfg
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        total = c.total_requests
+        if total is not None:
+            frac = self.done / total
+        elif c.duration:
+            frac = min(1.0, elapsed / c.duration)
+        else:
+            frac = 0.0
+        if final:
+            frac = 1.0 if total is None or self.done >= total else frac
+        width = 24
+        filled = int(round(frac * width))
+        bar = "#" * filled + "." * (width - filled)
+        errs = sum(1 for r in self.records if r.error is not None)
+        tokens = sum(r.tokens or len(r.token_times) for r in self.records)
+        count = f"{self.done}/{total}" if total is not None else f"{self.done}"
+        line = (f"\r\x1b[K[{bar}] {count} req  {errs} err  {tokens / elapsed:8.0f} tok/s  {elapsed:6.1f} s")
+        sys.stderr.write(line + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+async def _preflight(cfg: BenchConfig, ws_url: str, base: str) -> str | None:
+    """Check that the gateway answers; returns a warning (not ready) or None.
+
+    Raises:
+        BenchError: nothing answers at the URL.
+    """
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            r = await http.get(base + "/readyz")
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach the gateway at {base}: {exc or type(exc).__name__}") from exc
+    if r.status_code == 503:
+        try:
+            reason = r.json().get("reason", "")
+        except ValueError:
+            reason = ""
+        return f"the gateway at {base} is up but not ready ({reason or 'HTTP 503'}); requests may fail"
+    return None
+
+
+async def run_bench(config: BenchConfig, *, preflight: bool = True, warn: TextIO | None = sys.stderr,
+                    on_start: Callable[[], object] | None = None) -> BenchResult:
+    """Run the benchmark described by ``config`` against a running gateway.
+
+    Args:
+        config: what to run.
+        preflight: first check that ``GET /readyz`` answers (a server without it, such as
+            the in-process baseline of scripts/bench_fleet.py, should pass False).
+        warn: where to print warnings (None: nowhere).
+        on_start: called when measuring starts (connections open, warm-up done), e.g. to
+            sample the servers' CPU time over exactly the measured run.
+
+    Raises:
+        BenchError: bad settings, or the gateway cannot be reached.
+    """
+    config.check()
+    ws_url, base = urls(config.url)
+    if preflight:
+        note = await _preflight(config, ws_url, base)
+        if note and warn is not None:
+            print(f"warning: {note}", file=warn)
+    return await _Run(config, ws_url, base, on_start).run()
+
+
+def write_png(result: BenchResult, path: str) -> str | None:
+    """Plot the latency distributions (CDFs of TTFT, ITL, E2E) to ``path``; returns an
+    error message instead when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no plot was written (pip install matplotlib)"
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (name, values) in zip(axes, (("TTFT", result.ttft_ms()), ("inter-token latency", result.itl_ms()),
+                                         ("end-to-end", result.e2e_ms()))):
+        if values:
+            s = sorted(values)
+            ys = [(i + 1) / len(s) for i in range(len(s))]
+            ax.plot(s, ys, drawstyle="steps-post")
+            for p, style in ((50, ":"), (99, "--")):
+                v = percentile(s, p)
+                ax.axvline(v, linestyle=style, color="grey")
+                ax.text(v, 0.02 + (0.1 if p == 99 else 0), f" p{p} {v:.1f}", fontsize=8)
+        ax.set_title(f"{name} ({len(values)} samples)")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction ≤ x")
+        ax.grid(alpha=0.3)
+    c = result.config
+    fig.suptitle(f"streamfleet bench: {c.transport}, concurrency {c.concurrency}"
+                 + (f", {c.rate:g} req/s" if c.rate else "") + f", {c.max_tokens} tokens/request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

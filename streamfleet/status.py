@@ -1,0 +1,409 @@
+"""`streamfleet status`: what the fleet is doing, read straight from Redis.
+
+One snapshot is a handful of read-only commands per model (see ``docs/status.md`` for
+the ``redis-cli`` equivalent of every field):
+
+* lanes: ``XLEN`` (backlog: queued + in flight, since workers XDEL what they ack),
+  ``XINFO GROUPS`` (``pending`` = in flight, ``consumers``, ``lag`` = not yet read;
+  Redis < 7 has no ``lag``, so it is derived as ``XLEN - pending``), ``XPENDING``
+  (the oldest delivery: its age since enqueue and its idle time) and ``XRANGE`` after
+  the group's last-delivered id (the oldest task still waiting for a worker);
+* workers: ``HGETALL {prefix}:workers:{model}``; an entry whose heartbeat is older than
+  ``worker_ttl_s`` is marked stale (its worker is gone or hung);
+* dead letters: ``XLEN`` and ``XREVRANGE … COUNT n`` of ``{prefix}:{model}:dead``;
+* gateways: ``PUBSUB CHANNELS {prefix}:gateway:*`` (each gateway holds one control
+  subscription), and ``PUBSUB NUMSUB {prefix}:cancel`` (workers listening for cancels).
+
+Models are the folders of the model repository plus any model that has a worker hash.
+``collect`` gathers a ``FleetStatus``; ``render`` draws it as plain text; ``run_status``
+is the command (``--watch`` redraws until Ctrl-C, ``--json`` prints JSON).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+import redis
+
+from shared.keys import GROUP, LANES, Keys
+from shared.modelrepo import ModelRepository
+from shared.settings import CommonSettings
+
+__all__ = ["LaneStatus", "WorkerStatus", "DeadLetter", "ModelStatus", "FleetStatus", "collect", "render",
+           "run_status", "mask_url"]
+
+#: dead letters shown per model
+DEAD_SHOWN = 3
+
+
+@dataclass(slots=True)
+class PendingEntry:
+    """The oldest delivery of a lane (lowest id in ``XPENDING``)."""
+
+    id: str
+    consumer: str
+    #: seconds since the task was enqueued (from the entry id's timestamp, Redis clock)
+    age_s: float
+    #: seconds since its worker last touched it (live workers refresh every second)
+    idle_s: float
+    deliveries: int
+
+
+@dataclass(slots=True)
+class QueuedEntry:
+    """The oldest task no worker has read yet."""
+
+    id: str
+    age_s: float
+
+
+@dataclass(slots=True)
+class LaneStatus:
+    lane: str
+    key: str
+    exists: bool
+    #: XLEN: queued + in flight
+    length: int = 0
+    #: queued, not yet read by any worker
+    lag: int | None = None
+    #: "xinfo" (Redis >= 7 reports it) or "derived" (XLEN - pending)
+    lag_source: str = "xinfo"
+    #: delivered to a worker, not yet acked
+    pending: int = 0
+    consumers: int = 0
+    last_delivered_id: str | None = None
+    oldest_pending: PendingEntry | None = None
+    oldest_queued: QueuedEntry | None = None
+    #: the stream exists but the group "workers" does not (no worker ever started)
+    no_group: bool = False
+
+
+@dataclass(slots=True)
+class WorkerStatus:
+    id: str
+    slots_used: int | None
+    max_batch: int | None
+    tokens_per_s: float | None
+    heartbeat_age_s: float | None
+    pid: int | None
+    host: str | None
+    draining: bool
+    #: heartbeat older than worker_ttl_s, or unreadable
+    stale: bool
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    id: str
+    age_s: float
+    reason: str
+    lane: str | None
+    worker: str | None
+    request_id: str | None
+
+
+@dataclass(slots=True)
+class ModelStatus:
+    name: str
+    lanes: list[LaneStatus] = field(default_factory=list)
+    workers: list[WorkerStatus] = field(default_factory=list)
+    dead_key: str = ""
+    dead_count: int = 0
+    dead_latest: list[DeadLetter] = field(default_factory=list)
+
+    @property
+    def live_workers(self) -> list[WorkerStatus]:
+        return [w for w in self.workers if not w.stale]
+
+
+@dataclass(slots=True)
+class FleetStatus:
+    redis_url: str
+    key_prefix: str
+    #: unix seconds of the snapshot (Redis TIME)
+    time: float
+    redis_version: str
+    gateways: list[str]
+    cancel_listeners: int
+    worker_ttl_s: float
+    models: list[ModelStatus]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for m, md in zip(self.models, out["models"]):
+            md["live_workers"] = len(m.live_workers)
+            md["stale_workers"] = len(m.workers) - len(m.live_workers)
+            md["backlog"] = sum(lane.length for lane in m.lanes)
+        out["gateway_count"] = len(self.gateways)
+        return out
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+def _s(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _id_ms(entry_id: str) -> int:
+    return int(entry_id.split("-", 1)[0])
+
+
+def _model_names(r: redis.Redis, keys: Keys, repo: ModelRepository) -> list[str]:
+    names = set(repo.names())
+    head = keys.workers("")
+    for key in r.scan_iter(match=head.replace("*", r"\*").replace("?", r"\?") + "*", count=200):
+        name = _s(key)[len(head):]
+        if name:
+            names.add(name)
+    return sorted(names)
+
+
+def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
+    st = LaneStatus(lane=lane, key=key, exists=bool(r.exists(key)))
+    if not st.exists:
+        st.lag = 0
+        return st
+    st.length = int(r.xlen(key))
+    try:
+        groups = r.xinfo_groups(key)
+    except redis.ResponseError:
+        groups = []
+    group = next((g for g in groups if _s(g.get("name")) == GROUP), None)
+    if group is None:
+        st.no_group = True
+        st.lag, st.lag_source = st.length, "derived"
+        return st
+    st.pending = int(group.get("pending") or 0)
+    st.consumers = int(group.get("consumers") or 0)
+    st.last_delivered_id = _s(group.get("last-delivered-id") or "0-0")
+    lag = group.get("lag")
+    if lag is None:  # Redis < 7, or a lag Redis cannot compute: backlog minus in flight
+        st.lag, st.lag_source = max(0, st.length - st.pending), "derived"
+    else:
+        st.lag = int(lag)
+    if st.pending:
+        summary = r.xpending(key, GROUP)
+        lowest = summary.get("min")
+        if lowest:
+            lowest = _s(lowest)
+            rows = r.xpending_range(key, GROUP, min=lowest, max=lowest, count=1)
+            if rows:
+                row = rows[0]
+                st.oldest_pending = PendingEntry(
+                    id=lowest, consumer=_s(row["consumer"]),
+                    age_s=max(0.0, (now_ms - _id_ms(lowest)) / 1000),
+                    idle_s=int(row["time_since_delivered"]) / 1000,
+                    deliveries=int(row["times_delivered"]))
+    if st.lag:
+        first = r.xrange(key, min="(" + st.last_delivered_id, max="+", count=1)
+        if first:
+            fid = _s(first[0][0])
+            st.oldest_queued = QueuedEntry(id=fid, age_s=max(0.0, (now_ms - _id_ms(fid)) / 1000))
+    return st
+
+
+def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerStatus]:
+    out = []
+    for wid, blob in sorted(r.hgetall(key).items()):
+        try:
+            info = orjson.loads(blob)
+            if not isinstance(info, dict):
+                raise ValueError("not an object")
+        except (orjson.JSONDecodeError, ValueError):
+            out.append(WorkerStatus(_s(wid), None, None, None, None, None, None, False, True))
+            continue
+        hb = info.get("heartbeat")
+        age = max(0.0, now - float(hb)) if isinstance(hb, (int, float)) else None
+        out.append(WorkerStatus(
+            id=_s(wid), slots_used=info.get("slots_used"), max_batch=info.get("max_batch"),
+            tokens_per_s=info.get("tokens_per_s"), heartbeat_age_s=age, pid=info.get("pid"),
+            host=info.get("host"), draining=bool(info.get("draining", False)),
+            stale=age is None or age > ttl_s))
+    return out
+
+
+def _dead(r: redis.Redis, key: str, now_ms: int, n: int) -> tuple[int, list[DeadLetter]]:
+    count = int(r.xlen(key))
+    latest = []
+    if count:
+        for eid, fields in r.xrevrange(key, max="+", min="-", count=n):
+            f = {_s(k): v for k, v in fields.items()}
+            rid = None
+            try:
+                task = orjson.loads(f.get("task") or b"")
+                rid = task.get("request_id") if isinstance(task, dict) else None
+            except orjson.JSONDecodeError:
+                pass
+            eid = _s(eid)
+            latest.append(DeadLetter(id=eid, age_s=max(0.0, (now_ms - _id_ms(eid)) / 1000),
+                                     reason=_s(f.get("reason", b"?")),
+                                     lane=_s(f["lane"]) if "lane" in f else None,
+                                     worker=_s(f["worker"]) if "worker" in f else None, request_id=rid))
+    return count, latest
+
+
+def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None = None) -> FleetStatus:
+    """One snapshot of the fleet (read-only commands only).
+
+    Args:
+        r: a synchronous client of the fleet's Redis.
+        settings: key prefix, model repository and worker TTL.
+        models: only these models; default: the repository's and any with a worker hash.
+
+    Raises:
+        redis.RedisError: Redis is unreachable or answered with an error.
+    """
+    keys = Keys(settings.key_prefix)
+    sec, usec = r.time()
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    now = time.time()  # heartbeats are written with the workers' clocks, like the gateways read them
+    names = models or _model_names(r, keys, ModelRepository(settings.engines_dir))
+    out = []
+    for name in names:
+        m = ModelStatus(name=name, dead_key=keys.dead(name))
+        for lane in LANES:
+            m.lanes.append(_lane(r, lane, keys.lane(name, lane), now_ms))
+        m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
+        m.dead_count, m.dead_latest = _dead(r, m.dead_key, now_ms, DEAD_SHOWN)
+        out.append(m)
+    head = f"{keys.prefix}:gateway:"
+    gateways = sorted(_s(c)[len(head):] for c in r.pubsub_channels(head + "*"))
+    numsub = r.pubsub_numsub(keys.cancel)
+    info = r.info("server")
+    return FleetStatus(redis_url=mask_url(settings.redis_url), key_prefix=keys.prefix, time=now_ms / 1000,
+                       redis_version=str(info.get("redis_version", "?")), gateways=gateways,
+                       cancel_listeners=int(numsub[0][1]) if numsub else 0,
+                       worker_ttl_s=settings.worker_ttl_s, models=out)
+
+
+# -- text ---------------------------------------------------------------------------
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int], indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return (indent + "  ".join(parts)).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def render(st: FleetStatus) -> str:
+    """The snapshot as a plain-text report."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.time))
+    lines = [f"streamfleet status  {stamp}  redis {st.redis_url} (v{st.redis_version}, prefix {st.key_prefix})"]
+    gws = ", ".join(st.gateways) if st.gateways else "none"
+    lines.append(f"gateways: {len(st.gateways)} connected ({gws})   cancel listeners: {st.cancel_listeners}")
+    if not st.models:
+        lines.append("\nno models found (no model folder and no worker hash)")
+    for m in st.models:
+        live = len(m.live_workers)
+        stale = len(m.workers) - live
+        backlog = sum(lane.length for lane in m.lanes)
+        lines.append("")
+        lines.append(f"model {m.name}: backlog {backlog}, {live} live worker{'s' if live != 1 else ''}"
+                     + (f", {stale} stale" if stale else "") + f", {m.dead_count} dead letter"
+                     + ("s" if m.dead_count != 1 else ""))
+        rows = []
+        for lane in m.lanes:
+            if not lane.exists:
+                rows.append([lane.lane, "0", "0", "0", "0", "-", "-", "(no stream yet)"])
+                continue
+            op = lane.oldest_pending
+            oq = lane.oldest_queued
+            note = "no group 'workers' yet" if lane.no_group else ("lag derived: XLEN-pending"
+                                                                    if lane.lag_source == "derived" else "")
+            rows.append([lane.lane, str(lane.length), str(lane.lag if lane.lag is not None else "?"),
+                         str(lane.pending), str(lane.consumers), _age(oq.age_s) if oq else "-",
+                         f"{_age(op.age_s)} (idle {_age(op.idle_s)}, {op.consumer}, x{op.deliveries})" if op else "-",
+                         note])
+        lines += _table(["lane", "backlog", "queued", "in flight", "consumers", "oldest queued",
+                         "oldest in flight", ""], rows, right={1, 2, 3, 4})
+        if m.workers:
+            lines.append("")
+            rows = []
+            for w in m.workers:
+                slots = f"{w.slots_used}/{w.max_batch}" if w.max_batch is not None else "?"
+                tps = f"{w.tokens_per_s:.1f}" if isinstance(w.tokens_per_s, (int, float)) else "?"
+                hb = f"{_age(w.heartbeat_age_s)} ago" if w.heartbeat_age_s is not None else "?"
+                state = "STALE" if w.stale else ("draining" if w.draining else "live")
+                rows.append([w.id, state, slots, tps, hb, str(w.pid or "?"), str(w.host or "?")])
+            lines += _table(["worker", "state", "slots", "tokens/s", "heartbeat", "pid", "host"], rows,
+                            right={2, 3, 4, 5})
+        else:
+            lines.append("  workers: none registered")
+        if m.dead_latest:
+            lines.append(f"  latest dead letters ({m.dead_key}):")
+            for d in m.dead_latest:
+                rid = f" request {d.request_id}" if d.request_id else ""
+                lines.append(f"    {d.id}  {_age(d.age_s)} ago  lane {d.lane or '?'}{rid}: {d.reason}")
+    return "\n".join(lines)
+
+
+# -- the command -------------------------------------------------------------------
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def run_status(settings: CommonSettings, *, model: str | None = None, watch: bool = False,
+               interval: float = 2.0, as_json: bool = False, out: TextIO = sys.stdout,
+               err: TextIO = sys.stderr) -> int:
+    """Print the fleet's status once, or every ``interval`` seconds until Ctrl-C.
+
+    Returns the exit code: 0, or 2 when Redis cannot be reached (once mode).
+    """
+    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    models = [model] if model else None
+    try:
+        while True:
+            try:
+                st = collect(r, settings, models)
+                text = (orjson.dumps(st.to_dict()).decode() if as_json else render(st))
+            except (redis.RedisError, OSError) as exc:
+                if not watch:
+                    print(f"cannot read the fleet from Redis at {mask_url(settings.redis_url)}: {exc}", file=err)
+                    return 2
+                text = (orjson.dumps({"error": str(exc)}).decode() if as_json else
+                        f"streamfleet status: Redis at {mask_url(settings.redis_url)} unreachable: {exc}")
+            if watch and not as_json:
+                out.write(CLEAR + text + f"\n\n(every {interval:g} s; Ctrl-C to stop)\n")
+            else:
+                out.write(text + "\n")
+            out.flush()
+            if not watch:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        r.close()

@@ -1,0 +1,149 @@
+"""`streamfleet status` and `streamfleet bench` against a real fleet (echo worker).
+
+Functional checks only (what the commands report, their exit codes); no timing
+assertions, so they hold on a slow or busy CI machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from streamfleet.bench import percentile, summarize
+from streamfleet.launcher import free_port
+from streamfleet.status import mask_url
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sf(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamfleet", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_status_json_shows_lanes_worker_gateway_and_dead_letters(fleet, rds, key_prefix):
+    worker = fleet.worker(backend="echo")
+    gw = fleet.gateway()
+    gateway_id = httpx.get(gw.http + "/healthz").json()["gateway_id"]
+    rds.xadd(f"{key_prefix}:{{tiny-gpt}}:dead", {"task": json.dumps({"request_id": "r-dead"}),
+                                                   "reason": "delivered 4 times", "lane": "normal"})
+
+    res = sf(["status", "--json"], fleet.env())
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["key_prefix"] == key_prefix
+    assert gateway_id in st["gateways"] and st["gateway_count"] >= 1
+    assert st["cancel_listeners"] >= 1
+    model = next(m for m in st["models"] if m["name"] == "tiny-gpt")
+    lanes = {lane["lane"]: lane for lane in model["lanes"]}
+    assert set(lanes) == {"high", "normal"}
+    for lane in lanes.values():
+        assert lane["key"] == f"{key_prefix}:{{tiny-gpt}}:tasks:{lane['lane']}"
+        assert lane["exists"] and lane["length"] == 0 and lane["pending"] == 0 and lane["lag"] == 0
+    [w] = model["workers"]
+    assert w["pid"] == worker.popen.pid and not w["stale"] and w["max_batch"] == 16
+    assert w["heartbeat_age_s"] is not None
+    assert model["live_workers"] == 1
+    assert model["dead_count"] == 1
+    assert model["dead_latest"][0]["reason"] == "delivered 4 times"
+    assert model["dead_latest"][0]["request_id"] == "r-dead"
+
+    # --model narrows it; the text report names the same things
+    res = sf(["status", "--model", "tiny-gpt"], fleet.env())
+    assert res.returncode == 0, res.stderr
+    assert "model tiny-gpt" in res.stdout and "bench-gpt" not in res.stdout
+    assert gateway_id in res.stdout and str(worker.popen.pid) in res.stdout
+    assert "delivered 4 times" in res.stdout
+
+
+def test_status_marks_stale_workers_and_shows_backlog(fleet, rds, key_prefix):
+    key = f"{key_prefix}:workers:ghost-model"
+    rds.hset(key, "w-old", json.dumps({"heartbeat": 1.0, "slots_used": 3, "max_batch": 8, "tokens_per_s": 0,
+                                       "pid": 1, "host": "gone", "draining": False}))
+    lane = f"{key_prefix}:{{ghost-model}}:tasks:high"
+    rds.xgroup_create(lane, "workers", id="0", mkstream=True)
+    for _ in range(3):
+        rds.xadd(lane, {"task": "{}"})
+    rds.xreadgroup("workers", "w-old", {lane: ">"}, count=1)
+
+    res = sf(["status", "--json", "--model", "ghost-model"], fleet.env())
+    assert res.returncode == 0, res.stderr
+    [model] = json.loads(res.stdout)["models"]
+    assert model["workers"][0]["stale"] and model["live_workers"] == 0 and model["stale_workers"] == 1
+    high = next(x for x in model["lanes"] if x["lane"] == "high")
+    assert (high["length"], high["pending"], high["lag"]) == (3, 1, 2)
+    assert high["oldest_pending"]["consumer"] == "w-old" and high["oldest_pending"]["deliveries"] == 1
+    assert high["oldest_queued"] is not None
+    res = sf(["status", "--model", "ghost-model"], fleet.env())
+    assert "STALE" in res.stdout
+
+
+def test_status_without_redis_fails_clearly(fleet):
+    env = fleet.env()
+    env["SF_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"
+    res = sf(["status"], env)
+    assert res.returncode == 2
+    assert "cannot read the fleet from Redis" in res.stderr
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse"])
+def test_bench_json(fleet, transport):
+    fleet.worker(backend="echo")
+    gw = fleet.gateway()
+    res = sf(["bench", "--url", gw.http, "--transport", transport, "--requests", "20", "--concurrency", "4",
+              "--max-tokens", "8", "--json"], fleet.env())
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = json.loads(res.stdout)
+    assert out["requests"] == {"total": 20, "ok": 20, "failed": 0}
+    assert out["errors"] == {}
+    assert out["tokens"] == 160
+    assert out["config"]["transport"] == transport and out["config"]["mode"] == "closed"
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        for p in ("p50", "p90", "p99", "mean", "max"):
+            assert out[key][p] is not None and out[key][p] >= 0, (key, p)
+    assert out["ttft_ms"]["count"] == 20 and out["e2e_ms"]["count"] == 20
+    assert out["itl_ms"]["count"] > 0
+    assert out["tokens_per_s"] > 0 and out["requests_per_s"] > 0
+
+
+def test_bench_open_loop_mixed_lanes_text_report(fleet):
+    fleet.worker(backend="echo")
+    gw = fleet.gateway()
+    res = sf(["bench", "--url", gw.ws, "--rate", "50", "--requests", "10", "--concurrency", "2", "--max-tokens",
+              "4", "--lane", "mixed", "--png", str(fleet.tmp / "lat.png")], fleet.env())
+    assert res.returncode == 0, res.stderr
+    assert "10 ok, 0 failed" in res.stdout and "open loop at 50 req/s" in res.stdout
+    assert "TTFT" in res.stdout and "errors    none" in res.stdout
+    # the plot is written when matplotlib is there, else a message says why not
+    assert (fleet.tmp / "lat.png").exists() or "matplotlib is not installed" in res.stderr
+
+
+def test_bench_unreachable_gateway_exits_nonzero(fleet):
+    url = f"http://127.0.0.1:{free_port()}"
+    for transport in ("ws", "sse"):
+        res = sf(["bench", "--url", url, "--transport", transport, "--requests", "2"], fleet.env(), timeout=60)
+        assert res.returncode == 2
+        assert f"cannot reach the gateway at {url}" in res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_bench_rejects_bad_settings(fleet):
+    res = sf(["bench", "--transport", "grpc"], fleet.env())
+    assert res.returncode == 2 and "transport must be one of ws, sse" in res.stderr
+
+
+def test_percentiles_and_masking():
+    assert percentile([], 50) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 90) == 90.0
+    s = summarize([1.0, 3.0])
+    assert s["count"] == 2 and s["mean"] == 2.0 and s["max"] == 3.0
+    assert mask_url("redis://:secret@h:6379/0") == "redis://:***@h:6379/0"
+    assert mask_url("redis://u:pw@h/0") == "redis://u:***@h/0"
+    assert mask_url("redis://h:6379/0") == "redis://h:6379/0"
