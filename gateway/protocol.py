@@ -58,8 +58,11 @@ def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
     if isinstance(ev, Token):
         return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text}
     if isinstance(ev, End):
-        return {"type": "done", "id": client_id, "request_id": request_id, "finish_reason": ev.finish_reason,
-                "usage": ev.usage, "timing": ev.timing}
+        frame = {"type": "done", "id": client_id, "request_id": request_id, "finish_reason": ev.finish_reason,
+                 "usage": ev.usage, "timing": ev.timing}
+        if ev.model_version:
+            frame["model_version"] = ev.model_version
+        return frame
     assert isinstance(ev, Failed)
     return ev.error.to_frame(client_id)
 

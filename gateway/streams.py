@@ -56,6 +56,7 @@ class End:
     prompt_tokens: int
     completion_tokens: int
     timing: dict[str, float] = field(default_factory=dict)
+    model_version: str = ""
 
     @property
     def usage(self) -> dict[str, int]:
@@ -123,7 +124,7 @@ class RequestStream:
             else:
                 self._deliver(Token(ev.index, ev.text))
         elif isinstance(ev, DoneEvent):
-            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing())
+            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version)
             if self._ahead or self.next_index < ev.completion_tokens:
                 self._final = end  # tokens are missing before it
             else:

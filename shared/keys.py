@@ -49,6 +49,14 @@ class Keys:
         """Set (with a TTL) while a resumed client follows the request on some gateway."""
         return f"{self.prefix}:attach:{request_id}"
 
+    def target_version(self, model: str) -> str:
+        """String: the model version every worker should serve (set by `streamfleet reload`)."""
+        return f"{self.prefix}:version:{model}"
+
+    def reload_lock(self, model: str) -> str:
+        """String with TTL: the worker currently reloading (workers take turns)."""
+        return f"{self.prefix}:reload:{model}"
+
     def workers(self, model: str) -> str:
         return f"{self.prefix}:workers:{model}"
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -108,22 +109,43 @@ class ModelRepository:
             return []
         return sorted(p.parent.name for p in self.root.glob("*/engine.toml"))
 
-    def get(self, name: str) -> ModelSpec:
-        """The spec of model ``name``.
+    def get(self, name: str, version: str | None = None) -> ModelSpec:
+        """The spec of model ``name``: its base folder, or with ``version`` the folder
+        ``<root>/<name>/versions/<version>`` (used by hot reloads), unless the base
+        folder itself is that version.
 
         Raises:
-            NotFoundError: no folder ``<root>/<name>`` with an ``engine.toml``.
+            NotFoundError: no such folder with an ``engine.toml``.
         """
-        spec = self._specs.get(name)
+        key = f"{name}@{version}" if version else name
+        spec = self._specs.get(key)
         if spec is None:
-            if not name or "/" in name or name.startswith(".") or len(name) > 128:
+            if not _safe(name) or (version is not None and not _safe(version)):
                 raise NotFoundError(f"model {name!r} does not exist", param="model")
             toml_path = self.root / name / "engine.toml"
             if not toml_path.is_file():
                 raise NotFoundError(f"model {name!r} does not exist", param="model")
             spec = ModelSpec.from_toml(toml_path)
-            self._specs[name] = spec
+            if version is not None and spec.version != version:
+                vpath = self.root / name / "versions" / version / "engine.toml"
+                if not vpath.is_file():
+                    raise NotFoundError(f"model {name!r} has no version {version!r} "
+                                        f"(expected {vpath.relative_to(self.root)})", param="model")
+                spec = dataclasses.replace(ModelSpec.from_toml(vpath), name=name)
+            self._specs[key] = spec
         return spec
+
+    def versions(self, name: str) -> list[str]:
+        base = self.get(name)
+        folder = self.root / name / "versions"
+        found = {base.version}
+        if folder.is_dir():
+            found |= {p.parent.name for p in folder.glob("*/engine.toml")}
+        return sorted(found)
+
+
+def _safe(part: str) -> bool:
+    return bool(part) and "/" not in part and not part.startswith(".") and len(part) <= 128
 
 
 @lru_cache(maxsize=16)

@@ -111,6 +111,7 @@ class DoneEvent:
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    model_version: str = ""
     type: str = "done"
 
     def usage(self) -> dict[str, int]:

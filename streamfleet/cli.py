@@ -162,5 +162,64 @@ def bench(
     raise typer.Exit(0 if result.ok else 1)
 
 
+@app.command()
+def reload(
+    model: str = typer.Argument(..., help="model folder under engines/"),
+    to: str = typer.Option(..., "--to", help="version to serve (engines/MODEL/versions/VERSION)"),
+    wait: bool = typer.Option(True, help="wait until every live worker serves it"),
+    timeout: float = typer.Option(600.0, help="seconds to wait"),
+    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
+) -> None:
+    """Hot-reload a model: workers load VERSION beside the current one, one at a time, send new
+    requests to it, let running ones finish on the old one, then free it."""
+    import time
+
+    import orjson
+    import redis
+
+    from shared.errors import StreamfleetError
+    from shared.keys import Keys
+    from shared.modelrepo import ModelRepository
+    from shared.settings import CommonSettings
+
+    settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    try:
+        versions = ModelRepository(settings.engines_dir).versions(model)
+    except StreamfleetError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2)
+    if to not in versions:
+        typer.echo(f"error: {model} has no version {to!r}; available: {', '.join(versions)}", err=True)
+        raise typer.Exit(2)
+    keys = Keys(settings.key_prefix)
+    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+    try:
+        r.set(keys.target_version(model), to)
+        typer.echo(f"{model}: target version set to {to}")
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.time()
+            live = [orjson.loads(v) for v in r.hvals(keys.workers(model))]
+            live = [w for w in live if now - float(w.get("heartbeat", 0)) <= settings.worker_ttl_s]
+            done = [w for w in live if w.get("version") == to and not w.get("reloading")]
+            typer.echo(f"\r  {len(done)}/{len(live)} workers serve {to}", nl=False, err=True)
+            if live and len(done) == len(live):
+                typer.echo("", err=True)
+                typer.echo(f"{model}: every live worker serves version {to}")
+                return
+            if time.monotonic() > deadline:
+                typer.echo("", err=True)
+                typer.echo("error: timed out waiting for the workers", err=True)
+                raise typer.Exit(1)
+            time.sleep(0.5)
+    except redis.RedisError as exc:
+        typer.echo(f"error: Redis at {settings.redis_url}: {exc}", err=True)
+        raise typer.Exit(1)
+    finally:
+        r.close()
+
+
 if __name__ == "__main__":
     app()

@@ -38,6 +38,7 @@ from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, TokenEvent
 from shared.settings import WorkerSettings
 
 from workers.core import WorkerCore
+from workers.coreset import CoreSet, VersionedCore
 from workers.engines import load_engine
 from workers.lanes import LanePolicy
 
@@ -74,7 +75,8 @@ class WorkerProcess:
         self.lane_keys = self.keys.lanes(self.model)
         self.policy = LanePolicy(settings.lane_weights)
         self.redis: aioredis.Redis | None = None
-        self.core: WorkerCore | None = None
+        self.cores: CoreSet | None = None
+        self._reloading = False
         self.inflight: dict[str, InFlight] = {}
         self._held: list[tuple[str, bytes, dict]] = []  # read beyond free slots; admitted first
         self._cancels: list[str] = []
@@ -89,9 +91,9 @@ class WorkerProcess:
         self._m_tokens = metrics.tokens.labels(m)
 
     # -- start-up -------------------------------------------------------------------
-    def _load(self) -> WorkerCore:
+    def _load(self, version: str | None = None) -> VersionedCore:
         repo = ModelRepository(self.settings.engines_dir)
-        spec = repo.get(self.model)
+        spec = repo.get(self.model, version)
         ensure_artifacts(spec)
         options = {}
         backend = self.settings.backend or spec.backend
@@ -102,7 +104,7 @@ class WorkerProcess:
         engine = load_engine(spec, self.settings.backend, **options)
         tokenizer = load_tokenizer(spec)
         max_batch = self.settings.max_batch or spec.max_batch
-        return WorkerCore(engine, tokenizer, max_batch=max_batch)
+        return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch))
 
     async def _ensure_groups(self) -> None:
         for key in self.lane_keys.values():
@@ -120,24 +122,29 @@ class WorkerProcess:
                 loop.add_signal_handler(sig, self._stopping.set)
             except (NotImplementedError, RuntimeError):
                 pass
+        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
+        await self._wait_for_redis()
         try:
-            self.core = await loop.run_in_executor(self._executor, self._load)
+            target = await self._target_version()
+            first = await loop.run_in_executor(self._executor, self._load, target)
         except FatalError as exc:
             log.error("worker cannot start", error=exc.message)
+            await self.redis.aclose()
             return 2
-        self.max_batch = self.core.free_slots
+        self.max_batch = first.core.free_slots
+        self.cores = CoreSet(first, self.max_batch)
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
             start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host)
             log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics")
-        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
-        await self._wait_for_redis()
-        log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch)
+        log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch,
+                 version=self.cores.version)
         self._requeue = self.redis.register_script(REQUEUE_LUA)
         aux = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                asyncio.create_task(self._cancel_loop(), name="cancels"),
-               asyncio.create_task(self._reclaim_loop(), name="reclaim")]
+               asyncio.create_task(self._reclaim_loop(), name="reclaim"),
+               asyncio.create_task(self._reload_loop(), name="reload")]
         try:
             await self._main_loop()
         finally:
@@ -163,7 +170,7 @@ class WorkerProcess:
 
     async def _main_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        core = self.core
+        core = self.cores
         backoff = 0.1
         drain_deadline: float | None = None
         while True:
@@ -182,12 +189,17 @@ class WorkerProcess:
                     await self._admit(block=not core.has_work())
                 if core.has_work():
                     t0 = time.perf_counter()
-                    out = await loop.run_in_executor(self._executor, core.step)
+                    outs = await loop.run_in_executor(self._executor, core.step)
                     self._m_step.observe(time.perf_counter() - t0)
-                    if out.batch_size:
-                        self._m_batch.observe(out.batch_size)
-                    self._count_tokens(out.new_tokens)
-                    await self._publish(out)
+                    for version, out in outs:
+                        if out.batch_size:
+                            self._m_batch.observe(out.batch_size)
+                        self._count_tokens(out.new_tokens)
+                        await self._publish(out, version)
+                    retired = core.retired()
+                    if retired is not None:
+                        await loop.run_in_executor(self._executor, retired.core.engine.close)
+                        log.info("old model version freed", version=retired.version, now=core.version)
                 backoff = 0.1
             except BROKER_ERRORS as exc:
                 metrics.redis_errors.labels("main_loop").inc()
@@ -202,7 +214,7 @@ class WorkerProcess:
 
     # -- reading tasks ------------------------------------------------------------------
     async def _admit(self, block: bool) -> None:
-        free = self.core.free_slots
+        free = self.cores.free_slots
         entries = self._held[:free]
         self._held = self._held[free:]
         free -= len(entries)
@@ -263,16 +275,16 @@ class WorkerProcess:
             asyncio.create_task(self._dead_letter(lane, msg_id, raw, f"malformed task: {exc}"))
             return
         now = time.time()
-        if task.request_id in self.core:
+        if task.request_id in self.cores:
             # the same request delivered twice to this worker (e.g. reclaimed while still running here):
             # the running copy answers; drop the extra delivery without acking the live one
             log.warning("duplicate delivery ignored", request_id=task.request_id, message_id=msg_id.decode())
             return
         self.inflight[task.request_id] = InFlight(lane, msg_id, task)
-        self.core.add(task)
+        self.cores.add(task)
         metrics.admissions.labels(self.model, lane).inc()
         if task.request_id in self._cancel_memory:
-            self.core.cancel(task.request_id)
+            self.cores.cancel(task.request_id)
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
                  queue_ms=round((now - task.created_at) * 1000, 2))
 
@@ -288,11 +300,59 @@ class WorkerProcess:
         except BROKER_ERRORS as exc:
             log.warning("dead-lettering failed", error=str(exc))
 
+    # -- hot reload --------------------------------------------------------------------------
+    async def _target_version(self) -> str | None:
+        raw = await self.redis.get(self.keys.target_version(self.model))
+        return raw.decode() if raw else None
+
+    async def _reload_loop(self) -> None:
+        """Follow ``sf:version:{model}``: when it names another version, take the fleet's
+        reload lock (so workers take turns and at most one extra engine is in memory at a
+        time), load the new engine beside the old, send new sequences to it, let the old
+        one's finish, free it, release the lock."""
+        loop = asyncio.get_running_loop()
+        lock_key = self.keys.reload_lock(self.model)
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s / 2)
+            if self._stopping.is_set():
+                continue
+            try:
+                target = await self._target_version()
+                if not target or target == self.cores.version:
+                    continue
+                if not await self.redis.set(lock_key, self.worker_id, nx=True, px=120_000):
+                    continue  # another worker is reloading: wait for our turn
+            except BROKER_ERRORS:
+                continue
+            self._reloading = True
+            t0 = time.monotonic()
+            log.info("reloading model", model=self.model, old=self.cores.version, new=target)
+            try:
+                new = await loop.run_in_executor(self._executor, self._load, target)
+                self.cores.switch(new)
+                while self.cores.retiring is not None:
+                    await asyncio.sleep(0.05)
+                    await self.redis.pexpire(lock_key, 120_000)
+                log.info("model reloaded", model=self.model, version=target,
+                         seconds=round(time.monotonic() - t0, 2))
+            except FatalError as exc:
+                log.error("reload failed; staying on the current version", version=target, error=exc.message)
+                await asyncio.sleep(10)
+            except BROKER_ERRORS as exc:
+                log.warning("redis error during reload", error=str(exc))
+            finally:
+                self._reloading = False
+                try:
+                    if (await self.redis.get(lock_key)) == self.worker_id.encode():
+                        await self.redis.delete(lock_key)
+                except BROKER_ERRORS:
+                    pass
+
     # -- drain ---------------------------------------------------------------------------
     async def _hand_back(self) -> None:
         """Give every unfinished task back to its lane so another worker runs it."""
         loop = asyncio.get_running_loop()
-        tasks = await loop.run_in_executor(self._executor, self.core.abandon_all)
+        tasks = await loop.run_in_executor(self._executor, self.cores.abandon_all)
         items = [(fl.lane, fl.message_id, fl.task.encode()) for t in tasks
                  if (fl := self.inflight.pop(t.request_id, None)) is not None]
         items += [(lane, mid, fields.get(b"task", b"")) for lane, mid, fields in self._held]
@@ -337,7 +397,7 @@ class WorkerProcess:
 
     async def _reclaim(self) -> None:
         s = self.settings
-        free = self.core.free_slots - len(self._held)
+        free = self.cores.free_slots - len(self._held)
         for lane in LANES:
             if free <= 0:
                 return
@@ -386,13 +446,15 @@ class WorkerProcess:
                 pipe.expire(key, int(s.log_ttl_s))
 
     # -- publishing ----------------------------------------------------------------------
-    async def _publish(self, out) -> None:
+    async def _publish(self, out, version: str = "") -> None:
         """One pipeline per step: log every event, PUBLISH each connection's events, XACK +
         XDEL finished tasks. The log entries go first, so a gateway that sees a message can
         already find it (and anything before it) in the log."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         rids_by_channel: dict[str, set[str]] = defaultdict(set)
         for reply_to, ev in out.events:
+            if isinstance(ev, DoneEvent):
+                ev.model_version = version
             by_channel[reply_to].append(ev)
             rids_by_channel[reply_to].add(ev.request_id)
         channels = list(by_channel)
@@ -423,13 +485,13 @@ class WorkerProcess:
                     if rid in self.inflight:
                         metrics.cancelled_no_listener.labels(self.model).inc()
                         log.info("nobody listening; cancelling", request_id=rid)
-                        self.core.cancel(rid)
+                        self.cores.cancel(rid)
 
     # -- cancels ---------------------------------------------------------------------------
     def _apply_cancels(self) -> None:
         cancels, self._cancels = self._cancels, []
         for rid in cancels:
-            if not self.core.cancel(rid):
+            if not self.cores.cancel(rid):
                 self._cancel_memory[rid] = time.monotonic()
         if self._cancel_memory:
             cutoff = time.monotonic() - CANCEL_MEMORY_S
@@ -482,11 +544,13 @@ class WorkerProcess:
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.model)
         while True:
-            metrics.slots_in_use.labels(self.model).set(self.max_batch - self.core.free_slots)
+            metrics.slots_in_use.labels(self.model).set(self.cores.active)
             metrics.slots.labels(self.model).set(self.max_batch)
             info = {
                 "heartbeat": time.time(),
-                "slots_used": self.max_batch - self.core.free_slots,
+                "slots_used": self.cores.active,
+                "version": self.cores.version,
+                "reloading": self._reloading,
                 "max_batch": self.max_batch,
                 "tokens_per_s": round(self.tokens_per_s(), 1),
                 "pid": os.getpid(),

@@ -60,9 +60,10 @@ class Proc:
     def ws(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/stream"
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 6000) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-6000:]
+            text = self.log_path.read_text(errors="replace")
+            return text[-tail:] if tail else text
         except OSError:
             return ""
 

@@ -1,0 +1,81 @@
+"""The worker's cores during a hot model reload, without I/O.
+
+Normally one ``WorkerCore``. During a reload two: the new version's core takes every new
+sequence while the old one finishes what it has, then is dropped (its engine freed).
+Together they never hold more than ``max_batch`` sequences, so a reload costs at most one
+extra engine in memory and no extra batch slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.schema import Task
+
+from workers.core import StepOutput, WorkerCore
+
+__all__ = ["VersionedCore", "CoreSet"]
+
+
+@dataclass
+class VersionedCore:
+    version: str
+    core: WorkerCore
+
+
+class CoreSet:
+    def __init__(self, first: VersionedCore, max_batch: int) -> None:
+        self.current = first
+        self.retiring: VersionedCore | None = None
+        self.max_batch = max_batch
+
+    @property
+    def version(self) -> str:
+        return self.current.version
+
+    def all(self) -> list[VersionedCore]:
+        return [c for c in (self.retiring, self.current) if c is not None]
+
+    @property
+    def active(self) -> int:
+        return sum(c.core.active for c in self.all())
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, min(self.current.core.free_slots, self.max_batch - self.active))
+
+    def has_work(self) -> bool:
+        return any(c.core.has_work() for c in self.all())
+
+    def __contains__(self, request_id: object) -> bool:
+        return any(request_id in c.core for c in self.all())
+
+    def add(self, task: Task) -> None:
+        self.current.core.add(task)
+
+    def cancel(self, request_id: str) -> bool:
+        return any(c.core.cancel(request_id) for c in self.all())
+
+    def switch(self, new: VersionedCore) -> None:
+        """New sequences go to ``new`` from now on; the current core retires.
+
+        Raises:
+            RuntimeError: a previous switch has not finished retiring yet.
+        """
+        if self.retiring is not None:
+            raise RuntimeError("a reload is already in progress")
+        self.retiring, self.current = self.current, new
+
+    def step(self) -> list[tuple[str, StepOutput]]:
+        """One step of every core that has work (engine calls: run off the event loop)."""
+        return [(c.version, c.core.step()) for c in self.all() if c.core.has_work()]
+
+    def retired(self) -> VersionedCore | None:
+        """The retiring core once it is empty (the caller frees its engine), else None."""
+        if self.retiring is not None and not self.retiring.core.has_work():
+            done, self.retiring = self.retiring, None
+            return done
+        return None
+
+    def abandon_all(self) -> list[Task]:
+        return [t for c in self.all() for t in c.core.abandon_all()]
