@@ -348,7 +348,7 @@ def render(st: FleetStatus) -> str:
                          f"{_age(op.age_s)} (idle {_age(op.idle_s)}, {op.consumer}, x{op.deliveries})" if op else "-",
                          note])
         lines += _table(["lane", "backlog", "queued", "in flight", "consumers", "oldest queued",
-                         "oldest in flight", ""], rows, right={1, 2, 3, 4})
+                         "oldest in flight", "note"], rows, right={1, 2, 3, 4})
         if m.workers:
             lines.append("")
             rows = []
