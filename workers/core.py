@@ -19,7 +19,6 @@ Stream invariants, per request:
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.logging import get_logger
 from shared.errors import ErrorCode
 from shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
 from workers.batcher import Scheduler, Sequence
@@ -38,7 +38,7 @@ from workers.sampling import Sampler
 
 __all__ = ["WorkerCore", "StepOutput"]
 
-log = logging.getLogger("streamfleet.worker.core")
+log = get_logger("worker.core")
 
 
 @dataclass(slots=True)
@@ -220,7 +220,7 @@ class WorkerCore:
             try:
                 self._advance(seq, row, now, out)
             except Exception as exc:  # a bug or a bad row must not take the batch down
-                log.exception("sampling/detokenizing %s failed", seq.request_id)
+                log.exception("sampling/detokenizing failed", request_id=seq.request_id, trace_id=seq.task.trace_id)
                 self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
         return out
 
@@ -249,7 +249,7 @@ class WorkerCore:
                 if not failed:
                     self._fail_all(live, exc, kind, out)
                     return []
-                log.warning("engine %s failed for %s: %s", kind, sorted(failed), exc)
+                log.warning("engine failed for some sequences", call=kind, request_ids=sorted(failed), error=str(exc))
                 for seq in live:
                     if seq.request_id in failed:
                         self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
@@ -265,7 +265,7 @@ class WorkerCore:
         return []
 
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
-        log.error("engine %s failed for %d sequences", kind, len(seqs), exc_info=exc)
+        log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
         for seq in seqs:
             self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
 
@@ -359,5 +359,5 @@ class WorkerCore:
         try:
             self.engine.release(seq.request_id)
         except Exception:
-            log.exception("engine release of %s failed", seq.request_id)
+            log.exception("engine release failed", request_id=seq.request_id)
         seq.prefilled = False
