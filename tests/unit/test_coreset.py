@@ -1,0 +1,50 @@
+"""CoreSet: the two cores of a hot reload share max_batch; the old one retires when empty."""
+
+from __future__ import annotations
+
+import time
+
+from shared.schema import SamplingParams, Task
+
+from workers.core import WorkerCore
+from workers.coreset import CoreSet, VersionedCore
+from workers.engines.echo import EchoEngine
+
+
+def task(rid: str, n: int = 3) -> Task:
+    return Task(request_id=rid, model="tiny-gpt", lane="normal", reply_to="c", client_id=rid,
+                prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                created_at=time.time())
+
+
+def core(spec, version: str) -> VersionedCore:
+    return VersionedCore(version, WorkerCore(EchoEngine(spec), None or _tok(spec), max_batch=4))
+
+
+def _tok(spec):
+    from shared.modelrepo import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def test_reload_shares_slots_and_retires_old(tiny_spec):
+    cs = CoreSet(core(tiny_spec, "1"), max_batch=4)
+    cs.add(task("a", 3))
+    cs.add(task("b", 6))
+    cs.step()
+    cs.switch(core(tiny_spec, "2"))
+    assert cs.free_slots == 2  # the old version's sequences still count
+    cs.add(task("c", 2))
+    assert "a" in cs and "c" in cs and cs.version == "2"
+    versions_done = {}
+    while cs.has_work():
+        for version, out in cs.step():
+            for _, ev in out.events:
+                if ev.type == "done":
+                    versions_done[ev.request_id] = version
+        retired = cs.retired()
+        if retired is not None:
+            assert retired.version == "1" and "b" not in cs
+    assert versions_done == {"a": "1", "b": "1", "c": "2"}
+    assert cs.retiring is None and cs.free_slots == 4
+    assert cs.cancel("zzz") is False

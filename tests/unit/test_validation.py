@@ -1,0 +1,73 @@
+"""The one validation path (gateway/validation.py) with the real tiny-gpt tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import NotFoundError, ValidationError
+from shared.modelrepo import ModelRepository
+from shared.settings import GatewaySettings
+
+from gateway.validation import Validator, render_chat
+
+
+@pytest.fixture(scope="module")
+def validator(tiny_spec):
+    return Validator(GatewaySettings(), ModelRepository(tiny_spec.path.parent))
+
+
+def test_defaults_and_task(validator):
+    v = validator.generate({"id": "a", "prompt": "Once upon a time"})
+    assert v.model == "tiny-gpt" and v.lane == "normal" and v.prompt_ids
+    p = v.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop, p.ignore_eos) == (64, 1.0, 1.0, 0, [], False)
+    assert 0 <= p.seed < 2**63  # drawn by the gateway, so a redelivery regenerates the same text
+    task = v.to_task("conn", request_id="rid")
+    assert task.reply_to == "conn" and task.request_id == "rid" and task.deadline > task.created_at
+    assert task.trace_id
+
+
+def test_explicit_fields(validator):
+    v = validator.generate({"id": "a", "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5,
+                            "top_k": 3, "stop": "\n", "seed": 7, "priority": "high", "timeout": 2,
+                            "ignore_eos": True, "future_field": [1, 2]})
+    assert v.lane == "high" and v.params.stop == ["\n"] and v.params.seed == 7 and v.timeout_s == 2
+    assert v.params.max_tokens == 5 and v.params.ignore_eos
+
+
+@pytest.mark.parametrize("payload,code,param", [
+    ({"prompt": "x"}, "missing_field", "id"),
+    ({"id": 3, "prompt": "x"}, "invalid_type", "id"),
+    ({"id": "a"}, "missing_field", "prompt"),
+    ({"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "missing_field", "prompt"),
+    ({"id": "a", "prompt": "x", "max_tokens": 0}, "out_of_range", "max_tokens"),
+    ({"id": "a", "prompt": "x", "max_tokens": 1.5}, "invalid_type", "max_tokens"),
+    ({"id": "a", "prompt": "x", "temperature": float("nan")}, "invalid_type", "temperature"),
+    ({"id": "a", "prompt": "x", "top_p": 1.5}, "out_of_range", "top_p"),
+    ({"id": "a", "prompt": "x", "stop": ["a"] * 5}, "out_of_range", "stop"),
+    ({"id": "a", "prompt": "x", "stop": [""]}, "out_of_range", "stop"),
+    ({"id": "a", "prompt": "x", "seed": True}, "invalid_type", "seed"),
+    ({"id": "a", "prompt": "x", "ignore_eos": "yes"}, "invalid_type", "ignore_eos"),
+    ({"id": "a", "prompt": "x", "priority": 1}, "invalid_type", "priority"),
+    ({"id": "a", "messages": "hi"}, "invalid_type", "messages"),
+    ({"id": "a", "messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages"),
+    ({"id": "a", "prompt": "word " * 1000}, "prompt_too_long", "prompt"),
+])
+def test_rules(validator, payload, code, param):
+    with pytest.raises(ValidationError) as e:
+        validator.generate(payload)
+    assert e.value.code == code and e.value.param == param and e.value.message
+
+
+def test_unknown_model(validator):
+    with pytest.raises(NotFoundError) as e:
+        validator.generate({"id": "a", "prompt": "x", "model": "gpt-5"})
+    assert e.value.status == 404 and e.value.code == "unknown_model"
+
+
+def test_chat_default_template(validator, tiny_spec):
+    text = render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                       validator.tokenizer(tiny_spec))
+    assert text == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    v = validator.generate({"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    assert v.prompt_text.endswith("<|assistant|>\n")
