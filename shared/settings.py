@@ -108,6 +108,8 @@ class WorkerSettings(CommonSettings):
     reclaim_interval_s: float = 1.0
     #: deliveries after which a task goes to the dead-letter stream
     max_deliveries: int = 3
+    #: the dead-letter stream keeps about this many newest entries
+    dead_maxlen: int = 10_000
     #: SIGTERM: finish in-flight work for this long, then hand the rest back
     drain_timeout_s: float = 30.0
     #: Prometheus metrics port (0 = none)

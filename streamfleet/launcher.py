@@ -143,7 +143,9 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
 
     configure_logging("info", log_format, process="serve")
     log = get_logger("serve")
-    spec = ModelRepository().get(model)
+    from shared.settings import CommonSettings
+
+    spec = ModelRepository(CommonSettings().engines_dir).get(model)
     if not spec.artifacts_present():
         log.info("building the demo model (first run only)", model=model, folder=str(spec.path))
     ensure_artifacts(spec)

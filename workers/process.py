@@ -293,7 +293,8 @@ class WorkerProcess:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.keys.dead(self.model), {"task": raw or b"", "reason": reason,
-                                                       "lane": lane, "worker": self.worker_id})
+                                                       "lane": lane, "worker": self.worker_id},
+                          maxlen=self.settings.dead_maxlen, approximate=True)
                 pipe.xack(self.lane_keys[lane], GROUP, msg_id)
                 pipe.xdel(self.lane_keys[lane], msg_id)
                 await pipe.execute()
