@@ -8,11 +8,13 @@ from typing import Optional
 
 import typer
 
+from streamfleet.engines_cli import engines_app
 from streamfleet.keys_cli import keys_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="streamfleet: token-streaming LLM serving over Redis Streams.")
 app.add_typer(keys_app, name="keys", help="Manage API keys: add, list, revoke (stored hashed in Redis).")
+app.add_typer(engines_app, name="engines", help="TensorRT plans: build (here or on a GPU queue), list, build worker.")
 
 
 @app.command()

@@ -1,0 +1,274 @@
+"""`streamfleet engines …`: build TensorRT plans here or on a GPU build queue, list them,
+run a build worker.
+
+    streamfleet engines build tiny-gpt                 build here (needs TensorRT and a GPU)
+    streamfleet engines build tiny-gpt --queue sm90    enqueue on sf:arq:build:sm90 (any host)
+    streamfleet engines worker --queue sm90            on a GPU host: run those builds
+    streamfleet engines list                           what is built where (from Redis)
+
+Connection, key prefix and model repository come from ``--redis-url`` /
+``SF_REDIS_URL`` / ``REDIS_URL``, ``SF_KEY_PREFIX`` and ``SF_ENGINES_DIR``.
+See docs/tensorrt.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import typer
+
+__all__ = ["engines_app"]
+
+engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                          help="TensorRT plans: build (here or on a GPU build queue), list, run a build worker.")
+
+_REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
+
+
+def _settings(redis_url: Optional[str]) -> Any:
+    from shared.settings import CommonSettings
+
+    return CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+
+
+def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _when(ts: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
+    except (TypeError, ValueError):
+        return "-"
+
+
+@engines_app.command("build")
+def build(
+    model: str = typer.Argument(..., help="model folder under engines/"),
+    queue: Optional[str] = typer.Option(None, "--queue", help="enqueue on this GPU-architecture queue (e.g. sm90) "
+                                        "for `streamfleet engines worker` instead of building here"),
+    force: bool = typer.Option(False, "--force", help="rebuild even when the plan exists"),
+    wait: bool = typer.Option(False, "--wait", help="with --queue: wait for the build and print its record"),
+    timeout: float = typer.Option(3 * 3600, help="with --wait: seconds to wait"),
+    option: list[str] = typer.Option([], "--option",
+                                     help="KEY=VALUE overriding the tensorrt table of engine.toml (repeatable)"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+) -> None:
+    """Build MODEL's TensorRT plan for this host's GPU, or queue the build for a GPU host."""
+    settings = _settings(redis_url)
+    options = _parse_options(option)
+    if queue:
+        raise typer.Exit(_enqueue(settings, queue, model, force, options, wait, timeout))
+    raise typer.Exit(_build_here(settings, model, force, options))
+
+
+def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[str, Any], wait: bool,
+             timeout: float) -> int:
+    from shared.redis import BROKER_ERRORS
+    from workers.enginebuild import enqueue_build, queue_key
+
+    try:
+        qkey = queue_key(settings.key_prefix, queue)
+    except ValueError as exc:
+        raise _fail(str(exc), 2) from None
+
+    async def main() -> int:
+        from arq import create_pool
+        from arq.connections import RedisSettings
+
+        pool = await create_pool(RedisSettings.from_dsn(settings.redis_url))
+        try:
+            job = await enqueue_build(pool, settings.key_prefix, queue, model, force=force, options=options)
+            typer.echo(f"queued build of {model} on {qkey}: job {job.job_id}", err=True)
+            if not wait:
+                typer.echo(job.job_id)
+                return 0
+            try:
+                record = await job.result(timeout=timeout, poll_delay=1.0)
+            except asyncio.TimeoutError:
+                typer.echo(f"error: no result within {timeout:g}s (is `streamfleet engines worker --queue {queue}` "
+                           f"running?)", err=True)
+                return 1
+            except Exception as exc:  # the job's own exception, re-raised by arq
+                typer.echo(f"error: the build failed: {type(exc).__name__}: {exc}", err=True)
+                return 1
+            typer.echo(json.dumps(record, indent=2))
+            return 0
+        finally:
+            await pool.aclose()
+
+    try:
+        return asyncio.run(main())
+    except BROKER_ERRORS as exc:
+        raise _fail(f"cannot reach Redis at {settings.redis_url}: {exc}") from None
+
+
+def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any]) -> int:
+    from shared.errors import FatalError, NotFoundError
+    from shared.modelrepo import ModelRepository, ensure_artifacts
+    from workers.engines.trt_build import build_plan
+
+    try:
+        spec = ModelRepository(settings.engines_dir).get(model)
+        ensure_artifacts(spec)
+        result = build_plan(spec, force=force, options=options or None,
+                            log=lambda s: typer.echo(s, err=True))
+    except NotFoundError as exc:
+        raise _fail(exc.message, 2) from None
+    except FatalError as exc:
+        raise _fail(exc.message) from None
+    record = result.record()
+    typer.echo(f"{'built' if result.built else 'found'} {result.path}", err=True)
+    _record_best_effort(settings, model, result.key, record)
+    typer.echo(json.dumps(record, indent=2))
+    return 0
+
+
+def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, Any]) -> None:
+    """Local builds show up in `engines list` too, when Redis is reachable."""
+    from shared.redis import BROKER_ERRORS, connect
+    from workers.enginebuild import plans_key
+
+    async def main() -> None:
+        client = connect(settings.redis_url, socket_timeout=2.0)
+        try:
+            await client.hset(plans_key(settings.key_prefix, model), key, json.dumps(record))
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    except BROKER_ERRORS as exc:
+        typer.echo(f"note: not recorded in Redis ({settings.redis_url}: {exc})", err=True)
+
+
+@engines_app.command("list")
+def list_(
+    model: Optional[str] = typer.Argument(None, help="only this model"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
+    local: bool = typer.Option(False, "--local", help="also list plan files on this host's disk"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+) -> None:
+    """Show built plans (host, TensorRT, GPU arch, when, how long) and the build queues."""
+    from shared.redis import BROKER_ERRORS, connect
+    from workers.enginebuild import list_plans, list_queues
+
+    settings = _settings(redis_url)
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        client = connect(settings.redis_url, socket_timeout=settings.redis_socket_timeout_s)
+        try:
+            return (await list_plans(client, settings.key_prefix, model),
+                    await list_queues(client, settings.key_prefix))
+        finally:
+            await client.aclose()
+
+    try:
+        plans, queues = asyncio.run(main())
+    except BROKER_ERRORS as exc:
+        raise _fail(f"cannot reach Redis at {settings.redis_url}: {exc}") from None
+    files = _local_plans(settings, model) if local else []
+    if as_json:
+        doc: dict[str, Any] = {"plans": plans, "queues": queues}
+        if local:
+            doc["local"] = files
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    if plans:
+        _table(("MODEL", "KEY", "HOST", "TRT", "ARCH", "BUILT", "SECONDS", "PATH"),
+               [(p.get("model"), str(p.get("key", ""))[:16], p.get("host"), p.get("trt_version"),
+                 f"sm{p.get('cc')}", _when(p.get("built_at")), p.get("seconds"), p.get("path")) for p in plans])
+    else:
+        typer.echo("no plans recorded" + (f" for {model}" if model else ""), err=True)
+    if queues:
+        typer.echo("")
+        _table(("QUEUE", "QUEUED", "WORKER HEALTH"),
+               [(q["queue"], q["queued"], q["health"] or "no worker seen") for q in queues])
+    if local:
+        typer.echo("")
+        if files:
+            _table(("MODEL", "KEY", "TRT", "ARCH", "MB", "PATH"),
+                   [(f["model"], str(f.get("key") or "?")[:16], f.get("trt_version") or "?", f"sm{f.get('cc')}",
+                     round(f["bytes"] / 1e6, 1), f["path"]) for f in files])
+        else:
+            typer.echo("no plan files on this host", err=True)
+
+
+def _local_plans(settings: Any, model: Optional[str]) -> list[dict[str, Any]]:
+    from shared.errors import FatalError, NotFoundError
+    from shared.modelrepo import ModelRepository
+    from workers.engines.trt_build import list_local_plans, tensorrt_options
+
+    repo = ModelRepository(settings.engines_dir)
+    out = []
+    for name in [model] if model else repo.names():
+        try:
+            spec = repo.get(name)
+            out.extend(list_local_plans(spec, tensorrt_options(spec)))
+        except (NotFoundError, FatalError) as exc:
+            typer.echo(f"note: {name}: {exc.message}", err=True)
+    return out
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+    cells = [[("-" if c is None else str(c)) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+@engines_app.command("worker")
+def worker(
+    queue: str = typer.Option(..., "--queue", help="the GPU-architecture queue to serve, e.g. sm90"),
+    burst: bool = typer.Option(False, "--burst", help="exit once the queue is empty"),
+    check_arch: bool = typer.Option(True, "--check-arch/--no-check-arch",
+                                    help="refuse to serve an smNN queue that is not this GPU's architecture"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+) -> None:
+    """Run build jobs from QUEUE on this GPU host (arq worker; one build at a time)."""
+    import re
+
+    from shared.errors import FatalError
+    from shared.logging import configure_logging
+    from workers.enginebuild import make_worker, queue_key
+
+    settings = _settings(redis_url)
+    configure_logging(settings.log_level, settings.log_format, process="engine-builder")
+    try:
+        qkey = queue_key(settings.key_prefix, queue)
+    except ValueError as exc:
+        raise _fail(str(exc), 2) from None
+    m = re.fullmatch(r"sm(\d+)", queue)
+    if check_arch and m:
+        from workers.engines.cuda_mem import detect_compute_capability
+
+        try:
+            cc = detect_compute_capability()
+        except FatalError as exc:
+            raise _fail(f"{exc.message}; a build worker runs on a GPU host (or pass --no-check-arch)") from None
+        if cc != m.group(1):
+            raise _fail(f"this GPU is sm{cc}, not {queue}: plans built here would not run on {queue} hosts "
+                        f"(serve --queue sm{cc}, or pass --no-check-arch)", 2)
+    typer.echo(f"serving {qkey}", err=True)
+    w = make_worker(redis_url=settings.redis_url, prefix=settings.key_prefix, queue=queue,
+                    engines_dir=settings.engines_dir, burst=burst)
+    w.run()
+    sys.exit(0)
