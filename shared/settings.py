@@ -101,6 +101,10 @@ class WorkerSettings(CommonSettings):
     worker_id: str | None = None
     #: intra-op threads for ONNX Runtime (0 = runtime default)
     threads: int = 0
+    #: TensorRT: build a plan when none matches this GPU / graph (else refuse to start)
+    trt_build_if_missing: bool = True
+    #: TensorRT: CUDA binding (auto | cuda-python | pycuda)
+    trt_cuda: str = "auto"
     #: echo engine: per-step delay
     echo_delay_ms: float = 0.0
     #: a delivery idle this long (its worker stopped refreshing it) is reclaimed by another worker

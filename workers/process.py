@@ -101,6 +101,9 @@ class WorkerProcess:
             options["threads"] = self.settings.threads
         if backend == "echo":
             options["delay_ms"] = self.settings.echo_delay_ms
+        if backend == "tensorrt":
+            options["build_if_missing"] = self.settings.trt_build_if_missing
+            options["cuda"] = self.settings.trt_cuda
         engine = load_engine(spec, self.settings.backend, **options)
         tokenizer = load_tokenizer(spec)
         max_batch = self.settings.max_batch or spec.max_batch
