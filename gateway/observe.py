@@ -18,6 +18,8 @@ log = get_logger("gateway")
 async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[StreamEvent]:
     """Yield the stream's events, recording TTFT, inter-token latency, tokens and the outcome."""
     m.streams.labels(transport).inc()
+    ttft, itl, tokens = m.ttft.labels(model, lane, transport), m.itl.labels(model, transport), \
+        m.tokens.labels(model, transport)  # label lookups once per stream, not per token
     started = stream.created
     last: float | None = None
     outcome, code = "abandoned", ""
@@ -27,11 +29,11 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
             if isinstance(ev, Token):
                 if last is None:
                     if not stream.follow:
-                        m.ttft.labels(model, lane, transport).observe(now - started)
+                        ttft.observe(now - started)
                 else:
-                    m.itl.labels(model, transport).observe(now - last)
+                    itl.observe(now - last)
                 last = now
-                m.tokens.labels(model, transport).inc()
+                tokens.inc()
             elif isinstance(ev, End):
                 outcome = ev.finish_reason
                 if ev.timing.get("queue_ms") is not None and not stream.follow:

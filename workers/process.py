@@ -172,33 +172,53 @@ class WorkerProcess:
                 backoff = min(backoff * 2, 5.0)
 
     async def _main_loop(self) -> None:
+        """One continuous-batching step per turn. The engine step for turn N+1 starts as
+        soon as turn N's step returns, and turn N's events are published and new tasks read
+        while it computes, so Redis round trips overlap the model instead of adding to
+        every step (new tasks join at the next boundary)."""
         loop = asyncio.get_running_loop()
         core = self.cores
         backoff = 0.1
         drain_deadline: float | None = None
+        running: asyncio.Future | None = None  # the engine step in the executor
+        t_step = 0.0
+        unpublished: list = []  # (version, StepOutput) of the last finished step
         while True:
             stopping = self._stopping.is_set()
-            if stopping:
+            if stopping and running is None:
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.settings.drain_timeout_s
                     log.info("draining: no new tasks", in_flight=core.active,
                              drain_timeout_s=self.settings.drain_timeout_s)
                 if not core.has_work() or time.monotonic() >= drain_deadline:
+                    try:
+                        for version, out in unpublished:
+                            await self._publish(out, version)
+                    except BROKER_ERRORS as exc:
+                        log.warning("could not publish the last step", error=str(exc))
                     await self._hand_back()
                     return
-            self._apply_cancels()
             try:
-                if not stopping and core.free_slots > 0:
-                    await self._admit(block=not core.has_work())
-                if core.has_work():
-                    t0 = time.perf_counter()
-                    outs = await loop.run_in_executor(self._executor, core.step)
-                    self._m_step.observe(time.perf_counter() - t0)
+                if running is None:
+                    self._apply_cancels()
+                    if core.has_work():
+                        t_step = time.perf_counter()
+                        running = loop.run_in_executor(self._executor, core.step)
+                # while the engine computes: publish the previous step, read new tasks
+                if unpublished:
+                    outs, unpublished = unpublished, []
                     for version, out in outs:
+                        await self._publish(out, version)
+                if not stopping and core.free_slots > 0:
+                    await self._admit(block=running is None and not core.has_work())
+                if running is not None:
+                    unpublished = await running
+                    running = None
+                    self._m_step.observe(time.perf_counter() - t_step)
+                    for _version, out in unpublished:
                         if out.batch_size:
                             self._m_batch.observe(out.batch_size)
                         self._count_tokens(out.new_tokens)
-                        await self._publish(out, version)
                     retired = core.retired()
                     if retired is not None:
                         await loop.run_in_executor(self._executor, retired.core.engine.close)
