@@ -101,6 +101,9 @@ class WorkerSettings(CommonSettings):
     worker_id: str | None = None
     #: intra-op threads for ONNX Runtime (0 = runtime default)
     threads: int = 0
+    #: publish step N and read new tasks while step N+1 computes (default: on, except for
+    #: onnxruntime, whose CPU compute competes with that I/O for the same cores)
+    overlap_io: bool | None = None
     #: TensorRT: build a plan when none matches this GPU / graph (else refuse to start)
     trt_build_if_missing: bool = True
     #: TensorRT: CUDA binding (auto | cuda-python | pycuda)

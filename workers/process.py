@@ -136,6 +136,11 @@ class WorkerProcess:
             return 2
         self.max_batch = first.core.free_slots
         self.cores = CoreSet(first, self.max_batch)
+        backend = self.settings.backend or ModelRepository(self.settings.engines_dir).get(self.model).backend
+        # overlapping Redis I/O with the step pays off when the engine leaves the CPU free (GPU, echo);
+        # a CPU engine (ONNX Runtime) needs those cores itself
+        self.overlap_io = self.settings.overlap_io if self.settings.overlap_io is not None \
+            else backend != "onnxruntime"
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -204,6 +209,10 @@ class WorkerProcess:
                     if core.has_work():
                         t_step = time.perf_counter()
                         running = loop.run_in_executor(self._executor, core.step)
+                        if not self.overlap_io:  # finish the step before any I/O
+                            unpublished += await running
+                            running = None
+                            self._after_step(unpublished, t_step)
                 # while the engine computes: publish the previous step, read new tasks
                 if unpublished:
                     outs, unpublished = unpublished, []
@@ -214,11 +223,8 @@ class WorkerProcess:
                 if running is not None:
                     unpublished = await running
                     running = None
-                    self._m_step.observe(time.perf_counter() - t_step)
-                    for _version, out in unpublished:
-                        if out.batch_size:
-                            self._m_batch.observe(out.batch_size)
-                        self._count_tokens(out.new_tokens)
+                    self._after_step(unpublished, t_step)
+                if running is None:
                     retired = core.retired()
                     if retired is not None:
                         await loop.run_in_executor(self._executor, retired.core.engine.close)
@@ -234,6 +240,13 @@ class WorkerProcess:
                     raise
                 log.warning("lane stream or group vanished; recreating", error=str(exc))
                 await self._ensure_groups()
+
+    def _after_step(self, outs: list, t_step: float) -> None:
+        self._m_step.observe(time.perf_counter() - t_step)
+        for _version, out in outs:
+            if out.batch_size:
+                self._m_batch.observe(out.batch_size)
+            self._count_tokens(out.new_tokens)
 
     # -- reading tasks ------------------------------------------------------------------
     async def _admit(self, block: bool) -> None:
