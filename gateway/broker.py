@@ -30,6 +30,8 @@ class Listener(Protocol):
 
     def broker_lost(self) -> None: ...
 
+    def resync(self) -> None: ...
+
 #: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
 #: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
 #: all gateways together never push a lane past it.
@@ -132,6 +134,21 @@ class Broker:
         await self._pubsub.subscribe(self.control_channel, *self._routes)
         log.info("pub/sub connection restored", channels=len(self._routes) + 1)
 
+    async def _recover_at_once(self) -> bool:
+        """A dropped pub/sub socket while Redis still answers (a timeout under load, a
+        proxy reset): resubscribe at once and let every stream re-read its log for what
+        was published meanwhile, instead of failing them all."""
+        try:
+            await asyncio.wait_for(self._resubscribe(), 2.0)
+        except (*BROKER_ERRORS, asyncio.TimeoutError):
+            return False
+        for listener in list(self._routes.values()):
+            try:
+                listener.resync()
+            except Exception:
+                log.exception("resync handler failed")
+        return True
+
     async def _read_loop(self) -> None:
         backoff = 0.05
         while not self._closing:
@@ -147,9 +164,10 @@ class Broker:
                 metrics.redis_errors.labels("pubsub").inc()
                 if self.healthy:
                     log.warning("pub/sub connection lost; reconnecting", error=str(exc))
+                    if await self._recover_at_once():
+                        continue
                     self.healthy = False
-                    # events may be lost while the subscription is down: end every request
-                    # in flight now rather than let it hang
+                    # Redis is really gone: end every request in flight now rather than let it hang
                     for listener in list(self._routes.values()):
                         try:
                             listener.broker_lost()

@@ -70,6 +70,9 @@ class Failed:
 
 StreamEvent = Union[Token, End, Failed]
 
+#: queued to wake a waiting consumer (see ``RequestStream.resync``); never yielded
+_WAKE = object()
+
 
 class RequestStream:
     """One request's events, in order, each index once, ending with ``End`` or ``Failed``.
@@ -107,6 +110,7 @@ class RequestStream:
         self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
         self._final: StreamEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
+        self._resync = False
         self.created = time.monotonic()
         self._last_event = self.created
 
@@ -143,19 +147,22 @@ class RequestStream:
                 and self.next_index >= self._final.completion_tokens:
             self._end(self._final)
 
+    def resync(self) -> None:
+        """Read the log before waiting again (pub/sub may have dropped events)."""
+        self._resync = True
+        self._queue.put_nowait(_WAKE)
+
     @property
     def gap_open(self) -> bool:
         return bool(self._ahead) or self._final is not None
 
     def _skip_gap(self) -> None:
-        """The log could not fill a gap (expired, lost with Redis): go on without it."""
+        """The log could not fill a gap (expired, or lost with a Redis restart): end the
+        request with an error rather than hand the client a stream with a hole in it."""
         self.gaps_skipped += 1
         log.warning("token gap could not be repaired", request_id=self.request_id, missing_from=self.next_index)
-        if self._ahead:
-            first = min(self._ahead)
-            self._deliver(self._ahead.pop(first))
-        elif self._final is not None:
-            self._end(self._final)
+        self.fail(UnavailableError("events of this request were lost by the message broker and could not be "
+                                   "recovered from its log", retry_after_ms=1000))
 
     def fail(self, error: StreamfleetError) -> None:
         """End the request with an error the gateway decided on."""
@@ -191,6 +198,15 @@ class RequestStream:
 
     async def next(self) -> StreamEvent:
         """The next event; ``Failed(timeout)`` when the deadline or stall limit passes."""
+        while True:
+            ev = await self._next()
+            if ev is not _WAKE:
+                return ev
+
+    async def _next(self) -> StreamEvent:
+        if self._resync and not self.finished:
+            self._resync = False
+            await self._read_log(None)
         while self._queue.empty():
             if self.follow:
                 await self._read_log(FOLLOW_BLOCK_MS)
@@ -257,6 +273,11 @@ class ReplyChannel:
             stream = self.streams.get(ev.request_id)
             if stream is not None and not stream.follow:
                 stream.feed(ev)
+
+    def resync(self) -> None:
+        """The subscription was re-established: events may have been missed; check the logs."""
+        for stream in list(self.streams.values()):
+            stream.resync()
 
     def broker_lost(self) -> None:
         for stream in list(self.streams.values()):

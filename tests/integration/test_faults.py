@@ -228,3 +228,23 @@ async def test_engine_failure_ends_only_that_request(fleet):
     again = await c.generate("later", "still fine", max_tokens=5, ignore_eos=True)
     assert again.end["type"] == "done" and w.alive()
     await c.close()
+
+
+async def test_dropped_subscription_is_repaired_from_the_log(fleet, rds):
+    """Redis stays up but drops the gateway's pub/sub connection mid-stream (as a proxy or
+    an output-buffer limit would): the gateway resubscribes at once and fills what was
+    published meanwhile from the request's log — no error, no gap, no duplicate."""
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=10, overlap_io="true")
+    c = await Client.connect(gw.ws)
+    params = dict(max_tokens=150, ignore_eos=True)
+    ref = await c.generate("ref", PROMPT, **params)
+    fut = c.start("r", PROMPT, **params)
+    await wait_tokens(c, "r", 10)
+    killed = rds.client_kill_filter(_type="pubsub")
+    assert killed >= 1
+    res = await asyncio.wait_for(fut, 60)
+    assert res.end["type"] == "done", res.end
+    assert res.indices == list(range(150)) and res.text == ref.text
+    assert "pub/sub connection restored" in gw.log(tail=None)
+    await c.close()

@@ -64,14 +64,24 @@ async def test_done_waits_for_missing_tokens():
     assert [type(e).__name__ for e in evs] == ["Token", "Token", "End"]
 
 
-async def test_unrepairable_gap_is_skipped_not_hung():
-    s = make([])  # the log expired
+async def test_unrepairable_gap_fails_the_request_instead_of_a_hole():
+    s = make([])  # the log expired (or Redis restarted empty)
     s.feed(tok(0))
     s.feed(tok(2))
     s.feed(done(3))
     evs = await drain(s)
-    assert [e.index for e in evs if isinstance(e, Token)] == [0, 2]
-    assert isinstance(evs[-1], End) and s.gaps_skipped >= 1
+    assert [e.index for e in evs if isinstance(e, Token)] == [0]  # never index 2 after 0
+    assert isinstance(evs[-1], Failed) and evs[-1].error.code == "broker_unavailable"
+    assert s.gaps_skipped == 1
+
+
+async def test_resync_reads_the_log_for_missed_events():
+    log = [(b"1-0", tok(0)), (b"2-0", tok(1)), (b"3-0", done(2))]
+    s = make(log)
+    s.feed(tok(0))
+    s.resync()  # the subscription was re-established: token 1 and the end were missed
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert [type(e).__name__ for e in evs] == ["Token", "Token", "End"]
 
 
 async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
