@@ -22,6 +22,7 @@ def own_redis():
 
 async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_spec, tmp_path):
     fleet = FleetFactory(own_redis.url, "sfout", tmp_path)
+    restarted = None
     try:
         gw = fleet.gateway()
         w = fleet.worker(backend="echo", echo_delay_ms=30)
@@ -50,7 +51,7 @@ async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_sp
         assert gw.alive() and w.alive()
 
         # Redis comes back (empty: it persisted nothing); everyone reconnects by themselves
-        EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
+        restarted = EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
         async with httpx.AsyncClient(timeout=15) as http:
             deadline = time.monotonic() + 30
             while (await http.get(gw.http + "/readyz")).status_code != 200:
@@ -61,5 +62,5 @@ async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_sp
         await c.close()
     finally:
         fleet.close()
-        import subprocess
-        subprocess.run(["pkill", "-f", f"--port {own_redis.port}"], check=False)
+        if restarted is not None:
+            restarted.stop()
