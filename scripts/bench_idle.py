@@ -42,7 +42,7 @@ def pct(values: list[float], p: float) -> float:
 async def active(url: str, n: int, requests: int) -> dict:
     cfg = BenchConfig(url=url, transport="ws", concurrency=n, requests=requests, max_tokens=32, warmup=n)
     res = await run_bench(cfg)
-    t, i = res.ttft_ms, res.itl_ms
+    t, i = res.ttft_ms(), res.itl_ms()
     return {"ttft_p50": statistics.median(t), "ttft_p99": pct(t, 99), "itl_p50": statistics.median(i),
             "itl_p99": pct(i, 99), "errors": sum(res.errors.values()), "ok": len(res.ok)}
 

@@ -101,6 +101,7 @@ class WorkerProcess:
             options["threads"] = self.settings.threads
         if backend == "echo":
             options["delay_ms"] = self.settings.echo_delay_ms
+            options["max_batch"] = self.settings.max_batch
         if backend == "tensorrt":
             options["build_if_missing"] = self.settings.trt_build_if_missing
             options["cuda"] = self.settings.trt_cuda

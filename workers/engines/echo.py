@@ -50,7 +50,8 @@ class EchoEngine:
 
     def __init__(self, spec: ModelSpec, *, delay_ms: float | None = None, **options: Any) -> None:
         self.spec = spec
-        self.max_batch = spec.max_batch
+        # no model memory to size it: the batch may be as large as the worker asks
+        self.max_batch = int(options.get("max_batch") or spec.max_batch)
         self.max_context = spec.max_context
         if delay_ms is None:
             delay_ms = spec.options.get("delay_ms", 0.0)
