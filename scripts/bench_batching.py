@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 import redis
 import websockets
@@ -31,7 +30,7 @@ import websockets
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from streamfleet.launcher import EmbeddedRedis, Fleet  # noqa: E402
+from streamfleet.launcher import EmbeddedRedis, Fleet, wait_ready  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The quick brown fox jumps", "In the beginning there was",
            "Streaming fleets scale out because", "A short story about Redis:", "Hello"]
@@ -78,16 +77,9 @@ async def run_level(url: str, concurrency: int, max_tokens: int, per_client: int
             "requests": len(counts)}
 
 
-def wait_ready(http: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(http + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("fleet not ready")
+def wait_for(http: str, timeout: float = 120) -> None:
+    if not wait_ready(http, timeout=timeout):
+        raise RuntimeError("fleet not ready")
 
 
 def main() -> None:
@@ -120,7 +112,7 @@ def main() -> None:
         url, http = f"ws://127.0.0.1:{port}/v1/stream", f"http://127.0.0.1:{port}"
         for max_batch in (32, 1):
             w = fleet.start("worker", ["worker", "--max-batch", str(max_batch)], env)
-            wait_ready(http)
+            wait_for(http)
             asyncio.run(run_level(url, 1, 4, 1))  # warm-up
             results[max_batch] = {}
             for c in levels:

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import websockets
 
@@ -31,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from streamfleet.bench import BenchConfig, run_bench  # noqa: E402
-from streamfleet.launcher import EmbeddedRedis, Fleet, free_port  # noqa: E402
+from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -101,14 +100,8 @@ def main() -> None:
         gw = fleet.start("gateway", ["gateway", "--port", str(port)], env)
         fleet.start("worker", ["worker", "--backend", "echo"], dict(env, SF_ECHO_DELAY_MS="10", SF_MAX_BATCH="64"))
         http = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(http + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if not wait_ready(http):
+            raise RuntimeError("fleet not ready")
         asyncio.run(main_async(args, http, gw.pid))
     finally:
         fleet.stop()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "Fleet"]
+__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "Fleet", "wait_ready"]
 
 
 def free_port() -> int:
@@ -176,7 +176,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
         fleet.start("worker", ["worker", "--model", model], env)
         fleet.start("gateway", ["gateway", "--host", host, "--port", str(port)], env)
         base = f"http://{host}:{port}"
-        if not _wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120):
+        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
                 return 1
@@ -207,7 +207,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             embedded.stop()
 
 
-def _wait_ready(base: str, abort, timeout: float) -> bool:
+def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0) -> bool:
+    """Poll ``{base}/readyz`` until it answers 200 (True), ``abort()`` or the timeout (False)."""
     import httpx
 
     deadline = time.monotonic() + timeout

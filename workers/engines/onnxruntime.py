@@ -30,6 +30,7 @@ import numpy as np
 from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
 from workers.engines.base import SequenceError
+from workers.engines.prefill import prefill_groups
 
 __all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
 
@@ -37,9 +38,6 @@ _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 #: a prefill group may hold at most this many (padded) tokens
 _PREFILL_GROUP_TOKENS = 8192
-#: padding a prefill group may add: this share of its real tokens, or this many per row
-_PREFILL_PAD_SHARE = 0.25
-_PREFILL_PAD_ROWS = 16
 #: assemble a compact slab when more than this share of its rows sit idle in a step
 _IDLE_ROW_SHARE = 0.25
 #: ... or when its width exceeds the longest member by more than this many slots and half
@@ -322,23 +320,7 @@ class OnnxRuntimeEngine:
     @staticmethod
     def _prefill_groups(lengths: list[int]) -> list[list[int]]:
         """Indices grouped by similar length, longest first within each group."""
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        groups: list[list[int]] = []
-        group: list[int] = []
-        real = 0
-        for i in order:
-            if group:
-                rows, width = len(group) + 1, lengths[group[0]]
-                pad = rows * width - (real + lengths[i])
-                if rows * width <= _PREFILL_GROUP_TOKENS and pad <= max(_PREFILL_PAD_SHARE * (real + lengths[i]),
-                                                                        _PREFILL_PAD_ROWS * rows):
-                    group.append(i)
-                    real += lengths[i]
-                    continue
-                groups.append(group)
-            group, real = [i], lengths[i]
-        groups.append(group)
-        return groups
+        return prefill_groups(lengths, _PREFILL_GROUP_TOKENS)
 
     def _place(self, seqs: list[tuple[str, int]]) -> _Slab:
         """The slab for this step: the current one with newcomers written into idle

@@ -41,6 +41,7 @@ from shared.modelrepo import ModelSpec
 from workers.engines import cuda_mem, trt_build
 from workers.engines.cuda_mem import CudaMem, DeviceBuffer, Stream
 from workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
+from workers.engines.prefill import prefill_groups
 from workers.engines.trt_build import DECODE, PREFILL, GraphInfo
 
 __all__ = ["InvalidSequenceError", "Runner", "TensorRTEngine", "TrtRunner", "prefill_groups"]
@@ -53,36 +54,10 @@ _HOST: dict[str, tuple[Any, int]] = {
     "float32": (np.float32, 4), "float16": (np.float16, 2), "bfloat16": (np.uint16, 2),
     "int32": (np.int32, 4), "int64": (np.int64, 8),
 }
-#: prefill groups: padding allowed per group, as in the ONNX Runtime backend
-_PREFILL_PAD_SHARE = 0.25
-_PREFILL_PAD_ROWS = 16
 #: compact the slab when more than this share of its rows sit idle in a step
 _IDLE_ROW_SHARE = 0.25
 #: ... or when its width exceeds the longest member by more than this many slots and half
 _SPARE_WIDTH = 32
-
-
-def prefill_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped by similar length, longest first in each group; a group's
-    rows x longest length stays within ``max_tokens`` (one prompt always fits)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    group: list[int] = []
-    real = 0
-    for i in order:
-        if group:
-            rows, width = len(group) + 1, lengths[group[0]]
-            pad = rows * width - (real + lengths[i])
-            if rows * width <= max_tokens and pad <= max(_PREFILL_PAD_SHARE * (real + lengths[i]),
-                                                         _PREFILL_PAD_ROWS * rows):
-                group.append(i)
-                real += lengths[i]
-                continue
-            groups.append(group)
-        group, real = [i], lengths[i]
-    if group:
-        groups.append(group)
-    return groups
 
 
 def _runs(mask_row: np.ndarray) -> list[tuple[int, int]]:
