@@ -79,7 +79,7 @@ async def main_async(args, http: str, gw_pid: int) -> None:
     print(f"idle connections: opened in {opened_s:.1f} s, {still_open} still open at the end; "
           f"gateway RSS {rss0 / 2**20:.1f} MiB -> {rss1 / 2**20:.1f} MiB = {per_conn / 1024:.1f} KiB per idle connection")
     print(f"{'':24} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'errors':>6}")
-    for name, r in (("50 active alone", alone), (f"50 active + {args.idle} idle", with_idle)):
+    for name, r in ((f"{args.active} active alone", alone), (f"{args.active} active + {args.idle} idle", with_idle)):
         print(f"{name:24} {r['ttft_p50']:9.1f} {r['ttft_p99']:9.1f} {r['itl_p50']:8.1f} {r['itl_p99']:8.1f} "
               f"{r['errors']:6d}")
     print(f"ratio (with idle / alone): TTFT p50 {with_idle['ttft_p50'] / alone['ttft_p50']:.2f}x, "
