@@ -33,6 +33,33 @@ def greedy_alone(engine, prompt: list[int], steps: int, seq_id: str = "solo") ->
     return tokens, rows
 
 
+def greedy_scenario(engine, prompts: dict[str, list[int]], plan: dict, steps: int, turns: int,
+                    seed: int = 0) -> tuple[dict[str, list[int]], dict[str, list[np.ndarray]]]:
+    """Run a join/leave/pause ``plan`` (step -> sequence names in ``joins``, ``leaves``,
+    ``paused``) for ``turns`` steps, decoding in a shuffled order; returns each surviving
+    sequence's greedy tokens and the logits they came from."""
+    import random
+
+    got: dict[str, list[int]] = {}
+    rows: dict[str, list[np.ndarray]] = {}
+    rng = random.Random(seed)
+    for step in range(turns):
+        for k in plan["leaves"].get(step, ""):
+            engine.release(k)
+            del got[k]
+        batch = [(k, got[k][-1]) for k in got if len(got[k]) <= steps and k not in plan["paused"].get(step, "")]
+        rng.shuffle(batch)
+        if batch:
+            for (k, _), row in zip(batch, engine.decode(batch)):
+                got[k].append(int(row.argmax()))
+                rows[k].append(row)
+        new = plan["joins"].get(step, "")
+        if new:
+            for k, row in zip(new, engine.prefill([(k, prompts[k]) for k in new])):
+                got[k], rows[k] = [int(row.argmax())], [row]
+    return got, rows
+
+
 def greedy_batched(engine, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
     """All prompts prefilled in one call, then decoded together."""
     keys = list(prompts)

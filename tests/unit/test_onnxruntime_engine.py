@@ -4,11 +4,12 @@ and the echo engine."""
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 
 import numpy as np
 import pytest
+
+from tests.gpu.greedy import greedy_alone, greedy_scenario
 
 from workers.engines import Engine, SequenceError, load_engine
 from workers.engines.echo import EchoEngine
@@ -41,16 +42,6 @@ def reference(engine: OnnxRuntimeEngine, ids: list[int], steps: int) -> tuple[li
     return tokens, rows
 
 
-def alone(engine: OnnxRuntimeEngine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    rows = [engine.prefill([("solo", ids)])[0]]
-    tokens = [int(rows[-1].argmax())]
-    for _ in range(steps):
-        rows.append(engine.decode([("solo", tokens[-1])])[0])
-        tokens.append(int(rows[-1].argmax()))
-    engine.release("solo")
-    return tokens, rows
-
-
 def test_layout_read_from_graph(engine, tiny_spec):
     b = tiny_spec.build
     assert isinstance(engine, Engine)
@@ -62,7 +53,7 @@ def test_layout_read_from_graph(engine, tiny_spec):
 def test_cache_matches_reference(engine):
     ids = prompt(1, 7, engine.vocab_size)
     ref_tokens, ref_rows = reference(engine, ids, STEPS)
-    tokens, rows = alone(engine, ids, STEPS)
+    tokens, rows = greedy_alone(engine, ids, STEPS)
     assert tokens == ref_tokens
     np.testing.assert_allclose(np.array(rows), np.array(ref_rows), atol=1e-3, rtol=1e-4)
     assert len(set(tokens)) > 4
@@ -86,24 +77,8 @@ def test_batch_with_joins_and_leaves(engine, name):
     v = engine.vocab_size
     prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
                "e": prompt(5, 12, v)}
-    solo = {k: alone(engine, p, STEPS) for k, p in prompts.items()}
-    got: dict[str, list[int]] = {}
-    rows: dict[str, list[np.ndarray]] = {}
-    rng = random.Random(0)
-    for step in range(STEPS + 8):
-        for k in plan["leaves"].get(step, ""):
-            engine.release(k)
-            del got[k]
-        batch = [(k, got[k][-1]) for k in got if len(got[k]) <= STEPS and k not in plan["paused"].get(step, "")]
-        rng.shuffle(batch)
-        if batch:
-            for (k, _), row in zip(batch, engine.decode(batch)):
-                got[k].append(int(row.argmax()))
-                rows[k].append(row)
-        new = plan["joins"].get(step, "")
-        if new:
-            for k, row in zip(new, engine.prefill([(k, prompts[k]) for k in new])):
-                got[k], rows[k] = [int(row.argmax())], [row]
+    solo = {k: greedy_alone(engine, p, STEPS) for k, p in prompts.items()}
+    got, rows = greedy_scenario(engine, prompts, plan, STEPS, STEPS + 8)
     assert got
     for k in got:
         assert got[k] == solo[k][0], k

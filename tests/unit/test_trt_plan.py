@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from onnx import TensorProto, helper
 from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
 from tests.gpu.emulation import HostMem, OrtRunner, emulated_engine
+from tests.gpu.greedy import greedy_alone, greedy_scenario
 from workers.engines import cuda_mem, load_engine, trt_build
 from workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
 from workers.engines.tensorrt import TensorRTEngine, prefill_groups
@@ -362,23 +362,13 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1, vocab, n)]
 
 
-def alone(engine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    rows = [engine.prefill([("solo", ids)])[0]]
-    tokens = [int(rows[-1].argmax())]
-    for _ in range(steps):
-        rows.append(engine.decode([("solo", tokens[-1])])[0])
-        tokens.append(int(rows[-1].argmax()))
-    engine.release("solo")
-    return tokens, rows
-
-
 def test_emulated_engine_alone_matches_onnxruntime(engine, ort_engine):
     assert (engine.vocab_size, engine.n_layer, engine.kv_heads, engine.head_dim) == (
         ort_engine.vocab_size, ort_engine.n_layer, ort_engine.kv_heads, ort_engine.head_dim)
     for seed, n in ((1, 7), (2, 1), (3, 40)):
         ids = prompt(seed, n, engine.vocab_size)
-        want_tokens, want_rows = alone(ort_engine, ids, STEPS)
-        tokens, rows = alone(engine, ids, STEPS)
+        want_tokens, want_rows = greedy_alone(ort_engine, ids, STEPS)
+        tokens, rows = greedy_alone(engine, ids, STEPS)
         assert tokens == want_tokens
         np.testing.assert_allclose(np.array(rows), np.array(want_rows), atol=1e-4, rtol=1e-4)
 
@@ -403,24 +393,8 @@ def test_emulated_batch_with_joins_and_leaves(engine, ort_engine, name):
     v = engine.vocab_size
     prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 90, v), "d": prompt(4, 3, v),
                "e": prompt(5, 12, v), "f": prompt(6, 120, v)}
-    solo = {k: alone(ort_engine, p, STEPS) for k, p in prompts.items()}
-    got: dict[str, list[int]] = {}
-    rows: dict[str, list[np.ndarray]] = {}
-    rng = random.Random(0)
-    for step in range(STEPS + 16):
-        for k in plan["leaves"].get(step, ""):
-            engine.release(k)
-            del got[k]
-        batch = [(k, got[k][-1]) for k in got if len(got[k]) <= STEPS and k not in plan["paused"].get(step, "")]
-        rng.shuffle(batch)
-        if batch:
-            for (k, _), row in zip(batch, engine.decode(batch)):
-                got[k].append(int(row.argmax()))
-                rows[k].append(row)
-        new = plan["joins"].get(step, "")
-        if new:
-            for k, row in zip(new, engine.prefill([(k, prompts[k]) for k in new])):
-                got[k], rows[k] = [int(row.argmax())], [row]
+    solo = {k: greedy_alone(ort_engine, p, STEPS) for k, p in prompts.items()}
+    got, rows = greedy_scenario(engine, prompts, plan, STEPS, STEPS + 16)
     assert got
     for k in got:
         assert got[k] == solo[k][0], k
@@ -515,7 +489,7 @@ def test_emulated_full_batch_and_small_prefill_budget(tiny_spec, ort_engine):
         prompts = {f"r{i}": prompt(100 + i, 1 + (i * 7) % 50, v) for i in range(eng.max_batch)}
         logits = eng.prefill(list(prompts.items()))
         assert eng._runner.runs[PREFILL] > 1
-        want = {k: alone(ort_engine, p, 3) for k, p in prompts.items()}
+        want = {k: greedy_alone(ort_engine, p, 3) for k, p in prompts.items()}
         got = {k: [int(row.argmax())] for k, row in zip(prompts, logits)}
         for _ in range(3):
             out = eng.decode([(k, t[-1]) for k, t in got.items()])
