@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import Protocol
 
-import orjson
 import redis.asyncio as aioredis
 
 from shared.errors import ErrorCode, RefusedError, UnavailableError
@@ -16,7 +15,7 @@ from shared.keys import Keys
 from shared.logging import get_logger
 from shared.metrics import gateway as metrics
 from shared.redis import BROKER_ERRORS, connect
-from shared.schema import Cancel, Event, Task, decode_events
+from shared.schema import Cancel, Event, Task, decode_events, live_workers
 from shared.settings import GatewaySettings
 
 __all__ = ["Broker"]
@@ -286,14 +285,4 @@ class Broker:
     async def live_workers(self, model: str) -> list[dict]:
         """Workers of ``model`` whose heartbeat is fresh."""
         raw = await self.redis.hgetall(self.keys.workers(model))
-        now = time.time()
-        out = []
-        for wid, blob in raw.items():
-            try:
-                info = orjson.loads(blob)
-            except orjson.JSONDecodeError:
-                continue
-            if now - float(info.get("heartbeat", 0)) <= self.settings.worker_ttl_s:
-                info["worker_id"] = wid.decode()
-                out.append(info)
-        return out
+        return live_workers(raw, self.settings.worker_ttl_s, time.time())

@@ -32,6 +32,7 @@ __all__ = [
     "encode_events",
     "decode_events",
     "event_from_dict",
+    "live_workers",
 ]
 
 
@@ -173,3 +174,25 @@ class Cancel:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"malformed cancel: {exc}") from exc
+
+
+def live_workers(raw: dict, ttl_s: float, now: float) -> list[dict[str, Any]]:
+    """The fresh entries of a ``sf:workers:{model}`` hash (worker id -> heartbeat JSON),
+    each with its ``worker_id``; unreadable or stale entries are left out.
+
+    Args:
+        raw: the hash as ``HGETALL`` returns it (bytes or str keys and values).
+        ttl_s: a heartbeat older than this is dead.
+        now: unix time, on the same clock the workers write.
+    """
+    out = []
+    for wid, blob in raw.items():
+        try:
+            info = orjson.loads(blob)
+            fresh = now - float(info.get("heartbeat", 0)) <= ttl_s
+        except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+            continue
+        if fresh:
+            info["worker_id"] = wid.decode() if isinstance(wid, bytes) else wid
+            out.append(info)
+    return out

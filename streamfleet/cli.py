@@ -176,12 +176,12 @@ def reload(
     requests to it, let running ones finish on the old one, then free it."""
     import time
 
-    import orjson
     import redis
 
     from shared.errors import StreamfleetError
     from shared.keys import Keys
     from shared.modelrepo import ModelRepository
+    from shared.schema import live_workers
     from shared.settings import CommonSettings
 
     settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
@@ -202,9 +202,7 @@ def reload(
             return
         deadline = time.monotonic() + timeout
         while True:
-            now = time.time()
-            live = [orjson.loads(v) for v in r.hvals(keys.workers(model))]
-            live = [w for w in live if now - float(w.get("heartbeat", 0)) <= settings.worker_ttl_s]
+            live = live_workers(r.hgetall(keys.workers(model)), settings.worker_ttl_s, time.time())
             done = [w for w in live if w.get("version") == to and not w.get("reloading")]
             typer.echo(f"\r  {len(done)}/{len(live)} workers serve {to}", nl=False, err=True)
             if live and len(done) == len(live):
