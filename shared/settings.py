@@ -113,6 +113,9 @@ class WorkerSettings(CommonSettings):
     #: a delivery idle this long (its worker stopped refreshing it) is reclaimed by another worker
     claim_idle_ms: int = 10_000
     reclaim_interval_s: float = 1.0
+    #: a request whose events reach no subscriber for this long is stopped (its gateway died;
+    #: a gateway re-subscribing after a dropped pub/sub socket is back well within it)
+    orphan_grace_s: float = 1.0
     #: deliveries after which a task goes to the dead-letter stream
     max_deliveries: int = 3
     #: the dead-letter stream keeps about this many newest entries

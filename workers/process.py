@@ -81,6 +81,8 @@ class WorkerProcess:
         self._held: list[tuple[str, bytes, dict]] = []  # read beyond free slots; admitted first
         self._cancels: list[str] = []
         self._cancel_memory: dict[str, float] = {}
+        #: request id -> when a PUBLISH for it first reached no subscriber (reset by one that did)
+        self._unheard: dict[str, float] = {}
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._tokens_window: list[tuple[float, int]] = []
@@ -516,14 +518,26 @@ class WorkerProcess:
             outcome = ends.get(fl.task.request_id, "unknown")
             metrics.finished.labels(self.model, outcome).inc()
             log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id, outcome=outcome)
-        # a PUBLISH that reached nobody: the connection (or its gateway) is gone
+        for fl in acked:
+            self._unheard.pop(fl.task.request_id, None)
+        # A PUBLISH that reached nobody: the connection (or its whole gateway) is gone, or the
+        # gateway is re-subscribing after its pub/sub socket dropped (it then repairs the gap
+        # from the log). Stop the sequence once nobody has listened for orphan_grace_s.
+        now = time.monotonic()
+        grace = self.settings.orphan_grace_s
         for ch, receivers in zip(channels, results[first_publish:first_publish + len(channels)]):
-            if receivers == 0:
-                for rid in rids_by_channel[ch]:
-                    if rid in self.inflight:
-                        metrics.cancelled_no_listener.labels(self.model).inc()
-                        log.info("nobody listening; cancelling", request_id=rid)
-                        self.cores.cancel(rid)
+            for rid in rids_by_channel[ch]:
+                if receivers:
+                    self._unheard.pop(rid, None)
+                    continue
+                if rid not in self.inflight:
+                    continue
+                since = self._unheard.setdefault(rid, now)
+                if now - since >= grace:
+                    del self._unheard[rid]
+                    metrics.cancelled_no_listener.labels(self.model).inc()
+                    log.info("nobody listening; cancelling", request_id=rid, unheard_s=round(now - since, 3))
+                    self.cores.cancel(rid)
 
     # -- cancels ---------------------------------------------------------------------------
     def _apply_cancels(self) -> None:
