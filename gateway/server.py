@@ -7,6 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
+from shared import aio
 from shared.logging import get_logger
 from shared.settings import GatewaySettings
 
@@ -87,4 +88,4 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> None
 
 
 def run_gateway(settings: GatewaySettings, port_file: str | None = None) -> None:
-    asyncio.run(serve(settings, port_file))
+    aio.run(serve(settings, port_file), settings.event_loop)

@@ -222,9 +222,10 @@ class RequestStream:
                 wait = max(0.0, self.deadline - time.time()) + CANCEL_GRACE_S
             else:
                 wait = min(CATCH_UP_AFTER_S, self.stall_timeout_s)
-            try:
-                return await asyncio.wait_for(self._queue.get(), wait)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: no extra task per token
+                async with asyncio.timeout(wait):
+                    return await self._queue.get()
+            except TimeoutError:
                 pass
             if not self.started:
                 self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))

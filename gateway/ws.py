@@ -24,6 +24,9 @@ __all__ = ["websocket_stream"]
 
 log = get_logger("gateway.ws")
 
+#: queued by a failed direct write: the sender stops and the session ends
+_BROKEN: dict = {}
+
 
 class WebSocketSession:
     def __init__(self, ws: WebSocket, hub) -> None:
@@ -41,9 +44,23 @@ class WebSocketSession:
         self.tickets: dict = {}
         self.models: dict[str, str] = {}
         self.lanes: dict[str, str] = {}
+        self.broken = False  # a write failed: the socket is gone
 
     def send(self, frame: dict) -> None:
+        """Queue a frame for the sender task (frames decided while reading the socket)."""
         self.outbox.put_nowait(frame)
+
+    async def emit(self, frame: dict) -> None:
+        """Write a request's frame from that request's own task: its frames keep their order
+        (``accepted`` first) and a token takes no extra hop through the outbox. A failed
+        write ends the session the way a failed queued one does."""
+        if self.broken:
+            return
+        try:
+            await self.ws.send_text(orjson.dumps(frame).decode())
+        except Exception:
+            self.broken = True
+            self.outbox.put_nowait(_BROKEN)
 
     def dispatch(self, outputs: list[Output]) -> None:
         for out in outputs:
@@ -78,14 +95,14 @@ class WebSocketSession:
             raise
         self.tickets[request.client_id] = ticket
         self.models[request.client_id], self.lanes[request.client_id] = request.model, request.lane
-        self.send(accepted_frame(request.client_id, stream.request_id, depth))
+        await self.emit(accepted_frame(request.client_id, stream.request_id, depth))
         return stream
 
     async def _resume(self, r: Resume) -> RequestStream:
         stream = await self.channel.resume(r.request_id, r.client_id, r.from_index)
         frame = accepted_frame(r.client_id, r.request_id, 0)
         frame["resumed_from"] = r.from_index
-        self.send(frame)
+        await self.emit(frame)
         return stream
 
     async def _run(self, cid: str, opening) -> None:
@@ -96,7 +113,7 @@ class WebSocketSession:
                 stream = await opening
             except StreamfleetError as exc:
                 metrics.refusals.labels("ws", str(exc.code)).inc()
-                self.send(exc.to_frame(cid))
+                await self.emit(exc.to_frame(cid))
                 return
             self.streams[cid] = stream
             if cid in self.cancel_early:
@@ -104,7 +121,7 @@ class WebSocketSession:
                 self.channel.cancel(stream)
             async for ev in observed(stream, transport="ws", model=self.models.get(cid, ""),
                                      lane=self.lanes.get(cid, "")):
-                self.send(render(cid, stream.request_id, ev))
+                await self.emit(render(cid, stream.request_id, ev))
             self.channel.release(stream)
         finally:
             self.streams.pop(cid, None)
@@ -118,7 +135,7 @@ class WebSocketSession:
     async def _send_loop(self) -> None:
         while True:
             frame = await self.outbox.get()
-            if frame is None:
+            if frame is None or frame is _BROKEN:
                 return
             await self.ws.send_text(orjson.dumps(frame).decode())
 

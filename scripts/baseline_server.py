@@ -37,6 +37,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from shared import aio  # noqa: E402
 from shared.modelrepo import ModelRepository, load_tokenizer  # noqa: E402
 from workers.engines.echo import EchoEngine  # noqa: E402
 
@@ -277,6 +278,8 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=10.0, help="echo engine: sleep per prefill / decode call")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    ap.add_argument("--event-loop", default="auto", choices=aio.EVENT_LOOPS,
+                    help="the same choice as the fleet's SF_EVENT_LOOP (auto: uvloop when installed)")
     args = ap.parse_args()
 
     def ready(port: int) -> None:
@@ -287,8 +290,8 @@ def main() -> None:
             tmp.replace(args.port_file)
 
     try:
-        asyncio.run(serve(args.host, args.port, model=args.model, delay_ms=args.delay_ms, max_batch=args.max_batch,
-                          engines_dir=args.engines_dir, ready=ready))
+        aio.run(serve(args.host, args.port, model=args.model, delay_ms=args.delay_ms, max_batch=args.max_batch,
+                      engines_dir=args.engines_dir, ready=ready), args.event_loop)
     except KeyboardInterrupt:
         pass
 

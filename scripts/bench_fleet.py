@@ -51,6 +51,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(SCRIPTS))
 
+from shared import aio  # noqa: E402
 from shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
 from streamfleet.bench import BenchConfig, BenchResult, run_bench, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
@@ -215,7 +216,7 @@ def bench(url: str, *, concurrency: int, max_tokens: int, requests: int | None =
           duration: float | None = None, warmup: int = 0, preflight: bool = True, on_start=None) -> BenchResult:
     cfg = BenchConfig(url=url, transport="ws", concurrency=concurrency, requests=requests, duration=duration,
                       prompt_tokens=PROMPT_TOKENS, max_tokens=max_tokens, warmup=warmup, timeout=60.0)
-    return asyncio.run(run_bench(cfg, preflight=preflight, on_start=on_start))
+    return aio.run(run_bench(cfg, preflight=preflight, on_start=on_start))
 
 
 def lat(result: BenchResult, meter: "CpuMeter | None" = None) -> dict:
@@ -330,7 +331,7 @@ def _spread(urls: list[str], concurrency: int, duration: float, tokens: int) -> 
                 for i, u in enumerate(urls)]
         return await asyncio.gather(*(run_bench(c) for c in cfgs))
 
-    results = asyncio.run(go())
+    results = aio.run(go())
     tokens_total = sum(r.tokens for r in results)
     wall = max(r.wall_s for r in results)
     ttft = [x for r in results for x in r.ttft_ms()]

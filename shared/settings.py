@@ -6,6 +6,8 @@ environment (prefix ``SF_``) and command-line flags, then passed down explicitly
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,6 +25,8 @@ class CommonSettings(BaseSettings):
     #: model repository folder (default: <repo>/engines)
     engines_dir: str | None = None
     log_level: str = "info"
+    #: event loop: auto (uvloop when installed), uvloop, asyncio
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     #: "json" (production) or "console" (readable; `streamfleet serve`)
     log_format: str = "json"
     #: log prompt text (off by default: prompts may be private)

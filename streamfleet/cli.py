@@ -146,7 +146,9 @@ def bench(
                       seed=seed, compression=compression,
                       progress=sys.stderr.isatty() if progress is None else progress)
     try:
-        result = asyncio.run(run_bench(cfg))
+        from shared import aio
+
+        result = aio.run(run_bench(cfg))  # uvloop when installed: the load generator must not be the limit
     except BenchError as exc:
         print(f"streamfleet bench: {exc}", file=sys.stderr)
         raise typer.Exit(2)

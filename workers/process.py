@@ -30,6 +30,7 @@ from redis.exceptions import ResponseError
 
 from shared.errors import FatalError
 from shared.keys import GROUP, LANES, Keys
+from shared import aio
 from shared.logging import get_logger
 from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
@@ -180,10 +181,11 @@ class WorkerProcess:
                 backoff = min(backoff * 2, 5.0)
 
     async def _main_loop(self) -> None:
-        """One continuous-batching step per turn. The engine step for turn N+1 starts as
-        soon as turn N's step returns, and turn N's events are published and new tasks read
-        while it computes, so Redis round trips overlap the model instead of adding to
-        every step (new tasks join at the next boundary)."""
+        """One continuous-batching step per turn. At each step boundary the worker reads
+        the tasks that arrived meanwhile (one non-blocking round trip, so they join the very
+        next step), starts the engine step, and publishes the previous step's events while
+        it computes, so that publishing overlaps the model instead of adding to every step.
+        An idle worker blocks on XREADGROUP."""
         loop = asyncio.get_running_loop()
         core = self.cores
         backoff = 0.1
@@ -191,6 +193,7 @@ class WorkerProcess:
         running: asyncio.Future | None = None  # the engine step in the executor
         t_step = 0.0
         unpublished: list = []  # (version, StepOutput) of the last finished step
+        just_read = False  # tasks were just read: the next step starts without another read
         while True:
             stopping = self._stopping.is_set()
             if stopping and running is None:
@@ -207,8 +210,25 @@ class WorkerProcess:
                     await self._hand_back()
                     return
             try:
+                publishing: asyncio.Future | None = None
                 if running is None:
                     self._apply_cancels()
+                    if not stopping and core.has_work() and core.free_slots > 0 and not just_read:
+                        # The step boundary: tasks that arrived while the last step computed
+                        # join this one (a read made during the step would leave anything
+                        # arriving after it for the step after next). The last step's events
+                        # go out on another connection meanwhile, so neither round trip
+                        # waits for the other.
+                        if unpublished and self.overlap_io:
+                            outs, unpublished = unpublished, []
+                            publishing = asyncio.ensure_future(self._publish_all(outs))
+                        try:
+                            await self._admit(block=False)
+                        except BaseException:
+                            if publishing is not None:
+                                await asyncio.gather(publishing, return_exceptions=True)
+                            raise
+                    just_read = False
                     if core.has_work():
                         t_step = time.perf_counter()
                         running = loop.run_in_executor(self._executor, core.step)
@@ -216,13 +236,15 @@ class WorkerProcess:
                             unpublished += await running
                             running = None
                             self._after_step(unpublished, t_step)
-                # while the engine computes: publish the previous step, read new tasks
+                # while the engine computes: publish the previous step
+                if publishing is not None:
+                    await publishing
                 if unpublished:
                     outs, unpublished = unpublished, []
-                    for version, out in outs:
-                        await self._publish(out, version)
-                if not stopping and core.free_slots > 0:
-                    await self._admit(block=running is None and not core.has_work())
+                    await self._publish_all(outs)
+                if not stopping and core.free_slots > 0 and running is None and not core.has_work():
+                    await self._admit(block=True)  # idle: wait for work
+                    just_read = True
                 if running is not None:
                     unpublished = await running
                     running = None
@@ -486,6 +508,10 @@ class WorkerProcess:
                 pipe.expire(key, int(s.log_ttl_s))
 
     # -- publishing ----------------------------------------------------------------------
+    async def _publish_all(self, outs: list) -> None:
+        for version, out in outs:
+            await self._publish(out, version)
+
     async def _publish(self, out, version: str = "") -> None:
         """One pipeline per step: log every event, PUBLISH each connection's events, XACK +
         XDEL finished tasks. The log entries go first, so a gateway that sees a message can
@@ -626,4 +652,4 @@ class WorkerProcess:
 
 
 def run_worker(settings: WorkerSettings) -> int:
-    return asyncio.run(WorkerProcess(settings).run())
+    return aio.run(WorkerProcess(settings).run(), settings.event_loop)
