@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 import orjson
 
+from shared import aio
 from shared.errors import ErrorCode, StreamfleetError
 from shared.logging import get_logger
 from shared.modelrepo import ModelRepository
@@ -94,6 +95,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 hub.validator.tokenizer(hub.validator.spec(name))
             except Exception:
                 pass
+        log.info("gateway started", frozen_objects=aio.settle_heap())
         yield
         await hub.broker.stop()
 

@@ -9,6 +9,7 @@ import uuid
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
@@ -43,6 +44,7 @@ if limit > 0 and depth >= limit then
   return {0, depth}
 end
 redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1, depth + 1}
 """
 
@@ -211,7 +213,11 @@ class Broker:
         lane_key = self.keys.lane(task.model, task.lane)
         threshold = self.lane_threshold(task.lane)
         try:
-            ok, depth = await self._enqueue(keys=[lane_key], args=[threshold, task.encode()])
+            args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
+            try:  # EVALSHA straight: redis-py's Script wrapper costs more than the round trip
+                ok, depth = await self.redis.execute_command("EVALSHA", self._enqueue.sha, 1, lane_key, *args)
+            except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
+                ok, depth = await self._enqueue(keys=[lane_key], args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc

@@ -64,6 +64,18 @@ DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 ``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply."""
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """The prompt's token ids, without special tokens. A ``PreTrainedTokenizerFast`` is
+    asked through its Rust tokenizer directly: the same ids at about half the cost of
+    ``tokenizer.encode`` (which builds a ``BatchEncoding`` per call), and this runs on the
+    gateway's event loop for every request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return backend.encode(text, add_special_tokens=False).ids
+    # a tokenizer.json that configures truncation or padding: let transformers switch them off
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -86,6 +98,7 @@ class Validator:
         self.settings = settings
         self.repo = repo
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
+        self._tokenizers: dict[Any, Any] = {}  # tokenizer file -> loaded tokenizer
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -98,10 +111,14 @@ class Validator:
         return self.repo.get(model)
 
     def tokenizer(self, spec: ModelSpec) -> Any:
+        tok = self._tokenizers.get(spec.tokenizer_path)
+        if tok is not None:
+            return tok
         try:
-            return load_tokenizer(spec)
+            tok = self._tokenizers[spec.tokenizer_path] = load_tokenizer(spec)
         except FatalError as exc:
             raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
+        return tok
 
     # -- the rules --------------------------------------------------------------
     def generate(self, p: dict[str, Any]) -> ValidRequest:
@@ -167,7 +184,7 @@ class Validator:
         if len(text) > s.max_prompt_chars:
             raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
                                   code=ErrorCode.prompt_too_long, param="prompt")
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_prompt(tokenizer, text)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:

@@ -42,6 +42,11 @@ class Keys:
     def cancel(self) -> str:
         return f"{self.prefix}:cancel"
 
+    def wake(self, model: str) -> str:
+        """Pub/sub channel: a gateway just queued a task for ``model`` (message: its lane).
+        A hint only; workers that miss one still find the task on their next read."""
+        return f"{self.prefix}:wake:{model}"
+
     def log(self, request_id: str) -> str:
         return f"{self.prefix}:log:{request_id}"
 

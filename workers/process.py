@@ -84,6 +84,8 @@ class WorkerProcess:
         self._cancel_memory: dict[str, float] = {}
         #: request id -> when a PUBLISH for it first reached no subscriber (reset by one that did)
         self._unheard: dict[str, float] = {}
+        #: a gateway announced a task (sf:wake:{model}) since the last read
+        self._woken = False
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._tokens_window: list[tuple[float, int]] = []
@@ -151,7 +153,7 @@ class WorkerProcess:
             start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host)
             log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics")
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch,
-                 version=self.cores.version)
+                 version=self.cores.version, frozen_objects=aio.settle_heap())
         self._requeue = self.redis.register_script(REQUEUE_LUA)
         aux = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                asyncio.create_task(self._cancel_loop(), name="cancels"),
@@ -213,12 +215,14 @@ class WorkerProcess:
                 publishing: asyncio.Future | None = None
                 if running is None:
                     self._apply_cancels()
-                    if not stopping and core.has_work() and core.free_slots > 0 and not just_read:
+                    if not stopping and core.has_work() and core.free_slots > 0 and not just_read and \
+                            (self._woken or not self.overlap_io):
                         # The step boundary: tasks that arrived while the last step computed
-                        # join this one (a read made during the step would leave anything
-                        # arriving after it for the step after next). The last step's events
-                        # go out on another connection meanwhile, so neither round trip
-                        # waits for the other.
+                        # join this one. With overlapped I/O the step's own read already
+                        # took what had arrived by then, so this extra round trip is made
+                        # only when a gateway announced a task since (sf:wake:{model}). The
+                        # last step's events go out on another connection meanwhile, so
+                        # neither round trip waits for the other.
                         if unpublished and self.overlap_io:
                             outs, unpublished = unpublished, []
                             publishing = asyncio.ensure_future(self._publish_all(outs))
@@ -236,12 +240,14 @@ class WorkerProcess:
                             unpublished += await running
                             running = None
                             self._after_step(unpublished, t_step)
-                # while the engine computes: publish the previous step
+                # while the engine computes: publish the previous step, take what has arrived
                 if publishing is not None:
                     await publishing
                 if unpublished:
                     outs, unpublished = unpublished, []
                     await self._publish_all(outs)
+                if running is not None and not stopping and core.free_slots > 0:
+                    await self._admit(block=False)
                 if not stopping and core.free_slots > 0 and running is None and not core.has_work():
                     await self._admit(block=True)  # idle: wait for work
                     just_read = True
@@ -285,6 +291,7 @@ class WorkerProcess:
             self._start(lane, msg_id, fields)
 
     async def _read(self, free: int, block: bool) -> list[tuple[str, bytes, dict]]:
+        self._woken = False  # before the read: a wake that lands during it is kept
         asked = self.policy.split(free)
         got: dict[str, list] = {lane: [] for lane in LANES}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -577,15 +584,20 @@ class WorkerProcess:
                 del self._cancel_memory[rid]
 
     async def _cancel_loop(self) -> None:
+        """Hears ``sf:cancel`` and this model's ``sf:wake:{model}`` on one connection."""
         backoff = 0.1
+        wake = self.keys.wake(self.model).encode()
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.keys.cancel)
+                await pubsub.subscribe(self.keys.cancel, wake)
                 backoff = 0.1
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "message":
+                        continue
+                    if msg["channel"] == wake:
+                        self._woken = True
                         continue
                     try:
                         self._cancels.append(Cancel.decode(msg["data"]).request_id)

@@ -204,3 +204,26 @@ async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefi
             break
         await asyncio.sleep(0.05)
     assert rds.xpending(lane, "workers")["pending"] == 0
+
+
+async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds, key_prefix):
+    """The gateway queues through EVALSHA; a Redis that lost its scripts (restart, SCRIPT
+    FLUSH) gets the script again instead of refusing work. Every queued task is announced
+    on sf:wake:{model} with its lane, so a busy worker reads again at its next step."""
+    gw = fleet.gateway()
+    fleet.worker(backend="echo")
+    c = await Client.connect(gw.ws)
+    assert (await c.generate("a", "Once upon a time", max_tokens=3, ignore_eos=True)).end["type"] == "done"
+    wake = rds.pubsub(ignore_subscribe_messages=True)
+    wake.subscribe(f"{key_prefix}:wake:tiny-gpt")
+    rds.script_flush()
+    res = await c.generate("b", "Once upon a time", max_tokens=3, ignore_eos=True, priority="high")
+    assert res.end["type"] == "done", res.end
+    msg = None
+    for _ in range(50):
+        msg = wake.get_message(timeout=0.1)
+        if msg is not None:
+            break
+    assert msg is not None and msg["data"] == b"high", msg
+    wake.close()
+    await c.close()

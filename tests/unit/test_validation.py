@@ -71,3 +71,23 @@ def test_chat_default_template(validator, tiny_spec):
     assert text == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     v = validator.generate({"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
     assert v.prompt_text.endswith("<|assistant|>\n")
+
+
+def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
+    """The gateway's fast path (the Rust tokenizer directly) gives exactly the ids of
+    ``PreTrainedTokenizerFast.encode``, also for text that is not ASCII, and a tokenizer
+    that configures truncation takes the slow path (which ignores it)."""
+    from gateway.validation import encode_prompt
+    from shared.modelrepo import load_tokenizer
+
+    tok = load_tokenizer(tiny_spec)
+    for text in ("Once upon a time", "  spaced\n\nout\t", "héllo wörld", "日本語のテキスト", "emoji 🤖👍🏽 ok", "a" * 3000):
+        assert encode_prompt(tok, text) == tok.encode(text, add_special_tokens=False)
+
+    class Truncating:
+        backend_tokenizer = type("B", (), {"truncation": {"max_length": 4}, "padding": None})()
+
+        def encode(self, text, add_special_tokens):
+            return [len(text)]
+
+    assert encode_prompt(Truncating(), "abcdefgh") == [8]
