@@ -49,6 +49,8 @@ log = get_logger("worker")
 
 #: how long a cancel for a request this worker has not seen yet is remembered
 CANCEL_MEMORY_S = 300.0
+#: a busy worker reads its lanes at least this often, even with no wake announced
+READ_EVERY_S = 0.05
 
 #: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
 #: delivery, atomically. KEYS[1] lane; ARGV[1] group, ARGV[2] message id, ARGV[3] task.
@@ -84,8 +86,10 @@ class WorkerProcess:
         self._cancel_memory: dict[str, float] = {}
         #: request id -> when a PUBLISH for it first reached no subscriber (reset by one that did)
         self._unheard: dict[str, float] = {}
-        #: a gateway announced a task (sf:wake:{model}) since the last read
+        #: a gateway announced a task (sf:wake:{model}) newer than any read so far
         self._woken = False
+        self._read_at = 0.0  # monotonic time of the last read
+        self._last_read: dict[str, tuple[int, int]] = {}  # lane -> newest entry id read
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._tokens_window: list[tuple[float, int]] = []
@@ -183,11 +187,13 @@ class WorkerProcess:
                 backoff = min(backoff * 2, 5.0)
 
     async def _main_loop(self) -> None:
-        """One continuous-batching step per turn. At each step boundary the worker reads
-        the tasks that arrived meanwhile (one non-blocking round trip, so they join the very
-        next step), starts the engine step, and publishes the previous step's events while
-        it computes, so that publishing overlaps the model instead of adding to every step.
-        An idle worker blocks on XREADGROUP."""
+        """One continuous-batching step per turn: start the engine step, publish the
+        previous step's events while it computes (publishing overlaps the model instead of
+        adding to every step), and read new tasks. A busy worker reads only when a gateway
+        has announced a task it has not read yet (``sf:wake:{model}``, at most
+        ``READ_EVERY_S`` apart otherwise), and then at the step boundary too, so that a task
+        arriving mid-step joins the very next step. An idle worker blocks on XREADGROUP.
+        Without overlap (a CPU engine) every boundary reads."""
         loop = asyncio.get_running_loop()
         core = self.cores
         backoff = 0.1
@@ -215,19 +221,19 @@ class WorkerProcess:
                 publishing: asyncio.Future | None = None
                 if running is None:
                     self._apply_cancels()
+                    read_now = self._woken or not self.overlap_io
                     if not stopping and core.has_work() and core.free_slots > 0 and not just_read and \
-                            (self._woken or not self.overlap_io):
+                            (read_now or self._held):
                         # The step boundary: tasks that arrived while the last step computed
-                        # join this one. With overlapped I/O the step's own read already
-                        # took what had arrived by then, so this extra round trip is made
-                        # only when a gateway announced a task since (sf:wake:{model}). The
-                        # last step's events go out on another connection meanwhile, so
+                        # join this one. With overlapped I/O this round trip is made only
+                        # when a gateway announced a task not read yet (sf:wake:{model}).
+                        # The last step's events go out on another connection meanwhile, so
                         # neither round trip waits for the other.
-                        if unpublished and self.overlap_io:
+                        if unpublished and self.overlap_io and read_now:
                             outs, unpublished = unpublished, []
                             publishing = asyncio.ensure_future(self._publish_all(outs))
                         try:
-                            await self._admit(block=False)
+                            await self._admit(block=False, read=read_now)
                         except BaseException:
                             if publishing is not None:
                                 await asyncio.gather(publishing, return_exceptions=True)
@@ -247,7 +253,7 @@ class WorkerProcess:
                     outs, unpublished = unpublished, []
                     await self._publish_all(outs)
                 if running is not None and not stopping and core.free_slots > 0:
-                    await self._admit(block=False)
+                    await self._admit(block=False, read=self._should_read())
                 if not stopping and core.free_slots > 0 and running is None and not core.has_work():
                     await self._admit(block=True)  # idle: wait for work
                     just_read = True
@@ -280,18 +286,48 @@ class WorkerProcess:
             self._count_tokens(out.new_tokens)
 
     # -- reading tasks ------------------------------------------------------------------
-    async def _admit(self, block: bool) -> None:
+    async def _admit(self, block: bool, read: bool = True) -> None:
+        """Start held tasks (read earlier, or reclaimed), then, with ``read``, read more."""
         free = self.cores.free_slots
         entries = self._held[:free]
         self._held = self._held[free:]
         free -= len(entries)
-        if free > 0:
+        if free > 0 and read:
             entries += await self._read(free, block and not entries)
         for lane, msg_id, fields in entries:
             self._start(lane, msg_id, fields)
 
+    def _should_read(self) -> bool:
+        """A busy worker reads only when a gateway announced a task it has not read yet
+        (``sf:wake:{model}``), or when ``READ_EVERY_S`` has passed (in case a wake was
+        lost, say while its pub/sub connection was re-established). An idle worker blocks
+        on XREADGROUP instead."""
+        return self._woken or time.monotonic() - self._read_at >= READ_EVERY_S
+
+    def _on_wake(self, data: bytes) -> None:
+        """``b"<lane> <entry id>"`` from a gateway's enqueue: wake unless already read."""
+        try:
+            lane, entry = data.decode().split(" ", 1)
+            ms, _, seq = entry.partition("-")
+            entry_id = (int(ms), int(seq or 0))
+        except (UnicodeDecodeError, ValueError):
+            self._woken = True
+            return
+        if entry_id > self._last_read.get(lane, (0, 0)):
+            self._woken = True
+
     async def _read(self, free: int, block: bool) -> list[tuple[str, bytes, dict]]:
         self._woken = False  # before the read: a wake that lands during it is kept
+        self._read_at = time.monotonic()
+        out = await self._read_lanes(free, block)
+        for lane, mid, _ in out:
+            ms, _, seq = mid.decode().partition("-")
+            entry_id = (int(ms), int(seq or 0))
+            if entry_id > self._last_read.get(lane, (0, 0)):
+                self._last_read[lane] = entry_id
+        return out
+
+    async def _read_lanes(self, free: int, block: bool) -> list[tuple[str, bytes, dict]]:
         asked = self.policy.split(free)
         got: dict[str, list] = {lane: [] for lane in LANES}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -597,7 +633,7 @@ class WorkerProcess:
                     if msg is None or msg.get("type") != "message":
                         continue
                     if msg["channel"] == wake:
-                        self._woken = True
+                        self._on_wake(msg["data"])
                         continue
                     try:
                         self._cancels.append(Cancel.decode(msg["data"]).request_id)
