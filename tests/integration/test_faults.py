@@ -147,7 +147,7 @@ async def test_gateway_death_frees_the_slot(fleet, rds, key_prefix):
     gw.popen.send_signal(signal.SIGKILL)
     # the worker's PUBLISHes reach no subscriber: after the grace it stops the sequence
     freed = wait_pending(rds, lane_key(key_prefix), 0, 5)
-    assert 0.4 < freed < 1.5, freed
+    assert 0.4 < freed < 3.0, freed
     assert "nobody listening; cancelling" in worker.log(tail=None)
     await c.close()
 
