@@ -9,7 +9,7 @@ import uuid
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
@@ -19,9 +19,16 @@ from shared.redis import BROKER_ERRORS, connect
 from shared.schema import Cancel, Event, Task, decode_events, live_workers
 from shared.settings import GatewaySettings
 
+from gateway.pubsub import PubSubConnection, open_pubsub
+
 __all__ = ["Broker"]
 
 log = get_logger("gateway.broker")
+
+#: seconds of quiet after which the pub/sub connection is PINGed
+PUBSUB_PING_S = 5.0
+#: what a pub/sub connect, subscribe or ping may fail with (ResponseError: NOAUTH, ACL)
+_PUBSUB_ERRORS = (*BROKER_ERRORS, asyncio.TimeoutError, ResponseError)
 
 class Listener(Protocol):
     """What the reader routes a reply channel's traffic to (a ``ReplyChannel``)."""
@@ -57,7 +64,7 @@ class Broker:
         self.keys = Keys(settings.key_prefix)
         self.gateway_id = uuid.uuid4().hex[:12]
         self.redis: aioredis.Redis | None = None
-        self._pubsub: aioredis.client.PubSub | None = None
+        self._pubsub: PubSubConnection | None = None
         self._routes: dict[bytes, Listener] = {}
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -68,19 +75,18 @@ class Broker:
         return f"{self.keys.prefix}:gateway:{self.gateway_id}"
 
     async def start(self) -> None:
-        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
-        self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        s = self.settings
+        self.redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s)
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
-        s = self.settings
         self.tail_redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s + 2, max_connections=512)
         try:
             # the control channel keeps the pub/sub connection open before any client arrives
-            await self._pubsub.subscribe(self.control_channel)
+            await self._connect_pubsub()
             self.healthy = True
-        except BROKER_ERRORS as exc:
+        except _PUBSUB_ERRORS as exc:
             log.warning("redis unreachable at start; will retry", error=str(exc))
-        self._reader = asyncio.create_task(self._read_loop(), name="pubsub-reader")
+        self._reader = asyncio.create_task(self._watch(), name="pubsub-watch")
 
     async def stop(self) -> None:
         self._closing = True
@@ -91,110 +97,127 @@ class Broker:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._pubsub is not None:
-            try:
-                await self._pubsub.aclose()
-            except Exception:
-                pass
+            self._pubsub.close()
         if self.redis is not None:
             await self.redis.aclose()
             await self.tail_redis.aclose()
 
     # -- connections --------------------------------------------------------------
     async def register(self, connection_id: str, listener: Listener) -> None:
-        """Route events of ``sf:reply:{connection_id}`` to ``listener`` (subscribes).
+        """Route events of ``sf:reply:{connection_id}`` to ``listener`` (subscribes, and
+        returns once Redis acknowledged the subscription).
 
         Raises:
             UnavailableError: Redis is unreachable.
         """
-        if not self.healthy:
+        if not self.healthy or self._pubsub is None:
             raise UnavailableError("message broker unavailable; retry shortly", retry_after_ms=1000)
         channel = self.keys.reply(connection_id)
         self._routes[channel.encode()] = listener
         try:
-            await self._pubsub.subscribe(channel)
-        except BROKER_ERRORS as exc:
+            await self._pubsub.subscribe(channel, timeout=self.settings.redis_socket_timeout_s)
+        except _PUBSUB_ERRORS as exc:
             self._routes.pop(channel.encode(), None)
-            raise UnavailableError(f"message broker unavailable: {exc}") from exc
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
 
     async def unregister(self, connection_id: str) -> None:
         channel = self.keys.reply(connection_id)
         self._routes.pop(channel.encode(), None)
-        try:
-            await self._pubsub.unsubscribe(channel)
-        except BROKER_ERRORS:
-            pass  # the subscription dies with the connection anyway
+        if self._pubsub is not None:
+            self._pubsub.unsubscribe(channel)  # the subscription dies with the connection anyway
 
-    async def _resubscribe(self) -> None:
-        """A fresh pub/sub connection with every current subscription (redis-py's PubSub
-        does not come back by itself once its connection is closed)."""
-        old, self._pubsub = self._pubsub, self.redis.pubsub(ignore_subscribe_messages=True)
+    # -- the pub/sub connection -------------------------------------------------------
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        """Runs inside the pub/sub socket's ``data_received``, once per message."""
+        listener = self._routes.get(channel)
+        if listener is None:
+            return
         try:
-            await old.aclose()
+            events = decode_events(data)
+        except ValueError as exc:
+            log.warning("dropping malformed event message", error=str(exc))
+            return
+        try:
+            listener.route(events)
         except Exception:
-            pass
-        await self._pubsub.subscribe(self.control_channel, *self._routes)
-        log.info("pub/sub connection restored", channels=len(self._routes) + 1)
+            log.exception("event routing failed")
 
-    async def _recover_at_once(self) -> bool:
-        """A dropped pub/sub socket while Redis still answers (a timeout under load, a
-        proxy reset): resubscribe at once and let every stream re-read its log for what
-        was published meanwhile, instead of failing them all."""
+    async def _connect_pubsub(self) -> None:
+        """A fresh pub/sub connection with every current subscription."""
+        timeout = self.settings.redis_socket_timeout_s
+        conn = await open_pubsub(self.settings.redis_url, self._on_message, timeout=timeout,
+                                 client_name=f"sf-gateway-{self.gateway_id}-pubsub")
         try:
-            await asyncio.wait_for(self._resubscribe(), 2.0)
-        except (*BROKER_ERRORS, asyncio.TimeoutError):
-            return False
+            await conn.subscribe(self.control_channel, *self._routes, timeout=timeout)
+        except BaseException:
+            conn.close()
+            raise
+        old, self._pubsub = self._pubsub, conn
+        if old is not None:
+            old.close()
+
+    def _resync_all(self) -> None:
         for listener in list(self._routes.values()):
             try:
                 listener.resync()
             except Exception:
                 log.exception("resync handler failed")
+
+    async def _recover_at_once(self) -> bool:
+        """A dropped pub/sub socket while Redis still answers (a timeout under load, a
+        proxy reset, an output-buffer limit): resubscribe at once and let every stream
+        re-read its log for what was published meanwhile, instead of failing them all."""
+        try:
+            await asyncio.wait_for(self._connect_pubsub(), 2.0)
+        except _PUBSUB_ERRORS:
+            return False
+        log.info("pub/sub connection restored", channels=len(self._routes) + 1)
+        self._resync_all()
         return True
 
-    async def _read_loop(self) -> None:
+    async def _watch(self) -> None:
+        """Keep the pub/sub connection alive: PING it when quiet (a dead peer that sent no
+        FIN is found within ``PUBSUB_PING_S`` + the socket timeout), replace it when it
+        drops, and when Redis is really gone end every request in flight at once rather
+        than let it hang, then reconnect with backoff."""
         backoff = 0.05
         while not self._closing:
-            try:
-                if not self.healthy:
-                    await self._resubscribe()
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                self.healthy = True
-                backoff = 0.05
-            except asyncio.CancelledError:
-                raise
-            except BROKER_ERRORS as exc:
-                metrics.redis_errors.labels("pubsub").inc()
-                if self.healthy:
-                    log.warning("pub/sub connection lost; reconnecting", error=str(exc))
-                    if await self._recover_at_once():
+            conn = self._pubsub
+            if self.healthy and conn is not None and conn.is_open:
+                done, _ = await asyncio.wait({conn.lost}, timeout=PUBSUB_PING_S)
+                if not done:
+                    try:
+                        await conn.ping(self.settings.redis_socket_timeout_s)
                         continue
-                    self.healthy = False
-                    # Redis is really gone: end every request in flight now rather than let it hang
-                    for listener in list(self._routes.values()):
-                        try:
-                            listener.broker_lost()
-                        except Exception:
-                            log.exception("broker_lost handler failed")
+                    except _PUBSUB_ERRORS as exc:
+                        error = exc
+                        conn.close()
+                else:
+                    error = conn.lost.result()
+                metrics.redis_errors.labels("pubsub").inc()
+                log.warning("pub/sub connection lost; reconnecting", error=str(error))
+                if await self._recover_at_once():
+                    backoff = 0.05
+                    continue
+                self.healthy = False
+                for listener in list(self._routes.values()):
+                    try:
+                        listener.broker_lost()
+                    except Exception:
+                        log.exception("broker_lost handler failed")
+                continue
+            try:
+                await self._connect_pubsub()
+            except _PUBSUB_ERRORS as exc:
+                log.debug("pub/sub reconnect failed", error=str(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
-            except Exception:
-                log.exception("pub/sub reader error")
-                await asyncio.sleep(0.1)
-                continue
-            if msg is None or msg.get("type") != "message":
-                continue
-            listener = self._routes.get(msg["channel"])
-            if listener is None:
-                continue
-            try:
-                events = decode_events(msg["data"])
-            except ValueError as exc:
-                log.warning("dropping malformed event message", error=str(exc))
-                continue
-            try:
-                listener.route(events)
-            except Exception:
-                log.exception("event routing failed")
+            was_healthy, self.healthy = self.healthy, True
+            backoff = 0.05
+            log.info("pub/sub connection restored", channels=len(self._routes) + 1)
+            if not was_healthy:
+                self._resync_all()
 
     # -- tasks --------------------------------------------------------------------
     def lane_threshold(self, lane: str) -> int:
