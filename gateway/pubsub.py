@@ -85,7 +85,11 @@ class PubSubConnection(asyncio.Protocol):
                             if not fut.done():
                                 fut.set_result(None)
                     continue
-                if self._replies:  # AUTH and other commands sent before subscribing
+                if reply == b"PONG" and self._pongs and not self._replies:  # PING before any SUBSCRIBE
+                    fut = self._pongs.popleft()
+                    if not fut.done():
+                        fut.set_result(None)
+                elif self._replies:  # AUTH and other commands sent before subscribing
                     fut = self._replies.popleft()
                     if not fut.done():
                         if isinstance(reply, ResponseError):
