@@ -24,24 +24,14 @@ import hiredis
 from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
 
+from shared.redis import pack
+
 __all__ = ["PubSubConnection", "open_pubsub", "pack"]
 
 OnMessage = Callable[[bytes, bytes], None]
 
 _PUSH_KINDS = frozenset((b"message", b"subscribe", b"unsubscribe", b"pmessage", b"psubscribe",
                          b"punsubscribe", b"pong"))
-
-
-def pack(*args: bytes | str | int) -> bytes:
-    """One command in RESP."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
 
 
 class PubSubConnection(asyncio.Protocol):

@@ -34,7 +34,7 @@ from shared import aio
 from shared.logging import get_logger
 from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-from shared.redis import BROKER_ERRORS, connect
+from shared.redis import BROKER_ERRORS, RawBatch, connect
 from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, TokenEvent, encode_events
 from shared.settings import WorkerSettings
 
@@ -535,20 +535,21 @@ class WorkerProcess:
             log.error("task dead-lettered", request_id=task.request_id, trace_id=task.trace_id, reason=reason)
             ev = ErrorEvent(task.request_id, "delivery_failed",
                             f"the request failed on {deliveries} workers in a row and was given up")
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.publish(self.keys.reply(task.reply_to), encode_events([ev]))
-                self._log_events(pipe, [ev])
-                await pipe.execute()
+            batch = RawBatch()
+            self._log_events(batch, [ev])
+            batch.add(b"PUBLISH", self.keys.reply(task.reply_to), encode_events([ev]))
+            await batch.execute(self.redis)
 
-    def _log_events(self, pipe, events: list[Event]) -> None:
-        """Append events to their request logs (``sf:log:{request_id}``) in ``pipe``."""
+    def _log_events(self, batch: RawBatch, events: list[Event]) -> None:
+        """Append events to their request logs (``sf:log:{request_id}``) in ``batch``."""
         s = self.settings
+        maxlen, ttl = s.log_maxlen, int(s.log_ttl_s)
         for ev in events:
             key = self.keys.log(ev.request_id)
-            pipe.xadd(key, {"e": orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS)},
-                      maxlen=s.log_maxlen, approximate=True)
+            batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", b"e",
+                      orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS))
             if not isinstance(ev, TokenEvent) or ev.index % 64 == 0:
-                pipe.expire(key, int(s.log_ttl_s))
+                batch.add(b"EXPIRE", key, ttl)
 
     # -- publishing ----------------------------------------------------------------------
     async def _publish_all(self, outs: list) -> None:
@@ -568,19 +569,23 @@ class WorkerProcess:
             rids_by_channel[reply_to].add(ev.request_id)
         channels = list(by_channel)
         acked = []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self._log_events(pipe, [ev for _, ev in out.events])
-            first_publish = len(pipe)
-            for ch in channels:
-                pipe.publish(self.keys.reply(ch), encode_events(by_channel[ch]))
-            for rid in out.finished:
-                fl = self.inflight.pop(rid, None)
-                if fl is None:
-                    continue
-                acked.append(fl)
-                pipe.xack(self.lane_keys[fl.lane], GROUP, fl.message_id)
-                pipe.xdel(self.lane_keys[fl.lane], fl.message_id)
-            results = await pipe.execute()
+        batch = RawBatch()
+        self._log_events(batch, [ev for _, ev in out.events])
+        first_publish = len(batch)
+        for ch in channels:
+            batch.add(b"PUBLISH", self.keys.reply(ch), encode_events(by_channel[ch]))
+        for rid in out.finished:
+            fl = self.inflight.pop(rid, None)
+            if fl is None:
+                continue
+            acked.append(fl)
+            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id)
+            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id)
+        results = await batch.execute(self.redis)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            metrics.redis_errors.labels("publish").inc()
+            log.warning("commands of a publish batch failed", failed=len(failed), first=str(failed[0]))
         ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
                 for _, ev in out.events if not isinstance(ev, TokenEvent)}
         for fl in acked:

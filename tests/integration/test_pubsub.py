@@ -9,7 +9,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
-from gateway.pubsub import open_pubsub, pack
+from gateway.pubsub import open_pubsub
+from shared.redis import pack
 from streamfleet.launcher import EmbeddedRedis, free_port
 
 
