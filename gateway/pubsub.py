@@ -206,7 +206,11 @@ async def open_pubsub(url: str, on_message: OnMessage, *, timeout: float = 5.0,
             auth = ("AUTH", username, password) if username else ("AUTH", password)  # parse_url unquoted them
             await proto.command(*auth, timeout=timeout)
         if client_name:
-            await proto.command("CLIENT", "SETNAME", client_name, timeout=timeout)
+            try:  # a name for CLIENT LIST; an ACL user without client|setname still gets its socket
+                await proto.command("CLIENT", "SETNAME", client_name, timeout=timeout)
+            except ResponseError as exc:
+                if "NOAUTH" in str(exc):
+                    raise
     except ResponseError as exc:
         proto.close()
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc) or "invalid" in str(exc).lower():

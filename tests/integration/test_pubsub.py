@@ -78,6 +78,10 @@ async def test_password_and_acl_user(own_redis):
     await user.subscribe("b", timeout=5)
     await user.ping(timeout=5)
     user.close()
+    r.acl_setuser("plain", enabled=True, passwords=["+plainpass"], channels=["*"], commands=["+@pubsub", "+ping"])
+    plain = await open_pubsub(f"redis://plain:plainpass@{host_port}", lambda c, d: None, client_name="no-perm")
+    await plain.subscribe("b", timeout=5)  # CLIENT SETNAME was refused (NOPERM): the socket works anyway
+    plain.close()
     with pytest.raises(AuthenticationError):
         await open_pubsub(f"redis://:wrong@{host_port}", lambda c, d: None)
     with pytest.raises(RedisConnectionError):  # no password at all: the first command is refused
