@@ -15,7 +15,7 @@ from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
 from shared.logging import get_logger
 from shared.metrics import gateway as metrics
-from shared.redis import BROKER_ERRORS, connect
+from shared.redis import BROKER_ERRORS, Coalescer, connect
 from shared.schema import Cancel, Event, Task, decode_events, live_workers
 from shared.settings import GatewaySettings
 
@@ -78,6 +78,7 @@ class Broker:
         s = self.settings
         self.redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s)
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
+        self._coalescer = Coalescer(self.redis)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
         self.tail_redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s + 2, max_connections=512)
         try:
@@ -237,8 +238,8 @@ class Broker:
         threshold = self.lane_threshold(task.lane)
         try:
             args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
-            try:  # EVALSHA straight: redis-py's Script wrapper costs more than the round trip
-                ok, depth = await self.redis.execute_command("EVALSHA", self._enqueue.sha, 1, lane_key, *args)
+            try:  # EVALSHA, batched with the other requests of this loop turn (shared.redis.Coalescer)
+                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, 1, lane_key, *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
                 ok, depth = await self._enqueue(keys=[lane_key], args=list(args))
         except BROKER_ERRORS as exc:

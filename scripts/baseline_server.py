@@ -249,6 +249,7 @@ async def serve(host: str, port: int, *, model: str = "tiny-gpt", delay_ms: floa
     from websockets.asyncio.server import serve as ws_serve
 
     batcher = build_batcher(model, delay_ms, max_batch, engines_dir).start()
+    aio.settle_heap()  # as the fleet's processes do once started
     ids = itertools.count()
 
     def process_request(connection, request):

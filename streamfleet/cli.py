@@ -148,6 +148,7 @@ def bench(
     try:
         from shared import aio
 
+        aio.settle_heap()  # the client's own full collections would land in its latency figures
         result = aio.run(run_bench(cfg))  # uvloop when installed: the load generator must not be the limit
     except BenchError as exc:
         print(f"streamfleet bench: {exc}", file=sys.stderr)

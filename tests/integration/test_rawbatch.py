@@ -43,3 +43,31 @@ async def test_retries_on_a_dropped_connection(redis_server, key_prefix):
     assert await RawBatch().execute(client) == []
     r.close()
     await client.aclose()
+
+
+async def test_coalescer_batches_a_turn_and_routes_errors(redis_server, key_prefix):
+    import asyncio
+
+    import pytest
+    from redis.exceptions import NoScriptError
+
+    from shared.redis import Coalescer
+
+    client = connect(redis_server.url)
+    co = Coalescer(client, max_batch=16)
+    await client.set(f"{key_prefix}:str", b"x")
+    calls = [co.call(b"INCR", f"{key_prefix}:n") for _ in range(50)]
+    calls.append(co.call(b"INCR", f"{key_prefix}:str"))  # an error reply, for this caller only
+    calls.append(co.call(b"EVALSHA", "0" * 40, 0))
+    out = await asyncio.gather(*calls, return_exceptions=True)
+    assert sorted(out[:50]) == list(range(1, 51))
+    assert isinstance(out[50], ResponseError) and "not an integer" in str(out[50])
+    assert isinstance(out[51], NoScriptError)
+    assert await co.call(b"GET", f"{key_prefix}:n") == b"50"
+    await client.aclose()
+    broken = connect(f"redis://127.0.0.1:1/0", socket_timeout=0.5)
+    from shared.redis import BROKER_ERRORS
+
+    with pytest.raises(BROKER_ERRORS):  # unreachable: what the gateway turns into a 503
+        await Coalescer(broken).call(b"PING")
+    await broken.aclose()
