@@ -158,3 +158,39 @@ def test_frame_limits_and_invalid_utf8(fleet):
     raw.send_frame(0x1, b'{"type":"ping"}')
     assert orjson.loads(raw.recv_frame()[1])["type"] == "pong"
     raw.close()
+
+
+def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
+    """A client that never reads: the socket buffers fill, the gateway's writes block
+    (backpressure, nothing piles up without bound in the socket layer), the keepalive
+    ping goes unanswered, and the gateway drops the connection: its slot on the gateway
+    and its requests' slots on the worker are freed, no task stays pending."""
+    import socket
+
+    import httpx
+
+    gw = fleet.gateway(ws_ping_interval_s=0.5, ws_ping_timeout_s=0.5, ws_resume_grace_s=0.5)
+    fleet.worker(backend="echo", max_batch=16)
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    for i in range(8):
+        raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": f"r{i}", "prompt": "flood " * 50,
+                                          "max_tokens": 4000, "ignore_eos": True}))
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+
+    def gauge() -> float:
+        text = httpx.get(gw.http + "/metrics", timeout=5).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("streamfleet_active_connections "))
+        return float(line.split()[1])
+
+    deadline = time.monotonic() + 5
+    while rds.xpending(lane, "workers")["pending"] == 0:  # the requests are running
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert gauge() == 1
+    # never read a byte: within ping interval + timeout (+ resume grace) all is let go
+    deadline = time.monotonic() + 20
+    while gauge() != 0 or rds.xpending(lane, "workers")["pending"] != 0:
+        assert time.monotonic() < deadline, (gauge(), rds.xpending(lane, "workers"), gw.log()[-2000:])
+        time.sleep(0.1)
+    raw.close()
