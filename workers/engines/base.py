@@ -14,13 +14,16 @@ Rows of the returned logits follow the order of the input list.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
 
-__all__ = ["Engine", "SequenceError"]
+__all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers"]
 
 
 class SequenceError(Exception):
@@ -73,3 +76,25 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free everything."""
         ...
+
+
+#: an Optimum with-past KV-cache input name: ``past_key_values.<layer>.<key|value>``
+PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+
+
+def count_past_layers(input_names: Iterable[str], where: object) -> int:
+    """The number of decoder layers of a ``text-generation-with-past`` graph, from its
+    input names: every layer 0..N-1 must have both a key and a value input.
+
+    Raises:
+        FatalError: the inputs are not that layout (``where`` names the graph).
+    """
+    layers: dict[int, set[str]] = {}
+    for name in input_names:
+        m = PAST_RE.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+    n_layer = len(layers)
+    if not n_layer or sorted(layers) != list(range(n_layer)) or any(v != {"key", "value"} for v in layers.values()):
+        raise FatalError(f"{where} is not a text-generation-with-past graph (past_key_values.N.key/value)")
+    return n_layer

@@ -21,7 +21,6 @@ short prompt does not pay for a long one's padding.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +28,11 @@ import numpy as np
 
 from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
-from workers.engines.base import SequenceError
+from workers.engines.base import SequenceError, count_past_layers
 from workers.engines.prefill import prefill_groups
 
 __all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
 
-_PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 #: a prefill group may hold at most this many (padded) tokens
 _PREFILL_GROUP_TOKENS = 8192
@@ -179,15 +177,8 @@ class OnnxRuntimeEngine:
     def _read_layout(self) -> None:
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
-        layers: dict[int, set[str]] = {}
-        for name in inputs:
-            m = _PAST_RE.match(name)
-            if m:
-                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
-        n_layer = len(layers)
         where = self.spec.onnx_path
-        if not n_layer or sorted(layers) != list(range(n_layer)) or any(v != {"key", "value"} for v in layers.values()):
-            raise FatalError(f"{where} is not a text-generation-with-past graph (past_key_values.N.key/value)")
+        n_layer = count_past_layers(inputs, where)
         for name in ("input_ids", "attention_mask"):
             if name not in inputs:
                 raise FatalError(f"{where} has no {name!r} input")

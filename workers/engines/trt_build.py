@@ -31,7 +31,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -41,6 +40,7 @@ from typing import Any
 
 from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
+from workers.engines.base import PAST_RE, count_past_layers
 
 __all__ = [
     "BUILD_DEFAULTS",
@@ -72,7 +72,6 @@ __all__ = [
 KEY_FORMAT = 1
 PREFILL, DECODE = "prefill", "decode"
 
-_PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 #: ONNX TensorProto element types we accept -> names used in keys and by the engine
 _ONNX_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64"}
 
@@ -203,19 +202,12 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
     init_names = {t.name for t in model.graph.initializer}
     inputs = {k: v for k, v in inputs.items() if k not in init_names}  # old exports list weights as inputs
     outputs = {o.name: o for o in model.graph.output}
-    layers: dict[int, set[str]] = {}
-    for name in inputs:
-        m = _PAST_RE.match(name)
-        if m:
-            layers.setdefault(int(m.group(1)), set()).add(m.group(2))
-    n_layer = len(layers)
-    if not n_layer or sorted(layers) != list(range(n_layer)) or any(v != {"key", "value"} for v in layers.values()):
-        raise FatalError(f"{where} is not a text-generation-with-past graph (past_key_values.N.key/value)")
+    n_layer = count_past_layers(inputs, where)
     for name in ("input_ids", "attention_mask"):
         if name not in inputs:
             raise FatalError(f"{where} has no {name!r} input")
     allowed = {"input_ids", "attention_mask", "position_ids"}
-    extra = sorted(n for n in inputs if n not in allowed and not _PAST_RE.match(n))
+    extra = sorted(n for n in inputs if n not in allowed and not PAST_RE.match(n))
     if extra:
         raise FatalError(f"{where} has inputs the TensorRT backend does not feed: {extra}")
     info_out = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
@@ -239,7 +231,7 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
     if kv_heads <= 0 or head_dim <= 0:
         raise FatalError(f"{where}: KV heads / head size are not fixed in the graph; "
                          f"set num_key_value_heads and head_dim in engine.toml")
-    for name in (n for n in inputs if _PAST_RE.match(n)):
+    for name in (n for n in inputs if PAST_RE.match(n)):
         d = _dims(inputs[name])
         if len(d) != 4 or (isinstance(d[1], int) and d[1] != kv_heads) or (isinstance(d[3], int) and d[3] != head_dim):
             raise FatalError(f"{where}: {name} has shape {d}, unlike past_key_values.0.key {dims}")
