@@ -52,6 +52,13 @@ CANCEL_MEMORY_S = 300.0
 #: a busy worker reads its lanes at least this often, even with no wake announced
 READ_EVERY_S = 0.05
 
+
+def _entry_id(entry: str) -> tuple[int, int]:
+    """A stream entry id ``"<ms>-<seq>"`` as a comparable pair; ``ValueError`` if malformed."""
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
+
+
 #: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
 #: delivery, atomically. KEYS[1] lane; ARGV[1] group, ARGV[2] message id, ARGV[3] task.
 REQUEUE_LUA = """
@@ -308,8 +315,7 @@ class WorkerProcess:
         """``b"<lane> <entry id>"`` from a gateway's enqueue: wake unless already read."""
         try:
             lane, entry = data.decode().split(" ", 1)
-            ms, _, seq = entry.partition("-")
-            entry_id = (int(ms), int(seq or 0))
+            entry_id = _entry_id(entry)
         except (UnicodeDecodeError, ValueError):
             self._woken = True
             return
@@ -321,8 +327,7 @@ class WorkerProcess:
         self._read_at = time.monotonic()
         out = await self._read_lanes(free, block)
         for lane, mid, _ in out:
-            ms, _, seq = mid.decode().partition("-")
-            entry_id = (int(ms), int(seq or 0))
+            entry_id = _entry_id(mid.decode())
             if entry_id > self._last_read.get(lane, (0, 0)):
                 self._last_read[lane] = entry_id
         return out
