@@ -16,7 +16,7 @@ from shared.keys import Keys
 from shared.logging import get_logger
 from shared.metrics import gateway as metrics
 from shared.redis import BROKER_ERRORS, Coalescer, connect
-from shared.schema import Cancel, Event, Task, decode_events, live_workers
+from shared.schema import Cancel, Event, Follow, RequestRecord, Task, decode_events, live_workers
 from shared.settings import GatewaySettings
 
 from gateway.pubsub import PubSubConnection, open_pubsub
@@ -226,9 +226,13 @@ class Broker:
         cap = self.settings.lane_capacity.get(lane, 0)
         return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
 
-    async def submit(self, task: Task) -> int:
+    async def submit(self, task: Task, owner: str = "") -> int:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
+
+        The request's record (``sf:req:{request_id}``: owner, reply channel, deadline)
+        travels in the same round trip, ahead of the task, so the request can be resumed
+        from the moment it is accepted, also while it waits for a worker.
 
         Raises:
             RefusedError: ``overloaded`` — the lane's backlog is at its threshold.
@@ -236,15 +240,27 @@ class Broker:
         """
         lane_key = self.keys.lane(task.model, task.lane)
         threshold = self.lane_threshold(task.lane)
+        now = time.time()
+        deadline = task.deadline or (now + self.settings.request_timeout_s)
+        record = RequestRecord(task.request_id, owner, task.model, task.reply_to, task.created_at, deadline,
+                               len(task.prompt_ids))
+        # the worker extends this TTL when the request ends, like its log's
+        ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
         try:
             args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
-            try:  # EVALSHA, batched with the other requests of this loop turn (shared.redis.Coalescer)
+            # both go out with the other requests of this loop turn (shared.redis.Coalescer)
+            record_set = self._coalescer.send(b"SET", self.keys.request(task.request_id), record.encode(),
+                                              b"PX", ttl_ms)
+            try:
                 ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, 1, lane_key, *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
                 ok, depth = await self._enqueue(keys=[lane_key], args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        finally:
+            if record_set.done() and not record_set.cancelled():
+                record_set.exception()  # a failure shows in the enqueue's own result
         if not ok:
             raise RefusedError(
                 f"the {task.lane} lane of {task.model} is overloaded ({depth} requests queued or running, "
@@ -285,25 +301,58 @@ class Broker:
                 out.append((entry_id, ev))
         return out
 
-    async def log_exists(self, request_id: str) -> bool:
+    async def read_request(self, request_id: str) -> RequestRecord | None:
+        """The request's record, or None when there is none (unknown id, or expired).
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
         try:
-            return bool(await self.redis.exists(self.keys.log(request_id)))
+            raw = await self.redis.get(self.keys.request(request_id))
+        except BROKER_ERRORS as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        if raw is None:
+            return None
+        try:
+            return RequestRecord.decode(raw)
+        except ValueError:
+            log.warning("unreadable request record", request_id=request_id)
+            return None
+
+    async def follow(self, request_id: str, connection_id: str, ttl_s: float, announce: bool = True) -> None:
+        """Note that ``connection_id`` follows ``request_id`` (a resume), for ``ttl_s``
+        unless renewed, and tell the workers, so the one running it publishes its events
+        there too and keeps it running while anyone listens.
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
+        key = self.keys.attach(request_id)
+        now_ms = int(time.time() * 1000)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(key, {connection_id: now_ms + int(ttl_s * 1000)})
+                pipe.zremrangebyscore(key, "-inf", now_ms)
+                pipe.pexpire(key, int(ttl_s * 1000))
+                if announce:
+                    pipe.publish(self.keys.follow, Follow(request_id, connection_id).encode())
+                await pipe.execute()
         except BROKER_ERRORS as exc:
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
 
-    async def mark_attached(self, request_id: str, ttl_s: float) -> None:
-        """Note that a client follows ``request_id`` here (so the gateway it left does not
-        cancel it when its resume grace runs out)."""
+    async def unfollow(self, request_id: str, connection_id: str) -> None:
         try:
-            await self.redis.set(self.keys.attach(request_id), self.gateway_id, px=int(ttl_s * 1000))
+            await self.redis.zrem(self.keys.attach(request_id), connection_id)
         except BROKER_ERRORS:
-            pass
+            pass  # the entry expires by itself
 
-    async def is_attached(self, request_id: str) -> bool:
+    async def followed_elsewhere(self, request_id: str, connection_id: str) -> bool:
+        """Whether a connection other than ``connection_id`` follows the request now."""
         try:
-            return bool(await self.redis.exists(self.keys.attach(request_id)))
+            members = await self.redis.zrangebyscore(self.keys.attach(request_id), int(time.time() * 1000), "+inf")
         except BROKER_ERRORS:
-            return False
+            return True  # cannot tell: do not cancel what someone may be following
+        return any(m.decode() != connection_id for m in members)
 
     # -- fleet state ----------------------------------------------------------------
     async def ping(self) -> bool:

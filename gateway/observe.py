@@ -28,7 +28,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
             now = time.monotonic()
             if isinstance(ev, Token):
                 if last is None:
-                    if not stream.follow:
+                    if not stream.resumed:
                         ttft.observe(now - started)
                 else:
                     itl.observe(now - last)
@@ -36,7 +36,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
                 tokens.inc()
             elif isinstance(ev, End):
                 outcome = ev.finish_reason
-                if ev.timing.get("queue_ms") is not None and not stream.follow:
+                if ev.timing.get("queue_ms") is not None and not stream.resumed:
                     m.queue_time.labels(model, lane).observe(ev.timing["queue_ms"] / 1000)
             elif isinstance(ev, Failed):
                 outcome, code = "error", str(ev.error.code)

@@ -9,12 +9,16 @@ stream turns them into exactly-once, in-order ``StreamEvent``s:
 * ``Failed(error)``                  the request failed (a ``StreamfleetError``)
 
 Indices already delivered are dropped (a redelivered task regenerates from index 0);
-a gap, or silence, makes the stream catch up from the log; a resumed stream follows the
-log alone. The adapters (``gateway/ws.py``, ``gateway/openai.py``) only render events.
+a gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
+stream first replays the log from the client's index, then is followed live: its
+connection is registered as a follower (``sf:attach:{request_id}`` and a ``Follow``
+message), so the worker publishes the request's events to it as well. The adapters
+(``gateway/ws.py``, ``gateway/openai.py``) only render events.
 
 A ``ReplyChannel`` is one subscribed ``sf:reply:{connection_id}``: it submits requests,
-routes their events, resumes requests from their logs and cancels what its client
-abandoned (at once, or after a resume grace period for connections that dropped).
+routes their events, resumes requests and cancels what its client abandoned (at once, or
+after a resume grace period for connections that dropped), unless another connection
+follows it (docs/failures.md).
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ log = get_logger("gateway.streams")
 CANCEL_GRACE_S = 5.0
 #: seconds of silence from a running request before the stream checks its log
 CATCH_UP_AFTER_S = 2.0
-#: how long one blocking read of a followed log waits
-FOLLOW_BLOCK_MS = 1000
+#: a follower registration lasts this long unless renewed (renewed every third of it)
+FOLLOW_TTL_S = 15.0
+#: entries read from a log per XREAD
+LOG_PAGE = 1000
 
 LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
@@ -83,20 +89,21 @@ class RequestStream:
         prompt_tokens: for a locally decided ``End`` (0 when unknown, as for a resume).
         deadline: unix time after which a request that has not started fails with ``timeout``.
         log_reader: ``await log_reader(after_entry_id, block_ms)`` reads the request's log.
-        follow: take events from the log only (a resumed request).
+        resumed: the stream continues a request submitted elsewhere (it replays the log
+            first, and its client does not own the generation's life).
         next_index: first index the client still needs.
         stall_timeout_s: a started request silent this long (log included) fails with ``timeout``.
     """
 
     def __init__(self, request_id: str, client_id: str, *, prompt_tokens: int = 0, deadline: float,
-                 log_reader: LogReader | None = None, follow: bool = False, next_index: int = 0,
+                 log_reader: LogReader | None = None, resumed: bool = False, next_index: int = 0,
                  stall_timeout_s: float = 60.0) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.prompt_tokens = prompt_tokens
         self.deadline = deadline
         self.log_reader = log_reader
-        self.follow = follow
+        self.resumed = resumed
         self.next_index = next_index
         self.stall_timeout_s = stall_timeout_s
         self.finished = False  # the final event is queued
@@ -110,19 +117,23 @@ class RequestStream:
         self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
         self._final: StreamEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
-        self._resync = False
+        self._resync = resumed  # a resume replays the log before anything else
         self.created = time.monotonic()
         self._last_event = self.created
 
     # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
-    def feed(self, ev: Event) -> None:
+    def feed(self, ev: Event, from_log: bool = False) -> None:
+        """One event, from pub/sub or (``from_log``) the request's log. A token index seen
+        before is dropped; only pub/sub duplicates are counted (``duplicates_dropped``:
+        tokens a redelivered task regenerated), since a log read overlaps pub/sub by design."""
         if self.finished:
             return
         self.started = True
         self._last_event = time.monotonic()
         if isinstance(ev, TokenEvent):
             if ev.index < self.next_index or ev.index in self._ahead:
-                self.duplicates_dropped += 1
+                if not from_log:
+                    self.duplicates_dropped += 1
             elif ev.index > self.next_index:
                 self._ahead[ev.index] = Token(ev.index, ev.text)
             else:
@@ -180,19 +191,23 @@ class RequestStream:
         self._queue.put_nowait(ev)
 
     # -- consuming -----------------------------------------------------------------------
-    async def _read_log(self, block_ms: int | None) -> None:
+    async def _read_log(self) -> None:
+        """Feed what the log holds past the last entry read (the log is read once over,
+        however many times a gap or silence sends the stream to it)."""
         if self.log_reader is None:
             return
-        try:
-            entries = await self.log_reader(self._log_pos if self.follow else b"0-0", block_ms)
-        except UnavailableError as exc:
-            self.fail(exc)
-            return
         before = self.gap_open
-        for entry_id, ev in entries:
-            if self.follow:
+        while not self.finished:
+            try:
+                entries = await self.log_reader(self._log_pos, None)
+            except UnavailableError as exc:
+                self.fail(exc)
+                return
+            for entry_id, ev in entries:
                 self._log_pos = entry_id
-            self.feed(ev)
+                self.feed(ev, from_log=True)
+            if len(entries) < LOG_PAGE:
+                break
         if before and not self.gap_open:
             self.gaps_repaired += 1
 
@@ -206,20 +221,17 @@ class RequestStream:
     async def _next(self) -> StreamEvent:
         if self._resync and not self.finished:
             self._resync = False
-            await self._read_log(None)
+            await self._read_log()
         while self._queue.empty():
-            if self.follow:
-                await self._read_log(FOLLOW_BLOCK_MS)
-                if self._queue.empty() and time.monotonic() - self._last_event > self.stall_timeout_s:
-                    self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
-                continue
             if self.gap_open:
-                await self._read_log(None)
+                await self._read_log()
                 if self._queue.empty() and self.gap_open:
                     self._skip_gap()
                 continue
             if not self.started:
                 wait = max(0.0, self.deadline - time.time()) + CANCEL_GRACE_S
+                if self.resumed:  # events may reach only the log until the worker hears the follow
+                    wait = min(wait, CATCH_UP_AFTER_S)
             else:
                 wait = min(CATCH_UP_AFTER_S, self.stall_timeout_s)
             try:  # asyncio.timeout, not wait_for: no extra task per token
@@ -228,9 +240,12 @@ class RequestStream:
             except TimeoutError:
                 pass
             if not self.started:
-                self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))
+                if self.resumed:
+                    await self._read_log()
+                if self._queue.empty() and time.time() > self.deadline + CANCEL_GRACE_S:
+                    self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))
             else:  # silence: pub/sub may have lost a message; the log has it
-                await self._read_log(None)
+                await self._read_log()
                 if self._queue.empty() and not self.gap_open and \
                         time.monotonic() - self._last_event > self.stall_timeout_s:
                     self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
@@ -272,7 +287,7 @@ class ReplyChannel:
     def route(self, events: list[Event]) -> None:
         for ev in events:
             stream = self.streams.get(ev.request_id)
-            if stream is not None and not stream.follow:
+            if stream is not None:
                 stream.feed(ev)
 
     def resync(self) -> None:
@@ -291,8 +306,11 @@ class ReplyChannel:
             return await self.broker.read_log(request_id, after, block_ms)
         return read
 
-    async def submit(self, request: Any, request_id: str | None = None) -> tuple[RequestStream, int]:
+    async def submit(self, request: Any, request_id: str | None = None, owner: str = "") -> tuple[RequestStream, int]:
         """Enqueue a validated request; returns its stream and the lane depth.
+
+        Args:
+            owner: the tenant the request belongs to (recorded with it; a resume must match).
 
         Raises:
             StreamfleetError: refused (overload, broker down).
@@ -305,7 +323,7 @@ class ReplyChannel:
         stream.trace_id = task.trace_id
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
         try:
-            depth = await self.broker.submit(task)
+            depth = await self.broker.submit(task, owner)
         except StreamfleetError:
             self.streams.pop(rid, None)
             raise
@@ -314,27 +332,46 @@ class ReplyChannel:
                  prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth
 
-    async def resume(self, request_id: str, client_id: str, from_index: int) -> RequestStream:
-        """Follow a request started on any connection of any gateway, from ``from_index``.
+    async def resume(self, request_id: str, client_id: str, from_index: int, owner: str | None = None,
+                     ) -> RequestStream:
+        """Follow a request started on any connection of any gateway, from ``from_index``:
+        the log is replayed from there, then the request is followed live. Works from the
+        moment the request was accepted, also while it still waits for a worker.
+
+        Args:
+            owner: when given, the request must belong to it (else it is "not found").
 
         Raises:
-            NotFoundError: no log for it (unknown id, or the log expired).
+            NotFoundError: no such request (unknown id, another tenant's, or expired).
+            UnavailableError: Redis is unreachable.
         """
-        if not await self.broker.log_exists(request_id):
+        record = await self.broker.read_request(request_id)
+        if record is None or (owner is not None and record.owner != owner):
             raise NotFoundError(f"no request {request_id!r} to resume (unknown, or its log expired)",
                                 code=ErrorCode.unknown_request, param="request_id")
-        stream = RequestStream(request_id, client_id, deadline=time.time() + 3600,
-                               log_reader=self._reader(request_id), follow=True, next_index=from_index,
+        stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
+                               log_reader=self._reader(request_id), resumed=True, next_index=from_index,
                                stall_timeout_s=self.stall_timeout_s)
-        self.streams[request_id] = stream
-        self._spawn(self._keep_attached(stream))
+        self.streams[request_id] = stream  # before the follow: live events may come at once
+        try:
+            await self.broker.follow(request_id, self.connection_id, FOLLOW_TTL_S)
+        except StreamfleetError:
+            self.streams.pop(request_id, None)
+            raise
+        self._spawn(self._keep_following(stream))
         log.info("request resumed", request_id=request_id, from_index=from_index, connection_id=self.connection_id)
         return stream
 
-    async def _keep_attached(self, stream: RequestStream) -> None:
+    async def _keep_following(self, stream: RequestStream) -> None:
         while not stream.finished:
-            await self.broker.mark_attached(stream.request_id, 15.0)
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(FOLLOW_TTL_S / 3)
+            if stream.finished:
+                break
+            try:
+                await self.broker.follow(stream.request_id, self.connection_id, FOLLOW_TTL_S)
+            except StreamfleetError:
+                pass  # the stream itself notices an outage
+        await self.broker.unfollow(stream.request_id, self.connection_id)
 
     def release(self, stream: RequestStream) -> None:
         """The adapter delivered the stream's final event."""
@@ -361,26 +398,42 @@ class ReplyChannel:
         t.add_done_callback(self._tasks.discard)
 
     async def close(self, reason: str = "disconnect", grace_s: float = 0.0) -> None:
-        """The client is gone: cancel what it still has running (after ``grace_s``, during
-        which it may resume elsewhere; a request followed elsewhere is left alone), then
-        unsubscribe."""
+        """The client is gone. Requests it submitted here are cancelled unless another
+        connection follows them (after ``grace_s``, during which the client may resume them
+        anywhere); resumed ones are let go, not cancelled. Then unsubscribe."""
         if self.closed:
             return
         self.closed = True
         for t in list(self._tasks):
             t.cancel()
-        own = [s for s in self.streams.values() if not s.finished and not s.follow]
-        if own and grace_s > 0:
-            self._spawn_detached(self._close_later(own, reason, grace_s))
+        live = [s for s in self.streams.values() if not s.finished]
+        if live and grace_s > 0:
+            self._spawn_detached(self._close_later(live, reason, grace_s))
             return
-        await self._cancel_all(own, reason)
-        await self.broker.unregister(self.connection_id)
+        try:
+            await self._let_go(live, reason)
+        finally:
+            await self.broker.unregister(self.connection_id)
 
-    async def _cancel_all(self, streams: list[RequestStream], reason: str) -> None:
-        await asyncio.gather(*(self.broker.cancel(s.request_id, reason) for s in streams), return_exceptions=True)
-        for s in streams:
+    async def _let_go(self, streams: list[RequestStream], reason: str) -> list[RequestStream]:
+        """Stop following resumed streams; cancel own ones nobody follows elsewhere.
+        Returns the own streams left running because someone follows them."""
+        resumed = [s for s in streams if s.resumed]
+        own = [s for s in streams if not s.resumed]
+        await asyncio.gather(*(self.broker.unfollow(s.request_id, self.connection_id) for s in resumed),
+                             return_exceptions=True)
+        followed = await asyncio.gather(*(self.broker.followed_elsewhere(s.request_id, self.connection_id)
+                                          for s in own))
+        abandoned = [s for s, f in zip(own, followed) if not f]
+        if abandoned:
+            await asyncio.gather(*(self.broker.cancel(s.request_id, reason) for s in abandoned),
+                                 return_exceptions=True)
+        for s in abandoned:
             s.cancel_requested = True
             s.end_cancelled()
+        for s in resumed:
+            s.end_cancelled()
+        return [s for s, f in zip(own, followed) if f]
 
     def _spawn_detached(self, coro) -> None:
         # outlives the connection's own tasks; kept referenced until done
@@ -390,9 +443,12 @@ class ReplyChannel:
 
     async def _close_later(self, streams: list[RequestStream], reason: str, grace_s: float) -> None:
         """Keep the channel subscribed (so workers see a listener) while the requests may
-        still be resumed; then cancel those nobody took over."""
+        still be resumed, and keep following the resumed ones; then let them go (see
+        ``_let_go``). Own requests followed elsewhere keep the channel open until they end
+        or nobody follows them any more."""
         try:
             deadline = time.monotonic() + grace_s
+            renew_at = time.monotonic() + FOLLOW_TTL_S / 3
             while True:
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 for s in streams:  # drain what arrived: only the log matters now
@@ -403,14 +459,19 @@ class ReplyChannel:
                 streams = [s for s in streams if not s.finished]
                 if not streams:
                     break
+                if time.monotonic() >= renew_at:
+                    renew_at = time.monotonic() + FOLLOW_TTL_S / 3
+                    for s in streams:
+                        if s.resumed:
+                            try:
+                                await self.broker.follow(s.request_id, self.connection_id, FOLLOW_TTL_S, False)
+                            except StreamfleetError:
+                                pass
                 if time.monotonic() >= deadline:
-                    attached = [s for s in streams if await self.broker.is_attached(s.request_id)]
-                    abandoned = [s for s in streams if s not in attached]
-                    if abandoned:
-                        log.info("resume grace over; cancelling", count=len(abandoned))
-                        await self._cancel_all(abandoned, reason)
-                    streams = attached
-                    if not streams:
+                    streams = await self._let_go(streams, reason)
+                    if streams:
+                        log.info("resume grace over; requests followed elsewhere keep running", count=len(streams))
+                    else:
                         break
                     deadline = time.monotonic() + grace_s
         finally:

@@ -51,8 +51,23 @@ class Keys:
         return f"{self.prefix}:log:{request_id}"
 
     def attach(self, request_id: str) -> str:
-        """Set (with a TTL) while a resumed client follows the request on some gateway."""
+        """Sorted set ``connection_id -> expiry ms`` (with a TTL): the reply channels of
+        clients that resumed the request and follow it, wherever they are. Workers
+        publish the request's events to these too, and keep it running while any
+        of them is listened to."""
         return f"{self.prefix}:attach:{request_id}"
+
+    @property
+    def follow(self) -> str:
+        """Pub/sub channel: a client started following a request on another connection
+        (``shared.schema.Follow``); every worker of every model hears it."""
+        return f"{self.prefix}:follow"
+
+    def request(self, request_id: str) -> str:
+        """String with TTL: the request's record (``shared.schema.RequestRecord``),
+        written by the gateway before the task is queued, so a request can be resumed
+        while it still waits for a worker."""
+        return f"{self.prefix}:req:{request_id}"
 
     def target_version(self, model: str) -> str:
         """String: the model version every worker should serve (set by `streamfleet reload`)."""

@@ -33,8 +33,11 @@ def connect(url: str, *, socket_timeout: float | None = 5.0, max_connections: in
         socket_timeout=socket_timeout,
         socket_connect_timeout=socket_timeout,
         health_check_interval=15,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        # a refused or reset connection is retried on a fresh one; a timeout is not: the
+        # command may have run (an XADD twice is a task run twice), and the socket timeout
+        # is the bound on how long a Redis stall is ridden out (docs/failures.md)
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=2, supported_errors=(RedisConnectionError,)),
+        retry_on_error=[RedisConnectionError],
         max_connections=max_connections,
     )
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
@@ -122,7 +125,9 @@ class Coalescer:
         self._pending: list[tuple[tuple, asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
 
-    async def call(self, *args: bytes | str | int):
+    def send(self, *args: bytes | str | int) -> asyncio.Future:
+        """Queue a command without waiting; the future gets its reply (an error reply
+        as a ``ResponseError`` value). Commands keep the order they were queued in."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((args, fut))
@@ -130,7 +135,10 @@ class Coalescer:
             loop.call_soon(self._flush)
         elif len(self._pending) >= self.max_batch:
             self._flush()
-        result = await fut
+        return fut
+
+    async def call(self, *args: bytes | str | int):
+        result = await self.send(*args)
         if isinstance(result, ResponseError):
             raise result
         return result

@@ -6,6 +6,10 @@
   ``ErrorEvent``      worker → gateway, published on ``sf:reply:{connection_id}`` as a
                       JSON array (all events of one decode step for one connection)
 * ``Cancel``          gateway → all workers, published on ``sf:cancel``
+* ``Follow``          gateway → all workers, published on ``sf:follow``: a resumed
+                      client follows a request on another reply channel
+* ``RequestRecord``   gateway → gateways, ``sf:req:{request_id}``: who owns a request
+                      and where it runs, written before the task is queued
 
 All encodings are orjson; field names are spelled out so that ``redis-cli`` output
 reads on its own.
@@ -29,6 +33,8 @@ __all__ = [
     "ErrorEvent",
     "Event",
     "Cancel",
+    "Follow",
+    "RequestRecord",
     "encode_events",
     "decode_events",
     "event_from_dict",
@@ -174,6 +180,56 @@ class Cancel:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"malformed cancel: {exc}") from exc
+
+
+@dataclass(slots=True)
+class Follow:
+    """A client follows ``request_id`` on the reply channel of ``reply_to`` (a resume,
+    possibly on another gateway): the worker running it publishes there too."""
+
+    request_id: str
+    reply_to: str
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Follow":
+        try:
+            d = orjson.loads(raw)
+            out = cls(**d)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"malformed follow message: {exc}") from exc
+        if not isinstance(out.request_id, str) or not isinstance(out.reply_to, str):
+            raise ValueError("malformed follow message: ids must be strings")
+        return out
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What a gateway knows of a request before any event exists (``sf:req:{request_id}``).
+
+    ``owner`` is the tenant: the API key's id, or with auth off the identity of the
+    connection that submitted it. ``deadline`` is the queue deadline (unix seconds).
+    """
+
+    request_id: str
+    owner: str
+    model: str
+    reply_to: str
+    created_at: float
+    deadline: float
+    prompt_tokens: int = 0
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "RequestRecord":
+        try:
+            return cls(**orjson.loads(raw))
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"malformed request record: {exc}") from exc
 
 
 def live_workers(raw: dict, ttl_s: float, now: float) -> list[dict[str, Any]]:

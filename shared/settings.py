@@ -36,8 +36,11 @@ class CommonSettings(BaseSettings):
     #: request event logs (sf:log:{request_id}) for resume and gap repair
     log_ttl_s: float = 600.0
     log_maxlen: int = 10_000
-    #: redis-py socket timeout for plain commands (blocking reads add their block time)
-    redis_socket_timeout_s: float = 5.0
+    #: a Redis command with no reply for this long fails (blocking reads add their block
+    #: time). Stalls shorter than this (a fork, a slow disk, a network blip) only delay
+    #: requests; past it, affected requests end with ``broker_unavailable``. A refused or
+    #: reset connection fails at once whatever this is.
+    redis_socket_timeout_s: float = 10.0
     #: API-key tier overrides as JSON, e.g. '{"free": {"requests_per_minute": 20}}'
     #: (fields and defaults: shared/tiers.py); empty = the default tiers
     tiers: str = ""
@@ -100,7 +103,11 @@ class WorkerSettings(CommonSettings):
     lane_weights: dict[str, float] = {"high": 0.8, "normal": 0.2}
     #: ms an idle worker blocks on XREADGROUP
     block_ms: int = 1000
-    heartbeat_interval_s: float = 2.0
+    #: how often a worker writes its heartbeat (sf:workers:{model})
+    heartbeat_interval_s: float = 0.5
+    #: a worker whose heartbeat has not changed for this long, as seen by a live worker
+    #: that kept reading it throughout, is dead: its deliveries are taken over at once
+    worker_dead_after_s: float = 1.5
     #: worker consumer name (default: host-pid-random)
     worker_id: str | None = None
     #: intra-op threads for ONNX Runtime (0 = runtime default)
@@ -114,9 +121,11 @@ class WorkerSettings(CommonSettings):
     trt_cuda: str = "auto"
     #: echo engine: per-step delay
     echo_delay_ms: float = 0.0
-    #: a delivery idle this long (its worker stopped refreshing it) is reclaimed by another worker
+    #: fallback: a delivery idle this long (its holder stopped refreshing it, whatever its
+    #: heartbeat says) is reclaimed by another worker
     claim_idle_ms: int = 10_000
-    reclaim_interval_s: float = 1.0
+    #: how often a worker refreshes its own deliveries and looks for dead workers' ones
+    reclaim_interval_s: float = 0.25
     #: a request whose events reach no subscriber for this long is stopped (its gateway died;
     #: a gateway re-subscribing after a dropped pub/sub socket is back well within it)
     orphan_grace_s: float = 1.0

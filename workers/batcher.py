@@ -35,6 +35,8 @@ class Sequence:
     emitted: int = 0  # TokenEvents produced so far (= next index)
     prefilled: bool = False  # the engine holds a cache for it (release it when it leaves)
     cancelled: bool = False
+    #: leaves silently (no event, not acked): another worker took the task over
+    abandoned: bool = False
     #: the last TokenEvent, kept back while text is held back after it so that text
     #: can still join it should the sequence end on EOS (no extra index for EOS)
     deferred: TokenEvent | None = None

@@ -51,12 +51,16 @@ class StepOutput:
         finished: request ids that ended this step (done or error): XACK them.
         batch_size: sequences that went through the engine this step.
         new_tokens: TokenEvents produced this step (completion tokens; EOS excluded).
+        token_ids: ``(request_id, index) -> token id`` of every TokenEvent in ``events``
+            (written to the request log, so a worker that takes the request over can
+            continue from there instead of regenerating it).
     """
 
     events: list[tuple[str, Event]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     batch_size: int = 0
     new_tokens: int = 0
+    token_ids: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 class WorkerCore:
@@ -117,8 +121,15 @@ class WorkerCore:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._sched
 
-    def add(self, task: Task) -> None:
+    def add(self, task: Task, replay: list[int] | None = None) -> None:
         """Admit a task; its first token comes out of the next ``step()``.
+
+        ``replay``: token ids the request already generated elsewhere (indices 0..n-1,
+        read from its log after a takeover). The sequence continues at index n as if it
+        had produced them itself: the sampler skips their draws, the detokenizer and stop
+        matcher see them, and the prefill covers prompt + replay. Replay ids that do not
+        fit (out of vocabulary, past ``max_tokens`` or the context) are ignored and the
+        request is generated from its start.
 
         A task that cannot run (empty or too long prompt, token ids out of range,
         invalid sampling parameters, deadline passed) does not take a slot and ends
@@ -142,14 +153,42 @@ class WorkerCore:
             lane=task.lane,
             admitted_at=now,
         )
+        if replay and getattr(self.engine, "replays_exactly", True) and self._replayable(task, replay):
+            self._fast_forward(seq, replay)
         with self._lock:
             self._sched.add(seq)
+
+    def _replayable(self, task: Task, replay: list[int]) -> bool:
+        vocab = self._vocab_size
+        return (len(replay) < task.params.max_tokens and len(task.prompt_ids) + len(replay) < self._max_context - 1
+                and all(type(t) is int and 0 <= t < vocab for t in replay)
+                and (task.params.ignore_eos or not any(t in self._eos for t in replay)))
+
+    @staticmethod
+    def _fast_forward(seq: Sequence, replay: list[int]) -> None:
+        seq.sampler.skip(len(replay))
+        for t in replay:
+            seq.stop.push(seq.detokenizer.push(t))
+        seq.generated = list(replay)
+        seq.emitted = len(replay)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request: it ends with DoneEvent ``cancelled`` at the next step and its
         engine cache is released. Returns whether this core held the request."""
         with self._lock:
             return self._sched.cancel(request_id)
+
+    def abandon(self, request_id: str) -> bool:
+        """Drop a request at the next step without emitting anything or reporting it
+        finished (its delivery now belongs to another worker, which regenerates it).
+        Returns whether this core held it."""
+        with self._lock:
+            seq = self._sched.get(request_id)
+            if seq is None:
+                return False
+            seq.abandoned = True
+            self._sched.cancel(request_id)
+            return True
 
     def abandon_all(self) -> list[Task]:
         """Drop every sequence without emitting anything and release their caches.
@@ -210,6 +249,10 @@ class WorkerCore:
             out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
             out.finished.append(task.request_id)
         for seq in plan.cancelled:
+            if seq.abandoned:
+                if seq.prefilled:
+                    self._release(seq)
+                continue
             self._finish(seq, FinishReason.cancelled, out)
 
         ready = self._engine_call(plan.prefill, out, prefill=True)
@@ -236,7 +279,8 @@ class WorkerCore:
         while live:
             try:
                 if prefill:
-                    logits = self.engine.prefill([(s.request_id, list(s.task.prompt_ids)) for s in live])
+                    # prompt + what a taken-over request had already generated (empty otherwise)
+                    logits = self.engine.prefill([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
                 else:
                     logits = self.engine.decode([(s.request_id, s.last_token) for s in live])
                 logits = np.asarray(logits)
@@ -291,6 +335,7 @@ class WorkerCore:
 
         self._emit_deferred(seq, out)
         event = TokenEvent(seq.request_id, seq.emitted, text)
+        out.token_ids[(seq.request_id, seq.emitted)] = token
         seq.emitted += 1
         out.new_tokens += 1
         if reason is None and (seq.detokenizer.holding or seq.stop.held):
@@ -312,6 +357,7 @@ class WorkerCore:
         if seq.deferred is not None:
             seq.deferred.text += tail
             out.events.append((seq.task.reply_to, seq.deferred))
+            out.token_ids[(seq.request_id, seq.deferred.index)] = seq.generated[seq.deferred.index]
             seq.deferred = None
 
     def _finish(

@@ -50,11 +50,14 @@ class CoreSet:
     def __contains__(self, request_id: object) -> bool:
         return any(request_id in c.core for c in self.all())
 
-    def add(self, task: Task) -> None:
-        self.current.core.add(task)
+    def add(self, task: Task, replay: list[int] | None = None) -> None:
+        self.current.core.add(task, replay)
 
     def cancel(self, request_id: str) -> bool:
         return any(c.core.cancel(request_id) for c in self.all())
+
+    def abandon(self, request_id: str) -> bool:
+        return any(c.core.abandon(request_id) for c in self.all())
 
     def switch(self, new: VersionedCore) -> None:
         """New sequences go to ``new`` from now on; the current core retires.

@@ -35,7 +35,7 @@ from shared.logging import get_logger
 from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 from shared.redis import BROKER_ERRORS, RawBatch, connect
-from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Task, TokenEvent, encode_events
+from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, encode_events
 from shared.settings import WorkerSettings
 
 from workers.core import WorkerCore
@@ -51,6 +51,8 @@ log = get_logger("worker")
 CANCEL_MEMORY_S = 300.0
 #: a busy worker reads its lanes at least this often, even with no wake announced
 READ_EVERY_S = 0.05
+#: most reply channels one request is published to besides its own (resumed clients)
+MAX_FOLLOWERS = 8
 
 
 def _entry_id(entry: str) -> tuple[int, int]:
@@ -76,6 +78,46 @@ class InFlight:
     task: Task
 
 
+class Takeover:
+    """Which other workers are dead, judged by how their heartbeats look to this one
+    (no I/O: the reclaim loop feeds it what it reads).
+
+    A worker is dead when its heartbeat entry has not changed for ``dead_after_s`` while
+    this worker kept reading it without a gap. A gap in this worker's own reading (a
+    Redis stall, its own loop held up) restarts everyone's clock, so that a stall that
+    held up every heartbeat alike never makes a live worker look dead. A worker seen
+    for the first time (a consumer with no heartbeat entry at all) gets a clock from then.
+
+    Args:
+        dead_after_s: silence after which a worker is dead.
+    """
+
+    def __init__(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+        self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (heartbeat, when it last changed)
+        self._last_look: float | None = None
+
+    def observe(self, heartbeats: dict[str, bytes], now: float) -> None:
+        """Record one read of the heartbeat hash (worker id -> entry) made at ``now``."""
+        if self._last_look is None or now - self._last_look > self.dead_after_s / 2:
+            self._seen = {w: (blob, now) for w, (blob, _) in self._seen.items()}
+        self._last_look = now
+        for worker, blob in heartbeats.items():
+            prev = self._seen.get(worker)
+            if prev is None or prev[0] != blob:
+                self._seen[worker] = (blob, now)
+        stale = now - 60 * self.dead_after_s
+        for worker in [w for w, (_, t) in self._seen.items() if t < stale and w not in heartbeats]:
+            del self._seen[worker]
+
+    def dead(self, worker: str, now: float) -> bool:
+        seen = self._seen.get(worker)
+        if seen is None:
+            self._seen[worker] = (b"", now)
+            return False
+        return now - seen[1] >= self.dead_after_s
+
+
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -93,6 +135,16 @@ class WorkerProcess:
         self._cancel_memory: dict[str, float] = {}
         #: request id -> when a PUBLISH for it first reached no subscriber (reset by one that did)
         self._unheard: dict[str, float] = {}
+        #: request id -> reply channels of clients that resumed it elsewhere (sf:attach:{id})
+        self._followers: dict[str, set[str]] = {}
+        #: follows heard for requests not running here (yet): applied when they start
+        self._follow_memory: dict[str, tuple[set[str], float]] = {}
+        self._looking_up: set[str] = set()  # follower look-ups in progress
+        self._takeover = Takeover(settings.worker_dead_after_s)
+        #: request id -> token ids it generated before this worker took it over
+        self._replay: dict[str, list[int]] = {}
+        self._unsent: list = []  # (version, StepOutput) whose publish failed: first out next time
+        self._bg: set[asyncio.Task] = set()
         #: a gateway announced a task (sf:wake:{model}) newer than any read so far
         self._woken = False
         self._read_at = 0.0  # monotonic time of the last read
@@ -218,8 +270,7 @@ class WorkerProcess:
                              drain_timeout_s=self.settings.drain_timeout_s)
                 if not core.has_work() or time.monotonic() >= drain_deadline:
                     try:
-                        for version, out in unpublished:
-                            await self._publish(out, version)
+                        await self._publish_all(unpublished)
                     except BROKER_ERRORS as exc:
                         log.warning("could not publish the last step", error=str(exc))
                     await self._hand_back()
@@ -256,7 +307,7 @@ class WorkerProcess:
                 # while the engine computes: publish the previous step, take what has arrived
                 if publishing is not None:
                     await publishing
-                if unpublished:
+                if unpublished or self._unsent:
                     outs, unpublished = unpublished, []
                     await self._publish_all(outs)
                 if running is not None and not stopping and core.free_slots > 0:
@@ -390,10 +441,13 @@ class WorkerProcess:
             log.warning("duplicate delivery ignored", request_id=task.request_id, message_id=msg_id.decode())
             return
         self.inflight[task.request_id] = InFlight(lane, msg_id, task)
-        self.cores.add(task)
+        self.cores.add(task, self._replay.pop(task.request_id, None))
         metrics.admissions.labels(self.model, lane).inc()
         if task.request_id in self._cancel_memory:
             self.cores.cancel(task.request_id)
+        remembered = self._follow_memory.pop(task.request_id, None)
+        if remembered is not None:
+            self._add_followers(task.request_id, remembered[0])
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
                  queue_ms=round((now - task.created_at) * 1000, 2))
 
@@ -423,7 +477,7 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         lock_key = self.keys.reload_lock(self.model)
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s / 2)
+            await asyncio.sleep(1.0)
             if self._stopping.is_set():
                 continue
             try:
@@ -484,6 +538,7 @@ class WorkerProcess:
                 continue
             try:
                 await self._refresh_own()
+                await self._take_over_dead()
                 await self._reclaim()
             except BROKER_ERRORS as exc:
                 log.warning("reclaim failed", error=str(exc))
@@ -492,7 +547,10 @@ class WorkerProcess:
 
     async def _refresh_own(self) -> None:
         """Reset the idle time of this worker's own deliveries (XCLAIM JUSTID does not
-        count a delivery), so a long generation is never taken from a live worker."""
+        count a delivery), so a long generation is never taken from a live worker by the
+        idle fallback. A delivery no longer ours (another worker judged this one dead,
+        say after a long pause) is dropped here without a word: its new holder
+        regenerates it, and gateways drop the indices they already have."""
         by_lane: dict[str, list[bytes]] = defaultdict(list)
         for fl in self.inflight.values():
             by_lane[fl.lane].append(fl.message_id)
@@ -500,15 +558,124 @@ class WorkerProcess:
             by_lane[lane].append(mid)
         if not by_lane:
             return
+        lanes = list(by_lane)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for lane, ids in by_lane.items():
-                pipe.xclaim(self.lane_keys[lane], GROUP, self.worker_id, 0, ids, justid=True)
+            for lane in lanes:
+                pipe.xpending_range(self.lane_keys[lane], GROUP, "-", "+", len(by_lane[lane]) + 64,
+                                    consumername=self.worker_id)
+            owned = await pipe.execute()
+        keep: dict[str, list[bytes]] = {}
+        for lane, pending in zip(lanes, owned):
+            mine = {p["message_id"] for p in pending}
+            keep[lane] = [m for m in by_lane[lane] if m in mine]
+            lost = set(by_lane[lane]) - mine
+            if lost:
+                self._drop_lost(lane, lost)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane, ids in keep.items():
+                if ids:
+                    pipe.xclaim(self.lane_keys[lane], GROUP, self.worker_id, 0, ids, justid=True)
             await pipe.execute()
 
-    async def _reclaim(self) -> None:
+    def _drop_lost(self, lane: str, lost: set[bytes]) -> None:
+        self._held = [h for h in self._held if not (h[0] == lane and h[1] in lost)]
+        for rid, fl in list(self.inflight.items()):
+            if fl.lane == lane and fl.message_id in lost:
+                del self.inflight[rid]
+                self.cores.abandon(rid)
+                log.warning("a task of this worker was taken over by another; dropping it", request_id=rid,
+                            message_id=fl.message_id.decode())
+
+    async def _take_over_dead(self) -> None:
+        """Claim the deliveries of workers that stopped heartbeating (see ``Takeover``),
+        as many as this worker has free slots for; the rest go to other workers or the
+        next round."""
         s = self.settings
-        free = self.cores.free_slots - len(self._held)
+        now = time.monotonic()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.workers(self.model))
+            for lane in LANES:
+                pipe.xinfo_consumers(self.lane_keys[lane], GROUP)
+            heartbeats, *consumers = await pipe.execute()
+        self._takeover.observe({k.decode(): v for k, v in heartbeats.items()}, now)
+        min_idle = int(s.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
+        for lane, infos in zip(LANES, consumers):
+            for info in infos:
+                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                if name == self.worker_id or not info.get("pending") or not self._takeover.dead(name, now):
+                    continue
+                free = self.cores.free_slots - len(self._held)
+                if free <= 0:
+                    return
+                key = self.lane_keys[lane]
+                pending = await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info["pending"]),
+                                                          consumername=name)
+                if not pending:
+                    continue
+                deliveries = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
+                claimed = await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, list(deliveries))
+                if claimed:
+                    log.warning("took over the tasks of a dead worker", dead_worker=name, lane=lane,
+                                count=len(claimed))
+                for mid, fields in claimed:
+                    await self._adopt(lane, mid, fields, deliveries.get(mid, 2), "dead worker")
+
+    async def _adopt(self, lane: str, mid: bytes, fields: dict | None, deliveries: int, source: str) -> None:
+        """A delivery this worker just claimed: run it, or dead-letter it after too many."""
+        if fields is None:
+            return
+        if deliveries > self.settings.max_deliveries:
+            await self._give_up(lane, mid, fields, deliveries)
+            return
+        try:
+            task = Task.decode(fields.get(b"task") or b"")
+        except ValueError:
+            task = None
+        if task is not None:
+            ended, replay = await self._read_progress(task.request_id)
+            if ended:  # it finished, but its holder died before the ack got through
+                log.info("reclaimed task had already ended; acknowledging it", request_id=task.request_id)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xack(self.lane_keys[lane], GROUP, mid)
+                    pipe.xdel(self.lane_keys[lane], mid)
+                    await pipe.execute()
+                return
+            if replay:
+                self._replay[task.request_id] = replay
+        log.warning("reclaimed a task", message_id=mid.decode(), lane=lane, deliveries=deliveries, source=source,
+                    replay_tokens=len(self._replay.get(task.request_id, ())) if task else 0)
+        metrics.reclaimed.labels(self.model).inc()
+        self._held.append((lane, mid, fields))
+
+    async def _read_progress(self, rid: str) -> tuple[bool, list[int]]:
+        """From the request's log: whether it already ended, and the ids of the tokens
+        it generated (indices 0..n-1, as far as they run without a hole)."""
+        try:
+            entries = await self.redis.xrange(self.keys.log(rid), "-", "+", count=self.settings.log_maxlen)
+        except BROKER_ERRORS:
+            return False, []
+        by_index: dict[int, int] = {}
+        for _, f in entries:
+            raw = f.get(b"e", b"")
+            if b'"type":"token"' not in raw:
+                if b'"type":"done"' in raw or b'"type":"error"' in raw:
+                    return True, []
+                continue
+            try:
+                by_index[int(orjson.loads(raw)["index"])] = int(f[b"t"])
+            except (KeyError, ValueError, TypeError, orjson.JSONDecodeError):
+                continue
+        replay = []
+        while len(replay) in by_index:
+            replay.append(by_index[len(replay)])
+        return False, replay
+
+    async def _reclaim(self) -> None:
+        """Fallback: deliveries idle past ``claim_idle_ms`` (their holder stopped refreshing
+        them, whatever its heartbeat says)."""
+        s = self.settings
         for lane in LANES:
+            free = self.cores.free_slots - len(self._held)
             if free <= 0:
                 return
             key = self.lane_keys[lane]
@@ -519,14 +686,7 @@ class WorkerProcess:
                     continue
                 info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
                 deliveries = info[0]["times_delivered"] if info else 1
-                if deliveries > s.max_deliveries:
-                    await self._give_up(lane, mid, fields, deliveries)
-                    continue
-                log.warning("reclaimed a task from a silent worker", message_id=mid.decode(), lane=lane,
-                            deliveries=deliveries)
-                metrics.reclaimed.labels(self.model).inc()
-                self._held.append((lane, mid, fields))
-                free -= 1
+                await self._adopt(lane, mid, fields, deliveries, "silent worker")
 
     async def _give_up(self, lane: str, mid: bytes, fields: dict, deliveries: int) -> None:
         raw = fields.get(b"task", b"")
@@ -540,50 +700,73 @@ class WorkerProcess:
             log.error("task dead-lettered", request_id=task.request_id, trace_id=task.trace_id, reason=reason)
             ev = ErrorEvent(task.request_id, "delivery_failed",
                             f"the request failed on {deliveries} workers in a row and was given up")
+            followers = await self.redis.zrangebyscore(self.keys.attach(task.request_id),
+                                                        int(time.time() * 1000), "+inf")
             batch = RawBatch()
             self._log_events(batch, [ev])
-            batch.add(b"PUBLISH", self.keys.reply(task.reply_to), encode_events([ev]))
+            for ch in {task.reply_to, *(m.decode() for m in followers)}:
+                batch.add(b"PUBLISH", self.keys.reply(ch), encode_events([ev]))
             await batch.execute(self.redis)
 
-    def _log_events(self, batch: RawBatch, events: list[Event]) -> None:
-        """Append events to their request logs (``sf:log:{request_id}``) in ``batch``."""
+    def _log_events(self, batch: RawBatch, events: list[Event], token_ids: dict | None = None) -> None:
+        """Append events to their request logs (``sf:log:{request_id}``) in ``batch``; a
+        token's entry also carries its id (field ``t``), for a takeover's replay."""
         s = self.settings
         maxlen, ttl = s.log_maxlen, int(s.log_ttl_s)
+        ids = token_ids or {}
         for ev in events:
             key = self.keys.log(ev.request_id)
-            batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", b"e",
-                      orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS))
+            body = orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS)
+            tid = ids.get((ev.request_id, ev.index)) if isinstance(ev, TokenEvent) else None
+            if tid is None:
+                batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", b"e", body)
+            else:
+                batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", b"e", body, b"t", tid)
             if not isinstance(ev, TokenEvent) or ev.index % 64 == 0:
                 batch.add(b"EXPIRE", key, ttl)
+            if not isinstance(ev, TokenEvent):  # the request's record lives as long as its log
+                batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)
 
     # -- publishing ----------------------------------------------------------------------
     async def _publish_all(self, outs: list) -> None:
-        for version, out in outs:
+        """Publish steps in order. A step whose batch failed (Redis stalled past the socket
+        timeout, or down) stays queued and goes out first next time, so no event is ever
+        skipped; repeating part of one is harmless (gateways drop indices they have)."""
+        self._unsent.extend(outs)
+        while self._unsent:
+            version, out = self._unsent[0]
             await self._publish(out, version)
+            self._unsent.pop(0)
+
+    def _channels(self, reply_to: str, rid: str) -> tuple[str, ...]:
+        followers = self._followers.get(rid)
+        return (reply_to, *followers) if followers else (reply_to,)
 
     async def _publish(self, out, version: str = "") -> None:
-        """One pipeline per step: log every event, PUBLISH each connection's events, XACK +
-        XDEL finished tasks. The log entries go first, so a gateway that sees a message can
-        already find it (and anything before it) in the log."""
+        """One pipeline per step: log every event, PUBLISH each connection's events (the
+        request's own connection and any that resumed it elsewhere), XACK + XDEL finished
+        tasks. The log entries go first, so a gateway that sees a message can already find
+        it (and anything before it) in the log.
+
+        Raises:
+            BROKER_ERRORS: the batch did not get through; nothing was acknowledged.
+        """
         by_channel: dict[str, list[Event]] = defaultdict(list)
         rids_by_channel: dict[str, set[str]] = defaultdict(set)
         for reply_to, ev in out.events:
             if isinstance(ev, DoneEvent):
                 ev.model_version = version
-            by_channel[reply_to].append(ev)
-            rids_by_channel[reply_to].add(ev.request_id)
+            for ch in self._channels(reply_to, ev.request_id):
+                by_channel[ch].append(ev)
+                rids_by_channel[ch].add(ev.request_id)
         channels = list(by_channel)
-        acked = []
+        acked = [(rid, fl) for rid in out.finished if (fl := self.inflight.get(rid)) is not None]
         batch = RawBatch()
-        self._log_events(batch, [ev for _, ev in out.events])
+        self._log_events(batch, [ev for _, ev in out.events], out.token_ids)
         first_publish = len(batch)
         for ch in channels:
             batch.add(b"PUBLISH", self.keys.reply(ch), encode_events(by_channel[ch]))
-        for rid in out.finished:
-            fl = self.inflight.pop(rid, None)
-            if fl is None:
-                continue
-            acked.append(fl)
+        for _, fl in acked:
             batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id)
             batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id)
         results = await batch.execute(self.redis)
@@ -593,30 +776,83 @@ class WorkerProcess:
             log.warning("commands of a publish batch failed", failed=len(failed), first=str(failed[0]))
         ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
                 for _, ev in out.events if not isinstance(ev, TokenEvent)}
-        for fl in acked:
-            outcome = ends.get(fl.task.request_id, "unknown")
+        for rid, fl in acked:
+            if self.inflight.get(rid) is fl:
+                del self.inflight[rid]
+            self._unheard.pop(rid, None)
+            self._followers.pop(rid, None)
+            outcome = ends.get(rid, "unknown")
             metrics.finished.labels(self.model, outcome).inc()
-            log.info("task finished", request_id=fl.task.request_id, trace_id=fl.task.trace_id, outcome=outcome)
-        for fl in acked:
-            self._unheard.pop(fl.task.request_id, None)
-        # A PUBLISH that reached nobody: the connection (or its whole gateway) is gone, or the
-        # gateway is re-subscribing after its pub/sub socket dropped (it then repairs the gap
-        # from the log). Stop the sequence once nobody has listened for orphan_grace_s.
+            log.info("task finished", request_id=rid, trace_id=fl.task.trace_id, outcome=outcome)
+        self._check_heard(channels, rids_by_channel, results[first_publish:first_publish + len(channels)])
+
+    def _check_heard(self, channels: list[str], rids_by_channel: dict[str, set[str]], receivers: list) -> None:
+        """A request whose PUBLISHes reach nobody on any of its channels: its connection
+        (or its whole gateway) is gone, or a gateway is re-subscribing after its pub/sub
+        socket dropped (it then repairs the gap from the log). First see whether a client
+        follows it elsewhere (a resume this worker did not hear of); stop it once nobody
+        has listened for ``orphan_grace_s``."""
+        heard: set[str] = set()
+        unheard: set[str] = set()
+        for ch, n in zip(channels, receivers):
+            (heard if n and not isinstance(n, Exception) else unheard).update(rids_by_channel[ch])
         now = time.monotonic()
         grace = self.settings.orphan_grace_s
-        for ch, receivers in zip(channels, results[first_publish:first_publish + len(channels)]):
-            for rid in rids_by_channel[ch]:
-                if receivers:
-                    self._unheard.pop(rid, None)
-                    continue
-                if rid not in self.inflight:
-                    continue
-                since = self._unheard.setdefault(rid, now)
-                if now - since >= grace:
-                    del self._unheard[rid]
-                    metrics.cancelled_no_listener.labels(self.model).inc()
-                    log.info("nobody listening; cancelling", request_id=rid, unheard_s=round(now - since, 3))
-                    self.cores.cancel(rid)
+        for rid in heard:
+            self._unheard.pop(rid, None)
+        for rid in unheard - heard:
+            if rid not in self.inflight:
+                continue
+            since = self._unheard.setdefault(rid, now)
+            if since == now and rid not in self._looking_up:
+                self._looking_up.add(rid)
+                self._spawn(self._look_up_followers(rid))
+            if now - since >= grace:
+                del self._unheard[rid]
+                metrics.cancelled_no_listener.labels(self.model).inc()
+                log.info("nobody listening; cancelling", request_id=rid, unheard_s=round(now - since, 3))
+                self.cores.cancel(rid)
+
+    async def _look_up_followers(self, rid: str) -> None:
+        try:
+            members = await self.redis.zrangebyscore(self.keys.attach(rid), int(time.time() * 1000), "+inf")
+        except BROKER_ERRORS:
+            members = []
+        finally:
+            self._looking_up.discard(rid)
+        if members and rid in self.inflight:
+            self._add_followers(rid, {m.decode() for m in members})
+
+    def _add_followers(self, rid: str, channels: set[str]) -> None:
+        known = self._followers.setdefault(rid, set())
+        new = channels - known
+        if new:
+            known.update(new)
+            while len(known) > MAX_FOLLOWERS:
+                known.pop()
+            self._unheard.pop(rid, None)
+            log.info("request followed elsewhere", request_id=rid, followers=len(known))
+
+    def _on_follow(self, data: bytes) -> None:
+        try:
+            f = Follow.decode(data)
+        except ValueError:
+            return
+        if f.request_id in self.inflight:
+            self._add_followers(f.request_id, {f.reply_to})
+            return
+        channels, _ = self._follow_memory.get(f.request_id, (set(), 0.0))
+        if len(channels) < MAX_FOLLOWERS:
+            channels.add(f.reply_to)
+        self._follow_memory[f.request_id] = (channels, time.monotonic())
+        if len(self._follow_memory) > 10_000:  # bounded: the oldest go first
+            for rid in sorted(self._follow_memory, key=lambda r: self._follow_memory[r][1])[:1000]:
+                del self._follow_memory[rid]
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
 
     # -- cancels ---------------------------------------------------------------------------
     def _apply_cancels(self) -> None:
@@ -624,19 +860,23 @@ class WorkerProcess:
         for rid in cancels:
             if not self.cores.cancel(rid):
                 self._cancel_memory[rid] = time.monotonic()
-        if self._cancel_memory:
+        if self._cancel_memory or self._follow_memory:
             cutoff = time.monotonic() - CANCEL_MEMORY_S
             for rid in [r for r, t in self._cancel_memory.items() if t < cutoff]:
                 del self._cancel_memory[rid]
+            for rid in [r for r, (_, t) in self._follow_memory.items() if t < cutoff]:
+                del self._follow_memory[rid]
 
     async def _cancel_loop(self) -> None:
-        """Hears ``sf:cancel`` and this model's ``sf:wake:{model}`` on one connection."""
+        """Hears ``sf:cancel``, ``sf:follow`` and this model's ``sf:wake:{model}`` on one
+        connection."""
         backoff = 0.1
         wake = self.keys.wake(self.model).encode()
+        follow = self.keys.follow.encode()
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.keys.cancel, wake)
+                await pubsub.subscribe(self.keys.cancel, wake, follow)
                 backoff = 0.1
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -644,6 +884,9 @@ class WorkerProcess:
                         continue
                     if msg["channel"] == wake:
                         self._on_wake(msg["data"])
+                        continue
+                    if msg["channel"] == follow:
+                        self._on_follow(msg["data"])
                         continue
                     try:
                         self._cancels.append(Cancel.decode(msg["data"]).request_id)

@@ -50,6 +50,12 @@ class Sampler:
         # PCG64 from the request's seed: the same stream on every host and process
         self._rng = np.random.default_rng(int(params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
+    def skip(self, n: int) -> None:
+        """Advance past ``n`` tokens sampled elsewhere (a request taken over mid-way):
+        the next ``sample`` draws what the ``n+1``-th would have."""
+        if n > 0 and not self.greedy:
+            self._rng.random(n)
+
     def sample(self, logits: np.ndarray) -> int:
         """The next token id.
 

@@ -93,19 +93,63 @@ async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
     assert isinstance(evs[-1], End)
 
 
-async def test_follow_mode_reads_only_the_log_from_an_index():
-    entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)] + [(b"9-0", done(6))]
+async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monkeypatch):
+    monkeypatch.setattr("gateway.streams.LOG_PAGE", 2)
+    entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)]
     calls = []
 
     async def reader(after: bytes, block_ms):
-        calls.append((after, block_ms))
+        calls.append(after)
         return [e for e in entries if e[0] > after][:2]  # paged
 
-    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader, follow=True, next_index=4)
+    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader, resumed=True, next_index=4)
+    assert await asyncio.wait_for(s.next(), 5) == Token(4, "t4")
+    assert await asyncio.wait_for(s.next(), 5) == Token(5, "t5")
+    s.feed(tok(6))  # live, from pub/sub
+    s.feed(done(7))
     evs = await asyncio.wait_for(drain(s), 5)
-    assert [e.index for e in evs if isinstance(e, Token)] == [4, 5]
+    assert [e.index for e in evs if isinstance(e, Token)] == [6]
     assert isinstance(evs[-1], End)
-    assert all(b is not None for _, b in calls)  # blocking reads
+    assert calls[:3] == [b"0-0", b"2-0", b"4-0"]  # one replay, page after page
+
+
+async def test_log_reads_are_incremental_and_not_counted_as_duplicates():
+    entries = [(f"{i}-0".encode(), tok(i)) for i in range(5)] + [(b"5-0", done(5))]
+    calls = []
+
+    async def reader(after: bytes, block_ms):
+        calls.append(after)
+        return [e for e in entries if e[0] > after]
+
+    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader)
+    s.feed(tok(0))
+    s.feed(tok(2))  # a gap: read the log
+    s.feed(tok(1))  # pub/sub lost nothing after all; the log repeats what pub/sub gave
+    s.feed(tok(0))  # a real redelivery (the task started again on another worker)
+    s.feed(tok(3))
+    s.feed(tok(4))
+    s.feed(done(5))
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2, 3, 4]
+    assert s.duplicates_dropped == 1  # only the redelivered token, not what the log repeated
+    growing = entries[:4]  # the log as it stands at the first gap: indices 0..3
+    reads = []
+
+    async def reader2(after: bytes, block_ms):
+        reads.append(after)
+        return [e for e in growing if e[0] > after]
+
+    s2 = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader2)
+    s2.feed(tok(0))
+    s2.feed(tok(3))  # gap: 1 and 2 come from the log
+    assert [(await s2.next()).index for _ in range(3)] == [0, 1, 2]
+    assert (await s2.next()).index == 3
+    growing.extend(entries[4:])
+    s2.feed(done(5))  # index 4 is missing: the second read starts where the first ended
+    evs = await asyncio.wait_for(drain(s2), 5)
+    assert [e.index for e in evs if isinstance(e, Token)] == [4]
+    assert reads == [b"0-0", b"3-0"]
+    assert s2.duplicates_dropped == 0
 
 
 async def test_errors_and_local_decisions():

@@ -46,6 +46,11 @@ class Engine(Protocol):
     #: most tokens (prompt + generated) one sequence may reach
     max_context: int
     vocab_size: int
+    #: optional (default True): a prefill of prompt + generated ids gives the logits a
+    #: decode would have given at that point (a language model). A worker that takes a
+    #: request over then continues it from its log instead of regenerating it; an engine
+    #: whose output depends on where the prompt ends (the echo engine) says False.
+    #: replays_exactly: bool
 
     def prefill(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
         """Start new sequences from their prompt ids.

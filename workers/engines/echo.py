@@ -48,6 +48,9 @@ class EchoEngine:
         options: ``vocab_size``; others are ignored.
     """
 
+    #: it echoes what it was prefilled with, so prompt + generated is another prompt
+    replays_exactly = False
+
     def __init__(self, spec: ModelSpec, *, delay_ms: float | None = None, **options: Any) -> None:
         self.spec = spec
         # no model memory to size it: the batch may be as large as the worker asks
