@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 import orjson
 
 from shared import aio
@@ -112,6 +113,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             return json_response({"status": "draining"}, status_code=503)
         if not await hub.broker.ping():
             return json_response({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
+        # Redis answering is not enough: until this process's pub/sub connection is back (up
+        # to the reconnect backoff after Redis restarts) no request here can get its events
+        if not hub.broker.healthy:
+            return json_response({"status": "unavailable", "reason": "pub/sub connection down"}, status_code=503)
         models = {}
         for name in hub.validator.model_names():
             models[name] = len(await hub.broker.live_workers(name))
@@ -135,6 +140,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         body = {"error": {"message": str(exc.detail), "type": "invalid_request_error" if exc.status_code < 500
                           else "server_error", "param": None, "code": str(code)}}
         return json_response(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request, exc: ClientDisconnect):
+        # the client went away mid-request (a body cut short): nothing is wrong here and
+        # nobody reads the answer, so no traceback and no "unhandled error"
+        log.debug("client left mid-request", path=request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):

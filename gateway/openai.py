@@ -21,6 +21,7 @@ import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
 from shared.logging import get_logger
@@ -48,13 +49,15 @@ def openai_error_response(exc: StreamfleetError) -> Response:
                     headers=headers)
 
 
-def _payload(body: Any, request: Request, chat: bool) -> dict[str, Any]:
-    """Map an OpenAI body to the generate payload of the WebSocket protocol."""
-    if not isinstance(body, dict):
-        raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
+def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, Any]:
+    """Map an OpenAI body (already known to be an object) to the generate payload of the
+    WebSocket protocol."""
     n = body.get("n")
-    if n is not None and n != 1:
-        raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, (int, float)):
+            raise ValidationError("'n' must be an integer", code=ErrorCode.invalid_type, param="n")
+        if n != 1:
+            raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
     p: dict[str, Any] = {"id": "http"}
     for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout"):
         if name in body:
@@ -88,11 +91,16 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
         stream = False
     if not isinstance(stream, bool):
         raise ValidationError("'stream' must be a boolean", code=ErrorCode.invalid_type, param="stream")
-    opts = body.get("stream_options") or {}
+    # only null means absent: a falsy non-object ([], 0, "") is as wrong as a truthy one
+    opts = body.get("stream_options")
+    if opts is None:
+        opts = {}
     if not isinstance(opts, dict):
         raise ValidationError("'stream_options' must be an object", code=ErrorCode.invalid_type,
                               param="stream_options")
-    include_usage = opts.get("include_usage", False)
+    include_usage = opts.get("include_usage")
+    if include_usage is None:
+        include_usage = False
     if not isinstance(include_usage, bool):
         raise ValidationError("'stream_options.include_usage' must be a boolean", code=ErrorCode.invalid_type,
                               param="stream_options")
@@ -173,7 +181,13 @@ async def _generate(request: Request, chat: bool) -> Response:
         if hub.draining:
             raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            # the client left before sending the whole body: nobody is there to answer, and
+            # it is the client's doing, not the gateway's (no traceback, no error log)
+            log.debug("client left mid-body", path=request.url.path)
+            return Response(status_code=499)
         ticket = None
         if len(raw) > hub.settings.max_frame_bytes:
             raise ValidationError(f"body of {len(raw)} bytes exceeds the limit of {hub.settings.max_frame_bytes}",
@@ -182,6 +196,10 @@ async def _generate(request: Request, chat: bool) -> Response:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
+        # before anything reads a field (the stream flags, the resume path): valid JSON that
+        # is not an object gets the code the WebSocket gives the same frame
+        if not isinstance(body, dict):
+            raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         stream_mode, include_usage = _stream_flags(body)
         identity = await hub.admission.authenticate(request.headers.get("authorization"))
         resume = _last_event_id(request)
@@ -190,7 +208,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
                                       param="stream")
-            model = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else ""
+            model = body.get("model") if isinstance(body.get("model"), str) else ""
             channel = await ReplyChannel(hub.broker).open()
             try:
                 stream = await channel.resume(resume[0], "http", resume[1] + 1)

@@ -87,8 +87,19 @@ class ConnectionProtocol:
                                      code=ErrorCode.binary_frame).to_frame(None))]
 
     def receive_text(self, text: str) -> list[Output]:
-        if len(text) > self.max_frame_bytes:
-            return [Send(ValidationError(f"frame of {len(text)} bytes exceeds the limit of {self.max_frame_bytes}",
+        # the limit is in bytes and a character takes 1 to 4 of them in UTF-8: the length in
+        # characters decides most frames without encoding (more characters than the limit:
+        # too large, and at least that many bytes; at most a quarter of it: fine)
+        limit = self.max_frame_bytes
+        size = None
+        if len(text) > limit:
+            size = f"at least {len(text)}"
+        elif len(text) * 4 > limit:
+            n = len(text.encode("utf-8", "surrogatepass"))
+            if n > limit:
+                size = str(n)
+        if size is not None:
+            return [Send(ValidationError(f"frame of {size} bytes exceeds the limit of {limit}",
                                          code=ErrorCode.frame_too_large).to_frame(None))]
         try:
             msg = orjson.loads(text)

@@ -5,6 +5,7 @@ state and the connection's reply channel; decisions live in ``gateway.protocol``
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
@@ -26,6 +27,23 @@ log = get_logger("gateway.ws")
 
 #: queued by a failed direct write: the sender stops and the session ends
 _BROKEN: dict = {}
+
+
+class _QuietInvalidUtf8(logging.Filter):
+    """uvicorn's WebSocket protocol decodes text frames before the app sees them; on
+    invalid UTF-8 it closes with 1007, as RFC 6455 asks, but logs the UnicodeDecodeError
+    with a full traceback at ERROR. A client's bad bytes are not a gateway fault: one
+    debug line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UnicodeDecodeError) and record.getMessage().startswith("Invalid UTF-8"):
+            log.debug("text frame is not valid UTF-8; closed with 1007", error=str(exc))
+            return False
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietInvalidUtf8())
 
 
 class WebSocketSession:

@@ -66,6 +66,21 @@ def test_limits():
     assert codes(p.receive_text('{"type":"generate","id":"c","prompt":"x"}')) == ["too_many_requests"]
 
 
+def test_frame_limit_counts_utf8_bytes_not_characters():
+    p = proto(max_frame_bytes=100)
+    euro = '"' + "€" * 40 + '"'  # 42 characters, 122 bytes
+    out = p.receive_text(euro)
+    assert codes(out) == ["frame_too_large"]
+    assert "122 bytes" in out[0].frame["message"]
+    assert codes(p.receive_text('"' + "€" * 32 + '"')) == ["invalid_frame"]  # 98 bytes: read (a string, not an object)
+    assert codes(p.receive_text('"' + "e" * 98 + '"')) == ["invalid_frame"]  # 100 bytes: at the limit
+    assert codes(p.receive_text('"' + "e" * 99 + '"')) == ["frame_too_large"]
+    assert codes(p.receive_text('"' + "😀" * 25 + '"')) == ["frame_too_large"]  # 27 characters, 102 bytes
+    assert codes(p.receive_text('"' + "😀" * 24 + '"')) == ["invalid_frame"]  # 98 bytes
+    big = proto(max_frame_bytes=1 << 20).receive_text('{"type":"ping","pad":"' + "€" * 400_000 + '"}')
+    assert codes(big) == ["frame_too_large"]  # 3 MB of "€" is over a 1 MiB limit
+
+
 def test_resume_action():
     out = proto().receive_text('{"type":"resume","id":"a","request_id":"abc123","from_index":7}')
     assert out == [Resume("a", "abc123", 7)]

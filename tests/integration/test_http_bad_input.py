@@ -1,0 +1,350 @@
+"""Bad input at the gateway's edge: malformed HTTP bodies, clients that leave mid-body,
+invalid or oversized WebSocket frames, and readiness while pub/sub is down. Each gets a
+4xx (or a close code) and a quiet log, never a 500 or a traceback, and the gateway and
+its keep-alive connections carry on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import httpx
+import orjson
+import pytest
+import redis
+from websockets.sync.client import connect
+
+from streamfleet.launcher import EmbeddedRedis
+from tests.integration.conftest import FleetFactory
+from tests.integration.rawws import RawWebSocket
+from tests.integration.wsclient import Client
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+#: valid JSON that is not an object: the WebSocket answers these with ``invalid_frame``
+NOT_OBJECTS = [b"[]", b"0", b"null", b"true", b'"x"', b"1e308", b'[{"prompt":"x"}]', b'[{"messages":[]}]']
+
+
+def _j(v: object) -> bytes:
+    return orjson.dumps(v)
+
+
+#: (endpoint, raw body, extra headers, expected code)
+MALFORMED = [
+    *[(ep, body, {}, "invalid_frame") for ep in (COMPLETIONS, CHAT) for body in NOT_OBJECTS],
+    # not JSON at all
+    (COMPLETIONS, b"", {}, "invalid_json"),
+    (COMPLETIONS, b"{", {}, "invalid_json"),
+    (CHAT, b"\xff\xfe", {}, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "\xc3\x28"}', {}, "invalid_json"),
+    (COMPLETIONS, b"[" * 5000 + b"]" * 5000, {}, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", {}, "out_of_range"),
+    # stream flags
+    (COMPLETIONS, _j({"prompt": "x", "stream": "yes"}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stream": 1}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stream_options": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stream_options": "x"}), {}, "invalid_type"),
+    (CHAT, _j({"messages": [{"role": "user", "content": "x"}], "stream_options": 0}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}), {},
+     "invalid_type"),
+    # prompt
+    (COMPLETIONS, _j({}), {}, "missing_field"),
+    (COMPLETIONS, _j({"prompt": 5}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": [1]}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": ["a", "b"]}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": {"a": 1}}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": ""}), {}, "invalid_request"),
+    # messages
+    (CHAT, _j({}), {}, "missing_field"),
+    (CHAT, _j({"messages": None}), {}, "missing_field"),
+    (CHAT, _j({"messages": {"role": "user"}}), {}, "invalid_type"),
+    (CHAT, _j({"messages": "hi"}), {}, "invalid_type"),
+    (CHAT, _j({"messages": []}), {}, "invalid_type"),
+    (CHAT, _j({"messages": [1]}), {}, "invalid_type"),
+    (CHAT, _j({"messages": [{"role": ["user"], "content": "x"}]}), {}, "invalid_request"),
+    (CHAT, _j({"messages": [{"role": "user", "content": 5}]}), {}, "invalid_type"),
+    (CHAT, _j({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), {}, "invalid_type"),
+    (CHAT, _j({"messages": [{"role": "user", "content": [1]}]}), {}, "invalid_type"),
+    # other fields
+    (COMPLETIONS, _j({"prompt": "x", "model": 5}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "model": ["tiny-gpt"]}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "model": {"id": "tiny-gpt"}}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "unknown_model"),
+    (COMPLETIONS, _j({"prompt": "x", "model": "a\u0000b"}), {}, "unknown_model"),
+    (COMPLETIONS, _j({"prompt": "x", "n": 2}), {}, "out_of_range"),
+    (COMPLETIONS, _j({"prompt": "x", "n": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "n": "1"}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "max_tokens": "5"}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "max_tokens": 1e308}), {}, "out_of_range"),
+    (CHAT, _j({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "temperature": "hot"}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "temperature": 1e308}), {}, "out_of_range"),
+    (COMPLETIONS, _j({"prompt": "x", "top_p": {}}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stop": [1]}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "stop": {"a": "b"}}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "priority": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "priority": {"lane": "high"}}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "priority": 5}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x"}), {"X-Priority": "urgent"}, "out_of_range"),
+    (COMPLETIONS, _j({"prompt": "x", "ignore_eos": "yes"}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "timeout": [1]}), {}, "invalid_type"),
+    # a reconnecting SSE client (Last-Event-ID) with a bad body or header
+    (COMPLETIONS, b"[]", {"Last-Event-ID": "abc:3"}, "invalid_frame"),
+    (CHAT, b'"x"', {"Last-Event-ID": "abc:3"}, "invalid_frame"),
+    (COMPLETIONS, _j({"prompt": "x", "stream": "yes"}), {"Last-Event-ID": "abc:3"}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x"}), {"Last-Event-ID": "abc:3"}, "invalid_request"),
+    (COMPLETIONS, _j({"prompt": "x", "stream": True}), {"Last-Event-ID": "no-colon"}, "invalid_request"),
+    (COMPLETIONS, _j({"prompt": "x", "stream": True, "model": 5}), {"Last-Event-ID": "a/b:1"}, "invalid_request"),
+]
+
+
+@pytest.fixture(scope="module")
+def edge(redis_server, tiny_spec, tmp_path_factory):
+    """One gateway (and an echo worker) shared by the tests that only need answers."""
+    factory = FleetFactory(redis_server.url, f"sfbad{os.getpid()}", tmp_path_factory.mktemp("edge"))
+    gw = factory.gateway()
+    factory.worker(backend="echo")
+    yield gw
+    factory.close()
+
+
+def _assert_openai_error(r: httpx.Response, code: str) -> None:
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == code, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,headers,code", MALFORMED,
+                         ids=[f"{i}-{'chat' if p == CHAT else 'cmpl'}-{b[:24]!r}"
+                              for i, (p, b, _h, _c) in enumerate(MALFORMED)])
+def test_malformed_body_is_4xx_with_an_openai_error(edge, path, body, headers, code):
+    r = httpx.post(edge.http + path, content=body, timeout=30,
+                   headers={"Content-Type": "application/json", **headers})
+    _assert_openai_error(r, code)
+    assert edge.alive()
+
+
+def test_not_an_object_gets_the_same_code_on_every_transport(edge):
+    with connect(edge.ws) as ws:
+        for body in NOT_OBJECTS:
+            ws.send(body.decode())
+            frame = orjson.loads(ws.recv(timeout=10))
+            assert frame["type"] == "error" and frame["code"] == "invalid_frame", (body, frame)
+    with httpx.Client(base_url=edge.http, timeout=30) as http:
+        for body in NOT_OBJECTS:
+            for path in (COMPLETIONS, CHAT):
+                r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, body, r.status_code, r.text)
+                assert r.json()["error"]["code"] == "invalid_frame"
+
+
+def _local_port(r: httpx.Response) -> int:
+    return r.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_bad_body_keeps_the_keepalive_connection(edge):
+    with httpx.Client(base_url=edge.http, timeout=30, limits=httpx.Limits(max_connections=1)) as http:
+        bad = http.post(COMPLETIONS, content=b"[]", headers={"Content-Type": "application/json"})
+        # the next request on the pool must not meet a connection the server dropped
+        good = http.post(COMPLETIONS, json={"prompt": "Once upon a time", "max_tokens": 3, "ignore_eos": True})
+        assert good.status_code == 200, good.text
+        assert bad.status_code == 400 and bad.headers.get("connection", "").lower() != "close", bad.text
+        assert good.json()["usage"]["completion_tokens"] == 3
+        assert _local_port(good) == _local_port(bad)  # the same pooled connection served both
+
+
+def _read_response(sock: socket.socket, buf: bytes = b"") -> tuple[int, bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length: (status, body, bytes left over)."""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response; got {buf!r}")
+        buf += chunk
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                  if line.lower().startswith(b"content-length:"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed mid-body")
+        rest += chunk
+    return int(head.split(b" ")[1]), rest[:length], rest[length:]
+
+
+def test_bad_body_then_good_request_on_one_raw_socket(edge):
+    """Without a pool in between: the second request goes on the very socket of the first."""
+    host = f"127.0.0.1:{edge.port}"
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=30) as sock:
+        for body in NOT_OBJECTS[:3]:
+            sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            status, payload, left = _read_response(sock)
+            assert status == 400 and orjson.loads(payload)["error"]["code"] == "invalid_frame", payload
+            assert not left
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        status, payload, _ = _read_response(sock)
+        assert status == 200 and orjson.loads(payload)["status"] == "ok"
+
+
+def _assert_quiet(log: str) -> None:
+    assert "Traceback" not in log, log
+    assert "unhandled error" not in log, log
+    assert "Exception in ASGI application" not in log, log
+
+
+def test_client_that_leaves_mid_body_is_not_an_error(fleet):
+    gw = fleet.gateway()
+    for path in (COMPLETIONS, CHAT):
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100000\r\n\r\n".encode() + b'{"prompt": "' + b"x" * 2000)
+            time.sleep(0.2)  # the handler is waiting in request.body() when the socket goes
+    r = httpx.get(gw.http + "/healthz", timeout=10)
+    assert r.status_code == 200
+    time.sleep(0.5)  # give a (wrongly) logged traceback time to reach the log file
+    assert gw.alive()
+    _assert_quiet(gw.log(None))
+
+
+def test_invalid_utf8_text_frame_closes_1007_quietly(fleet):
+    gw = fleet.gateway()
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.send_frame(0x1, b"\xff\xfe")
+    assert raw.wait_close()[0] == 1007
+    raw.close()
+    raw = RawWebSocket("127.0.0.1", gw.port)  # a new connection works
+    raw.send_frame(0x1, b'{"type":"ping"}')
+    assert orjson.loads(raw.recv_frame()[1])["type"] == "pong"
+    raw.close()
+    assert httpx.get(gw.http + "/healthz", timeout=10).status_code == 200
+    time.sleep(0.3)
+    _assert_quiet(gw.log(None))
+
+
+def test_frame_limit_counts_utf8_bytes(fleet):
+    gw = fleet.gateway(max_frame_bytes=1000)
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    frame = orjson.dumps({"type": "generate", "id": "euro", "prompt": "€" * 400})  # ~440 characters, 1240 bytes
+    assert len(frame.decode()) < 1000 < len(frame)
+    raw.send_frame(0x1, frame)
+    op, payload = raw.recv_frame()
+    msg = orjson.loads(payload)
+    assert op == 0x1 and msg["code"] == "frame_too_large", msg
+    assert str(len(frame)) in msg["message"]  # the size reported is in bytes
+    # the same characters as plain ASCII are under the limit and reach validation
+    raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "ascii", "prompt": "e" * 400, "max_tokens": -1}))
+    msg = orjson.loads(raw.recv_frame()[1])
+    assert msg["code"] == "out_of_range" and msg["param"] == "max_tokens", msg
+    raw.close()
+
+
+@pytest.fixture
+def own_redis():
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+async def test_readyz_waits_for_the_pubsub_connection(own_redis, tiny_spec, tmp_path):
+    """Redis restarts: /readyz must not say ready before this gateway's pub/sub
+    connection is back, since no WebSocket or HTTP request can get its events until then."""
+    prefix = "sfready"
+    fleet = FleetFactory(own_redis.url, prefix, tmp_path)
+    restarted = None
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo")
+        workers_key = f"{prefix}:workers:tiny-gpt"
+        with redis.Redis.from_url(own_redis.url) as r:
+            heartbeats = r.hgetall(workers_key)
+        assert heartbeats
+        async with httpx.AsyncClient(base_url=gw.http, timeout=15) as http:
+            assert (await http.get("/readyz")).status_code == 200
+
+            own_redis.proc.terminate()
+            own_redis.proc.wait(10)
+            # down long enough for the gateway's pub/sub reconnect backoff to reach its 2 s cap
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end:
+                r = await http.get("/readyz")
+                assert r.status_code == 503, r.text
+                await asyncio.sleep(0.25)
+
+            restarted = EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
+            # the worker's heartbeat is back at once (as a worker that reconnects first would
+            # write it), so Redis and the worker check pass while the gateway's pub/sub
+            # connection still waits out its backoff
+            with redis.Redis.from_url(own_redis.url) as r:
+                now = time.time()
+                r.hset(workers_key, mapping={wid: orjson.dumps({**orjson.loads(blob), "heartbeat": now})
+                                             for wid, blob in heartbeats.items()})
+            deadline = time.monotonic() + 30
+            reasons = []
+            while True:
+                r = await http.get("/readyz")
+                if r.status_code == 200:
+                    break
+                reasons.append(r.json().get("reason"))
+                assert time.monotonic() < deadline, gw.log() + w.log()
+                await asyncio.sleep(0.02)
+            # ready means ready: a request sent at once gets its events
+            c = await Client.connect(gw.ws)
+            try:
+                res = await c.generate("after", "Once upon a time", max_tokens=3, ignore_eos=True, timeout=15)
+            except ConnectionError as exc:
+                raise AssertionError(f"/readyz said 200 but the WebSocket was closed; 503 reasons {set(reasons)}") \
+                    from exc
+            finally:
+                await c.close()
+            assert res.end["type"] == "done", (res.end, set(reasons))
+            h = await http.post(COMPLETIONS, json={"prompt": "Once upon a time", "max_tokens": 3, "ignore_eos": True})
+            assert h.status_code == 200, h.text
+    finally:
+        fleet.close()
+        if restarted is not None:
+            restarted.stop()
+
+
+async def test_readyz_is_503_while_pubsub_is_refused(own_redis, tiny_spec, tmp_path):
+    """Redis up and answering, workers live, but this gateway's pub/sub connection cannot
+    come back (here: an ACL that denies every channel, so SUBSCRIBE fails): not ready,
+    whatever PING says; ready again once the subscription is back."""
+    fleet = FleetFactory(own_redis.url, "sfacl", tmp_path)
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo")
+        async with httpx.AsyncClient(base_url=gw.http, timeout=15) as http:
+            assert (await http.get("/readyz")).status_code == 200
+            with redis.Redis.from_url(own_redis.url) as r:
+                # no channel allowed any more; commands and keys as before
+                r.execute_command("ACL", "SETUSER", "default", "resetchannels")
+                for client in r.client_list():
+                    if client["name"].startswith("sf-gateway-") and client["name"].endswith("-pubsub"):
+                        r.client_kill_filter(_id=client["id"])
+                deadline = time.monotonic() + 10
+                while (ready := await http.get("/readyz")).status_code == 200:
+                    assert time.monotonic() < deadline, "/readyz stays 200 while pub/sub is down"
+                    await asyncio.sleep(0.05)
+                assert ready.status_code == 503 and ready.json()["reason"] == "pub/sub connection down", ready.text
+                await asyncio.sleep(1.0)  # it stays down while the ACL refuses the subscription
+                ready = await http.get("/readyz")
+                assert ready.status_code == 503 and ready.json()["reason"] == "pub/sub connection down", ready.text
+                assert r.ping()  # Redis itself answers all along
+                r.execute_command("ACL", "SETUSER", "default", "allchannels")
+            deadline = time.monotonic() + 15
+            while (await http.get("/readyz")).status_code != 200:
+                assert time.monotonic() < deadline, gw.log() + w.log()
+                await asyncio.sleep(0.02)
+            c = await Client.connect(gw.ws)
+            try:
+                res = await c.generate("after", "Once upon a time", max_tokens=3, ignore_eos=True, timeout=15)
+            finally:
+                await c.close()
+            assert res.end["type"] == "done", res.end
+    finally:
+        fleet.close()
