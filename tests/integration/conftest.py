@@ -33,6 +33,14 @@ def redis_server():
 
 
 @pytest.fixture
+def own_redis():
+    """A private redis-server for a test that stops, pauses or reconfigures it."""
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def key_prefix(redis_server) -> str:
     return f"sft{os.getpid()}x{next(_prefix_counter)}"
 

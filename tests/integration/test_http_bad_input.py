@@ -243,13 +243,6 @@ def test_frame_limit_counts_utf8_bytes(fleet):
     raw.close()
 
 
-@pytest.fixture
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
-
-
 async def test_readyz_waits_for_the_pubsub_connection(own_redis, tiny_spec, tmp_path):
     """Redis restarts: /readyz must not say ready before this gateway's pub/sub
     connection is back, since no WebSocket or HTTP request can get its events until then."""

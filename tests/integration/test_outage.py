@@ -6,18 +6,10 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from streamfleet.launcher import EmbeddedRedis
 from tests.integration.conftest import FleetFactory
 from tests.integration.wsclient import Client
-
-
-@pytest.fixture
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
 
 
 async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_spec, tmp_path):

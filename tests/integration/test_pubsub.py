@@ -11,14 +11,7 @@ from redis.exceptions import AuthenticationError, ConnectionError as RedisConnec
 
 from gateway.pubsub import open_pubsub
 from shared.redis import pack
-from streamfleet.launcher import EmbeddedRedis, free_port
-
-
-@pytest.fixture
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
+from streamfleet.launcher import free_port
 
 
 def test_pack_is_resp():

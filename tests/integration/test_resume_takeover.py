@@ -9,7 +9,6 @@ import signal
 import time
 
 import orjson
-import pytest
 import websockets
 
 from streamfleet.launcher import EmbeddedRedis
@@ -155,13 +154,6 @@ async def test_a_slow_worker_is_not_robbed(fleet, rds, key_prefix):
     assert "took over" not in fast.log(tail=None) and "reclaimed" not in fast.log(tail=None)
     assert "taken over by another" not in slow.log(tail=None)
     await c.close()
-
-
-@pytest.fixture
-def own_redis():
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
 
 
 async def _stall(server: EmbeddedRedis, seconds: float) -> None:

@@ -23,7 +23,7 @@ def task(rid: str, **params) -> Task:
 
 def run(core: WorkerCore, t: Task, replay=None) -> tuple[list, dict]:
     core.add(t, replay)
-    events, ids, prefills = [], {}, []
+    events, ids = [], {}
     while core.has_work():
         out = core.step()
         events += [ev for _, ev in out.events]
