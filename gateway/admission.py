@@ -22,7 +22,14 @@ from shared.tiers import parse_tiers
 from gateway.auth import Identity, KeyStore, extract_key
 from gateway.ratelimit import RateLimiter, StreamSlots
 
-__all__ = ["Admission", "Ticket"]
+__all__ = ["Admission", "Ticket", "owner_of"]
+
+
+def owner_of(identity: "Identity | None") -> str | None:
+    """The tenant a request belongs to: its API key (recorded with the request; resume and
+    replay require the same key). None with auth off, where the request id is the only
+    credential."""
+    return f"key:{identity.key_id}" if identity is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from shared.logging import get_logger
 
 from shared.metrics import gateway as metrics
 
+from gateway.admission import owner_of
 from gateway.observe import observed
 from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
 
@@ -181,17 +182,15 @@ async def _generate(request: Request, chat: bool) -> Response:
         if hub.draining:
             raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
+        # who is asking, before a byte of the body is read: an unauthenticated body costs nothing
+        identity = await hub.admission.authenticate(request.headers.get("authorization"))
+        raw = await _read_body(request, hub.settings.max_frame_bytes)
+        if raw is None:
             # the client left before sending the whole body: nobody is there to answer, and
             # it is the client's doing, not the gateway's (no traceback, no error log)
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
         ticket = None
-        if len(raw) > hub.settings.max_frame_bytes:
-            raise ValidationError(f"body of {len(raw)} bytes exceeds the limit of {hub.settings.max_frame_bytes}",
-                                  code=ErrorCode.frame_too_large)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -201,17 +200,16 @@ async def _generate(request: Request, chat: bool) -> Response:
         if not isinstance(body, dict):
             raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         stream_mode, include_usage = _stream_flags(body)
-        identity = await hub.admission.authenticate(request.headers.get("authorization"))
         resume = _last_event_id(request)
         valid = None
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
                                       param="stream")
-            model = body.get("model") if isinstance(body.get("model"), str) else ""
             channel = await ReplyChannel(hub.broker).open()
             try:
-                stream = await channel.resume(resume[0], "http", resume[1] + 1)
+                stream = await channel.resume(resume[0], "http", resume[1] + 1, owner=owner_of(identity))
+                model = stream.model  # the recorded one, validated at submit: never the body's
             except BaseException:
                 await channel.close()
                 raise
@@ -226,7 +224,7 @@ async def _generate(request: Request, chat: bool) -> Response:
                 await hub.admission.release(ticket)
                 raise
             try:
-                stream, _depth = await channel.submit(valid, ticket.request_id)
+                stream, _depth = await channel.submit(valid, ticket.request_id, owner=owner_of(identity) or "")
             except BaseException:
                 await channel.close()
                 await hub.admission.release(ticket)
@@ -244,6 +242,32 @@ async def _generate(request: Request, chat: bool) -> Response:
         return await _collect(request, channel, events, shape)
     finally:
         await hub.admission.release(ticket)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, read at most ``limit`` bytes far: a declared or actual size past it is
+    ``frame_too_large`` (413) without reading (or keeping) the rest. None when the client
+    left mid-body.
+
+    Raises:
+        ValidationError: ``frame_too_large``.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ValidationError(f"body of {int(declared)} bytes exceeds the limit of {limit}",
+                              code=ErrorCode.frame_too_large)
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ValidationError(f"body of more than {limit} bytes exceeds the limit of {limit}",
+                                      code=ErrorCode.frame_too_large)
+            parts.append(chunk)
+    except ClientDisconnect:
+        return None
+    return b"".join(parts)
 
 
 async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:

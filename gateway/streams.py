@@ -113,6 +113,7 @@ class RequestStream:
         self.gaps_repaired = 0
         self.gaps_skipped = 0
         self.trace_id = ""
+        self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
         self._final: StreamEvent | None = None  # an end that arrived while a gap was open
@@ -352,6 +353,7 @@ class ReplyChannel:
         stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
                                log_reader=self._reader(request_id), resumed=True, next_index=from_index,
                                stall_timeout_s=self.stall_timeout_s)
+        stream.model = record.model
         self.streams[request_id] = stream  # before the follow: live events may come at once
         try:
             await self.broker.follow(request_id, self.connection_id, FOLLOW_TTL_S)

@@ -17,6 +17,7 @@ from shared.logging import get_logger
 
 from shared.metrics import gateway as metrics
 
+from gateway.admission import owner_of
 from gateway.observe import observed
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
 from gateway.streams import ReplyChannel, RequestStream
@@ -107,7 +108,8 @@ class WebSocketSession:
         admission = self.hub.admission
         ticket = await admission.admit(self.identity, request)
         try:
-            stream, depth = await self.channel.submit(request, ticket.request_id)
+            stream, depth = await self.channel.submit(request, ticket.request_id,
+                                                      owner=owner_of(self.identity) or "")
         except BaseException:
             await admission.release(ticket)
             raise
@@ -117,7 +119,7 @@ class WebSocketSession:
         return stream
 
     async def _resume(self, r: Resume) -> RequestStream:
-        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index)
+        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index, owner=owner_of(self.identity))
         frame = accepted_frame(r.client_id, r.request_id, 0)
         frame["resumed_from"] = r.from_index
         await self.emit(frame)
