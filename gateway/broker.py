@@ -1,5 +1,5 @@
 """The gateway's side of Redis: enqueue tasks, broadcast cancels, and one pub/sub
-reader task per process that routes worker events to connections (STYLE habit 8)."""
+reader task per process that routes worker events to connections."""
 
 from __future__ import annotations
 
@@ -246,8 +246,8 @@ class Broker:
                                len(task.prompt_ids))
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
+        args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
         try:
-            args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
             record_set = self._coalescer.send(b"SET", self.keys.request(task.request_id), record.encode(),
                                               b"PX", ttl_ms)

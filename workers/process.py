@@ -1,4 +1,4 @@
-"""The worker process around the pure core (STYLE habit 3): it owns XREADGROUP on the
+"""The worker process around the pure core: it owns XREADGROUP on the
 lanes, PUBLISH of events, XACK, the cancel channel, heartbeats and signals.
 
 The loop, one continuous-batching step per turn::
@@ -435,13 +435,14 @@ class WorkerProcess:
             asyncio.create_task(self._dead_letter(lane, msg_id, raw, f"malformed task: {exc}"))
             return
         now = time.time()
+        replay = self._replay.pop(task.request_id, None)
         if task.request_id in self.cores:
             # the same request delivered twice to this worker (e.g. reclaimed while still running here):
             # the running copy answers; drop the extra delivery without acking the live one
             log.warning("duplicate delivery ignored", request_id=task.request_id, message_id=msg_id.decode())
             return
         self.inflight[task.request_id] = InFlight(lane, msg_id, task)
-        self.cores.add(task, self._replay.pop(task.request_id, None))
+        self.cores.add(task, replay)
         metrics.admissions.labels(self.model, lane).inc()
         if task.request_id in self._cancel_memory:
             self.cores.cancel(task.request_id)
@@ -642,8 +643,10 @@ class WorkerProcess:
                 return
             if replay:
                 self._replay[task.request_id] = replay
+        else:
+            replay = []
         log.warning("reclaimed a task", message_id=mid.decode(), lane=lane, deliveries=deliveries, source=source,
-                    replay_tokens=len(self._replay.get(task.request_id, ())) if task else 0)
+                    replay_tokens=len(replay))
         metrics.reclaimed.labels(self.model).inc()
         self._held.append((lane, mid, fields))
 
@@ -700,11 +703,9 @@ class WorkerProcess:
             log.error("task dead-lettered", request_id=task.request_id, trace_id=task.trace_id, reason=reason)
             ev = ErrorEvent(task.request_id, "delivery_failed",
                             f"the request failed on {deliveries} workers in a row and was given up")
-            followers = await self.redis.zrangebyscore(self.keys.attach(task.request_id),
-                                                        int(time.time() * 1000), "+inf")
             batch = RawBatch()
             self._log_events(batch, [ev])
-            for ch in {task.reply_to, *(m.decode() for m in followers)}:
+            for ch in {task.reply_to, *await self._followers_of(task.request_id)}:
                 batch.add(b"PUBLISH", self.keys.reply(ch), encode_events([ev]))
             await batch.execute(self.redis)
 
@@ -803,25 +804,34 @@ class WorkerProcess:
         for rid in unheard - heard:
             if rid not in self.inflight:
                 continue
-            since = self._unheard.setdefault(rid, now)
-            if since == now and rid not in self._looking_up:
-                self._looking_up.add(rid)
-                self._spawn(self._look_up_followers(rid))
+            since = self._unheard.get(rid)
+            if since is None:  # first unheard publish: maybe a resume this worker did not hear of
+                since = self._unheard[rid] = now
+                if rid not in self._looking_up:
+                    self._looking_up.add(rid)
+                    self._spawn(self._look_up_followers(rid))
             if now - since >= grace:
                 del self._unheard[rid]
                 metrics.cancelled_no_listener.labels(self.model).inc()
                 log.info("nobody listening; cancelling", request_id=rid, unheard_s=round(now - since, 3))
                 self.cores.cancel(rid)
 
-    async def _look_up_followers(self, rid: str) -> None:
+    async def _followers_of(self, rid: str) -> set[str]:
+        """Connections that follow ``rid`` now (``sf:attach:{id}``, unexpired); empty when
+        Redis cannot say."""
         try:
             members = await self.redis.zrangebyscore(self.keys.attach(rid), int(time.time() * 1000), "+inf")
         except BROKER_ERRORS:
-            members = []
+            return set()
+        return {m.decode() for m in members}
+
+    async def _look_up_followers(self, rid: str) -> None:
+        try:
+            followers = await self._followers_of(rid)
         finally:
             self._looking_up.discard(rid)
-        if members and rid in self.inflight:
-            self._add_followers(rid, {m.decode() for m in members})
+        if followers and rid in self.inflight:
+            self._add_followers(rid, followers)
 
     def _add_followers(self, rid: str, channels: set[str]) -> None:
         known = self._followers.setdefault(rid, set())

@@ -93,16 +93,21 @@ async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
     assert isinstance(evs[-1], End)
 
 
+def log_reader(entries: list, calls: list, page: int | None = None):
+    """A log reader over ``entries`` (which may grow) that honours the position it is given
+    and records it in ``calls``."""
+    async def read(after: bytes, block_ms):
+        calls.append(after)
+        return [e for e in entries if e[0] > after][:page]
+    return read
+
+
 async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monkeypatch):
     monkeypatch.setattr("gateway.streams.LOG_PAGE", 2)
     entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)]
     calls = []
-
-    async def reader(after: bytes, block_ms):
-        calls.append(after)
-        return [e for e in entries if e[0] > after][:2]  # paged
-
-    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader, resumed=True, next_index=4)
+    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, calls, page=2),
+                      resumed=True, next_index=4)
     assert await asyncio.wait_for(s.next(), 5) == Token(4, "t4")
     assert await asyncio.wait_for(s.next(), 5) == Token(5, "t5")
     s.feed(tok(6))  # live, from pub/sub
@@ -115,13 +120,7 @@ async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monke
 
 async def test_log_reads_are_incremental_and_not_counted_as_duplicates():
     entries = [(f"{i}-0".encode(), tok(i)) for i in range(5)] + [(b"5-0", done(5))]
-    calls = []
-
-    async def reader(after: bytes, block_ms):
-        calls.append(after)
-        return [e for e in entries if e[0] > after]
-
-    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader)
+    s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, []))
     s.feed(tok(0))
     s.feed(tok(2))  # a gap: read the log
     s.feed(tok(1))  # pub/sub lost nothing after all; the log repeats what pub/sub gave
@@ -134,12 +133,7 @@ async def test_log_reads_are_incremental_and_not_counted_as_duplicates():
     assert s.duplicates_dropped == 1  # only the redelivered token, not what the log repeated
     growing = entries[:4]  # the log as it stands at the first gap: indices 0..3
     reads = []
-
-    async def reader2(after: bytes, block_ms):
-        reads.append(after)
-        return [e for e in growing if e[0] > after]
-
-    s2 = RequestStream("r", "c", deadline=time.time() + 60, log_reader=reader2)
+    s2 = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(growing, reads))
     s2.feed(tok(0))
     s2.feed(tok(3))  # gap: 1 and 2 come from the log
     assert [(await s2.next()).index for _ in range(3)] == [0, 1, 2]
