@@ -1,4 +1,4 @@
-"""WebSocket protocol state of one connection, without I/O (STYLE habit 2).
+"""WebSocket protocol state of one connection, without I/O (tested in memory).
 
 ``ConnectionProtocol`` parses client frames and keeps the connection's bookkeeping
 (which ids are in flight, the per-connection limit); it returns what to do:

@@ -8,7 +8,7 @@ gateways cannot both spend the last token, and it reads the clock with Redis ``T
 so gateways with skewed clocks still agree. The key expires once the bucket would be
 full again: an idle key costs no memory and reads as a full bucket.
 
-:class:`TokenBucket` is the same arithmetic without I/O (STYLE habit 2); the script is
+:class:`TokenBucket` is the same arithmetic without I/O (tested in memory); the script is
 its transcription, and the tests hold them to the same answers.
 
 Stream slots (``{prefix}:streams:{key_id}``, a sorted set ``request_id -> expiry ms``):

@@ -33,7 +33,7 @@ async def _announce(server: uvicorn.Server, port_file: str | None) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT meaning "drain" (STYLE habit 9): stop listening, let
+    """uvicorn, with SIGTERM/SIGINT meaning "drain": stop listening, let
     streams finish until ``drain_timeout_s``, close WebSockets with 1001, then exit. A
     second signal exits at once."""
 

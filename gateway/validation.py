@@ -1,4 +1,5 @@
-"""One validation path for every protocol (STYLE habit 6: validation returns a new type).
+"""One validation path for every protocol. Validation returns a new type: only a
+``ValidRequest`` can be enqueued.
 
 ``Validator.generate(payload)`` turns a raw client payload (a WebSocket ``generate``
 frame, later an OpenAI request body mapped to the same shape) into a

@@ -20,7 +20,7 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("SF_REDIS_URL", "REDIS_URL")
     )
-    #: prefix of every Redis key (DESIGN.md §3)
+    #: prefix of every Redis key (README: "Redis keys")
     key_prefix: str = "sf"
     #: model repository folder (default: <repo>/engines)
     engines_dir: str | None = None

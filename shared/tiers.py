@@ -1,4 +1,4 @@
-"""API-key tiers as data: what each tier may do (DESIGN.md §2 "Auth and limits").
+"""API-key tiers as data: what each tier may do (README: "Admission control").
 
 A tier names a token-bucket rate (requests per minute, refilled continuously, and a
 burst capacity), a cap on concurrent streams, and the highest priority lane it may use.

@@ -1,9 +1,9 @@
 """The continuous-batching scheduler: which sequences run in the next step.
 
-Pure state, no engine and no I/O (STYLE habit 2). A sequence is admitted into
+Pure state, no engine and no I/O. A sequence is admitted into
 *waiting*, is prefilled by the next step and then *running*, and leaves the batch the
 moment it finishes or is cancelled, which frees its slot for the next admission
-(DESIGN §4). ``WorkerCore`` drives it; the model, sampling and text live there.
+(README: "Scheduling"). ``WorkerCore`` drives it; the model, sampling and text live there.
 """
 
 from __future__ import annotations

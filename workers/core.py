@@ -1,7 +1,7 @@
 """The worker core: continuous batching over one engine, without any I/O.
 
 ``WorkerCore`` turns admitted ``Task``s into the events of their streams. It knows
-nothing of Redis, signals or asyncio (STYLE habit 3): the worker process reads tasks
+nothing of Redis, signals or asyncio: the worker process reads tasks
 from the lanes and calls ``add``, forwards cancels with ``cancel``, runs ``step()`` in a
 thread (the engine call blocks) and publishes ``StepOutput.events``, XACKing
 ``StepOutput.finished``.
@@ -194,7 +194,7 @@ class WorkerCore:
         """Drop every sequence without emitting anything and release their caches.
 
         For shutdown: the process leaves these tasks un-ACKed so another worker
-        reclaims and regenerates them with the same seed (DESIGN §5).
+        reclaims and regenerates them with the same seed (docs/failures.md).
         """
         with self._lock:
             plan = self._sched.plan()

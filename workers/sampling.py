@@ -3,7 +3,7 @@
 Each request owns its random generator, seeded with ``SamplingParams.seed`` and
 advanced by exactly one draw per sampled token. A request's tokens therefore depend
 only on its own logits and seed, not on what else shares the batch, and a task that is
-redelivered after a worker crash regenerates the same tokens (DESIGN §5).
+redelivered after a worker crash regenerates the same tokens (docs/failures.md).
 
 Hundreds of rows are sampled per step, so no path sorts the whole vocabulary unless
 top-p really needs it: probabilities are computed in float32 after subtracting the

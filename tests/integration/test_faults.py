@@ -1,4 +1,4 @@
-"""Nothing lost (DESIGN §5): worker crashes, dead letters, resume, cancels everywhere,
+"""Nothing lost (docs/failures.md): worker crashes, dead letters, resume, cancels everywhere,
 graceful drains, engine failures — with real processes and a real redis-server."""
 
 from __future__ import annotations
