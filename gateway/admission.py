@@ -1,44 +1,78 @@
-"""Who may send what: API key authentication, the tier's lane, its shared rate limit and
-its concurrent-stream cap. One place both adapters call, in this order::
+"""Who may send what: API key authentication, the tier's lane and ceilings, its shared
+rate limit, its concurrent-stream and connection caps, and who owns a request (README:
+"Tenants"). One place every adapter calls, in this order::
 
     identity = await admission.authenticate(authorization_header, api_key_param)
-    ticket   = await admission.admit(identity, valid_request)   # before enqueueing
-    ...
-    await admission.release(ticket)                              # when the request ends
+    draft    = validator.check(payload)               # cheap rules only
+    ticket   = await admission.admit(identity, draft)  # lane, ceilings, rate, stream slot
+    valid    = validator.finish(ticket.request)        # tokenize: only what was admitted
+    ...                                                # enqueue with ticket.owner, ticket.slot
+    await admission.release(ticket)                    # once the gateway saw the request end
 
-With auth off (the default of `streamfleet serve`) every call is a no-op and
-``identity`` is ``None``. Lane backpressure is not here: it is enforced atomically by
-the enqueue script (``gateway/broker.py``).
+A resume goes through ``admit_resume`` (the rate limit, and the owner it must match).
+
+With auth off (the default of ``streamfleet serve``) nothing is limited and a request
+belongs to whoever holds its ``resume_token`` (returned in ``accepted``, needed to
+resume). With auth on it belongs to its API key. Lane backpressure is not here: it is
+enforced atomically by the enqueue script (``gateway/broker.py``).
+
+Open connections and streams of a key are watched: when the key is revoked, every
+gateway ends them within its key cache time (``key_cache_s``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
+import itertools
+import secrets
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 
-from shared.errors import AuthError, ErrorCode
-from shared.tiers import parse_tiers
+from shared.errors import AuthError, ErrorCode, StreamfleetError, ValidationError
+from shared.logging import get_logger
+from shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
-from gateway.auth import Identity, KeyStore, extract_key
-from gateway.ratelimit import RateLimiter, StreamSlots
+from gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
+from gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots
 
-__all__ = ["Admission", "Ticket", "owner_of"]
+__all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
+
+log = get_logger("gateway.admission")
+
+OnRevoked = Callable[[], Awaitable[None]]
 
 
 def owner_of(identity: "Identity | None") -> str | None:
-    """The tenant a request belongs to: its API key (recorded with the request; resume and
-    replay require the same key). None with auth off, where the request id is the only
-    credential."""
+    """The tenant of an authenticated caller: its API key. None with auth off."""
     return f"key:{identity.key_id}" if identity is not None else None
+
+
+def token_owner(resume_token: str) -> str:
+    """The owner recorded for a request submitted with auth off: a digest of its resume
+    token (the token itself is never stored)."""
+    return "tok:" + hashlib.sha256(resume_token.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """An admitted request: the id it will be enqueued under, and the stream slot it holds."""
+    """An admitted request: the id it will be enqueued under, its owner, the stream slot
+    it holds, and the request as admitted (a tier's ceilings may have lowered defaults)."""
 
     request_id: str
+    owner: str
+    request: object = None
     key_id: str | None = None
     holds_slot: bool = False
+    #: with auth off: the secret that lets its client resume it (sent in ``accepted``)
+    resume_token: str | None = None
+
+    @property
+    def slot(self) -> str:
+        """The key id whose stream slot the task carries ("" for none)."""
+        return self.key_id if self.holds_slot and self.key_id else ""
 
 
 class Admission:
@@ -50,6 +84,13 @@ class Admission:
         self.store: KeyStore | None = None
         self.limiter: RateLimiter | None = None
         self.slots: StreamSlots | None = None
+        self.connections: ConnectionSlots | None = None
+        #: key id -> callbacks of this process's open connections and streams of that key
+        self._watched: dict[str, dict[int, OnRevoked]] = {}
+        #: connection slots this process holds: (key id, connection id)
+        self._held_connections: set[tuple[str, str]] = set()
+        self._watcher: asyncio.Task | None = None
+        self._handles = itertools.count(1)
 
     def start(self) -> None:
         """Bind to the broker's Redis client (after ``Broker.start``)."""
@@ -57,7 +98,19 @@ class Admission:
         self.store = KeyStore(r, keys, tiers=self.tiers, cache_ttl_s=self.settings.key_cache_s)
         self.limiter = RateLimiter(r, keys)
         self.slots = StreamSlots(r, keys)
+        self.connections = ConnectionSlots(r, keys)
+        if self.enabled:
+            self._watcher = asyncio.create_task(self._watch(), name="admission-watch")
 
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            try:
+                await self._watcher
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    # -- who ------------------------------------------------------------------------
     async def authenticate(self, authorization: str | None, api_key: str | None = None) -> Identity | None:
         """The caller's identity, or None with auth off.
 
@@ -68,24 +121,145 @@ class Admission:
             return None
         return await self.store.verify(extract_key(authorization, api_key))
 
-    async def admit(self, identity: Identity | None, request) -> Ticket:
-        """Check the tier's lane, rate limit and stream cap for one request.
+    # -- requests ---------------------------------------------------------------------
+    async def admit(self, identity: Identity | None, draft) -> Ticket:
+        """Check the tier's lane, ceilings, rate limit and stream cap for one request
+        (a ``gateway.validation.Draft``), before its prompt is tokenized.
 
         Raises:
             AuthError: ``forbidden`` (403) — the tier may not use the requested lane.
+            ValidationError: ``out_of_range`` — ``max_tokens`` or ``timeout`` above the tier's ceiling.
             RefusedError: ``rate_limited`` / ``too_many_requests`` (429, with a retry hint).
         """
         rid = uuid.uuid4().hex
         if identity is None:
-            return Ticket(rid)
+            token = secrets.token_hex(16)
+            return Ticket(rid, token_owner(token), draft, resume_token=token)
         tier = identity.tier
-        if not tier.allows_lane(request.lane):
-            raise AuthError(f"the {tier.name} tier may not use the {request.lane} lane "
+        if not tier.allows_lane(draft.lane):
+            raise AuthError(f"the {tier.name} tier may not use the {draft.lane} lane "
                             f"(highest allowed: {tier.max_lane})", code=ErrorCode.forbidden, param="priority")
+        draft = self._within_ceilings(tier, draft)
         await self.limiter.check(identity)
         held = await self.slots.acquire(identity.key_id, rid, tier.max_streams)
-        return Ticket(rid, identity.key_id, held)
+        return Ticket(rid, owner_of(identity), draft, identity.key_id, held)
+
+    @staticmethod
+    def _within_ceilings(tier: Tier, draft):
+        """Refuse a ``max_tokens`` or ``timeout`` the client set above the tier's ceiling;
+        lower the gateway's defaults to it when the client set none."""
+        params, timeout_s = draft.params, draft.timeout_s
+        if tier.max_tokens is not None and params.max_tokens > tier.max_tokens:
+            if "max_tokens" in draft.explicit:
+                raise ValidationError(f"'max_tokens' of {params.max_tokens} exceeds the limit of the {tier.name} "
+                                      f"tier ({tier.max_tokens})", code=ErrorCode.out_of_range, param="max_tokens")
+            params = replace(params, max_tokens=tier.max_tokens)
+        if tier.max_timeout_s is not None and timeout_s > tier.max_timeout_s:
+            if "timeout" in draft.explicit:
+                raise ValidationError(f"'timeout' of {timeout_s:g} s exceeds the limit of the {tier.name} tier "
+                                      f"({tier.max_timeout_s:g} s)", code=ErrorCode.out_of_range, param="timeout")
+            timeout_s = tier.max_timeout_s
+        if params is draft.params and timeout_s == draft.timeout_s:
+            return draft
+        return replace(draft, params=params, timeout_s=timeout_s)
+
+    async def admit_resume(self, identity: Identity | None, resume_token: str | None) -> str:
+        """Admit a resume (or an SSE ``Last-Event-ID`` replay): it is charged to the key's
+        rate limit like a request. Returns the owner the request must have.
+
+        Raises:
+            ValidationError: ``missing_field`` — auth is off and no ``resume_token`` was sent.
+            RefusedError: ``rate_limited``.
+        """
+        if identity is None:
+            if not resume_token:
+                raise ValidationError("resuming needs the 'resume_token' of the request's 'accepted' frame",
+                                      code=ErrorCode.missing_field, param="resume_token")
+            return token_owner(resume_token)
+        await self.limiter.check(identity)
+        return owner_of(identity)
+
+    @staticmethod
+    def owns(record_owner: str, owner: str) -> bool:
+        return bool(record_owner) and hmac.compare_digest(record_owner.encode(), owner.encode())
 
     async def release(self, ticket: Ticket | None) -> None:
+        """Give a request's stream slot back (the gateway saw it end). A request whose
+        client left before its end keeps the slot until the worker gives it back."""
         if ticket is not None and ticket.holds_slot:
             await self.slots.release(ticket.key_id, ticket.request_id)
+
+    # -- connections --------------------------------------------------------------------
+    async def connect(self, identity: Identity | None, connection_id: str) -> bool:
+        """Take one of the key's connection slots (all gateways together).
+
+        Returns:
+            True when a slot is held (``disconnect`` it), False when there is no cap.
+
+        Raises:
+            RefusedError: ``too_many_requests`` — the key has ``max_connections`` open.
+        """
+        if identity is None or identity.tier.max_connections is None:
+            return False
+        held = await self.connections.acquire(identity.key_id, connection_id, identity.tier.max_connections)
+        self._held_connections.add((identity.key_id, connection_id))
+        return held
+
+    async def disconnect(self, identity: Identity | None, connection_id: str) -> None:
+        if identity is None or (identity.key_id, connection_id) not in self._held_connections:
+            return
+        self._held_connections.discard((identity.key_id, connection_id))
+        await self.connections.release(identity.key_id, connection_id)
+
+    # -- revocation ---------------------------------------------------------------------
+    def watch(self, identity: Identity | None, on_revoked: OnRevoked) -> int | None:
+        """Call ``on_revoked`` once if the key is revoked (or deleted) while this
+        connection or stream is open. Returns a handle for ``unwatch``."""
+        if identity is None:
+            return None
+        handle = next(self._handles)
+        self._watched.setdefault(identity.key_id, {})[handle] = on_revoked
+        return handle
+
+    def unwatch(self, identity: Identity | None, handle: int | None) -> None:
+        if identity is None or handle is None:
+            return
+        watchers = self._watched.get(identity.key_id)
+        if watchers is not None:
+            watchers.pop(handle, None)
+            if not watchers:
+                del self._watched[identity.key_id]
+
+    async def _watch(self) -> None:
+        """Every key cache period: look up each key with something open here (one read per
+        key, through the cache) and end what a revoked key holds; refresh this process's
+        connection slots."""
+        period = max(0.5, min(self.settings.key_cache_s, CONNECTION_SLOT_TTL_S / 3))
+        refresh_every = CONNECTION_SLOT_TTL_S / 3
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + refresh_every
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for key_id in list(self._watched):
+                    record = await self.store.lookup(key_id)
+                    if record is not None and not record.revoked:
+                        continue
+                    watchers = self._watched.pop(key_id, {})
+                    log.info("API key revoked; ending what it holds here", key_id=key_id, open=len(watchers))
+                    for on_revoked in watchers.values():
+                        try:
+                            await on_revoked()
+                        except Exception:
+                            log.exception("revocation handler failed", key_id=key_id)
+                if loop.time() >= next_refresh:
+                    next_refresh = loop.time() + refresh_every
+                    await self.connections.touch_many(sorted(self._held_connections))
+            except StreamfleetError as exc:  # Redis away: try again next period
+                log.debug("key watch skipped a round", error=str(exc))
+            except Exception:
+                log.exception("key watch round failed")
+
+
+def revoked_error() -> AuthError:
+    return AuthError(REVOKED_KEY_MESSAGE)

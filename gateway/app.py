@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 import orjson
@@ -21,6 +20,7 @@ from shared.settings import GatewaySettings
 from gateway import demo, openai
 from gateway.admission import Admission
 from gateway.broker import Broker
+from gateway.origin import OriginGuard
 from gateway.validation import Validator
 from gateway.ws import websocket_stream
 
@@ -56,7 +56,8 @@ def json_response(data: object, status_code: int = 200, headers: dict[str, str] 
 
 async def refresh_fleet_gauges(hub: Hub) -> None:
     """Lane depth, in-flight, lag, live workers and dead letters, read from Redis when
-    Prometheus scrapes (a few commands per model, not per token)."""
+    Prometheus scrapes the metrics port (gateway/scrape.py; a few commands per model, not
+    per token)."""
     from shared.keys import GROUP
     from shared.metrics import gateway as m
     from shared.redis import BROKER_ERRORS
@@ -98,10 +99,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 pass
         log.info("gateway started", frozen_objects=aio.settle_heap())
         yield
+        await hub.admission.stop()
         await hub.broker.stop()
 
-    app = FastAPI(title="streamfleet gateway", lifespan=lifespan)
+    # the schema and its pages need no API key: off unless asked for (SF_API_DOCS), then 404
+    docs = settings.api_docs
+    app = FastAPI(title="streamfleet gateway", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.hub = hub
+    # POSTs from another site's page are refused (403); WebSockets check the same in ws.py
+    app.add_middleware(OriginGuard, allowed_origins=settings.allowed_origins)
 
     @app.get("/healthz")
     async def healthz():
@@ -124,11 +131,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             return json_response({"status": "unavailable", "reason": "no live worker", "workers": models},
                                   status_code=503)
         return json_response({"status": "ready", "workers": models})
-
-    @app.get("/metrics")
-    async def metrics():
-        await refresh_fleet_gauges(hub)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
     app.include_router(openai.router)

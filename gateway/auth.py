@@ -241,6 +241,11 @@ class KeyStore:
     def clear_cache(self) -> None:
         self._cache.clear()
 
+    async def lookup(self, key_id: str) -> KeyRecord | None:
+        """A key's record through the cache (None: no such key); for watching keys that
+        are in use. Raises ``UnavailableError`` when Redis cannot be reached."""
+        return await self._lookup(key_id)
+
     async def _lookup(self, key_id: str) -> KeyRecord | None:
         now = self._clock()
         hit = self._cache.get(key_id)

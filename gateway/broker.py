@@ -25,6 +25,8 @@ __all__ = ["Broker"]
 
 log = get_logger("gateway.broker")
 
+#: log reads of resumed streams one gateway runs at once (the others wait their turn)
+REPLAY_READS = 32
 #: seconds of quiet after which the pub/sub connection is PINGed
 PUBSUB_PING_S = 5.0
 #: what a pub/sub connect, subscribe or ping may fail with (ResponseError: NOAUTH, ACL)
@@ -69,6 +71,7 @@ class Broker:
         self._reader: asyncio.Task | None = None
         self._closing = False
         self.healthy = False
+        self._replays = asyncio.Semaphore(REPLAY_READS)
 
     @property
     def control_channel(self) -> str:
@@ -278,15 +281,27 @@ class Broker:
         return sum(len(getattr(listener, "streams", ())) for listener in self._routes.values())
 
     # -- request logs (resume, gap repair) ---------------------------------------------
-    async def read_log(self, request_id: str, after: bytes = b"0-0", block_ms: int | None = None,
-                       ) -> list[tuple[bytes, Event]]:
+    async def read_log(self, request_id: str, after: bytes = b"0-0", block_ms: int | None = None, *,
+                       replay: bool = False) -> list[tuple[bytes, Event]]:
         """Events of ``sf:log:{request_id}`` after entry ``after`` (blocking up to
         ``block_ms`` for new ones when given).
+
+        Args:
+            replay: a resumed stream's read: it goes through the separate pool, at most
+                ``REPLAY_READS`` at once per gateway, so a flood of resumes queues behind
+                itself and never takes the connections new requests and live streams use.
 
         Raises:
             UnavailableError: Redis is unreachable.
         """
-        client = self.redis if block_ms is None else self.tail_redis
+        if replay:
+            async with self._replays:
+                return await self._read_log(self.tail_redis, request_id, after, block_ms)
+        return await self._read_log(self.redis if block_ms is None else self.tail_redis, request_id, after,
+                                    block_ms)
+
+    async def _read_log(self, client, request_id: str, after: bytes, block_ms: int | None,
+                        ) -> list[tuple[bytes, Event]]:
         try:
             res = await client.xread({self.keys.log(request_id): after}, count=1000, block=block_ms)
         except BROKER_ERRORS as exc:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 import orjson
+import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -28,7 +29,7 @@ from shared.logging import get_logger
 
 from shared.metrics import gateway as metrics
 
-from gateway.admission import owner_of
+from gateway.admission import revoked_error
 from gateway.observe import observed
 from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
 
@@ -164,26 +165,41 @@ def _sse(data: dict | str, event_id: str | None = None) -> bytes:
     return head + b"data: " + body + b"\n\n"
 
 
-def _last_event_id(request: Request) -> tuple[str, int] | None:
-    """``Last-Event-ID: <request_id>:<index>`` of a reconnecting SSE client."""
+def _event_id(request_id: str, resume_token: str | None, index: int) -> str:
+    """An SSE ``id:``: ``<request_id>:<index>``, with auth off ``<request_id>:<resume_token>:<index>``
+    (the token proves the reconnecting client is the one the stream was sent to)."""
+    if resume_token:
+        return f"{request_id}:{resume_token}:{index}"
+    return f"{request_id}:{index}"
+
+
+def _last_event_id(request: Request) -> tuple[str, str | None, int] | None:
+    """``Last-Event-ID`` of a reconnecting SSE client, as ``_event_id`` wrote it."""
     raw = request.headers.get("last-event-id")
     if not raw:
         return None
-    rid, _, idx = raw.strip().rpartition(":")
-    if not rid or not rid.isalnum() or len(rid) > 64 or not idx.isdigit():
-        raise ValidationError("Last-Event-ID must be '<request_id>:<index>' as sent in the stream's 'id:' lines",
+    parts = raw.strip().split(":")
+    token = parts[1] if len(parts) == 3 else None
+    rid, idx = parts[0], parts[-1]
+    if len(parts) not in (2, 3) or not rid or not rid.isalnum() or len(rid) > 64 or not idx.isdigit() \
+            or len(idx) > 9 or (token is not None and (not token.isalnum() or len(token) > 64)):
+        raise ValidationError("Last-Event-ID must be the last 'id:' line the stream sent",
                               code=ErrorCode.invalid_request, param="Last-Event-ID")
-    return rid, int(idx)
+    return rid, token, int(idx)
 
 
 async def _generate(request: Request, chat: bool) -> Response:
     hub = request.app.state.hub
+    admission = hub.admission
+    identity = None
     try:
         if hub.draining:
             raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
         # who is asking, before a byte of the body is read: an unauthenticated body costs nothing
-        identity = await hub.admission.authenticate(request.headers.get("authorization"))
+        identity = await admission.authenticate(request.headers.get("authorization"))
+        if identity is not None:  # every log line of this request names its key
+            structlog.contextvars.bind_contextvars(key_id=identity.key_id)
         raw = await _read_body(request, hub.settings.max_frame_bytes)
         if raw is None:
             # the client left before sending the whole body: nobody is there to answer, and
@@ -202,46 +218,61 @@ async def _generate(request: Request, chat: bool) -> Response:
         stream_mode, include_usage = _stream_flags(body)
         resume = _last_event_id(request)
         valid = None
+        resume_token = None
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
                                       param="stream")
+            resume_token = resume[1]
+            owner = await admission.admit_resume(identity, resume_token)
             channel = await ReplyChannel(hub.broker).open()
             try:
-                stream = await channel.resume(resume[0], "http", resume[1] + 1, owner=owner_of(identity))
+                stream = await channel.resume(resume[0], "http", resume[2] + 1, owner=owner)
                 model = stream.model  # the recorded one, validated at submit: never the body's
             except BaseException:
                 await channel.close()
                 raise
         else:
-            payload = _payload(body, request, chat)
-            valid = hub.validator.generate(payload)
-            model = valid.model
-            ticket = await hub.admission.admit(identity, valid)
+            draft = hub.validator.check(_payload(body, request, chat))
+            # admitted (rate limit, stream slot) before the prompt is tokenized
+            ticket = await admission.admit(identity, draft)
             try:
+                valid = hub.validator.finish(ticket.request)
                 channel = await ReplyChannel(hub.broker).open()
             except BaseException:
-                await hub.admission.release(ticket)
+                await admission.release(ticket)
                 raise
+            model = valid.model
+            resume_token = ticket.resume_token
             try:
-                stream, _depth = await channel.submit(valid, ticket.request_id, owner=owner_of(identity) or "")
+                stream, _depth = await channel.submit(valid, ticket.request_id, owner=ticket.owner,
+                                                      slot=ticket.slot)
             except BaseException:
                 await channel.close()
-                await hub.admission.release(ticket)
+                await admission.release(ticket)
                 raise
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
+
+    async def key_revoked() -> None:  # end the stream: the key may not read it any more
+        await hub.broker.cancel(stream.request_id, "key_revoked")
+        stream.fail(revoked_error())
+
+    watch = admission.watch(identity, key_revoked)
     lane = "" if resume is not None else valid.lane
     events = observed(stream, transport="sse" if stream_mode else "http", model=model, lane=lane)
     shape = _Shape(chat, stream.request_id, model)
     if stream_mode:
-        return StreamingResponse(_sse_events(hub, channel, stream, events, shape, include_usage, ticket),
+        return StreamingResponse(_sse_events(hub, channel, stream, events, shape, include_usage, ticket,
+                                             resume_token, lambda: admission.unwatch(identity, watch)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         return await _collect(request, channel, events, shape)
     finally:
-        await hub.admission.release(ticket)
+        admission.unwatch(identity, watch)
+        if stream.finished:
+            await admission.release(ticket)
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -276,7 +307,8 @@ async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
 
 
 async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events: AsyncIterator, shape: _Shape,
-                      include_usage: bool, ticket=None) -> AsyncIterator[bytes]:
+                      include_usage: bool, ticket=None, resume_token: str | None = None,
+                      unwatch=None) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
     pending: asyncio.Future | None = None
     try:
@@ -293,7 +325,7 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events:
             if isinstance(ev, Token):
                 if ev.text:
                     yield _sse(shape.chunk(ev.text, None, usage_null=include_usage),
-                               f"{stream.request_id}:{ev.index}")
+                               _event_id(stream.request_id, resume_token, ev.index))
             elif isinstance(ev, End):
                 yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
                                        usage_null=include_usage))
@@ -310,9 +342,14 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events:
     finally:
         with anyio.CancelScope(shield=True):
             await _finish(pending, events)
+        if unwatch is not None:
+            unwatch()
         await _close(channel, hub.settings.sse_resume_grace_s)
-        with anyio.CancelScope(shield=True):
-            await hub.admission.release(ticket)
+        # the slot goes back here only if the request ended; one left running (the client
+        # left) keeps it until the worker ends it
+        if stream.finished:
+            with anyio.CancelScope(shield=True):
+                await hub.admission.release(ticket)
 
 
 async def _finish(pending: asyncio.Future | None, events: AsyncIterator) -> None:

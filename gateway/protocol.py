@@ -4,7 +4,8 @@
 (which ids are in flight, the per-connection limit); it returns what to do:
 
 * ``Send(frame)``        write a JSON frame to the client
-* ``Submit(request)``    enqueue a validated request (a ``ValidRequest``)
+* ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``Draft``)
+* ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
 ``render`` turns the internal stream events (``gateway.streams``) into wire frames.
@@ -31,7 +32,7 @@ class Send:
 
 @dataclass(slots=True)
 class Submit:
-    request: Any  # gateway.validation.ValidRequest
+    request: Any  # gateway.validation.Draft
 
 
 @dataclass(slots=True)
@@ -44,13 +45,20 @@ class Resume:
     client_id: str
     request_id: str
     from_index: int
+    #: the ``resume_token`` of the request's ``accepted`` frame (with auth off it proves
+    #: ownership; with auth on the API key does)
+    token: str | None = None
 
 
 Output = Union[Send, Submit, Cancel, Resume]
 
 
-def accepted_frame(client_id: str, request_id: str, queue_depth: int) -> dict[str, Any]:
-    return {"type": "accepted", "id": client_id, "request_id": request_id, "queue_depth": queue_depth}
+def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_token: str | None = None,
+                   ) -> dict[str, Any]:
+    frame = {"type": "accepted", "id": client_id, "request_id": request_id, "queue_depth": queue_depth}
+    if resume_token:
+        frame["resume_token"] = resume_token
+    return frame
 
 
 def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
@@ -155,15 +163,19 @@ class ConnectionProtocol:
         if not 0 <= idx <= 1_000_000:
             return [Send(ValidationError("'from_index' must be between 0 and 1000000", code=ErrorCode.out_of_range,
                                          param="from_index").to_frame(cid))]
+        token = msg.get("resume_token")
+        if token is not None and (not isinstance(token, str) or len(token) > 128):
+            return [Send(ValidationError("'resume_token' must be the resume_token that 'accepted' returned",
+                                         code=ErrorCode.invalid_type, param="resume_token").to_frame(cid))]
         self.in_flight.add(cid)
-        return [Resume(cid, rid, idx)]
+        return [Resume(cid, rid, idx, token)]
 
     def _generate(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
         refused = self._admissible(cid)
         if refused:
             return refused
         try:
-            valid = self.validator.generate(msg)
+            valid = self.validator.check(msg)
         except StreamfleetError as exc:
             return [Send(exc.to_frame(cid))]
         self.in_flight.add(valid.client_id)

@@ -13,8 +13,14 @@ its transcription, and the tests hold them to the same answers.
 
 Stream slots (``{prefix}:streams:{key_id}``, a sorted set ``request_id -> expiry ms``):
 acquiring drops expired members, refuses when ``ZCARD >= max_streams``, else adds the
-request. Members expire (default 10 min, see :meth:`StreamSlots.touch` for longer
-streams) so a gateway that died holding slots does not lock its keys out for good.
+request. Members expire (10 min after they were taken or last refreshed: the worker
+running a request refreshes its slot and gives it back when the request really ends,
+whatever became of the client) so a fleet that lost track of a slot does not lock its key
+out for good.
+
+Connection slots (``{prefix}:conns:{key_id}``, the same structure and script, member
+``connection_id``): WebSockets a key has open on every gateway, refreshed by their
+gateway every 20 s and lapsing 60 s after the last refresh.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
 from shared.logging import get_logger
 from shared.redis import BROKER_ERRORS
-from shared.tiers import Tier
+from shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
 
-__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
+__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "ConnectionSlots", "TOKEN_BUCKET_LUA",
+           "STREAM_SLOTS_LUA"]
 
 log = get_logger("gateway.ratelimit")
 
@@ -235,11 +242,25 @@ class StreamSlots:
             a gateway that died come back; touch longer streams before then.
     """
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: float = 600.0) -> None:
+    #: what one slot is, for messages
+    noun = "streams"
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: float = STREAM_SLOT_TTL_S) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._script = redis.register_script(STREAM_SLOTS_LUA)
+
+    def _key(self, key_id: str) -> str:
+        return self.keys.streams(key_id)
+
+    def _refusal(self, held: int, cap: int) -> RefusedError:
+        return RefusedError(
+            f"too many concurrent streams: {held} of {cap} allowed for this API key are open; "
+            "wait for one to finish",
+            code=ErrorCode.too_many_requests,
+            retry_after_ms=STREAMS_RETRY_AFTER_MS,
+        )
 
     async def acquire(self, key_id: str, request_id: str, max_streams: int | None, *,
                       _now_ms: int | None = None) -> bool:
@@ -259,42 +280,53 @@ class StreamSlots:
         if _now_ms is not None:
             args.append(_now_ms)
         try:
-            ok, held = await self._script(keys=[self.keys.streams(key_id)], args=args)
+            ok, held = await self._script(keys=[self._key(key_id)], args=args)
         except BROKER_ERRORS as exc:
-            raise UnavailableError(f"cannot count open streams: Redis unavailable ({exc})") from exc
+            raise UnavailableError(f"cannot count open {self.noun}: Redis unavailable ({exc})") from exc
         if not ok:
-            raise RefusedError(
-                f"too many concurrent streams: {held} of {max_streams} allowed for this API key are open; "
-                "wait for one to finish",
-                code=ErrorCode.too_many_requests,
-                retry_after_ms=STREAMS_RETRY_AFTER_MS,
-            )
+            raise self._refusal(int(held), max_streams)
         return True
 
     async def touch(self, key_id: str, request_id: str) -> None:
         """Push a held slot's expiry ``ttl_s`` into the future (for streams that may run
         longer than ``ttl_s``); a slot that already lapsed is not revived."""
-        key = self.keys.streams(key_id)
+        key = self._key(key_id)
         try:
             now_ms = await self._now_ms()
             # XX: only a member still there; expiry follows the newest member
             if await self.redis.zadd(key, {request_id: now_ms + self.ttl_ms}, xx=True, ch=True):
                 await self.redis.pexpire(key, self.ttl_ms)
         except BROKER_ERRORS as exc:
-            log.warning("could not refresh a stream slot", key_id=key_id, request_id=request_id, error=str(exc))
+            log.warning("could not refresh a slot", what=self.noun, key_id=key_id, member=request_id,
+                        error=str(exc))
+
+    async def touch_many(self, held: list[tuple[str, str]]) -> None:
+        """``touch`` for many ``(key_id, member)`` pairs in one round trip."""
+        if not held:
+            return
+        try:
+            expiry = await self._now_ms() + self.ttl_ms
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key_id, member in held:
+                    pipe.zadd(self._key(key_id), {member: expiry}, xx=True)
+                    pipe.pexpire(self._key(key_id), self.ttl_ms)
+                await pipe.execute()
+        except BROKER_ERRORS as exc:
+            log.warning("could not refresh slots", what=self.noun, count=len(held), error=str(exc))
 
     async def release(self, key_id: str, request_id: str) -> None:
         """Give a slot back. Never raises: a slot that cannot be released lapses after
         ``ttl_s``."""
         try:
-            await self.redis.zrem(self.keys.streams(key_id), request_id)
+            await self.redis.zrem(self._key(key_id), request_id)
         except BROKER_ERRORS as exc:
-            log.warning("could not release a stream slot", key_id=key_id, request_id=request_id, error=str(exc))
+            log.warning("could not release a slot", what=self.noun, key_id=key_id, member=request_id,
+                        error=str(exc))
 
     async def count(self, key_id: str) -> int:
         """Slots held now (expired members excluded)."""
         now_ms = await self._now_ms()
-        return int(await self.redis.zcount(self.keys.streams(key_id), f"({now_ms}", "+inf"))
+        return int(await self.redis.zcount(self._key(key_id), f"({now_ms}", "+inf"))
 
     async def _now_ms(self) -> int:
         seconds, micros = await self.redis.time()  # Redis's clock, as the script uses
@@ -309,3 +341,24 @@ class StreamSlots:
         finally:
             if held:
                 await self.release(key_id, request_id)
+
+
+class ConnectionSlots(StreamSlots):
+    """Open WebSockets per API key, counted in Redis across gateways (members are
+    connection ids; the gateway holding one refreshes it with ``touch_many``)."""
+
+    noun = "connections"
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, ttl_s: float = CONNECTION_SLOT_TTL_S) -> None:
+        super().__init__(redis, keys, ttl_s=ttl_s)
+
+    def _key(self, key_id: str) -> str:
+        return self.keys.connections(key_id)
+
+    def _refusal(self, held: int, cap: int) -> RefusedError:
+        return RefusedError(
+            f"too many open connections: {held} of {cap} allowed for this API key are open on this fleet; "
+            "close one, or send more requests over each",
+            code=ErrorCode.too_many_requests,
+            retry_after_ms=STREAMS_RETRY_AFTER_MS,
+        )

@@ -12,6 +12,7 @@ from shared.logging import get_logger
 from shared.settings import GatewaySettings
 
 from gateway.app import create_app
+from gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
 
@@ -66,7 +67,31 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(settings: GatewaySettings, port_file: str | None = None) -> None:
+async def _serve_metrics(server: uvicorn.Server, metrics: MetricsServer) -> None:
+    """Serve the metrics port once the gateway has started (its Redis connection exists);
+    a scrape that comes earlier waits in the listen backlog."""
+    try:
+        while not server.started:
+            if server.should_exit or metrics.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        log.info("gateway metrics", url=metrics.url)
+        await metrics.run()
+    except Exception:
+        log.exception("the metrics listener failed; the gateway goes on without it")
+    finally:
+        metrics.sock.close()
+
+
+async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
+    """Serve until drained: 0; 2 when the gateway cannot start (the reason is logged)."""
+    metrics_sock = None
+    if settings.metrics_port:
+        try:  # first: a taken port stops the gateway before it connects to anything
+            metrics_sock = listen(settings)
+        except MetricsListenError as exc:
+            log.error("gateway cannot start", error=str(exc))
+            return 2
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -83,9 +108,17 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> None
     )
     server = DrainingServer(config, app.state.hub)
     announce = asyncio.create_task(_announce(server, port_file))
-    await server.serve()
-    announce.cancel()
+    metrics = MetricsServer(app.state.hub, metrics_sock) if metrics_sock is not None else None
+    metrics_task = asyncio.create_task(_serve_metrics(server, metrics), name="metrics") if metrics else None
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        if metrics is not None:  # it served through the drain; now it stops too
+            metrics.stop()
+            await asyncio.gather(metrics_task, return_exceptions=True)
+    return 0
 
 
-def run_gateway(settings: GatewaySettings, port_file: str | None = None) -> None:
-    aio.run(serve(settings, port_file), settings.event_loop)
+def run_gateway(settings: GatewaySettings, port_file: str | None = None) -> int:
+    return aio.run(serve(settings, port_file), settings.event_loop)

@@ -24,6 +24,7 @@ follows it (docs/failures.md).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -302,22 +303,25 @@ class ReplyChannel:
                                          "interrupted", retry_after_ms=1000))
 
     # -- requests -----------------------------------------------------------------------------
-    def _reader(self, request_id: str) -> LogReader:
+    def _reader(self, request_id: str, replay: bool = False) -> LogReader:
         async def read(after: bytes, block_ms: int | None) -> list[tuple[bytes, Event]]:
-            return await self.broker.read_log(request_id, after, block_ms)
+            return await self.broker.read_log(request_id, after, block_ms, replay=replay)
         return read
 
-    async def submit(self, request: Any, request_id: str | None = None, owner: str = "") -> tuple[RequestStream, int]:
+    async def submit(self, request: Any, request_id: str | None = None, owner: str = "", slot: str = "",
+                     ) -> tuple[RequestStream, int]:
         """Enqueue a validated request; returns its stream and the lane depth.
 
         Args:
             owner: the tenant the request belongs to (recorded with it; a resume must match).
+            slot: the API key id whose stream slot the request holds ("" for none); the
+                worker gives it back when the request ends.
 
         Raises:
             StreamfleetError: refused (overload, broker down).
         """
         rid = request_id or uuid.uuid4().hex
-        task = request.to_task(self.connection_id, request_id=rid)
+        task = request.to_task(self.connection_id, request_id=rid, slot=slot)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
                                stall_timeout_s=self.stall_timeout_s)
@@ -333,25 +337,26 @@ class ReplyChannel:
                  prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth
 
-    async def resume(self, request_id: str, client_id: str, from_index: int, owner: str | None = None,
-                     ) -> RequestStream:
+    async def resume(self, request_id: str, client_id: str, from_index: int, *, owner: str) -> RequestStream:
         """Follow a request started on any connection of any gateway, from ``from_index``:
         the log is replayed from there, then the request is followed live. Works from the
         moment the request was accepted, also while it still waits for a worker.
 
         Args:
-            owner: when given, the request must belong to it (else it is "not found").
+            owner: the request must belong to it (else it is "not found"): the API key's
+                owner, or with auth off the one its resume token names
+                (``gateway.admission``).
 
         Raises:
             NotFoundError: no such request (unknown id, another tenant's, or expired).
             UnavailableError: Redis is unreachable.
         """
         record = await self.broker.read_request(request_id)
-        if record is None or (owner is not None and record.owner != owner):
+        if record is None or not record.owner or not hmac.compare_digest(record.owner.encode(), owner.encode()):
             raise NotFoundError(f"no request {request_id!r} to resume (unknown, or its log expired)",
                                 code=ErrorCode.unknown_request, param="request_id")
         stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
-                               log_reader=self._reader(request_id), resumed=True, next_index=from_index,
+                               log_reader=self._reader(request_id, replay=True), resumed=True, next_index=from_index,
                                stall_timeout_s=self.stall_timeout_s)
         stream.model = record.model
         self.streams[request_id] = stream  # before the follow: live events may come at once

@@ -25,11 +25,29 @@ from shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
 from shared.schema import SamplingParams, Task
 from shared.settings import GatewaySettings
 
-__all__ = ["ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
+__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
 
 MAX_ID_CHARS = 128
 MAX_SEED = 2**63 - 1
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A request that passed every rule that costs next to nothing (``Validator.check``);
+    tokenizing the prompt (``Validator.finish``) waits until the request is admitted, so a
+    refused request never costs a tokenizer pass.
+
+    ``explicit`` names the limits the client set itself (``max_tokens``, ``timeout``): a
+    tier's ceiling refuses those, and lowers the gateway's defaults for the others."""
+
+    client_id: str
+    model: str
+    lane: str
+    params: SamplingParams
+    timeout_s: float
+    prompt_text: str
+    explicit: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +62,8 @@ class ValidRequest:
     timeout_s: float
     prompt_text: str
 
-    def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None) -> Task:
+    def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None,
+                slot: str = "") -> Task:
         now = time.time()
         return Task(
             request_id=request_id or uuid.uuid4().hex,
@@ -57,6 +76,7 @@ class ValidRequest:
             created_at=now,
             deadline=now + self.timeout_s,
             trace_id=trace_id or uuid.uuid4().hex[:16],
+            slot=slot,
         )
 
 
@@ -123,7 +143,16 @@ class Validator:
 
     # -- the rules --------------------------------------------------------------
     def generate(self, p: dict[str, Any]) -> ValidRequest:
-        """Validate one generate payload.
+        """Validate one generate payload completely (``check`` then ``finish``).
+
+        Raises:
+            ValidationError: a rule failed (code and param say which).
+            NotFoundError: unknown model.
+        """
+        return self.finish(self.check(p))
+
+    def check(self, p: dict[str, Any]) -> Draft:
+        """Every rule but the prompt's token count: cheap, run before admission.
 
         Raises:
             ValidationError: a rule failed (code and param say which).
@@ -153,6 +182,7 @@ class Validator:
                                   code=ErrorCode.out_of_range if isinstance(lane, str) else ErrorCode.invalid_type,
                                   param="priority")
 
+        explicit = frozenset(name for name in ("max_tokens", "timeout") if p.get(name) is not None)
         max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
         temperature = self._float(p, "temperature", 1.0, 0.0, 2.0)
         top_p = self._float(p, "top_p", 1.0, 0.0, 1.0)
@@ -173,19 +203,35 @@ class Validator:
         if (prompt is None) == (messages is None):
             raise ValidationError("exactly one of 'prompt' or 'messages' is required",
                                   code=ErrorCode.missing_field, param="prompt")
-        tokenizer = self.tokenizer(spec)
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValidationError("'prompt' must be a string", code=ErrorCode.invalid_type, param="prompt")
             text = prompt
         else:
-            text = render_chat(self._messages(messages), tokenizer)
+            msgs = self._messages(messages)
+            chars = sum(len(m["content"]) for m in msgs)
+            if chars > s.max_prompt_chars:  # before a template renders them
+                raise ValidationError(f"the messages have {chars} characters; the limit is {s.max_prompt_chars}",
+                                      code=ErrorCode.prompt_too_long, param="messages")
+            text = render_chat(msgs, self.tokenizer(spec))
         if not text:
             raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
         if len(text) > s.max_prompt_chars:
             raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
                                   code=ErrorCode.prompt_too_long, param="prompt")
-        ids = encode_prompt(tokenizer, text)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                stop=stop, seed=seed, ignore_eos=ignore_eos)
+        return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
+                     prompt_text=text, explicit=explicit)
+
+    def finish(self, draft: Draft) -> ValidRequest:
+        """Tokenize an admitted draft's prompt and check it fits the model's context.
+
+        Raises:
+            ValidationError: the prompt encodes to nothing, or leaves no room to generate.
+        """
+        spec = self.spec(draft.model)
+        ids = encode_prompt(self.tokenizer(spec), draft.prompt_text)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:
@@ -193,10 +239,8 @@ class Validator:
                 f"the prompt has {len(ids)} tokens; model {spec.name!r} has a context of {spec.max_context} "
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos)
-        return ValidRequest(client_id=client_id, model=spec.name, lane=lane, prompt_ids=tuple(ids),
-                            params=params, timeout_s=timeout_s, prompt_text=text)
+        return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
+                            params=draft.params, timeout_s=draft.timeout_s, prompt_text=draft.prompt_text)
 
     # -- field helpers ----------------------------------------------------------
     @staticmethod

@@ -10,6 +10,7 @@ import math
 import time
 
 import orjson
+import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
@@ -17,7 +18,7 @@ from shared.logging import get_logger
 
 from shared.metrics import gateway as metrics
 
-from gateway.admission import owner_of
+from gateway.admission import revoked_error
 from gateway.observe import observed
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
 from gateway.streams import ReplyChannel, RequestStream
@@ -64,6 +65,8 @@ class WebSocketSession:
         self.models: dict[str, str] = {}
         self.lanes: dict[str, str] = {}
         self.broken = False  # a write failed: the socket is gone
+        self.revoked = False  # the API key was revoked while connected
+        self._wake: asyncio.Future | None = None
 
     def send(self, frame: dict) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
@@ -101,25 +104,29 @@ class WebSocketSession:
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
-    async def _submit(self, request) -> RequestStream:
+    async def _submit(self, draft) -> RequestStream:
         if self.hub.draining:
             raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
         admission = self.hub.admission
-        ticket = await admission.admit(self.identity, request)
+        # admitted (rate limit, stream slot) before the prompt is tokenized: a refused
+        # request costs no tokenizer pass
+        ticket = await admission.admit(self.identity, draft)
         try:
-            stream, depth = await self.channel.submit(request, ticket.request_id,
-                                                      owner=owner_of(self.identity) or "")
+            request = self.hub.validator.finish(ticket.request)
+            stream, depth = await self.channel.submit(request, ticket.request_id, owner=ticket.owner,
+                                                      slot=ticket.slot)
         except BaseException:
             await admission.release(ticket)
             raise
         self.tickets[request.client_id] = ticket
         self.models[request.client_id], self.lanes[request.client_id] = request.model, request.lane
-        await self.emit(accepted_frame(request.client_id, stream.request_id, depth))
+        await self.emit(accepted_frame(request.client_id, stream.request_id, depth, ticket.resume_token))
         return stream
 
     async def _resume(self, r: Resume) -> RequestStream:
-        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index, owner=owner_of(self.identity))
+        owner = await self.hub.admission.admit_resume(self.identity, r.token)
+        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index, owner=owner)
         frame = accepted_frame(r.client_id, r.request_id, 0)
         frame["resumed_from"] = r.from_index
         await self.emit(frame)
@@ -139,7 +146,7 @@ class WebSocketSession:
             if cid in self.cancel_early:
                 self.cancel_early.discard(cid)
                 self.channel.cancel(stream)
-            async for ev in observed(stream, transport="ws", model=self.models.get(cid, ""),
+            async for ev in observed(stream, transport="ws", model=self.models.get(cid, "") or stream.model,
                                      lane=self.lanes.get(cid, "")):
                 await self.emit(render(cid, stream.request_id, ev))
             self.channel.release(stream)
@@ -149,7 +156,9 @@ class WebSocketSession:
             self.lanes.pop(cid, None)
             self.proto.finished(cid)
             ticket = self.tickets.pop(cid, None)
-            if ticket is not None:
+            # the stream slot goes back here only if the request ended; one left running
+            # (a dropped connection's resume grace) keeps it until the worker ends it
+            if ticket is not None and (stream is None or stream.finished):
                 await self.hub.admission.release(ticket)
 
     async def _send_loop(self) -> None:
@@ -166,9 +175,11 @@ class WebSocketSession:
 
     async def run(self) -> None:
         s = self.hub.settings
-        allowed = {o.strip() for o in s.allowed_origins.split(",") if o.strip()}
+        from gateway.origin import origin_allowed  # the rule the HTTP API follows too
+
         origin = self.ws.headers.get("origin")
-        if allowed and origin not in allowed:
+        if not origin_allowed(origin, self.ws.headers.get("host"), self.ws.scope.get("scheme", "ws"),
+                              s.allowed_origins):
             await self._refuse(StreamfleetError(f"origin {origin!r} is not allowed", code=ErrorCode.forbidden),
                                1008, "origin not allowed")
             return
@@ -177,12 +188,22 @@ class WebSocketSession:
                                             code=ErrorCode.overloaded, retry_after_ms=1000),
                                1013, "too many connections; try again later")
             return
+        admission = self.hub.admission
         try:
-            self.identity = await self.hub.admission.authenticate(self.ws.headers.get("authorization"),
-                                                                  self.ws.query_params.get("api_key"))
+            self.identity = await admission.authenticate(self.ws.headers.get("authorization"),
+                                                         self.ws.query_params.get("api_key"))
         except StreamfleetError as exc:
             await self._refuse(exc, 1008, "unauthorized" if exc.status == 401 else exc.code)
             return
+        if self.identity is not None:  # every log line of this connection names its key
+            structlog.contextvars.bind_contextvars(key_id=self.identity.key_id)
+        try:
+            await admission.connect(self.identity, self.channel.connection_id)
+        except StreamfleetError as exc:
+            metrics.refusals.labels("ws", str(exc.code)).inc()
+            await self._refuse(exc, 1013, "too many connections for this API key")
+            return
+        watch = admission.watch(self.identity, self._key_revoked)
         self.hub.connections += 1
         metrics.connections.inc()
         try:
@@ -190,6 +211,15 @@ class WebSocketSession:
         finally:
             self.hub.connections -= 1
             metrics.connections.dec()
+            admission.unwatch(self.identity, watch)
+            await admission.disconnect(self.identity, self.channel.connection_id)
+
+    async def _key_revoked(self) -> None:
+        """The connection's API key was revoked: end the connection (its requests are
+        cancelled, as on any clean close)."""
+        self.revoked = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     async def _serve(self) -> None:
         s = self.hub.settings
@@ -201,6 +231,7 @@ class WebSocketSession:
             await self.ws.close(code=1011, reason="broker unavailable")
             return
         sender = asyncio.create_task(self._send_loop())
+        self._wake = asyncio.get_running_loop().create_future()
         opened = time.monotonic()
         age_limit = opened + s.ws_max_age_s if s.ws_max_age_s > 0 else math.inf
         hard_limit = age_limit + s.ws_max_age_grace_s
@@ -211,6 +242,10 @@ class WebSocketSession:
         try:
             while True:
                 now = time.monotonic()
+                if self.revoked:
+                    self.send(revoked_error().to_frame(None))
+                    close = (1008, "API key revoked")
+                    break
                 if self.hub.draining and (not self.proto.in_flight or self.hub.drain_expired):
                     close = (1001, "gateway shutting down; reconnect to another")
                     break
@@ -227,7 +262,7 @@ class WebSocketSession:
                     break
                 if receiver is None:
                     receiver = asyncio.ensure_future(self.ws.receive())
-                done, _ = await asyncio.wait({receiver, sender}, timeout=min(deadline - now, 1.0),
+                done, _ = await asyncio.wait({receiver, sender, self._wake}, timeout=min(deadline - now, 1.0),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if sender in done:  # the socket failed while sending
                     break

@@ -45,6 +45,7 @@ class Stream:
     def __init__(self, id: str) -> None:
         self.id = id
         self.request_id = ""
+        self.resume_token = ""
         self.indices: list[int] = []
         self.text: list[str] = []
         self.end: dict | None = None
@@ -69,6 +70,7 @@ async def pump(ws, streams: dict[str, Stream], until=lambda: False) -> None:
                 continue
             if msg["type"] == "accepted":
                 s.request_id = msg["request_id"]
+                s.resume_token = msg.get("resume_token", "")
             elif msg["type"] == "token":
                 s.token(msg, time.monotonic())
             elif msg["type"] in ("done", "error"):
@@ -160,6 +162,7 @@ async def gateway_kill(engines: Path) -> str:
         rest = {sid: Stream(sid) for sid in first}
         for sid, s in first.items():
             await wb.send(orjson.dumps({"type": "resume", "id": sid, "request_id": s.request_id,
+                                        "resume_token": s.resume_token,
                                         "from_index": s.indices[-1] + 1}).decode())
         await asyncio.wait_for(pump(wb, rest), 120)
         took = time.monotonic() - t0

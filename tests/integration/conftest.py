@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamfleet.launcher import EmbeddedRedis
+from streamfleet.launcher import EmbeddedRedis, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _prefix_counter = itertools.count()
@@ -58,6 +58,8 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     port: int | None = None
+    #: a gateway's Prometheus port (SF_METRICS_PORT)
+    metrics_port: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -67,6 +69,11 @@ class Proc:
     @property
     def ws(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.metrics_port, f"{self.name} has no metrics port"
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def log(self, tail: int | None = 6000) -> str:
         try:
@@ -114,6 +121,8 @@ class FleetFactory:
         return proc
 
     def gateway(self, wait: bool = True, **settings: object) -> Proc:
+        """A gateway on a free port, its metrics on another (``metrics_port=0``: none)."""
+        settings.setdefault("metrics_port", free_port())
         port_file = self.tmp / f"gw-{next(self._n)}.port"
         proc = self._spawn("gateway", ["gateway", "--port", "0", "--port-file", str(port_file)],
                            self.env(**settings))
@@ -125,6 +134,7 @@ class FleetFactory:
                 raise RuntimeError(f"gateway did not start:\n{proc.log()}")
             time.sleep(0.05)
         proc.port = int(port_file.read_text())
+        proc.metrics_port = int(settings["metrics_port"]) or None
         return proc
 
     def worker(self, model: str = "tiny-gpt", wait: bool = True, **settings: object) -> Proc:

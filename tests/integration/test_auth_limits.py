@@ -18,9 +18,9 @@ TIERS = ('{"test": {"requests_per_minute": 1, "burst": 6, "max_streams": null, "
          ' "solo": {"requests_per_minute": 600, "burst": 50, "max_streams": 1, "max_lane": "high"}}')
 
 
-def add_key(fleet, name: str, tier: str) -> str:
+def add_key(fleet, name: str, tier: str, tiers: str = TIERS) -> str:
     out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "add", name, "--tier", tier],
-                         env=fleet.env(tiers=TIERS), capture_output=True, text=True, timeout=60)
+                         env=fleet.env(tiers=tiers), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

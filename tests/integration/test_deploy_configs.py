@@ -398,6 +398,9 @@ def test_compose_gateways_scalable_behind_nginx(compose):
     assert gw["deploy"]["replicas"] == 2
     assert gw["command"] == ["gateway"]
     assert gw["environment"]["SF_HOST"] == "0.0.0.0" and gw["environment"]["SF_PORT"] == "8000"
+    # metrics on their own port, reachable by a Prometheus on the compose network, never via nginx
+    assert gw["environment"]["SF_METRICS_PORT"] == "9100" and gw["environment"]["SF_METRICS_HOST"] == "0.0.0.0"
+    assert [str(p) for p in gw["expose"]] == ["8000", "9100"]
     assert "/healthz" in " ".join(gw["healthcheck"]["test"])
     assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
 
@@ -484,6 +487,9 @@ def test_nginx_streaming_directives():
     assert not re.search(r"proxy_ignore_headers[^;]*X-Accel-Buffering", conf), "X-Accel-Buffering is honoured"
     assert "non_idempotent" not in conf, "a POST that reached a gateway is never replayed on another"
     assert re.search(r"location\s+=\s+/nginx-health", conf), "a health endpoint for the container check"
+    # the gateway's same-origin check compares Origin with Host: the port must reach it
+    assert re.search(r"^\s*proxy_set_header\s+Host\s+\$http_host;", conf, re.M)
+    assert "9100" not in conf, "the gateways' metrics port is not proxied"
 
 
 def nginx_version(binary: str) -> tuple[int, ...]:
@@ -728,6 +734,15 @@ def test_k8s_gateway(k8s_docs):
     assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"])
     assert "streamfleet_active_connections" in (K8S_BASE / "gateway.yaml").read_text(), \
         "the custom-metric alternative is described"
+    # Prometheus scrapes the metrics port, which the Service leaves out
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SF_METRICS_PORT"] == "9100" and env["SF_METRICS_HOST"] == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "metrics": 9100}, ports
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == env["SF_METRICS_PORT"] and annotations["prometheus.io/path"] == "/metrics"
+    svc = find(k8s_docs, "Service", "streamfleet-gateway")
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
 
 
 def test_k8s_worker(k8s_docs):

@@ -101,14 +101,15 @@ async def test_resume_on_another_gateway_after_a_dropped_connection(fleet):
         got.append(msg)
     ws.transport.abort()  # the network drops: no close frame
 
-    res = await asyncio.wait_for(cb.resume("r", accepted["request_id"], got[-1]["index"] + 1), 60)
+    res = await asyncio.wait_for(cb.resume("r", accepted["request_id"], got[-1]["index"] + 1,
+                                           accepted["resume_token"]), 60)
     assert res.accepted["resumed_from"] == 10
     assert res.end["type"] == "done" and res.end["usage"]["completion_tokens"] == 80
     indices = [t["index"] for t in got] + res.indices
     assert indices == list(range(80))  # no duplicate, no gap
     assert "".join(t["text"] for t in got) + res.text == ref.text
     # resuming something unknown is a clear error
-    bad = await asyncio.wait_for(cb.resume("x", "0" * 32, 0), 10)
+    bad = await asyncio.wait_for(cb.resume("x", "0" * 32, 0, "0" * 32), 10)
     assert bad.end["code"] == "unknown_request" and bad.end["status"] == 404
     await cb.close()
 

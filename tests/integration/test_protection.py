@@ -123,6 +123,80 @@ async def test_origin_allowlist(fleet):
     await good.close()
 
 
+async def _ws_origin_outcome(url: str, origin: str | None) -> str:
+    """"pong" when a WebSocket opened with this Origin is served, else the error code."""
+    ws = await websockets.connect(url, **({"origin": origin} if origin is not None else {}))
+    try:
+        try:
+            await ws.send('{"type":"ping"}')
+        except websockets.ConnectionClosed:
+            pass  # refused: the error frame that came first is still read below
+        frame = orjson.loads(await ws.recv())
+        if frame["type"] == "pong":
+            return "pong"
+        with pytest.raises(websockets.ConnectionClosed) as e:
+            await ws.recv()
+        assert e.value.rcvd.code == 1008
+        return frame["code"]
+    finally:
+        await ws.close()
+
+
+async def test_websockets_same_origin_only_by_default(fleet):
+    """SF_ALLOWED_ORIGINS empty: a browser page may open a WebSocket only to the gateway
+    that served it; clients without an Origin header are not concerned."""
+    gw = fleet.gateway()
+    assert await _ws_origin_outcome(gw.ws, None) == "pong"
+    assert await _ws_origin_outcome(gw.ws, f"http://127.0.0.1:{gw.port}") == "pong"
+    for other in ("http://evil.example", f"http://127.0.0.1:{gw.port + 1}", f"https://127.0.0.1:{gw.port}",
+                  f"http://localhost:{gw.port}", "null"):
+        assert await _ws_origin_outcome(gw.ws, other) == "forbidden", other
+    star = fleet.gateway(allowed_origins="*")
+    assert await _ws_origin_outcome(star.ws, "http://evil.example") == "pong"
+
+
+async def test_http_posts_follow_the_origin_rule(fleet, rds, key_prefix):
+    import httpx
+
+    gw = fleet.gateway()
+    listed = fleet.gateway(allowed_origins="http://good.example")
+    star = fleet.gateway(allowed_origins="*")
+    fleet.worker(backend="echo")
+    body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        async def post(g, origin: str | None, path: str = "/v1/completions", payload=None, **kw) -> httpx.Response:
+            headers = {"Origin": origin} if origin is not None else {}
+            return await http.post(g.http + path, json=body if payload is None else payload, headers=headers, **kw)
+
+        same = f"http://127.0.0.1:{gw.port}"
+        assert (await post(gw, None)).status_code == 200
+        assert (await post(gw, same)).status_code == 200
+        assert (await post(gw, same, "/v1/chat/completions", chat)).status_code == 200
+        for path, payload in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            r = await post(gw, "http://evil.example", path, payload)
+            assert r.status_code == 403, r.text
+            err = r.json()["error"]
+            assert err["code"] == "forbidden" and "evil.example" in err["message"], err
+        # refused before the body is read or anything is enqueued
+        r = await http.post(gw.http + "/v1/completions", content=b"{not json", headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403
+        # reading is not refused: the browser keeps a cross-origin answer from the page
+        assert (await http.get(gw.http + "/v1/models", headers={"Origin": "http://evil.example"})).status_code == 200
+        # a streamed answer passes the guard unbuffered
+        async with http.stream("POST", gw.http + "/v1/completions", json={**body, "stream": True},
+                               headers={"Origin": same}) as r:
+            assert r.status_code == 200
+            assert "data: [DONE]" in "".join([chunk async for chunk in r.aiter_text()])
+
+        assert (await post(listed, "http://good.example")).status_code == 200
+        assert (await post(listed, "http://evil.example")).status_code == 403
+        assert (await post(listed, f"http://127.0.0.1:{listed.port}")).status_code == 403  # exact list only
+        assert (await post(listed, None)).status_code == 200
+        assert (await post(star, "http://evil.example")).status_code == 200
+
+
 def test_unanswered_pings_close_the_connection(fleet):
     gw = fleet.gateway(ws_ping_interval_s=0.3, ws_ping_timeout_s=0.3)
     raw = RawWebSocket("127.0.0.1", gw.port)
@@ -179,7 +253,7 @@ def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
     lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
 
     def gauge() -> float:
-        text = httpx.get(gw.http + "/metrics", timeout=5).text
+        text = httpx.get(gw.metrics_url, timeout=5).text
         line = next(ln for ln in text.splitlines() if ln.startswith("streamfleet_active_connections "))
         return float(line.split()[1])
 

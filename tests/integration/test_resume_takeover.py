@@ -76,7 +76,8 @@ async def test_resume_after_the_gateway_dies_keeps_the_generation_and_follows_it
             got[msg["id"]].append(msg)
     a.popen.send_signal(signal.SIGKILL)  # the whole gateway dies; its clients reconnect to b
 
-    futs = {k: cb.resume(f"again-{k}", accepted[k]["request_id"], got[k][-1]["index"] + 1) for k in accepted}
+    futs = {k: cb.resume(f"again-{k}", accepted[k]["request_id"], got[k][-1]["index"] + 1,
+                         accepted[k]["resume_token"]) for k in accepted}
     watch = {k: Arrivals(cb.results[f"again-{k}"]) for k in accepted}
     results = await asyncio.wait_for(asyncio.gather(*futs.values()), 60)
     for i, (k, res) in enumerate(zip(futs, results)):
@@ -104,7 +105,7 @@ async def test_resume_of_a_request_still_queued(fleet):
     ws = await open_raw(a.ws)
     accepted = await start_raw(ws, "q", **params)
     ws.transport.abort()  # dropped while its request waits for the slot
-    res = await asyncio.wait_for(cb.resume("q-again", accepted["request_id"], 0), 30)
+    res = await asyncio.wait_for(cb.resume("q-again", accepted["request_id"], 0, accepted["resume_token"]), 30)
     assert res.accepted["resumed_from"] == 0
     assert res.end["type"] == "done", res.end
     assert res.indices == list(range(30)) and res.text == ref.text

@@ -23,13 +23,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
     env["REDIS_URL"] = "redis://127.0.0.1:1/0"  # unreachable: serve must fall back to an embedded Redis
     env["SF_THREADS"] = "1"
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port),
+                             "--metrics-port", str(metrics_port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
         ready = False
@@ -45,6 +45,14 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         children = _descendants(proc.pid)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "gateway" in names and "worker" in names
+        # the banner says where the metrics are; they are there, and not on the API port
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        deadline = time.monotonic() + 10
+        while metrics_url not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metrics_url in (tmp_path / "serve.log").read_text()
+        assert "streamfleet_live_workers" in httpx.get(metrics_url, timeout=5).text
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 404
 
         out = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time",
                               "--url", f"ws://127.0.0.1:{port}/v1/stream", "--max-tokens", "12", "--seed", "1"],

@@ -25,8 +25,15 @@ class Result:
         return [t["index"] for t in self.tokens]
 
 
+#: sentinel: resume with the token an ``accepted`` frame of this test process returned
+KNOWN = object()
+
+
 class Client:
     """One connection; `generate` many requests concurrently; frames routed by id."""
+
+    #: request_id -> resume_token of every ``accepted`` frame any client here received
+    tokens: dict[str, str] = {}
 
     def __init__(self, ws) -> None:
         self.ws = ws
@@ -52,6 +59,8 @@ class Client:
                 kind = msg["type"]
                 if kind == "accepted":
                     res.accepted = msg
+                    if msg.get("resume_token"):
+                        Client.tokens[msg["request_id"]] = msg["resume_token"]
                 elif kind == "token":
                     res.tokens.append(msg)
                 elif kind in ("done", "error"):
@@ -82,12 +91,17 @@ class Client:
         asyncio.ensure_future(self.send(frame))
         return fut
 
-    def resume(self, id: str, request_id: str, from_index: int) -> asyncio.Future:
+    def resume(self, id: str, request_id: str, from_index: int, resume_token=KNOWN) -> asyncio.Future:
+        """Resume ``request_id``; by default with the resume token its ``accepted`` frame
+        carried (auth off), ``resume_token=None`` sends none."""
         self.results[id] = Result(id)
         fut = asyncio.get_running_loop().create_future()
         self.waiters[id] = fut
-        asyncio.ensure_future(self.send({"type": "resume", "id": id, "request_id": request_id,
-                                         "from_index": from_index}))
+        frame = {"type": "resume", "id": id, "request_id": request_id, "from_index": from_index}
+        token = Client.tokens.get(request_id) if resume_token is KNOWN else resume_token
+        if token is not None:
+            frame["resume_token"] = token
+        asyncio.ensure_future(self.send(frame))
         return fut
 
     async def generate(self, id: str, prompt: str = "Once upon a time", timeout: float = 60, **fields) -> Result:

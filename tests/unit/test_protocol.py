@@ -20,7 +20,7 @@ class FakeValid:
 class StubValidator:
     """Accepts frames with a string prompt; the real rules are tested in test_validation."""
 
-    def generate(self, msg):
+    def check(self, msg):
         if not isinstance(msg.get("prompt"), str):
             raise ValidationError("prompt", code="invalid_type", param="prompt")
         return FakeValid(msg["id"])

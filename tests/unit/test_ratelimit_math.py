@@ -133,11 +133,13 @@ def test_overrides_merge_into_defaults_and_add_tiers():
     t = parse_tiers('{"free": {"requests_per_minute": 20}, '
                     '"gold": {"requests_per_minute": 600, "burst": 50, "max_streams": 64, "max_lane": "high"},'
                     '"ops": {"requests_per_minute": null}}')
-    assert t["free"] == Tier("free", 20, 5, 2, "normal")
+    assert t["free"] == Tier("free", 20, 5, 2, "normal", max_connections=8, max_tokens=1024, max_timeout_s=120.0)
     assert t["paid"] == DEFAULT_TIERS["paid"]
     assert t["gold"] == Tier("gold", 600, 50, 64, "high")
     assert t["ops"].unlimited and t["ops"].max_streams is None and t["ops"].max_lane == "normal"
     assert parse_tiers({"paid": {"max_streams": None}})["paid"].max_streams is None
+    ceil = parse_tiers({"paid": {"max_tokens": 100, "max_timeout_s": 5, "max_connections": None}})["paid"]
+    assert (ceil.max_tokens, ceil.max_timeout_s, ceil.max_connections) == (100, 5, None)
 
 
 @pytest.mark.parametrize("spec, fragment", [
@@ -151,6 +153,10 @@ def test_overrides_merge_into_defaults_and_add_tiers():
     ('{"free": {"burst": 2.5}}', "burst must be"),
     ('{"free": {"max_streams": 0}}', "max_streams must be"),
     ('{"free": {"max_lane": "urgent"}}', "max_lane must be one of high, normal"),
+    ('{"free": {"max_connections": 0}}', "max_connections must be"),
+    ('{"free": {"max_tokens": 1.5}}', "max_tokens must be"),
+    ('{"free": {"max_timeout_s": -1}}', "max_timeout_s must be"),
+    ('{"free": {"max_timeout_s": true}}', "max_timeout_s must be"),
     ('{"gold": {"burst": 5}}', "must give requests_per_minute"),
     ('{"gold": {"requests_per_minute": 60}}', "burst must be"),
     ('{"gold": {"name": "silver", "requests_per_minute": null}}', "different 'name'"),
