@@ -201,7 +201,9 @@ class WebSocketSession:
             await admission.connect(self.identity, self.channel.connection_id)
         except StreamfleetError as exc:
             metrics.refusals.labels("ws", str(exc.code)).inc()
-            await self._refuse(exc, 1013, "too many connections for this API key")
+            reason = "too many connections for this API key" if exc.code == ErrorCode.too_many_requests \
+                else "broker unavailable"
+            await self._refuse(exc, 1013, reason)
             return
         watch = admission.watch(self.identity, self._key_revoked)
         self.hub.connections += 1
