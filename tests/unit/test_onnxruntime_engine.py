@@ -201,3 +201,34 @@ def test_steady_batch_feeds_presents_back(engine):
     assert engine._slab is not slab and engine._slab.rows == ["s4", "s5"]
     for k in ("s4", "s5"):
         engine.release(k)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_graphs_without_position_ids_are_never_padded(engine, tiny_spec, name):
+    """A graph with no position_ids takes positions from cache columns: the engine runs
+    it unpadded (prefill alone, decode in groups of equal length), and every sequence
+    still gets exactly its solo tokens with joins, leaves, pauses and equal lengths."""
+    solo_engine = OnnxRuntimeEngine(tiny_spec, threads=1)
+    solo_engine.solo = True  # as for a graph without position_ids (tiny-gpt's positions are then arange)
+    masks = []
+    real_run = solo_engine._run
+
+    def run(ids, mask, positions, past):
+        masks.append(mask)
+        return real_run(ids, mask, positions, past)
+
+    solo_engine._run = run
+    plan = SCENARIOS[name]
+    v = engine.vocab_size
+    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 7, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
+               "e": prompt(5, 7, v)}
+    want = {k: greedy_alone(engine, p, STEPS) for k, p in prompts.items()}
+    got, rows = greedy_scenario(solo_engine, prompts, plan, STEPS, STEPS + 8)
+    assert got
+    for k in got:
+        assert got[k] == want[k][0], k
+        np.testing.assert_allclose(np.array(rows[k]), np.array(want[k][1]), atol=1e-3, rtol=1e-4)
+    assert masks and all(m.all() for m in masks)  # no padded or masked slot, ever
+    if name != "one-at-a-time":  # a and b join together with equal lengths: they share runs
+        assert any(m.shape[0] > 1 for m in masks)
+    solo_engine.close()

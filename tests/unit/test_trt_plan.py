@@ -77,8 +77,8 @@ def test_profile_options_move_opt_points(tiny_spec):
         trt_build.profiles(dataclasses.replace(tiny_spec, max_context=1), info)
 
 
-def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=False, kv_type=TensorProto.FLOAT16,
-                     heads_dim: int | str | None = None, extra_input: bool = False, ids_type=TensorProto.INT32):
+def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=True, kv_type=TensorProto.FLOAT16,
+                     heads_dim: int | str | None = None, extra_input: bool | str = False, ids_type=TensorProto.INT32):
     """A with-past graph with unusual dims (only its I/O matters here)."""
     h = heads if heads_dim is None else heads_dim
     inputs = [helper.make_tensor_value_info("input_ids", ids_type, ["b", "s"]),
@@ -86,7 +86,8 @@ def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=False,
     if positions:
         inputs.append(helper.make_tensor_value_info("position_ids", ids_type, ["b", "s"]))
     if extra_input:
-        inputs.append(helper.make_tensor_value_info("token_type_ids", ids_type, ["b", "s"]))
+        name = extra_input if isinstance(extra_input, str) else "token_type_ids"
+        inputs.append(helper.make_tensor_value_info(name, ids_type, ["b", "s"]))
     outputs = [helper.make_tensor_value_info("logits", kv_type, ["b", "s", vocab])]
     nodes = []
     for i in range(n_layer):
@@ -101,10 +102,10 @@ def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=False,
 def test_profiles_of_a_synthetic_graph(tmp_path):
     info = trt_build.graph_info_from_model(_synthetic_graph())
     assert (info.n_layer, info.kv_heads, info.head_dim, info.vocab_size) == (3, 2, 16, 77)
-    assert (info.kv_dtype, info.index_dtype, info.has_position_ids) == ("float16", "int32", False)
+    assert (info.kv_dtype, info.index_dtype, info.has_position_ids) == ("float16", "int32", True)
     spec = ModelSpec(name="synth", path=tmp_path, max_batch=4, max_context=64)
     prefill, decode = trt_build.profiles(spec, info)
-    assert set(prefill.names()) == {"input_ids", "attention_mask", *info.past_names}  # no position_ids
+    assert set(prefill.names()) == {"input_ids", "attention_mask", "position_ids", *info.past_names}
     assert len(info.past_names) == 6
     assert decode.shape("past_key_values.2.value") == ((1, 2, 1, 16), (4, 2, 31, 16), (4, 2, 63, 16))
     assert prefill.shape("input_ids") == ((1, 1), (4, 64), (4, 64))
@@ -117,6 +118,11 @@ def test_synthetic_graph_refusals():
     assert info.kv_heads == 2
     with pytest.raises(FatalError, match="token_type_ids"):
         trt_build.graph_info_from_model(_synthetic_graph(extra_input=True))
+    # positions from cache columns would shift under padding: refused, naming the fix
+    with pytest.raises(FatalError, match="no position_ids input.*onnxruntime"):
+        trt_build.graph_info_from_model(_synthetic_graph(positions=False))
+    with pytest.raises(FatalError, match="merged decoder"):
+        trt_build.graph_info_from_model(_synthetic_graph(extra_input="use_cache_branch"))
     with pytest.raises(FatalError, match="input_ids"):
         trt_build.graph_info_from_model(_synthetic_graph(ids_type=TensorProto.FLOAT))
     g = _synthetic_graph()

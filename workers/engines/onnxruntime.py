@@ -17,6 +17,14 @@ compact slab assembled (one copy of every member's cache).
 
 Prefill runs prompts in groups of similar length (one run per group, left-padded) so a
 short prompt does not pay for a long one's padding.
+
+Graphs without ``position_ids`` (Optimum's Gemma, Gemma 2/3, BLOOM, MPT… exports) take
+each token's position from its column in the cache, so padding or moving a sequence's
+cache would shift its positions and silently change its output. For those the engine
+never pads: a prefill runs each prompt alone, and a decode step runs the sequences in
+groups of equal length, each with its own cache (README: "Engines"). Merged decoders
+(``decoder_model_merged.onnx``) get ``use_cache_branch``; any other input the engine
+does not know how to feed is refused at load, by name.
 """
 
 from __future__ import annotations
@@ -28,12 +36,15 @@ import numpy as np
 
 from shared.errors import FatalError
 from shared.modelrepo import ModelSpec
-from workers.engines.base import SequenceError, count_past_layers
+from workers.engines.base import PAST_RE, SequenceError, count_past_layers
 from workers.engines.prefill import prefill_groups
 
 __all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+_INDEX_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+#: inputs the engine feeds (besides past_key_values.N.key/value)
+_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "use_cache_branch")
 #: a prefill group may hold at most this many (padded) tokens
 _PREFILL_GROUP_TOKENS = 8192
 #: assemble a compact slab when more than this share of its rows sit idle in a step
@@ -182,6 +193,18 @@ class OnnxRuntimeEngine:
         for name in ("input_ids", "attention_mask"):
             if name not in inputs:
                 raise FatalError(f"{where} has no {name!r} input")
+        extra = sorted(n for n in inputs if n not in _KNOWN_INPUTS and not PAST_RE.match(n))
+        if extra:
+            raise FatalError(f"{where} has inputs this engine cannot feed: {', '.join(extra)} (it feeds "
+                             f"{', '.join(_KNOWN_INPUTS)} and past_key_values.N.key/value); export the "
+                             f"model with `optimum-cli export onnx --task text-generation-with-past`")
+        self._index_dtypes = {}
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            if name in inputs:
+                dt = _INDEX_DTYPES.get(inputs[name].type)
+                if dt is None:
+                    raise FatalError(f"{where}: input {name!r} is {inputs[name].type}, expected int64 or int32")
+                self._index_dtypes[name] = dt
         if "logits" not in outputs:
             raise FatalError(f"{where} has no 'logits' output")
 
@@ -201,8 +224,12 @@ class OnnxRuntimeEngine:
         self.n_layer, self.kv_heads, self.head_dim = n_layer, kv_heads, head_dim
         self._kv_dtype = _DTYPES.get(first.type)
         if self._kv_dtype is None:
-            raise FatalError(f"{where}: unsupported KV cache type {first.type}")
+            raise FatalError(f"{where}: unsupported KV cache type {first.type} (ONNX Runtime on CPU serves "
+                             f"float32 and float16 caches; re-export with --dtype fp32)")
         self._has_positions = "position_ids" in inputs
+        self._has_branch = "use_cache_branch" in inputs
+        #: no position_ids: never pad or move a cache (see the module docstring)
+        self.solo = not self._has_positions
 
         vocab = outputs["logits"].shape[-1]
         if not isinstance(vocab, int):
@@ -218,11 +245,15 @@ class OnnxRuntimeEngine:
     def _empty_past(self, rows: int) -> np.ndarray:
         return np.zeros((rows, self.kv_heads, 0, self.head_dim), dtype=self._kv_dtype)
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None,
              past: list[np.ndarray]) -> list[np.ndarray]:
-        feed: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        dt = self._index_dtypes
+        feed: dict[str, Any] = {"input_ids": ids.astype(dt["input_ids"], copy=False),
+                                "attention_mask": mask.astype(dt["attention_mask"], copy=False)}
         if self._has_positions:
-            feed["position_ids"] = positions
+            feed["position_ids"] = positions.astype(dt["position_ids"], copy=False)
+        if self._has_branch:  # a merged decoder: the no-past branch for a prefill
+            feed["use_cache_branch"] = np.array([past[0].shape[2] > 0])
         feed.update(zip(self._past_names, past))
         return self._session.run(self._output_names, feed)
 
@@ -241,7 +272,9 @@ class OnnxRuntimeEngine:
         if not seqs:
             return out
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
-        for group in self._prefill_groups([len(p) for _, p in seqs]):
+        lengths = [len(p) for _, p in seqs]
+        groups = self._equal_groups(lengths) if self.solo else self._prefill_groups(lengths)
+        for group in groups:
             width = len(seqs[group[0]][1])
             rows = len(group)
             ids = np.zeros((rows, width), dtype=np.int64)
@@ -274,6 +307,8 @@ class OnnxRuntimeEngine:
         if not seqs:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         check_decode(seqs, self._seqs, self.max_context, self.vocab_size, self.release)
+        if self.solo:
+            return self._decode_solo(seqs)
         slab = self._place(seqs)
         active = np.zeros(len(slab.rows), dtype=bool)
         ids = np.zeros((len(slab.rows), 1), dtype=np.int64)  # idle rows get token 0 ...
@@ -307,6 +342,35 @@ class OnnxRuntimeEngine:
         self._slab = None
 
     # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _equal_groups(lengths: list[int]) -> list[list[int]]:
+        """Indices grouped by exactly equal length: nothing is ever padded."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n, []).append(i)
+        return list(groups.values())
+
+    def _decode_solo(self, seqs: list[tuple[str, int]]) -> np.ndarray:
+        """A decode step for a graph without ``position_ids``: one run per group of
+        sequences of equal length, each row its own cache, unpadded."""
+        out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
+        for group in self._equal_groups([self._seqs[seq_id].length for seq_id, _ in seqs]):
+            members = [self._seqs[seqs[i][0]] for i in group]
+            n = members[0].length
+            ids = np.array([[seqs[i][1]] for i in group], dtype=np.int64)
+            mask = np.ones((len(group), n + 1), dtype=np.int64)
+            positions = np.full((len(group), 1), n, dtype=np.int64)
+            if len(group) == 1:
+                past = [kv[None] for kv in members[0].kv]
+            else:
+                past = [np.stack([m.kv[j] for m in members]) for j in range(len(self._past_names))]
+            logits, *presents = self._run(ids, mask, positions, past)
+            out[group] = logits[:, -1, :]
+            for r, seq in enumerate(members):
+                seq.kv = [p[r] for p in presents]
+                seq.length += 1
+        return out
 
     @staticmethod
     def _prefill_groups(lengths: list[int]) -> list[list[int]]:

@@ -208,8 +208,18 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
             raise FatalError(f"{where} has no {name!r} input")
     allowed = {"input_ids", "attention_mask", "position_ids"}
     extra = sorted(n for n in inputs if n not in allowed and not PAST_RE.match(n))
+    if "use_cache_branch" in extra:
+        raise FatalError(f"{where} is a merged decoder (input use_cache_branch), which the TensorRT backend does "
+                         f"not build; export without --legacy (one model.onnx), or serve it with "
+                         f'backend = "onnxruntime"')
     if extra:
         raise FatalError(f"{where} has inputs the TensorRT backend does not feed: {extra}")
+    if "position_ids" not in inputs:
+        # the graph would take positions from cache columns, which batching pads and moves
+        raise FatalError(f"{where} has no position_ids input, so its positions follow cache columns and the "
+                         f"TensorRT backend's padded batches would silently change its output; re-export it "
+                         f"with position_ids (an Optimum ONNX config whose inputs include them), or serve it "
+                         f'with backend = "onnxruntime", which runs such graphs unpadded')
     info_out = ["logits"] + [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
     missing = [n for n in info_out if n not in outputs]
     if missing:
