@@ -13,6 +13,7 @@ newer gateways understand.
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import time
 import uuid
@@ -48,6 +49,8 @@ class Draft:
     timeout_s: float
     prompt_text: str
     explicit: frozenset[str] = frozenset()
+    #: the text was rendered by a chat template (which carries its own special tokens)
+    chat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +88,40 @@ DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 ``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply."""
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """The prompt's token ids, without special tokens. A ``PreTrainedTokenizerFast`` is
-    asked through its Rust tokenizer directly: the same ids at about half the cost of
-    ``tokenizer.encode`` (which builds a ``BatchEncoding`` per call), and this runs on the
-    gateway's event loop for every request."""
+def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids, with the special tokens the tokenizer's own post-processor
+    adds (a BOS for Llama-style tokenizers, none for GPT-2's): what the model was trained
+    to see. ``special_tokens=False`` for text a chat template rendered, which carries its
+    own. A ``PreTrainedTokenizerFast`` is asked through its Rust tokenizer directly: the
+    same ids at about half the cost of ``tokenizer.encode`` (which builds a
+    ``BatchEncoding`` per call), and this runs on the gateway's event loop."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.truncation is None and backend.padding is None:
-        return backend.encode(text, add_special_tokens=False).ids
+        return backend.encode(text, add_special_tokens=special_tokens).ids
     # a tokenizer.json that configures truncation or padding: let transformers switch them off
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=special_tokens)
+
+
+#: a special token spelled out in a chat template: <|im_start|>, <start_of_turn>, </s>, [INST]
+_TEMPLATE_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?[A-Za-z][\w.-]{0,39}>|\[/?[A-Z][A-Z_]{1,20}\]")
+
+
+def template_problem(tokenizer: Any) -> str | None:
+    """Why the tokenizer's chat template cannot be trusted, or None: a special token it
+    spells out (``<|im_start|>``…) that the tokenizer does not have as one token would be
+    split into pieces, and the model would see a conversation it was never trained on."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    missing = []
+    for text in dict.fromkeys(_TEMPLATE_TOKEN.findall(template)):
+        ids = encode_prompt(tokenizer, text, special_tokens=False)
+        if len(ids) != 1:
+            missing.append(text)
+    if missing:
+        return (f"its chat template uses {', '.join(missing)}, which the tokenizer does not have as single "
+                f"tokens")
+    return None
 
 
 def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> str:
@@ -120,6 +147,7 @@ class Validator:
         self.repo = repo
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
         self._tokenizers: dict[Any, Any] = {}  # tokenizer file -> loaded tokenizer
+        self._template_problems: dict[Any, str | None] = {}  # tokenizer file -> template_problem()
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -213,7 +241,14 @@ class Validator:
             if chars > s.max_prompt_chars:  # before a template renders them
                 raise ValidationError(f"the messages have {chars} characters; the limit is {s.max_prompt_chars}",
                                       code=ErrorCode.prompt_too_long, param="messages")
-            text = render_chat(msgs, self.tokenizer(spec))
+            tokenizer = self.tokenizer(spec)
+            problem = self._template_problems.get(spec.tokenizer_path, ...)
+            if problem is ...:
+                problem = self._template_problems[spec.tokenizer_path] = template_problem(tokenizer)
+            if problem is not None:
+                raise ValidationError(f"model {spec.name!r} cannot serve chat: {problem}; send a 'prompt' instead",
+                                      code=ErrorCode.invalid_request, param="messages")
+            text = render_chat(msgs, tokenizer)
         if not text:
             raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
         if len(text) > s.max_prompt_chars:
@@ -222,7 +257,7 @@ class Validator:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 stop=stop, seed=seed, ignore_eos=ignore_eos)
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
-                     prompt_text=text, explicit=explicit)
+                     prompt_text=text, explicit=explicit, chat=messages is not None)
 
     def finish(self, draft: Draft) -> ValidRequest:
         """Tokenize an admitted draft's prompt and check it fits the model's context.
@@ -231,7 +266,7 @@ class Validator:
             ValidationError: the prompt encodes to nothing, or leaves no room to generate.
         """
         spec = self.spec(draft.model)
-        ids = encode_prompt(self.tokenizer(spec), draft.prompt_text)
+        ids = encode_prompt(self.tokenizer(spec), draft.prompt_text, special_tokens=not draft.chat)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:

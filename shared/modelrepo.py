@@ -9,16 +9,24 @@
     tokenizer = "tokenizer.json"   # loaded through transformers' PreTrainedTokenizerFast
     max_batch = 16
     max_context = 256              # prompt + completion tokens
-    eos_token_ids = [0]
+    eos_token_ids = [0]            # optional: overrides what the model folder declares
 
     [build]                        # optional: how scripts/make_tiny_model.py makes the files
     seed = 1234
     ...
+
+The model folder is the source of truth for what ``engine.toml`` leaves out: the EOS
+ids are every id declared by ``generation_config.json``, ``config.json`` and the
+tokenizer's ``eos_token`` (``engine.toml``'s ``eos_token_ids`` overrides them all); a
+``tokenizer_config.json`` beside ``tokenizer.json`` supplies the special tokens and the
+chat template; prompts are encoded with the special tokens the tokenizer's own
+post-processor adds (a BOS for Llama-style tokenizers, nothing for GPT-2's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -30,7 +38,7 @@ from typing import Any
 
 from shared.errors import FatalError, NotFoundError
 
-__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "REPO_ROOT"]
+__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +56,8 @@ class ModelSpec:
     max_batch: int = 16
     max_context: int = 256
     eos_token_ids: tuple[int, ...] = ()
+    #: where ``eos_token_ids`` came from (engine.toml, or the files that declared them)
+    eos_from: str = ""
     chat_template: str | None = None
     build: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +84,10 @@ class ModelSpec:
         known = {"name", "backend", "version", "onnx", "tokenizer", "max_batch", "max_context",
                  "eos_token_ids", "chat_template", "build"}
         try:
+            if "eos_token_ids" in data:
+                eos, eos_from = tuple(int(x) for x in data["eos_token_ids"]), "engine.toml"
+            else:
+                eos, eos_from = declared_eos(toml_path.parent, str(data.get("tokenizer", "tokenizer.json")))
             return cls(
                 name=str(data.get("name", toml_path.parent.name)),
                 path=toml_path.parent,
@@ -83,7 +97,8 @@ class ModelSpec:
                 tokenizer=str(data.get("tokenizer", "tokenizer.json")),
                 max_batch=int(data.get("max_batch", 16)),
                 max_context=int(data.get("max_context", 256)),
-                eos_token_ids=tuple(int(x) for x in data.get("eos_token_ids", ())),
+                eos_token_ids=eos,
+                eos_from=eos_from,
                 chat_template=data.get("chat_template"),
                 build=dict(data.get("build", {})),
                 options={k: v for k, v in data.items() if k not in known},
@@ -95,6 +110,76 @@ class ModelSpec:
         if self.backend == "echo":
             return True
         return self.onnx_path.exists() and self.tokenizer_path.exists()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise FatalError(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "</s>", ...} (AddedToken)
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def token_id(tokenizer_json: dict[str, Any], text: str) -> int | None:
+    """The id of ``text`` as one token of a ``tokenizer.json``: an added token, or a
+    vocabulary entry; None when it is not one token."""
+    for tok in tokenizer_json.get("added_tokens") or []:
+        if isinstance(tok, dict) and tok.get("content") == text and isinstance(tok.get("id"), int):
+            return tok["id"]
+    vocab = (tokenizer_json.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        v = vocab.get(text)
+        return v if isinstance(v, int) else None
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        for i, entry in enumerate(vocab):
+            if isinstance(entry, list) and entry and entry[0] == text:
+                return i
+    return None
+
+
+def declared_eos(folder: Path, tokenizer_file: str = "tokenizer.json") -> tuple[tuple[int, ...], str]:
+    """Every EOS id a model folder declares, and which files declared them:
+    ``generation_config.json`` and ``config.json`` (``eos_token_id``, one id or a list)
+    and the tokenizer's ``eos_token`` (``tokenizer_config.json``). ``((), "")`` when
+    none does.
+
+    Raises:
+        FatalError: a file exists but is not JSON, or ``eos_token`` is not one token.
+    """
+    found: list[int] = []
+    sources: list[str] = []
+    for name in ("generation_config.json", "config.json"):
+        ids = _ids(_read_json(folder / name).get("eos_token_id"))
+        if ids:
+            found += ids
+            sources.append(name)
+    eos_text = _token_text(_read_json(folder / "tokenizer_config.json").get("eos_token"))
+    if eos_text is not None and (folder / tokenizer_file).exists():
+        tid = token_id(_read_json(folder / tokenizer_file), eos_text)
+        if tid is None:
+            raise FatalError(f"{folder / 'tokenizer_config.json'}: eos_token {eos_text!r} is not one token of "
+                             f"{tokenizer_file}")
+        found.append(tid)
+        sources.append("tokenizer_config.json")
+    return tuple(dict.fromkeys(found)), " + ".join(sources)
 
 
 class ModelRepository:
@@ -152,6 +237,11 @@ def _safe(part: str) -> bool:
 def _load_tokenizer_cached(path: str) -> Any:
     from transformers import PreTrainedTokenizerFast  # heavy import, only when needed
 
+    file = Path(path)
+    if file.name == "tokenizer.json" and (file.parent / "tokenizer_config.json").exists():
+        # the folder's special tokens and chat template come with it; a local folder,
+        # never a hub lookup
+        return PreTrainedTokenizerFast.from_pretrained(str(file.parent), local_files_only=True)
     return PreTrainedTokenizerFast(tokenizer_file=path)
 
 

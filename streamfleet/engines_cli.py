@@ -5,6 +5,7 @@ run a build worker.
     streamfleet engines build tiny-gpt --queue sm90    enqueue on sf:arq:build:sm90 (any host)
     streamfleet engines worker --queue sm90            on a GPU host: run those builds
     streamfleet engines list                           what is built where (from Redis)
+    streamfleet engines import ./exported --name mymodel   an Optimum export -> engines/mymodel
 
 Connection, key prefix and model repository come from ``--redis-url`` /
 ``SF_REDIS_URL`` / ``REDIS_URL``, ``SF_KEY_PREFIX`` and ``SF_ENGINES_DIR``.
@@ -24,7 +25,8 @@ import typer
 __all__ = ["engines_app"]
 
 engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="TensorRT plans: build (here or on a GPU build queue), list, run a build worker.")
+                          help="Model folders: import an Optimum export; TensorRT plans: build (here or on a "
+                               "GPU build queue), list, run a build worker.")
 
 _REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
 
@@ -272,3 +274,44 @@ def worker(
                     engines_dir=settings.engines_dir, burst=burst)
     w.run()
     sys.exit(0)
+
+
+@engines_app.command("import")
+def import_(
+    path: str = typer.Argument(..., help="a folder exported by `optimum-cli export onnx --task "
+                                         "text-generation-with-past`"),
+    name: Optional[str] = typer.Option(None, "--name", help="model name (default: the folder's name)"),
+    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", help="model repository [SF_ENGINES_DIR, "
+                                                                          "default engines/]"),
+    backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime | tensorrt"),
+    max_batch: int = typer.Option(16, "--max-batch", min=1, help="sequences one worker runs at once"),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=2,
+                                              help="prompt + completion tokens (default: the model's, at most 4096)"),
+    check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
+    force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
+) -> None:
+    """Check an Optimum ONNX export and copy it into the model repository as a servable
+    model folder; prints what it found (layout, KV heads and dtype, position_ids,
+    context, EOS and BOS)."""
+    from pathlib import Path
+
+    from shared.errors import FatalError
+    from shared.modelrepo import ModelRepository
+    from shared.settings import CommonSettings
+    from streamfleet.modelimport import import_export, inspect_export
+
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise _fail(f"--backend must be onnxruntime or tensorrt, got {backend!r}", 2)
+    source = Path(path)
+    model_name = name or source.resolve().name
+    try:
+        if check_only:
+            typer.echo(inspect_export(source, backend=backend, max_context=max_context).describe())
+            return
+        root = ModelRepository(engines_dir or CommonSettings().engines_dir).root
+        dest, found = import_export(source, root, model_name, backend=backend, max_batch=max_batch,
+                                    max_context=max_context, force=force)
+    except FatalError as exc:
+        raise _fail(str(exc))
+    typer.echo(found.describe())
+    typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet worker --model {model_name}")

@@ -190,8 +190,11 @@ def _dims(value_info: Any) -> list[int | str]:
     return out
 
 
-def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str, Any] | None = None) -> GraphInfo:
-    """``GraphInfo`` from an ``onnx.ModelProto`` (weights need not be loaded).
+def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str, Any] | None = None, *,
+                          tensorrt: bool = True) -> GraphInfo:
+    """``GraphInfo`` from an ``onnx.ModelProto`` (weights need not be loaded). With
+    ``tensorrt=False`` (any backend: ``streamfleet engines import``) a merged decoder's
+    ``use_cache_branch`` and a missing ``position_ids`` are accepted.
 
     Raises:
         FatalError: not the with-past layout, an unsupported input or dtype, or KV dims
@@ -206,7 +209,7 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
     for name in ("input_ids", "attention_mask"):
         if name not in inputs:
             raise FatalError(f"{where} has no {name!r} input")
-    allowed = {"input_ids", "attention_mask", "position_ids"}
+    allowed = {"input_ids", "attention_mask", "position_ids"} | (set() if tensorrt else {"use_cache_branch"})
     extra = sorted(n for n in inputs if n not in allowed and not PAST_RE.match(n))
     if "use_cache_branch" in extra:
         raise FatalError(f"{where} is a merged decoder (input use_cache_branch), which the TensorRT backend does "
@@ -214,7 +217,7 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
                          f'backend = "onnxruntime"')
     if extra:
         raise FatalError(f"{where} has inputs the TensorRT backend does not feed: {extra}")
-    if "position_ids" not in inputs:
+    if tensorrt and "position_ids" not in inputs:
         # the graph would take positions from cache columns, which batching pads and moves
         raise FatalError(f"{where} has no position_ids input, so its positions follow cache columns and the "
                          f"TensorRT backend's padded batches would silently change its output; re-export it "
@@ -258,7 +261,8 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
                      has_position_ids="position_ids" in inputs, inputs=tuple(inputs))
 
 
-def read_graph_info(onnx_path: Path, options: Mapping[str, Any] | None = None) -> GraphInfo:
+def read_graph_info(onnx_path: Path, options: Mapping[str, Any] | None = None, *, tensorrt: bool = True,
+                    ) -> GraphInfo:
     """``GraphInfo`` of an ONNX file (external weight files are not read).
 
     Raises:
@@ -273,7 +277,7 @@ def read_graph_info(onnx_path: Path, options: Mapping[str, Any] | None = None) -
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise FatalError(f"cannot read {onnx_path}: {exc}") from exc
-    return graph_info_from_model(model, str(onnx_path), options)
+    return graph_info_from_model(model, str(onnx_path), options, tensorrt=tensorrt)
 
 
 def graph_sha256(onnx_path: Path) -> str:
