@@ -4,6 +4,7 @@ and the echo engine."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import time
 
 import numpy as np
@@ -232,3 +233,43 @@ def test_graphs_without_position_ids_are_never_padded(engine, tiny_spec, name):
     if name != "one-at-a-time":  # a and b join together with equal lengths: they share runs
         assert any(m.shape[0] > 1 for m in masks)
     solo_engine.close()
+
+
+def _column_position_graph(tiny_spec, tmp_path) -> Path:
+    """tiny-gpt rewired the way Optimum exports Gemma and friends: no position_ids input;
+    each token's position is its column in the (padded) cache."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(tiny_spec.onnx_path))
+    g = model.graph
+    # the query slots: Range(past, past + S) over cache columns (scripts/make_tiny_model.py)
+    at, rng = next((i, n) for i, n in enumerate(g.node) if n.op_type == "Range" and "zero_scalar" not in n.input[0])
+    axes = helper.make_tensor("col_axes0", onnx.TensorProto.INT64, [1], [0])
+    g.initializer.append(axes)
+    g.node.insert(at + 1, helper.make_node("Unsqueeze", [rng.output[0], "col_axes0"], ["position_ids"]))
+    keep = [i for i in g.input if i.name != "position_ids"]
+    del g.input[:]
+    g.input.extend(keep)
+    out = tmp_path / "columns.onnx"
+    onnx.save(model, str(out))
+    return out
+
+
+def test_a_graph_that_takes_positions_from_cache_columns_is_exact(engine, tiny_spec, tmp_path):
+    """Without position_ids, padding or moving a cache would shift positions and change
+    the output with no error: such a graph runs unpadded and stays exact, batched."""
+    spec = dataclasses.replace(tiny_spec, onnx=str(_column_position_graph(tiny_spec, tmp_path)))
+    cols = OnnxRuntimeEngine(spec, threads=1)
+    assert cols.solo
+    v = engine.vocab_size
+    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
+               "e": prompt(5, 12, v)}
+    want = {k: greedy_alone(engine, p, STEPS)[0] for k, p in prompts.items()}
+    for name, plan in SCENARIOS.items():
+        got, _ = greedy_scenario(cols, prompts, plan, STEPS, STEPS + 8)
+        for k in got:
+            assert got[k] == want[k], (name, k)
+        for k in list(got):
+            cols.release(k)
+    cols.close()
