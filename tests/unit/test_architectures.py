@@ -116,3 +116,18 @@ def test_fixtures_cover_the_architectures():
     assert any(not reference(a)["has_position_ids"] for a in ARCHS)
     assert all(np.unique(np.concatenate([c["greedy_ids"] for c in reference(a)["cases"]])).size > 8
                for a in ARCHS), "a fixture whose outputs barely vary tests little"
+
+
+def test_a_chat_template_needs_its_special_tokens(imported):
+    """A template that spells out a special token the tokenizer does not have as one
+    token would feed the model a conversation split into pieces: named and refused."""
+    from gateway.validation import template_problem
+
+    repo, _ = imported
+    tok = load_tokenizer(repo.get("llama"))
+    original = tok.chat_template
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    assert template_problem(tok) is None
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    assert "<|im_start|>, <|im_end|>" in template_problem(tok)
+    tok.chat_template = original
