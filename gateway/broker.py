@@ -44,16 +44,17 @@ class Listener(Protocol):
 #: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
 #: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
 #: all gateways together never push a lane past it.
-#: KEYS[1] lane stream; ARGV[1] threshold (0 = none); ARGV[2] task JSON.
-#: Returns {1, depth after add} or {0, depth}.
+#: KEYS[1] lane stream; ARGV[1] threshold (0 = none); ARGV[2] task JSON; ARGV[3] the
+#: model's wake channel; ARGV[4] the lane name. Publishes a ``shared.schema.Wake``
+#: (``"<lane> <entry id>"``). Returns {1, depth after add} or {0, depth}.
 ENQUEUE_LUA = """
 local depth = redis.call('XLEN', KEYS[1])
 local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then
   return {0, depth}
 end
-redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
+local id = redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. id)
 return {1, depth + 1}
 """
 

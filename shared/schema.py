@@ -8,6 +8,8 @@
 * ``Cancel``          gateway → all workers, published on ``sf:cancel``
 * ``Follow``          gateway → all workers, published on ``sf:follow``: a resumed
                       client follows a request on another reply channel
+* ``Wake``            gateway → the model's workers, published on ``sf:wake:{model}``
+                      by the enqueue script (``gateway/broker.py``) with the new entry's id
 * ``RequestRecord``   gateway → gateways, ``sf:req:{request_id}``: who owns a request
                       and where it runs, written before the task is queued
 
@@ -34,6 +36,7 @@ __all__ = [
     "Event",
     "Cancel",
     "Follow",
+    "Wake",
     "RequestRecord",
     "encode_events",
     "decode_events",
@@ -206,6 +209,40 @@ class Follow:
         if not isinstance(out.request_id, str) or not isinstance(out.reply_to, str):
             raise ValueError("malformed follow message: ids must be strings")
         return out
+
+
+def stream_entry_id(entry: str) -> tuple[int, int]:
+    """A stream entry id ``"<ms>-<seq>"`` as a comparable pair; ``ValueError`` if malformed."""
+    ms, sep, seq = entry.partition("-")
+    if not sep:
+        raise ValueError(f"malformed stream entry id {entry!r}")
+    return int(ms), int(seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """A task was added to ``lane`` as stream entry ``entry_id``: ``b"<lane> <ms>-<seq>"``.
+    Its producer is the enqueue script (``ENQUEUE_LUA``: ``ARGV[4] .. ' ' .. id``), which
+    must write exactly what ``encode`` writes."""
+
+    lane: str
+    entry_id: tuple[int, int]
+
+    def encode(self) -> bytes:
+        return f"{self.lane} {self.entry_id[0]}-{self.entry_id[1]}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Wake":
+        try:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            lane, entry = text.split(" ", 1)
+            return cls(lane, stream_entry_id(entry))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"malformed wake message {raw!r}: {exc}") from exc
+
+    def is_new(self, last_read: dict[str, tuple[int, int]]) -> bool:
+        """Whether the entry is newer than everything read from its lane so far."""
+        return self.entry_id > last_read.get(self.lane, (0, 0))
 
 
 @dataclass(slots=True)

@@ -35,7 +35,8 @@ from shared.logging import get_logger
 from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 from shared.redis import BROKER_ERRORS, RawBatch, connect
-from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, encode_events
+from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, Wake, encode_events, \
+    stream_entry_id
 from shared.settings import WorkerSettings
 from shared.tiers import STREAM_SLOT_TTL_S
 
@@ -54,12 +55,6 @@ CANCEL_MEMORY_S = 300.0
 READ_EVERY_S = 0.05
 #: most reply channels one request is published to besides its own (resumed clients)
 MAX_FOLLOWERS = 8
-
-
-def _entry_id(entry: str) -> tuple[int, int]:
-    """A stream entry id ``"<ms>-<seq>"`` as a comparable pair; ``ValueError`` if malformed."""
-    ms, _, seq = entry.partition("-")
-    return int(ms), int(seq or 0)
 
 
 #: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
@@ -364,14 +359,15 @@ class WorkerProcess:
         return self._woken or time.monotonic() - self._read_at >= READ_EVERY_S
 
     def _on_wake(self, data: bytes) -> None:
-        """``b"<lane> <entry id>"`` from a gateway's enqueue: wake unless already read."""
+        """A gateway's enqueue announced a task (``shared.schema.Wake``): wake unless it
+        was already read. An unreadable message wakes too (reading costs little)."""
         try:
-            lane, entry = data.decode().split(" ", 1)
-            entry_id = _entry_id(entry)
-        except (UnicodeDecodeError, ValueError):
+            wake = Wake.decode(data)
+        except ValueError:
+            log.warning("unreadable wake message", data=data[:64])
             self._woken = True
             return
-        if entry_id > self._last_read.get(lane, (0, 0)):
+        if wake.is_new(self._last_read):
             self._woken = True
 
     async def _read(self, free: int, block: bool) -> list[tuple[str, bytes, dict]]:
@@ -379,7 +375,7 @@ class WorkerProcess:
         self._read_at = time.monotonic()
         out = await self._read_lanes(free, block)
         for lane, mid, _ in out:
-            entry_id = _entry_id(mid.decode())
+            entry_id = stream_entry_id(mid.decode())
             if entry_id > self._last_read.get(lane, (0, 0)):
                 self._last_read[lane] = entry_id
         return out
