@@ -10,6 +10,7 @@ import orjson
 import pytest
 import websockets
 
+from shared.schema import Wake
 from tests.integration.wsclient import Client
 
 
@@ -209,7 +210,8 @@ async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefi
 async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds, key_prefix):
     """The gateway queues through EVALSHA; a Redis that lost its scripts (restart, SCRIPT
     FLUSH) gets the script again instead of refusing work. Every queued task is announced
-    on sf:wake:{model} with its lane, so a busy worker reads again at its next step."""
+    on sf:wake:{model} with its lane and entry id, so a busy worker reads again at its next
+    step."""
     gw = fleet.gateway()
     fleet.worker(backend="echo")
     c = await Client.connect(gw.ws)
@@ -224,6 +226,6 @@ async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds
         msg = wake.get_message(timeout=0.1)
         if msg is not None:
             break
-    assert msg is not None and msg["data"] == b"high", msg
+    assert msg is not None and Wake.decode(msg["data"]).lane == "high", msg
     wake.close()
     await c.close()
