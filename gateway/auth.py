@@ -238,9 +238,6 @@ class KeyStore:
                             code=ErrorCode.forbidden)
         return Identity(key_id=record.key_id, name=record.name, tier=tier)
 
-    def clear_cache(self) -> None:
-        self._cache.clear()
-
     async def lookup(self, key_id: str) -> KeyRecord | None:
         """A key's record through the cache (None: no such key); for watching keys that
         are in use. Raises ``UnavailableError`` when Redis cannot be reached."""

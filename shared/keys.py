@@ -35,15 +35,12 @@ class Keys:
         return f"{self.prefix}:reply:{connection_id}"
 
     @property
-    def reply_pattern(self) -> str:
-        return f"{self.prefix}:reply:*"
-
-    @property
     def cancel(self) -> str:
         return f"{self.prefix}:cancel"
 
     def wake(self, model: str) -> str:
-        """Pub/sub channel: a gateway just queued a task for ``model`` (message: its lane).
+        """Pub/sub channel: a gateway just queued a task for ``model`` (message: a
+        ``shared.schema.Wake``, its lane and entry id).
         A hint only; workers that miss one still find the task on their next read."""
         return f"{self.prefix}:wake:{model}"
 

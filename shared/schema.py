@@ -27,7 +27,6 @@ import orjson
 
 __all__ = [
     "FinishReason",
-    "Lane",
     "SamplingParams",
     "Task",
     "TokenEvent",
@@ -50,10 +49,6 @@ class FinishReason(StrEnum):
     length = "length"
     cancelled = "cancelled"
 
-
-class Lane(StrEnum):
-    high = "high"
-    normal = "normal"
 
 
 @dataclass(slots=True)

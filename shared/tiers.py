@@ -101,12 +101,6 @@ class Tier:
             return False
         return LANES.index(lane) >= LANES.index(self.max_lane)
 
-    def describe(self) -> str:
-        rate = "unlimited" if self.unlimited else f"{self.requests_per_minute:g} req/min, burst {self.burst}"
-        streams = "no stream cap" if self.max_streams is None else f"{self.max_streams} streams"
-        conns = "" if self.max_connections is None else f", {self.max_connections} connections"
-        return f"{self.name}: {rate}, {streams}{conns}, lanes up to {self.max_lane}"
-
 
 #: the tiers every gateway knows unless ``tiers`` overrides them
 DEFAULT_TIERS: dict[str, Tier] = {
