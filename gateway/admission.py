@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import itertools
 import secrets
 import uuid
@@ -178,10 +177,6 @@ class Admission:
             return token_owner(resume_token)
         await self.limiter.check(identity)
         return owner_of(identity)
-
-    @staticmethod
-    def owns(record_owner: str, owner: str) -> bool:
-        return bool(record_owner) and hmac.compare_digest(record_owner.encode(), owner.encode())
 
     async def release(self, ticket: Ticket | None) -> None:
         """Give a request's stream slot back (the gateway saw it end). A request whose

@@ -36,7 +36,7 @@ from gateway.auth import Identity
 from shared.errors import ErrorCode, RefusedError, UnavailableError
 from shared.keys import Keys
 from shared.logging import get_logger
-from shared.redis import BROKER_ERRORS
+from shared.redis import BROKER_ERRORS, refresh_members
 from shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
 
 __all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "ConnectionSlots", "TOKEN_BUCKET_LUA",
@@ -290,27 +290,16 @@ class StreamSlots:
     async def touch(self, key_id: str, request_id: str) -> None:
         """Push a held slot's expiry ``ttl_s`` into the future (for streams that may run
         longer than ``ttl_s``); a slot that already lapsed is not revived."""
-        key = self._key(key_id)
-        try:
-            now_ms = await self._now_ms()
-            # XX: only a member still there; expiry follows the newest member
-            if await self.redis.zadd(key, {request_id: now_ms + self.ttl_ms}, xx=True, ch=True):
-                await self.redis.pexpire(key, self.ttl_ms)
-        except BROKER_ERRORS as exc:
-            log.warning("could not refresh a slot", what=self.noun, key_id=key_id, member=request_id,
-                        error=str(exc))
+        await self.touch_many([(key_id, request_id)])
 
     async def touch_many(self, held: list[tuple[str, str]]) -> None:
-        """``touch`` for many ``(key_id, member)`` pairs in one round trip."""
+        """``touch`` for many ``(key_id, member)`` pairs in one round trip. Never raises:
+        a slot that cannot be refreshed lapses after ``ttl_s``."""
         if not held:
             return
         try:
             expiry = await self._now_ms() + self.ttl_ms
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, member in held:
-                    pipe.zadd(self._key(key_id), {member: expiry}, xx=True)
-                    pipe.pexpire(self._key(key_id), self.ttl_ms)
-                await pipe.execute()
+            await refresh_members(self.redis, [(self._key(k), m) for k, m in held], expiry, self.ttl_ms)
         except BROKER_ERRORS as exc:
             log.warning("could not refresh slots", what=self.noun, count=len(held), error=str(exc))
 

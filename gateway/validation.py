@@ -169,6 +169,13 @@ class Validator:
             raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
         return tok
 
+    def _chat_problem(self, spec: ModelSpec) -> str | None:
+        """``template_problem`` of the model's tokenizer, found once per tokenizer file."""
+        key = spec.tokenizer_path
+        if key not in self._template_problems:
+            self._template_problems[key] = template_problem(self.tokenizer(spec))
+        return self._template_problems[key]
+
     # -- the rules --------------------------------------------------------------
     def generate(self, p: dict[str, Any]) -> ValidRequest:
         """Validate one generate payload completely (``check`` then ``finish``).
@@ -241,14 +248,11 @@ class Validator:
             if chars > s.max_prompt_chars:  # before a template renders them
                 raise ValidationError(f"the messages have {chars} characters; the limit is {s.max_prompt_chars}",
                                       code=ErrorCode.prompt_too_long, param="messages")
-            tokenizer = self.tokenizer(spec)
-            problem = self._template_problems.get(spec.tokenizer_path, ...)
-            if problem is ...:
-                problem = self._template_problems[spec.tokenizer_path] = template_problem(tokenizer)
+            problem = self._chat_problem(spec)
             if problem is not None:
                 raise ValidationError(f"model {spec.name!r} cannot serve chat: {problem}; send a 'prompt' instead",
                                       code=ErrorCode.invalid_request, param="messages")
-            text = render_chat(msgs, tokenizer)
+            text = render_chat(msgs, self.tokenizer(spec))
         if not text:
             raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
         if len(text) > s.max_prompt_chars:

@@ -20,6 +20,7 @@ from shared.metrics import gateway as metrics
 
 from gateway.admission import revoked_error
 from gateway.observe import observed
+from gateway.origin import origin_allowed
 from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
 from gateway.streams import ReplyChannel, RequestStream
 
@@ -65,8 +66,8 @@ class WebSocketSession:
         self.models: dict[str, str] = {}
         self.lanes: dict[str, str] = {}
         self.broken = False  # a write failed: the socket is gone
-        self.revoked = False  # the API key was revoked while connected
-        self._wake: asyncio.Future | None = None
+        #: done once the API key is revoked while connected (it also wakes the read loop)
+        self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def send(self, frame: dict) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
@@ -175,8 +176,6 @@ class WebSocketSession:
 
     async def run(self) -> None:
         s = self.hub.settings
-        from gateway.origin import origin_allowed  # the rule the HTTP API follows too
-
         origin = self.ws.headers.get("origin")
         if not origin_allowed(origin, self.ws.headers.get("host"), self.ws.scope.get("scheme", "ws"),
                               s.allowed_origins):
@@ -219,9 +218,8 @@ class WebSocketSession:
     async def _key_revoked(self) -> None:
         """The connection's API key was revoked: end the connection (its requests are
         cancelled, as on any clean close)."""
-        self.revoked = True
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        if not self.revoked.done():
+            self.revoked.set_result(None)
 
     async def _serve(self) -> None:
         s = self.hub.settings
@@ -233,7 +231,6 @@ class WebSocketSession:
             await self.ws.close(code=1011, reason="broker unavailable")
             return
         sender = asyncio.create_task(self._send_loop())
-        self._wake = asyncio.get_running_loop().create_future()
         opened = time.monotonic()
         age_limit = opened + s.ws_max_age_s if s.ws_max_age_s > 0 else math.inf
         hard_limit = age_limit + s.ws_max_age_grace_s
@@ -244,7 +241,7 @@ class WebSocketSession:
         try:
             while True:
                 now = time.monotonic()
-                if self.revoked:
+                if self.revoked.done():
                     self.send(revoked_error().to_frame(None))
                     close = (1008, "API key revoked")
                     break
@@ -264,7 +261,7 @@ class WebSocketSession:
                     break
                 if receiver is None:
                     receiver = asyncio.ensure_future(self.ws.receive())
-                done, _ = await asyncio.wait({receiver, sender, self._wake}, timeout=min(deadline - now, 1.0),
+                done, _ = await asyncio.wait({receiver, sender, self.revoked}, timeout=min(deadline - now, 1.0),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if sender in done:  # the socket failed while sending
                     break

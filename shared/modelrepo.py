@@ -38,7 +38,8 @@ from typing import Any
 
 from shared.errors import FatalError, NotFoundError
 
-__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id", "REPO_ROOT"]
+__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
+           "read_json", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,7 +113,12 @@ class ModelSpec:
         return self.onnx_path.exists() and self.tokenizer_path.exists()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a model folder: ``{}`` when it is missing (or not an object).
+
+    Raises:
+        FatalError: it exists but cannot be read as JSON.
+    """
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -167,13 +173,13 @@ def declared_eos(folder: Path, tokenizer_file: str = "tokenizer.json") -> tuple[
     found: list[int] = []
     sources: list[str] = []
     for name in ("generation_config.json", "config.json"):
-        ids = _ids(_read_json(folder / name).get("eos_token_id"))
+        ids = _ids(read_json(folder / name).get("eos_token_id"))
         if ids:
             found += ids
             sources.append(name)
-    eos_text = _token_text(_read_json(folder / "tokenizer_config.json").get("eos_token"))
+    eos_text = _token_text(read_json(folder / "tokenizer_config.json").get("eos_token"))
     if eos_text is not None and (folder / tokenizer_file).exists():
-        tid = token_id(_read_json(folder / tokenizer_file), eos_text)
+        tid = token_id(read_json(folder / tokenizer_file), eos_text)
         if tid is None:
             raise FatalError(f"{folder / 'tokenizer_config.json'}: eos_token {eos_text!r} is not one token of "
                              f"{tokenizer_file}")

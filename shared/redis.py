@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-__all__ = ["connect", "BROKER_ERRORS", "pack", "RawBatch", "Coalescer"]
+__all__ = ["connect", "BROKER_ERRORS", "pack", "RawBatch", "Coalescer", "refresh_members"]
 
 #: exceptions meaning "the broker is not reachable right now"
 BROKER_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -41,6 +41,25 @@ def connect(url: str, *, socket_timeout: float | None = 5.0, max_connections: in
         max_connections=max_connections,
     )
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+
+
+async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]], expiry_ms: int,
+                          ttl_ms: int) -> None:
+    """Push the score (an expiry, unix ms) of ``(sorted set, member)`` pairs to
+    ``expiry_ms`` where the member is still there (``ZADD XX``: a lapsed one is not
+    revived), and each set's TTL to ``ttl_ms``; one round trip. The stream and connection
+    slots of API keys are such sets (gateway/ratelimit.py, workers/process.py).
+
+    Raises:
+        BROKER_ERRORS: Redis is unreachable.
+    """
+    if not members:
+        return
+    async with redis.pipeline(transaction=False) as pipe:
+        for key, member in members:
+            pipe.zadd(key, {member: expiry_ms}, xx=True)
+            pipe.pexpire(key, ttl_ms)
+        await pipe.execute()
 
 
 def pack(*args: bytes | str | int) -> bytes:

@@ -50,7 +50,6 @@ class FinishReason(StrEnum):
     cancelled = "cancelled"
 
 
-
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples. ``temperature == 0`` means greedy.

@@ -72,10 +72,7 @@ class Tier:
                 raise ValueError(f"tier {self.name}: requests_per_minute must be a number > 0 or null, got {rpm!r}")
             if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
                 raise ValueError(f"tier {self.name}: burst must be an integer >= 1, got {self.burst!r}")
-        ms = self.max_streams
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 1):
-            raise ValueError(f"tier {self.name}: max_streams must be an integer >= 1 or null, got {ms!r}")
-        for fname in ("max_connections", "max_tokens"):
+        for fname in ("max_streams", "max_connections", "max_tokens"):
             v = getattr(self, fname)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"tier {self.name}: {fname} must be an integer >= 1 or null, got {v!r}")

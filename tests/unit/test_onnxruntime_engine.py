@@ -70,22 +70,29 @@ SCENARIOS = {
 }
 
 
+def scenario_prompts(vocab: int, lengths: tuple[int, ...] = (7, 1, 40, 3, 12)) -> dict[str, list[int]]:
+    """Prompts a, b, c… of the given lengths."""
+    return {k: prompt(i + 1, n, vocab) for i, (k, n) in enumerate(zip("abcde", lengths))}
+
+
+def check_scenario(engine, reference_engine, prompts: dict[str, list[int]], plan: dict, label: str = "") -> None:
+    """Run ``plan`` on ``engine``; every surviving sequence gets exactly the tokens (and
+    nearly the logits) it gets alone on ``reference_engine``; then release them."""
+    solo = {k: greedy_alone(reference_engine, p, STEPS) for k, p in prompts.items()}
+    got, rows = greedy_scenario(engine, prompts, plan, STEPS, STEPS + 8)
+    assert got
+    for k in got:
+        assert got[k] == solo[k][0], (label, k)
+        np.testing.assert_allclose(np.array(rows[k]), np.array(solo[k][1]), atol=1e-3, rtol=1e-4)
+    for k in list(got):
+        engine.release(k)
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_batch_with_joins_and_leaves(engine, name):
     """Sequences of different lengths join and leave mid-way, decode order shuffles, some
     sit out a step; each still gets exactly its solo tokens."""
-    plan = SCENARIOS[name]
-    v = engine.vocab_size
-    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
-               "e": prompt(5, 12, v)}
-    solo = {k: greedy_alone(engine, p, STEPS) for k, p in prompts.items()}
-    got, rows = greedy_scenario(engine, prompts, plan, STEPS, STEPS + 8)
-    assert got
-    for k in got:
-        assert got[k] == solo[k][0], k
-        np.testing.assert_allclose(np.array(rows[k]), np.array(solo[k][1]), atol=1e-3, rtol=1e-4)
-    for k in list(got):
-        engine.release(k)
+    check_scenario(engine, engine, scenario_prompts(engine.vocab_size), SCENARIOS[name], name)
 
 
 def test_prefill_groups_lengths():
@@ -219,16 +226,8 @@ def test_graphs_without_position_ids_are_never_padded(engine, tiny_spec, name):
         return real_run(ids, mask, positions, past)
 
     solo_engine._run = run
-    plan = SCENARIOS[name]
-    v = engine.vocab_size
-    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 7, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
-               "e": prompt(5, 7, v)}
-    want = {k: greedy_alone(engine, p, STEPS) for k, p in prompts.items()}
-    got, rows = greedy_scenario(solo_engine, prompts, plan, STEPS, STEPS + 8)
-    assert got
-    for k in got:
-        assert got[k] == want[k][0], k
-        np.testing.assert_allclose(np.array(rows[k]), np.array(want[k][1]), atol=1e-3, rtol=1e-4)
+    check_scenario(solo_engine, engine, scenario_prompts(engine.vocab_size, (7, 7, 40, 3, 7)), SCENARIOS[name],
+                   name)
     assert masks and all(m.all() for m in masks)  # no padded or masked slot, ever
     if name != "one-at-a-time":  # a and b join together with equal lengths: they share runs
         assert any(m.shape[0] > 1 for m in masks)
@@ -262,14 +261,6 @@ def test_a_graph_that_takes_positions_from_cache_columns_is_exact(engine, tiny_s
     spec = dataclasses.replace(tiny_spec, onnx=str(_column_position_graph(tiny_spec, tmp_path)))
     cols = OnnxRuntimeEngine(spec, threads=1)
     assert cols.solo
-    v = engine.vocab_size
-    prompts = {"a": prompt(1, 7, v), "b": prompt(2, 1, v), "c": prompt(3, 40, v), "d": prompt(4, 3, v),
-               "e": prompt(5, 12, v)}
-    want = {k: greedy_alone(engine, p, STEPS)[0] for k, p in prompts.items()}
     for name, plan in SCENARIOS.items():
-        got, _ = greedy_scenario(cols, prompts, plan, STEPS, STEPS + 8)
-        for k in got:
-            assert got[k] == want[k], (name, k)
-        for k in list(got):
-            cols.release(k)
+        check_scenario(cols, engine, scenario_prompts(engine.vocab_size), plan, name)
     cols.close()
