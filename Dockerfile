@@ -42,9 +42,9 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && streamfleet --help > /dev/null
 
 # The demo model, generated here so that containers never download or build anything.
-COPY scripts/make_tiny_model.py scripts/make_tiny_model.py
+COPY scripts/__init__.py scripts/make_tiny_model.py scripts/
 COPY engines/tiny-gpt/engine.toml engines/tiny-gpt/engine.toml
-RUN python scripts/make_tiny_model.py --model-dir engines/tiny-gpt \
+RUN python -m scripts.make_tiny_model --model-dir engines/tiny-gpt \
  && test -s engines/tiny-gpt/model.onnx && test -s engines/tiny-gpt/tokenizer.json
 
 # ---------------------------------------------------------------------------- runtime

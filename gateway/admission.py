@@ -30,12 +30,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from shared.errors import AuthError, ErrorCode, StreamfleetError, ValidationError
-from shared.logging import get_logger
-from shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
+from streamfleet.shared.errors import AuthError, ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
-from gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
-from gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots
+from streamfleet.gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
+from streamfleet.gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots
 
 __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
 

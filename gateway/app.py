@@ -11,18 +11,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 import orjson
 
-from shared import aio
-from shared.errors import ErrorCode, StreamfleetError
-from shared.logging import get_logger
-from shared.modelrepo import ModelRepository
-from shared.settings import GatewaySettings
+from streamfleet.shared import aio
+from streamfleet.shared.errors import ErrorCode, StreamfleetError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.settings import GatewaySettings
 
-from gateway import demo, openai
-from gateway.admission import Admission
-from gateway.broker import Broker
-from gateway.origin import OriginGuard
-from gateway.validation import Validator
-from gateway.ws import websocket_stream
+from streamfleet.gateway import demo, openai
+from streamfleet.gateway.admission import Admission
+from streamfleet.gateway.broker import Broker
+from streamfleet.gateway.origin import OriginGuard
+from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.ws import websocket_stream
 
 __all__ = ["Hub", "create_app", "json_response"]
 
@@ -58,9 +58,9 @@ async def refresh_fleet_gauges(hub: Hub) -> None:
     """Lane depth, in-flight, lag, live workers and dead letters, read from Redis when
     Prometheus scrapes the metrics port (gateway/scrape.py; a few commands per model, not
     per token)."""
-    from shared.keys import GROUP
-    from shared.metrics import gateway as m
-    from shared.redis import BROKER_ERRORS
+    from streamfleet.shared.keys import GROUP
+    from streamfleet.shared.metrics import gateway as m
+    from streamfleet.shared.redis import BROKER_ERRORS
 
     r, keys = hub.broker.redis, hub.broker.keys
     try:

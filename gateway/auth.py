@@ -32,11 +32,11 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from shared.errors import AuthError, ErrorCode, UnavailableError
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.redis import BROKER_ERRORS
-from shared.tiers import DEFAULT_TIERS, Tier
+from streamfleet.shared.errors import AuthError, ErrorCode, UnavailableError
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.tiers import DEFAULT_TIERS, Tier
 
 __all__ = [
     "Identity",

@@ -11,15 +11,15 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from shared.errors import ErrorCode, RefusedError, UnavailableError
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.metrics import gateway as metrics
-from shared.redis import BROKER_ERRORS, Coalescer, connect
-from shared.schema import Cancel, Event, Follow, RequestRecord, Task, decode_events, live_workers
-from shared.settings import GatewaySettings
+from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
+from streamfleet.shared.schema import Cancel, Event, Follow, RequestRecord, Task, decode_events, live_workers
+from streamfleet.shared.settings import GatewaySettings
 
-from gateway.pubsub import PubSubConnection, open_pubsub
+from streamfleet.gateway.pubsub import PubSubConnection, open_pubsub
 
 __all__ = ["Broker"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from shared.logging import get_logger
-from shared.metrics import gateway as m
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as m
 
-from gateway.streams import End, Failed, RequestStream, StreamEvent, Token
+from streamfleet.gateway.streams import End, Failed, RequestStream, StreamEvent, Token
 
 __all__ = ["observed"]
 

@@ -24,14 +24,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
-from shared.logging import get_logger
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.logging import get_logger
 
-from shared.metrics import gateway as metrics
+from streamfleet.shared.metrics import gateway as metrics
 
-from gateway.admission import revoked_error
-from gateway.observe import observed
-from gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
+from streamfleet.gateway.admission import revoked_error
+from streamfleet.gateway.observe import observed
+from streamfleet.gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -425,7 +425,7 @@ async def models(request: Request) -> Response:
                 data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamfleet",
                              "workers": len(workers)})
     except Exception as exc:  # Redis down: say so in OpenAI's shape
-        from shared.errors import UnavailableError
+        from streamfleet.shared.errors import UnavailableError
 
         return openai_error_response(UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000))
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shared.errors import ErrorCode, StreamfleetError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError
 
-from gateway.openai import openai_error_response
+from streamfleet.gateway.openai import openai_error_response
 
 __all__ = ["origin_allowed", "OriginGuard"]
 

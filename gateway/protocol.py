@@ -18,9 +18,9 @@ from typing import Any, Union
 
 import orjson
 
-from shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 
-from gateway.streams import End, Failed, StreamEvent, Token
+from streamfleet.gateway.streams import End, Failed, StreamEvent, Token
 
 __all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame"]
 

@@ -24,7 +24,7 @@ import hiredis
 from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
 
-from shared.redis import pack
+from streamfleet.shared.redis import pack
 
 __all__ = ["PubSubConnection", "open_pubsub", "pack"]
 

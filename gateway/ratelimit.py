@@ -32,12 +32,12 @@ from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 
-from gateway.auth import Identity
-from shared.errors import ErrorCode, RefusedError, UnavailableError
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.redis import BROKER_ERRORS, refresh_members
-from shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
+from streamfleet.gateway.auth import Identity
+from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
+from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
 
 __all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "ConnectionSlots", "TOKEN_BUCKET_LUA",
            "STREAM_SLOTS_LUA"]

@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from shared.settings import GatewaySettings
+from streamfleet.shared.settings import GatewaySettings
 
-from gateway.app import Hub, refresh_fleet_gauges
+from streamfleet.gateway.app import Hub, refresh_fleet_gauges
 
 __all__ = ["MetricsListenError", "MetricsServer", "listen", "metrics_app"]
 

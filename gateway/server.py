@@ -7,12 +7,12 @@ from pathlib import Path
 
 import uvicorn
 
-from shared import aio
-from shared.logging import get_logger
-from shared.settings import GatewaySettings
+from streamfleet.shared import aio
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.settings import GatewaySettings
 
-from gateway.app import create_app
-from gateway.scrape import MetricsListenError, MetricsServer, listen
+from streamfleet.gateway.app import create_app
+from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
 

@@ -30,10 +30,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Union
 
-from shared.errors import ErrorCode, GenerationError, NotFoundError, StreamfleetError, UnavailableError, \
+from streamfleet.shared.errors import ErrorCode, GenerationError, NotFoundError, StreamfleetError, UnavailableError, \
     error_from_code
-from shared.logging import get_logger
-from shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
 __all__ = ["Token", "End", "Failed", "StreamEvent", "RequestStream", "ReplyChannel"]
 

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
-from shared.keys import LANES
-from shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
-from shared.schema import SamplingParams, Task
-from shared.settings import GatewaySettings
+from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
+from streamfleet.shared.keys import LANES
+from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
+from streamfleet.shared.schema import SamplingParams, Task
+from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
 

@@ -13,16 +13,16 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
-from shared.logging import get_logger
+from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
+from streamfleet.shared.logging import get_logger
 
-from shared.metrics import gateway as metrics
+from streamfleet.shared.metrics import gateway as metrics
 
-from gateway.admission import revoked_error
-from gateway.observe import observed
-from gateway.origin import origin_allowed
-from gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
-from gateway.streams import ReplyChannel, RequestStream
+from streamfleet.gateway.admission import revoked_error
+from streamfleet.gateway.observe import observed
+from streamfleet.gateway.origin import origin_allowed
+from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
+from streamfleet.gateway.streams import ReplyChannel, RequestStream
 
 __all__ = ["websocket_stream"]
 

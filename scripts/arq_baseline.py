@@ -7,7 +7,7 @@ itself, while an arq worker finds new jobs by polling its queue (a sorted set) e
 (in-progress key, job fetch, result). This harness measures what that costs in time to
 first token, with everything else the same:
 
-* worker (``python scripts/arq_baseline.py worker``): an arq ``Worker`` whose job
+* worker (``python -m scripts.arq_baseline worker``): an arq ``Worker`` whose job
   ``generate(rid, prompt, max_tokens)`` hands the request to the same continuous-batching
   loop over ``EchoEngine`` as ``scripts/baseline_server.py`` (``EchoBatcher``, same
   per-step delay); each step's events are PUBLISHed in one pipeline, one message per
@@ -18,7 +18,7 @@ first token, with everything else the same:
 
 The client talks to Redis directly (no gateway hop), which favours arq.
 
-    python scripts/arq_baseline.py worker --redis-url redis://127.0.0.1:6379/0 --poll-delay 0.5
+    python -m scripts.arq_baseline worker --redis-url redis://127.0.0.1:6379/0 --poll-delay 0.5
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import sys
 import time
 from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from streamfleet.bench import BenchConfig, BenchResult, RequestRecord  # noqa: E402
 
@@ -48,7 +44,7 @@ CHANNEL = "arqbench:reply:"
 
 async def generate(ctx, rid: str, prompt: str, max_tokens: int) -> int:
     """The arq job: run one generation on the shared batcher; returns tokens made."""
-    from baseline_server import Gen
+    from scripts.baseline_server import Gen
 
     batcher = ctx["batcher"]
     done = asyncio.get_running_loop().create_future()
@@ -66,7 +62,7 @@ def worker_main(redis_url: str, *, delay_ms: float, max_batch: int, poll_delay: 
     from arq.connections import RedisSettings
     from arq.worker import Worker
 
-    from baseline_server import build_batcher
+    from scripts.baseline_server import build_batcher
 
     async def startup(ctx) -> None:
         r = ctx["redis"]

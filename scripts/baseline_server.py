@@ -13,7 +13,7 @@ token's text from the model's tokenizer.
 What the fleet adds on top of this (gateway process, validation, Redis Streams,
 pub/sub, a second hop of framing) is what ``scripts/bench_fleet.py`` measures.
 
-    python scripts/baseline_server.py --port 9000 --delay-ms 10 --max-batch 64
+    python -m scripts.baseline_server --port 9000 --delay-ms 10 --max-batch 64
 
 ``EchoBatcher`` is also the generation loop of ``scripts/arq_baseline.py``.
 """
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import inspect
 import itertools
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,12 +33,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from shared import aio  # noqa: E402
-from shared.modelrepo import ModelRepository, load_tokenizer  # noqa: E402
-from workers.engines.echo import EchoEngine  # noqa: E402
+from streamfleet.shared import aio  # noqa: E402
+from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer  # noqa: E402
+from streamfleet.workers.engines.echo import EchoEngine  # noqa: E402
 
 __all__ = ["EchoBatcher", "Gen", "serve"]
 

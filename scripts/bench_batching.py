@@ -8,7 +8,7 @@ request when the previous one ends), first with the worker's max_batch = 32, the
 a worker restarted with max_batch = 1. Prints tokens/s and TTFT p50/p99 per setting and
 the ratio. Nothing here is a test: numbers depend on the machine.
 
-    python scripts/bench_batching.py [--tokens 32] [--levels 1,8,32]
+    python -m scripts.bench_batching [--tokens 32] [--levels 1,8,32]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import redis
 import websockets
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from streamfleet.launcher import EmbeddedRedis, Fleet, wait_ready  # noqa: E402
 
@@ -93,7 +92,7 @@ def main() -> None:
     model_dir = Path(args.model_dir)
     if not (model_dir / "model.onnx").exists():
         print(f"generating the benchmark model in {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model_dir),
+        subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", "--out", str(model_dir),
                         "--preset", "bench"], check=True)
     levels = [int(x) for x in args.levels.split(",")]
     rds = EmbeddedRedis().start()

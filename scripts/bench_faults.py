@@ -13,7 +13,7 @@
 
 Nothing here is a test; the figures depend on the machine.
 
-    python scripts/bench_faults.py [--only worker-kill,gateway-kill]
+    python -m scripts.bench_faults [--only worker-kill,gateway-kill]
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import redis
 import websockets
 
 SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS.parent))
-sys.path.insert(0, str(SCRIPTS))
 
-from bench_fleet import MODEL, Stack, write_model  # noqa: E402
+from scripts.bench_fleet import MODEL, Stack, write_model  # noqa: E402
 from streamfleet.bench import percentile  # noqa: E402
 
 PROMPT = "Once upon a time there was a fleet"

@@ -25,7 +25,7 @@ model folder written to a temporary directory (``echo-bench``: the tiny-gpt toke
 Nothing here is a test: the figures depend on the machine (and on whatever else runs on
 it). The client runs in this process and shares the machine's cores with the servers.
 
-    python scripts/bench_fleet.py [--only overhead,throughput,scaleout,arq] [--quick] [--json out.json]
+    python -m scripts.bench_fleet [--only overhead,throughput,scaleout,arq] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,13 +46,10 @@ import httpx
 import psutil
 import redis
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(SCRIPTS))
 
-from shared import aio  # noqa: E402
-from shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
+from streamfleet.shared import aio  # noqa: E402
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
 from streamfleet.bench import BenchConfig, BenchResult, run_bench, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
 
@@ -193,7 +190,7 @@ def arq_worker(redis_url: str, engines: Path, delay_ms: float, max_batch: int, p
                "--model", MODEL, "--engines-dir", str(engines)],
               env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=subprocess.DEVNULL,
               stderr=subprocess.DEVNULL)
-    from arq_baseline import QUEUE
+    from scripts.arq_baseline import QUEUE
 
     r = redis.Redis.from_url(redis_url)
     try:
@@ -360,7 +357,7 @@ def run_arq(plan: Plan, engines: Path, fleet_results: dict | None) -> dict:
     delay, tokens = 10.0, plan.overhead_tokens
     levels = ((1, plan.arq_c1_requests), (64, 128))
     out: dict = {"delay_ms": delay, "max_tokens": tokens, "fleet": {}, "arq 0.5 s": {}, "arq 10 ms": {}}
-    from arq_baseline import run_arq_bench
+    from scripts.arq_baseline import run_arq_bench
 
     if fleet_results:
         out["fleet"] = fleet_results

@@ -10,7 +10,7 @@ model costs nothing and the gateway is what is measured), then:
      gateway's RSS before and after: memory per idle connection;
   3. the same 50 streaming clients again while the 1,000 stay open.
 
-    python scripts/bench_idle.py [--idle 1000] [--active 50] [--requests 200]
+    python -m scripts.bench_idle [--idle 1000] [--active 50] [--requests 200]
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import websockets
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from streamfleet.bench import BenchConfig, run_bench  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready  # noqa: E402

@@ -2,9 +2,9 @@
 """Build a model's TensorRT plan on this host (TensorRT and a GPU needed), or show what
 would be built (``--dry-run``: profiles, key and path; no TensorRT needed).
 
-    python scripts/build_engine.py tiny-gpt
-    python scripts/build_engine.py tiny-gpt --force --option builder_optimization_level=5
-    python scripts/build_engine.py bench-gpt --dry-run --trt-version 10.8.0.43 --cc 90
+    python -m scripts.build_engine tiny-gpt
+    python -m scripts.build_engine tiny-gpt --force --option builder_optimization_level=5
+    python -m scripts.build_engine bench-gpt --dry-run --trt-version 10.8.0.43 --cc 90
 
 The same as ``streamfleet engines build MODEL`` without ``--queue`` (which also records
 the plan in Redis); see docs/tensorrt.md.
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shared.errors import FatalError, NotFoundError  # noqa: E402
-from shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
-from workers.engines import trt_build  # noqa: E402
+from streamfleet.shared.errors import FatalError, NotFoundError  # noqa: E402
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
+from streamfleet.workers.engines import trt_build  # noqa: E402
 
 
 def _options(pairs: list[str]) -> dict:
@@ -55,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             version = args.trt_version or trt_build.import_tensorrt().__version__
             if args.cc is None:
-                from workers.engines.cuda_mem import detect_compute_capability
+                from streamfleet.workers.engines.cuda_mem import detect_compute_capability
 
                 args.cc = detect_compute_capability()
             req = trt_build.plan_request(spec, version, args.cc, options)

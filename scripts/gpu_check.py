@@ -10,12 +10,12 @@
    memory-bandwidth bound (formula printed; H200 HBM ~4.8 TB/s, ``--bandwidth-tbs``).
 
 ``--dry-run`` needs no GPU: the TensorRT engine's data path runs emulated (device
-memory in host memory, ONNX Runtime in place of the plan; tests/gpu/emulation.py) and
+memory in host memory, ONNX Runtime in place of the plan; scripts/trt_emulation.py) and
 the throughput table is ONNX Runtime's on this CPU. Exit status: 0 all equal, 1 a
 mismatch, 2 the environment lacks something (message says what).
 
     scripts/gpu_check.sh                     # the entry point (installs missing wheels from $WHEELS)
-    python scripts/gpu_check.py --dry-run    # CPU only
+    python -m scripts.gpu_check --dry-run    # CPU only
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from shared.errors import FatalError  # noqa: E402
-from shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts  # noqa: E402
-from tests.gpu.greedy import (Outcome, compare, greedy_alone, greedy_batched, greedy_staggered,  # noqa: E402
+from streamfleet.shared.errors import FatalError  # noqa: E402
+from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts  # noqa: E402
+from scripts.greedy import (Outcome, compare, greedy_alone, greedy_batched, greedy_staggered,  # noqa: E402
                               random_prompts)
-from workers.engines import trt_build  # noqa: E402
+from streamfleet.workers.engines import trt_build  # noqa: E402
 
 T0 = time.perf_counter()
 TEXTS = [
@@ -74,7 +73,7 @@ def environment(dry: bool) -> None:
     elif not dry:
         raise FatalError("no NVIDIA GPU here (nvidia-smi not found); use --dry-run on a CPU machine")
     if not dry:
-        from workers.engines.cuda_mem import choose
+        from streamfleet.workers.engines.cuda_mem import choose
 
         trt_build.import_tensorrt()
         say(f"cuda library: {choose('auto')[0]}")
@@ -86,7 +85,7 @@ def ensure_models(engines_dir: Path | None) -> dict[str, ModelSpec]:
     ensure_artifacts(tiny)
     bench_dir = repo.root / "bench-gpt"
     if not (bench_dir / "engine.toml").exists() or not (bench_dir / "model.onnx").exists():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(bench_dir),
+        subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", "--out", str(bench_dir),
                         "--preset", "bench"], check=True)
     bench = ModelRepository(engines_dir).get("bench-gpt")
     ensure_artifacts(bench)
@@ -113,10 +112,10 @@ def build_plans(specs: list[ModelSpec]) -> None:
 
 def make_engine(spec: ModelSpec, dry: bool, cuda: str) -> Any:
     if dry:
-        from tests.gpu.emulation import emulated_engine
+        from scripts.trt_emulation import emulated_engine
 
         return emulated_engine(spec)
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     return TensorRTEngine(spec, build_if_missing=False, cuda=cuda)
 
@@ -125,7 +124,7 @@ def make_engine(spec: ModelSpec, dry: bool, cuda: str) -> Any:
 
 
 def correctness(spec: ModelSpec, dry: bool, cuda: str, lengths: list[int], steps: int, texts: bool) -> Outcome:
-    from workers.engines.onnxruntime import OnnxRuntimeEngine
+    from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
     ort = OnnxRuntimeEngine(spec)
     prompts = random_prompts(11, lengths, ort.vocab_size)
@@ -191,12 +190,12 @@ def throughput(spec: ModelSpec, engine: Any, label: str, batches: list[int], pro
     es = {"float32": 4, "float16": 2, "bfloat16": 2}[info.kv_dtype]
     say(f"{spec.name} decode throughput ({label}); prompt {prompt_len} tokens, {warmup} warm-up steps, "
         f"{steps} timed steps")
-    say(f"  bound: bytes/step = W + B*L*2*H*T*D*s, tokens/s <= B * BW / bytes/step")
+    say("  bound: bytes/step = W + B*L*2*H*T*D*s, tokens/s <= B * BW / bytes/step")
     say(f"         W = {weights / 1e6:.1f} MB weights, L = {info.n_layer}, H = {info.kv_heads}, "
         f"D = {info.head_dim}, s = {es} bytes, T = mean context in the timed window, "
         f"BW = {bandwidth / 1e12:.1f} TB/s")
-    say(f"  (the with-past graph also writes present = past + 1 slot each step: with that, "
-        f"bytes/step = W + 2*B*L*2*H*T*D*s)")
+    say("  (the with-past graph also writes present = past + 1 slot each step: with that, "
+        "bytes/step = W + 2*B*L*2*H*T*D*s)")
     say(f"  {'batch':>5} {'ms/step':>9} {'tokens/s':>10} {'bound tok/s':>12} {'% of bound':>10} "
         f"{'MB/step':>8} {'T':>6}")
     rng = np.random.default_rng(3)
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             batches = [int(b) for b in args.batches.split(",") if b]
             bench = specs["bench-gpt"]
             if dry:
-                from workers.engines.onnxruntime import OnnxRuntimeEngine
+                from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
                 eng: Any = OnnxRuntimeEngine(bench)
                 label = "onnxruntime on this CPU; the bound is the GPU's"

@@ -60,4 +60,4 @@ if (( ${#missing[@]} )); then
   fi
 fi
 
-exec timeout --kill-after=10 "$LIMIT" "$PY" scripts/gpu_check.py "$@"
+exec timeout --kill-after=10 "$LIMIT" "$PY" -m scripts.gpu_check "$@"

@@ -40,9 +40,9 @@ with -- optimum-onnx 0.1.0 pins optimum~=2.1.0 and transformers<4.58)::
 
 Run (from the repo root)::
 
-    /work/fixvenv/bin/python scripts/make_arch_fixtures.py            # every architecture
-    /work/fixvenv/bin/python scripts/make_arch_fixtures.py llama gemma3  # just some
-    /work/fixvenv/bin/python scripts/make_arch_fixtures.py --check      # only re-verify the
+    /work/fixvenv/bin/python -m scripts.make_arch_fixtures            # every architecture
+    /work/fixvenv/bin/python -m scripts.make_arch_fixtures llama gemma3  # just some
+    /work/fixvenv/bin/python -m scripts.make_arch_fixtures --check      # only re-verify the
                                                                          # committed graphs with ORT
 
 ``reference.json`` holds::

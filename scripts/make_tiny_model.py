@@ -23,9 +23,9 @@ TensorRT's ONNX parser takes the same file.
 
 Usage::
 
-    python scripts/make_tiny_model.py --model-dir engines/tiny-gpt     # [build] of its engine.toml
-    python scripts/make_tiny_model.py --out engines/bench-gpt --preset bench
-    python scripts/make_tiny_model.py --out /tmp/m --n-layer 1 --d-model 64 --vocab-size 512
+    python -m scripts.make_tiny_model --model-dir engines/tiny-gpt     # [build] of its engine.toml
+    python -m scripts.make_tiny_model --out engines/bench-gpt --preset bench
+    python -m scripts.make_tiny_model --out /tmp/m --n-layer 1 --d-model 64 --vocab-size 512
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ group's ``lag`` stays defined after the workers' XACK + XDEL (KEDA's redis-strea
 scaler reads it). Nothing is downloaded; the data is synthetic but shaped like the real
 payloads (``shared/schema.py``).
 
-    python scripts/measure_redis_memory.py                       # 1,000 x (500 + 500) tokens
-    python scripts/measure_redis_memory.py --requests 1000 --prompt-tokens 2000 --completion-tokens 1000
+    python -m scripts.measure_redis_memory                       # 1,000 x (500 + 500) tokens
+    python -m scripts.measure_redis_memory --requests 1000 --prompt-tokens 2000 --completion-tokens 1000
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import random
 import sys
 import time
 import uuid
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson  # noqa: E402
 import redis  # noqa: E402
 
-from shared.schema import DoneEvent, SamplingParams, Task, TokenEvent  # noqa: E402
+from streamfleet.shared.schema import DoneEvent, SamplingParams, Task, TokenEvent  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis  # noqa: E402
 
 # common English sub-word pieces, ~4 characters a token as for real BPE vocabularies

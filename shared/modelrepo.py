@@ -36,7 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shared.errors import FatalError, NotFoundError
+from streamfleet.shared.errors import FatalError, NotFoundError
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
            "read_json", "REPO_ROOT"]
@@ -259,7 +259,7 @@ def load_tokenizer(spec: ModelSpec) -> Any:
     """
     if not spec.tokenizer_path.exists():
         raise FatalError(
-            f"{spec.tokenizer_path} is missing; run `python scripts/make_tiny_model.py "
+            f"{spec.tokenizer_path} is missing; run `python -m scripts.make_tiny_model "
             f"--model-dir {spec.path}` (or `streamfleet serve`, which does it for you)"
         )
     return _load_tokenizer_cached(str(spec.tokenizer_path))
@@ -277,9 +277,9 @@ def ensure_artifacts(spec: ModelSpec) -> None:
         return
     if not spec.build:
         raise FatalError(f"model {spec.name!r} lacks {spec.onnx} / {spec.tokenizer} and has no [build] table")
-    script = REPO_ROOT / "scripts" / "make_tiny_model.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--model-dir", str(spec.path)],
+        [sys.executable, "-m", "scripts.make_tiny_model", "--model-dir", str(spec.path)],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
     )

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from shared.errors import FatalError
-from shared.keys import LANES
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.keys import LANES
 
 __all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers", "STREAM_SLOT_TTL_S", "CONNECTION_SLOT_TTL_S"]
 

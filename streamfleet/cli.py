@@ -43,14 +43,14 @@ def gateway(
     metrics_host: Optional[str] = typer.Option(None, help="bind address of the metrics port [SF_METRICS_HOST]"),
 ) -> None:
     """Run one gateway process (WebSocket /v1/stream, OpenAI API, health endpoints)."""
-    from shared.logging import configure_logging
-    from shared.settings import GatewaySettings
+    from streamfleet.shared.logging import configure_logging
+    from streamfleet.shared.settings import GatewaySettings
 
     overrides = {k: v for k, v in {"host": host, "port": port, "redis_url": redis_url, "metrics_port": metrics_port,
                                    "metrics_host": metrics_host}.items() if v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
-    from gateway.server import run_gateway
+    from streamfleet.gateway.server import run_gateway
 
     raise typer.Exit(run_gateway(settings, port_file))
 
@@ -64,14 +64,14 @@ def worker(
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads [SF_THREADS]"),
 ) -> None:
     """Run one worker process (one per GPU, or per CPU engine)."""
-    from shared.logging import configure_logging
-    from shared.settings import WorkerSettings
+    from streamfleet.shared.logging import configure_logging
+    from streamfleet.shared.settings import WorkerSettings
 
     overrides = {k: v for k, v in {"model": model, "backend": backend, "max_batch": max_batch,
                                    "redis_url": redis_url, "threads": threads}.items() if v is not None}
     settings = WorkerSettings(**overrides)
     configure_logging(settings.log_level, settings.log_format, process="worker")
-    from workers.process import run_worker
+    from streamfleet.workers.process import run_worker
 
     raise typer.Exit(run_worker(settings))
 
@@ -107,7 +107,7 @@ def status(
     redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
 ) -> None:
     """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
-    from shared.settings import CommonSettings
+    from streamfleet.shared.settings import CommonSettings
     from streamfleet.status import run_status
 
     if interval <= 0:
@@ -151,7 +151,7 @@ def bench(
                       seed=seed, compression=compression,
                       progress=sys.stderr.isatty() if progress is None else progress)
     try:
-        from shared import aio
+        from streamfleet.shared import aio
 
         aio.settle_heap()  # the client's own full collections would land in its latency figures
         result = aio.run(run_bench(cfg))  # uvloop when installed: the load generator must not be the limit
@@ -186,11 +186,11 @@ def reload(
 
     import redis
 
-    from shared.errors import StreamfleetError
-    from shared.keys import Keys
-    from shared.modelrepo import ModelRepository
-    from shared.schema import live_workers
-    from shared.settings import CommonSettings
+    from streamfleet.shared.errors import StreamfleetError
+    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.schema import live_workers
+    from streamfleet.shared.settings import CommonSettings
 
     settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
     try:

@@ -32,7 +32,7 @@ _REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
 
 
 def _settings(redis_url: Optional[str]) -> Any:
-    from shared.settings import CommonSettings
+    from streamfleet.shared.settings import CommonSettings
 
     return CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
 
@@ -84,8 +84,8 @@ def build(
 
 def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[str, Any], wait: bool,
              timeout: float) -> int:
-    from shared.redis import BROKER_ERRORS
-    from workers.enginebuild import enqueue_build, queue_key
+    from streamfleet.shared.redis import BROKER_ERRORS
+    from streamfleet.workers.enginebuild import enqueue_build, queue_key
 
     try:
         qkey = queue_key(settings.key_prefix, queue)
@@ -124,9 +124,9 @@ def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[s
 
 
 def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any]) -> int:
-    from shared.errors import FatalError, NotFoundError
-    from shared.modelrepo import ModelRepository, ensure_artifacts
-    from workers.engines.trt_build import build_plan
+    from streamfleet.shared.errors import FatalError, NotFoundError
+    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
+    from streamfleet.workers.engines.trt_build import build_plan
 
     try:
         spec = ModelRepository(settings.engines_dir).get(model)
@@ -146,8 +146,8 @@ def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any])
 
 def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, Any]) -> None:
     """Local builds show up in `engines list` too, when Redis is reachable."""
-    from shared.redis import BROKER_ERRORS, connect
-    from workers.enginebuild import plans_key
+    from streamfleet.shared.redis import BROKER_ERRORS, connect
+    from streamfleet.workers.enginebuild import plans_key
 
     async def main() -> None:
         client = connect(settings.redis_url, socket_timeout=2.0)
@@ -170,8 +170,8 @@ def list_(
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
 ) -> None:
     """Show built plans (host, TensorRT, GPU arch, when, how long) and the build queues."""
-    from shared.redis import BROKER_ERRORS, connect
-    from workers.enginebuild import list_plans, list_queues
+    from streamfleet.shared.redis import BROKER_ERRORS, connect
+    from streamfleet.workers.enginebuild import list_plans, list_queues
 
     settings = _settings(redis_url)
 
@@ -215,9 +215,9 @@ def list_(
 
 
 def _local_plans(settings: Any, model: Optional[str]) -> list[dict[str, Any]]:
-    from shared.errors import FatalError, NotFoundError
-    from shared.modelrepo import ModelRepository
-    from workers.engines.trt_build import list_local_plans, tensorrt_options
+    from streamfleet.shared.errors import FatalError, NotFoundError
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.workers.engines.trt_build import list_local_plans, tensorrt_options
 
     repo = ModelRepository(settings.engines_dir)
     out = []
@@ -248,9 +248,9 @@ def worker(
     """Run build jobs from QUEUE on this GPU host (arq worker; one build at a time)."""
     import re
 
-    from shared.errors import FatalError
-    from shared.logging import configure_logging
-    from workers.enginebuild import make_worker, queue_key
+    from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.logging import configure_logging
+    from streamfleet.workers.enginebuild import make_worker, queue_key
 
     settings = _settings(redis_url)
     configure_logging(settings.log_level, settings.log_format, process="engine-builder")
@@ -260,7 +260,7 @@ def worker(
         raise _fail(str(exc), 2) from None
     m = re.fullmatch(r"sm(\d+)", queue)
     if check_arch and m:
-        from workers.engines.cuda_mem import detect_compute_capability
+        from streamfleet.workers.engines.cuda_mem import detect_compute_capability
 
         try:
             cc = detect_compute_capability()
@@ -295,9 +295,9 @@ def import_(
     context, EOS and BOS)."""
     from pathlib import Path
 
-    from shared.errors import FatalError
-    from shared.modelrepo import ModelRepository
-    from shared.settings import CommonSettings
+    from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.settings import CommonSettings
     from streamfleet.modelimport import import_export, inspect_export
 
     if backend not in ("onnxruntime", "tensorrt"):

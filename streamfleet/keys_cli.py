@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, TypeVar
 import typer
 
 if TYPE_CHECKING:
-    from gateway.auth import KeyStore
+    from streamfleet.gateway.auth import KeyStore
 
 __all__ = ["keys_app"]
 
@@ -30,12 +30,12 @@ _REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
 
 def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
     """Run ``action(store)`` against a KeyStore built from the settings."""
-    from gateway.auth import KeyStore
-    from shared.errors import FatalError
-    from shared.keys import Keys
-    from shared.redis import BROKER_ERRORS, connect
-    from shared.settings import CommonSettings
-    from shared.tiers import parse_tiers
+    from streamfleet.gateway.auth import KeyStore
+    from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.redis import BROKER_ERRORS, connect
+    from streamfleet.shared.settings import CommonSettings
+    from streamfleet.shared.tiers import parse_tiers
 
     settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
     try:

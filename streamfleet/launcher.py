@@ -157,12 +157,12 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
           metrics_port: int | None = None) -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none)."""
-    from shared.logging import configure_logging, get_logger
-    from shared.modelrepo import ModelRepository, ensure_artifacts
+    from streamfleet.shared.logging import configure_logging, get_logger
+    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
 
     configure_logging("info", log_format, process="serve")
     log = get_logger("serve")
-    from shared.settings import CommonSettings
+    from streamfleet.shared.settings import CommonSettings
 
     spec = ModelRepository(CommonSettings().engines_dir).get(model)
     if not spec.artifacts_present():

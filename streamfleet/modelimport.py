@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import FatalError
-from shared.modelrepo import declared_eos, read_json
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import declared_eos, read_json
 
 __all__ = ["Imported", "inspect_export", "import_export", "GRAPH_NAMES"]
 
@@ -86,7 +86,7 @@ def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: i
     """
     import onnx
 
-    from workers.engines.trt_build import graph_info_from_model
+    from streamfleet.workers.engines.trt_build import graph_info_from_model
 
     source = Path(source)
     if not source.is_dir():

@@ -30,9 +30,9 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import redis
 
-from shared.keys import GROUP, LANES, Keys
-from shared.modelrepo import ModelRepository
-from shared.settings import CommonSettings
+from streamfleet.shared.keys import GROUP, LANES, Keys
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.settings import CommonSettings
 
 __all__ = ["LaneStatus", "WorkerStatus", "DeadLetter", "ModelStatus", "FleetStatus", "collect", "render",
            "run_status", "mask_url"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
+from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.schema import Task, TokenEvent
+from streamfleet.shared.schema import Task, TokenEvent
 
 if TYPE_CHECKING:
-    from workers.detokenize import IncrementalDetokenizer, StopMatcher
-    from workers.sampling import Sampler
+    from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
+    from streamfleet.workers.sampling import Sampler
 
 __all__ = ["Sequence", "StepPlan", "Scheduler"]
 

@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from shared.logging import get_logger
-from shared.errors import ErrorCode
-from shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
-from workers.batcher import Scheduler, Sequence
-from workers.detokenize import IncrementalDetokenizer, StopMatcher
-from workers.engines.base import Engine, SequenceError
-from workers.sampling import Sampler
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.errors import ErrorCode
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
+from streamfleet.workers.batcher import Scheduler, Sequence
+from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
+from streamfleet.workers.engines.base import Engine, SequenceError
+from streamfleet.workers.sampling import Sampler
 
 __all__ = ["WorkerCore", "StepOutput"]
 

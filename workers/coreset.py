@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.schema import Task
+from streamfleet.shared.schema import Task
 
-from workers.core import StepOutput, WorkerCore
+from streamfleet.workers.core import StepOutput, WorkerCore
 
 __all__ = ["VersionedCore", "CoreSet"]
 

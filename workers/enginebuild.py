@@ -28,14 +28,14 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
+from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
 
 if TYPE_CHECKING:
     from arq.connections import ArqRedis
     from arq.jobs import Job
     from arq.worker import Worker
 
-    from workers.engines.trt_build import BuildResult
+    from streamfleet.workers.engines.trt_build import BuildResult
 
 __all__ = [
     "JOB_NAME",
@@ -82,7 +82,7 @@ def plans_key(prefix: str, model: str) -> str:
 
 def tensorrt_builder(spec: ModelSpec, force: bool, options: dict[str, Any]) -> "BuildResult":
     """The real build: TensorRT on this host's GPU."""
-    from workers.engines.trt_build import build_plan
+    from streamfleet.workers.engines.trt_build import build_plan
 
     return build_plan(spec, force=force, options=options or None)
 

@@ -28,22 +28,22 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from shared.errors import FatalError
-from shared.keys import GROUP, LANES, Keys
-from shared import aio
-from shared.logging import get_logger
-from shared.metrics import worker as metrics
-from shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-from shared.redis import BROKER_ERRORS, RawBatch, connect, refresh_members
-from shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, Wake, encode_events, \
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.keys import GROUP, LANES, Keys
+from streamfleet.shared import aio
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, connect, refresh_members
+from streamfleet.shared.schema import Cancel, DoneEvent, ErrorEvent, Event, Follow, Task, TokenEvent, Wake, encode_events, \
     stream_entry_id
-from shared.settings import WorkerSettings
-from shared.tiers import STREAM_SLOT_TTL_S
+from streamfleet.shared.settings import WorkerSettings
+from streamfleet.shared.tiers import STREAM_SLOT_TTL_S
 
-from workers.core import WorkerCore
-from workers.coreset import CoreSet, VersionedCore
-from workers.engines import load_engine
-from workers.lanes import LanePolicy
+from streamfleet.workers.core import WorkerCore
+from streamfleet.workers.coreset import CoreSet, VersionedCore
+from streamfleet.workers.engines import load_engine
+from streamfleet.workers.lanes import LanePolicy
 
 __all__ = ["WorkerProcess", "run_worker"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.schema import SamplingParams
+from streamfleet.shared.schema import SamplingParams
 
 __all__ = ["Sampler", "GREEDY_BELOW"]
 

@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import pytest
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
-from tests.gpu.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
+from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
 
 def _why_skip() -> str | None:
@@ -37,14 +37,14 @@ LENGTHS = [1, 2, 5, 17, 40, 63, 100, 180]
 
 @pytest.fixture(scope="module")
 def plan(tiny_spec):
-    from workers.engines.trt_build import build_plan
+    from streamfleet.workers.engines.trt_build import build_plan
 
     return build_plan(tiny_spec, log=print)
 
 
 @pytest.fixture(scope="module")
 def trt_engine(tiny_spec, plan):
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     eng = TensorRTEngine(tiny_spec, build_if_missing=False)
     yield eng
@@ -53,7 +53,7 @@ def trt_engine(tiny_spec, plan):
 
 @pytest.fixture(scope="module")
 def reference(tiny_spec):
-    from workers.engines.onnxruntime import OnnxRuntimeEngine
+    from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
     ort = OnnxRuntimeEngine(tiny_spec)
     prompts = random_prompts(7, LENGTHS, ort.vocab_size)
@@ -63,7 +63,7 @@ def reference(tiny_spec):
 
 
 def test_plan_is_built_and_cached(tiny_spec, plan):
-    from workers.engines.trt_build import build_plan, read_sidecar
+    from streamfleet.workers.engines.trt_build import build_plan, read_sidecar
 
     assert plan.path.exists() and plan.path.parent == tiny_spec.path / "plans"
     side = read_sidecar(plan.path)
@@ -103,7 +103,7 @@ def test_greedy_with_joins_and_leaves_matches_onnxruntime(trt_engine, reference)
 
 
 def test_missing_or_corrupt_plan(tiny_spec, tmp_path, plan):
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     d = tmp_path / "tiny-gpt"
     d.mkdir()
@@ -129,8 +129,8 @@ def test_missing_or_corrupt_plan(tiny_spec, tmp_path, plan):
 
 def test_cuda_libraries_agree(tiny_spec, plan, reference):
     """Both CUDA libraries, where both are installed, give the same tokens."""
-    from workers.engines.cuda_mem import choose
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.cuda_mem import choose
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     prompts, ref = reference
     libs = []
@@ -151,8 +151,8 @@ def test_cuda_libraries_agree(tiny_spec, plan, reference):
 
 def test_small_max_context(tiny_spec, tmp_path):
     """A model folder with max_context 16: its own plan; sequences hit the end."""
-    from workers.engines.onnxruntime import InvalidSequenceError
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.onnxruntime import InvalidSequenceError
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     spec = dataclasses.replace(tiny_spec, max_context=16, max_batch=4,
                                options={"tensorrt": {"plans_dir": str(tmp_path)}})

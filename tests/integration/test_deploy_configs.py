@@ -34,7 +34,7 @@ import jsonschema
 import pytest
 import yaml
 
-from shared.settings import CommonSettings, GatewaySettings, WorkerSettings
+from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -211,7 +211,7 @@ def test_dockerfile_non_root_and_entrypoint(name):
 def test_dockerfile_demo_model_and_offline(name):
     st = stages(parse_dockerfile(REPO / name))
     builder_runs = " ".join(i.args for i in st[0] if i.cmd == "RUN")
-    assert "scripts/make_tiny_model.py --model-dir engines/tiny-gpt" in builder_runs, \
+    assert "scripts.make_tiny_model --model-dir engines/tiny-gpt" in builder_runs, \
         f"{name}: tiny-gpt is generated at build time"
     final = st[-1]
     env = " ".join(i.args for i in final if i.cmd == "ENV")

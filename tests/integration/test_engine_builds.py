@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.modelrepo import ModelSpec
-from workers.enginebuild import JOB_NAME, enqueue_build, make_worker, plans_key, queue_key, validate_queue
-from workers.engines import trt_build
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.enginebuild import JOB_NAME, enqueue_build, make_worker, plans_key, queue_key, validate_queue
+from streamfleet.workers.engines import trt_build
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRT = "10.99.0.1"

@@ -38,7 +38,7 @@ async def test_busy_worker_admits_new_work_at_once_and_without_a_wake(fleet, rds
 
     import orjson
 
-    from shared.schema import SamplingParams, Task
+    from streamfleet.shared.schema import SamplingParams, Task
 
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20, max_batch=8)

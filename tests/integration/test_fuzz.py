@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from shared.schema import Task
+from streamfleet.shared.schema import Task
 
 FIELDS = ["type", "id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
           "priority", "model", "request_id", "from_index", "ignore_eos", "timeout"]

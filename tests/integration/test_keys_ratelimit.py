@@ -12,13 +12,13 @@ import textwrap
 
 import pytest
 
-from gateway import auth as auth_module
-from gateway.auth import INVALID_KEY_MESSAGE, MISSING_KEY_MESSAGE, KeyStore, parse_key
-from gateway.ratelimit import RateLimiter, StreamSlots, TokenBucket
-from shared.errors import AuthError, ErrorCode, RefusedError
-from shared.keys import Keys
-from shared.redis import connect
-from shared.tiers import DEFAULT_TIERS, Tier
+from streamfleet.gateway import auth as auth_module
+from streamfleet.gateway.auth import INVALID_KEY_MESSAGE, MISSING_KEY_MESSAGE, KeyStore, parse_key
+from streamfleet.gateway.ratelimit import RateLimiter, StreamSlots, TokenBucket
+from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.redis import connect
+from streamfleet.shared.tiers import DEFAULT_TIERS, Tier
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -219,11 +219,11 @@ async def test_lua_script_and_token_bucket_agree(ards, keys):
 TWO_PROCESS_SNIPPET = textwrap.dedent("""
     import asyncio, sys
     import redis
-    from gateway.ratelimit import RateLimiter
-    from shared.errors import RefusedError
-    from shared.keys import Keys
-    from shared.redis import connect
-    from shared.tiers import Tier
+    from streamfleet.gateway.ratelimit import RateLimiter
+    from streamfleet.shared.errors import RefusedError
+    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.redis import connect
+    from streamfleet.shared.tiers import Tier
 
     url, prefix, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3])
     tier = Tier("tiny", requests_per_minute=0.0001, burst=20, max_streams=None)

@@ -75,7 +75,7 @@ def test_metrics_only_on_their_own_port(fleet):
 
 
 def test_metrics_port_0_is_none_and_the_default(fleet):
-    from shared.settings import GatewaySettings
+    from streamfleet.shared.settings import GatewaySettings
 
     assert GatewaySettings.model_fields["metrics_port"].default == 0  # several gateways on one host: each needs its own
     gw = fleet.gateway(metrics_port=0)

@@ -9,8 +9,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
-from gateway.pubsub import open_pubsub
-from shared.redis import pack
+from streamfleet.gateway.pubsub import open_pubsub
+from streamfleet.shared.redis import pack
 from streamfleet.launcher import free_port
 
 

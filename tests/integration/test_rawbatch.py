@@ -1,4 +1,4 @@
-"""shared.redis.RawBatch against a real redis-server: results in order, error replies in
+"""streamfleet.shared.redis.RawBatch against a real redis-server: results in order, error replies in
 place (not raised), and a retry on a fresh connection when the first one was dropped."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import redis
 from redis.exceptions import ResponseError
 
-from shared.redis import RawBatch, connect
+from streamfleet.shared.redis import RawBatch, connect
 
 
 async def test_results_in_order_with_errors_in_place(redis_server, key_prefix):
@@ -51,7 +51,7 @@ async def test_coalescer_batches_a_turn_and_routes_errors(redis_server, key_pref
     import pytest
     from redis.exceptions import NoScriptError
 
-    from shared.redis import Coalescer
+    from streamfleet.shared.redis import Coalescer
 
     client = connect(redis_server.url)
     co = Coalescer(client, max_batch=16)
@@ -65,8 +65,8 @@ async def test_coalescer_batches_a_turn_and_routes_errors(redis_server, key_pref
     assert isinstance(out[51], NoScriptError)
     assert await co.call(b"GET", f"{key_prefix}:n") == b"50"
     await client.aclose()
-    broken = connect(f"redis://127.0.0.1:1/0", socket_timeout=0.5)
-    from shared.redis import BROKER_ERRORS
+    broken = connect("redis://127.0.0.1:1/0", socket_timeout=0.5)
+    from streamfleet.shared.redis import BROKER_ERRORS
 
     with pytest.raises(BROKER_ERRORS):  # unreachable: what the gateway turns into a 503
         await Coalescer(broken).call(b"PING")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.modelrepo import ModelRepository, load_tokenizer
+from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from tests.integration.wsclient import Client
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "archs"

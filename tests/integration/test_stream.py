@@ -7,10 +7,9 @@ import random
 
 import httpx
 import orjson
-import pytest
 import websockets
 
-from shared.schema import Wake
+from streamfleet.shared.schema import Wake
 from tests.integration.wsclient import Client
 
 

@@ -9,11 +9,11 @@ import time
 
 import redis.asyncio as aioredis
 
-from gateway.broker import Broker
-from shared.keys import Keys
-from shared.schema import Cancel, Follow, RequestRecord, SamplingParams, Task, Wake, stream_entry_id
-from shared.settings import GatewaySettings, WorkerSettings
-from workers.process import WorkerProcess
+from streamfleet.gateway.broker import Broker
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.schema import Cancel, Follow, RequestRecord, SamplingParams, Task, Wake, stream_entry_id
+from streamfleet.shared.settings import GatewaySettings, WorkerSettings
+from streamfleet.workers.process import WorkerProcess
 
 
 async def _next_message(pubsub, timeout: float = 5.0) -> dict:

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.modelrepo import ModelSpec, load_tokenizer
-from workers.engines.base import SequenceError
-from workers.engines.echo import EchoEngine
+from streamfleet.shared.modelrepo import ModelSpec, load_tokenizer
+from streamfleet.workers.engines.base import SequenceError
+from streamfleet.workers.engines.echo import EchoEngine
 
 
 class FaultyEngine(EchoEngine):

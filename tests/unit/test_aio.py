@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from shared import aio
+from streamfleet.shared import aio
 
 
 async def _loop_type() -> str:
@@ -28,7 +28,7 @@ def test_unknown_loop_is_refused():
 def test_settings_validate_the_choice(monkeypatch):
     from pydantic import ValidationError
 
-    from shared.settings import WorkerSettings
+    from streamfleet.shared.settings import WorkerSettings
 
     monkeypatch.setenv("SF_EVENT_LOOP", "asyncio")
     assert WorkerSettings().event_loop == "asyncio"

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.validation import encode_prompt
-from shared.modelrepo import ModelRepository, load_tokenizer
+from streamfleet.gateway.validation import encode_prompt
+from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.modelimport import import_export
-from tests.gpu.greedy import greedy_alone, greedy_scenario
-from workers.engines.onnxruntime import OnnxRuntimeEngine
+from scripts.greedy import greedy_alone, greedy_scenario
+from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "archs"
 ARCHS = sorted(p.parent.name for p in FIXTURES.glob("*/reference.json")) if FIXTURES.is_dir() else []
@@ -121,7 +121,7 @@ def test_fixtures_cover_the_architectures():
 def test_a_chat_template_needs_its_special_tokens(imported):
     """A template that spells out a special token the tokenizer does not have as one
     token would feed the model a conversation split into pieces: named and refused."""
-    from gateway.validation import template_problem
+    from streamfleet.gateway.validation import template_problem
 
     repo, _ = imported
     tok = load_tokenizer(repo.get("llama"))

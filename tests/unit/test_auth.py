@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import KeyRecord, extract_key, hash_key, parse_key
+from streamfleet.gateway.auth import KeyRecord, extract_key, hash_key, parse_key
 
 
 @pytest.mark.parametrize("header, query, expected", [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.schema import SamplingParams, Task
-from workers.batcher import Scheduler, Sequence
+from streamfleet.shared.schema import SamplingParams, Task
+from streamfleet.workers.batcher import Scheduler, Sequence
 
 
 def seq(rid: str) -> Sequence:

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.modelrepo import ModelSpec
-from shared.schema import DoneEvent, ErrorEvent, SamplingParams, Task, TokenEvent
-from workers.core import StepOutput, WorkerCore
-from workers.engines.base import Engine, SequenceError
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, SamplingParams, Task, TokenEvent
+from streamfleet.workers.core import StepOutput, WorkerCore
+from streamfleet.workers.engines.base import Engine, SequenceError
 
 EOS, PAD = 256, 257
 VOCAB = 258

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from shared.schema import SamplingParams, Task
+from streamfleet.shared.schema import SamplingParams, Task
 
-from workers.core import WorkerCore
-from workers.coreset import CoreSet, VersionedCore
-from workers.engines.echo import EchoEngine
+from streamfleet.workers.core import WorkerCore
+from streamfleet.workers.coreset import CoreSet, VersionedCore
+from streamfleet.workers.engines.echo import EchoEngine
 
 
 def task(rid: str, n: int = 3) -> Task:
@@ -22,7 +22,7 @@ def core(spec, version: str) -> VersionedCore:
 
 
 def _tok(spec):
-    from shared.modelrepo import load_tokenizer
+    from streamfleet.shared.modelrepo import load_tokenizer
 
     return load_tokenizer(spec)
 

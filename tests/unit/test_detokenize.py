@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopMatcher
+from streamfleet.workers.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopMatcher
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.lanes import LanePolicy
+from streamfleet.workers.lanes import LanePolicy
 
 INF = math.inf
 

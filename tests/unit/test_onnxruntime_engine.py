@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.gpu.greedy import greedy_alone, greedy_scenario
+from scripts.greedy import greedy_alone, greedy_scenario
 
-from workers.engines import Engine, SequenceError, load_engine
-from workers.engines.echo import EchoEngine
-from workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
+from streamfleet.workers.engines import Engine, SequenceError, load_engine
+from streamfleet.workers.engines.echo import EchoEngine
+from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
 
 STEPS = 16
 

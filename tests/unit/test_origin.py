@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.origin import origin_allowed
+from streamfleet.gateway.origin import origin_allowed
 
 
 @pytest.mark.parametrize("allowed", ["", "*", "https://app.example"])

@@ -5,11 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from shared.errors import ValidationError
-from shared.schema import SamplingParams
+from streamfleet.shared.errors import ValidationError
 
-from gateway.protocol import Cancel, ConnectionProtocol, Resume, Send, Submit, render
-from gateway.streams import End, Failed, Token
+from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Resume, Send, Submit, render
+from streamfleet.gateway.streams import End, Failed, Token
 
 
 class FakeValid:

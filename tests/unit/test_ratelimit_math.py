@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
-from shared.errors import FatalError
-from shared.tiers import DEFAULT_TIERS, Tier, parse_tiers
+from streamfleet.gateway.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.tiers import DEFAULT_TIERS, Tier, parse_tiers
 
 S = 1_000_000  # µs per second
 
@@ -168,7 +168,7 @@ def test_bad_tier_config_is_fatal_with_a_reason(spec, fragment):
 
 
 def test_tiers_setting_reads_env(monkeypatch):
-    from shared.settings import CommonSettings, GatewaySettings
+    from streamfleet.shared.settings import CommonSettings, GatewaySettings
 
     monkeypatch.setenv("SF_TIERS", '{"free": {"burst": 7}}')
     monkeypatch.setenv("SF_AUTH_ENABLED", "true")

@@ -8,12 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from shared.modelrepo import load_tokenizer
-from shared.schema import DoneEvent, SamplingParams, Task, TokenEvent
-from workers.core import WorkerCore
-from workers.engines.echo import EchoEngine
-from workers.engines.onnxruntime import OnnxRuntimeEngine
-from workers.sampling import Sampler
+from streamfleet.shared.modelrepo import load_tokenizer
+from streamfleet.shared.schema import DoneEvent, SamplingParams, Task, TokenEvent
+from streamfleet.workers.core import WorkerCore
+from streamfleet.workers.engines.echo import EchoEngine
+from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+from streamfleet.workers.sampling import Sampler
 
 
 def task(rid: str, **params) -> Task:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.schema import SamplingParams
-from workers.sampling import Sampler
+from streamfleet.shared.schema import SamplingParams
+from streamfleet.workers.sampling import Sampler
 
 
 def make(vocab: int, **kw) -> Sampler:

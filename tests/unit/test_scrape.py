@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from gateway.scrape import MetricsListenError, listen
-from shared.settings import GatewaySettings
+from streamfleet.gateway.scrape import MetricsListenError, listen
+from streamfleet.shared.settings import GatewaySettings
 
 
 def test_listen_on_a_free_port():

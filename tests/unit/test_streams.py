@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 
-from shared.errors import UnavailableError
-from shared.schema import DoneEvent, ErrorEvent, TokenEvent
+from streamfleet.shared.errors import UnavailableError
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 
-from gateway.streams import End, Failed, RequestStream, Token
+from streamfleet.gateway.streams import End, Failed, RequestStream, Token
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:
@@ -85,7 +84,7 @@ async def test_resync_reads_the_log_for_missed_events():
 
 
 async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
-    monkeypatch.setattr("gateway.streams.CATCH_UP_AFTER_S", 0.05)
+    monkeypatch.setattr("streamfleet.gateway.streams.CATCH_UP_AFTER_S", 0.05)
     log = [(b"1-0", tok(0)), (b"2-0", done(1))]
     s = make(log)
     s.feed(tok(0))  # the done message was lost
@@ -103,7 +102,7 @@ def log_reader(entries: list, calls: list, page: int | None = None):
 
 
 async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monkeypatch):
-    monkeypatch.setattr("gateway.streams.LOG_PAGE", 2)
+    monkeypatch.setattr("streamfleet.gateway.streams.LOG_PAGE", 2)
     entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)]
     calls = []
     s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, calls, page=2),
@@ -166,7 +165,7 @@ async def test_errors_and_local_decisions():
 
 
 async def test_queued_request_times_out_at_its_deadline(monkeypatch):
-    monkeypatch.setattr("gateway.streams.CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr("streamfleet.gateway.streams.CANCEL_GRACE_S", 0.0)
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
     assert isinstance(evs[0], Failed) and evs[0].error.code == "timeout"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.process import Takeover
+from streamfleet.workers.process import Takeover
 
 
 def test_a_silent_worker_is_dead_after_the_threshold():

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from shared.modelrepo import REPO_ROOT, load_tokenizer
+from streamfleet.shared.modelrepo import REPO_ROOT, load_tokenizer
 
 SCRIPT = REPO_ROOT / "scripts" / "make_tiny_model.py"
 SMALL = ["--seed", "7", "--vocab-size", "512", "--n-layer", "1", "--n-head", "2", "--d-model", "32",

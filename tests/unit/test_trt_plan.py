@@ -2,7 +2,7 @@
 cache invalidation, options, backend and CUDA-library selection, lazy imports; and the
 engine's device data path (slab, joins, leaves, compaction, logits copies) with device
 memory emulated in host memory and the plan replaced by ONNX Runtime
-(tests/gpu/emulation.py), checked against the ONNX Runtime engine."""
+(scripts/trt_emulation.py), checked against the ONNX Runtime engine."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
-from tests.gpu.emulation import HostMem, OrtRunner, emulated_engine
-from tests.gpu.greedy import greedy_alone, greedy_scenario
-from workers.engines import cuda_mem, load_engine, trt_build
-from workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
-from workers.engines.tensorrt import TensorRTEngine, prefill_groups
-from workers.engines.trt_build import DECODE, PREFILL
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
+from scripts.trt_emulation import HostMem, OrtRunner, emulated_engine
+from scripts.greedy import greedy_alone, greedy_scenario
+from streamfleet.workers.engines import cuda_mem, load_engine, trt_build
+from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
+from streamfleet.workers.engines.tensorrt import TensorRTEngine, prefill_groups
+from streamfleet.workers.engines.trt_build import DECODE, PREFILL
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -525,8 +525,8 @@ def test_custom_runner_needs_its_memory(tiny_spec):
 
 
 def test_emulated_greedy_drivers_agree_with_onnxruntime(engine, ort_engine):
-    """The drivers the GPU check uses (tests/gpu/greedy.py), run on the emulation."""
-    from tests.gpu.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+    """The drivers the GPU check uses (scripts/greedy.py), run on the emulation."""
+    from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
     prompts = random_prompts(7, [1, 2, 5, 17, 40, 63, 100, 180], engine.vocab_size)
     ref = {k: greedy_alone(ort_engine, p, 12) for k, p in prompts.items()}
@@ -549,7 +549,7 @@ def test_emulated_greedy_drivers_agree_with_onnxruntime(engine, ort_engine):
 
 @pytest.fixture
 def fake_trt(monkeypatch):
-    from tests.gpu.emulation import fake_tensorrt
+    from scripts.trt_emulation import fake_tensorrt
 
     mem = HostMem()
     trt = fake_tensorrt(mem)
@@ -578,7 +578,7 @@ def test_build_plan_drives_the_builder(model_copy, fake_trt):
 def test_engine_over_the_real_runner(model_copy, fake_trt, ort_engine):
     """TensorRTEngine with its own TrtRunner (plan lookup, build, deserialize, contexts,
     shapes and addresses) on the stand-in module: same tokens as ONNX Runtime."""
-    from tests.gpu.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+    from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
     trt, mem = fake_trt
     with pytest.raises(FatalError, match="no TensorRT plan for tiny-gpt .*streamfleet engines build tiny-gpt"):

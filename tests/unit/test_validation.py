@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import NotFoundError, ValidationError
-from shared.modelrepo import ModelRepository
-from shared.settings import GatewaySettings
+from streamfleet.shared.errors import NotFoundError, ValidationError
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.settings import GatewaySettings
 
-from gateway.validation import Validator, render_chat
+from streamfleet.gateway.validation import Validator, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
     """The gateway's fast path (the Rust tokenizer directly) gives exactly the ids of
     ``PreTrainedTokenizerFast.encode``, also for text that is not ASCII, and a tokenizer
     that configures truncation takes the slow path (which ignores it)."""
-    from gateway.validation import encode_prompt
-    from shared.modelrepo import load_tokenizer
+    from streamfleet.gateway.validation import encode_prompt
+    from streamfleet.shared.modelrepo import load_tokenizer
 
     tok = load_tokenizer(tiny_spec)
     for text in ("Once upon a time", "  spaced\n\nout\t", "héllo wörld", "日本語のテキスト", "emoji 🤖👍🏽 ok", "a" * 3000):

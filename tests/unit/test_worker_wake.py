@@ -2,9 +2,9 @@
 
 import time
 
-from shared.settings import WorkerSettings
-from workers import process
-from workers.process import WorkerProcess
+from streamfleet.shared.settings import WorkerSettings
+from streamfleet.workers import process
+from streamfleet.workers.process import WorkerProcess
 
 
 def make() -> WorkerProcess:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
-from workers.engines.base import Engine, SequenceError
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines.base import Engine, SequenceError
 
 __all__ = ["BACKENDS", "Engine", "SequenceError", "import_from_string", "load_engine"]
 
 BACKENDS: dict[str, str] = {
-    "onnxruntime": "workers.engines.onnxruntime:OnnxRuntimeEngine",
-    "echo": "workers.engines.echo:EchoEngine",
-    "tensorrt": "workers.engines.tensorrt:TensorRTEngine",
+    "onnxruntime": "streamfleet.workers.engines.onnxruntime:OnnxRuntimeEngine",
+    "echo": "streamfleet.workers.engines.echo:EchoEngine",
+    "tensorrt": "streamfleet.workers.engines.tensorrt:TensorRTEngine",
 }
 
 

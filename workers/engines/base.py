@@ -20,8 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
 
 __all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers"]
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shared.errors import FatalError
+from streamfleet.shared.errors import FatalError
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.modelrepo import ModelSpec
+from streamfleet.shared.modelrepo import ModelSpec
 # the shared argument checks (that module imports onnxruntime itself only when an engine is built)
-from workers.engines.onnxruntime import check_decode, check_prefill
+from streamfleet.workers.engines.onnxruntime import check_decode, check_prefill
 
 __all__ = ["EchoEngine"]
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
-from workers.engines.base import PAST_RE, SequenceError, count_past_layers
-from workers.engines.prefill import prefill_groups
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers
+from streamfleet.workers.engines.prefill import prefill_groups
 
 __all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
 
@@ -162,7 +162,7 @@ class OnnxRuntimeEngine:
         import onnxruntime as ort  # lazily: the registry imports backends by name
 
         if not spec.onnx_path.exists():
-            raise FatalError(f"{spec.onnx_path} is missing; run `python scripts/make_tiny_model.py "
+            raise FatalError(f"{spec.onnx_path} is missing; run `python -m scripts.make_tiny_model "
                              f"--model-dir {spec.path}`")
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

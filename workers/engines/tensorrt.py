@@ -35,14 +35,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shared.errors import FatalError
-from shared.logging import get_logger
-from shared.modelrepo import ModelSpec
-from workers.engines import cuda_mem, trt_build
-from workers.engines.cuda_mem import CudaMem, DeviceBuffer, Stream
-from workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
-from workers.engines.prefill import prefill_groups
-from workers.engines.trt_build import DECODE, PREFILL, GraphInfo
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines import cuda_mem, trt_build
+from streamfleet.workers.engines.cuda_mem import CudaMem, DeviceBuffer, Stream
+from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
+from streamfleet.workers.engines.prefill import prefill_groups
+from streamfleet.workers.engines.trt_build import DECODE, PREFILL, GraphInfo
 
 __all__ = ["InvalidSequenceError", "Runner", "TensorRTEngine", "TrtRunner", "prefill_groups"]
 
@@ -229,7 +229,7 @@ class TensorRTEngine:
         trt = None
         if runner is None:
             if not spec.onnx_path.exists():
-                raise FatalError(f"{spec.onnx_path} is missing; run `python scripts/make_tiny_model.py "
+                raise FatalError(f"{spec.onnx_path} is missing; run `python -m scripts.make_tiny_model "
                                  f"--model-dir {spec.path}`")
             trt = trt_build.import_tensorrt()  # first: the clearer message on a CPU machine
             mem = mem or cuda_mem.select(self._opts["cuda"])

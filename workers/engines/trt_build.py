@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import FatalError
-from shared.modelrepo import ModelSpec
-from workers.engines.base import PAST_RE, count_past_layers
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines.base import PAST_RE, count_past_layers
 
 __all__ = [
     "BUILD_DEFAULTS",
@@ -271,7 +271,7 @@ def read_graph_info(onnx_path: Path, options: Mapping[str, Any] | None = None, *
     import onnx  # lazily: only plan computations need it
 
     if not onnx_path.exists():
-        raise FatalError(f"{onnx_path} is missing; run `python scripts/make_tiny_model.py "
+        raise FatalError(f"{onnx_path} is missing; run `python -m scripts.make_tiny_model "
                          f"--model-dir {onnx_path.parent}`")
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
@@ -697,7 +697,7 @@ def build_plan(spec: ModelSpec, *, force: bool = False, options: Mapping[str, An
     trt = trt or import_tensorrt()
     opts = tensorrt_options(spec, options)
     if compute_capability is None:
-        from workers.engines.cuda_mem import detect_compute_capability
+        from streamfleet.workers.engines.cuda_mem import detect_compute_capability
 
         compute_capability = detect_compute_capability()
     request = plan_request(spec, trt.__version__, compute_capability, opts)

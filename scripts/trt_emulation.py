@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.modelrepo import ModelSpec
-from workers.engines import trt_build
-from workers.engines.cuda_mem import DeviceBuffer
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines import trt_build
+from streamfleet.workers.engines.cuda_mem import DeviceBuffer
 
 __all__ = ["HostMem", "OrtRunner", "emulated_engine", "fake_tensorrt"]
 
@@ -181,7 +181,7 @@ class OrtRunner:
 
 def emulated_engine(spec: ModelSpec, **options: Any) -> Any:
     """A ``TensorRTEngine`` whose GPU is ``HostMem`` and whose plan is ``OrtRunner``."""
-    from workers.engines.tensorrt import TensorRTEngine
+    from streamfleet.workers.engines.tensorrt import TensorRTEngine
 
     mem = HostMem()
     runner = OrtRunner(spec, mem, options)

@@ -1,0 +1,47 @@
+"""The installed distribution is one namespace: `streamfleet` and its subpackages, and no
+top-level `gateway`, `workers` or `shared` that would collide with other projects."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_only_streamfleet_is_importable_outside_the_repository(tmp_path):
+    probe = (
+        "import importlib.util as u, streamfleet.gateway.app, streamfleet.workers.process, "
+        "streamfleet.shared.schema, streamfleet.cli\n"
+        "print([n for n in ('gateway', 'workers', 'shared', 'scripts', 'tests') if u.find_spec(n)])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"top-level packages installed beside streamfleet: {out.stdout}"
+
+
+def test_no_module_imports_the_folders_as_top_level_packages():
+    bad = re.compile(r"^\s*(from|import) (gateway|workers|shared)\b", re.M)
+    offenders = []
+    for folder in ("gateway", "workers", "shared", "streamfleet", "scripts", "tests"):
+        for path in (REPO / folder).rglob("*.py"):
+            if "fixtures" in path.parts:
+                continue
+            if bad.search(path.read_text()):
+                offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, f"import streamfleet.<package>, not the bare folder: {offenders}"
+
+
+def test_nothing_outside_tests_imports_tests():
+    bad = re.compile(r"^\s*(from|import) tests\b", re.M)
+    offenders = [str(p.relative_to(REPO)) for folder in ("gateway", "workers", "shared", "streamfleet", "scripts")
+                 for p in (REPO / folder).rglob("*.py") if bad.search(p.read_text())]
+    assert not offenders, offenders
+
+
+def test_scripts_need_no_sys_path_edits():
+    offenders = [p.name for p in (REPO / "scripts").glob("*.py") if "sys.path" in p.read_text()]
+    assert not offenders, f"scripts run as modules (python -m scripts.NAME): {offenders}"
