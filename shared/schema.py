@@ -12,6 +12,17 @@
                       by the enqueue script (``gateway/broker.py``) with the new entry's id
 * ``RequestRecord``   gateway → gateways, ``sf:req:{request_id}``: who owns a request
                       and where it runs, written before the task is queued
+* ``LogEntry``        worker → gateways and workers, one entry of ``sf:log:{request_id}``:
+                      an event (``encode_event``) and, for a token, its id
+* ``Attach``          gateway → workers, a member of ``sf:attach:{request_id}``: a
+                      connection that resumed the request, scored by its expiry
+* ``Heartbeat``       worker → gateways, workers and ``streamfleet status``, the worker's
+                      field of ``sf:workers:{model}``
+* ``DeadLetter``      worker → operators, one entry of ``sf:{model}:dead``
+* ``KeyRecord``       ``streamfleet keys`` → gateways, a field of ``sf:apikeys``
+
+Each has one encoder and one decoder, here; ``tests/integration/test_wire_formats.py``
+feeds every real producer's output to its real consumer.
 
 All encodings are orjson; field names are spelled out so that ``redis-cli`` output
 reads on its own.
@@ -37,10 +48,17 @@ __all__ = [
     "Follow",
     "Wake",
     "RequestRecord",
+    "LogEntry",
+    "Attach",
+    "Heartbeat",
+    "DeadLetter",
+    "KeyRecord",
+    "encode_event",
     "encode_events",
     "decode_events",
     "event_from_dict",
     "live_workers",
+    "stream_entry_id",
 ]
 
 
@@ -266,23 +284,200 @@ class RequestRecord:
             raise ValueError(f"malformed request record: {exc}") from exc
 
 
-def live_workers(raw: dict, ttl_s: float, now: float) -> list[dict[str, Any]]:
-    """The fresh entries of a ``sf:workers:{model}`` hash (worker id -> heartbeat JSON),
-    each with its ``worker_id``; unreadable or stale entries are left out.
+def encode_event(ev: Event) -> bytes:
+    """One event alone: the body of its request-log entry (field ``e``)."""
+    return orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS)
+
+
+@dataclass(slots=True)
+class LogEntry:
+    """One entry of a request's log (``sf:log:{request_id}``, a stream): the event
+    (field ``e``) and, for a token, its id (field ``t``), which a worker taking the
+    request over replays instead of generating it again."""
+
+    event: Event
+    token_id: int | None = None
+
+    def fields(self) -> list[bytes | int]:
+        """Field/value pairs for ``XADD``, in order."""
+        out: list[bytes | int] = [b"e", encode_event(self.event)]
+        if self.token_id is not None:
+            out += [b"t", self.token_id]
+        return out
+
+    @classmethod
+    def decode(cls, fields: dict) -> "LogEntry":
+        """From the field map ``XRANGE``/``XREAD`` return (bytes keys)."""
+        try:
+            events = decode_events(fields[b"e"])
+            if len(events) != 1:
+                raise ValueError("a log entry holds exactly one event")
+            tid = fields.get(b"t")
+            return cls(events[0], int(tid) if tid is not None else None)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed log entry: {exc!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """A connection follows a request it resumed: one member of ``sf:attach:{request_id}``
+    (a sorted set), the connection id scored by when the entry expires (unix ms)."""
+
+    connection_id: str
+    expires_ms: int
+
+    def encode(self) -> dict[str, int]:
+        """The member and score for ``ZADD``."""
+        return {self.connection_id: self.expires_ms}
+
+    @staticmethod
+    def live_range(now_ms: int) -> tuple[int, str]:
+        """``ZRANGEBYSCORE`` bounds of the entries that have not expired at ``now_ms``."""
+        return now_ms, "+inf"
+
+    @staticmethod
+    def decode_members(members: list) -> set[str]:
+        """The connection ids of ``ZRANGEBYSCORE``'s answer; members that are not ids of
+        the form a gateway writes are left out."""
+        out = set()
+        for m in members:
+            cid = m.decode(errors="replace") if isinstance(m, bytes) else str(m)
+            if cid and len(cid) <= 64 and cid.isprintable() and " " not in cid:
+                out.add(cid)
+        return out
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """A worker's entry in ``sf:workers:{model}`` (a hash; the field is the worker id),
+    rewritten every ``SF_HEARTBEAT_INTERVAL_S``. ``heartbeat`` is the unix time it was
+    written; ``worker_id`` comes from the hash field and is not part of the value."""
+
+    heartbeat: float
+    slots_used: int = 0
+    max_batch: int = 0
+    version: str = ""
+    reloading: bool = False
+    draining: bool = False
+    tokens_per_s: float = 0.0
+    pid: int = 0
+    host: str = ""
+    worker_id: str = ""
+
+    def encode(self) -> bytes:
+        d = asdict(self)
+        del d["worker_id"]
+        return orjson.dumps(d)
+
+    @classmethod
+    def decode(cls, raw: bytes | str, worker_id: bytes | str = "") -> "Heartbeat":
+        """Raises ``ValueError`` for anything but an object with a numeric ``heartbeat``."""
+        try:
+            d = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"malformed heartbeat: {exc}") from exc
+        if not isinstance(d, dict) or not isinstance(d.get("heartbeat"), (int, float)) \
+                or isinstance(d.get("heartbeat"), bool):
+            raise ValueError("malformed heartbeat: not an object with a numeric heartbeat")
+        wid = worker_id.decode(errors="replace") if isinstance(worker_id, bytes) else worker_id
+        try:
+            return cls(heartbeat=float(d["heartbeat"]), slots_used=int(d.get("slots_used", 0)),
+                       max_batch=int(d.get("max_batch", 0)), version=str(d.get("version", "")),
+                       reloading=bool(d.get("reloading", False)), draining=bool(d.get("draining", False)),
+                       tokens_per_s=float(d.get("tokens_per_s", 0.0)), pid=int(d.get("pid", 0)),
+                       host=str(d.get("host", "")), worker_id=wid)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed heartbeat: {exc}") from exc
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.heartbeat)
+
+
+def live_workers(raw: dict, ttl_s: float, now: float) -> list[Heartbeat]:
+    """The fresh entries of a ``sf:workers:{model}`` hash, as ``HGETALL`` returns it;
+    unreadable or stale entries are left out.
 
     Args:
-        raw: the hash as ``HGETALL`` returns it (bytes or str keys and values).
+        raw: worker id -> heartbeat value (bytes or str).
         ttl_s: a heartbeat older than this is dead.
         now: unix time, on the same clock the workers write.
     """
     out = []
     for wid, blob in raw.items():
         try:
-            info = orjson.loads(blob)
-            fresh = now - float(info.get("heartbeat", 0)) <= ttl_s
-        except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+            hb = Heartbeat.decode(blob, wid)
+        except ValueError:
             continue
-        if fresh:
-            info["worker_id"] = wid.decode() if isinstance(wid, bytes) else wid
-            out.append(info)
+        if now - hb.heartbeat <= ttl_s:
+            out.append(hb)
     return out
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """A task given up on (``sf:{model}:dead``, a stream): the task as it was read
+    (possibly unreadable, which may be why it is here), why, from which lane, by which
+    worker."""
+
+    task: bytes
+    reason: str
+    lane: str = ""
+    worker: str = ""
+
+    def fields(self) -> dict[str, bytes | str]:
+        """The field map for ``XADD``."""
+        return {"task": self.task, "reason": self.reason, "lane": self.lane, "worker": self.worker}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "DeadLetter":
+        """From the field map ``XRANGE`` returns; missing fields read as empty."""
+        f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): v for k, v in fields.items()}
+
+        def text(name: str) -> str:
+            v = f.get(name, b"")
+            return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+        task = f.get("task", b"")
+        return cls(task=task if isinstance(task, bytes) else str(task).encode(), reason=text("reason"),
+                   lane=text("lane"), worker=text("worker"))
+
+    @property
+    def request_id(self) -> str | None:
+        """The request id of the task, when the task is readable enough to name it."""
+        try:
+            d = orjson.loads(self.task)
+        except orjson.JSONDecodeError:
+            return None
+        rid = d.get("request_id") if isinstance(d, dict) else None
+        return rid if isinstance(rid, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """One stored API key (``sf:apikeys``, a hash; the field is the key id). ``hash`` is
+    SHA-256 of the whole key, never the key. Written by ``streamfleet keys``, read by
+    every gateway."""
+
+    key_id: str
+    name: str
+    tier: str
+    hash: str = field(repr=False)
+    created_at: str
+    revoked: bool = False
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "KeyRecord":
+        try:
+            d = orjson.loads(raw)
+            return cls(key_id=str(d["key_id"]), name=str(d["name"]), tier=str(d["tier"]), hash=str(d["hash"]),
+                       created_at=str(d.get("created_at", "")), revoked=bool(d.get("revoked", False)))
+        except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ValueError(f"malformed key record: {exc!r}") from exc
+
+    def public(self) -> dict[str, Any]:
+        """The record for display: everything but the hash."""
+        return {"key_id": self.key_id, "name": self.name, "tier": self.tier,
+                "created_at": self.created_at, "revoked": self.revoked}
