@@ -16,7 +16,7 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
-from streamfleet.shared.schema import Cancel, Event, Follow, RequestRecord, Task, decode_events, live_workers
+from streamfleet.shared.schema import Cancel, Event, Follow, Heartbeat, RequestRecord, Task, decode_events, live_workers
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.pubsub import PubSubConnection, open_pubsub
@@ -377,7 +377,7 @@ class Broker:
         except BROKER_ERRORS:
             return False
 
-    async def live_workers(self, model: str) -> list[dict]:
+    async def live_workers(self, model: str) -> list[Heartbeat]:
         """Workers of ``model`` whose heartbeat is fresh."""
         raw = await self.redis.hgetall(self.keys.workers(model))
         return live_workers(raw, self.settings.worker_ttl_s, time.time())

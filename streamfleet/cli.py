@@ -211,7 +211,7 @@ def reload(
         deadline = time.monotonic() + timeout
         while True:
             live = live_workers(r.hgetall(keys.workers(model)), settings.worker_ttl_s, time.time())
-            done = [w for w in live if w.get("version") == to and not w.get("reloading")]
+            done = [w for w in live if w.version == to and not w.reloading]
             typer.echo(f"\r  {len(done)}/{len(live)} workers serve {to}", nl=False, err=True)
             if live and len(done) == len(live):
                 typer.echo("", err=True)
