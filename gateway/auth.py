@@ -25,22 +25,20 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from streamfleet.shared.errors import AuthError, ErrorCode, UnavailableError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.schema import KeyRecord
 from streamfleet.shared.tiers import DEFAULT_TIERS, Tier
 
 __all__ = [
     "Identity",
-    "KeyRecord",
     "KeyStore",
     "extract_key",
     "parse_key",
@@ -68,32 +66,6 @@ class Identity:
     key_id: str
     name: str
     tier: Tier
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    """One stored API key. ``hash`` is SHA-256 of the whole key, never the key."""
-
-    key_id: str
-    name: str
-    tier: str
-    hash: str = field(repr=False)
-    created_at: str
-    revoked: bool = False
-
-    def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> "KeyRecord":
-        d = orjson.loads(raw)
-        return cls(key_id=str(d["key_id"]), name=str(d["name"]), tier=str(d["tier"]), hash=str(d["hash"]),
-                   created_at=str(d.get("created_at", "")), revoked=bool(d.get("revoked", False)))
-
-    def public(self) -> dict[str, Any]:
-        """The record for display: everything but the hash."""
-        return {"key_id": self.key_id, "name": self.name, "tier": self.tier,
-                "created_at": self.created_at, "revoked": self.revoked}
 
 
 def hash_key(key: str) -> str:
@@ -169,7 +141,7 @@ class KeyStore:
             key_id = secrets.token_hex(6)
             plaintext = f"sf-{key_id}-{secrets.token_urlsafe(24)}"  # 24 bytes -> 32 characters
             record = KeyRecord(key_id=key_id, name=name, tier=tier, hash=hash_key(plaintext), created_at=created)
-            if await self.redis.hsetnx(self.keys.api_keys, key_id, record.to_json()):
+            if await self.redis.hsetnx(self.keys.api_keys, key_id, record.encode()):
                 break  # a key_id collision (1 in 2**48) just draws again
         self._cache.pop(key_id, None)
         return plaintext, record
@@ -180,8 +152,8 @@ class KeyStore:
         records = []
         for key_id, blob in raw.items():
             try:
-                records.append(KeyRecord.from_json(blob))
-            except (ValueError, KeyError, TypeError):
+                records.append(KeyRecord.decode(blob))
+            except ValueError:
                 log.warning("unreadable API key record", key_id=_text(key_id))
         return sorted(records, key=lambda r: (r.created_at, r.key_id))
 
@@ -205,7 +177,7 @@ class KeyStore:
         if record is None or record.revoked:
             return False
         revoked = KeyRecord(**{**asdict(record), "revoked": True})
-        await self.redis.hset(self.keys.api_keys, record.key_id, revoked.to_json())
+        await self.redis.hset(self.keys.api_keys, record.key_id, revoked.encode())
         self._cache.pop(record.key_id, None)
         return True
 
@@ -264,8 +236,8 @@ class KeyStore:
         if blob is None:
             return None
         try:
-            return KeyRecord.from_json(blob)
-        except (ValueError, KeyError, TypeError):
+            return KeyRecord.decode(blob)
+        except ValueError:
             log.warning("unreadable API key record", key_id=key_id)
             return None
 

@@ -16,7 +16,8 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
-from streamfleet.shared.schema import Cancel, Event, Follow, Heartbeat, RequestRecord, Task, decode_events, live_workers
+from streamfleet.shared.schema import (Attach, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord, Task,
+                                       decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.pubsub import PubSubConnection, open_pubsub
@@ -311,10 +312,9 @@ class Broker:
         for _key, entries in res or []:
             for entry_id, fields in entries:
                 try:
-                    ev = decode_events(fields[b"e"])[0]
-                except (ValueError, KeyError, IndexError):
+                    out.append((entry_id, LogEntry.decode(fields).event))
+                except ValueError:
                     continue
-                out.append((entry_id, ev))
         return out
 
     async def read_request(self, request_id: str) -> RequestRecord | None:
@@ -347,7 +347,7 @@ class Broker:
         now_ms = int(time.time() * 1000)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {connection_id: now_ms + int(ttl_s * 1000)})
+                pipe.zadd(key, Attach(connection_id, now_ms + int(ttl_s * 1000)).encode())
                 pipe.zremrangebyscore(key, "-inf", now_ms)
                 pipe.pexpire(key, int(ttl_s * 1000))
                 if announce:
@@ -365,10 +365,11 @@ class Broker:
     async def followed_elsewhere(self, request_id: str, connection_id: str) -> bool:
         """Whether a connection other than ``connection_id`` follows the request now."""
         try:
-            members = await self.redis.zrangebyscore(self.keys.attach(request_id), int(time.time() * 1000), "+inf")
+            members = await self.redis.zrangebyscore(self.keys.attach(request_id),
+                                                     *Attach.live_range(int(time.time() * 1000)))
         except BROKER_ERRORS:
             return True  # cannot tell: do not cancel what someone may be following
-        return any(m.decode() != connection_id for m in members)
+        return bool(Attach.decode_members(members) - {connection_id})
 
     # -- fleet state ----------------------------------------------------------------
     async def ping(self) -> bool:

@@ -20,6 +20,8 @@
                       field of ``sf:workers:{model}``
 * ``DeadLetter``      worker → operators, one entry of ``sf:{model}:dead``
 * ``KeyRecord``       ``streamfleet keys`` → gateways, a field of ``sf:apikeys``
+* plan records      engine builds → ``streamfleet engines list``, ``sf:plans:{model}``
+                      (``encode_plan_record`` / ``decode_plan_record``)
 
 Each has one encoder and one decoder, here; ``tests/integration/test_wire_formats.py``
 feeds every real producer's output to its real consumer.
@@ -59,6 +61,8 @@ __all__ = [
     "event_from_dict",
     "live_workers",
     "stream_entry_id",
+    "encode_plan_record",
+    "decode_plan_record",
 ]
 
 
@@ -481,3 +485,21 @@ class KeyRecord:
         """The record for display: everything but the hash."""
         return {"key_id": self.key_id, "name": self.name, "tier": self.tier,
                 "created_at": self.created_at, "revoked": self.revoked}
+
+
+def encode_plan_record(record: dict[str, Any]) -> bytes:
+    """A TensorRT plan's record (``{prefix}:plans:{model}``, a hash; the field is the plan's
+    key): where and how it was built, written by the engine-build worker and by
+    ``streamfleet engines build``, read by ``streamfleet engines list``."""
+    return orjson.dumps(record)
+
+
+def decode_plan_record(raw: bytes | str) -> dict[str, Any]:
+    """Inverse of ``encode_plan_record``; ``ValueError`` unless it is a JSON object."""
+    try:
+        rec = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"malformed plan record: {exc}") from exc
+    if not isinstance(rec, dict):
+        raise ValueError("malformed plan record: not an object")
+    return rec

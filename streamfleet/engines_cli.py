@@ -147,12 +147,13 @@ def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any])
 def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, Any]) -> None:
     """Local builds show up in `engines list` too, when Redis is reachable."""
     from streamfleet.shared.redis import BROKER_ERRORS, connect
+    from streamfleet.shared.schema import encode_plan_record
     from streamfleet.workers.enginebuild import plans_key
 
     async def main() -> None:
         client = connect(settings.redis_url, socket_timeout=2.0)
         try:
-            await client.hset(plans_key(settings.key_prefix, model), key, json.dumps(record))
+            await client.hset(plans_key(settings.key_prefix, model), key, encode_plan_record(record))
         finally:
             await client.aclose()
 

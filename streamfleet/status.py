@@ -32,9 +32,10 @@ import redis
 
 from streamfleet.shared.keys import GROUP, LANES, Keys
 from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.schema import DeadLetter, Heartbeat
 from streamfleet.shared.settings import CommonSettings
 
-__all__ = ["LaneStatus", "WorkerStatus", "DeadLetter", "ModelStatus", "FleetStatus", "collect", "render",
+__all__ = ["LaneStatus", "WorkerStatus", "DeadLetterStatus", "ModelStatus", "FleetStatus", "collect", "render",
            "run_status", "mask_url"]
 
 #: dead letters shown per model
@@ -98,7 +99,7 @@ class WorkerStatus:
 
 
 @dataclass(slots=True)
-class DeadLetter:
+class DeadLetterStatus:
     id: str
     age_s: float
     reason: str
@@ -114,7 +115,7 @@ class ModelStatus:
     workers: list[WorkerStatus] = field(default_factory=list)
     dead_key: str = ""
     dead_count: int = 0
-    dead_latest: list[DeadLetter] = field(default_factory=list)
+    dead_latest: list[DeadLetterStatus] = field(default_factory=list)
 
     @property
     def live_workers(self) -> list[WorkerStatus]:
@@ -224,39 +225,27 @@ def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerS
     out = []
     for wid, blob in sorted(r.hgetall(key).items()):
         try:
-            info = orjson.loads(blob)
-            if not isinstance(info, dict):
-                raise ValueError("not an object")
-        except (orjson.JSONDecodeError, ValueError):
+            hb = Heartbeat.decode(blob, wid)
+        except ValueError:
             out.append(WorkerStatus(_s(wid), None, None, None, None, None, None, False, True))
             continue
-        hb = info.get("heartbeat")
-        age = max(0.0, now - float(hb)) if isinstance(hb, (int, float)) else None
+        age = hb.age(now)
         out.append(WorkerStatus(
-            id=_s(wid), slots_used=info.get("slots_used"), max_batch=info.get("max_batch"),
-            tokens_per_s=info.get("tokens_per_s"), heartbeat_age_s=age, pid=info.get("pid"),
-            host=info.get("host"), draining=bool(info.get("draining", False)),
-            stale=age is None or age > ttl_s))
+            id=hb.worker_id, slots_used=hb.slots_used, max_batch=hb.max_batch, tokens_per_s=hb.tokens_per_s,
+            heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s))
     return out
 
 
-def _dead(r: redis.Redis, key: str, now_ms: int, n: int) -> tuple[int, list[DeadLetter]]:
+def _dead(r: redis.Redis, key: str, now_ms: int, n: int) -> tuple[int, list[DeadLetterStatus]]:
     count = int(r.xlen(key))
     latest = []
     if count:
         for eid, fields in r.xrevrange(key, max="+", min="-", count=n):
-            f = {_s(k): v for k, v in fields.items()}
-            rid = None
-            try:
-                task = orjson.loads(f.get("task") or b"")
-                rid = task.get("request_id") if isinstance(task, dict) else None
-            except orjson.JSONDecodeError:
-                pass
+            dead = DeadLetter.decode(fields)
             eid = _s(eid)
-            latest.append(DeadLetter(id=eid, age_s=max(0.0, (now_ms - _id_ms(eid)) / 1000),
-                                     reason=_s(f.get("reason", b"?")),
-                                     lane=_s(f["lane"]) if "lane" in f else None,
-                                     worker=_s(f["worker"]) if "worker" in f else None, request_id=rid))
+            latest.append(DeadLetterStatus(id=eid, age_s=max(0.0, (now_ms - _id_ms(eid)) / 1000),
+                                           reason=dead.reason or "?", lane=dead.lane or None,
+                                           worker=dead.worker or None, request_id=dead.request_id))
     return count, latest
 
 

@@ -22,13 +22,13 @@ which is fine for jobs that take minutes; the token hot path stays on Redis Stre
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
+from streamfleet.shared.schema import decode_plan_record, encode_plan_record
 
 if TYPE_CHECKING:
     from arq.connections import ArqRedis
@@ -105,7 +105,7 @@ async def build_engine(ctx: dict[str, Any], model: str, force: bool = False,
     record = result.record(host=ctx["host"])
     record["queue"] = ctx["queue"]
     record["built"] = bool(result.built)
-    await ctx["redis"].hset(plans_key(ctx["prefix"], model), result.key, json.dumps(record))
+    await ctx["redis"].hset(plans_key(ctx["prefix"], model), result.key, encode_plan_record(record))
     return record
 
 
@@ -158,7 +158,7 @@ async def list_plans(redis: Any, prefix: str, model: str | None = None) -> list[
         rows = []
         for field, blob in (await redis.hgetall(key)).items():
             try:
-                rec = json.loads(blob)
+                rec = decode_plan_record(blob)
             except ValueError:
                 rec = {"error": f"unreadable record {_text(blob)[:80]!r}"}
             rec.setdefault("key", _text(field))

@@ -16,7 +16,9 @@ import pytest
 import redis
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.workers.enginebuild import JOB_NAME, enqueue_build, make_worker, plans_key, queue_key, validate_queue
+from streamfleet.shared.schema import decode_plan_record
+from streamfleet.workers.enginebuild import (JOB_NAME, enqueue_build, list_plans, make_worker, plans_key, queue_key,
+                                           validate_queue)
 from streamfleet.workers.engines import trt_build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +86,9 @@ async def test_build_job_round_trip(redis_server, key_prefix, engines_dir):
         assert plan.name == f"10.99-sm90-{record['key'][:16]}.plan"
         stored = await pool.hgetall(plans_key(key_prefix, "tiny-gpt"))
         assert list(stored) == [record["key"].encode()]
-        assert json.loads(stored[record["key"].encode()]) == record
+        assert decode_plan_record(stored[record["key"].encode()]) == record
+        # and `streamfleet engines list` reads the same record back
+        assert await list_plans(pool, key_prefix, "tiny-gpt") == [record]
 
         # a second build of the same plan finds it; --force builds again
         again = await enqueue_build(pool, key_prefix, "sm90", "tiny-gpt", options={"tf32": True})

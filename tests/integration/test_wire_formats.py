@@ -5,15 +5,31 @@ here, not silently in production."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
+import redis
 import redis.asyncio as aioredis
 
+from streamfleet.gateway.auth import KeyStore
 from streamfleet.gateway.broker import Broker
 from streamfleet.shared.keys import Keys
-from streamfleet.shared.schema import Cancel, Follow, RequestRecord, SamplingParams, Task, Wake, stream_entry_id
-from streamfleet.shared.settings import GatewaySettings, WorkerSettings
+from streamfleet.shared.schema import (Cancel, DeadLetter, DoneEvent, Follow, Heartbeat, KeyRecord, LogEntry,
+                                       RequestRecord, SamplingParams, Task, TokenEvent, Wake, decode_events,
+                                       stream_entry_id)
+from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
+from streamfleet.status import collect
 from streamfleet.workers.process import WorkerProcess
+
+
+def status_collect(url: str, prefix: str):
+    """What `streamfleet status` reads (its collect step), for tiny-gpt."""
+    r = redis.Redis.from_url(url)
+    try:
+        return collect(r, CommonSettings(redis_url=url, key_prefix=prefix), models=["tiny-gpt"])
+    finally:
+        r.close()
 
 
 async def _next_message(pubsub, timeout: float = 5.0) -> dict:
@@ -69,3 +85,106 @@ async def test_gateway_payloads_read_back_by_their_consumers(redis_server, key_p
         await r.aclose()
         await broker.stop()
         await asyncio.sleep(0)
+
+
+async def _subscribe(r: aioredis.Redis, channel: str):
+    pubsub = r.pubsub()
+    await pubsub.subscribe(channel)
+    return pubsub
+
+
+async def _events_until_end(pubsub, timeout: float = 30.0) -> list:
+    events: list = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if msg is None:
+            continue
+        events += decode_events(msg["data"])
+        if any(not isinstance(e, TokenEvent) for e in events):
+            return events
+    raise AssertionError(f"no end after {len(events)} events")
+
+
+async def test_worker_payloads_read_back_by_their_consumers(fleet, redis_server, key_prefix):
+    """A real echo worker's heartbeat, request log, dead letter and followers, each read
+    by the code that consumes it: the gateway's broker, ``streamfleet status``, a worker
+    taking the request over."""
+    keys = Keys(key_prefix)
+    worker = fleet.worker(backend="echo", echo_delay_ms=5)
+    settings = GatewaySettings(redis_url=redis_server.url, key_prefix=key_prefix)
+    broker = Broker(settings)
+    await broker.start()
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        # the heartbeat: the gateway's live_workers and `streamfleet status` read what the worker wrote
+        [hb] = await broker.live_workers("tiny-gpt")
+        assert isinstance(hb, Heartbeat) and hb.max_batch > 0 and hb.pid == worker.popen.pid
+        raw = await r.hgetall(keys.workers("tiny-gpt"))
+        assert Heartbeat.decode(raw[hb.worker_id.encode()], hb.worker_id).pid == hb.pid
+        st = await asyncio.to_thread(status_collect, redis_server.url, key_prefix)
+        [model] = [m for m in st.models if m.name == "tiny-gpt"]
+        assert [w.pid for w in model.live_workers] == [worker.popen.pid]
+
+        # a task nobody's connection hears, followed by another connection through sf:attach
+        # only (no Follow message): the worker finds the follower in the attach entry
+        follower = "d" * 32
+        replies = await _subscribe(r, keys.reply(follower))
+        now = time.time()
+        task = Task(request_id="b" * 32, model="tiny-gpt", lane="high", reply_to="c" * 32, client_id="r2",
+                    prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=4, seed=1), created_at=now,
+                    deadline=now + 60, trace_id="t2")
+        await broker.follow(task.request_id, follower, 30.0, announce=False)
+        await broker.submit(task, owner="tok:x")
+        events = await _events_until_end(replies)
+        await replies.aclose()
+        # what was published before the lookup found the follower is in the log (a gateway
+        # fills the gap from there); everything after went to the follower too
+        heard = [e.index for e in events if isinstance(e, TokenEvent)]
+        assert heard == list(range(4 - len(heard), 4)) and len(heard) >= 1, heard
+        assert isinstance(events[-1], DoneEvent) and events[-1].completion_tokens == 4
+
+        # the request log: what the gateway's resume path reads back, and the token ids a
+        # worker taking the request over would replay
+        logged = [ev for _, ev in await broker.read_log(task.request_id)]
+        assert [e.index for e in logged if isinstance(e, TokenEvent)] == [0, 1, 2, 3]
+        assert logged[-len(events):] == events
+        entries = [LogEntry.decode(f) for _, f in await r.xrange(keys.log(task.request_id))]
+        assert [e.event for e in entries] == logged
+        assert all(e.token_id is not None for e in entries if isinstance(e.event, TokenEvent))
+
+        # a task its producer broke: the worker dead-letters it, `streamfleet status` names it
+        await r.xadd(keys.lane("tiny-gpt", "normal"), {"task": b'{"request_id": "e' + b"e" * 31 + b'"'})
+        deadline = time.monotonic() + 20
+        while not await r.xlen(keys.dead("tiny-gpt")):
+            assert time.monotonic() < deadline, "no dead letter"
+            await asyncio.sleep(0.05)
+        [(_, fields)] = await r.xrange(keys.dead("tiny-gpt"))
+        dead = DeadLetter.decode(fields)
+        assert dead.reason.startswith("malformed task") and dead.lane == "normal" and dead.worker == hb.worker_id
+        st = await asyncio.to_thread(status_collect, redis_server.url, key_prefix)
+        [model] = [m for m in st.models if m.name == "tiny-gpt"]
+        assert model.dead_count == 1 and model.dead_latest[0].reason == dead.reason
+        assert model.dead_latest[0].lane == "normal"
+    finally:
+        await r.aclose()
+        await broker.stop()
+
+
+def test_key_records_written_by_the_cli_read_by_the_gateway(fleet, redis_server, key_prefix, rds):
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "add", "wire", "--tier", "free"],
+                         env=fleet.env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [(key_id, blob)] = rds.hgetall(Keys(key_prefix).api_keys).items()
+    record = KeyRecord.decode(blob)
+    assert record.key_id == key_id.decode() and record.name == "wire" and record.tier == "free"
+    assert not record.revoked and len(record.hash) == 64
+
+    async def lookup() -> KeyRecord | None:
+        store = KeyStore(aioredis.Redis.from_url(redis_server.url), Keys(key_prefix))
+        try:
+            return await store.lookup(record.key_id)
+        finally:
+            await store.redis.aclose()
+
+    assert asyncio.run(lookup()) == record

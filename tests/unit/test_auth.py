@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamfleet.gateway.auth import KeyRecord, extract_key, hash_key, parse_key
+from streamfleet.gateway.auth import extract_key, hash_key, parse_key
+from streamfleet.shared.schema import KeyRecord
 
 
 @pytest.mark.parametrize("header, query, expected", [
@@ -36,6 +37,6 @@ def test_parse_key():
 
 def test_record_round_trip_hides_the_hash():
     r = KeyRecord("0123456789ab", "alice", "paid", hash_key("k"), "2024-01-01T00:00:00Z")
-    assert KeyRecord.from_json(r.to_json()) == r
+    assert KeyRecord.decode(r.encode()) == r
     assert "hash" not in r.public() and hash_key("k") not in repr(r)
     assert len(r.hash) == 64
