@@ -2,10 +2,10 @@
 
 Every token a gateway delivers arrives as one pub/sub message, so this is the busiest
 code path in the process. redis-py's ``PubSub.get_message`` costs a coroutine, a timeout
-context, a health check and a dict per message (about 13 µs each, measured); here the
-socket's bytes go straight to hiredis in ``data_received`` and each parsed message is
-handed to ``on_message(channel, data)`` synchronously (about 2 µs). The rest of the
-gateway's Redis traffic (enqueue, cancels, logs) stays on redis-py.
+context, a health check and a dict per message; here the socket's bytes go straight to
+hiredis in ``data_received`` and each parsed message is handed to
+``on_message(channel, data)`` synchronously (docs/status.md has the figures). The rest
+of the gateway's Redis traffic (enqueue, cancels, logs) stays on redis-py.
 
 The connection speaks RESP2 and knows what a pub/sub-only client needs: AUTH (user and
 password from the URL), TLS (``rediss://``), unix sockets, SUBSCRIBE with its

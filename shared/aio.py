@@ -13,7 +13,7 @@ import asyncio
 import gc
 from typing import Any, Callable, Coroutine
 
-__all__ = ["EVENT_LOOPS", "loop_factory", "run", "loop_name", "settle_heap"]
+__all__ = ["EVENT_LOOPS", "loop_factory", "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -31,10 +31,6 @@ def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] 
             raise RuntimeError("SF_EVENT_LOOP=uvloop but uvloop is not installed (pip install uvloop)") from None
         return None
     return uvloop.new_event_loop
-
-
-def loop_name(loop: str = "auto") -> str:
-    return "asyncio" if loop_factory(loop) is None else "uvloop"
 
 
 def run(coro: Coroutine[Any, Any, Any], loop: str = "auto") -> Any:
