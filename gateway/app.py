@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -112,7 +114,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz():
-        return json_response({"status": "ok", "gateway_id": hub.broker.gateway_id})
+        return json_response({"status": "ok", "gateway_id": hub.broker.gateway_id, "pid": os.getpid()})
 
     @app.get("/readyz")
     async def readyz():

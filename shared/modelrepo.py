@@ -241,6 +241,9 @@ def _safe(part: str) -> bool:
 
 @lru_cache(maxsize=16)
 def _load_tokenizer_cached(path: str) -> Any:
+    # the fleet uses transformers for tokenizers only: its import-time advice that PyTorch is
+    # missing (printed by every process) does not apply
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import PreTrainedTokenizerFast  # heavy import, only when needed
 
     file = Path(path)

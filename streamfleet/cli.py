@@ -11,6 +11,10 @@ import typer
 from streamfleet.engines_cli import engines_app
 from streamfleet.keys_cli import keys_app
 
+#: administrative commands find the fleet's Redis this way (streamfleet/local.py)
+ADMIN_REDIS_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                    "else redis://127.0.0.1:6379/0]")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="streamfleet: token-streaming LLM serving over Redis Streams.")
 app.add_typer(keys_app, name="keys", help="Manage API keys: add, list, revoke (stored hashed in Redis).")
@@ -104,15 +108,15 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="redraw every --interval seconds until Ctrl-C"),
     interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document (one per line with --watch)"),
-    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
+    redis_url: Optional[str] = typer.Option(None, help=ADMIN_REDIS_HELP),
 ) -> None:
     """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
-    from streamfleet.shared.settings import CommonSettings
+    from streamfleet.local import admin_settings
     from streamfleet.status import run_status
 
     if interval <= 0:
         raise typer.BadParameter("--interval must be > 0")
-    settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    settings = admin_settings(redis_url)
     raise typer.Exit(run_status(settings, model=model, watch=watch, interval=interval, as_json=as_json))
 
 
@@ -178,7 +182,7 @@ def reload(
     to: str = typer.Option(..., "--to", help="version to serve (engines/MODEL/versions/VERSION)"),
     wait: bool = typer.Option(True, help="wait until every live worker serves it"),
     timeout: float = typer.Option(600.0, help="seconds to wait"),
-    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
+    redis_url: Optional[str] = typer.Option(None, help=ADMIN_REDIS_HELP),
 ) -> None:
     """Hot-reload a model: workers load VERSION beside the current one, one at a time, send new
     requests to it, let running ones finish on the old one, then free it."""
@@ -189,10 +193,10 @@ def reload(
     from streamfleet.shared.errors import StreamfleetError
     from streamfleet.shared.keys import Keys
     from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.local import admin_settings
     from streamfleet.shared.schema import live_workers
-    from streamfleet.shared.settings import CommonSettings
 
-    settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    settings = admin_settings(redis_url)
     try:
         versions = ModelRepository(settings.engines_dir).versions(model)
     except StreamfleetError as exc:

@@ -28,13 +28,14 @@ engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Model folders: import an Optimum export; TensorRT plans: build (here or on a "
                                "GPU build queue), list, run a build worker.")
 
-_REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
+_REDIS_URL_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                   "else redis://127.0.0.1:6379/0]")
 
 
 def _settings(redis_url: Optional[str]) -> Any:
-    from streamfleet.shared.settings import CommonSettings
+    from streamfleet.local import admin_settings
 
-    return CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    return admin_settings(redis_url)
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:

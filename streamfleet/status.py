@@ -25,11 +25,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import redis
 
+from streamfleet.local import mask_url
 from streamfleet.shared.keys import GROUP, LANES, Keys
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DeadLetter, Heartbeat
@@ -142,21 +142,6 @@ class FleetStatus:
             md["backlog"] = sum(lane.length for lane in m.lanes)
         out["gateway_count"] = len(self.gateways)
         return out
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
 def _s(v: Any) -> str:

@@ -9,10 +9,11 @@ import sys
 import time
 
 import httpx
+import orjson
 import psutil
 import pytest
 
-from streamfleet.launcher import free_port
+from streamfleet.launcher import find_redis_server, free_port, redis_server_version
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -27,6 +28,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
     env["REDIS_URL"] = "redis://127.0.0.1:1/0"  # unreachable: serve must fall back to an embedded Redis
     env["SF_THREADS"] = "1"
+    env["SF_STATE_DIR"] = str(tmp_path / "state")  # where serve records its Redis for other commands
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port),
                              "--metrics-port", str(metrics_port)], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -54,6 +56,33 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         assert "streamfleet_live_workers" in httpx.get(metrics_url, timeout=5).text
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 404
 
+        served = (tmp_path / "serve.log").read_text()
+        # the embedded Redis is the newest redis-server at hand, and serve says which and its version
+        binary = find_redis_server()
+        assert f"binary={binary}" in served
+        assert f"version={'.'.join(map(str, redis_server_version(binary)))}" in served
+        # transformers' advice that PyTorch is missing does not apply to a tokenizer-only fleet
+        assert "PyTorch was not found" not in served
+
+        # another shell: with no Redis configured, `status` finds the fleet serve started and says so
+        admin_env = {k: v for k, v in env.items() if k not in ("REDIS_URL", "SF_REDIS_URL")}
+        st = subprocess.run([sys.executable, "-m", "streamfleet", "status", "--json", "--model", "tiny-gpt"],
+                            env=admin_env, capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        assert "(the running `streamfleet serve`, pid" in st.stderr and f"pid {proc.pid})" in st.stderr
+        [model] = orjson.loads(st.stdout)["models"]
+        assert model["name"] == "tiny-gpt" and model["live_workers"] == 1
+        keys = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "list"], env=admin_env,
+                              capture_output=True, text=True, timeout=60)
+        assert keys.returncode == 0 and "the running `streamfleet serve`" in keys.stderr, keys.stderr
+
+        # a second serve on the same port says so before starting anything, and exits
+        second = subprocess.run([sys.executable, "-m", "streamfleet", "serve", "--port", str(port)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "already in use" in second.stderr and "--port 0" in second.stderr
+        assert "streamfleet is serving" not in second.stdout
+
         out = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time",
                               "--url", f"ws://127.0.0.1:{port}/v1/stream", "--max-tokens", "12", "--seed", "1"],
                              capture_output=True, text=True, timeout=60)
@@ -67,6 +96,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+        assert not (tmp_path / "state" / "serve.json").exists(), "serve removes its record when it stops"
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [c.cmdline() for c in alive]
         with pytest.raises(httpx.HTTPError):
