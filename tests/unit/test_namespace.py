@@ -24,7 +24,7 @@ def test_only_streamfleet_is_importable_outside_the_repository(tmp_path):
 
 
 def test_no_module_imports_the_folders_as_top_level_packages():
-    bad = re.compile(r"^\s*(from|import) (gateway|workers|shared)\b", re.M)
+    bad = re.compile(r"(^\s*|\"|\bimport )(from|import) (gateway|workers|shared)\b|\bimport (gateway|workers|shared)\.", re.M)
     offenders = []
     for folder in ("gateway", "workers", "shared", "streamfleet", "scripts", "tests"):
         for path in (REPO / folder).rglob("*.py"):
@@ -45,3 +45,20 @@ def test_nothing_outside_tests_imports_tests():
 def test_scripts_need_no_sys_path_edits():
     offenders = [p.name for p in (REPO / "scripts").glob("*.py") if "sys.path" in p.read_text()]
     assert not offenders, f"scripts run as modules (python -m scripts.NAME): {offenders}"
+
+
+def test_gpu_extra_pins_one_cuda_line():
+    """Unpinned, `tensorrt` and `cuda-python` resolve to the CUDA 13 line, which needs a
+    CUDA 13 driver: the extra stays on TensorRT 10 for CUDA 12 with the CUDA 12 bindings."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    extra = {r.name: r for r in map(Requirement,
+                                    tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+                                    ["optional-dependencies"]["gpu"])}
+    assert set(extra) == {"tensorrt-cu12", "cuda-python", "pycuda"}
+    trt, cuda = extra["tensorrt-cu12"].specifier, extra["cuda-python"].specifier
+    assert Version("10.8.0.43") in trt and Version("11.0.0") not in trt
+    assert Version("12.9.0") in cuda and Version("13.0.0") not in cuda

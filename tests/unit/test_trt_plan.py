@@ -270,8 +270,9 @@ def test_load_engine_tensorrt_without_tensorrt_is_a_clear_fatal_error(tiny_spec,
 def test_cpu_imports_stay_free_of_gpu_packages():
     code = (
         "import sys\n"
-        "import workers.engines, workers.process, workers.engines.tensorrt, workers.engines.trt_build\n"
-        "import workers.engines.cuda_mem, workers.enginebuild, streamfleet.cli, streamfleet.engines_cli\n"
+        "import streamfleet.workers.engines, streamfleet.workers.process, streamfleet.workers.engines.tensorrt\n"
+        "import streamfleet.workers.engines.trt_build, streamfleet.workers.engines.cuda_mem\n"
+        "import streamfleet.workers.enginebuild, streamfleet.cli, streamfleet.engines_cli\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'pycuda', 'cuda', 'arq'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
@@ -328,6 +329,30 @@ def test_cuda_library_select_constructs_the_choice(monkeypatch):
     monkeypatch.setitem(cuda_mem.IMPLEMENTATIONS, "pycuda", Broken)
     with pytest.raises(FatalError, match="no CUDA-capable device"):
         cuda_mem.select("pycuda", _importer({"pycuda.driver"}))
+
+
+def test_cuda_library_falls_back_when_the_first_cannot_initialise(monkeypatch, capsys):
+    """cuda-python built for CUDA 13 imports on a CUDA 12 driver, then fails to start:
+    auto moves on to pycuda and says so; a named library does not."""
+    class TooNew:
+        def __init__(self, module, importer):
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    class Works:
+        def __init__(self, module, importer):
+            self.module = module
+
+    monkeypatch.setitem(cuda_mem.IMPLEMENTATIONS, "cuda-python", TooNew)
+    monkeypatch.setitem(cuda_mem.IMPLEMENTATIONS, "pycuda", Works)
+    both = _importer({"cuda.bindings.runtime", "pycuda.driver"})
+    mem = cuda_mem.select("auto", both)
+    assert isinstance(mem, Works) and mem.module == "<module pycuda.driver>"
+    logged = capsys.readouterr()
+    assert "falling back" in logged.out + logged.err and "InsufficientDriver" in logged.out + logged.err
+    with pytest.raises(FatalError, match="InsufficientDriver"):
+        cuda_mem.select("cuda-python", both)
+    with pytest.raises(FatalError, match="InsufficientDriver"):  # nothing to fall back to
+        cuda_mem.select("auto", _importer({"cuda.bindings.runtime"}))
 
 
 def test_compute_capability_from_nvidia_smi(monkeypatch):

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+from streamfleet.shared.logging import get_logger
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -56,6 +57,8 @@ _PROBES: dict[str, tuple[str, ...]] = {
 _PREFERENCE = ("cuda-python", "pycuda")
 
 Importer = Callable[[str], Any]
+
+log = get_logger("cuda")
 
 
 class CudaError(RuntimeError):
@@ -146,18 +149,32 @@ def choose(name: str = "auto", importer: Importer | None = None) -> tuple[str, A
 
 
 def select(name: str = "auto", importer: Importer | None = None) -> CudaMem:
-    """An initialised ``CudaMem`` (touches the GPU).
+    """An initialised ``CudaMem`` (touches the GPU). With ``auto``, a library that imports
+    but cannot initialise CUDA (cuda-python built for a newer CUDA than the driver
+    supports, say) gives way to the next, with a log line saying so.
 
     Raises:
         FatalError: no usable package (see ``choose``), or CUDA cannot start.
     """
+    importer = importer or importlib.import_module
     chosen, module = choose(name, importer)
-    try:
-        return IMPLEMENTATIONS[chosen](module, importer or importlib.import_module)
-    except FatalError:
-        raise
-    except Exception as exc:
-        raise FatalError(f"{chosen} cannot initialise CUDA: {exc}") from exc
+    later = list(_PREFERENCE[_PREFERENCE.index(chosen) + 1:]) if name == "auto" else []
+    while True:
+        try:
+            return IMPLEMENTATIONS[chosen](module, importer)
+        except Exception as exc:
+            failure = exc.message if isinstance(exc, FatalError) else f"{chosen} cannot initialise CUDA: {exc}"
+            fallback = None
+            while later and fallback is None:
+                cand = later.pop(0)
+                found, _ = _probe(cand, importer)
+                if found is not None:
+                    fallback = (cand, found)
+            if fallback is None:
+                raise FatalError(failure) from exc
+            log.warning("CUDA library cannot initialise; falling back", failed=chosen, error=failure,
+                        using=fallback[0])
+            chosen, module = fallback
 
 
 def detect_compute_capability(mem: CudaMem | None = None, device: int = 0) -> str:
