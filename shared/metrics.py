@@ -1,5 +1,5 @@
 """Prometheus metrics of every process kind, defined in one place so names and labels
-stay consistent (they are listed in the README). Gateways and workers serve them on
+stay consistent (they are listed in docs/operations.md). Gateways and workers serve them on
 ``/metrics`` of a port of their own (``SF_METRICS_PORT``; the gateway's is
 ``gateway/scrape.py``), never on the gateway's API port.
 

@@ -19,7 +19,7 @@
 * ``Heartbeat``       worker → gateways, workers and ``streamfleet status``, the worker's
                       field of ``sf:workers:{model}``
 * ``DeadLetter``      worker → operators, one entry of ``sf:{model}:dead``
-* ``KeyRecord``       ``streamfleet keys`` → gateways, a field of ``sf:apikeys``
+* ``KeyRecord``       ``streamfleet keys`` → gateways, a field of ``sf:keys``
 * plan records      engine builds → ``streamfleet engines list``, ``sf:plans:{model}``
                       (``encode_plan_record`` / ``decode_plan_record``)
 
@@ -458,7 +458,7 @@ class DeadLetter:
 
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
-    """One stored API key (``sf:apikeys``, a hash; the field is the key id). ``hash`` is
+    """One stored API key (``sf:keys``, a hash; the field is the key id). ``hash`` is
     SHA-256 of the whole key, never the key. Written by ``streamfleet keys``, read by
     every gateway."""
 

@@ -12,8 +12,8 @@ from streamfleet.engines_cli import engines_app
 from streamfleet.keys_cli import keys_app
 
 #: administrative commands find the fleet's Redis this way (streamfleet/local.py)
-ADMIN_REDIS_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                    "else redis://127.0.0.1:6379/0]")
+ADMIN_REDIS_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                    "else redis://127.0.0.1:6379/0)")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="streamfleet: token-streaming LLM serving over Redis Streams.")

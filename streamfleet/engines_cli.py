@@ -28,8 +28,8 @@ engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Model folders: import an Optimum export; TensorRT plans: build (here or on a "
                                "GPU build queue), list, run a build worker.")
 
-_REDIS_URL_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                   "else redis://127.0.0.1:6379/0]")
+_REDIS_URL_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                   "else redis://127.0.0.1:6379/0)")
 
 
 def _settings(redis_url: Optional[str]) -> Any:

@@ -25,8 +25,8 @@ T = TypeVar("T")
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Manage API keys: add, list, revoke.")
 
-_REDIS_URL_HELP = ("the fleet's Redis [default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                   "else redis://127.0.0.1:6379/0]")
+_REDIS_URL_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                   "else redis://127.0.0.1:6379/0)")
 
 
 def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:

@@ -165,7 +165,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
 
     configure_logging("info", log_format, process="serve")
     log = get_logger("serve")
-    from streamfleet.shared.settings import CommonSettings
+    from streamfleet.shared.settings import CommonSettings, GatewaySettings
 
     spec = ModelRepository(CommonSettings().engines_dir).get(model)
     if not spec.artifacts_present():
@@ -213,6 +213,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
                 return 1
             return 0
         metrics = f"http://127.0.0.1:{metrics_port}/metrics  (Prometheus)" if metrics_port else "off"
+        auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
+                if GatewaySettings().auth_enabled else "off (local use)")
         banner = (
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
@@ -221,7 +223,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"    try         streamfleet client --url {base} \"Once upon a time\"\n"
             f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"
-            f"    auth        off (local use)\n"
+            f"    auth        {auth}\n"
             f"  Ctrl-C stops everything.\n"
         )
         print(banner, flush=True)
