@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Generate a GPT-2-style decoder as an ONNX graph plus a byte-level BPE tokenizer.
 
-Nothing is downloaded and torch is not needed: the weights are seeded numpy arrays, the
-graph is written node by node with ``onnx.helper`` and the tokenizer is trained with
-the ``tokenizers`` library on a corpus embedded below. Same parameters, same bytes.
+Nothing is downloaded and torch is not needed: the graph is written node by node with
+``onnx.helper`` and the tokenizer is trained with the ``tokenizers`` library on the
+bundled corpus ``scripts/corpus/tiny.txt`` plus text embedded below. The weights make a
+readable demo: the token embedding, an untied lm_head and its bias are fitted (numpy
+Adam, a few seconds) to the smoothed bigram statistics of that corpus, so the model
+writes English words; the attention and MLP blocks and the positions keep small seeded
+random weights that still move the logits (the KV cache, masks and positions matter).
+Same parameters, same bytes.
 
 The graph has the input/output names of Hugging Face Optimum's
 ``text-generation-with-past`` export, so the engines treat it like a real exported model:
@@ -45,9 +50,12 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from streamfleet.shared.modelrepo import GENERATOR_KEY, generator_digest  # noqa: E402
+
 OPSET = 17
-EMBED_STD = 0.1
-LOGIT_STD = 3.0
+#: per-element std of what positions and each block add to the residual stream, next to
+#: the token embedding's 1.0
+BLOCK_MIX = 0.025
 EOS_TOKEN = "<|endoftext|>"
 
 
@@ -193,8 +201,10 @@ def build_tokenizer(params: BuildParams) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     rng = np.random.default_rng(params.seed)
-    # Enough distinct words that the merges reach vocab_size (BPE stops when words run out).
-    corpus = [BASE_CORPUS] * 4 + [_synthetic_corpus(rng, 60 * params.vocab_size)]
+    # The language-model corpus first, so its words become whole tokens; then enough
+    # distinct words that the merges reach vocab_size (BPE stops when words run out).
+    corpus = ([BASE_CORPUS] * 4 + ["\n".join(load_corpus())] * 8
+              + [_synthetic_corpus(rng, 60 * params.vocab_size)])
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -214,6 +224,142 @@ def build_tokenizer(params: BuildParams) -> str:
     if got != params.vocab_size:
         raise SystemExit(f"tokenizer training reached {got} tokens, wanted {params.vocab_size}")
     return tok.to_str(pretty=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Weights fitted to the corpus
+# ---------------------------------------------------------------------------------------
+
+#: the language-model corpus (plain English prose written for this repository)
+CORPUS_PATH = Path(__file__).resolve().parent / "corpus" / "tiny.txt"
+#: probability the fitted model leaves, in total, to tokens the corpus never uses (the
+#: 256 byte tokens, Chinese, emoji, made-up words): reachable, but rarely drawn
+UNSEEN_MASS = 2e-3
+#: bigram targets back off to the unigram distribution with this many pseudo-counts
+BACKOFF = 0.5
+#: Adam steps of the fit, and its learning rate
+FIT_STEPS = 120
+FIT_LR = 0.1
+
+
+def load_corpus(path: Path = CORPUS_PATH) -> list[str]:
+    """The corpus's paragraphs: ``#`` lines are comments, blank lines end a paragraph and
+    the lines of one are joined with spaces."""
+    paragraphs: list[str] = []
+    lines: list[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines() + [""]:
+        if line.startswith("#"):
+            continue
+        if line.strip():
+            lines.append(line.strip())
+        elif lines:
+            paragraphs.append(" ".join(lines))
+            lines = []
+    return paragraphs
+
+
+def _layer_norm(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """LayerNormalization without gain and bias (what the graph's LN computes, eps aside),
+    and 1/std for the backward pass."""
+    c = u - u.mean(axis=-1, keepdims=True)
+    inv = 1.0 / np.sqrt((c * c).mean(axis=-1, keepdims=True) + 1e-5)
+    return c * inv, inv
+
+
+@dataclass
+class Fit:
+    """The output layer of a smoothed bigram model of the corpus.
+
+    ``logits(b | a) ~= layer_norm(wte[a]) @ lm_head + lm_bias``: ``wte`` rows are zero-mean
+    with unit variance, so the final LayerNorm of a residual stream dominated by the
+    token embedding hands them through nearly unchanged.
+    """
+
+    wte: np.ndarray      # [vocab, d]
+    lm_head: np.ndarray  # [d, vocab]
+    lm_bias: np.ndarray  # [vocab]
+    loss: float          # cross-entropy (nats) of the fit against the smoothed targets
+    target_entropy: float
+
+
+def corpus_ids(tokenizer_json: str) -> list[int]:
+    """The corpus as token ids, every paragraph preceded and the last followed by EOS."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    ids: list[int] = []
+    for paragraph in load_corpus():
+        ids += [0] + tok.encode(paragraph).ids
+    return ids + [0]
+
+
+def fit_bigram(params: BuildParams, tokenizer_json: str, rng: np.random.Generator) -> Fit:
+    """Fit token embedding, unembedding and bias to the corpus's smoothed bigram
+    distribution by full-batch Adam on the cross-entropy (float64, a seeded start and a
+    fixed number of steps: the same bytes every run).
+
+    Only tokens the corpus uses get their own rows and columns; every other token shares
+    one input row (the corpus's unigram distribution follows it) and one output logit
+    (``UNSEEN_MASS`` spread over all of them).
+    """
+    d, v = params.d_model, params.vocab_size
+    ids = np.array(corpus_ids(tokenizer_json), dtype=np.int64)
+    seen = np.unique(ids)                    # sorted token ids the corpus uses (EOS included)
+    n = len(seen)
+    n_other = v - n
+    index = np.full(v, n, dtype=np.int64)    # token id -> row; unseen tokens share row n
+    index[seen] = np.arange(n)
+
+    counts = np.zeros((n, n))
+    np.add.at(counts, (index[ids[:-1]], index[ids[1:]]), 1.0)
+    unigram = counts.sum(axis=0) / counts.sum()
+    row_n = counts.sum(axis=1, keepdims=True)
+    keep = 1.0 - (UNSEEN_MASS if n_other else 0.0)
+    target = np.zeros((n + 1, n + 1))        # rows: contexts + "unseen"; cols: tokens + "unseen"
+    target[:n, :n] = (counts + BACKOFF * unigram) / (row_n + BACKOFF) * keep
+    target[n, :n] = unigram * keep
+    target[:, n] = 1.0 - keep
+    weight = np.concatenate([row_n[:, 0] + 1.0, [4.0]])
+    weight /= weight.sum()
+    # the unseen column stands for n_other tokens with one logit each
+    log_other = np.log(n_other) if n_other else -1e9
+
+    u = rng.standard_normal((n + 1, d))
+    w = rng.standard_normal((d, n)) * (0.1 / np.sqrt(d))
+    b = np.log(unigram)
+    b_other = np.array(np.log(max(1.0 - keep, 1e-12) / max(n_other, 1)))
+    state = [u, w, b, b_other]
+    m = [np.zeros_like(p) for p in state]
+    s = [np.zeros_like(p) for p in state]
+    b1, b2 = 0.9, 0.99
+    loss = float("nan")
+    for step in range(1, FIT_STEPS + 1):
+        h, inv = _layer_norm(u)
+        z = np.empty((n + 1, n + 1))
+        z[:, :n] = h @ w + b
+        z[:, n] = b_other + log_other
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        loss = float(-(weight[:, None] * target * np.log(np.maximum(p, 1e-300))).sum())
+        dz = (p - target) * weight[:, None]
+        dh = dz[:, :n] @ w.T
+        du = inv * (dh - dh.mean(axis=1, keepdims=True) - h * (dh * h).mean(axis=1, keepdims=True))
+        grads = [du, h.T @ dz[:, :n], dz[:, :n].sum(axis=0), dz[:, n].sum()]
+        lr = FIT_LR * (0.5 + 0.5 * np.cos(np.pi * (step - 1) / FIT_STEPS))  # cosine decay
+        for i, (param, grad) in enumerate(zip(state, grads)):
+            m[i] = b1 * m[i] + (1 - b1) * grad
+            s[i] = b2 * s[i] + (1 - b2) * grad * grad
+            update = lr * (m[i] / (1 - b1 ** step)) / (np.sqrt(s[i] / (1 - b2 ** step)) + 1e-8)
+            param -= update  # in place: state[i] is the same array
+    entropy = float(-(weight[:, None] * target * np.log(np.maximum(target, 1e-300))).sum())
+
+    h, _ = _layer_norm(u)
+    lm_head = rng.standard_normal((d, v)) * 0.01  # unseen columns: a little seeded noise
+    lm_head[:, seen] = w
+    lm_bias = np.full(v, float(b_other))
+    lm_bias[seen] = b
+    return Fit(wte=h[index], lm_head=lm_head, lm_bias=lm_bias, loss=loss, target_entropy=entropy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,9 +391,12 @@ class _Graph:
         return outs[0] if n_out == 1 else outs
 
 
-def build_graph(params: BuildParams) -> onnx.ModelProto:
-    """The decoder graph with seeded weights (see the module docstring for the I/O)."""
+def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
+    """The decoder graph (see the module docstring for the I/O): token embedding,
+    unembedding and its bias fitted to the corpus (``fit_bigram``), small seeded random
+    weights everywhere else."""
     rng = np.random.default_rng(params.seed + 1)
+    fit = fit_bigram(params, tokenizer_json, rng)
     d, h, v, n_ctx = params.d_model, params.n_head, params.vocab_size, params.max_context
     hd = d // h
     f32 = np.float32
@@ -256,14 +405,20 @@ def build_graph(params: BuildParams) -> onnx.ModelProto:
         return (rng.standard_normal(shape) * std).astype(f32)
 
     g = _Graph()
-    # With a tied lm_head, a token's own embedding in the residual stream makes it its
-    # own best successor and greedy decoding repeats one token forever. So embeddings
-    # are small next to the blocks' outputs, and the final LayerNorm's gain brings the
-    # logits back to a spread of LOGIT_STD (a varied, not flat, distribution).
-    wte = g.init("transformer.wte.weight", normal((v, d), EMBED_STD))
-    wpe = g.init("transformer.wpe.weight", normal((n_ctx, d), EMBED_STD))
-    proj_std = 1.0 / np.sqrt(2 * params.n_layer)
+    # The token embedding (zero-mean rows of unit variance) dominates the residual
+    # stream, so the final LayerNorm hands it to the fitted lm_head nearly unchanged and
+    # the logits are the corpus's bigram model. Positions and the blocks add a seeded
+    # random BLOCK_MIX of their own: attention over the whole context (the KV cache),
+    # positions and the MLPs all move the logits, enough that a wrong cache, mask or
+    # position changes tokens, not enough to garble the text.
+    wte = g.init("transformer.wte.weight", fit.wte.astype(f32))
+    pe = normal((n_ctx, d), 1.0)
+    wpe = g.init("transformer.wpe.weight", (BLOCK_MIX * (pe - pe.mean(axis=1, keepdims=True))).astype(f32))
     in_std = 2.2 / np.sqrt(d)  # fan-in scaled: sharp attention, GELU past its linear part
+    # c_proj outputs of about BLOCK_MIX per element: attention mixes values of std ~2,
+    # the MLP's GELU outputs are ~1 over 4d inputs
+    attn_proj_std = BLOCK_MIX / (2.0 * np.sqrt(d))
+    mlp_proj_std = BLOCK_MIX / np.sqrt(4 * d)
 
     # --- masks shared by every layer -----------------------------------------------------
     one_s = g.init("one_scalar", np.array(1, dtype=np.int64))
@@ -299,9 +454,9 @@ def build_graph(params: BuildParams) -> onnx.ModelProto:
         beta = g.init(f"{prefix}.bias", np.zeros(d, dtype=f32))
         return g.op("LayerNormalization", [inp, gamma, beta], axis=-1, epsilon=1e-5)
 
-    def linear(inp: str, prefix: str, n_in: int, n_out: int, std: float) -> str:
+    def linear(inp: str, prefix: str, n_in: int, n_out: int, std: float, bias_std: float = 0.02) -> str:
         w = g.init(f"{prefix}.weight", normal((n_in, n_out), std))
-        b = g.init(f"{prefix}.bias", normal((n_out,), 0.02))
+        b = g.init(f"{prefix}.bias", normal((n_out,), bias_std))
         return g.op("Add", [g.op("MatMul", [inp, w]), b])
 
     inputs = [
@@ -338,23 +493,30 @@ def build_graph(params: BuildParams) -> onnx.ModelProto:
         probs = g.op("Softmax", [g.op("Add", [scores, attn_bias])], axis=-1)
         ctx = g.op("MatMul", [probs, pres_v])                                         # [B, H, S, hd]
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), model_shape])
-        x = g.op("Add", [x, linear(ctx, f"{p}.attn.c_proj", d, d, proj_std)])
+        x = g.op("Add", [x, linear(ctx, f"{p}.attn.c_proj", d, d, attn_proj_std, BLOCK_MIX)])
 
         m = layer_norm(x, f"{p}.ln_2")
         m = linear(m, f"{p}.mlp.c_fc", d, 4 * d, in_std)
         # GELU, the exact (Erf) form; ORT fuses this pattern into one Gelu kernel.
         gelu = g.op("Mul", [g.op("Mul", [m, half]),
                             g.op("Add", [g.op("Erf", [g.op("Mul", [m, inv_sqrt2])]), one_f])])
-        x = g.op("Add", [x, linear(gelu, f"{p}.mlp.c_proj", 4 * d, d, proj_std)])
+        x = g.op("Add", [x, linear(gelu, f"{p}.mlp.c_proj", 4 * d, d, mlp_proj_std, BLOCK_MIX)])
 
-    x = layer_norm(x, "transformer.ln_f", LOGIT_STD / (EMBED_STD * np.sqrt(d)))
-    # lm_head tied to the token embedding: logits = x @ wte^T
-    g.op("MatMul", [x, g.op("Transpose", [wte], perm=[1, 0])], outputs=["logits"])
+    x = layer_norm(x, "transformer.ln_f")
+    # an untied lm_head with a bias: logits = x @ lm_head + lm_bias
+    lm_head = g.init("lm_head.weight", fit.lm_head.astype(f32))
+    lm_bias = g.init("lm_head.bias", fit.lm_bias.astype(f32))
+    g.op("Add", [g.op("MatMul", [x, lm_head]), lm_bias], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, "tiny_gpt", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="streamfleet.make_tiny_model", producer_version="1")
     model.ir_version = 8  # readable by older runtimes and TensorRT's parser
+    # which generator made it: a checkout with a newer generator regenerates the files
+    # (streamfleet.shared.modelrepo.ensure_artifacts)
+    digest = generator_digest()
+    if digest is not None:
+        helper.set_model_props(model, {GENERATOR_KEY: digest})
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -404,7 +566,7 @@ def write_model(out_dir: Path, params: BuildParams, *, onnx_name: str = "model.o
     t0 = time.perf_counter()
     tok_json = build_tokenizer(params)
     t1 = time.perf_counter()
-    model = build_graph(params)
+    model = build_graph(params, tok_json)
     t2 = time.perf_counter()
     if toml:
         _write_atomic(out_dir / "engine.toml", engine_toml(out_dir.resolve().name, params).encode())

@@ -26,6 +26,7 @@ post-processor adds (a BOS for Llama-style tokenizers, nothing for GPT-2's).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -37,11 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from streamfleet.shared.errors import FatalError, NotFoundError
+from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
-           "read_json", "REPO_ROOT"]
+           "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+log = get_logger("models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +272,41 @@ def load_tokenizer(spec: ModelSpec) -> Any:
     return _load_tokenizer_cached(str(spec.tokenizer_path))
 
 
+#: the ONNX metadata key under which a generated model names its generator
+GENERATOR_KEY = "streamfleet.generator"
+
+
+def generator_digest() -> str | None:
+    """What the project's model generator is now: a digest of ``scripts/make_tiny_model.py``
+    and the corpus it fits to (``scripts/corpus/``); None where they are not at hand (an
+    installed package, a container), so nothing can be regenerated there anyway."""
+    script = REPO_ROOT / "scripts" / "make_tiny_model.py"
+    if not script.is_file():
+        return None
+    h = hashlib.sha256(script.read_bytes())
+    corpus = REPO_ROOT / "scripts" / "corpus"
+    for path in sorted(corpus.rglob("*")) if corpus.is_dir() else []:
+        if path.is_file():
+            h.update(path.relative_to(corpus).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _made_by_this_generator(spec: ModelSpec) -> bool:
+    """Whether a generated model's files come from the generator as it is now (the
+    digest it wrote into the graph's metadata), so that a checkout updated to a new
+    demo model does not keep serving the old one."""
+    want = generator_digest()
+    if want is None:
+        return True
+    import onnx
+
+    try:
+        model = onnx.load(str(spec.onnx_path), load_external_data=False)
+    except Exception:  # unreadable: make it again
+        return False
+    return any(p.key == GENERATOR_KEY and p.value == want for p in model.metadata_props)
+
+
 def ensure_artifacts(spec: ModelSpec) -> None:
     """Generate a model's ONNX graph and tokenizer when they are missing and the
     ``engine.toml`` says how (a ``[build]`` table); the project's own script does
@@ -277,8 +316,10 @@ def ensure_artifacts(spec: ModelSpec) -> None:
         FatalError: the files are missing and cannot be generated.
     """
     if spec.artifacts_present():
-        return
-    if not spec.build:
+        if not spec.build or _made_by_this_generator(spec):
+            return
+        log.info("regenerating a model made by an older generator", model=spec.name, folder=str(spec.path))
+    elif not spec.build:
         raise FatalError(f"model {spec.name!r} lacks {spec.onnx} / {spec.tokenizer} and has no [build] table")
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.make_tiny_model", "--model-dir", str(spec.path)],

@@ -270,6 +270,11 @@ def test_dockerfile_build_context(name):
                 py = sorted(p for p in (REPO / rel).rglob("*.py") if "__pycache__" not in p.parts)
                 for p in py:
                     assert not dockerignore_excludes(patterns, str(p.relative_to(REPO))), p
+    # the image generates tiny-gpt: the script and the corpus it fits the weights to
+    copied = {src.rstrip("/") for ins in parse_dockerfile(REPO / name) if ins.cmd == "COPY"
+              for src in copy_sources(ins)[0]}
+    if "scripts/make_tiny_model.py" in copied:
+        assert "scripts/corpus" in copied, f"{name}: make_tiny_model.py needs COPY scripts/corpus/"
     for out in (".venv", "tests/unit/test_core.py", "engines/tiny-gpt/model.onnx", "engines/tiny-gpt/tokenizer.json",
                 "engines/bench-gpt/engine.toml", ".git", "gateway/__pycache__/app.cpython-311.pyc", "docs/operations.md"):
         assert dockerignore_excludes(patterns, out), f".dockerignore lets {out} into the build context"
