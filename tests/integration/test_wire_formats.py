@@ -14,13 +14,19 @@ import redis.asyncio as aioredis
 
 from streamfleet.gateway.auth import KeyStore
 from streamfleet.gateway.broker import Broker
-from streamfleet.shared.keys import Keys
+from streamfleet.shared.keys import GROUP, Keys
+from streamfleet.shared.redis import RawBatch, connect
 from streamfleet.shared.schema import (Cancel, DeadLetter, DoneEvent, Follow, Heartbeat, KeyRecord, LogEntry,
                                        RequestRecord, SamplingParams, Task, TokenEvent, Wake, decode_events,
                                        stream_entry_id)
 from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
 from streamfleet.status import collect
+from streamfleet.workers.deadletters import DeadLetters
+from streamfleet.workers.heartbeat import HeartbeatLoop
+from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.process import WorkerProcess
+from streamfleet.workers.publisher import Publisher
+from streamfleet.workers.reclaim import Reclaimer
 
 
 def status_collect(url: str, prefix: str):
@@ -63,13 +69,13 @@ async def test_gateway_payloads_read_back_by_their_consumers(redis_server, key_p
         wake = Wake.decode((await _next_message(pubsub))["data"])
         assert wake == Wake("high", stream_entry_id(entry.decode()))
         worker = WorkerProcess(WorkerSettings(model="tiny-gpt", redis_url=redis_server.url))
-        worker._read_at = time.monotonic()
-        worker._last_read = {"high": wake.entry_id}  # already read: no wake
-        worker._on_wake(wake.encode())
-        assert not worker._woken
-        worker._last_read = {}  # not read yet: wake
-        worker._on_wake(wake.encode())
-        assert worker._woken
+        worker.wake.read_at = time.monotonic()
+        worker.wake.last_read = {"high": wake.entry_id}  # already read: no wake
+        worker.wake.on_wake(wake.encode())
+        assert not worker.wake.woken
+        worker.wake.last_read = {}  # not read yet: wake
+        worker.wake.on_wake(wake.encode())
+        assert worker.wake.woken
         # the request record the resume path reads
         record = await broker.read_request(task.request_id)
         assert isinstance(record, RequestRecord) and record.owner == "key:" + "k" * 12
@@ -188,3 +194,55 @@ def test_key_records_written_by_the_cli_read_by_the_gateway(fleet, redis_server,
             await store.redis.aclose()
 
     assert asyncio.run(lookup()) == record
+async def test_worker_parts_write_what_their_consumers_read(redis_server, key_prefix):
+    gw = GatewaySettings(redis_url=redis_server.url, key_prefix=key_prefix)
+    ws = WorkerSettings(model="tiny-gpt", redis_url=redis_server.url, key_prefix=key_prefix, worker_id="w1")
+    keys = Keys(key_prefix)
+    broker = Broker(gw)
+    await broker.start()
+    r = connect(redis_server.url)
+    table = InFlightTable()
+    lanes = keys.lanes("tiny-gpt")
+    publisher = Publisher(r, ws, keys, lanes, None, table, lambda coro: None)
+    dead = DeadLetters(r, ws, keys, lanes, "w1", publisher)
+    reclaimer = Reclaimer(r, ws, keys, lanes, "w1", None, table, dead, asyncio.Event())
+    try:
+        ended, running = "e" * 32, "r" * 32
+        # the request-log entries the publisher writes: the gateway's log reader gets the events,
+        # a worker taking the request over gets the token ids (and whether it ended)
+        batch = RawBatch()
+        publisher.log_events(batch, [TokenEvent(ended, 0, "a"), TokenEvent(ended, 1, "b"),
+                                     DoneEvent(ended, "stop", 3, 2)], {(ended, 0): 11, (ended, 1): 12})
+        publisher.log_events(batch, [TokenEvent(running, 0, "a"), TokenEvent(running, 1, "b")],
+                             {(running, 0): 21, (running, 1): 22})
+        await batch.execute(r)
+        assert [ev for _, ev in await broker.read_log(ended)] == [
+            TokenEvent(ended, 0, "a"), TokenEvent(ended, 1, "b"), DoneEvent(ended, "stop", 3, 2)]
+        assert await reclaimer.read_progress(ended) == (True, [])
+        assert await reclaimer.read_progress(running) == (False, [21, 22])
+
+        # the followers a gateway's resume registers are the ones the worker publishes to
+        await broker.follow(running, "d" * 32, 15.0)
+        assert await publisher.followers_of(running) == {"d" * 32}
+
+        # the dead letter a worker writes
+        await r.xgroup_create(lanes["normal"], GROUP, id="0", mkstream=True)
+        mid = await r.xadd(lanes["normal"], {"task": b"{not json"})
+        await dead.send("normal", mid, b"{not json", "malformed task")
+        [(_, fields)] = await r.xrange(keys.dead("tiny-gpt"))
+        assert DeadLetter.decode(fields) == DeadLetter(b"{not json", "malformed task", "normal", "w1")
+
+        # the heartbeat a worker writes is the one gateways count as live
+        beat = Heartbeat(time.time(), slots_used=2, max_batch=8, version="v1", pid=7, host="h")
+        heartbeat = asyncio.create_task(HeartbeatLoop(r, ws, keys, "w1", table, lambda: beat).run())
+        deadline = time.monotonic() + 5
+        while not await r.hexists(keys.workers("tiny-gpt"), "w1") and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)
+        [live] = await broker.live_workers("tiny-gpt")
+        assert live == Heartbeat(beat.heartbeat, 2, 8, "v1", pid=7, host="h", worker_id="w1")
+    finally:
+        await r.aclose()
+        await broker.stop()
+        await asyncio.sleep(0)

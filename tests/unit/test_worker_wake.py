@@ -3,37 +3,51 @@
 import time
 
 from streamfleet.shared.settings import WorkerSettings
-from streamfleet.workers import process
+from streamfleet.workers import intake
+from streamfleet.workers.intake import WakeState
 from streamfleet.workers.process import WorkerProcess
 
 
-def make() -> WorkerProcess:
-    return WorkerProcess(WorkerSettings(model="tiny-gpt", redis_url="redis://127.0.0.1:1/0"))
+def make() -> WakeState:
+    # the state the worker's control channel feeds and its intake reads
+    return WorkerProcess(WorkerSettings(model="tiny-gpt", redis_url="redis://127.0.0.1:1/0")).wake
 
 
 def test_a_wake_for_a_task_already_read_is_ignored():
     w = make()
-    w._read_at = time.monotonic()
-    w._last_read = {"normal": (1700000000000, 5)}
-    w._on_wake(b"normal 1700000000000-5")  # the very task the last read returned
-    w._on_wake(b"normal 1699999999999-9")
-    assert not w._woken and not w._should_read()
-    w._on_wake(b"high 1700000000000-1")  # nothing read from that lane yet
-    assert w._woken and w._should_read()
+    w.read_at = time.monotonic()
+    w.last_read = {"normal": (1700000000000, 5)}
+    w.on_wake(b"normal 1700000000000-5")  # the very task the last read returned
+    w.on_wake(b"normal 1699999999999-9")
+    assert not w.woken and not w.should_read()
+    w.on_wake(b"high 1700000000000-1")  # nothing read from that lane yet
+    assert w.woken and w.should_read()
 
 
 def test_a_newer_task_wakes_and_a_garbled_wake_errs_on_reading():
     w = make()
-    w._read_at = time.monotonic()
-    w._last_read = {"normal": (1700000000000, 5)}
-    w._on_wake(b"normal 1700000000000-6")
-    assert w._woken
-    w._woken = False
-    w._on_wake(b"\xff nonsense")
-    assert w._woken
+    w.read_at = time.monotonic()
+    w.last_read = {"normal": (1700000000000, 5)}
+    w.on_wake(b"normal 1700000000000-6")
+    assert w.woken
+    w.woken = False
+    w.on_wake(b"\xff nonsense")
+    assert w.woken
 
 
 def test_reads_happen_anyway_every_read_every_s():
     w = make()
-    w._read_at = time.monotonic() - process.READ_EVERY_S - 0.001
-    assert not w._woken and w._should_read()
+    w.read_at = time.monotonic() - intake.READ_EVERY_S - 0.001
+    assert not w.woken and w.should_read()
+
+
+def test_a_read_clears_the_wake_and_records_the_newest_entry_per_lane():
+    w = make()
+    w.on_wake(b"normal 1700000000000-6")
+    w.reading()
+    assert not w.woken and not w.should_read()
+    w.read("normal", b"1700000000000-6")
+    w.read("normal", b"1700000000000-2")  # older: the newest stays
+    assert w.last_read == {"normal": (1700000000000, 6)}
+    w.on_wake(b"normal 1700000000000-6")
+    assert not w.woken

@@ -1,0 +1,87 @@
+"""The control channel: one pub/sub connection hearing ``sf:cancel``, ``sf:follow``
+and this model's ``sf:wake:{model}`` (docs/architecture.md, "Redis keys").
+
+Cancels are queued for the main loop, which applies them between steps; follows go to
+the in-flight table; wakes to the intake's ``WakeState``. The connection is
+re-established with backoff when it drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.schema import Cancel, Follow
+
+from streamfleet.workers.inflight import InFlightTable
+from streamfleet.workers.intake import WakeState
+
+__all__ = ["ControlChannel"]
+
+log = get_logger("worker")
+
+
+class ControlChannel:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, table: InFlightTable,
+                 wake: WakeState) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.model = model
+        self.table = table
+        self.wake = wake
+        self._cancels: list[str] = []
+
+    def take_cancels(self) -> list[str]:
+        """The request ids of the cancels heard since the last call."""
+        cancels, self._cancels = self._cancels, []
+        return cancels
+
+    def on_cancel(self, data: bytes) -> None:
+        try:
+            self._cancels.append(Cancel.decode(data).request_id)
+        except ValueError:
+            pass
+
+    def on_follow(self, data: bytes) -> None:
+        try:
+            f = Follow.decode(data)
+        except ValueError:
+            return
+        self.table.follow(f.request_id, f.reply_to, time.monotonic())
+
+    async def run(self) -> None:
+        backoff = 0.1
+        wake = self.keys.wake(self.model).encode()
+        follow = self.keys.follow.encode()
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel, wake, follow)
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    if msg["channel"] == wake:
+                        self.wake.on_wake(msg["data"])
+                    elif msg["channel"] == follow:
+                        self.on_follow(msg["data"])
+                    else:
+                        self.on_cancel(msg["data"])
+            except asyncio.CancelledError:
+                await pubsub.aclose()
+                raise
+            except BROKER_ERRORS as exc:
+                log.warning("cancel channel lost; resubscribing", error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass

@@ -1,0 +1,66 @@
+"""The drain: on SIGTERM a worker reads no new tasks, lets the requests it runs finish
+for up to ``drain_timeout_s``, then hands every unfinished one (and every held
+delivery) back to its lane so that another worker runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+
+import redis.asyncio as aioredis
+
+from streamfleet.shared.keys import GROUP
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.settings import WorkerSettings
+
+from streamfleet.workers.coreset import CoreSet
+from streamfleet.workers.inflight import InFlightTable
+
+__all__ = ["Drain", "REQUEUE_LUA"]
+
+log = get_logger("worker")
+
+#: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
+#: delivery, atomically. KEYS[1] lane; ARGV[1] group, ARGV[2] message id, ARGV[3] task.
+REQUEUE_LUA = """
+redis.call('XADD', KEYS[1], '*', 'task', ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+class Drain:
+    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, lane_keys: dict[str, str],
+                 cores: CoreSet, table: InFlightTable, executor: Executor) -> None:
+        self.timeout_s = settings.drain_timeout_s
+        self.lane_keys = lane_keys
+        self.cores = cores
+        self.table = table
+        self.executor = executor
+        self.deadline: float | None = None
+        self._requeue = redis.register_script(REQUEUE_LUA)
+
+    def due(self) -> bool:
+        """Whether to hand back now: nothing runs here any more, or the drain's deadline
+        passed. The first call starts the drain."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout_s
+            log.info("draining: no new tasks", in_flight=self.cores.active, drain_timeout_s=self.timeout_s)
+        return not self.cores.has_work() or time.monotonic() >= self.deadline
+
+    async def hand_back(self) -> None:
+        """Give every unfinished task back to its lane so another worker runs it."""
+        loop = asyncio.get_running_loop()
+        tasks = await loop.run_in_executor(self.executor, self.cores.abandon_all)
+        items = self.table.hand_back(tasks)
+        for lane, mid, raw in items:
+            try:
+                await self._requeue(keys=[self.lane_keys[lane]], args=[GROUP, mid, raw])
+            except BROKER_ERRORS as exc:  # it stays pending here and is reclaimed after the idle threshold
+                log.warning("hand-back failed", message_id=mid.decode(), error=str(exc))
+        if items:
+            log.info("handed back unfinished tasks", count=len(items))

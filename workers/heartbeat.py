@@ -1,0 +1,102 @@
+"""The heartbeat: every ``heartbeat_interval_s`` the worker rewrites its entry in
+``sf:workers:{model}`` (one ``shared.schema.Heartbeat``), which gateways read for
+readiness and other workers for takeover (docs/architecture.md, "Redis keys"). Every
+tenth of ``STREAM_SLOT_TTL_S`` it also extends the stream slots of the requests it runs,
+so a request that runs longer than the slot's lifetime keeps its key's slot to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import redis.asyncio as aioredis
+
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
+from streamfleet.shared.schema import Heartbeat
+from streamfleet.shared.settings import WorkerSettings
+from streamfleet.shared.tiers import STREAM_SLOT_TTL_S
+
+from streamfleet.workers.inflight import InFlightTable
+
+__all__ = ["HeartbeatLoop", "TokenRate"]
+
+log = get_logger("worker")
+
+
+class TokenRate:
+    """Tokens generated per second over the last ``window_s`` (for the heartbeat)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._window: list[tuple[float, int]] = []
+
+    def add(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._window.append((now, n))
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window.pop(0)
+
+    def per_s(self, now: float | None = None) -> float:
+        if not self._window:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        span = max(now - self._window[0][0], 1.0)
+        return sum(n for _, n in self._window) / span
+
+
+class HeartbeatLoop:
+    """The heartbeat loop, and the worker's deregistration when it stops.
+
+    Args:
+        beat: the worker's heartbeat as of now.
+    """
+
+    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, worker_id: str,
+                 table: InFlightTable, beat: Callable[[], Heartbeat]) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = keys
+        self.model = settings.model
+        self.worker_id = worker_id
+        self.table = table
+        self.beat = beat
+
+    async def run(self) -> None:
+        key = self.keys.workers(self.model)
+        slots_due = time.monotonic() + STREAM_SLOT_TTL_S / 10
+        while True:
+            if time.monotonic() >= slots_due:
+                slots_due = time.monotonic() + STREAM_SLOT_TTL_S / 10
+                await self.refresh_slots()
+            hb = self.beat()
+            metrics.slots_in_use.labels(self.model).set(hb.slots_used)
+            metrics.slots.labels(self.model).set(hb.max_batch)
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.hset(key, self.worker_id, hb.encode())
+                    pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
+                    await pipe.execute()
+            except BROKER_ERRORS as exc:
+                log.warning("heartbeat failed", error=str(exc))
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def refresh_slots(self) -> None:
+        """Push the expiry of the stream slots of the requests running here."""
+        held = [(self.keys.streams(slot), rid) for slot, rid in self.table.slots()]
+        try:
+            await refresh_members(self.redis, held, int((time.time() + STREAM_SLOT_TTL_S) * 1000),
+                                  int(STREAM_SLOT_TTL_S * 1000))
+        except BROKER_ERRORS as exc:
+            log.warning("could not refresh stream slots", count=len(held), error=str(exc))
+
+    async def deregister(self) -> None:
+        """Remove this worker's entry (a clean stop)."""
+        try:
+            await self.redis.hdel(self.keys.workers(self.model), self.worker_id)
+        except BROKER_ERRORS:
+            pass

@@ -1,0 +1,173 @@
+"""Intake: reading tasks from the lanes and starting them in the cores.
+
+A worker reads with ``XREADGROUP`` from every lane of its model as its free slots and
+the lane weights allow (docs/architecture.md, "A request's path", step 3). A busy worker
+reads only when a gateway announced an entry it has not read (``sf:wake:{model}``, see
+``WakeState``) or ``READ_EVERY_S`` has passed; an idle one blocks on the read. Entries
+read beyond the free slots, and deliveries reclaimed from other workers, wait in the
+in-flight table as held and start first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Coroutine
+
+import redis.asyncio as aioredis
+
+from streamfleet.shared.keys import GROUP, LANES
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.schema import Task, Wake, stream_entry_id
+from streamfleet.shared.settings import WorkerSettings
+
+from streamfleet.workers.coreset import CoreSet
+from streamfleet.workers.deadletters import DeadLetters
+from streamfleet.workers.inflight import Delivery, InFlightTable
+from streamfleet.workers.lanes import LanePolicy
+
+__all__ = ["Intake", "WakeState", "READ_EVERY_S"]
+
+log = get_logger("worker")
+
+#: a busy worker reads its lanes at least this often, even with no wake announced
+READ_EVERY_S = 0.05
+
+
+class WakeState:
+    """When a busy worker reads (no I/O): after a gateway announced a task newer than
+    any read so far, or ``READ_EVERY_S`` after the last read in case a wake was lost
+    (say while the pub/sub connection was re-established)."""
+
+    def __init__(self) -> None:
+        #: a gateway announced a task (sf:wake:{model}) newer than any read so far
+        self.woken = False
+        self.read_at = 0.0  # monotonic time of the last read
+        self.last_read: dict[str, tuple[int, int]] = {}  # lane -> newest entry id read
+
+    def on_wake(self, data: bytes) -> None:
+        """A gateway's enqueue announced a task (``shared.schema.Wake``): wake unless it
+        was already read. An unreadable message wakes too (reading costs little)."""
+        try:
+            wake = Wake.decode(data)
+        except ValueError:
+            log.warning("unreadable wake message", data=data[:64])
+            self.woken = True
+            return
+        if wake.is_new(self.last_read):
+            self.woken = True
+
+    def should_read(self) -> bool:
+        return self.woken or time.monotonic() - self.read_at >= READ_EVERY_S
+
+    def reading(self) -> None:
+        """A read starts: a wake that lands during it is kept."""
+        self.woken = False
+        self.read_at = time.monotonic()
+
+    def read(self, lane: str, message_id: bytes) -> None:
+        """The read returned ``message_id`` from ``lane``."""
+        entry_id = stream_entry_id(message_id.decode())
+        if entry_id > self.last_read.get(lane, (0, 0)):
+            self.last_read[lane] = entry_id
+
+
+class Intake:
+    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, worker_id: str,
+                 lane_keys: dict[str, str], policy: LanePolicy, cores: CoreSet, table: InFlightTable,
+                 wake: WakeState, dead_letters: DeadLetters,
+                 spawn: Callable[[Coroutine], None]) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.worker_id = worker_id
+        self.model = settings.model
+        self.lane_keys = lane_keys
+        self.policy = policy
+        self.cores = cores
+        self.table = table
+        self.wake = wake
+        self.dead_letters = dead_letters
+        self.spawn = spawn
+
+    async def admit(self, block: bool, read: bool = True) -> None:
+        """Start held tasks (read earlier, or reclaimed), then, with ``read``, read more;
+        ``block``: wait up to ``block_ms`` for a task when there is nothing else."""
+        free = self.cores.free_slots
+        entries = self.table.take_held(free)
+        free -= len(entries)
+        if free > 0 and read:
+            entries += await self._read(free, block and not entries)
+        for delivery in entries:
+            self._start(delivery)
+
+    async def _read(self, free: int, block: bool) -> list[Delivery]:
+        self.wake.reading()
+        out = await self._read_lanes(free, block)
+        for d in out:
+            self.wake.read(d.lane, d.message_id)
+        return out
+
+    async def _read_lanes(self, free: int, block: bool) -> list[Delivery]:
+        asked = self.policy.split(free)
+        got: dict[str, list] = {lane: [] for lane in LANES}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            lanes = [lane for lane in LANES if asked.get(lane, 0) > 0]
+            for lane in lanes:
+                pipe.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=asked[lane])
+            results = await pipe.execute() if lanes else []
+        for lane, res in zip(lanes, results):
+            got[lane] = self._entries(res)
+        n = sum(len(v) for v in got.values())
+        if n < free:  # give unused share to lanes that still had backlog
+            for lane in LANES:
+                short = free - n
+                if short <= 0:
+                    break
+                if asked.get(lane, 0) and len(got[lane]) < asked[lane]:
+                    continue  # this lane is drained
+                res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=short)
+                more = self._entries(res)
+                got[lane].extend(more)
+                n += len(more)
+        self.policy.record({lane: len(v) for lane, v in got.items()}, asked)
+        out = [Delivery(lane, mid, f) for lane in LANES for mid, f in got[lane]]
+        if not out and block:
+            res = await self.redis.xreadgroup(
+                GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
+                count=1, block=self.settings.block_ms)
+            key_to_lane = {v.encode(): k for k, v in self.lane_keys.items()}
+            for key, items in res or []:
+                lane = key_to_lane[key if isinstance(key, bytes) else key.encode()]
+                out.extend(Delivery(lane, mid, f) for mid, f in items)
+            for extra in out[free:]:
+                self.table.hold(extra)
+            out = out[:free]
+        return out
+
+    @staticmethod
+    def _entries(res) -> list[tuple[bytes, dict]]:
+        if not res:
+            return []
+        return [(mid, fields) for _key, items in res for mid, fields in items]
+
+    def _start(self, d: Delivery) -> None:
+        raw = d.raw_task
+        try:
+            task = Task.decode(raw)
+        except ValueError as exc:
+            log.error("malformed task; dead-lettering", message_id=d.message_id.decode(), error=str(exc))
+            self.spawn(self.dead_letters.send(d.lane, d.message_id, raw, f"malformed task: {exc}"))
+            return
+        now = time.time()
+        if task.request_id in self.cores:
+            # the same request delivered twice to this worker (e.g. reclaimed while still running here):
+            # the running copy answers; drop the extra delivery without acking the live one
+            log.warning("duplicate delivery ignored", request_id=task.request_id, message_id=d.message_id.decode())
+            return
+        cancelled = self.table.admit(d.lane, d.message_id, task)
+        self.cores.add(task, d.replay)
+        metrics.admissions.labels(self.model, d.lane).inc()
+        if cancelled:
+            self.cores.cancel(task.request_id)
+        log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=d.lane,
+                 queue_ms=round((now - task.created_at) * 1000, 2))

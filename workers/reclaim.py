@@ -1,0 +1,246 @@
+"""Reclaim: keeping this worker's deliveries its own, and taking over those of dead
+workers (docs/architecture.md, "Invariants": nothing is lost).
+
+Every ``reclaim_interval_s`` the reclaim loop
+
+* refreshes the idle time of this worker's own deliveries, and drops those another
+  worker has claimed meanwhile;
+* claims the deliveries of workers whose heartbeat stood still (``Takeover``);
+* as a fallback, claims deliveries idle past ``claim_idle_ms`` (``XAUTOCLAIM``).
+
+A claimed task continues from its request log (the token ids it generated replay
+instead of being generated again), is acked at once if its log shows it already ended,
+and is dead-lettered after ``max_deliveries``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from streamfleet.shared.keys import GROUP, LANES, Keys
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.schema import LogEntry, Task, TokenEvent
+from streamfleet.shared.settings import WorkerSettings
+
+from streamfleet.workers.coreset import CoreSet
+from streamfleet.workers.deadletters import DeadLetters
+from streamfleet.workers.inflight import Delivery, InFlightTable
+
+__all__ = ["Takeover", "Reclaimer"]
+
+log = get_logger("worker")
+
+
+class Takeover:
+    """Which other workers are dead, judged by how their heartbeats look to this one
+    (no I/O: the reclaim loop feeds it what it reads).
+
+    A worker is dead when its heartbeat entry has not changed for ``dead_after_s`` while
+    this worker kept reading it without a gap. A gap in this worker's own reading (a
+    Redis stall, its own loop held up) restarts everyone's clock, so that a stall that
+    held up every heartbeat alike never makes a live worker look dead. A worker seen
+    for the first time (a consumer with no heartbeat entry at all) gets a clock from then.
+
+    Args:
+        dead_after_s: silence after which a worker is dead.
+    """
+
+    def __init__(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+        self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (heartbeat, when it last changed)
+        self._last_look: float | None = None
+
+    def observe(self, heartbeats: dict[str, bytes], now: float) -> None:
+        """Record one read of the heartbeat hash (worker id -> entry) made at ``now``."""
+        if self._last_look is None or now - self._last_look > self.dead_after_s / 2:
+            self._seen = {w: (blob, now) for w, (blob, _) in self._seen.items()}
+        self._last_look = now
+        for worker, blob in heartbeats.items():
+            prev = self._seen.get(worker)
+            if prev is None or prev[0] != blob:
+                self._seen[worker] = (blob, now)
+        stale = now - 60 * self.dead_after_s
+        for worker in [w for w, (_, t) in self._seen.items() if t < stale and w not in heartbeats]:
+            del self._seen[worker]
+
+    def dead(self, worker: str, now: float) -> bool:
+        seen = self._seen.get(worker)
+        if seen is None:
+            self._seen[worker] = (b"", now)
+            return False
+        return now - seen[1] >= self.dead_after_s
+
+
+class Reclaimer:
+    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, lane_keys: dict[str, str],
+                 worker_id: str, cores: CoreSet, table: InFlightTable, dead_letters: DeadLetters,
+                 stopping: asyncio.Event) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = keys
+        self.model = settings.model
+        self.lane_keys = lane_keys
+        self.worker_id = worker_id
+        self.cores = cores
+        self.table = table
+        self.dead_letters = dead_letters
+        self.stopping = stopping
+        self.takeover = Takeover(settings.worker_dead_after_s)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reclaim_interval_s)
+            if self.stopping.is_set():
+                continue
+            try:
+                await self.refresh_own()
+                await self.take_over_dead()
+                await self.reclaim_idle()
+            except BROKER_ERRORS as exc:
+                log.warning("reclaim failed", error=str(exc))
+            except ResponseError as exc:
+                log.warning("reclaim failed", error=str(exc))
+
+    def _free(self) -> int:
+        """Slots not yet promised to a held delivery."""
+        return self.cores.free_slots - len(self.table.held)
+
+    async def refresh_own(self) -> None:
+        """Reset the idle time of this worker's own deliveries (XCLAIM JUSTID does not
+        count a delivery), so a long generation is never taken from a live worker by the
+        idle fallback. A delivery no longer ours (another worker judged this one dead,
+        say after a long pause) is dropped here without a word: its new holder
+        regenerates it, and gateways drop the indices they already have."""
+        by_lane = self.table.deliveries()
+        if not by_lane:
+            return
+        lanes = list(by_lane)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in lanes:
+                pipe.xpending_range(self.lane_keys[lane], GROUP, "-", "+", len(by_lane[lane]) + 64,
+                                    consumername=self.worker_id)
+            owned = await pipe.execute()
+        keep: dict[str, list[bytes]] = {}
+        for lane, pending in zip(lanes, owned):
+            mine = {p["message_id"] for p in pending}
+            keep[lane] = [m for m in by_lane[lane] if m in mine]
+            lost = set(by_lane[lane]) - mine
+            if lost:
+                for rid, fl in self.table.lost(lane, lost):
+                    self.cores.abandon(rid)
+                    log.warning("a task of this worker was taken over by another; dropping it", request_id=rid,
+                                message_id=fl.message_id.decode())
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane, ids in keep.items():
+                if ids:
+                    pipe.xclaim(self.lane_keys[lane], GROUP, self.worker_id, 0, ids, justid=True)
+            await pipe.execute()
+
+    async def take_over_dead(self) -> None:
+        """Claim the deliveries of workers that stopped heartbeating (see ``Takeover``),
+        as many as this worker has free slots for; the rest go to other workers or the
+        next round."""
+        s = self.settings
+        now = time.monotonic()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.workers(self.model))
+            for lane in LANES:
+                pipe.xinfo_consumers(self.lane_keys[lane], GROUP)
+            heartbeats, *consumers = await pipe.execute()
+        self.takeover.observe({k.decode(): v for k, v in heartbeats.items()}, now)
+        min_idle = int(s.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
+        for lane, infos in zip(LANES, consumers):
+            for info in infos:
+                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                if name == self.worker_id or not info.get("pending") or not self.takeover.dead(name, now):
+                    continue
+                free = self._free()
+                if free <= 0:
+                    return
+                key = self.lane_keys[lane]
+                pending = await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info["pending"]),
+                                                          consumername=name)
+                if not pending:
+                    continue
+                deliveries = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
+                claimed = await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, list(deliveries))
+                if claimed:
+                    log.warning("took over the tasks of a dead worker", dead_worker=name, lane=lane,
+                                count=len(claimed))
+                for mid, fields in claimed:
+                    await self._adopt(lane, mid, fields, deliveries.get(mid, 2), "dead worker")
+
+    async def reclaim_idle(self) -> None:
+        """Fallback: deliveries idle past ``claim_idle_ms`` (their holder stopped refreshing
+        them, whatever its heartbeat says)."""
+        s = self.settings
+        for lane in LANES:
+            free = self._free()
+            if free <= 0:
+                return
+            key = self.lane_keys[lane]
+            res = await self.redis.xautoclaim(key, GROUP, self.worker_id, s.claim_idle_ms, "0-0", count=free)
+            entries = res[1] if res else []
+            for mid, fields in entries:
+                if fields is None:
+                    continue
+                info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
+                deliveries = info[0]["times_delivered"] if info else 1
+                await self._adopt(lane, mid, fields, deliveries, "silent worker")
+
+    async def _adopt(self, lane: str, mid: bytes, fields: dict | None, deliveries: int, source: str) -> None:
+        """A delivery this worker just claimed: hold it to run, ack it if it already ended,
+        or dead-letter it after too many deliveries."""
+        if fields is None:
+            return
+        if deliveries > self.settings.max_deliveries:
+            await self.dead_letters.give_up(lane, mid, fields, deliveries)
+            return
+        try:
+            task = Task.decode(fields.get(b"task") or b"")
+        except ValueError:
+            task = None
+        replay: list[int] = []
+        if task is not None:
+            ended, replay = await self.read_progress(task.request_id)
+            if ended:  # it finished, but its holder died before the ack got through
+                log.info("reclaimed task had already ended; acknowledging it", request_id=task.request_id)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xack(self.lane_keys[lane], GROUP, mid)
+                    pipe.xdel(self.lane_keys[lane], mid)
+                    await pipe.execute()
+                return
+        log.warning("reclaimed a task", message_id=mid.decode(), lane=lane, deliveries=deliveries, source=source,
+                    replay_tokens=len(replay))
+        metrics.reclaimed.labels(self.model).inc()
+        self.table.hold(Delivery(lane, mid, fields, replay or None))
+
+    async def read_progress(self, rid: str) -> tuple[bool, list[int]]:
+        """From the request's log: whether it already ended, and the ids of the tokens
+        it generated (indices 0..n-1, as far as they run without a hole). Unreadable
+        entries are skipped."""
+        try:
+            entries = await self.redis.xrange(self.keys.log(rid), "-", "+", count=self.settings.log_maxlen)
+        except BROKER_ERRORS:
+            return False, []
+        by_index: dict[int, int] = {}
+        for _, fields in entries:
+            try:
+                entry = LogEntry.decode(fields)
+            except ValueError:
+                continue
+            if not isinstance(entry.event, TokenEvent):
+                return True, []
+            if entry.token_id is None or not isinstance(entry.event.index, int):
+                continue
+            by_index[entry.event.index] = entry.token_id
+        replay = []
+        while len(replay) in by_index:
+            replay.append(by_index[len(replay)])
+        return False, replay
