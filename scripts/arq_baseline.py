@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import itertools
 import time
-from pathlib import Path
 
 import orjson
 

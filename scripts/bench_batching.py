@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,7 +95,6 @@ def main() -> None:
                         "--preset", "bench"], check=True)
     levels = [int(x) for x in args.levels.split(",")]
     rds = EmbeddedRedis().start()
-    tmp = tempfile.mkdtemp()
     env = dict(os.environ, SF_REDIS_URL=rds.url, SF_ENGINES_DIR=str(model_dir.parent), SF_LOG_LEVEL="warning",
                SF_MODEL=model_dir.name, SF_DEFAULT_MODEL=model_dir.name, SF_MODELS=model_dir.name)
     if args.threads:

@@ -20,7 +20,6 @@ import asyncio
 import os
 import statistics
 import time
-from pathlib import Path
 
 import psutil
 import websockets
