@@ -1,6 +1,7 @@
 """Who may send what: API key authentication, the tier's lane and ceilings, its shared
 rate limit, its concurrent-stream and connection caps, and who owns a request (README:
-"Tenants"). One place every adapter calls, in this order::
+"Tenants"). One place the gateway calls, in this order (``authenticate`` by each
+adapter, the rest by ``gateway.requests.ClientRequest``)::
 
     identity = await admission.authenticate(authorization_header, api_key_param)
     draft    = validator.check(payload)               # cheap rules only

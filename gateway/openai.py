@@ -4,7 +4,8 @@ the WebSocket.
 
 An OpenAI body is mapped to the generate payload the WebSocket uses and goes through
 ``Validator.generate``; the same bad input gets the same error code on both. Errors use
-the OpenAI body ``{"error": {"message", "type", "param", "code"}}``.
+the OpenAI body ``{"error": {"message", "type", "param", "code"}}``. Each HTTP request
+is one ``gateway.requests.ClientRequest`` on a reply channel of its own.
 
 Priority: the ``X-Priority: high|normal`` header, or ``"priority"`` in the body (with the
 SDK: ``extra_body={"priority": "high"}``). Also accepted as extras: ``top_k``,
@@ -29,9 +30,8 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
-from streamfleet.gateway.admission import revoked_error
-from streamfleet.gateway.observe import observed
-from streamfleet.gateway.streams import End, Failed, ReplyChannel, RequestStream, Token
+from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.streams import End, Failed, Token
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -206,7 +206,6 @@ async def _generate(request: Request, chat: bool) -> Response:
             # it is the client's doing, not the gateway's (no traceback, no error log)
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
-        ticket = None
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -217,62 +216,29 @@ async def _generate(request: Request, chat: bool) -> Response:
             raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         stream_mode, include_usage = _stream_flags(body)
         resume = _last_event_id(request)
-        valid = None
-        resume_token = None
+        req = ClientRequest(hub, "http", identity=identity)
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
                                       param="stream")
-            resume_token = resume[1]
-            owner = await admission.admit_resume(identity, resume_token)
-            channel = await ReplyChannel(hub.broker).open()
-            try:
-                stream = await channel.resume(resume[0], "http", resume[2] + 1, owner=owner)
-                model = stream.model  # the recorded one, validated at submit: never the body's
-            except BaseException:
-                await channel.close()
-                raise
+            # the model is the recorded one, validated at submit: never the body's
+            await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
-            draft = hub.validator.check(_payload(body, request, chat))
-            # admitted (rate limit, stream slot) before the prompt is tokenized
-            ticket = await admission.admit(identity, draft)
-            try:
-                valid = hub.validator.finish(ticket.request)
-                channel = await ReplyChannel(hub.broker).open()
-            except BaseException:
-                await admission.release(ticket)
-                raise
-            model = valid.model
-            resume_token = ticket.resume_token
-            try:
-                stream, _depth = await channel.submit(valid, ticket.request_id, owner=ticket.owner,
-                                                      slot=ticket.slot)
-            except BaseException:
-                await channel.close()
-                await admission.release(ticket)
-                raise
+            await req.submit(hub.validator.check(_payload(body, request, chat)))
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
 
-    async def key_revoked() -> None:  # end the stream: the key may not read it any more
-        await hub.broker.cancel(stream.request_id, "key_revoked")
-        stream.fail(revoked_error())
-
-    watch = admission.watch(identity, key_revoked)
-    lane = "" if resume is not None else valid.lane
-    events = observed(stream, transport="sse" if stream_mode else "http", model=model, lane=lane)
-    shape = _Shape(chat, stream.request_id, model)
+    req.watch()  # a revoked key ends the stream
+    events = req.events("sse" if stream_mode else "http")
+    shape = _Shape(chat, req.request_id, req.model)
     if stream_mode:
-        return StreamingResponse(_sse_events(hub, channel, stream, events, shape, include_usage, ticket,
-                                             resume_token, lambda: admission.unwatch(identity, watch)),
+        return StreamingResponse(_sse_events(hub, req, events, shape, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        return await _collect(request, channel, events, shape)
+        return await _collect(request, events, shape)
     finally:
-        admission.unwatch(identity, watch)
-        if stream.finished:
-            await admission.release(ticket)
+        await req.close(reason="http_disconnect")
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -301,14 +267,8 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-async def _close(channel: ReplyChannel, grace_s: float = 0.0) -> None:
-    with anyio.CancelScope(shield=True):
-        await channel.close("http_disconnect", grace_s=grace_s)
-
-
-async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events: AsyncIterator, shape: _Shape,
-                      include_usage: bool, ticket=None, resume_token: str | None = None,
-                      unwatch=None) -> AsyncIterator[bytes]:
+async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Shape,
+                      include_usage: bool) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
     pending: asyncio.Future | None = None
     try:
@@ -325,31 +285,26 @@ async def _sse_events(hub, channel: ReplyChannel, stream: RequestStream, events:
             if isinstance(ev, Token):
                 if ev.text:
                     yield _sse(shape.chunk(ev.text, None, usage_null=include_usage),
-                               _event_id(stream.request_id, resume_token, ev.index))
+                               _event_id(req.request_id, req.resume_token, ev.index))
             elif isinstance(ev, End):
                 yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
                                        usage_null=include_usage))
                 if include_usage:
                     yield _sse(shape.usage_chunk(ev))
                 yield _sse("[DONE]")
-                channel.release(stream)
+                req.delivered()
                 return
             elif isinstance(ev, Failed):
                 yield _sse(ev.error.to_openai())
                 yield _sse("[DONE]")
-                channel.release(stream)
+                req.delivered()
                 return
     finally:
         with anyio.CancelScope(shield=True):
             await _finish(pending, events)
-        if unwatch is not None:
-            unwatch()
-        await _close(channel, hub.settings.sse_resume_grace_s)
-        # the slot goes back here only if the request ended; one left running (the client
-        # left) keeps it until the worker ends it
-        if stream.finished:
-            with anyio.CancelScope(shield=True):
-                await hub.admission.release(ticket)
+        # the slot goes back only if the request ended; one left running (the client left)
+        # keeps it until the worker ends it (ClientRequest.release)
+        await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
 async def _finish(pending: asyncio.Future | None, events: AsyncIterator) -> None:
@@ -366,7 +321,7 @@ async def _finish(pending: asyncio.Future | None, events: AsyncIterator) -> None
         pass
 
 
-async def _collect(request: Request, channel: ReplyChannel, events: AsyncIterator, shape: _Shape) -> Response:
+async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Response:
     """Non-streamed: gather the whole completion, cancelling if the client leaves."""
     parts: list[str] = []
 
@@ -393,7 +348,6 @@ async def _collect(request: Request, channel: ReplyChannel, events: AsyncIterato
     finally:
         watcher.cancel()
         await _finish(consumer, events)
-        await _close(channel)
     if isinstance(ev, Failed):
         return openai_error_response(ev.error)
     return Response(orjson.dumps(shape.full("".join(parts), ev)), media_type="application/json")

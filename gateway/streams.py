@@ -13,7 +13,9 @@ a gap, or silence, makes the stream catch up from the log, read incrementally. A
 stream first replays the log from the client's index, then is followed live: its
 connection is registered as a follower (``sf:attach:{request_id}`` and a ``Follow``
 message), so the worker publishes the request's events to it as well. The adapters
-(``gateway/ws.py``, ``gateway/openai.py``) only render events.
+(``gateway/ws.py``, ``gateway/openai.py``) only render events; each request's lifecycle
+around its stream (admission, submit or resume, cancel, the slot it gives back) is a
+``gateway.requests.ClientRequest``.
 
 A ``ReplyChannel`` is one subscribed ``sf:reply:{connection_id}``: it submits requests,
 routes their events, resumes requests and cancels what its client abandoned (at once, or
@@ -191,6 +193,15 @@ class RequestStream:
         self._ahead.clear()
         self._final = None
         self._queue.put_nowait(ev)
+
+    def drop_pending(self) -> bool:
+        """Drop the events queued for a consumer that is gone (a closed connection's
+        stream kept running through its resume grace: only the log matters now).
+        Returns ``finished``."""
+        while not self._queue.empty():
+            if isinstance(self._queue.get_nowait(), (End, Failed)):
+                self.finished = True
+        return self.finished
 
     # -- consuming -----------------------------------------------------------------------
     async def _read_log(self) -> None:
@@ -458,12 +469,7 @@ class ReplyChannel:
             renew_at = time.monotonic() + FOLLOW_TTL_S / 3
             while True:
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                for s in streams:  # drain what arrived: only the log matters now
-                    while not s._queue.empty():
-                        ev = s._queue.get_nowait()
-                        if isinstance(ev, (End, Failed)):
-                            s.finished = True
-                streams = [s for s in streams if not s.finished]
+                streams = [s for s in streams if not s.drop_pending()]
                 if not streams:
                     break
                 if time.monotonic() >= renew_at:

@@ -1,6 +1,7 @@
 """WebSocket adapter: forwards frames between the socket, the per-connection protocol
-state and the connection's reply channel; decisions live in ``gateway.protocol`` and
-``gateway.streams``."""
+state and the connection's requests (``gateway.requests.ClientRequest``, one per request
+id, all answered on the connection's reply channel); decisions live in
+``gateway.protocol``, ``gateway.requests`` and ``gateway.streams``."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.admission import revoked_error
-from streamfleet.gateway.observe import observed
 from streamfleet.gateway.origin import origin_allowed
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
-from streamfleet.gateway.streams import ReplyChannel, RequestStream
+from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.streams import ReplyChannel
 
 __all__ = ["websocket_stream"]
 
@@ -57,14 +58,11 @@ class WebSocketSession:
         self.proto = ConnectionProtocol(hub.validator, max_inflight=s.max_inflight_per_connection,
                                         max_frame_bytes=s.max_frame_bytes)
         self.channel = ReplyChannel(hub.broker)
-        self.streams: dict[str, RequestStream] = {}
-        self.cancel_early: set[str] = set()  # cancelled before the submit finished
+        #: client id -> the request in flight under it (from its submit or resume frame on)
+        self.requests: dict[str, ClientRequest] = {}
         self.outbox: asyncio.Queue[dict | None] = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
         self.identity = None  # the API key's identity (None with auth off)
-        self.tickets: dict = {}
-        self.models: dict[str, str] = {}
-        self.lanes: dict[str, str] = {}
         self.broken = False  # a write failed: the socket is gone
         #: done once the API key is revoked while connected (it also wakes the read loop)
         self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -90,77 +88,57 @@ class WebSocketSession:
             if isinstance(out, Send):
                 self.send(out.frame)
             elif isinstance(out, Submit):
-                self._spawn(self._run(out.request.client_id, self._submit(out.request)))
+                req = self._request(out.request.client_id)
+                self._spawn(self._run(req, self._submit(req, out.request)))
             elif isinstance(out, Resume):
-                self._spawn(self._run(out.client_id, self._resume(out)))
+                req = self._request(out.client_id)
+                self._spawn(self._run(req, self._resume(req, out)))
             elif isinstance(out, Cancel):
-                stream = self.streams.get(out.client_id)
-                if stream is None:
-                    self.cancel_early.add(out.client_id)
-                else:
-                    self.channel.cancel(stream)
+                req = self.requests.get(out.client_id)
+                if req is not None:  # the protocol only cancels ids in flight
+                    req.cancel()
+
+    def _request(self, client_id: str) -> ClientRequest:
+        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel)
+        self.requests[client_id] = req
+        return req
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
-    async def _submit(self, draft) -> RequestStream:
+    async def _submit(self, req: ClientRequest, draft) -> None:
         if self.hub.draining:
             raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
-        admission = self.hub.admission
-        # admitted (rate limit, stream slot) before the prompt is tokenized: a refused
-        # request costs no tokenizer pass
-        ticket = await admission.admit(self.identity, draft)
-        try:
-            request = self.hub.validator.finish(ticket.request)
-            stream, depth = await self.channel.submit(request, ticket.request_id, owner=ticket.owner,
-                                                      slot=ticket.slot)
-        except BaseException:
-            await admission.release(ticket)
-            raise
-        self.tickets[request.client_id] = ticket
-        self.models[request.client_id], self.lanes[request.client_id] = request.model, request.lane
-        await self.emit(accepted_frame(request.client_id, stream.request_id, depth, ticket.resume_token))
-        return stream
+        depth = await req.submit(draft)
+        await self.emit(accepted_frame(req.client_id, req.request_id, depth, req.resume_token))
 
-    async def _resume(self, r: Resume) -> RequestStream:
-        owner = await self.hub.admission.admit_resume(self.identity, r.token)
-        stream = await self.channel.resume(r.request_id, r.client_id, r.from_index, owner=owner)
+    async def _resume(self, req: ClientRequest, r: Resume) -> None:
+        await req.resume(r.request_id, r.from_index, r.token)
         frame = accepted_frame(r.client_id, r.request_id, 0)
         frame["resumed_from"] = r.from_index
         await self.emit(frame)
-        return stream
 
-    async def _run(self, cid: str, opening) -> None:
-        """Open a stream (submit or resume), then render its events until it ends."""
-        stream: RequestStream | None = None
+    async def _run(self, req: ClientRequest, opening) -> None:
+        """Open the request (submit or resume), then render its events until it ends."""
+        cid = req.client_id
         try:
             try:
-                stream = await opening
+                await opening
             except StreamfleetError as exc:
                 metrics.refusals.labels("ws", str(exc.code)).inc()
                 await self.emit(exc.to_frame(cid))
                 return
-            self.streams[cid] = stream
-            if cid in self.cancel_early:
-                self.cancel_early.discard(cid)
-                self.channel.cancel(stream)
-            async for ev in observed(stream, transport="ws", model=self.models.get(cid, "") or stream.model,
-                                     lane=self.lanes.get(cid, "")):
-                await self.emit(render(cid, stream.request_id, ev))
-            self.channel.release(stream)
+            async for ev in req.events("ws"):
+                await self.emit(render(cid, req.request_id, ev))
+            req.delivered()
         finally:
-            self.streams.pop(cid, None)
-            self.models.pop(cid, None)
-            self.lanes.pop(cid, None)
+            self.requests.pop(cid, None)
             self.proto.finished(cid)
-            ticket = self.tickets.pop(cid, None)
-            # the stream slot goes back here only if the request ended; one left running
-            # (a dropped connection's resume grace) keeps it until the worker ends it
-            if ticket is not None and (stream is None or stream.finished):
-                await self.hub.admission.release(ticket)
+            # the stream slot goes back only if the request ended (ClientRequest.release)
+            await req.close()
 
     async def _send_loop(self) -> None:
         while True:

@@ -169,3 +169,14 @@ async def test_queued_request_times_out_at_its_deadline(monkeypatch):
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
     assert isinstance(evs[0], Failed) and evs[0].error.code == "timeout"
+
+
+async def test_drop_pending_discards_what_nobody_reads_and_tells_the_end():
+    s = make()
+    s.feed(tok(0))
+    s.feed(tok(1))
+    assert s.drop_pending() is False  # two tokens dropped, still running
+    s.feed(tok(2))
+    s.feed(done(3))
+    assert s.drop_pending() is True and s.next_index == 3
+    assert s.drop_pending() is True  # nothing left: still finished

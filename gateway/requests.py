@@ -1,0 +1,192 @@
+"""One client request through its life in the gateway, whatever the protocol.
+
+A ``ClientRequest`` is what every adapter (``gateway/ws.py``, ``gateway/openai.py``, and
+any later one) drives for one request; the lifecycle lives here once
+(docs/architecture.md, "A request's path")::
+
+    req = ClientRequest(hub, client_id, identity=identity, channel=channel)
+    depth = await req.submit(draft)               # admit, tokenize, enqueue; or:
+    await req.resume(request_id, from_index, resume_token)  # admit the resume, follow it
+    async for ev in req.events(transport):        # the stream's events, observed
+        ...                                       # render Token / End / Failed
+    req.delivered()                               # the final event reached the client
+    await req.close()                             # give back what the request holds
+
+``cancel`` may come at any time, also before the stream exists (the submit or resume is
+still under way): it is then applied as soon as it does. ``watch`` ends the stream if
+the API key is revoked while it runs (a WebSocket watches its connection instead).
+
+The request holds the admission ``Ticket`` (request id, owner, key id, stream slot,
+resume token), the model and lane, its reply channel and its ``RequestStream`` (the
+event model of ``gateway/streams.py``, which knows nothing of this lifecycle). A
+connection that carries many requests (the WebSocket) passes its ``ReplyChannel``;
+without one the request opens its own after admission and closes it in ``close`` (one
+HTTP request).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, AsyncIterator
+
+import anyio
+
+from streamfleet.gateway.admission import Ticket, revoked_error
+from streamfleet.gateway.observe import observed
+from streamfleet.gateway.streams import ReplyChannel, RequestStream, StreamEvent
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.app import Hub
+    from streamfleet.gateway.auth import Identity
+    from streamfleet.gateway.validation import Draft
+
+__all__ = ["ClientRequest"]
+
+
+class ClientRequest:
+    """One request of one client, from admission to the slot it gives back.
+
+    Args:
+        hub: the process's ``gateway.app.Hub`` (admission, validator, broker).
+        client_id: the id the client answers under (``"http"`` for an HTTP request).
+        identity: the caller's API key identity (None with auth off).
+        channel: the connection's open reply channel; None: the request opens its own.
+    """
+
+    def __init__(self, hub: "Hub", client_id: str, *, identity: "Identity | None" = None,
+                 channel: ReplyChannel | None = None) -> None:
+        self.hub = hub
+        self.client_id = client_id
+        self.identity = identity
+        self.channel = channel
+        self.ticket: Ticket | None = None  # set once submitted (a resume has none)
+        self.stream: RequestStream | None = None  # set once submitted or resumed
+        self.model = ""
+        self.lane = ""  # "" for a resume: the lane is not recorded
+        self._resume_token: str | None = None
+        self._own_channel = channel is None
+        self._cancel_pending = False  # cancelled before the stream existed
+        self._watch: int | None = None
+        self._released = False
+
+    # -- what it carries -------------------------------------------------------------
+    @property
+    def request_id(self) -> str | None:
+        if self.stream is not None:
+            return self.stream.request_id
+        return self.ticket.request_id if self.ticket is not None else None
+
+    @property
+    def resume_token(self) -> str | None:
+        """With auth off, the secret that lets the client resume the request: the ticket's
+        for a submit, the one it was resumed with for a resume."""
+        return self.ticket.resume_token if self.ticket is not None else self._resume_token
+
+    # -- opening ----------------------------------------------------------------------
+    async def _open_channel(self) -> ReplyChannel:
+        if self.channel is None:
+            self.channel = await ReplyChannel(self.hub.broker).open()
+        return self.channel
+
+    async def _close_own_channel(self, reason: str = "disconnect", grace_s: float = 0.0) -> None:
+        if self._own_channel and self.channel is not None:
+            await self.channel.close(reason, grace_s=grace_s)
+
+    def _attach(self, stream: RequestStream) -> None:
+        self.stream = stream
+        if self._cancel_pending:
+            self._cancel_pending = False
+            self.channel.cancel(stream)
+
+    async def submit(self, draft: "Draft") -> int:
+        """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
+        a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
+        gives back what admission took.
+
+        Raises:
+            StreamfleetError: refused (``Admission.admit``, ``Validator.finish``, the
+                channel or the enqueue).
+        """
+        admission = self.hub.admission
+        ticket = await admission.admit(self.identity, draft)
+        try:
+            request = self.hub.validator.finish(ticket.request)
+            channel = await self._open_channel()
+            try:
+                stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
+                                                     slot=ticket.slot)
+            except BaseException:
+                await self._close_own_channel()
+                raise
+        except BaseException:
+            await admission.release(ticket)
+            raise
+        self.ticket, self.model, self.lane = ticket, request.model, request.lane
+        self._attach(stream)
+        return depth
+
+    async def resume(self, request_id: str, from_index: int, resume_token: str | None) -> None:
+        """Follow a request started on any connection of any gateway, from ``from_index``
+        (``ReplyChannel.resume``), once admitted (``Admission.admit_resume``: the rate
+        limit, and the owner it must have). The model is the recorded one.
+
+        Raises:
+            StreamfleetError: refused, or no such request (``unknown_request``).
+        """
+        owner = await self.hub.admission.admit_resume(self.identity, resume_token)
+        channel = await self._open_channel()
+        try:
+            stream = await channel.resume(request_id, self.client_id, from_index, owner=owner)
+        except BaseException:
+            await self._close_own_channel()
+            raise
+        self._resume_token = resume_token
+        self.model = stream.model
+        self._attach(stream)
+
+    # -- while it runs ------------------------------------------------------------------
+    def events(self, transport: str) -> AsyncIterator[StreamEvent]:
+        """The stream's events, with its metrics and its "request ended" log line
+        (``gateway.observe.observed``); ``aclose`` it when stopping early."""
+        return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane)
+
+    def cancel(self, reason: str = "client") -> None:
+        """The client asked to stop the request (``ReplyChannel.cancel``); before the
+        stream exists, as soon as it does."""
+        if self.stream is None:
+            self._cancel_pending = True
+        else:
+            self.channel.cancel(self.stream, reason)
+
+    def watch(self) -> None:
+        """End the stream if the API key is revoked while it runs (``close`` stops it)."""
+        self._watch = self.hub.admission.watch(self.identity, self._key_revoked)
+
+    async def _key_revoked(self) -> None:  # end the stream: the key may not read it any more
+        await self.hub.broker.cancel(self.stream.request_id, "key_revoked")
+        self.stream.fail(revoked_error())
+
+    def delivered(self) -> None:
+        """The adapter delivered the stream's final event."""
+        if self.stream is not None:
+            self.channel.release(self.stream)
+
+    # -- the end ------------------------------------------------------------------------
+    async def release(self) -> None:
+        """Give the stream slot back, once, if the request ended (or never started); one
+        left running (its client left, within a resume grace) keeps it until the worker
+        ends it."""
+        if self._released or self.ticket is None:
+            return
+        if self.stream is None or self.stream.finished:
+            self._released = True
+            await self.hub.admission.release(self.ticket)
+
+    async def close(self, grace_s: float = 0.0, reason: str = "disconnect") -> None:
+        """The adapter is done with the request: stop watching its key, close its own
+        reply channel (``ReplyChannel.close``: a request left running is cancelled, at
+        once or after ``grace_s``), then ``release``."""
+        with anyio.CancelScope(shield=True):
+            self.hub.admission.unwatch(self.identity, self._watch)
+            self._watch = None
+            await self._close_own_channel(reason, grace_s)
+            await self.release()
