@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
 
-from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import Cancel, Follow
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.intake import WakeState
 
@@ -26,12 +25,9 @@ __all__ = ["ControlChannel"]
 log = get_logger("worker")
 
 
-class ControlChannel:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, table: InFlightTable,
-                 wake: WakeState) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.model = model
+class ControlChannel(Part):
+    def __init__(self, ctx: WorkerContext, table: InFlightTable, wake: WakeState) -> None:
+        super().__init__(ctx)
         self.table = table
         self.wake = wake
         self._cancels: list[str] = []

@@ -6,15 +6,14 @@ delivered more than ``max_deliveries`` times without finishing, whose client is 
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
 
-from streamfleet.shared.keys import GROUP, Keys
+from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import DeadLetter, ErrorEvent, Task
-from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.publisher import Publisher
 
 __all__ = ["DeadLetters"]
@@ -22,15 +21,9 @@ __all__ = ["DeadLetters"]
 log = get_logger("worker")
 
 
-class DeadLetters:
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, lane_keys: dict[str, str],
-                 worker_id: str, publisher: Publisher) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = keys
-        self.model = settings.model
-        self.lane_keys = lane_keys
-        self.worker_id = worker_id
+class DeadLetters(Part):
+    def __init__(self, ctx: WorkerContext, publisher: Publisher) -> None:
+        super().__init__(ctx)
         self.publisher = publisher
 
     async def send(self, lane: str, msg_id: bytes, raw: bytes | None, reason: str) -> None:

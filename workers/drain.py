@@ -9,13 +9,12 @@ import asyncio
 import time
 from concurrent.futures import Executor
 
-import redis.asyncio as aioredis
 
 from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlightTable
 
@@ -33,16 +32,15 @@ return 1
 """
 
 
-class Drain:
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, lane_keys: dict[str, str],
-                 cores: CoreSet, table: InFlightTable, executor: Executor) -> None:
-        self.timeout_s = settings.drain_timeout_s
-        self.lane_keys = lane_keys
+class Drain(Part):
+    def __init__(self, ctx: WorkerContext, cores: CoreSet, table: InFlightTable, executor: Executor) -> None:
+        super().__init__(ctx)
+        self.timeout_s = ctx.settings.drain_timeout_s
         self.cores = cores
         self.table = table
         self.executor = executor
         self.deadline: float | None = None
-        self._requeue = redis.register_script(REQUEUE_LUA)
+        self._requeue = ctx.redis.register_script(REQUEUE_LUA)
 
     def due(self) -> bool:
         """Whether to hand back now: nothing runs here any more, or the drain's deadline

@@ -11,16 +11,14 @@ import asyncio
 import time
 from typing import Callable
 
-import redis.asyncio as aioredis
 
-from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.schema import Heartbeat
-from streamfleet.shared.settings import WorkerSettings
 from streamfleet.shared.tiers import STREAM_SLOT_TTL_S
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable
 
 __all__ = ["HeartbeatLoop", "TokenRate"]
@@ -49,20 +47,15 @@ class TokenRate:
         return sum(n for _, n in self._window) / span
 
 
-class HeartbeatLoop:
+class HeartbeatLoop(Part):
     """The heartbeat loop, and the worker's deregistration when it stops.
 
     Args:
         beat: the worker's heartbeat as of now.
     """
 
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, worker_id: str,
-                 table: InFlightTable, beat: Callable[[], Heartbeat]) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = keys
-        self.model = settings.model
-        self.worker_id = worker_id
+    def __init__(self, ctx: WorkerContext, table: InFlightTable, beat: Callable[[], Heartbeat]) -> None:
+        super().__init__(ctx)
         self.table = table
         self.beat = beat
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Coroutine
 
-import redis.asyncio as aioredis
 
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.schema import Task, Wake, stream_entry_id
-from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.deadletters import DeadLetters
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -72,16 +71,10 @@ class WakeState:
             self.last_read[lane] = entry_id
 
 
-class Intake:
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, worker_id: str,
-                 lane_keys: dict[str, str], policy: LanePolicy, cores: CoreSet, table: InFlightTable,
-                 wake: WakeState, dead_letters: DeadLetters,
-                 spawn: Callable[[Coroutine], None]) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.worker_id = worker_id
-        self.model = settings.model
-        self.lane_keys = lane_keys
+class Intake(Part):
+    def __init__(self, ctx: WorkerContext, policy: LanePolicy, cores: CoreSet, table: InFlightTable,
+                 wake: WakeState, dead_letters: DeadLetters, spawn: Callable[[Coroutine], None]) -> None:
+        super().__init__(ctx)
         self.policy = policy
         self.cores = cores
         self.table = table

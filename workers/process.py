@@ -41,6 +41,7 @@ from streamfleet.shared.redis import BROKER_ERRORS, connect
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.control import ControlChannel
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.coreset import CoreSet, VersionedCore
@@ -147,16 +148,16 @@ class WorkerProcess:
 
     def _compose(self) -> None:
         """Build the parts around the connection, the cores and the in-flight table."""
-        r, s, keys, lanes, table, wid = self.redis, self.settings, self.keys, self.lane_keys, self.table, self.worker_id
-        self.publisher = Publisher(r, s, keys, lanes, self.cores, table, self._spawn)
-        self.dead_letters = DeadLetters(r, s, keys, lanes, wid, self.publisher)
-        self.intake = Intake(r, s, wid, lanes, self.policy, self.cores, table, self.wake, self.dead_letters,
-                             self._spawn)
-        self.reclaimer = Reclaimer(r, s, keys, lanes, wid, self.cores, table, self.dead_letters, self._stopping)
-        self.reloader = Reloader(r, keys, self.model, wid, self.cores, self._load_async, self._stopping)
-        self.control = ControlChannel(r, keys, self.model, table, self.wake)
-        self.heartbeat = HeartbeatLoop(r, s, keys, wid, table, self._heartbeat)
-        self.drain = Drain(r, s, lanes, self.cores, table, self._executor)
+        ctx = WorkerContext(self.redis, self.settings, self.keys, self.worker_id, self.lane_keys)
+        table = self.table
+        self.publisher = Publisher(ctx, self.cores, table, self._spawn)
+        self.dead_letters = DeadLetters(ctx, self.publisher)
+        self.intake = Intake(ctx, self.policy, self.cores, table, self.wake, self.dead_letters, self._spawn)
+        self.reclaimer = Reclaimer(ctx, self.cores, table, self.dead_letters, self._stopping)
+        self.reloader = Reloader(ctx, self.cores, self._load_async, self._stopping)
+        self.control = ControlChannel(ctx, table, self.wake)
+        self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat)
+        self.drain = Drain(ctx, self.cores, table, self._executor)
 
     # -- main -------------------------------------------------------------------------
     async def run(self) -> int:

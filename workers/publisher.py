@@ -14,15 +14,14 @@ import time
 from collections import defaultdict
 from typing import Callable, Coroutine
 
-import redis.asyncio as aioredis
 
-from streamfleet.shared.keys import GROUP, Keys
+from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Attach, DoneEvent, Event, LogEntry, Task, TokenEvent, encode_events
-from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlightTable
 
@@ -31,14 +30,10 @@ __all__ = ["Publisher"]
 log = get_logger("worker")
 
 
-class Publisher:
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, lane_keys: dict[str, str],
-                 cores: CoreSet, table: InFlightTable, spawn: Callable[[Coroutine], None]) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = keys
-        self.model = settings.model
-        self.lane_keys = lane_keys
+class Publisher(Part):
+    def __init__(self, ctx: WorkerContext, cores: CoreSet, table: InFlightTable,
+                 spawn: Callable[[Coroutine], None]) -> None:
+        super().__init__(ctx)
         self.cores = cores
         self.table = table
         self.spawn = spawn

@@ -18,16 +18,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from streamfleet.shared.keys import GROUP, LANES, Keys
+from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import LogEntry, Task, TokenEvent
-from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.deadletters import DeadLetters
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -77,21 +76,15 @@ class Takeover:
         return now - seen[1] >= self.dead_after_s
 
 
-class Reclaimer:
-    def __init__(self, redis: aioredis.Redis, settings: WorkerSettings, keys: Keys, lane_keys: dict[str, str],
-                 worker_id: str, cores: CoreSet, table: InFlightTable, dead_letters: DeadLetters,
+class Reclaimer(Part):
+    def __init__(self, ctx: WorkerContext, cores: CoreSet, table: InFlightTable, dead_letters: DeadLetters,
                  stopping: asyncio.Event) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = keys
-        self.model = settings.model
-        self.lane_keys = lane_keys
-        self.worker_id = worker_id
+        super().__init__(ctx)
         self.cores = cores
         self.table = table
         self.dead_letters = dead_letters
         self.stopping = stopping
-        self.takeover = Takeover(settings.worker_dead_after_s)
+        self.takeover = Takeover(ctx.settings.worker_dead_after_s)
 
     async def run(self) -> None:
         while True:

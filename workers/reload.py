@@ -19,6 +19,7 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
 
+from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet, VersionedCore
 
 __all__ = ["Reloader", "target_version"]
@@ -35,7 +36,7 @@ async def target_version(redis: aioredis.Redis, keys: Keys, model: str) -> str |
     return raw.decode() if raw else None
 
 
-class Reloader:
+class Reloader(Part):
     """The reload loop; ``reloading`` is true while a new version loads or the old one
     finishes its sequences.
 
@@ -43,12 +44,9 @@ class Reloader:
         load: loads a version's engine (off the event loop).
     """
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, worker_id: str, cores: CoreSet,
-                 load: Callable[[str], Awaitable[VersionedCore]], stopping: asyncio.Event) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.model = model
-        self.worker_id = worker_id
+    def __init__(self, ctx: WorkerContext, cores: CoreSet, load: Callable[[str], Awaitable[VersionedCore]],
+                 stopping: asyncio.Event) -> None:
+        super().__init__(ctx)
         self.cores = cores
         self.load = load
         self.stopping = stopping

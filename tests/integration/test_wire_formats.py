@@ -21,6 +21,7 @@ from streamfleet.shared.schema import (Cancel, DeadLetter, DoneEvent, Follow, He
                                        stream_entry_id)
 from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
 from streamfleet.status import collect
+from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.deadletters import DeadLetters
 from streamfleet.workers.heartbeat import HeartbeatLoop
 from streamfleet.workers.inflight import InFlightTable
@@ -203,9 +204,10 @@ async def test_worker_parts_write_what_their_consumers_read(redis_server, key_pr
     r = connect(redis_server.url)
     table = InFlightTable()
     lanes = keys.lanes("tiny-gpt")
-    publisher = Publisher(r, ws, keys, lanes, None, table, lambda coro: None)
-    dead = DeadLetters(r, ws, keys, lanes, "w1", publisher)
-    reclaimer = Reclaimer(r, ws, keys, lanes, "w1", None, table, dead, asyncio.Event())
+    ctx = WorkerContext(r, ws, keys, "w1", lanes)
+    publisher = Publisher(ctx, None, table, lambda coro: None)
+    dead = DeadLetters(ctx, publisher)
+    reclaimer = Reclaimer(ctx, None, table, dead, asyncio.Event())
     try:
         ended, running = "e" * 32, "r" * 32
         # the request-log entries the publisher writes: the gateway's log reader gets the events,
@@ -234,7 +236,7 @@ async def test_worker_parts_write_what_their_consumers_read(redis_server, key_pr
 
         # the heartbeat a worker writes is the one gateways count as live
         beat = Heartbeat(time.time(), slots_used=2, max_batch=8, version="v1", pid=7, host="h")
-        heartbeat = asyncio.create_task(HeartbeatLoop(r, ws, keys, "w1", table, lambda: beat).run())
+        heartbeat = asyncio.create_task(HeartbeatLoop(ctx, table, lambda: beat).run())
         deadline = time.monotonic() + 5
         while not await r.hexists(keys.workers("tiny-gpt"), "w1") and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
