@@ -10,10 +10,7 @@ import typer
 
 from streamfleet.engines_cli import engines_app
 from streamfleet.keys_cli import keys_app
-
-#: administrative commands find the fleet's Redis this way (streamfleet/local.py)
-ADMIN_REDIS_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                    "else redis://127.0.0.1:6379/0)")
+from streamfleet.local import REDIS_FLAG_HELP
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="streamfleet: token-streaming LLM serving over Redis Streams.")
@@ -108,7 +105,7 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="redraw every --interval seconds until Ctrl-C"),
     interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document (one per line with --watch)"),
-    redis_url: Optional[str] = typer.Option(None, help=ADMIN_REDIS_HELP),
+    redis_url: Optional[str] = typer.Option(None, help=REDIS_FLAG_HELP),
 ) -> None:
     """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
     from streamfleet.local import admin_settings
@@ -182,7 +179,7 @@ def reload(
     to: str = typer.Option(..., "--to", help="version to serve (engines/MODEL/versions/VERSION)"),
     wait: bool = typer.Option(True, help="wait until every live worker serves it"),
     timeout: float = typer.Option(600.0, help="seconds to wait"),
-    redis_url: Optional[str] = typer.Option(None, help=ADMIN_REDIS_HELP),
+    redis_url: Optional[str] = typer.Option(None, help=REDIS_FLAG_HELP),
 ) -> None:
     """Hot-reload a model: workers load VERSION beside the current one, one at a time, send new
     requests to it, let running ones finish on the old one, then free it."""

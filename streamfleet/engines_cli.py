@@ -22,14 +22,14 @@ from typing import Any, Optional
 
 import typer
 
+from streamfleet.local import REDIS_FLAG_HELP
+
 __all__ = ["engines_app"]
 
 engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Model folders: import an Optimum export; TensorRT plans: build (here or on a "
                                "GPU build queue), list, run a build worker.")
 
-_REDIS_URL_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                   "else redis://127.0.0.1:6379/0)")
 
 
 def _settings(redis_url: Optional[str]) -> Any:
@@ -73,7 +73,7 @@ def build(
     timeout: float = typer.Option(3 * 3600, help="with --wait: seconds to wait"),
     option: list[str] = typer.Option([], "--option",
                                      help="KEY=VALUE overriding the tensorrt table of engine.toml (repeatable)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """Build MODEL's TensorRT plan for this host's GPU, or queue the build for a GPU host."""
     settings = _settings(redis_url)
@@ -169,7 +169,7 @@ def list_(
     model: Optional[str] = typer.Argument(None, help="only this model"),
     as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
     local: bool = typer.Option(False, "--local", help="also list plan files on this host's disk"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """Show built plans (host, TensorRT, GPU arch, when, how long) and the build queues."""
     from streamfleet.shared.redis import BROKER_ERRORS, connect
@@ -245,7 +245,7 @@ def worker(
     burst: bool = typer.Option(False, "--burst", help="exit once the queue is empty"),
     check_arch: bool = typer.Option(True, "--check-arch/--no-check-arch",
                                     help="refuse to serve an smNN queue that is not this GPU's architecture"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """Run build jobs from QUEUE on this GPU host (arq worker; one build at a time)."""
     import re

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional, TypeVar
 
 import typer
 
+from streamfleet.local import REDIS_FLAG_HELP
+
 if TYPE_CHECKING:
     from streamfleet.gateway.auth import KeyStore
 
@@ -25,8 +27,6 @@ T = TypeVar("T")
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Manage API keys: add, list, revoke.")
 
-_REDIS_URL_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                   "else redis://127.0.0.1:6379/0)")
 
 
 def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
@@ -66,7 +66,7 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
 def add(
     name: str = typer.Argument(..., help="who the key is for (unique among active keys)"),
     tier: str = typer.Option("free", "--tier", help="free | paid | internal (or a tier from SF_TIERS)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """Create a key and print it once (stdout); only its hash is stored."""
     plaintext, record = _run(redis_url, lambda store: store.add(name, tier))
@@ -78,7 +78,7 @@ def add(
 @keys_app.command("list")
 def list_(
     as_json: bool = typer.Option(False, "--json", help="one JSON array instead of a table"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """List keys (never the keys themselves): key_id, name, tier, created, revoked."""
     records = [r.public() for r in _run(redis_url, lambda store: store.list())]
@@ -98,7 +98,7 @@ def list_(
 @keys_app.command("revoke")
 def revoke(
     key_id_or_name: str = typer.Argument(..., help="key id (12 hex characters) or the name of an active key"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=_REDIS_URL_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
 ) -> None:
     """Revoke a key; gateways stop accepting it within their key cache time (SF_KEY_CACHE_S)."""
     if _run(redis_url, lambda store: store.revoke(key_id_or_name)):

@@ -22,9 +22,12 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 __all__ = ["ServeRecord", "record_path", "write_record", "clear_record", "read_record", "resolve_redis",
-           "admin_settings", "mask_url"]
+           "admin_settings", "mask_url", "REDIS_FLAG_HELP"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: the --redis-url help of every administrative command
+REDIS_FLAG_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
+                   f"else {DEFAULT_REDIS_URL})")
 
 
 def mask_url(url: str) -> str:

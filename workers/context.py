@@ -27,11 +27,6 @@ class WorkerContext:
     #: lane name -> its stream key, for this worker's model
     lane_keys: dict[str, str] = field(default_factory=dict)
 
-    @classmethod
-    def create(cls, redis: aioredis.Redis, settings: WorkerSettings, worker_id: str) -> "WorkerContext":
-        keys = Keys(settings.key_prefix)
-        return cls(redis, settings, keys, worker_id, keys.lanes(settings.model))
-
     @property
     def model(self) -> str:
         return self.settings.model
