@@ -158,23 +158,22 @@ def select(name: str = "auto", importer: Importer | None = None) -> CudaMem:
     """
     importer = importer or importlib.import_module
     chosen, module = choose(name, importer)
-    later = list(_PREFERENCE[_PREFERENCE.index(chosen) + 1:]) if name == "auto" else []
-    while True:
+    # with auto, the importable libraries after the chosen one are the fallbacks, in order
+    candidates = _PREFERENCE[_PREFERENCE.index(chosen):] if name == "auto" else (chosen,)
+    failed: tuple[str, str] | None = None  # (library, why) of the last that could not start
+    for cand in candidates:
+        if cand != chosen:
+            module, _ = _probe(cand, importer)
+            if module is None:
+                continue
+            log.warning("CUDA library cannot initialise; falling back", failed=failed[0], error=failed[1],
+                        using=cand)
         try:
-            return IMPLEMENTATIONS[chosen](module, importer)
+            return IMPLEMENTATIONS[cand](module, importer)
         except Exception as exc:
-            failure = exc.message if isinstance(exc, FatalError) else f"{chosen} cannot initialise CUDA: {exc}"
-            fallback = None
-            while later and fallback is None:
-                cand = later.pop(0)
-                found, _ = _probe(cand, importer)
-                if found is not None:
-                    fallback = (cand, found)
-            if fallback is None:
-                raise FatalError(failure) from exc
-            log.warning("CUDA library cannot initialise; falling back", failed=chosen, error=failure,
-                        using=fallback[0])
-            chosen, module = fallback
+            failed = (cand, exc.message if isinstance(exc, FatalError) else f"{cand} cannot initialise CUDA: {exc}")
+            cause = exc
+    raise FatalError(failed[1]) from cause
 
 
 def detect_compute_capability(mem: CudaMem | None = None, device: int = 0) -> str:
