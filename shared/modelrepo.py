@@ -35,7 +35,7 @@ import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from streamfleet.shared.errors import FatalError, NotFoundError
 from streamfleet.shared.logging import get_logger
@@ -298,13 +298,60 @@ def _made_by_this_generator(spec: ModelSpec) -> bool:
     want = generator_digest()
     if want is None:
         return True
-    import onnx
-
     try:
-        model = onnx.load(str(spec.onnx_path), load_external_data=False)
-    except Exception:  # unreadable: make it again
+        return onnx_metadata(spec.onnx_path).get(GENERATOR_KEY) == want
+    except (OSError, ValueError):  # unreadable: make it again
         return False
-    return any(p.key == GENERATOR_KEY and p.value == want for p in model.metadata_props)
+
+
+def _varint(f: BinaryIO) -> int | None:
+    """A protobuf varint from ``f``; None at a clean end of file."""
+    value = shift = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            if shift:
+                raise ValueError("truncated varint")
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if b[0] < 0x80:
+            return value
+        shift += 7
+
+
+def onnx_metadata(path: Path) -> dict[str, str]:
+    """An ONNX file's ``metadata_props``, read without loading the model: the top-level
+    fields of the ``ModelProto`` (the graph and its weights among them) are skipped by
+    their lengths, so this costs the same for a 3 MB model as for a 3 GB one.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a protobuf message.
+    """
+    from onnx import StringStringEntryProto
+
+    out: dict[str, str] = {}
+    with open(path, "rb") as f:
+        while (tag := _varint(f)) is not None:
+            field_number, wire_type = tag >> 3, tag & 7
+            if wire_type == 0:
+                _varint(f)
+            elif wire_type == 1:
+                f.seek(8, os.SEEK_CUR)
+            elif wire_type == 5:
+                f.seek(4, os.SEEK_CUR)
+            elif wire_type == 2:
+                size = _varint(f)
+                if size is None:
+                    raise ValueError("truncated field")
+                if field_number == 14:  # ModelProto.metadata_props
+                    entry = StringStringEntryProto.FromString(f.read(size))
+                    out[entry.key] = entry.value
+                else:
+                    f.seek(size, os.SEEK_CUR)
+            else:
+                raise ValueError(f"{path} is not an ONNX model (wire type {wire_type})")
+    return out
 
 
 def ensure_artifacts(spec: ModelSpec) -> None:

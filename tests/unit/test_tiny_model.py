@@ -247,10 +247,15 @@ def test_a_model_from_an_older_generator_is_made_again(tiny_spec, tmp_path):
     files again when that is not the generator in the repository now."""
     import shutil
 
-    from streamfleet.shared.modelrepo import GENERATOR_KEY, ModelSpec, ensure_artifacts, generator_digest
+    from streamfleet.shared.modelrepo import (GENERATOR_KEY, ModelSpec, ensure_artifacts, generator_digest,
+                                              onnx_metadata)
 
     current = {p.key: p.value for p in onnx.load(str(tiny_spec.onnx_path), load_external_data=False).metadata_props}
     assert current[GENERATOR_KEY] == generator_digest()
+    assert onnx_metadata(tiny_spec.onnx_path) == current  # read without loading the graph
+    (tmp_path / "junk.onnx").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError):
+        onnx_metadata(tmp_path / "junk.onnx")
 
     d = tmp_path / "tiny-gpt"
     d.mkdir()
