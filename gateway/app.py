@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 import orjson
 
 from streamfleet.shared import aio
-from streamfleet.shared.errors import ErrorCode, StreamfleetError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
@@ -47,8 +47,42 @@ class Hub:
     drain_expired: bool = False
 
     def active_streams(self) -> int:
-        """Requests this process still streams (WebSocket and HTTP)."""
+        """Requests this process still streams (WebSocket, HTTP and gRPC)."""
         return self.broker.active_streams()
+
+    async def readiness(self) -> tuple[bool, dict]:
+        """Whether this process can serve a request now, and why (``GET /readyz``'s body;
+        the gRPC health service reports the same)."""
+        if self.draining:
+            return False, {"status": "draining"}
+        if not await self.broker.ping():
+            return False, {"status": "unavailable", "reason": "redis unreachable"}
+        # Redis answering is not enough: until this process's pub/sub connection is back (up
+        # to the reconnect backoff after Redis restarts) no request here can get its events
+        if not self.broker.healthy:
+            return False, {"status": "unavailable", "reason": "pub/sub connection down"}
+        models = {}
+        for name in self.validator.model_names():
+            models[name] = len(await self.broker.live_workers(name))
+        if not any(models.values()):
+            return False, {"status": "unavailable", "reason": "no live worker", "workers": models}
+        return True, {"status": "ready", "workers": models}
+
+    async def served_models(self) -> list[tuple[str, int]]:
+        """``(model, live workers)`` for each model with at least one live worker.
+
+        Raises:
+            UnavailableError: Redis cannot be read.
+        """
+        out = []
+        try:
+            for name in self.validator.model_names():
+                workers = await self.broker.live_workers(name)
+                if workers:
+                    out.append((name, len(workers)))
+        except Exception as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        return out
 
 
 def json_response(data: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -118,21 +152,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz():
-        if hub.draining:
-            return json_response({"status": "draining"}, status_code=503)
-        if not await hub.broker.ping():
-            return json_response({"status": "unavailable", "reason": "redis unreachable"}, status_code=503)
-        # Redis answering is not enough: until this process's pub/sub connection is back (up
-        # to the reconnect backoff after Redis restarts) no request here can get its events
-        if not hub.broker.healthy:
-            return json_response({"status": "unavailable", "reason": "pub/sub connection down"}, status_code=503)
-        models = {}
-        for name in hub.validator.model_names():
-            models[name] = len(await hub.broker.live_workers(name))
-        if not any(models.values()):
-            return json_response({"status": "unavailable", "reason": "no live worker", "workers": models},
-                                  status_code=503)
-        return json_response({"status": "ready", "workers": models})
+        ready, body = await hub.readiness()
+        return json_response(body, status_code=200 if ready else 503)
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
     app.include_router(openai.router)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import AsyncIterator
 
@@ -10,9 +11,27 @@ from streamfleet.shared.metrics import gateway as m
 
 from streamfleet.gateway.streams import End, Failed, RequestStream, StreamEvent, Token
 
-__all__ = ["observed"]
+__all__ = ["observed", "trace_id_from"]
 
 log = get_logger("gateway")
+
+#: W3C Trace Context ``traceparent``: version-trace_id-parent_id-flags, lower-case hex
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-.*)?")
+
+
+def trace_id_from(traceparent: str | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` header or gRPC metadata entry, which then
+    names the request in every log line of the gateway and the worker; None (a new trace
+    id) when it is absent or malformed, which the specification says to ignore."""
+    if not traceparent or len(traceparent) > 512:
+        return None
+    value = traceparent.strip()
+    m = _TRACEPARENT.fullmatch(value)
+    if m is None or m.group(1) == "ff" or m.group(2) == "0" * 32 or m.group(3) == "0" * 16:
+        return None
+    if m.group(1) == "00" and len(value) != 55:  # version 00 has no further fields
+        return None
+    return m.group(2)
 
 
 async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[StreamEvent]:

@@ -30,6 +30,7 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
+from streamfleet.gateway.observe import trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 
@@ -224,7 +225,8 @@ async def _generate(request: Request, chat: bool) -> Response:
             # the model is the recorded one, validated at submit: never the body's
             await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
-            await req.submit(hub.validator.check(_payload(body, request, chat)))
+            await req.submit(hub.validator.check(_payload(body, request, chat)),
+                             trace_id=trace_id_from(request.headers.get("traceparent")))
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
@@ -371,15 +373,10 @@ async def models(request: Request) -> Response:
         await hub.admission.authenticate(request.headers.get("authorization"))
     except StreamfleetError as exc:
         return openai_error_response(exc)
-    data = []
     try:
-        for name in hub.validator.model_names():
-            workers = await hub.broker.live_workers(name)
-            if workers:
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamfleet",
-                             "workers": len(workers)})
-    except Exception as exc:  # Redis down: say so in OpenAI's shape
-        from streamfleet.shared.errors import UnavailableError
-
-        return openai_error_response(UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000))
+        served = await hub.served_models()
+    except StreamfleetError as exc:  # Redis down: say so in OpenAI's shape
+        return openai_error_response(exc)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n}
+            for name, n in served]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

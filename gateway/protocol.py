@@ -22,7 +22,8 @@ from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationErr
 
 from streamfleet.gateway.streams import End, Failed, StreamEvent, Token
 
-__all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame"]
+__all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
+           "resume_fields"]
 
 
 @dataclass(slots=True)
@@ -75,6 +76,33 @@ def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
     return ev.error.to_frame(client_id)
 
 
+def resume_fields(msg: dict[str, Any]) -> tuple[str, int, str | None]:
+    """``(request_id, from_index, resume_token)`` of a resume frame (or a gRPC
+    ``ResumeRequest`` in the same shape).
+
+    Raises:
+        ValidationError: a field is missing or malformed (the code and param say which).
+    """
+    rid = msg.get("request_id")
+    if not isinstance(rid, str) or not rid or len(rid) > 64 or not rid.isalnum():
+        raise ValidationError("'request_id' must be the request_id that 'accepted' returned",
+                              code=ErrorCode.invalid_type if not isinstance(rid, str) else ErrorCode.invalid_request,
+                              param="request_id")
+    idx = msg.get("from_index", 0)
+    if isinstance(idx, float) and idx.is_integer():
+        idx = int(idx)
+    if not isinstance(idx, int) or isinstance(idx, bool):
+        raise ValidationError("'from_index' must be an integer", code=ErrorCode.invalid_type, param="from_index")
+    if not 0 <= idx <= 1_000_000:
+        raise ValidationError("'from_index' must be between 0 and 1000000", code=ErrorCode.out_of_range,
+                              param="from_index")
+    token = msg.get("resume_token")
+    if token is not None and (not isinstance(token, str) or len(token) > 128):
+        raise ValidationError("'resume_token' must be the resume_token that 'accepted' returned",
+                              code=ErrorCode.invalid_type, param="resume_token")
+    return rid, idx, token
+
+
 class ConnectionProtocol:
     """Frame parsing and in-flight bookkeeping of one client connection.
 
@@ -116,6 +144,10 @@ class ConnectionProtocol:
                                          code=ErrorCode.invalid_json).to_frame(None))]
         if not isinstance(msg, dict):
             return [Send(ValidationError("a frame must be a JSON object", code=ErrorCode.invalid_frame).to_frame(None))]
+        return self.receive(msg)
+
+    def receive(self, msg: dict[str, Any]) -> list[Output]:
+        """One decoded frame (a JSON object, or a gRPC ``ClientFrame`` in the same shape)."""
         kind = msg.get("type")
         cid = msg.get("id") if isinstance(msg.get("id"), str) else None
         if kind == "generate":
@@ -149,24 +181,10 @@ class ConnectionProtocol:
         if cid is None:
             return [Send(ValidationError("resume needs the string 'id' to answer under",
                                          code=ErrorCode.missing_field, param="id").to_frame(None))]
-        rid = msg.get("request_id")
-        if not isinstance(rid, str) or not rid or len(rid) > 64 or not rid.isalnum():
-            return [Send(ValidationError("'request_id' must be the request_id that 'accepted' returned",
-                                         code=ErrorCode.invalid_type if not isinstance(rid, str)
-                                         else ErrorCode.invalid_request, param="request_id").to_frame(cid))]
-        idx = msg.get("from_index", 0)
-        if isinstance(idx, float) and idx.is_integer():
-            idx = int(idx)
-        if not isinstance(idx, int) or isinstance(idx, bool):
-            return [Send(ValidationError("'from_index' must be an integer", code=ErrorCode.invalid_type,
-                                         param="from_index").to_frame(cid))]
-        if not 0 <= idx <= 1_000_000:
-            return [Send(ValidationError("'from_index' must be between 0 and 1000000", code=ErrorCode.out_of_range,
-                                         param="from_index").to_frame(cid))]
-        token = msg.get("resume_token")
-        if token is not None and (not isinstance(token, str) or len(token) > 128):
-            return [Send(ValidationError("'resume_token' must be the resume_token that 'accepted' returned",
-                                         code=ErrorCode.invalid_type, param="resume_token").to_frame(cid))]
+        try:
+            rid, idx, token = resume_fields(msg)
+        except ValidationError as exc:
+            return [Send(exc.to_frame(cid))]
         self.in_flight.add(cid)
         return [Resume(cid, rid, idx, token)]
 

@@ -97,10 +97,11 @@ class ClientRequest:
             self._cancel_pending = False
             self.channel.cancel(stream)
 
-    async def submit(self, draft: "Draft") -> int:
+    async def submit(self, draft: "Draft", trace_id: str | None = None) -> int:
         """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
         a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
-        gives back what admission took.
+        gives back what admission took. ``trace_id``: the caller's (``traceparent``);
+        None for a new one.
 
         Raises:
             StreamfleetError: refused (``Admission.admit``, ``Validator.finish``, the
@@ -113,7 +114,7 @@ class ClientRequest:
             channel = await self._open_channel()
             try:
                 stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
-                                                     slot=ticket.slot)
+                                                     slot=ticket.slot, trace_id=trace_id)
             except BaseException:
                 await self._close_own_channel()
                 raise

@@ -1,4 +1,6 @@
-"""Run one gateway process on uvicorn (WebSocket served by the `websockets` library)."""
+"""Run one gateway process: uvicorn (HTTP, and WebSocket served by the `websockets`
+library), the gRPC server (``gateway.grpc_server``) and the metrics listener, drained
+together."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ __all__ = ["run_gateway"]
 log = get_logger("gateway")
 
 
-async def _announce(server: uvicorn.Server, port_file: str | None) -> None:
+async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door=None) -> None:
     while not server.started:
         if server.should_exit:
             return
         await asyncio.sleep(0.02)
+    if grpc_door is not None:  # after the lifespan: the hub's Redis connections exist
+        await grpc_door.start()
     sock = server.servers[0].sockets[0]
     host, port = sock.getsockname()[:2]
     log.info("gateway listening", url=f"http://{host}:{port}")
@@ -38,9 +42,10 @@ class DrainingServer(uvicorn.Server):
     streams finish until ``drain_timeout_s``, close WebSockets with 1001, then exit. A
     second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, hub) -> None:
+    def __init__(self, config: uvicorn.Config, hub, grpc_door=None) -> None:
         super().__init__(config)
         self.hub = hub
+        self.grpc_door = grpc_door
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig, frame) -> None:
@@ -55,6 +60,8 @@ class DrainingServer(uvicorn.Server):
         s = hub.settings
         for srv in self.servers:  # no new connections
             srv.close()
+        if self.grpc_door is not None:  # health NOT_SERVING; new calls refused, open ones go on
+            await self.grpc_door.drain()
         log.info("draining", streams=hub.active_streams(), connections=hub.connections,
                  drain_timeout_s=s.drain_timeout_s)
         deadline = asyncio.get_running_loop().time() + s.drain_timeout_s
@@ -63,6 +70,8 @@ class DrainingServer(uvicorn.Server):
         hub.drain_expired = True  # sessions close with 1001 now, whatever they still run
         while hub.connections and asyncio.get_running_loop().time() < deadline + 3:
             await asyncio.sleep(0.05)
+        if self.grpc_door is not None:  # before the broker stops: calls still open are cancelled
+            await self.grpc_door.stop(grace_s=1.0)
         log.info("drained", streams_left=hub.active_streams(), connections_left=hub.connections)
         self.should_exit = True
 
@@ -93,6 +102,17 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
             log.error("gateway cannot start", error=str(exc))
             return 2
     app = create_app(settings)
+    grpc_door = None
+    if settings.grpc_port:
+        from streamfleet.gateway.grpc_server import GrpcDoor, GrpcListenError
+
+        try:  # bound now, served once the gateway has started
+            grpc_door = GrpcDoor(app.state.hub)
+        except GrpcListenError as exc:
+            log.error("gateway cannot start", error=str(exc))
+            if metrics_sock is not None:
+                metrics_sock.close()
+            return 2
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -106,14 +126,16 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    server = DrainingServer(config, app.state.hub)
-    announce = asyncio.create_task(_announce(server, port_file))
+    server = DrainingServer(config, app.state.hub, grpc_door)
+    announce = asyncio.create_task(_announce(server, port_file, grpc_door))
     metrics = MetricsServer(app.state.hub, metrics_sock) if metrics_sock is not None else None
     metrics_task = asyncio.create_task(_serve_metrics(server, metrics), name="metrics") if metrics else None
     try:
         await server.serve()
     finally:
         announce.cancel()
+        if grpc_door is not None:  # it served through the drain; calls still open are cancelled
+            await grpc_door.stop(grace_s=1.0)
         if metrics is not None:  # it served through the drain; now it stops too
             metrics.stop()
             await asyncio.gather(metrics_task, return_exceptions=True)

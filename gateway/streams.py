@@ -320,7 +320,7 @@ class ReplyChannel:
         return read
 
     async def submit(self, request: Any, request_id: str | None = None, owner: str = "", slot: str = "",
-                     ) -> tuple[RequestStream, int]:
+                     trace_id: str | None = None) -> tuple[RequestStream, int]:
         """Enqueue a validated request; returns its stream and the lane depth.
 
         Args:
@@ -332,7 +332,7 @@ class ReplyChannel:
             StreamfleetError: refused (overload, broker down).
         """
         rid = request_id or uuid.uuid4().hex
-        task = request.to_task(self.connection_id, request_id=rid, slot=slot)
+        task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
                                stall_timeout_s=self.stall_timeout_s)

@@ -1,7 +1,8 @@
-"""WebSocket adapter: forwards frames between the socket, the per-connection protocol
-state and the connection's requests (``gateway.requests.ClientRequest``, one per request
-id, all answered on the connection's reply channel); decisions live in
-``gateway.protocol``, ``gateway.requests`` and ``gateway.streams``."""
+"""WebSocket adapter: forwards frames between the socket and the connection's
+``gateway.session.Session`` (its protocol state and its requests, one
+``gateway.requests.ClientRequest`` per request id, all answered on the connection's reply
+channel); decisions live in ``gateway.protocol``, ``gateway.requests`` and
+``gateway.streams``."""
 
 from __future__ import annotations
 
@@ -14,16 +15,15 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
+from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.admission import revoked_error
 from streamfleet.gateway.origin import origin_allowed
-from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, render
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.streams import ReplyChannel
+from streamfleet.gateway.observe import trace_id_from
+from streamfleet.gateway.session import Session
 
 __all__ = ["websocket_stream"]
 
@@ -50,19 +50,11 @@ class _QuietInvalidUtf8(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_QuietInvalidUtf8())
 
 
-class WebSocketSession:
+class WebSocketSession(Session):
     def __init__(self, ws: WebSocket, hub) -> None:
+        super().__init__(hub, "ws")
         self.ws = ws
-        self.hub = hub
-        s = hub.settings
-        self.proto = ConnectionProtocol(hub.validator, max_inflight=s.max_inflight_per_connection,
-                                        max_frame_bytes=s.max_frame_bytes)
-        self.channel = ReplyChannel(hub.broker)
-        #: client id -> the request in flight under it (from its submit or resume frame on)
-        self.requests: dict[str, ClientRequest] = {}
         self.outbox: asyncio.Queue[dict | None] = asyncio.Queue()
-        self.tasks: set[asyncio.Task] = set()
-        self.identity = None  # the API key's identity (None with auth off)
         self.broken = False  # a write failed: the socket is gone
         #: done once the API key is revoked while connected (it also wakes the read loop)
         self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -82,63 +74,6 @@ class WebSocketSession:
         except Exception:
             self.broken = True
             self.outbox.put_nowait(_BROKEN)
-
-    def dispatch(self, outputs: list[Output]) -> None:
-        for out in outputs:
-            if isinstance(out, Send):
-                self.send(out.frame)
-            elif isinstance(out, Submit):
-                req = self._request(out.request.client_id)
-                self._spawn(self._run(req, self._submit(req, out.request)))
-            elif isinstance(out, Resume):
-                req = self._request(out.client_id)
-                self._spawn(self._run(req, self._resume(req, out)))
-            elif isinstance(out, Cancel):
-                req = self.requests.get(out.client_id)
-                if req is not None:  # the protocol only cancels ids in flight
-                    req.cancel()
-
-    def _request(self, client_id: str) -> ClientRequest:
-        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel)
-        self.requests[client_id] = req
-        return req
-
-    def _spawn(self, coro) -> None:
-        t = asyncio.create_task(coro)
-        self.tasks.add(t)
-        t.add_done_callback(self.tasks.discard)
-
-    async def _submit(self, req: ClientRequest, draft) -> None:
-        if self.hub.draining:
-            raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
-                                   code=ErrorCode.shutting_down)
-        depth = await req.submit(draft)
-        await self.emit(accepted_frame(req.client_id, req.request_id, depth, req.resume_token))
-
-    async def _resume(self, req: ClientRequest, r: Resume) -> None:
-        await req.resume(r.request_id, r.from_index, r.token)
-        frame = accepted_frame(r.client_id, r.request_id, 0)
-        frame["resumed_from"] = r.from_index
-        await self.emit(frame)
-
-    async def _run(self, req: ClientRequest, opening) -> None:
-        """Open the request (submit or resume), then render its events until it ends."""
-        cid = req.client_id
-        try:
-            try:
-                await opening
-            except StreamfleetError as exc:
-                metrics.refusals.labels("ws", str(exc.code)).inc()
-                await self.emit(exc.to_frame(cid))
-                return
-            async for ev in req.events("ws"):
-                await self.emit(render(cid, req.request_id, ev))
-            req.delivered()
-        finally:
-            self.requests.pop(cid, None)
-            self.proto.finished(cid)
-            # the stream slot goes back only if the request ended (ClientRequest.release)
-            await req.close()
 
     async def _send_loop(self) -> None:
         while True:
@@ -174,6 +109,7 @@ class WebSocketSession:
             return
         if self.identity is not None:  # every log line of this connection names its key
             structlog.contextvars.bind_contextvars(key_id=self.identity.key_id)
+        self.trace_id = trace_id_from(self.ws.headers.get("traceparent"))
         try:
             await admission.connect(self.identity, self.channel.connection_id)
         except StreamfleetError as exc:
@@ -263,8 +199,7 @@ class WebSocketSession:
             if receiver is not None:
                 receiver.cancel()
             await self.channel.close("disconnect", grace_s=s.ws_resume_grace_s if dropped else 0.0)
-            for t in list(self.tasks):
-                t.cancel()
+            self.cancel_tasks()
             self.outbox.put_nowait(None)
             if close is not None:
                 try:  # flush what is queued, then close with the reason

@@ -94,6 +94,19 @@ class GatewaySettings(CommonSettings):
     sse_keepalive_s: float = 15.0
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
+    #: the gRPC service (streamfleet.v1.Inference, health, reflection) on this port of
+    #: ``host`` (0 = off); its messages may be up to ``max_frame_bytes``
+    grpc_port: int = 50051
+    #: most concurrent calls on one HTTP/2 connection (more wait for one to end)
+    grpc_max_concurrent_streams: int = 256
+    #: ping an idle gRPC connection after this many seconds; drop it if no answer within
+    #: ``grpc_keepalive_timeout_s``. Clients may ping every 10 s at most, also without calls
+    grpc_keepalive_s: float = 30.0
+    grpc_keepalive_timeout_s: float = 10.0
+    #: ask a gRPC connection this old to reconnect (GOAWAY), so clients spread over new
+    #: gateways; calls in flight get ``grpc_max_connection_age_grace_s`` more (0 = never)
+    grpc_max_connection_age_s: float = 3600.0
+    grpc_max_connection_age_grace_s: float = 60.0
     #: Prometheus ``/metrics`` on a listener of its own, never on the API port (0 = none).
     #: Off by default, like the worker's: several gateways on one host each need their own
     metrics_port: int = 0

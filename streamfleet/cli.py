@@ -27,11 +27,12 @@ def serve(
     log_format: str = typer.Option("console", help="console | json"),
     metrics_port: Optional[int] = typer.Option(None, help="the gateway's Prometheus port on 127.0.0.1 "
                                                "(default: any free port; 0 = none)"),
+    grpc_port: int = typer.Option(50051, help="the gateway's gRPC port (0 = no gRPC)"),
 ) -> None:
     """Run the whole fleet locally: Redis (embedded if needed), one gateway, one CPU worker."""
     from streamfleet.launcher import serve as run
 
-    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port))
+    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port))
 
 
 @app.command()
@@ -42,13 +43,15 @@ def gateway(
     port_file: Optional[str] = typer.Option(None, help="write the bound port to this file once listening"),
     metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics on this port, 0 = none [SF_METRICS_PORT]"),
     metrics_host: Optional[str] = typer.Option(None, help="bind address of the metrics port [SF_METRICS_HOST]"),
+    grpc_port: Optional[int] = typer.Option(None, help="gRPC port on the same address, 0 = none [SF_GRPC_PORT; "
+                                            "default 50051]"),
 ) -> None:
-    """Run one gateway process (WebSocket /v1/stream, OpenAI API, health endpoints)."""
+    """Run one gateway process (WebSocket /v1/stream, OpenAI API, gRPC, health endpoints)."""
     from streamfleet.shared.logging import configure_logging
     from streamfleet.shared.settings import GatewaySettings
 
     overrides = {k: v for k, v in {"host": host, "port": port, "redis_url": redis_url, "metrics_port": metrics_port,
-                                   "metrics_host": metrics_host}.items() if v is not None}
+                                   "metrics_host": metrics_host, "grpc_port": grpc_port}.items() if v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
     from streamfleet.gateway.server import run_gateway

@@ -156,9 +156,10 @@ class Fleet:
 
 
 def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console",
-          metrics_port: int | None = None) -> int:
+          metrics_port: int | None = None, grpc_port: int = 50051) -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
-    metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none)."""
+    metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none), its
+    gRPC service on ``host``:``grpc_port`` (0 = none)."""
     from streamfleet.local import ServeRecord, clear_record, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
@@ -175,6 +176,11 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     if port and not port_free(host, port):
         print(f"error: {host}:{port} is already in use (another `streamfleet serve`?). Stop that one, or "
               f"choose another port: --port 8001, or --port 0 for any free port.", file=sys.stderr, flush=True)
+        return 2
+    if grpc_port and not port_free(host, grpc_port):
+        print(f"error: {host}:{grpc_port} (gRPC) is already in use (another `streamfleet serve`?). Stop that one, "
+              f"or choose another port: --grpc-port 50052, or --grpc-port 0 for no gRPC.", file=sys.stderr,
+              flush=True)
         return 2
 
     embedded: EmbeddedRedis | None = None
@@ -205,7 +211,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     try:
         fleet.start("worker", ["worker", "--model", model], env)
         gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
-                                          "127.0.0.1", "--metrics-port", str(metrics_port)], env)
+                                          "127.0.0.1", "--metrics-port", str(metrics_port),
+                                          "--grpc-port", str(grpc_port)], env)
         base = f"http://{host}:{port}"
         if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid):
             if not stop:
@@ -213,6 +220,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
                 return 1
             return 0
         metrics = f"http://127.0.0.1:{metrics_port}/metrics  (Prometheus)" if metrics_port else "off"
+        grpc = f"{host}:{grpc_port}  (streamfleet.v1.Inference, health, reflection)" if grpc_port else "off"
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
         banner = (
@@ -220,6 +228,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
             f"    OpenAI API  {base}/v1  (completions, chat/completions, models)\n"
+            f"    gRPC        {grpc}\n"
             f"    try         streamfleet client --url {base} \"Once upon a time\"\n"
             f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"

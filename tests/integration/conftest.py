@@ -59,6 +59,8 @@ class Proc:
     port: int | None = None
     #: a gateway's Prometheus port (SF_METRICS_PORT)
     metrics_port: int | None = None
+    #: a gateway's gRPC port (SF_GRPC_PORT)
+    grpc_port: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -68,6 +70,12 @@ class Proc:
     @property
     def ws(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def grpc(self) -> str:
+        """The gRPC target (``host:port``)."""
+        assert self.grpc_port, f"{self.name} has no gRPC port"
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -120,8 +128,10 @@ class FleetFactory:
         return proc
 
     def gateway(self, wait: bool = True, **settings: object) -> Proc:
-        """A gateway on a free port, its metrics on another (``metrics_port=0``: none)."""
+        """A gateway on a free port, its metrics and its gRPC on others (``metrics_port=0``,
+        ``grpc_port=0``: none)."""
         settings.setdefault("metrics_port", free_port())
+        settings.setdefault("grpc_port", free_port())
         port_file = self.tmp / f"gw-{next(self._n)}.port"
         proc = self._spawn("gateway", ["gateway", "--port", "0", "--port-file", str(port_file)],
                            self.env(**settings))
@@ -134,6 +144,7 @@ class FleetFactory:
             time.sleep(0.05)
         proc.port = int(port_file.read_text())
         proc.metrics_port = int(settings["metrics_port"]) or None
+        proc.grpc_port = int(settings["grpc_port"]) or None
         return proc
 
     def worker(self, model: str = "tiny-gpt", wait: bool = True, **settings: object) -> Proc:

@@ -1,0 +1,497 @@
+"""gRPC adapter: the ``streamfleet.v1.Inference`` service of
+``proto/streamfleet/v1/inference.proto``, with the standard health service and server
+reflection, on its own port of every gateway process (``SF_GRPC_PORT``; docs/grpc.md).
+
+It is a third thin door over the same request lifecycle as the WebSocket and the OpenAI
+HTTP API: a ``GenerateRequest`` is mapped to the WebSocket's generate payload and goes
+through ``Validator.check``; ``gateway.requests.ClientRequest`` admits, enqueues, resumes
+and cancels; events are rendered by ``protocol.render`` and copied field for field into
+messages. A ``Stream`` call is a ``gateway.session.Session``, as a WebSocket is.
+
+* ``Generate`` / ``Resume``: ``Accepted``, ``Token``\\*, then ``Done`` (status OK) or an
+  error status (``status_code``) whose trailers carry the fleet's error code, the retry
+  delay (``retry-after-ms`` and ``google.rpc.RetryInfo``) and a ``google.rpc.ErrorInfo``.
+* The call's deadline bounds the request's queue deadline; a call that ends early (the
+  client cancelled it, its deadline passed, its connection went) cancels the request,
+  which its worker stops at its next step.
+* Health (``grpc.health.v1``): SERVING exactly when ``GET /readyz`` would answer 200,
+  NOT_SERVING from the start of a drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any, AsyncIterator, NoReturn
+
+import anyio
+import grpc
+import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from streamfleet.shared.errors import ErrorCode, GenerationError, RefusedError, StreamfleetError, \
+    UnavailableError, ValidationError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.v1 import inference_pb2 as pb
+from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+
+from streamfleet.gateway.observe import trace_id_from
+from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
+from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.session import Session
+from streamfleet.gateway.streams import End, Failed
+
+__all__ = ["SERVICE", "GrpcDoor", "GrpcListenError", "InferenceService", "status_code", "generate_payload",
+           "server_frame", "generate_event"]
+
+log = get_logger("gateway.grpc")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "streamfleet.v1.Inference"
+#: ErrorInfo.domain of the fleet's errors
+ERROR_DOMAIN = "streamfleet"
+#: seconds between two readiness checks behind the health service
+HEALTH_PERIOD_S = 1.0
+#: frames a Stream call queues for a client that reads slower than its requests produce;
+#: past it, the requests wait (as a WebSocket's wait on the socket)
+STREAM_OUTBOX = 256
+#: clients may ping this often at most (the server's keepalive enforcement)
+MIN_CLIENT_PING_S = 10.0
+
+#: the status of each error code where its HTTP status alone does not decide it
+_BY_CODE: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.unauthorized: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.timeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_BY_STATUS: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+_PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high"}
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "timeout")
+
+
+class GrpcListenError(Exception):
+    """The gRPC port cannot be bound."""
+
+
+def status_code(code: ErrorCode) -> grpc.StatusCode:
+    """The gRPC status of a fleet error code (docs/grpc.md, "Status codes")."""
+    from streamfleet.shared.errors import STATUS_BY_CODE
+
+    return _BY_CODE.get(code) or _BY_STATUS.get(STATUS_BY_CODE.get(code, 500), grpc.StatusCode.INTERNAL)
+
+
+def error_trailers(exc: StreamfleetError) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailing metadata of a failed call: ``streamfleet-error-code`` (and
+    ``-param``), ``retry-after-ms``, and ``grpc-status-details-bin`` (a
+    ``google.rpc.Status`` with an ``ErrorInfo`` and, for a refusal, a ``RetryInfo``)."""
+    info = error_details_pb2.ErrorInfo(reason=str(exc.code), domain=ERROR_DOMAIN)
+    if exc.param:
+        info.metadata["param"] = exc.param
+    details = [info]
+    md: list[tuple[str, str | bytes]] = [("streamfleet-error-code", str(exc.code))]
+    if exc.param:
+        md.append(("streamfleet-error-param", exc.param))
+    if exc.retry_after_ms is not None:
+        ms = max(0, int(exc.retry_after_ms))
+        details.append(error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)))
+        md.append(("retry-after-ms", str(ms)))
+    packed = []
+    for d in details:
+        a = any_pb2.Any()
+        a.Pack(d)
+        packed.append(a)
+    status = status_pb2.Status(code=status_code(exc.code).value[0], message=exc.message, details=packed)
+    md.append(("grpc-status-details-bin", status.SerializeToString()))
+    return tuple(md)
+
+
+async def abort(context: aio.ServicerContext, exc: StreamfleetError) -> NoReturn:
+    await context.abort(status_code(exc.code), exc.message, trailing_metadata=error_trailers(exc))
+
+
+# -- messages <-> the WebSocket's frames ----------------------------------------------------
+def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str, Any]:
+    """The WebSocket generate frame of a ``GenerateRequest``: set fields only, so an unset
+    one takes the gateway's default exactly as an absent JSON field does.
+
+    Raises:
+        ValidationError: an enum value this gateway does not know.
+    """
+    p: dict[str, Any] = {"type": "generate"}
+    if client_id:
+        p["id"] = client_id
+    if req.model:
+        p["model"] = req.model
+    if req.HasField("prompt"):
+        p["prompt"] = req.prompt
+    if req.messages:
+        p["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+    for name in _OPTIONAL:
+        if req.HasField(name):
+            p[name] = getattr(req, name)
+    if req.stop:
+        p["stop"] = list(req.stop)
+    if req.ignore_eos:
+        p["ignore_eos"] = True
+    if req.priority not in _PRIORITY:
+        raise ValidationError(f"'priority' {req.priority} is not a Priority value; use PRIORITY_NORMAL or "
+                              f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
+    if _PRIORITY[req.priority] is not None:
+        p["priority"] = _PRIORITY[req.priority]
+    return p
+
+
+def client_message(frame: pb.ClientFrame) -> dict[str, Any]:
+    """The WebSocket frame of a ``ClientFrame``.
+
+    Raises:
+        ValidationError: no frame set, or a bad enum value.
+    """
+    cid = frame.id or None
+    kind = frame.WhichOneof("frame")
+    if kind == "generate":
+        return generate_payload(frame.generate, cid)
+    if kind == "cancel":
+        return {"type": "cancel", "id": cid}
+    if kind == "resume":
+        r = frame.resume
+        return {"type": "resume", "id": cid, "request_id": r.request_id, "from_index": r.from_index,
+                "resume_token": r.resume_token or None}
+    raise ValidationError("a ClientFrame needs one of generate, cancel or resume", code=ErrorCode.invalid_frame)
+
+
+def _accepted(f: dict) -> pb.Accepted:
+    return pb.Accepted(request_id=f["request_id"], queue_depth=f["queue_depth"],
+                       resume_token=f.get("resume_token") or "", resumed_from=f.get("resumed_from"))
+
+
+def _done(f: dict) -> pb.Done:
+    return pb.Done(request_id=f["request_id"], finish_reason=f["finish_reason"], usage=pb.Usage(**f["usage"]),
+                   timing=pb.Timing(**f["timing"]), model_version=f.get("model_version") or "")
+
+
+def _error(f: dict) -> pb.Error:
+    return pb.Error(code=f["code"], status=f["status"], message=f["message"], param=f.get("param") or "",
+                    retry_after_ms=f.get("retry_after_ms"))
+
+
+def server_frame(f: dict) -> pb.ServerFrame:
+    """The ``ServerFrame`` of a WebSocket frame (accepted, token, done or error)."""
+    kind, cid = f["type"], f.get("id") or ""
+    if kind == "token":
+        return pb.ServerFrame(id=cid, token=pb.Token(index=f["index"], text=f["text"]))
+    if kind == "accepted":
+        return pb.ServerFrame(id=cid, accepted=_accepted(f))
+    if kind == "done":
+        return pb.ServerFrame(id=cid, done=_done(f))
+    if kind == "error":
+        return pb.ServerFrame(id=cid, error=_error(f))
+    raise ValueError(f"no ServerFrame for a {kind!r} frame")
+
+
+def generate_event(f: dict) -> pb.GenerateEvent:
+    """The ``GenerateEvent`` of a WebSocket frame (accepted, token or done)."""
+    kind = f["type"]
+    if kind == "token":
+        return pb.GenerateEvent(token=pb.Token(index=f["index"], text=f["text"]))
+    if kind == "accepted":
+        return pb.GenerateEvent(accepted=_accepted(f))
+    if kind == "done":
+        return pb.GenerateEvent(done=_done(f))
+    raise ValueError(f"no GenerateEvent for a {kind!r} frame")
+
+
+def _metadata(context: aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _within_deadline(draft, context: aio.ServicerContext):
+    """The draft with its queue deadline no later than the call's.
+
+    Raises:
+        GenerationError: ``timeout`` — the call's deadline has already passed.
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining >= draft.timeout_s:
+        return draft
+    if remaining <= 0.001:
+        raise GenerationError("the call's deadline passed before the request was queued", code=ErrorCode.timeout)
+    return replace(draft, timeout_s=remaining)
+
+
+def _shutting_down() -> UnavailableError:
+    return UnavailableError("this gateway is shutting down; call another", retry_after_ms=0,
+                            code=ErrorCode.shutting_down)
+
+
+class _StreamSession(Session):
+    """One ``Stream`` call: a WebSocket connection's requests, over gRPC messages."""
+
+    def __init__(self, hub) -> None:
+        super().__init__(hub, "grpc")
+        self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
+
+    def send(self, frame: dict) -> None:
+        self.outbox.put_nowait(frame)
+
+    async def emit(self, frame: dict) -> None:
+        await self.outbox.put(frame)
+
+    async def read(self, frames: AsyncIterator[pb.ClientFrame]) -> None:
+        """Read the client's frames until it half-closes the call."""
+        async for frame in frames:
+            try:
+                msg = client_message(frame)
+            except ValidationError as exc:
+                await self.outbox.put(exc.to_frame(frame.id or None))
+                continue
+            outputs = self.proto.receive(msg)
+            for out in outputs:
+                frame_out = getattr(out, "frame", None)
+                if frame_out is not None:  # a Send: wait for room rather than queue without end
+                    await self.outbox.put(frame_out)
+                else:
+                    self.dispatch([out])
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    """``streamfleet.v1.Inference`` over one gateway's ``Hub``."""
+
+    def __init__(self, hub) -> None:
+        self.hub = hub
+
+    async def _identity(self, context: aio.ServicerContext, md: dict[str, str]):
+        identity = await self.hub.admission.authenticate(md.get("authorization"))
+        if identity is not None:  # every log line of this call names its key
+            structlog.contextvars.bind_contextvars(key_id=identity.key_id)
+        return identity
+
+    async def _refuse(self, context: aio.ServicerContext, exc: StreamfleetError) -> NoReturn:
+        metrics.refusals.labels("grpc", str(exc.code)).inc()
+        await abort(context, exc)
+
+    async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext):
+        hub = self.hub
+        md = _metadata(context)
+        try:
+            if hub.draining:
+                raise _shutting_down()
+            identity = await self._identity(context, md)
+            draft = _within_deadline(hub.validator.check(generate_payload(request, "grpc")), context)
+            req = ClientRequest(hub, "grpc", identity=identity)
+            depth = await req.submit(draft, trace_id=trace_id_from(md.get("traceparent")))
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        first = accepted_frame("grpc", req.request_id, depth, req.resume_token)
+        async for event in self._events(req, context, first):
+            yield event
+
+    async def Resume(self, request: pb.ResumeRequest, context: aio.ServicerContext):
+        hub = self.hub
+        md = _metadata(context)
+        try:
+            if hub.draining:
+                raise _shutting_down()
+            identity = await self._identity(context, md)
+            rid, idx, token = resume_fields({"request_id": request.request_id, "from_index": request.from_index,
+                                             "resume_token": request.resume_token or None})
+            req = ClientRequest(hub, "grpc", identity=identity)
+            await req.resume(rid, idx, token)
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        first = accepted_frame("grpc", rid, 0)
+        first["resumed_from"] = idx
+        async for event in self._events(req, context, first):
+            yield event
+
+    async def _events(self, req: ClientRequest, context: aio.ServicerContext, first: dict):
+        """A submitted or resumed request's events; a failure ends the call with its status.
+        However the call ends, the request is given back (``ClientRequest.close``: one
+        still running is cancelled)."""
+        req.watch()  # a revoked key ends the stream
+        events = req.events("grpc")
+        try:
+            yield generate_event(first)
+            async for ev in events:
+                if isinstance(ev, Failed):
+                    req.delivered()
+                    await abort(context, ev.error)
+                yield generate_event(render("grpc", req.request_id, ev))
+                if isinstance(ev, End):
+                    req.delivered()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await events.aclose()
+                except RuntimeError:
+                    pass
+                await req.close(reason="grpc_call_ended")
+
+    async def Stream(self, request_iterator: AsyncIterator[pb.ClientFrame], context: aio.ServicerContext):
+        hub = self.hub
+        s = hub.settings
+        md = _metadata(context)
+        session = _StreamSession(hub)
+        admission = hub.admission
+        try:
+            if hub.draining:
+                raise _shutting_down()
+            session.identity = await self._identity(context, md)
+            if hub.connections >= s.max_connections:
+                raise RefusedError("this gateway holds too many connections; retry another or later",
+                                   code=ErrorCode.overloaded, retry_after_ms=1000)
+            await admission.connect(session.identity, session.channel.connection_id)
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        session.trace_id = trace_id_from(md.get("traceparent"))
+        revoked = asyncio.get_running_loop().create_future()
+
+        async def on_revoked() -> None:
+            if not revoked.done():
+                revoked.set_result(None)
+
+        watch = admission.watch(session.identity, on_revoked)
+        hub.connections += 1
+        metrics.connections.inc()
+        reader: asyncio.Task | None = None
+        try:
+            try:
+                await session.channel.open()
+            except StreamfleetError as exc:
+                await self._refuse(context, exc)
+            reader = asyncio.create_task(session.read(request_iterator))
+            getter: asyncio.Future | None = None
+            while True:
+                if revoked.done():
+                    from streamfleet.gateway.admission import revoked_error
+
+                    await abort(context, revoked_error())
+                idle = not session.proto.in_flight and session.outbox.empty()
+                if hub.draining and (idle or hub.drain_expired):
+                    await abort(context, _shutting_down())
+                if reader.done() and idle:
+                    if not reader.cancelled() and reader.exception() is not None:
+                        raise reader.exception()
+                    return  # the client half-closed and every request ended: OK
+                if getter is None:
+                    getter = asyncio.ensure_future(session.outbox.get())
+                wait = {getter, revoked} | ({reader} if not reader.done() else set())
+                done, _ = await asyncio.wait(wait, timeout=HEALTH_PERIOD_S, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    frame, getter = getter.result(), None
+                    yield server_frame(frame)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if reader is not None:
+                    reader.cancel()
+                if getter is not None:
+                    getter.cancel()
+                await session.channel.close("disconnect")
+                session.cancel_tasks()
+                hub.connections -= 1
+                metrics.connections.dec()
+                admission.unwatch(session.identity, watch)
+                await admission.disconnect(session.identity, session.channel.connection_id)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            await self._identity(context, _metadata(context))
+            served = await self.hub.served_models()
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        return pb.ListModelsResponse(models=[pb.Model(id=name, workers=n) for name, n in served])
+
+
+class GrpcDoor:
+    """The gRPC server of one gateway process: bound at construction (a taken port stops
+    the gateway before it connects to anything), started once the gateway is, told when
+    the drain begins, stopped at the end.
+
+    Raises:
+        GrpcListenError: the port cannot be bound.
+    """
+
+    def __init__(self, hub) -> None:
+        s = hub.settings
+        self.hub = hub
+        max_message = s.max_frame_bytes
+        options = [
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max(max_message, 4 << 20)),
+            ("grpc.max_concurrent_streams", s.grpc_max_concurrent_streams),
+            ("grpc.keepalive_time_ms", int(s.grpc_keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(s.grpc_keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_S * 1000)),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.so_reuseport", 0),
+        ]
+        if s.grpc_max_connection_age_s > 0:
+            options += [("grpc.max_connection_age_ms", int(s.grpc_max_connection_age_s * 1000)),
+                        ("grpc.max_connection_age_grace_ms", int(s.grpc_max_connection_age_grace_s * 1000))]
+        # every call holds an asyncio task: past this many, more are refused (RESOURCE_EXHAUSTED)
+        self.server = aio.server(options=options, maximum_concurrent_rpcs=s.max_connections)
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(hub), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        host = f"[{s.host}]" if ":" in s.host and not s.host.startswith("[") else s.host
+        self.address = f"{host}:{s.grpc_port}"
+        try:
+            self.port = self.server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise GrpcListenError(f"cannot listen for gRPC on {self.address} ({exc}); set SF_GRPC_PORT to a "
+                                  f"free port, or 0 for no gRPC") from exc
+        if not self.port:
+            raise GrpcListenError(f"cannot listen for gRPC on {self.address}; set SF_GRPC_PORT to a free port, "
+                                  f"or 0 for no gRPC")
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._health_task = asyncio.create_task(self._watch_health(), name="grpc-health")
+        log.info("gateway gRPC listening", address=f"{self.address.rsplit(':', 1)[0]}:{self.port}")
+
+    async def _watch_health(self) -> None:
+        """SERVING while ``Hub.readiness`` says ready, for the whole server ("") and the
+        service; ``drain`` ends it."""
+        status = None
+        while True:
+            try:
+                ready, _ = await self.hub.readiness()
+            except Exception:
+                ready = False
+            new = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            if new != status:
+                status = new
+                await self.health.set("", new)
+                await self.health.set(SERVICE, new)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def drain(self) -> None:
+        """The gateway drains: health says NOT_SERVING from now on; new calls are refused
+        (UNAVAILABLE ``shutting_down``), calls in flight go on."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving: calls still open get ``grace_s``, then are cancelled."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.server.stop(grace_s)

@@ -1,0 +1,118 @@
+"""Many requests over one connection, named by the client's ids: what the WebSocket
+(``gateway/ws.py``) and a gRPC ``Stream`` call (``gateway/grpc_server.py``) share.
+
+A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protocol.py``)
+into requests (``gateway.requests.ClientRequest``, one per client id, all answered on
+the session's reply channel) and each request's events into protocol frames (the
+WebSocket's JSON objects, ``protocol.render``). An adapter supplies two writes:
+
+* ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
+* ``emit(frame)``   a request's frame, from that request's own task, in order
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError
+from streamfleet.shared.metrics import gateway as metrics
+
+from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
+    render
+from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.streams import ReplyChannel
+
+__all__ = ["Session"]
+
+
+class Session:
+    """The requests of one connection.
+
+    Args:
+        hub: the process's ``gateway.app.Hub``.
+        transport: the metrics label ("ws", "grpc").
+    """
+
+    def __init__(self, hub, transport: str) -> None:
+        self.hub = hub
+        self.transport = transport
+        s = hub.settings
+        self.proto = ConnectionProtocol(hub.validator, max_inflight=s.max_inflight_per_connection,
+                                        max_frame_bytes=s.max_frame_bytes)
+        self.channel = ReplyChannel(hub.broker)
+        #: client id -> the request in flight under it (from its submit or resume frame on)
+        self.requests: dict[str, ClientRequest] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.identity = None  # the API key's identity (None with auth off)
+        self.trace_id: str | None = None  # from the connection's traceparent, when it sent one
+
+    # -- the adapter's writes ----------------------------------------------------------
+    def send(self, frame: dict) -> None:
+        raise NotImplementedError
+
+    async def emit(self, frame: dict) -> None:
+        raise NotImplementedError
+
+    # -- requests ------------------------------------------------------------------------
+    def dispatch(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            if isinstance(out, Send):
+                self.send(out.frame)
+            elif isinstance(out, Submit):
+                req = self._request(out.request.client_id)
+                self._spawn(self._run(req, self._submit(req, out.request)))
+            elif isinstance(out, Resume):
+                req = self._request(out.client_id)
+                self._spawn(self._run(req, self._resume(req, out)))
+            elif isinstance(out, Cancel):
+                req = self.requests.get(out.client_id)
+                if req is not None:  # the protocol only cancels ids in flight
+                    req.cancel()
+
+    def _request(self, client_id: str) -> ClientRequest:
+        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel)
+        self.requests[client_id] = req
+        return req
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def _submit(self, req: ClientRequest, draft) -> None:
+        if self.hub.draining:
+            raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
+                                   code=ErrorCode.shutting_down)
+        depth = await req.submit(draft, trace_id=self.trace_id)
+        await self.emit(accepted_frame(req.client_id, req.request_id, depth, req.resume_token))
+
+    async def _resume(self, req: ClientRequest, r: Resume) -> None:
+        await req.resume(r.request_id, r.from_index, r.token)
+        frame = accepted_frame(r.client_id, r.request_id, 0)
+        frame["resumed_from"] = r.from_index
+        await self.emit(frame)
+
+    async def _run(self, req: ClientRequest, opening) -> None:
+        """Open the request (submit or resume), then render its events until it ends."""
+        cid = req.client_id
+        try:
+            try:
+                await opening
+            except StreamfleetError as exc:
+                metrics.refusals.labels(self.transport, str(exc.code)).inc()
+                await self.emit(exc.to_frame(cid))
+                return
+            async for ev in req.events(self.transport):
+                await self.emit(render(cid, req.request_id, ev))
+            req.delivered()
+        finally:
+            self.requests.pop(cid, None)
+            self.proto.finished(cid)
+            # the stream slot goes back only if the request ended (ClientRequest.release)
+            await req.close()
+
+    def cancel_tasks(self) -> None:
+        """Stop every request task (the connection is gone; ``ReplyChannel.close`` decided
+        what happens to the requests themselves)."""
+        for t in list(self.tasks):
+            t.cancel()

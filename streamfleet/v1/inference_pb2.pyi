@@ -1,0 +1,187 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_NORMAL: _ClassVar[Priority]
+    PRIORITY_HIGH: _ClassVar[Priority]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_NORMAL: Priority
+PRIORITY_HIGH: Priority
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "priority", "timeout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    ignore_eos: bool
+    priority: Priority
+    timeout: float
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "from_index", "resume_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_index: int
+    resume_token: str
+    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ..., resume_token: _Optional[str] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ("request_id", "queue_depth", "resume_token", "resumed_from")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    queue_depth: int
+    resume_token: str
+    resumed_from: int
+    def __init__(self, request_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., resume_token: _Optional[str] = ..., resumed_from: _Optional[int] = ...) -> None: ...
+
+class Token(_message.Message):
+    __slots__ = ("index", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ms", "ttft_ms", "total_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("request_id", "finish_reason", "usage", "timing", "model_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    finish_reason: str
+    usage: Usage
+    timing: Timing
+    model_version: str
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "status", "message", "param", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    status: int
+    message: str
+    param: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[str] = ..., status: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("accepted", "token", "done")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    accepted: Accepted
+    token: Token
+    done: Done
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClientFrame(_message.Message):
+    __slots__ = ("id", "generate", "cancel", "resume")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    generate: GenerateRequest
+    cancel: Cancel
+    resume: ResumeRequest
+    def __init__(self, id: _Optional[str] = ..., generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[ResumeRequest, _Mapping]] = ...) -> None: ...
+
+class ServerFrame(_message.Message):
+    __slots__ = ("id", "accepted", "token", "done", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    accepted: Accepted
+    token: Token
+    done: Done
+    error: Error
+    def __init__(self, id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("id", "workers")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    workers: int
+    def __init__(self, id: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
