@@ -3,9 +3,9 @@
 # streamfleet CPU image: one image for every role.
 #
 #   docker build -t streamfleet .
-#   docker run --rm -p 8000:8000 -e SF_REDIS_URL=redis://redis:6379/0 streamfleet gateway
+#   docker run --rm -p 8000:8000 -p 50051:50051 -e SF_REDIS_URL=redis://redis:6379/0 streamfleet gateway
 #   docker run --rm -e SF_REDIS_URL=redis://redis:6379/0 streamfleet worker --model tiny-gpt
-#   docker run --rm -p 8000:8000 streamfleet serve --host 0.0.0.0     # all in one, embedded Redis
+#   docker run --rm -p 8000:8000 -p 50051:50051 streamfleet serve --host 0.0.0.0   # all in one, embedded Redis
 #
 # The demo model tiny-gpt is generated while building (scripts/make_tiny_model.py: weights
 # fitted to the bundled scripts/corpus/tiny.txt, nothing downloaded), and the Hugging Face libraries are switched offline, so a
@@ -72,6 +72,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     SF_ENGINES_DIR=/app/engines \
     SF_HOST=0.0.0.0 \
     SF_PORT=8000 \
+    SF_GRPC_PORT=50051 \
     SF_METRICS_HOST=0.0.0.0 \
     SF_LOG_FORMAT=json \
     HF_HUB_OFFLINE=1 \
@@ -82,8 +83,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /app
 USER streamfleet:streamfleet
 
-# 8000: gateway HTTP/WebSocket; 9100: worker metrics (when SF_METRICS_PORT=9100)
-EXPOSE 8000 9100
+# 8000: gateway HTTP/WebSocket; 50051: gateway gRPC (SF_GRPC_PORT); 9100: metrics (when
+# SF_METRICS_PORT=9100)
+EXPOSE 8000 50051 9100
 
 # For the gateway role (the default command). Liveness only: /readyz also needs a live
 # worker, which would mark every gateway unhealthy while the workers are starting.

@@ -275,7 +275,14 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, hub) -> None:
         self.hub = hub
 
-    async def _identity(self, context: aio.ServicerContext, md: dict[str, str]):
+    async def _caller(self, md: dict[str, str]):
+        """The caller of a call that would start work: refused while draining, else its
+        API key's identity (None with auth off)."""
+        if self.hub.draining:
+            raise _shutting_down()
+        return await self._identity(md)
+
+    async def _identity(self, md: dict[str, str]):
         identity = await self.hub.admission.authenticate(md.get("authorization"))
         if identity is not None:  # every log line of this call names its key
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
@@ -289,9 +296,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         hub = self.hub
         md = _metadata(context)
         try:
-            if hub.draining:
-                raise _shutting_down()
-            identity = await self._identity(context, md)
+            identity = await self._caller(md)
             draft = _within_deadline(hub.validator.check(generate_payload(request, "grpc")), context)
             req = ClientRequest(hub, "grpc", identity=identity)
             depth = await req.submit(draft, trace_id=trace_id_from(md.get("traceparent")))
@@ -302,15 +307,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             yield event
 
     async def Resume(self, request: pb.ResumeRequest, context: aio.ServicerContext):
-        hub = self.hub
         md = _metadata(context)
         try:
-            if hub.draining:
-                raise _shutting_down()
-            identity = await self._identity(context, md)
+            identity = await self._caller(md)
             rid, idx, token = resume_fields({"request_id": request.request_id, "from_index": request.from_index,
                                              "resume_token": request.resume_token or None})
-            req = ClientRequest(hub, "grpc", identity=identity)
+            req = ClientRequest(self.hub, "grpc", identity=identity)
             await req.resume(rid, idx, token)
         except StreamfleetError as exc:
             await self._refuse(context, exc)
@@ -349,9 +351,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         session = _StreamSession(hub)
         admission = hub.admission
         try:
-            if hub.draining:
-                raise _shutting_down()
-            session.identity = await self._identity(context, md)
+            session.identity = await self._caller(md)
             if hub.connections >= s.max_connections:
                 raise RefusedError("this gateway holds too many connections; retry another or later",
                                    code=ErrorCode.overloaded, retry_after_ms=1000)
@@ -410,7 +410,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:
-            await self._identity(context, _metadata(context))
+            await self._identity(_metadata(context))
             served = await self.hub.served_models()
         except StreamfleetError as exc:
             await self._refuse(context, exc)

@@ -1,4 +1,4 @@
-"""`streamfleet bench`: a load generator for a running fleet, over WebSocket or SSE.
+"""`streamfleet bench`: a load generator for a running fleet, over WebSocket, SSE or gRPC.
 
 Each request asks for a fixed number of tokens (``ignore_eos: true``), so every run of
 the same settings moves the same amount of text. Per request it records the time to
@@ -8,16 +8,20 @@ requests/s and the errors by code.
 
 Load shapes:
 
-* closed loop (default): ``concurrency`` clients, each with its own connection, send
-  their next request as soon as the previous one ends;
+* closed loop (default): ``concurrency`` clients send their next request as soon as
+  the previous one ends;
 * open loop (``rate``): requests start at Poisson arrival times, ``rate`` per second on
-  average, whatever is still running; over WebSocket they are spread round-robin over
-  ``concurrency`` connections (each multiplexes requests by id), over SSE each request
-  is its own HTTP stream. Latencies count from the scheduled arrival, so a client that
-  falls behind does not hide the wait (no coordinated omission).
+  average, whatever is still running. Latencies count from the scheduled arrival, so a
+  client that falls behind does not hide the wait (no coordinated omission).
+
+Connections: over WebSocket, ``concurrency`` connections (a closed-loop client each;
+open-loop requests round-robin over them, multiplexed by id); over SSE each request is
+its own HTTP stream; over gRPC one ``Generate`` call per request, on one HTTP/2 channel
+per ``GRPC_CALLS_PER_CHANNEL`` of concurrency (round-robin).
 
 The run ends after ``requests`` requests or ``duration`` seconds, whichever comes
-first; requests in flight at the deadline finish and count.
+first; requests in flight at the deadline finish and count. ``run_comparison`` runs the
+same load over several transports in turn and sets their figures side by side.
 
 Library use (scripts call it in-process)::
 
@@ -34,20 +38,29 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import httpx
 import orjson
 import websockets
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from streamfleet.client import urls
+from streamfleet.client import PRIORITIES, default_grpc_target, fleet_error_code, urls
+from streamfleet.v1 import inference_pb2 as pb
+from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
-__all__ = ["BenchConfig", "BenchResult", "RequestRecord", "BenchError", "run_bench", "percentile", "summarize",
-           "write_png"]
+__all__ = ["BenchConfig", "BenchResult", "Comparison", "RequestRecord", "BenchError", "run_bench", "run_comparison",
+           "percentile", "summarize", "write_png"]
 
-TRANSPORTS = ("ws", "sse")
+TRANSPORTS = ("ws", "sse", "grpc")
+#: concurrent Generate calls per gRPC channel (one HTTP/2 connection each), well below
+#: the gateway's SF_GRPC_MAX_CONCURRENT_STREAMS (256)
+GRPC_CALLS_PER_CHANNEL = 64
+#: the service the gRPC preflight asks the health service about
+GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 LANES = ("high", "normal", "mixed")
 
 
@@ -62,6 +75,8 @@ class BenchConfig:
 
     url: str = "http://127.0.0.1:8000"
     transport: str = "ws"
+    #: gRPC host:port; None = the url's host, port 50051 (``run_bench`` fills it in)
+    grpc_target: str | None = None
     concurrency: int = 8
     requests: int | None = None
     duration: float | None = None
@@ -116,6 +131,13 @@ class BenchConfig:
     def prompt_text(self) -> str:
         return self.prompt if self.prompt is not None else " ".join(["hello"] * self.prompt_tokens)
 
+    def describe(self) -> str:
+        """The load in words: mode, prompt, tokens per request, lane."""
+        c = self
+        mode = f"open loop at {c.rate:g} req/s" if c.rate else f"closed loop, concurrency {c.concurrency}"
+        prompt = f"prompt {len(c.prompt)} chars" if c.prompt is not None else f"prompt ~{c.prompt_tokens} tokens"
+        return f"{mode}, {prompt}, {c.max_tokens} max tokens, lane {c.lane}"
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -125,7 +147,7 @@ class RequestRecord:
     start: float
     first: float | None = None
     end: float | None = None
-    #: arrival time of every token (WebSocket: each token frame; SSE: each chunk with text)
+    #: arrival time of every token (WebSocket, gRPC: each token frame; SSE: each chunk with text)
     token_times: list[float] = field(default_factory=list)
     #: completion tokens the server reported (``usage``), else the token frames counted
     tokens: int = 0
@@ -201,6 +223,8 @@ class BenchResult:
         cfg = asdict(self.config)
         cfg.pop("api_key", None)
         cfg["api_key_set"] = self.config.api_key is not None
+        if self.config.transport != "grpc":
+            del cfg["grpc_target"]
         cfg["mode"] = "open" if self.config.rate else "closed"
         return {
             "config": cfg,
@@ -218,11 +242,9 @@ class BenchResult:
     def render(self) -> str:
         d = self.to_dict()
         c = self.config
-        mode = f"open loop at {c.rate:g} req/s" if c.rate else f"closed loop, concurrency {c.concurrency}"
-        prompt = f"prompt {len(c.prompt)} chars" if c.prompt is not None else f"prompt ~{c.prompt_tokens} tokens"
         lines = [
-            f"streamfleet bench: {c.transport} -> {c.url}",
-            f"  {mode}, {prompt}, {c.max_tokens} max tokens, lane {c.lane}",
+            f"streamfleet bench: {c.transport} -> {c.grpc_target if c.transport == 'grpc' else c.url}",
+            f"  {c.describe()}",
             f"  requests  {d['requests']['ok']} ok, {d['requests']['failed']} failed in {d['wall_s']:.2f} s"
             f"  ({d['requests_per_s']:.1f} req/s)",
             f"  tokens    {d['tokens']} completion tokens  ({d['tokens_per_s']:.1f} tokens/s)",
@@ -387,7 +409,77 @@ async def _sse_request(http: httpx.AsyncClient, base: str, cfg: BenchConfig, rec
         rec.end = perf()
 
 
+class _SseClient:
+    """HTTP streams to /v1/completions, one per request, over one pooled client."""
+
+    def __init__(self, base: str, cfg: BenchConfig) -> None:
+        self.base = base
+        self.cfg = cfg
+        self.http: httpx.AsyncClient | None = None
+
+    async def open(self) -> None:
+        c = self.cfg
+        limits = httpx.Limits(max_connections=None if c.rate else c.concurrency,
+                              max_keepalive_connections=None if c.rate else c.concurrency)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=limits)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def request(self, rec: RequestRecord, body: dict) -> None:
+        await _sse_request(self.http, self.base, self.cfg, rec, body)
+
+
+class _GrpcChannel:
+    """One gRPC channel (its own HTTP/2 connection); one ``Generate`` call per request."""
+
+    def __init__(self, target: str, cfg: BenchConfig) -> None:
+        self.target = target
+        self.cfg = cfg
+        self.channel: aio.Channel | None = None
+        self.stub: pb_grpc.InferenceStub | None = None
+        self.metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else None
+
+    async def open(self) -> None:
+        # a local subchannel pool: channels to the same target share one connection otherwise
+        self.channel = aio.insecure_channel(self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        await asyncio.wait_for(self.channel.channel_ready(), 10)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def request(self, rec: RequestRecord, message: pb.GenerateRequest) -> None:
+        perf = time.perf_counter
+        call = self.stub.Generate(message, metadata=self.metadata)
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                async for event in call:
+                    now = perf()
+                    kind = event.WhichOneof("event")
+                    if kind == "token":
+                        if rec.first is None:
+                            rec.first = now
+                        rec.token_times.append(now)
+                    elif kind == "done":
+                        rec.end = now
+                        rec.tokens = event.done.usage.completion_tokens
+        except TimeoutError:
+            rec.error = "timeout"  # the read was cancelled, and with it the call
+        except aio.AioRpcError as exc:
+            rec.error = fleet_error_code(exc) or exc.code().name
+            rec.end = perf()
+            rec.tokens = len(rec.token_times)
+        if rec.end is None and rec.error is None:
+            rec.error = "stream_truncated"  # the call ended OK without its Done
+
+
 # -- the run -----------------------------------------------------------------------------
+
+_Conn = _WsConn | _SseClient | _GrpcChannel
+
 
 class _Run:
     def __init__(self, cfg: BenchConfig, ws_url: str, base: str, on_start=None) -> None:
@@ -395,6 +487,8 @@ class _Run:
         self.on_start = on_start
         self.ws_url = ws_url
         self.base = base
+        #: a request's payload in the transport's form: ``(number, lane) -> payload``
+        self.payload = {"ws": self._frame, "sse": self._body, "grpc": self._message}[cfg.transport]
         self.records: list[RequestRecord] = []
         self.rng = random.Random(cfg.seed)
         self.n = itertools.count()
@@ -425,6 +519,22 @@ class _Run:
             body["model"] = c.model
         return body
 
+    def _message(self, i: int, lane: str) -> pb.GenerateRequest:
+        c = self.cfg
+        return pb.GenerateRequest(model=c.model or "", prompt=c.prompt_text(), max_tokens=c.max_tokens,
+                                  temperature=c.temperature, seed=c.seed * 1_000_003 + i, ignore_eos=True,
+                                  priority=PRIORITIES[lane])
+
+    def _connections(self) -> tuple[list[_Conn], str]:
+        """The transport's connections, and where they go."""
+        c = self.cfg
+        if c.transport == "ws":
+            return [_WsConn(self.ws_url, c) for _ in range(c.concurrency)], self.ws_url
+        if c.transport == "grpc":
+            n = math.ceil(c.concurrency / GRPC_CALLS_PER_CHANNEL)
+            return [_GrpcChannel(c.grpc_target, c) for _ in range(n)], c.grpc_target
+        return [_SseClient(self.base, c)], self.base
+
     def _claim(self, deadline: float | None, limit: int | None) -> int | None:
         """The next request number, or None when the run is over."""
         if deadline is not None and time.perf_counter() >= deadline:
@@ -434,38 +544,26 @@ class _Run:
         self.started += 1
         return next(self.n)
 
-    async def _one(self, i: int, start: float, conn: _WsConn | None, http: httpx.AsyncClient | None,
-                   keep: bool) -> None:
+    async def _one(self, i: int, start: float, conn: _Conn, keep: bool) -> None:
         lane = self._lane()
         rec = RequestRecord(lane=lane, start=start)
         if keep:
             self.records.append(rec)
-        if conn is not None:
-            await conn.request(rec, self._frame(i, lane))
-        else:
-            await _sse_request(http, self.base, self.cfg, rec, self._body(i, lane))
+        await conn.request(rec, self.payload(i, lane))
         if keep:
             self.done += 1
 
     async def run(self) -> BenchResult:
         c = self.cfg
-        conns: list[_WsConn] = []
-        http: httpx.AsyncClient | None = None
+        conns, where = self._connections()
         try:
-            if c.transport == "ws":
-                n_conns = c.concurrency
-                conns = [_WsConn(self.ws_url, c) for _ in range(n_conns)]
-                results = await asyncio.gather(*(x.open() for x in conns), return_exceptions=True)
-                failed = [r for r in results if isinstance(r, BaseException)]
-                if failed:
-                    raise BenchError(f"cannot open {len(failed)} of {n_conns} WebSocket connections to "
-                                     f"{self.ws_url}: {failed[0]!r}")
-            else:
-                limits = httpx.Limits(max_connections=None if c.rate else c.concurrency,
-                                      max_keepalive_connections=None if c.rate else c.concurrency)
-                http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=limits)
+            results = await asyncio.gather(*(x.open() for x in conns), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise BenchError(f"cannot open {len(failed)} of {len(conns)} {c.transport} connections to "
+                                 f"{where}: {failed[0]!r}")
             if c.warmup:
-                await self._closed(conns, http, limit=c.warmup, deadline=None, keep=False)
+                await self._closed(conns, limit=c.warmup, deadline=None, keep=False)
                 self.started = 0
             if self.on_start is not None:
                 self.on_start()
@@ -474,9 +572,9 @@ class _Run:
             deadline = self.t0 + c.duration if c.duration else None
             try:
                 if c.rate:
-                    await self._open(conns, http, deadline)
+                    await self._open(conns, deadline)
                 else:
-                    await self._closed(conns, http, limit=c.total_requests, deadline=deadline, keep=True)
+                    await self._closed(conns, limit=c.total_requests, deadline=deadline, keep=True)
             finally:
                 wall = time.perf_counter() - self.t0
                 if progress is not None:
@@ -489,19 +587,16 @@ class _Run:
             return BenchResult(config=c, records=self.records, wall_s=wall)
         finally:
             await asyncio.gather(*(x.close() for x in conns), return_exceptions=True)
-            if http is not None:
-                await http.aclose()
 
-    async def _closed(self, conns: list[_WsConn], http, *, limit: int | None, deadline: float | None,
-                      keep: bool) -> None:
+    async def _closed(self, conns: list[_Conn], *, limit: int | None, deadline: float | None, keep: bool) -> None:
         async def client(k: int) -> None:
-            conn = conns[k] if conns else None
+            conn = conns[k % len(conns)]
             while (i := self._claim(deadline, limit)) is not None:
-                await self._one(i, time.perf_counter(), conn, http, keep)
+                await self._one(i, time.perf_counter(), conn, keep)
 
         await asyncio.gather(*(client(k) for k in range(self.cfg.concurrency)))
 
-    async def _open(self, conns: list[_WsConn], http, deadline: float | None) -> None:
+    async def _open(self, conns: list[_Conn], deadline: float | None) -> None:
         limit = self.cfg.total_requests
         tasks: set[asyncio.Task] = set()
         arrival = self.t0
@@ -516,9 +611,9 @@ class _Run:
             i = self._claim(None, limit)
             if i is None:
                 break
-            conn = conns[k % len(conns)] if conns else None
+            conn = conns[k % len(conns)]
             k += 1
-            t = asyncio.create_task(self._one(i, arrival, conn, http, True))
+            t = asyncio.create_task(self._one(i, arrival, conn, True))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
         if tasks:
@@ -572,14 +667,35 @@ async def _preflight(cfg: BenchConfig, ws_url: str, base: str) -> str | None:
     return None
 
 
+async def _grpc_preflight(target: str) -> str | None:
+    """Ask the gateway's gRPC health service about ``streamfleet.v1.Inference``; returns
+    a warning (not serving) or None.
+
+    Raises:
+        BenchError: no gRPC service answers at ``target``.
+    """
+    async with aio.insecure_channel(target) as channel:
+        try:
+            r = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=GRPC_SERVICE), timeout=5.0)
+        except aio.AioRpcError as exc:
+            raise BenchError(f"cannot reach the gateway at {target} (gRPC): {exc.code().name} "
+                             f"({exc.details()})") from exc
+    if r.status != health_pb2.HealthCheckResponse.SERVING:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        return f"the gateway at {target} is up but not ready ({status}); requests may fail"
+    return None
+
+
 async def run_bench(config: BenchConfig, *, preflight: bool = True, warn: TextIO | None = sys.stderr,
                     on_start: Callable[[], object] | None = None) -> BenchResult:
     """Run the benchmark described by ``config`` against a running gateway.
 
     Args:
         config: what to run.
-        preflight: first check that ``GET /readyz`` answers (a server without it, such as
-            the in-process baseline of scripts/bench_fleet.py, should pass False).
+        preflight: first check that ``GET /readyz`` answers, or over gRPC the health
+            service (a server without them, such as the in-process baseline of
+            scripts/bench_fleet.py, should pass False).
         warn: where to print warnings (None: nowhere).
         on_start: called when measuring starts (connections open, warm-up done), e.g. to
             sample the servers' CPU time over exactly the measured run.
@@ -587,18 +703,104 @@ async def run_bench(config: BenchConfig, *, preflight: bool = True, warn: TextIO
     Raises:
         BenchError: bad settings, or the gateway cannot be reached.
     """
+    return await _Run(*await _prepare(config, preflight, warn), on_start).run()
+
+
+async def _prepare(config: BenchConfig, preflight: bool, warn: TextIO | None) -> tuple[BenchConfig, str, str]:
+    """``(config, websocket_url, http_base)`` of a run that can start: the settings
+    checked, the gRPC target filled in, the gateway asked (``preflight``).
+
+    Raises:
+        BenchError: bad settings, or the gateway cannot be reached.
+    """
     config.check()
     ws_url, base = urls(config.url)
+    grpc = config.transport == "grpc"
+    if grpc:
+        config = replace(config, grpc_target=config.grpc_target or default_grpc_target(config.url))
     if preflight:
-        note = await _preflight(config, ws_url, base)
+        note = await (_grpc_preflight(config.grpc_target) if grpc else _preflight(config, ws_url, base))
         if note and warn is not None:
             print(f"warning: {note}", file=warn)
-    return await _Run(config, ws_url, base, on_start).run()
+    return config, ws_url, base
 
 
-def write_png(result: BenchResult, path: str) -> str | None:
-    """Plot the latency distributions (CDFs of TTFT, ITL, E2E) to ``path``; returns an
-    error message instead when matplotlib is not installed."""
+@dataclass
+class Comparison:
+    """The same load over several transports, one after another."""
+
+    results: list[BenchResult]
+
+    @property
+    def baseline(self) -> BenchResult:
+        """The run the ratios divide by: the WebSocket's, else the first."""
+        return next((r for r in self.results if r.config.transport == "ws"), self.results[0])
+
+    @staticmethod
+    def _figures(result: BenchResult) -> dict[str, float | None]:
+        ttft = result.ttft_ms()
+        return {"ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+                "itl_p50_ms": percentile(result.itl_ms(), 50),
+                "tokens_per_s": result.tokens / max(result.wall_s, 1e-9)}
+
+    def to_dict(self) -> dict[str, Any]:
+        base = self._figures(self.baseline)
+        table = []
+        for r in self.results:
+            figures = self._figures(r)
+            ratios = {k: (v / base[k] if v is not None and base[k] else None) for k, v in figures.items()}
+            table.append({"transport": r.config.transport, "ok": len(r.ok), "failed": len(r.records) - len(r.ok),
+                          **figures, "ratios": ratios})
+        return {"baseline": self.baseline.config.transport, "table": table, "runs": [r.to_dict() for r in self.results]}
+
+    #: the table's columns: heading, key of a row of ``to_dict()["table"]``
+    FIGURES = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("ITL p50", "itl_p50_ms"),
+               ("tokens/s", "tokens_per_s"))
+    RATIOS = (("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"), ("tokens/s", "tokens_per_s"))
+
+    def render(self) -> str:
+        d = self.to_dict()
+        c = self.results[0].config
+        names = ", ".join(r.config.transport for r in self.results)
+        where = c.url + "".join(f", gRPC {r.config.grpc_target}" for r in self.results if r.config.transport == "grpc")
+        columns = self.FIGURES + self.RATIOS
+        lines = [
+            f"streamfleet bench: {names} -> {where}",
+            f"  {c.describe()}; the transports one after another",
+            "",
+            f"  {'':{24 + 10 * len(self.FIGURES)}}{'ratio to ' + d['baseline']:^{10 * len(self.RATIOS)}}".rstrip(),
+            f"  {'transport':10}{'ok':>6}{'failed':>8}" + "".join(f"{heading:>10}" for heading, _ in columns),
+        ]
+
+        def cell(v: float | None, fmt: str) -> str:
+            return f"{v:10{fmt}}" if v is not None else f"{'-':>10}"
+
+        for row in d["table"]:
+            lines.append(f"  {row['transport']:10}{row['ok']:6d}{row['failed']:8d}"
+                         + "".join(cell(row[key], ".1f") for _, key in self.FIGURES)
+                         + "".join(cell(row["ratios"][key], ".2f") for _, key in self.RATIOS))
+        lines += ["", "  (ms; a ratio above 1 is a slower TTFT, or more tokens/s)"]
+        errors = {f"{r.config.transport} {k}": v for r in self.results for k, v in r.errors.items()}
+        lines.append("  errors    " + (", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) if errors else "none"))
+        return "\n".join(lines)
+
+
+async def run_comparison(configs: Sequence[BenchConfig], *, preflight: bool = True,
+                         warn: TextIO | None = sys.stderr) -> Comparison:
+    """``run_bench`` for each config in turn (the same load over different transports);
+    every config is checked, and every gateway asked, before the first run starts.
+
+    Raises:
+        BenchError: bad settings, or a gateway cannot be reached.
+    """
+    runs = [await _prepare(config, preflight, warn) for config in configs]
+    return Comparison([await _Run(*run).run() for run in runs])
+
+
+def write_png(results: BenchResult | Sequence[BenchResult], path: str) -> str | None:
+    """Plot the latency distributions (CDFs of TTFT, ITL, E2E) of one run, or of several
+    runs (a comparison) on the same axes, to ``path``; returns an error message instead
+    when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -606,23 +808,34 @@ def write_png(result: BenchResult, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed, so no plot was written (pip install matplotlib)"
+    runs = [results] if isinstance(results, BenchResult) else list(results)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (name, values) in zip(axes, (("TTFT", result.ttft_ms()), ("inter-token latency", result.itl_ms()),
-                                         ("end-to-end", result.e2e_ms()))):
-        if values:
+    for ax, (name, series) in zip(axes, (("TTFT", BenchResult.ttft_ms), ("inter-token latency", BenchResult.itl_ms),
+                                         ("end-to-end", BenchResult.e2e_ms))):
+        counts = []
+        for result in runs:
+            values = series(result)
+            counts.append(str(len(values)))
+            if not values:
+                continue
             s = sorted(values)
             ys = [(i + 1) / len(s) for i in range(len(s))]
-            ax.plot(s, ys, drawstyle="steps-post")
-            for p, style in ((50, ":"), (99, "--")):
-                v = percentile(s, p)
-                ax.axvline(v, linestyle=style, color="grey")
-                ax.text(v, 0.02 + (0.1 if p == 99 else 0), f" p{p} {v:.1f}", fontsize=8)
-        ax.set_title(f"{name} ({len(values)} samples)")
+            p50, p99 = percentile(s, 50), percentile(s, 99)
+            if len(runs) == 1:
+                ax.plot(s, ys, drawstyle="steps-post")
+                for p, v, style in ((50, p50, ":"), (99, p99, "--")):
+                    ax.axvline(v, linestyle=style, color="grey")
+                    ax.text(v, 0.02 + (0.1 if p == 99 else 0), f" p{p} {v:.1f}", fontsize=8)
+            else:
+                ax.plot(s, ys, drawstyle="steps-post", label=f"{result.config.transport}: p50 {p50:.1f}, p99 {p99:.1f}")
+        if len(runs) > 1:
+            ax.legend(fontsize=8)
+        ax.set_title(f"{name} ({'/'.join(counts)} samples)")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction ≤ x")
         ax.grid(alpha=0.3)
-    c = result.config
-    fig.suptitle(f"streamfleet bench: {c.transport}, concurrency {c.concurrency}"
+    c = runs[0].config
+    fig.suptitle(f"streamfleet bench: {', '.join(r.config.transport for r in runs)}, concurrency {c.concurrency}"
                  + (f", {c.rate:g} req/s" if c.rate else "") + f", {c.max_tokens} tokens/request")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -84,7 +84,9 @@ def worker(
 def client(
     prompt: str = typer.Argument(..., help="the prompt"),
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL (http://host:port or ws://…/v1/stream)"),
-    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions)"),
+    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | "
+                                  "grpc (Inference.Generate)"),
+    grpc_target: Optional[str] = typer.Option(None, help="gRPC HOST:PORT (default: the --url's host, port 50051)"),
     max_tokens: int = typer.Option(64),
     temperature: float = typer.Option(0.7),
     seed: Optional[int] = typer.Option(None),
@@ -92,13 +94,18 @@ def client(
     model: Optional[str] = typer.Option(None),
 ) -> None:
     """Stream a completion to the terminal."""
-    from streamfleet.client import stream_sse, stream_ws
+    from streamfleet.client import PRIORITIES, default_grpc_target, stream_grpc, stream_sse, stream_ws
 
-    if transport not in ("ws", "sse"):
-        raise typer.BadParameter("--transport must be ws or sse")
-    fn = stream_ws if transport == "ws" else stream_sse
-    code = asyncio.run(fn(url, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                 priority=priority, model=model, out=sys.stdout))
+    if transport not in ("ws", "sse", "grpc"):
+        raise typer.BadParameter("--transport must be ws, sse or grpc")
+    if priority not in PRIORITIES:
+        raise typer.BadParameter("--priority must be high or normal")
+    if transport == "grpc":
+        fn, where = stream_grpc, grpc_target or default_grpc_target(url)
+    else:
+        fn, where = (stream_ws if transport == "ws" else stream_sse), url
+    code = asyncio.run(fn(where, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          priority=priority, model=model, out=sys.stdout))
     raise typer.Exit(code)
 
 
@@ -123,8 +130,12 @@ def status(
 @app.command()
 def bench(
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway base URL (http://host:port or ws://…/v1/stream)"),
-    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions)"),
-    concurrency: int = typer.Option(8, help="closed loop: clients in parallel; open loop: WebSocket connections"),
+    transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | grpc "
+                                  "(Inference.Generate); several, e.g. ws,sse,grpc: the same load over each in "
+                                  "turn, compared in one table"),
+    grpc_target: Optional[str] = typer.Option(None, help="gRPC HOST:PORT (default: the --url's host, port 50051)"),
+    concurrency: int = typer.Option(8, help="closed loop: clients in parallel; open loop: WebSocket connections "
+                                    "(gRPC: one channel per 64)"),
     requests: Optional[int] = typer.Option(None, help="requests to run (default 100 unless --duration is given)"),
     duration: Optional[float] = typer.Option(None, help="stop starting requests after this many seconds"),
     rate: Optional[float] = typer.Option(None, help="open loop: mean requests/s, Poisson arrivals (default: closed loop)"),
@@ -147,18 +158,25 @@ def bench(
     """Load-test a running fleet: TTFT, inter-token and end-to-end latency percentiles, tokens/s."""
     import orjson
 
-    from streamfleet.bench import BenchConfig, BenchError, run_bench, write_png
+    from dataclasses import replace
 
-    cfg = BenchConfig(url=url, transport=transport, concurrency=concurrency, requests=requests, duration=duration,
-                      rate=rate, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens, lane=lane,
-                      model=model, temperature=temperature, api_key=api_key, timeout=timeout, warmup=warmup,
-                      seed=seed, compression=compression,
+    from streamfleet.bench import BenchConfig, BenchError, run_bench, run_comparison, write_png
+
+    cfg = BenchConfig(url=url, grpc_target=grpc_target, concurrency=concurrency, requests=requests,
+                      duration=duration, rate=rate, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens,
+                      lane=lane, model=model, temperature=temperature, api_key=api_key, timeout=timeout,
+                      warmup=warmup, seed=seed, compression=compression,
                       progress=sys.stderr.isatty() if progress is None else progress)
+    transports = [t.strip() for t in transport.split(",")]
+    if len(set(transports)) < len(transports):
+        raise typer.BadParameter("--transport names a transport twice")
+    configs = [replace(cfg, transport=t) for t in transports]
     try:
         from streamfleet.shared import aio
 
         aio.settle_heap()  # the client's own full collections would land in its latency figures
-        result = aio.run(run_bench(cfg))  # uvloop when installed: the load generator must not be the limit
+        # uvloop when installed: the load generator must not be the limit
+        result = aio.run(run_bench(configs[0]) if len(configs) == 1 else run_comparison(configs))
     except BenchError as exc:
         print(f"streamfleet bench: {exc}", file=sys.stderr)
         raise typer.Exit(2)
@@ -169,11 +187,12 @@ def bench(
         print(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:
         print(result.render())
+    runs = result.results if len(configs) > 1 else [result]
     if png:
-        problem = write_png(result, png)
+        problem = write_png(runs, png)
         print(f"streamfleet bench: {problem}" if problem else f"latency plot written to {png}", file=sys.stderr)
-    # some requests may fail under load and still be a result; none succeeding is not
-    raise typer.Exit(0 if result.ok else 1)
+    # some requests may fail under load and still be a result; a transport with none succeeding is not
+    raise typer.Exit(0 if all(r.ok for r in runs) else 1)
 
 
 @app.command()

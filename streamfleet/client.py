@@ -1,14 +1,25 @@
-"""The terminal client behind `streamfleet client`."""
+"""The terminal client behind `streamfleet client`: one completion over the WebSocket
+(/v1/stream), the OpenAI SSE endpoint (/v1/completions) or gRPC (``Inference.Generate``)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
+from urllib.parse import urlsplit
 
+import grpc
 import httpx
 import orjson
 import websockets
+from grpc import aio
+
+from streamfleet.v1 import inference_pb2 as pb
+from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+
+#: the gateway's gRPC port unless SF_GRPC_PORT says otherwise
+GRPC_PORT = 50051
+PRIORITIES = {"normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
 
 
 def urls(url: str) -> tuple[str, str]:
@@ -19,6 +30,22 @@ def urls(url: str) -> tuple[str, str]:
         return ws, base
     base = url.rstrip("/").removesuffix("/v1/stream")
     return "ws" + base[4:] + "/v1/stream", base
+
+
+def default_grpc_target(url: str) -> str:
+    """``host:50051`` for a gateway URL (http://, https://, ws:// or wss://): its gRPC
+    service at the default port."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    return f"[{host}]:{GRPC_PORT}" if ":" in host else f"{host}:{GRPC_PORT}"
+
+
+def fleet_error_code(exc: grpc.RpcError) -> str | None:
+    """The fleet's error code of a failed call (its ``streamfleet-error-code`` trailer);
+    None for a status the gateway did not set (unreachable, cancelled, ...)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "streamfleet-error-code":
+            return value
+    return None
 
 
 def _summary(finish: str, n: int, t0: float, first: float | None) -> None:
@@ -110,4 +137,37 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
     except (OSError, websockets.WebSocketException) as exc:
         print(f"cannot reach {url}: {exc}", file=sys.stderr)
         return 2
+    return 1
+
+
+async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
+                      seed: int | None = None, priority: str = "normal", model: str | None = None,
+                      out: TextIO = sys.stdout) -> int:
+    """One ``Inference.Generate`` call to ``target`` (host:port); prints tokens as they
+    arrive and returns an exit code. A refusal or failure ends the call with a status
+    whose trailers carry the fleet's error code."""
+    request = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                 priority=PRIORITIES[priority], model=model or "")
+    t0 = time.perf_counter()
+    first = None
+    try:
+        async with aio.insecure_channel(target) as channel:
+            async for event in pb_grpc.InferenceStub(channel).Generate(request):
+                kind = event.WhichOneof("event")
+                if kind == "token":
+                    if first is None:
+                        first = time.perf_counter()
+                    out.write(event.token.text)
+                    out.flush()
+                elif kind == "done":
+                    _summary(event.done.finish_reason, event.done.usage.completion_tokens, t0, first)
+                    return 0
+    except aio.AioRpcError as exc:
+        code = fleet_error_code(exc)
+        if code is None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            print(f"cannot reach {target}: {exc.details()}", file=sys.stderr)
+            return 2
+        status = exc.code().name
+        print(f"\nerror {status} {code or status.lower()}: {exc.details()}", file=sys.stderr)
+        return 1
     return 1

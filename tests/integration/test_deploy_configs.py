@@ -12,7 +12,7 @@ by a schema or structural check everywhere:
   Kubernetes OpenAPI schemas bundled in ``kubernetes-validate`` (strict: unknown fields
   fail); the KEDA ScaledObject (a CRD, no bundled schema) checked field by field.
 * deploy/nginx/nginx.conf: ``nginx -t`` when nginx is installed; the streaming
-  directives always.
+  directives and the gRPC server always.
 * Dockerfile, Dockerfile.gpu: parsed; multi-stage, non-root, ``streamfleet`` entrypoint,
   demo model built in, build context (.dockerignore) complete.
 """
@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
+from streamfleet.v1 import inference_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -46,6 +47,9 @@ COMPOSE_SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
 K8S_MIN_VERSION = "1.30.0"
 
 DRAIN_TIMEOUT_S = GatewaySettings.model_fields["drain_timeout_s"].default
+GRPC_PORT = GatewaySettings.model_fields["grpc_port"].default
+#: the service name the gRPC health service reports on (besides "")
+GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 WORKER_DRAIN_TIMEOUT_S = WorkerSettings.model_fields["drain_timeout_s"].default
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,6 +224,16 @@ def test_dockerfile_demo_model_and_offline(name):
     assert any(i.cmd == "COPY" and "--from=builder" in i.args and "/app/engines" in i.args for i in final)
     assert any(i.cmd == "HEALTHCHECK" for i in final), f"{name}: HEALTHCHECK"
     assert any(i.cmd == "STOPSIGNAL" and i.args == "SIGTERM" for i in final)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_exposes_gateway_ports(name):
+    final = stages(parse_dockerfile(REPO / name))[-1]
+    exposed = {p.split("/")[0] for i in final if i.cmd == "EXPOSE" for p in i.args.split()}
+    assert {"8000", str(GRPC_PORT), "9100"} <= exposed, f"{name}: EXPOSE {exposed}"
+    env = " ".join(i.args for i in final if i.cmd == "ENV")
+    assert "SF_HOST=0.0.0.0" in env and f"SF_GRPC_PORT={GRPC_PORT}" in env, \
+        f"{name}: the gateway's HTTP and gRPC ports listen on every address of the container"
 
 
 def test_dockerfile_cpu_base_and_healthcheck():
@@ -403,9 +417,11 @@ def test_compose_gateways_scalable_behind_nginx(compose):
     assert gw["deploy"]["replicas"] == 2
     assert gw["command"] == ["gateway"]
     assert gw["environment"]["SF_HOST"] == "0.0.0.0" and gw["environment"]["SF_PORT"] == "8000"
+    # gRPC on the same address (SF_HOST), for nginx's gRPC server
+    assert gw["environment"]["SF_GRPC_PORT"] == str(GRPC_PORT)
     # metrics on their own port, reachable by a Prometheus on the compose network, never via nginx
     assert gw["environment"]["SF_METRICS_PORT"] == "9100" and gw["environment"]["SF_METRICS_HOST"] == "0.0.0.0"
-    assert [str(p) for p in gw["expose"]] == ["8000", "9100"]
+    assert [str(p) for p in gw["expose"]] == ["8000", str(GRPC_PORT), "9100"]
     assert "/healthz" in " ".join(gw["healthcheck"]["test"])
     assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
 
@@ -414,6 +430,10 @@ def test_compose_gateways_scalable_behind_nginx(compose):
     assert any(v.startswith("./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf") for v in ngx["volumes"])
     assert ngx["depends_on"]["gateway"]["condition"] == "service_healthy"
     assert ngx["ports"] and "healthcheck" in ngx
+    # published on loopback: HTTP on 80 and gRPC on 50051 inside the container
+    published = {str(p).rsplit(":", 1)[1]: str(p) for p in ngx["ports"]}
+    assert set(published) == {"80", str(GRPC_PORT)}, ngx["ports"]
+    assert published[str(GRPC_PORT)] == f"127.0.0.1:{GRPC_PORT}:{GRPC_PORT}"
 
 
 def test_compose_workers(compose):
@@ -497,6 +517,42 @@ def test_nginx_streaming_directives():
     assert "9100" not in conf, "the gateways' metrics port is not proxied"
 
 
+def nginx_blocks(conf: str, keyword: str) -> list[tuple[str, str]]:
+    """``(arguments, body)`` of every ``keyword ... { ... }`` block (braces matched)."""
+    out = []
+    for m in re.finditer(rf"(?<![\w$]){keyword}\b([^;{{}}]*)\{{", conf):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(conf[i], 0)
+            i += 1
+        out.append((m.group(1).strip(), conf[m.end():i - 1]))
+    return out
+
+
+def test_nginx_grpc_server():
+    """gRPC has a server of its own on 50051: cleartext HTTP/2 passed to the gateways'
+    gRPC ports, with timeouts that never cut a long stream."""
+    conf = nginx_text()
+    servers = [body for _, body in nginx_blocks(conf, "server")]
+    grpc = [body for body in servers if re.search(rf"^\s*listen\s+{GRPC_PORT}\b", body, re.M)]
+    assert len(grpc) == 1 and len(servers) == 2, "one server for HTTP, one for gRPC"
+    [grpc] = grpc
+    assert re.search(r"^\s*http2\s+on;", grpc, re.M), "gRPC needs HTTP/2 (cleartext: `http2 on`)"
+    m = re.search(r"^\s*grpc_pass\s+grpc://(\w+);", grpc, re.M)
+    assert m, "grpc_pass grpc://<upstream>"
+    upstream = dict(nginx_blocks(conf, "upstream"))[m.group(1)]
+    assert re.search(rf"^\s*server\s+gateway:{GRPC_PORT}\b[^;]*\bresolve\b", upstream, re.M), \
+        "the gateways' gRPC port, re-resolved as they scale"
+    assert re.search(r"^\s*zone\s+\w+\s+\d+[km];", upstream, re.M) and re.search(r"^\s*least_conn;", upstream, re.M)
+    # a Stream call's client half may be silent as long as its requests run
+    for directive in ("grpc_read_timeout", "grpc_send_timeout", "client_body_timeout"):
+        m = re.search(rf"^\s*{directive}\s+(\d+)s;", grpc, re.M)
+        assert m and int(m.group(1)) >= 3600, directive
+    assert "non_idempotent" not in grpc, "a call that reached a gateway is never replayed on another"
+    [http] = [body for body in servers if body is not grpc]
+    assert "grpc_pass" not in http and "proxy_pass" not in grpc
+
+
 def nginx_version(binary: str) -> tuple[int, ...]:
     p = _run([binary, "-v"])
     m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", p.stderr + p.stdout)
@@ -511,12 +567,17 @@ def test_nginx_conf_syntax(tmp_path):
         pytest.skip("nginx is not installed (directives checked by test_nginx_streaming_directives)")
     conf = NGINX_CONF.read_text()
     # "gateway" only resolves inside the compose network
-    conf = conf.replace("server gateway:8000", "server 127.0.0.1:8000")
-    if nginx_version(binary) < (1, 27, 3):
+    conf = conf.replace("server gateway:", "server 127.0.0.1:")
+    version = nginx_version(binary)
+    if version < (1, 27, 3):
         # upstream `resolve` / `resolver` are open source since 1.27.3 (the image is 1.28);
         # check everything else with the nginx at hand
         conf = re.sub(r"^[ \t]*resolver(_timeout)?[ \t][^;\n]*;.*$", "", conf, flags=re.M)
-        conf = re.sub(r"(server 127\.0\.0\.1:8000)\s+resolve\b", r"\1", conf)
+        conf = re.sub(r"(server 127\.0\.0\.1:\d+)\s+resolve\b", r"\1", conf)
+    if version < (1, 25, 1):
+        # before `http2 on`, HTTP/2 was a parameter of `listen`
+        conf = re.sub(r"^[ \t]*http2 on;\n", "", conf, flags=re.M)
+        conf = conf.replace(f"listen {GRPC_PORT} ", f"listen {GRPC_PORT} http2 ")
     (tmp_path / "logs").mkdir()
     path = tmp_path / "nginx.conf"
     path.write_text(conf)
@@ -720,8 +781,10 @@ def test_k8s_gateway(k8s_docs):
     dep = find(k8s_docs, "Deployment", "streamfleet-gateway")
     c = _container(dep)
     assert c["args"] == ["gateway"]
+    # liveness over HTTP: gRPC health (for "" too) is SERVING only while the gateway is ready
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # readiness over gRPC health: what /readyz says, and the gRPC port serving
+    assert c["readinessProbe"]["grpc"] == {"port": GRPC_PORT, "service": GRPC_SERVICE}
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"
     grace = pod_spec(dep)["terminationGracePeriodSeconds"]
@@ -742,12 +805,16 @@ def test_k8s_gateway(k8s_docs):
     # Prometheus scrapes the metrics port, which the Service leaves out
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["SF_METRICS_PORT"] == "9100" and env["SF_METRICS_HOST"] == "0.0.0.0"
+    assert env["SF_HOST"] == "0.0.0.0" and env["SF_GRPC_PORT"] == str(GRPC_PORT)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8000, "metrics": 9100}, ports
+    assert ports == {"http": 8000, "grpc": GRPC_PORT, "metrics": 9100}, ports
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == env["SF_METRICS_PORT"] and annotations["prometheus.io/path"] == "/metrics"
     svc = find(k8s_docs, "Service", "streamfleet-gateway")
-    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http", "grpc"]
+    grpc = next(p for p in svc["spec"]["ports"] if p["targetPort"] == "grpc")
+    # the name tells meshes the protocol; appProtocol is Kubernetes' name for cleartext HTTP/2
+    assert grpc["name"] == "grpc" and grpc["port"] == GRPC_PORT and grpc["appProtocol"] == "kubernetes.io/h2c"
 
 
 def test_k8s_worker(k8s_docs):

@@ -24,14 +24,15 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, grpc_port = free_port(), free_port(), free_port()  # 50051 may be taken on CI
     env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
     env["REDIS_URL"] = "redis://127.0.0.1:1/0"  # unreachable: serve must fall back to an embedded Redis
     env["SF_THREADS"] = "1"
     env["SF_STATE_DIR"] = str(tmp_path / "state")  # where serve records its Redis for other commands
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port),
-                             "--metrics-port", str(metrics_port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
         ready = False
@@ -93,6 +94,20 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert sse.returncode == 0, sse.stderr
         assert "tokens" in sse.stderr and sse.stdout.strip()
+        # gRPC: the same request, the same text as over the WebSocket
+        client = [sys.executable, "-m", "streamfleet", "client", "--transport", "grpc", "--url",
+                  f"http://127.0.0.1:{port}"]
+        grpc = subprocess.run([*client, "Once upon a time", "--grpc-target", f"127.0.0.1:{grpc_port}",
+                               "--max-tokens", "12", "--seed", "1"], capture_output=True, text=True, timeout=60)
+        assert grpc.returncode == 0, grpc.stderr
+        assert grpc.stdout == out.stdout and "[length] 12 tokens" in grpc.stderr
+        # a refusal ends the call with a status and the fleet's error code; nothing listening is exit code 2
+        bad = subprocess.run([*client, "x", "--grpc-target", f"127.0.0.1:{grpc_port}", "--max-tokens", "0"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "error INVALID_ARGUMENT out_of_range: 'max_tokens'" in bad.stderr, bad.stderr
+        gone = subprocess.run([*client, "x", "--grpc-target", f"127.0.0.1:{free_port()}"], capture_output=True,
+                              text=True, timeout=60)
+        assert gone.returncode == 2 and "cannot reach 127.0.0.1:" in gone.stderr, gone.stderr
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0

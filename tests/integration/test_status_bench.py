@@ -91,24 +91,84 @@ def test_status_without_redis_fails_clearly(fleet):
     assert "cannot read the fleet from Redis" in res.stderr
 
 
-@pytest.mark.parametrize("transport", ["ws", "sse"])
-def test_bench_json(fleet, transport):
-    fleet.worker(backend="echo")
-    gw = fleet.gateway()
-    res = sf(["bench", "--url", gw.http, "--transport", transport, "--requests", "20", "--concurrency", "4",
-              "--max-tokens", "8", "--json"], fleet.env())
-    assert res.returncode == 0, res.stderr + res.stdout
-    out = json.loads(res.stdout)
-    assert out["requests"] == {"total": 20, "ok": 20, "failed": 0}
+def check_bench_json(out: dict, transport: str, requests: int, max_tokens: int) -> None:
+    """One closed-loop run of ``requests`` requests, every one ok, as ``--json`` reports it."""
+    assert out["requests"] == {"total": requests, "ok": requests, "failed": 0}
     assert out["errors"] == {}
-    assert out["tokens"] == 160
+    assert out["tokens"] == requests * max_tokens
     assert out["config"]["transport"] == transport and out["config"]["mode"] == "closed"
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         for p in ("p50", "p90", "p99", "mean", "max"):
             assert out[key][p] is not None and out[key][p] >= 0, (key, p)
-    assert out["ttft_ms"]["count"] == 20 and out["e2e_ms"]["count"] == 20
+    assert out["ttft_ms"]["count"] == requests and out["e2e_ms"]["count"] == requests
     assert out["itl_ms"]["count"] > 0
     assert out["tokens_per_s"] > 0 and out["requests_per_s"] > 0
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse", "grpc"])
+def test_bench_json(fleet, transport):
+    fleet.worker(backend="echo")
+    gw = fleet.gateway()
+    res = sf(["bench", "--url", gw.http, "--grpc-target", gw.grpc, "--transport", transport, "--requests", "20",
+              "--concurrency", "4", "--max-tokens", "8", "--json"], fleet.env())
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = json.loads(res.stdout)
+    check_bench_json(out, transport, 20, 8)
+    # the gRPC target is reported where it is used
+    assert out["config"].get("grpc_target") == (gw.grpc if transport == "grpc" else None)
+
+
+def test_bench_compares_transports(fleet):
+    """``--transport ws,sse,grpc``: the same load over each in turn, one table."""
+    fleet.worker(backend="echo")
+    gw = fleet.gateway()
+    args = ["bench", "--url", gw.http, "--grpc-target", gw.grpc, "--transport", "sse,grpc,ws", "--requests", "12",
+            "--concurrency", "3", "--max-tokens", "6"]
+    res = sf([*args, "--json"], fleet.env())
+    assert res.returncode == 0, res.stderr + res.stdout
+    out = json.loads(res.stdout)
+    assert [r["config"]["transport"] for r in out["runs"]] == ["sse", "grpc", "ws"]
+    for run in out["runs"]:
+        check_bench_json(run, run["config"]["transport"], 12, 6)
+    assert out["baseline"] == "ws"
+    rows = {row["transport"]: row for row in out["table"]}
+    assert set(rows) == {"ws", "sse", "grpc"}
+    assert rows["ws"]["ratios"] == {"ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0, "tokens_per_s": 1.0}
+    for row in rows.values():
+        assert (row["ok"], row["failed"]) == (12, 0)
+        assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
+        assert row["ratios"]["tokens_per_s"] == pytest.approx(row["tokens_per_s"] / rows["ws"]["tokens_per_s"])
+
+    res = sf([*args, "--png", str(fleet.tmp / "cmp.png")], fleet.env())
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"streamfleet bench: sse, grpc, ws -> {gw.http}, gRPC {gw.grpc}"
+    assert "ratio to ws" in res.stdout and "errors    none" in res.stdout
+    table = [ln.split() for ln in lines if ln.split()[:1] in (["ws"], ["sse"], ["grpc"])]
+    assert [(row[0], row[1], row[2]) for row in table] == [("sse", "12", "0"), ("grpc", "12", "0"), ("ws", "12", "0")]
+    assert table[2][-3:] == ["1.00", "1.00", "1.00"]
+    assert (fleet.tmp / "cmp.png").exists() or "matplotlib is not installed" in res.stderr
+
+
+def test_bench_grpc_api_key_and_error_codes(fleet):
+    """Over gRPC the key goes as ``authorization`` metadata, and a refusal counts under the
+    fleet's error code (the ``streamfleet-error-code`` trailer), as over SSE (a WebSocket
+    without a key is closed: ``connection_closed``)."""
+    fleet.worker(backend="echo")
+    gw = fleet.gateway(auth_enabled="true")
+    keys = sf(["keys", "add", "bencher", "--tier", "paid"], fleet.env())
+    assert keys.returncode == 0, keys.stderr
+    args = ["bench", "--url", gw.http, "--grpc-target", gw.grpc, "--requests", "4", "--concurrency", "2",
+            "--max-tokens", "4", "--json"]
+
+    res = sf([*args, "--transport", "grpc"], {**fleet.env(), "SF_API_KEY": keys.stdout.strip()})
+    assert res.returncode == 0, res.stderr + res.stdout
+    check_bench_json(json.loads(res.stdout), "grpc", 4, 4)
+
+    res = sf([*args, "--transport", "sse,grpc"], fleet.env())
+    assert res.returncode == 1, "no request succeeded"
+    out = json.loads(res.stdout)
+    assert [run["errors"] for run in out["runs"]] == [{"unauthorized": 4}, {"unauthorized": 4}]
 
 
 def test_bench_open_loop_mixed_lanes_text_report(fleet):
@@ -124,17 +184,20 @@ def test_bench_open_loop_mixed_lanes_text_report(fleet):
 
 
 def test_bench_unreachable_gateway_exits_nonzero(fleet):
-    url = f"http://127.0.0.1:{free_port()}"
-    for transport in ("ws", "sse"):
-        res = sf(["bench", "--url", url, "--transport", transport, "--requests", "2"], fleet.env(), timeout=60)
+    url, target = f"http://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    for transport, where in (("ws", url), ("sse", url), ("grpc", target), ("ws,grpc", url)):
+        res = sf(["bench", "--url", url, "--grpc-target", target, "--transport", transport, "--requests", "2"],
+                 fleet.env(), timeout=60)
         assert res.returncode == 2
-        assert f"cannot reach the gateway at {url}" in res.stderr
+        assert f"cannot reach the gateway at {where}" in res.stderr
         assert "Traceback" not in res.stderr
 
 
 def test_bench_rejects_bad_settings(fleet):
-    res = sf(["bench", "--transport", "grpc"], fleet.env())
-    assert res.returncode == 2 and "transport must be one of ws, sse" in res.stderr
+    res = sf(["bench", "--transport", "pigeon"], fleet.env())
+    assert res.returncode == 2 and "transport must be one of ws, sse, grpc" in res.stderr
+    res = sf(["bench", "--transport", "ws,grpc,ws"], fleet.env())
+    assert res.returncode == 2 and "names a transport twice" in res.stderr
 
 
 def test_percentiles_and_masking():
