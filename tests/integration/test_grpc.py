@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -251,6 +253,35 @@ async def test_rate_limit_is_resource_exhausted_with_retry_info(fleet):
     assert 0 < retry <= 60_000 and status_details(codes[2].error)["retry_ms"] == retry
 
 
+async def test_a_revoked_key_ends_its_calls(fleet):
+    gw = fleet.gateway(auth_enabled="true", tiers=TIERS, key_cache_s=1)
+    fleet.worker(backend="echo", echo_delay_ms=20)
+    key = add_key(fleet, "erin", "test")
+    bearer = (("authorization", f"Bearer {key}"),)
+    long = pb.GenerateRequest(prompt=PROMPT, max_tokens=2000, ignore_eos=True)
+    async with channel(gw) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        gen = stub.Generate(long, metadata=bearer)
+        g = await Call().read(gen, upto=2)
+        stream = stub.Stream(metadata=bearer)
+        await stream.write(pb.ClientFrame(id="a", generate=long))
+        assert (await stream.read()).HasField("accepted")
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "streamfleet", "keys", "revoke", "erin"],
+                                      env=fleet.env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        await asyncio.wait_for(g.read(gen), 15)
+        assert g.code == grpc.StatusCode.UNAUTHENTICATED and g.trailer("streamfleet-error-code") == "unauthorized"
+        assert len(g.tokens) < 2000
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(_drain(stream), 15)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def _drain(call) -> None:
+    while await call.read() is not grpc.aio.EOF:
+        pass
+
+
 async def test_cancelled_call_frees_the_worker_slot(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)
@@ -310,7 +341,17 @@ async def test_resume_on_another_gateway_after_the_first_dies(fleet):
         # another client's token does not open it
         other = await Call().read(pb_grpc.InferenceStub(chb).Resume(pb.ResumeRequest(
             request_id=first.accepted.request_id, from_index=0, resume_token="f" * 32)))
+        # a Stream call resumes it too, under the client's id (a replay of its log by now)
+        call = pb_grpc.InferenceStub(chb).Stream()
+        await call.write(pb.ClientFrame(id="again", resume=pb.ResumeRequest(
+            request_id=first.accepted.request_id, from_index=40, resume_token=first.accepted.resume_token)))
+        await call.done_writing()
+        frames = [f async for f in call]
     await cha.close(grace=None)
+    assert frames[0].accepted.resumed_from == 40 and frames[-1].done.usage.completion_tokens == n
+    assert [f.token.index for f in frames if f.HasField("token")] == list(range(40, n))
+    assert "".join(f.token.text for f in frames if f.HasField("token")) == \
+        "".join(t.text for t in (first.tokens + rest.tokens)[40:])
     assert rest.code == grpc.StatusCode.OK, rest.error
     assert rest.accepted.resumed_from == 10 and rest.accepted.request_id == first.accepted.request_id
     assert first.indices + rest.indices == list(range(n))
