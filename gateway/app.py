@@ -24,6 +24,7 @@ from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.origin import OriginGuard
 from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.voice import audio_stream
 from streamfleet.gateway.ws import websocket_stream
 
 __all__ = ["Hub", "create_app", "json_response"]
@@ -156,6 +157,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         return json_response(body, status_code=200 if ready else 503)
 
     app.add_api_websocket_route("/v1/stream", websocket_stream)
+    app.add_api_websocket_route("/v1/audio/stream", audio_stream)
     app.include_router(openai.router)
     app.include_router(demo.router)
 

@@ -16,7 +16,7 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
-from streamfleet.shared.schema import (Attach, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord, Task,
+from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord, Task,
                                        decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
 
@@ -28,6 +28,9 @@ log = get_logger("gateway.broker")
 
 #: log reads of resumed streams one gateway runs at once (the others wait their turn)
 REPLAY_READS = 32
+#: entries an utterance's audio stream keeps (the gateway appends about one per 100 ms of
+#: speech: well over the longest utterance, SF_MAX_UTTERANCE_S)
+AUDIO_MAXLEN = 2000
 #: seconds of quiet after which the pub/sub connection is PINGed
 PUBSUB_PING_S = 5.0
 #: what a pub/sub connect, subscribe or ping may fail with (ResponseError: NOAUTH, ACL)
@@ -272,6 +275,25 @@ class Broker:
                 f"limit {threshold}); retry shortly",
                 code=ErrorCode.overloaded, retry_after_ms=self.settings.overload_retry_after_ms)
         return int(depth)
+
+    async def append_audio(self, request_id: str, chunks: list[AudioChunk], ttl_s: float) -> None:
+        """Append to an utterance's audio stream ``sf:audio:{request_id}``, capped at
+        ``AUDIO_MAXLEN`` entries and expiring ``ttl_s`` after the last append (the
+        worker transcribing it, or one taking it over, reads it from the start).
+
+        Raises:
+            UnavailableError: Redis is unreachable.
+        """
+        key = self.keys.audio(request_id)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for chunk in chunks:
+                    pipe.xadd(key, chunk.fields(), maxlen=AUDIO_MAXLEN, approximate=True)
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+        except BROKER_ERRORS as exc:
+            metrics.redis_errors.labels("audio").inc()
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
 
     async def cancel(self, request_id: str, reason: str = "client") -> None:
         try:

@@ -66,6 +66,8 @@ class End:
     completion_tokens: int
     timing: dict[str, float] = field(default_factory=dict)
     model_version: str = ""
+    #: a speech request's final transcript
+    text: str = ""
 
     @property
     def usage(self) -> dict[str, int]:
@@ -143,7 +145,8 @@ class RequestStream:
             else:
                 self._deliver(Token(ev.index, ev.text))
         elif isinstance(ev, DoneEvent):
-            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version)
+            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version,
+                      ev.text)
             if self._ahead or self.next_index < ev.completion_tokens:
                 self._final = end  # tokens are missing before it
             else:

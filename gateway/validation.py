@@ -23,7 +23,7 @@ from typing import Any
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
-from streamfleet.shared.schema import SamplingParams, Task
+from streamfleet.shared.schema import AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
@@ -51,6 +51,8 @@ class Draft:
     explicit: frozenset[str] = frozenset()
     #: the text was rendered by a chat template (which carries its own special tokens)
     chat: bool = False
+    #: a speech request: the utterance it transcribes (no prompt; nothing to tokenize)
+    audio: AudioInput | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class ValidRequest:
     params: SamplingParams
     timeout_s: float
     prompt_text: str
+    audio: AudioInput | None = None
 
     def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None,
                 slot: str = "") -> Task:
@@ -80,6 +83,7 @@ class ValidRequest:
             deadline=now + self.timeout_s,
             trace_id=trace_id or uuid.uuid4().hex[:16],
             slot=slot,
+            audio=self.audio,
         )
 
 
@@ -208,6 +212,9 @@ class Validator:
         if not isinstance(model, str):
             raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
         spec = self.spec(model)
+        if spec.kind != "text":
+            raise ValidationError(f"model {spec.name!r} is a {spec.kind} model, not a text model; stream audio to "
+                                  f"/v1/audio/stream for it", code=ErrorCode.invalid_request, param="model")
 
         lane = p.get("priority", "normal")
         if lane is None:
@@ -269,6 +276,9 @@ class Validator:
         Raises:
             ValidationError: the prompt encodes to nothing, or leaves no room to generate.
         """
+        if draft.audio is not None:  # a speech request: its input is audio, sent separately
+            return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
+                                params=draft.params, timeout_s=draft.timeout_s, prompt_text="", audio=draft.audio)
         spec = self.spec(draft.model)
         ids = encode_prompt(self.tokenizer(spec), draft.prompt_text, special_tokens=not draft.chat)
         if not ids:

@@ -75,6 +75,18 @@ class WebSocketSession(Session):
             self.broken = True
             self.outbox.put_nowait(_BROKEN)
 
+    # -- what the frames mean (the voice WebSocket, gateway/voice.py, reads them otherwise) --
+    def receive_text(self, text: str) -> None:
+        self.dispatch(self.proto.receive_text(text))
+
+    def receive_bytes(self, data: bytes) -> None:
+        self.dispatch(self.proto.receive_bytes(data))
+
+    @property
+    def busy(self) -> bool:
+        """Requests are in flight: the connection is not idle, and a drain waits for them."""
+        return bool(self.proto.in_flight)
+
     async def _send_loop(self) -> None:
         while True:
             frame = await self.outbox.get()
@@ -159,10 +171,10 @@ class WebSocketSession(Session):
                     self.send(revoked_error().to_frame(None))
                     close = (1008, "API key revoked")
                     break
-                if self.hub.draining and (not self.proto.in_flight or self.hub.drain_expired):
+                if self.hub.draining and (not self.busy or self.hub.drain_expired):
                     close = (1001, "gateway shutting down; reconnect to another")
                     break
-                if self.proto.in_flight:
+                if self.busy:
                     idle_since = now
                     deadline = age_limit if now < age_limit else hard_limit
                 else:
@@ -188,10 +200,10 @@ class WebSocketSession(Session):
                     dropped = msg.get("code") in (1005, 1006)
                     break
                 if msg.get("text") is not None:
-                    self.dispatch(self.proto.receive_text(msg["text"]))
+                    self.receive_text(msg["text"])
                 elif msg.get("bytes") is not None:
-                    self.dispatch(self.proto.receive_bytes(msg["bytes"]))
-                if self.proto.in_flight:
+                    self.receive_bytes(msg["bytes"])
+                if self.busy:
                     idle_since = time.monotonic()
         except (WebSocketDisconnect, RuntimeError):
             pass

@@ -47,6 +47,12 @@ class Keys:
     def log(self, request_id: str) -> str:
         return f"{self.prefix}:log:{request_id}"
 
+    def audio(self, request_id: str) -> str:
+        """Stream (capped, with a TTL): the audio of one utterance, appended by the gateway
+        as the client speaks (``shared.schema.AudioChunk``), then an end marker; the
+        worker transcribing it reads it as it arrives (docs/voice.md)."""
+        return f"{self.prefix}:audio:{request_id}"
+
     def attach(self, request_id: str) -> str:
         """Sorted set ``connection_id -> expiry ms`` (with a TTL): the reply channels of
         clients that resumed the request and follow it, wherever they are. Workers

@@ -15,6 +15,21 @@
     seed = 1234
     ...
 
+A speech model says ``kind = "asr"`` and describes its decoder slots instead of text
+fields (docs/voice.md, "Speech engines")::
+
+    name = "asr-en"
+    kind = "asr"                   # text (the default) | asr
+    backend = "pocketsphinx"
+    slots = 2                      # decoders one worker holds (utterances at once)
+    sample_rate = 16000            # PCM16 mono
+    language = "en-US"
+
+An asr model has no tokenizer and no generated graph: the text-only helpers
+(``load_tokenizer``, the generator check of ``ensure_artifacts``) refuse it with a
+FatalError naming the model, and its files are present when the backend's model is
+(PocketSphinx's is the one its wheel bundles; nothing is generated or downloaded).
+
 The model folder is the source of truth for what ``engine.toml`` leaves out: the EOS
 ids are every id declared by ``generation_config.json``, ``config.json`` and the
 tokenizer's ``eos_token`` (``engine.toml``'s ``eos_token_ids`` overrides them all); a
@@ -41,11 +56,17 @@ from streamfleet.shared.errors import FatalError, NotFoundError
 from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
-           "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT"]
+           "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "POCKETSPHINX_LANGUAGE",
+           "pocketsphinx_model"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 log = get_logger("models")
+
+#: what a model folder serves: text generation, or speech recognition (docs/voice.md)
+KINDS = ("text", "asr")
+#: the language of the model the pocketsphinx wheel bundles
+POCKETSPHINX_LANGUAGE = "en-US"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +87,14 @@ class ModelSpec:
     chat_template: str | None = None
     build: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    #: "text" (generation) or "asr" (speech recognition); the fields below are read for asr only
+    kind: str = "text"
+    #: speech decoders one worker holds, i.e. utterances it decodes at once
+    slots: int = 1
+    #: PCM16 mono sample rate the speech engine takes
+    sample_rate: int = 16000
+    #: BCP 47 language tag of a speech model ("" when engine.toml names none)
+    language: str = ""
 
     @property
     def onnx_path(self) -> Path:
@@ -87,7 +116,12 @@ class ModelSpec:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise FatalError(f"cannot read {toml_path}: {exc}") from exc
         known = {"name", "backend", "version", "onnx", "tokenizer", "max_batch", "max_context",
-                 "eos_token_ids", "chat_template", "build"}
+                 "eos_token_ids", "chat_template", "build", "kind"}
+        kind = str(data.get("kind", "text"))
+        if kind not in KINDS:
+            raise FatalError(f"invalid {toml_path}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        if kind == "asr":
+            return cls._speech_from_toml(toml_path, data, known)
         try:
             if "eos_token_ids" in data:
                 eos, eos_from = tuple(int(x) for x in data["eos_token_ids"]), "engine.toml"
@@ -111,10 +145,79 @@ class ModelSpec:
         except (TypeError, ValueError) as exc:
             raise FatalError(f"invalid {toml_path}: {exc}") from exc
 
+    @classmethod
+    def _speech_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> "ModelSpec":
+        """An asr model's spec: no EOS lookup (a speech folder has no tokenizer to ask),
+        and the speech fields checked here so that a bad number stops the worker at
+        start-up rather than when the pool is built."""
+        speech_keys = {"slots", "sample_rate", "language"}
+        try:
+            slots = int(data.get("slots", 1))
+            sample_rate = int(data.get("sample_rate", 16000))
+            if slots < 1:
+                raise ValueError(f"slots must be at least 1, not {slots}")
+            if sample_rate <= 0:
+                raise ValueError(f"sample_rate must be positive, not {sample_rate}")
+            return cls(
+                name=str(data.get("name", toml_path.parent.name)),
+                path=toml_path.parent,
+                backend=str(data.get("backend", "pocketsphinx")),
+                version=str(data.get("version", "1")),
+                onnx=str(data.get("onnx", "model.onnx")),
+                build=dict(data.get("build", {})),
+                options={k: v for k, v in data.items() if k not in known | speech_keys},
+                kind="asr",
+                slots=slots,
+                sample_rate=sample_rate,
+                language=str(data.get("language", "")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise FatalError(f"invalid {toml_path}: {exc}") from exc
+
     def artifacts_present(self) -> bool:
+        if self.kind == "asr":
+            return _speech_artifacts_problem(self) is None
         if self.backend == "echo":
             return True
         return self.onnx_path.exists() and self.tokenizer_path.exists()
+
+
+def _require_text(spec: ModelSpec, what: str) -> None:
+    """Refuse a text-only operation on a speech model with a message that names it,
+    instead of failing later on a file a speech folder never has."""
+    if spec.kind != "text":
+        raise FatalError(f"model {spec.name!r} is a speech model (kind {spec.kind!r}): it has no {what}")
+
+
+def pocketsphinx_model() -> dict[str, Path] | None:
+    """The US-English model the pocketsphinx wheel bundles, as the decoder's ``hmm``
+    (acoustic model folder), ``lm`` and ``dict`` paths; None when pocketsphinx is not
+    installed or its model files are not all there. The engine decodes with exactly
+    these files, so "present" here means "the engine can load"."""
+    try:
+        from pocketsphinx import get_model_path  # only speech hosts need it
+    except ImportError:
+        return None
+    root = Path(get_model_path())
+    files = {"hmm": root / "en-us" / "en-us", "lm": root / "en-us" / "en-us.lm.bin",
+             "dict": root / "en-us" / "cmudict-en-us.dict"}
+    if not (files["hmm"] / "mdef").is_file() or not files["lm"].is_file() or not files["dict"].is_file():
+        return None
+    return files
+
+
+def _speech_artifacts_problem(spec: ModelSpec) -> str | None:
+    """Why an asr model cannot be loaded here, or None. PocketSphinx brings its own
+    model; any other speech backend (a CTC graph, docs/voice.md) needs its ``onnx``
+    file in the model folder."""
+    if spec.backend != "pocketsphinx":
+        return None if spec.onnx_path.exists() else f"{spec.onnx_path} is missing"
+    if spec.language not in ("", POCKETSPHINX_LANGUAGE):
+        return (f"pocketsphinx's bundled model is {POCKETSPHINX_LANGUAGE}, "
+                f"not {spec.language!r}")
+    if pocketsphinx_model() is None:
+        return "pocketsphinx (with its bundled en-US model) is not installed: pip install pocketsphinx"
+    return None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -262,8 +365,9 @@ def load_tokenizer(spec: ModelSpec) -> Any:
     """The model's tokenizer (a ``PreTrainedTokenizerFast``), cached per file.
 
     Raises:
-        FatalError: the tokenizer file is missing.
+        FatalError: the tokenizer file is missing, or ``spec`` is a speech model.
     """
+    _require_text(spec, "tokenizer")
     if not spec.tokenizer_path.exists():
         raise FatalError(
             f"{spec.tokenizer_path} is missing; run `python -m scripts.make_tiny_model "
@@ -294,7 +398,12 @@ def generator_digest() -> str | None:
 def _made_by_this_generator(spec: ModelSpec) -> bool:
     """Whether a generated model's files come from the generator as it is now (the
     digest it wrote into the graph's metadata), so that a checkout updated to a new
-    demo model does not keep serving the old one."""
+    demo model does not keep serving the old one.
+
+    Raises:
+        FatalError: ``spec`` is a speech model (it has no generated graph).
+    """
+    _require_text(spec, "generated ONNX graph")
     want = generator_digest()
     if want is None:
         return True
@@ -357,11 +466,17 @@ def onnx_metadata(path: Path) -> dict[str, str]:
 def ensure_artifacts(spec: ModelSpec) -> None:
     """Generate a model's ONNX graph and tokenizer when they are missing and the
     ``engine.toml`` says how (a ``[build]`` table); the project's own script does
-    the work, nothing is downloaded.
+    the work, nothing is downloaded. A speech model is only checked: its backend's
+    model is installed with the backend, never generated.
 
     Raises:
         FatalError: the files are missing and cannot be generated.
     """
+    if spec.kind == "asr":
+        problem = _speech_artifacts_problem(spec)
+        if problem is not None:
+            raise FatalError(f"speech model {spec.name!r} cannot be loaded: {problem}")
+        return
     if spec.artifacts_present():
         if not spec.build or _made_by_this_generator(spec):
             return

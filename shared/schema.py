@@ -16,6 +16,8 @@
                       an event (``encode_event``) and, for a token, its id
 * ``Attach``          gateway → workers, a member of ``sf:attach:{request_id}``: a
                       connection that resumed the request, scored by its expiry
+* ``AudioChunk``      gateway → worker, one entry of ``sf:audio:{request_id}``: a piece
+                      of an utterance's PCM, or its end marker
 * ``Heartbeat``       worker → gateways, workers and ``streamfleet status``, the worker's
                       field of ``sf:workers:{model}``
 * ``DeadLetter``      worker → operators, one entry of ``sf:{model}:dead``
@@ -39,6 +41,8 @@ from typing import Any, Union
 import orjson
 
 __all__ = [
+    "AudioInput",
+    "AudioChunk",
     "FinishReason",
     "SamplingParams",
     "Task",
@@ -91,6 +95,21 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class AudioInput:
+    """What a speech task transcribes: one utterance of a voice connection, whose audio
+    the gateway appends to ``sf:audio:{request_id}`` (``AudioChunk`` entries) while the
+    client speaks (docs/voice.md)."""
+
+    sample_rate: int = 16000
+    encoding: str = "pcm_s16le"
+    language: str = ""
+    #: the utterance's number on its connection, from 0
+    utterance: int = 0
+    #: where the utterance starts in the connection's audio, ms
+    start_ms: int = 0
+
+
+@dataclass(slots=True)
 class Task:
     """A validated inference request, as it sits in a lane stream."""
 
@@ -107,6 +126,8 @@ class Task:
     #: the API key id whose stream slot (``sf:streams:{key_id}``) this request holds, ""
     #: for none: the worker gives the slot back when the request really ends
     slot: str = ""
+    #: a speech task: the utterance it transcribes (``prompt_ids`` is empty); None for text
+    audio: AudioInput | None = None
 
     def encode(self) -> bytes:
         return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
@@ -117,7 +138,10 @@ class Task:
         try:
             d = orjson.loads(raw)
             params = SamplingParams(**d.pop("params"))
-            task = cls(params=params, **d)
+            audio = d.pop("audio", None)
+            if audio is not None:
+                audio = AudioInput(**audio)
+            task = cls(params=params, audio=audio, **d)
         except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"malformed task: {exc}") from exc
         return task
@@ -141,6 +165,8 @@ class DoneEvent:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     model_version: str = ""
+    #: a speech task's final transcript ("" for text, whose text came as tokens)
+    text: str = ""
     type: str = "done"
 
     def usage(self) -> dict[str, int]:
@@ -320,6 +346,30 @@ class LogEntry:
             return cls(events[0], int(tid) if tid is not None else None)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed log entry: {exc!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    """One entry of an utterance's audio stream ``sf:audio:{request_id}``: PCM (field
+    ``pcm``, raw bytes as the task's ``AudioInput`` says), or the end marker (field
+    ``end``: the utterance is over, nothing follows)."""
+
+    pcm: bytes = b""
+    end: bool = False
+
+    def fields(self) -> dict[bytes, bytes]:
+        """The field map for ``XADD``."""
+        return {b"end": b"1"} if self.end else {b"pcm": self.pcm}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "AudioChunk":
+        """From the field map ``XREAD`` returns (bytes keys); raises ``ValueError``."""
+        if fields.get(b"end") == b"1":
+            return cls(end=True)
+        pcm = fields.get(b"pcm")
+        if not isinstance(pcm, bytes) or len(pcm) % 2:
+            raise ValueError("malformed audio chunk: 'pcm' must be an even number of bytes")
+        return cls(pcm=pcm)
 
 
 @dataclass(frozen=True, slots=True)

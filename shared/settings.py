@@ -107,6 +107,24 @@ class GatewaySettings(CommonSettings):
     #: gateways; calls in flight get ``grpc_max_connection_age_grace_s`` more (0 = never)
     grpc_max_connection_age_s: float = 3600.0
     grpc_max_connection_age_grace_s: float = 60.0
+    #: voice (``/v1/audio/stream``, docs/voice.md): the speech model a ``start`` frame gets
+    #: when it names none
+    default_asr_model: str = "asr-en"
+    #: inbound frames a voice connection may send per second on average, and at once
+    audio_frames_per_s: float = 150.0
+    audio_frames_burst: float = 300.0
+    #: voice activity detector: silero | webrtc | energy
+    vad: str = "silero"
+    #: speech this quiet for this long ends its utterance (ms)
+    vad_end_silence_ms: int = 600
+    #: audio kept after the last voiced frame before speech counts as stopped (ms)
+    vad_hangover_ms: int = 200
+    #: audio before the onset that goes with the utterance (ms)
+    vad_preroll_ms: int = 300
+    #: an utterance this long is ended and a new one begins (s)
+    max_utterance_s: float = 30.0
+    #: an utterance that has waited this long for a worker slot gets a ``high_load`` warning
+    voice_slot_warning_s: float = 3.0
     #: Prometheus ``/metrics`` on a listener of its own, never on the API port (0 = none).
     #: Off by default, like the worker's: several gateways on one host each need their own
     metrics_port: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Optional
 
@@ -28,11 +29,14 @@ def serve(
     metrics_port: Optional[int] = typer.Option(None, help="the gateway's Prometheus port on 127.0.0.1 "
                                                "(default: any free port; 0 = none)"),
     grpc_port: int = typer.Option(50051, help="the gateway's gRPC port (0 = no gRPC)"),
+    speech_model: str = typer.Option("asr-en", help="speech model for /v1/audio/stream, run by a worker of its own "
+                                     "(\"\" = no voice)"),
 ) -> None:
-    """Run the whole fleet locally: Redis (embedded if needed), one gateway, one CPU worker."""
+    """Run the whole fleet locally: Redis (embedded if needed), one gateway, a CPU worker for
+    the text model and one for the speech model."""
     from streamfleet.launcher import serve as run
 
-    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port))
+    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port, speech_model or None))
 
 
 @app.command()
@@ -54,6 +58,9 @@ def gateway(
                                    "metrics_host": metrics_host, "grpc_port": grpc_port}.items() if v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
+    # the voice detectors' small matrix products (gateway/vad.py) run several times slower
+    # when BLAS spreads each over threads; set before numpy loads
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from streamfleet.gateway.server import run_gateway
 
     raise typer.Exit(run_gateway(settings, port_file))
@@ -107,6 +114,22 @@ def client(
     code = asyncio.run(fn(where, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
                           priority=priority, model=model, out=sys.stdout))
     raise typer.Exit(code)
+
+
+@app.command()
+def transcribe(
+    file: str = typer.Argument(..., help="a mono 16-bit PCM WAV file (16 kHz for the bundled asr-en)"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL"),
+    fast: bool = typer.Option(False, "--fast", help="send as fast as the connection's frame rate allows, not in "
+                              "real time"),
+    model: Optional[str] = typer.Option(None, help="speech model (default: the gateway's, asr-en)"),
+    language: Optional[str] = typer.Option(None, help="the language spoken (checked against the model's)"),
+    api_key: Optional[str] = typer.Option(None, envvar="SF_API_KEY", help="API key, when auth is on [SF_API_KEY]"),
+) -> None:
+    """Stream a WAV file to /v1/audio/stream: partials as they change, a line per utterance."""
+    from streamfleet.transcribe import transcribe as run
+
+    raise typer.Exit(asyncio.run(run(url, file, fast=fast, model=model, language=language, api_key=api_key)))
 
 
 @app.command()

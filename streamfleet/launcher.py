@@ -156,10 +156,11 @@ class Fleet:
 
 
 def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console",
-          metrics_port: int | None = None, grpc_port: int = 50051) -> int:
+          metrics_port: int | None = None, grpc_port: int = 50051, speech_model: str | None = "asr-en") -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none), its
-    gRPC service on ``host``:``grpc_port`` (0 = none)."""
+    gRPC service on ``host``:``grpc_port`` (0 = none); ``speech_model`` gets a speech
+    worker of its own (None = no voice)."""
     from streamfleet.local import ServeRecord, clear_record, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
@@ -210,6 +211,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     signal.signal(signal.SIGINT, _on_signal)
     try:
         fleet.start("worker", ["worker", "--model", model], env)
+        if speech_model:  # voice: a speech worker beside the text one (docs/voice.md)
+            fleet.start("speech-worker", ["worker", "--model", speech_model], env)
         gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
                                           "127.0.0.1", "--metrics-port", str(metrics_port),
                                           "--grpc-port", str(grpc_port)], env)
@@ -221,6 +224,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             return 0
         metrics = f"http://127.0.0.1:{metrics_port}/metrics  (Prometheus)" if metrics_port else "off"
         grpc = f"{host}:{grpc_port}  (streamfleet.v1.Inference, health, reflection)" if grpc_port else "off"
+        voice = (f"ws://{host}:{port}/v1/audio/stream  ({speech_model}; try streamfleet transcribe FILE.wav)"
+                 if speech_model else "off")
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
         banner = (
@@ -229,6 +234,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
             f"    OpenAI API  {base}/v1  (completions, chat/completions, models)\n"
             f"    gRPC        {grpc}\n"
+            f"    voice       {voice}\n"
             f"    try         streamfleet client --url {base} \"Once upon a time\"\n"
             f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"

@@ -41,6 +41,7 @@ from streamfleet.shared.redis import BROKER_ERRORS, connect
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.audio import AudioFeed
 from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.control import ControlChannel
 from streamfleet.workers.core import WorkerCore
@@ -96,6 +97,8 @@ class WorkerProcess:
         self.cores: CoreSet | None = None
         self.max_batch = 0
         self.overlap_io = True
+        self.speech = False  # a speech model (set at start-up)
+        self.audio: AudioFeed | None = None
         self._bg: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -109,6 +112,12 @@ class WorkerProcess:
         repo = ModelRepository(self.settings.engines_dir)
         spec = repo.get(self.model, version)
         ensure_artifacts(spec)
+        if spec.kind == "asr":  # a speech model: decoder slots fed by the AudioFeed
+            from streamfleet.workers.engines.speech import load_speech_engine
+            from streamfleet.workers.speechcore import SpeechCore
+
+            engine = load_speech_engine(spec, **({"slots": self.settings.max_batch} if self.settings.max_batch else {}))
+            return VersionedCore(spec.version, SpeechCore(engine))
         options = {}
         backend = self.settings.backend or spec.backend
         if backend == "onnxruntime" and self.settings.threads:
@@ -158,6 +167,7 @@ class WorkerProcess:
         self.control = ControlChannel(ctx, table, self.wake)
         self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat)
         self.drain = Drain(ctx, self.cores, table, self._executor)
+        self.audio = AudioFeed(ctx, self.cores) if self.speech else None
 
     # -- main -------------------------------------------------------------------------
     async def run(self) -> int:
@@ -177,11 +187,13 @@ class WorkerProcess:
             return 2
         self.max_batch = first.core.free_slots
         self.cores = CoreSet(first, self.max_batch)
-        backend = self.settings.backend or ModelRepository(self.settings.engines_dir).get(self.model).backend
+        spec = ModelRepository(self.settings.engines_dir).get(self.model)
+        backend = self.settings.backend or spec.backend
         # overlapping Redis I/O with the step pays off when the engine leaves the CPU free (GPU, echo);
-        # a CPU engine (ONNX Runtime) needs those cores itself
+        # a CPU engine (ONNX Runtime, a CPU speech decoder) needs those cores itself
         self.overlap_io = self.settings.overlap_io if self.settings.overlap_io is not None \
-            else backend != "onnxruntime"
+            else backend not in ("onnxruntime", "pocketsphinx")
+        self.speech = spec.kind == "asr"
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -239,6 +251,8 @@ class WorkerProcess:
         if st.running is None:  # else a Redis error cut the last turn short mid-step
             self._apply_cancels()
             publishing = await self._boundary_read(st, stopping)
+            if self.audio is not None:  # a speech model: what its utterances said since
+                await self.audio.read()
             await self._start_step(st)
         if publishing is not None:
             await publishing

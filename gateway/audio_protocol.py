@@ -1,0 +1,234 @@
+"""The voice WebSocket protocol (``GET /v1/audio/stream``) of one connection, without I/O
+(docs/voice.md, "Protocol").
+
+``AudioProtocol`` parses client frames and returns what to do:
+
+* ``Send(frame)``      write a JSON frame to the client (errors, pong)
+* ``Start(config)``    a ``start`` frame passed every rule: begin a transcription session
+* ``Audio(pcm)``       a binary frame of PCM to run voice activity detection on
+* ``Stop()``           the client is done speaking: end the open utterance
+
+Nothing invalid gets past it: a bad ``start`` (unknown or non-speech model, a sample
+rate, encoding or language the model cannot take), audio before ``start``, odd-length
+or oversized PCM, and frames over the connection's rate (a token bucket: an over-limit
+frame is dropped with ``rate_limited`` and the connection stays) are answered with the
+text protocol's ``error`` frames and codes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import orjson
+
+from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
+from streamfleet.shared.keys import LANES
+
+from streamfleet.gateway.protocol import Send
+
+__all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "ENCODINGS",
+           "MAX_FRAME_MS"]
+
+#: the PCM encodings accepted (little-endian signed 16-bit mono)
+ENCODINGS = ("pcm_s16le",)
+#: the longest audio frame accepted (the protocol asks for 10–100 ms frames)
+MAX_FRAME_MS = 100
+MAX_ID_CHARS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class AudioConfig:
+    """A transcription session, as its ``start`` frame set it up."""
+
+    client_id: str
+    model: str
+    sample_rate: int
+    encoding: str
+    language: str
+    lane: str
+
+    @property
+    def bytes_per_ms(self) -> float:
+        return self.sample_rate * 2 / 1000
+
+
+@dataclass(slots=True)
+class Start:
+    config: AudioConfig
+
+
+@dataclass(slots=True)
+class Audio:
+    pcm: bytes
+
+
+@dataclass(slots=True)
+class Stop:
+    pass
+
+
+Output = Union[Send, Start, Audio, Stop]
+
+
+class TokenBucket:
+    """``rate`` frames a second on average, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self.tokens = burst
+        self.at = clock()
+
+    def take(self) -> int | None:
+        """Take a token: None when there was one, else the ms until there is."""
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return None
+        return max(1, int((1 - self.tokens) / self.rate * 1000))
+
+
+class AudioProtocol:
+    """Frame parsing of one voice connection.
+
+    Args:
+        validator: the gateway's ``Validator`` (models and their specs).
+        settings: the gateway's settings (``max_frame_bytes``, ``default_asr_model``,
+            ``audio_frames_per_s``, ``audio_frames_burst``).
+    """
+
+    def __init__(self, validator: Any, settings: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.validator = validator
+        self.settings = settings
+        self.config: AudioConfig | None = None
+        self.bucket = TokenBucket(settings.audio_frames_per_s, settings.audio_frames_burst, clock)
+
+    # -- frames --------------------------------------------------------------------------
+    def receive_bytes(self, data: bytes) -> list[Output]:
+        retry = self.bucket.take()
+        if retry is not None:
+            return [Send(RefusedError(f"more than {self.settings.audio_frames_per_s:g} frames a second; this "
+                                      f"frame was dropped", code=ErrorCode.rate_limited,
+                                      retry_after_ms=retry).to_frame(self._id()))]
+        cfg = self.config
+        if cfg is None:
+            return [Send(ValidationError("audio before 'start': send a start frame first",
+                                         code=ErrorCode.invalid_frame).to_frame(None))]
+        if len(data) % 2:
+            return [Send(ValidationError(f"an audio frame of {len(data)} bytes is not whole 16-bit samples",
+                                         code=ErrorCode.invalid_request, param="audio").to_frame(cfg.client_id))]
+        limit = int(MAX_FRAME_MS * cfg.bytes_per_ms)
+        if len(data) > limit:
+            return [Send(ValidationError(f"an audio frame of {len(data)} bytes is more than {MAX_FRAME_MS} ms "
+                                         f"({limit} bytes at {cfg.sample_rate} Hz); send 10-100 ms frames",
+                                         code=ErrorCode.frame_too_large, param="audio").to_frame(cfg.client_id))]
+        if not data:
+            return []
+        return [Audio(data)]
+
+    def receive_text(self, text: str) -> list[Output]:
+        retry = self.bucket.take()
+        if retry is not None:
+            return [Send(RefusedError(f"more than {self.settings.audio_frames_per_s:g} frames a second; this "
+                                      f"frame was dropped", code=ErrorCode.rate_limited,
+                                      retry_after_ms=retry).to_frame(self._id()))]
+        limit = min(self.settings.max_frame_bytes, 64 * 1024)  # control frames are small
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            return [Send(ValidationError(f"a text frame may be at most {limit} bytes",
+                                         code=ErrorCode.frame_too_large).to_frame(self._id()))]
+        try:
+            msg = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            return [Send(ValidationError(f"frame is not valid JSON: {exc.msg}",
+                                         code=ErrorCode.invalid_json).to_frame(self._id()))]
+        if not isinstance(msg, dict):
+            return [Send(ValidationError("a frame must be a JSON object",
+                                         code=ErrorCode.invalid_frame).to_frame(self._id()))]
+        kind = msg.get("type")
+        if kind == "start":
+            if self.config is not None:
+                return [Send(ValidationError("already started; send 'stop' before another 'start'",
+                                             code=ErrorCode.invalid_frame).to_frame(self._id()))]
+            try:
+                self.config = self.check_start(msg)
+            except StreamfleetError as exc:
+                cid = msg.get("id") if isinstance(msg.get("id"), str) else None
+                return [Send(exc.to_frame(cid))]
+            return [Start(self.config)]
+        if kind == "stop":
+            if self.config is None:
+                return [Send(ValidationError("'stop' before 'start'", code=ErrorCode.invalid_frame).to_frame(None))]
+            self.config = None
+            return [Stop()]
+        if kind == "ping":
+            return [Send({"type": "pong"})]
+        if not isinstance(kind, str):
+            return [Send(ValidationError("field 'type' must be a string", code=ErrorCode.invalid_frame,
+                                         param="type").to_frame(self._id()))]
+        shown = kind if len(kind) <= 32 else kind[:32] + "…"
+        return [Send(ValidationError(f"unknown frame type {shown!r}; expected start, stop or ping (audio goes "
+                                     f"in binary frames)", code=ErrorCode.unknown_type,
+                                     param="type").to_frame(self._id()))]
+
+    def _id(self) -> str | None:
+        return self.config.client_id if self.config is not None else None
+
+    # -- the start frame -----------------------------------------------------------------
+    def check_start(self, msg: dict[str, Any]) -> AudioConfig:
+        """Every rule of a ``start`` frame.
+
+        Raises:
+            ValidationError, NotFoundError: which rule, in the code and param.
+        """
+        cid = msg.get("id", "audio")
+        if not isinstance(cid, str) or not cid or len(cid) > MAX_ID_CHARS:
+            raise ValidationError(f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters",
+                                  code=ErrorCode.invalid_type, param="id")
+        model = msg.get("model", self.settings.default_asr_model)
+        if model is None:
+            model = self.settings.default_asr_model
+        if not isinstance(model, str):
+            raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
+        spec = self.validator.spec(model)
+        if spec.kind != "asr":
+            raise ValidationError(f"model {model!r} is a {spec.kind} model, not a speech model; use "
+                                  f"/v1/stream for it", code=ErrorCode.invalid_request, param="model")
+        rate = msg.get("sample_rate", spec.sample_rate)
+        if not isinstance(rate, int) or isinstance(rate, bool):
+            raise ValidationError("'sample_rate' must be an integer", code=ErrorCode.invalid_type,
+                                  param="sample_rate")
+        if rate != spec.sample_rate:
+            raise ValidationError(f"model {model!r} takes {spec.sample_rate} Hz audio, not {rate} Hz; resample "
+                                  f"before sending", code=ErrorCode.out_of_range, param="sample_rate")
+        encoding = msg.get("encoding", ENCODINGS[0])
+        if encoding not in ENCODINGS:
+            raise ValidationError(f"'encoding' must be one of {', '.join(ENCODINGS)} (mono), not {encoding!r}",
+                                  code=ErrorCode.out_of_range if isinstance(encoding, str)
+                                  else ErrorCode.invalid_type, param="encoding")
+        language = msg.get("language")
+        if language is not None:
+            if not isinstance(language, str):
+                raise ValidationError("'language' must be a string", code=ErrorCode.invalid_type, param="language")
+            if not _same_language(language, spec.language):
+                raise ValidationError(f"model {model!r} transcribes {spec.language}, not {language!r}",
+                                      code=ErrorCode.out_of_range, param="language")
+        lane = msg.get("priority", "normal")
+        if lane is None:
+            lane = "normal"
+        if lane not in LANES:
+            raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
+                                  code=ErrorCode.out_of_range if isinstance(lane, str) else ErrorCode.invalid_type,
+                                  param="priority")
+        return AudioConfig(client_id=cid, model=spec.name, sample_rate=rate, encoding=encoding,
+                           language=spec.language, lane=lane)
+
+
+def _same_language(asked: str, served: str) -> bool:
+    """``en`` and ``en-us`` ask for what ``en-US`` serves; ``de`` does not."""
+    a, s = asked.lower().replace("_", "-"), served.lower().replace("_", "-")
+    return a == s or a == s.split("-")[0]

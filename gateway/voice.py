@@ -1,0 +1,232 @@
+"""The voice WebSocket, ``GET /v1/audio/stream`` (docs/voice.md): audio in, transcripts out.
+
+A voice connection holds no inference slot while its client is silent. Every binary
+frame goes through the connection's voice activity detector (``gateway/vad.py``); only
+an utterance — speech onset, its pre-roll, the voiced audio, until enough silence —
+becomes work: one task on the speech model's lanes (same admission, lanes, priorities
+and deadlines as text, through ``gateway.requests.ClientRequest``), whose audio is
+appended to ``sf:audio:{request_id}`` as the client speaks. The worker that takes it
+publishes partials and the final on the connection's reply channel, as text events
+travel, and ``RequestStream`` makes them exactly-once and in order.
+
+The connection itself — Origin, connection caps, the API key, revocation, idle and age
+limits, drain — is the text WebSocket's (``gateway.ws.WebSocketSession``); only what
+its frames mean differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.websockets import WebSocket
+
+from streamfleet.shared.errors import StreamfleetError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import AudioChunk, AudioInput, SamplingParams
+
+from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
+from streamfleet.gateway.protocol import Send
+from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.streams import End, Failed, Token
+from streamfleet.gateway.vad import (Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd,
+                                     make_detector)
+from streamfleet.gateway.validation import Draft
+from streamfleet.gateway.ws import WebSocketSession
+
+__all__ = ["audio_stream", "VoiceSession"]
+
+log = get_logger("gateway.voice")
+
+
+class Utterance:
+    """One utterance of a voice connection: its task, its audio on the way to Redis, and
+    its transcript on the way back."""
+
+    def __init__(self, session: "VoiceSession", config: AudioConfig, index: int, start_ms: int) -> None:
+        self.session = session
+        self.config = config
+        self.index = index
+        self.start_ms = start_ms
+        self.end_ms: int | None = None
+        self.audio: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: the end
+        self.req = ClientRequest(session.hub, config.client_id, identity=session.identity, channel=session.channel)
+        self.task = asyncio.create_task(self.run())
+        session.tasks.add(self.task)  # cancelled with the connection's other tasks
+        self.task.add_done_callback(session.tasks.discard)
+
+    def push(self, pcm: bytes) -> None:
+        self.audio.put_nowait(pcm)
+
+    def end(self, end_ms: int) -> None:
+        self.end_ms = end_ms
+        self.audio.put_nowait(None)
+
+    def frame(self, kind: str, **fields) -> dict:
+        return {"type": kind, "id": self.config.client_id, "utterance": self.index, **fields}
+
+    async def run(self) -> None:
+        cfg, s = self.config, self.session.hub.settings
+        draft = Draft(client_id=cfg.client_id, model=cfg.model, lane=cfg.lane,
+                      params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=s.request_timeout_s,
+                      prompt_text="", audio=AudioInput(sample_rate=cfg.sample_rate, encoding=cfg.encoding,
+                                                       language=cfg.language, utterance=self.index,
+                                                       start_ms=self.start_ms))
+        writer = None
+        try:
+            try:
+                await self.req.submit(draft, trace_id=self.session.trace_id)
+            except StreamfleetError as exc:
+                metrics.refusals.labels("voice", str(exc.code)).inc()
+                frame = exc.to_frame(cfg.client_id)
+                frame["utterance"] = self.index
+                await self.session.emit(frame)
+                return
+            writer = asyncio.create_task(self._write_audio(s.request_timeout_s + s.log_ttl_s))
+            await self._transcript(s.voice_slot_warning_s)
+        finally:
+            if writer is not None:
+                writer.cancel()
+            await self.req.close()
+
+    async def _write_audio(self, ttl_s: float) -> None:
+        """Append the audio as it comes, whatever has queued since the last append in one
+        entry (about one per round trip), then the end marker."""
+        rid = self.req.request_id
+        while True:
+            pieces = [await self.audio.get()]
+            while not self.audio.empty():
+                pieces.append(self.audio.get_nowait())
+            ended = pieces[-1] is None
+            pcm = b"".join(p for p in pieces if p)
+            chunks = ([AudioChunk(pcm=pcm)] if pcm else []) + ([AudioChunk(end=True)] if ended else [])
+            try:
+                await self.session.hub.broker.append_audio(rid, chunks, ttl_s)
+            except StreamfleetError as exc:
+                self.req.stream.fail(exc)
+                return
+            if ended:
+                return
+
+    async def _transcript(self, warn_after_s: float) -> None:
+        events = self.req.events("voice")
+        warned = False
+        started = time.monotonic()
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(events))
+                timeout = None
+                if not warned and not self.req.stream.started:
+                    timeout = max(0.0, started + warn_after_s - time.monotonic())
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if not done:
+                    warned = True
+                    await self.session.emit(self.frame(
+                        "warning", code="high_load", message=f"this utterance has waited {warn_after_s:g} s for a "
+                        f"speech worker; it stays queued until its deadline"))
+                    continue
+                ev, pending = pending.result(), None
+                if isinstance(ev, Token):
+                    if ev.text:
+                        await self.session.emit(self.frame("partial", text=ev.text))
+                elif isinstance(ev, End):
+                    await self.session.emit(self.frame(
+                        "final", request_id=self.req.request_id, text=ev.text, start_ms=self.start_ms,
+                        end_ms=self.end_ms if self.end_ms is not None else self.start_ms,
+                        finish_reason=ev.finish_reason))
+                    self.req.delivered()
+                    return
+                elif isinstance(ev, Failed):
+                    frame = ev.error.to_frame(self.config.client_id)
+                    frame["utterance"] = self.index
+                    await self.session.emit(frame)
+                    self.req.delivered()
+                    return
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            try:
+                await events.aclose()
+            except RuntimeError:
+                pass
+
+
+class VoiceSession(WebSocketSession):
+    """A voice WebSocket: the text WebSocket's connection handling, with audio frames."""
+
+    def __init__(self, ws: WebSocket, hub) -> None:
+        super().__init__(ws, hub)
+        self.transport = "voice"
+        self.audio_proto = AudioProtocol(hub.validator, hub.settings)
+        self.segmenter: Segmenter | None = None
+        self.config: AudioConfig | None = None
+        self.current: Utterance | None = None
+        self.utterances: list[Utterance] = []
+        self.count = 0  # utterances of this connection so far
+
+    # the read loop hands every frame here (gateway.ws.WebSocketSession._serve)
+    def receive_text(self, text: str) -> None:
+        self._handle(self.audio_proto.receive_text(text))
+
+    def receive_bytes(self, data: bytes) -> None:
+        self._handle(self.audio_proto.receive_bytes(data))
+
+    @property
+    def busy(self) -> bool:
+        """Something is running: a session started, or utterances still transcribing."""
+        return self.config is not None or any(not u.task.done() for u in self.utterances)
+
+    def _handle(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, Send):
+                self.send(out.frame)
+            elif isinstance(out, Start):
+                self._start(out.config)
+            elif isinstance(out, Audio):
+                self._segment(self.segmenter.feed(out.pcm))
+            elif isinstance(out, Stop):
+                self._segment(self.segmenter.flush())
+                self._spawn(self._stopped(self.config, list(self.utterances)))
+                self.segmenter, self.config = None, None
+
+    def _start(self, config: AudioConfig) -> None:
+        s = self.hub.settings
+        self.config = config
+        self.segmenter = Segmenter(make_detector(s.vad), hangover_ms=s.vad_hangover_ms, preroll_ms=s.vad_preroll_ms,
+                                   end_silence_ms=s.vad_end_silence_ms,
+                                   max_utterance_ms=int(s.max_utterance_s * 1000))
+        self.send({"type": "started", "id": config.client_id, "model": config.model,
+                   "sample_rate": config.sample_rate, "encoding": config.encoding, "vad": s.vad})
+
+    def _segment(self, events: list) -> None:
+        cid = self.config.client_id
+        for ev in events:
+            if isinstance(ev, SpeechStarted):
+                self.send({"type": "speech_started", "id": cid, "offset_ms": ev.offset_ms})
+                if self.current is None:
+                    self.current = Utterance(self, self.config, self.count, ev.offset_ms)
+                    self.count += 1
+                    self.utterances = [u for u in self.utterances if not u.task.done()] + [self.current]
+                self.current.push(ev.audio)
+            elif isinstance(ev, SpeechAudio):
+                if self.current is not None:
+                    self.current.push(ev.audio)
+            elif isinstance(ev, SpeechStopped):
+                self.send({"type": "speech_stopped", "id": cid, "offset_ms": ev.offset_ms})
+            elif isinstance(ev, UtteranceEnd):
+                if self.current is not None:
+                    self.current.start_ms = ev.start_ms
+                    self.current.end(ev.end_ms)
+                    self.current = None
+
+    async def _stopped(self, config: AudioConfig, utterances: list[Utterance]) -> None:
+        """After ``stop``: once every utterance has its final, say so."""
+        await asyncio.gather(*(u.task for u in utterances), return_exceptions=True)
+        await self.emit({"type": "stopped", "id": config.client_id, "utterances": len(utterances)})
+
+
+async def audio_stream(ws: WebSocket) -> None:
+    await VoiceSession(ws, ws.app.state.hub).run()

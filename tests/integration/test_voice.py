@@ -1,0 +1,237 @@
+"""Voice through the whole fleet: real speech (flite), the gateway's VAD, a speech worker
+on PocketSphinx, live partials and finals over /v1/audio/stream."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import orjson
+import pytest
+import websockets
+
+from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
+
+pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
+
+CHUNK_MS = 20
+BYTES_PER_MS = 32
+
+
+class Voice:
+    """One voice connection: send audio, collect every frame the gateway sends."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.frames: list[dict] = []
+        self.arrived: list[float] = []
+        self.reader = asyncio.create_task(self._read())
+        self.changed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, gw, **start) -> "Voice":
+        v = cls(await websockets.connect(gw.ws.replace("/v1/stream", "/v1/audio/stream"), max_size=None))
+        if start is not None:
+            await v.ws.send(orjson.dumps({"type": "start", "model": "asr-en", "sample_rate": 16000,
+                                          "encoding": "pcm_s16le", **start}).decode())
+        return v
+
+    async def _read(self) -> None:
+        try:
+            async for raw in self.ws:
+                self.frames.append(orjson.loads(raw))
+                self.arrived.append(time.monotonic())
+                self.changed.set()
+        except websockets.ConnectionClosed:
+            pass
+
+    async def send_audio(self, pcm: bytes, realtime: bool = False) -> None:
+        """In real time in 20 ms frames, or else in 100 ms frames at 100 a second (under
+        the connection's frame rate limit)."""
+        step = (CHUNK_MS if realtime else 100) * BYTES_PER_MS
+        t0 = time.monotonic()
+        for n, i in enumerate(range(0, len(pcm), step), 1):
+            await self.ws.send(pcm[i:i + step])
+            pace = CHUNK_MS / 1000 if realtime else 0.01
+            await asyncio.sleep(max(0.0, t0 + n * pace - time.monotonic()))
+
+    async def wait_for(self, predicate, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for f in self.frames:
+                if predicate(f):
+                    return f
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching frame in {timeout} s; got {self.frames}")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def of(self, kind: str) -> list[dict]:
+        return [f for f in self.frames if f["type"] == kind]
+
+    async def stop(self, timeout: float = 60.0) -> dict:
+        await self.ws.send(orjson.dumps({"type": "stop"}).decode())
+        return await self.wait_for(lambda f: f["type"] == "stopped", timeout)
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self.reader.cancel()
+
+
+@pytest.fixture
+def voice_fleet(fleet):
+    gw = fleet.gateway()
+    fleet.worker(model="asr-en")
+    return gw
+
+
+async def test_transcripts_are_accurate_with_partials_and_one_final_per_utterance(voice_fleet, rds, key_prefix):
+    v = await Voice.connect(voice_fleet)
+    await v.wait_for(lambda f: f["type"] == "started")
+    refs = list(SENTENCES[:5])
+    # the first sentence in real time: partials come while the client still speaks
+    await v.send_audio(silence(300) + speech(refs[0]), realtime=True)
+    last_audio_sent = time.monotonic()
+    await v.send_audio(silence(1000))
+    for ref in refs[1:]:  # then the rest as fast as the socket takes it, a second apart
+        await v.send_audio(speech(ref) + silence(1000))
+    await v.stop(timeout=120)
+    finals = v.of("final")
+    assert [f["utterance"] for f in finals] == list(range(len(refs))), v.frames
+    words = sum(len(r.split()) for r in refs)
+    errors = sum(wer(r, f["text"]) * len(r.split()) for r, f in zip(refs, finals))
+    assert errors / words <= 0.20, [(r, f["text"]) for r, f in zip(refs, finals)]
+    first_partial = next(i for i, f in enumerate(v.frames) if f["type"] == "partial" and f["utterance"] == 0)
+    assert v.arrived[first_partial] < last_audio_sent, "a partial before the utterance was over"
+    started = v.of("speech_started")
+    assert len(started) >= len(refs) and len(v.of("speech_stopped")) >= len(refs)
+    for f in finals:
+        assert f["end_ms"] > f["start_ms"] >= 0 and f["request_id"]
+    assert finals[1]["start_ms"] > finals[0]["end_ms"]
+    await v.close()
+    # one task per utterance, no more
+    lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
+    assert rds.xinfo_stream(lane)["entries-added"] == len(refs)
+
+
+async def test_silence_and_low_noise_create_no_task(voice_fleet, rds, key_prefix):
+    v = await Voice.connect(voice_fleet)
+    await v.wait_for(lambda f: f["type"] == "started")
+    await v.send_audio(silence(3000) + noise(3000))
+    stopped = await v.stop()
+    assert stopped["utterances"] == 0
+    assert not v.of("speech_started") and not v.of("final") and not v.of("error")
+    await v.close()
+    lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
+    assert not rds.exists(lane) or rds.xinfo_stream(lane)["entries-added"] == 0
+    assert not rds.keys(f"{key_prefix}:audio:*")
+
+
+async def test_bad_input_gets_clear_errors_and_nothing_reaches_redis(voice_fleet, rds, key_prefix):
+    cases = [
+        ({"sample_rate": 8000}, "out_of_range", "sample_rate"),
+        ({"encoding": "opus"}, "out_of_range", "encoding"),
+        ({"model": "tiny-gpt"}, "invalid_request", "model"),
+        ({"model": "no-such-model"}, "unknown_model", "model"),
+        ({"language": "de"}, "out_of_range", "language"),
+    ]
+    for start, code, param in cases:
+        v = await Voice.connect(voice_fleet, **start)
+        err = await v.wait_for(lambda f: f["type"] == "error")
+        assert (err["code"], err.get("param")) == (code, param), err
+        await v.close()
+    # audio before start, text where audio is expected, odd-length and oversized frames
+    ws = await websockets.connect(voice_fleet.ws.replace("/v1/stream", "/v1/audio/stream"))
+    await ws.send(b"\0\0" * 160)
+    assert orjson.loads(await ws.recv())["code"] == "invalid_frame"
+    await ws.send(orjson.dumps({"type": "start"}).decode())
+    assert orjson.loads(await ws.recv())["type"] == "started"
+    await ws.send("not json")
+    assert orjson.loads(await ws.recv())["code"] == "invalid_json"
+    await ws.send(b"\0" * 321)
+    err = orjson.loads(await ws.recv())
+    assert (err["code"], err["param"]) == ("invalid_request", "audio")
+    await ws.send(b"\0\0" * 16000)  # one second in one frame
+    assert orjson.loads(await ws.recv())["code"] == "frame_too_large"
+    await ws.send(orjson.dumps({"type": "start"}).decode())
+    assert orjson.loads(await ws.recv())["code"] == "invalid_frame"
+    # the connection lives on after each error
+    await ws.send(orjson.dumps({"type": "ping"}).decode())
+    assert orjson.loads(await ws.recv())["type"] == "pong"
+    await ws.close()
+    assert not rds.keys(f"{key_prefix}:audio:*")
+    lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
+    assert not rds.exists(lane) or rds.xinfo_stream(lane)["entries-added"] == 0
+
+
+async def test_inbound_frame_rate_is_limited_per_connection(voice_fleet):
+    v = await Voice.connect(voice_fleet)
+    await v.wait_for(lambda f: f["type"] == "started")
+    for _ in range(400):  # 10 ms frames, far faster than 150 a second
+        await v.ws.send(b"\0\0" * 160)
+    err = await v.wait_for(lambda f: f["type"] == "error")
+    assert err["code"] == "rate_limited" and err["retry_after_ms"] > 0
+    await asyncio.sleep(1.0)  # the bucket refills; the connection is still there
+    await v.ws.send(orjson.dumps({"type": "ping"}).decode())
+    await v.wait_for(lambda f: f["type"] == "pong")
+    await v.close()
+
+
+async def test_a_worker_killed_mid_utterance_still_gives_each_final_once(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    workers = [fleet.worker(model="asr-en", worker_dead_after_s=1.0) for _ in range(2)]
+    v = await Voice.connect(gw)
+    await v.wait_for(lambda f: f["type"] == "started")
+    ref = SENTENCES[0] + " " + SENTENCES[2]
+    sending = asyncio.create_task(v.send_audio(silence(300) + speech(SENTENCES[0]) + silence(200)
+                                               + speech(SENTENCES[2]) + silence(1500), realtime=True))
+    await v.wait_for(lambda f: f["type"] == "partial", timeout=30)
+    # the worker holding the utterance dies
+    lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
+    holder = rds.xpending_range(lane, "workers", "-", "+", 10)[0]["consumer"].decode()
+    victim = next(w for w in workers if f"-{w.popen.pid}-" in holder)
+    victim.popen.send_signal(signal.SIGKILL)
+    await sending
+    await v.stop(timeout=120)
+    finals = v.of("final")
+    assert len(finals) == 1, v.frames
+    assert wer(ref, finals[0]["text"]) <= 0.25, finals[0]["text"]
+    await v.close()
+
+
+def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
+    import subprocess
+    import sys
+
+    from scripts.flite import write_wav
+
+    wav = write_wav(tmp_path / "two.wav", silence(200) + speech(SENTENCES[1]) + silence(1200)
+                    + speech(SENTENCES[4]) + silence(800))
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(wav), "--fast", "--url",
+                          voice_fleet.http], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout
+    for line, ref in zip(lines, (SENTENCES[1], SENTENCES[4])):
+        assert line.startswith("[") and wer(ref, line.split("] ", 1)[1]) <= 0.25, line
+    # a file the fleet cannot take is refused by name, before anything is sent
+    bad = tmp_path / "stereo.wav"
+    import wave
+
+    with wave.open(str(bad), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0" * 6400)
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(bad), "--url", voice_fleet.http],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "mono 16-bit PCM" in out.stderr
+    r8k = write_wav(tmp_path / "8k.wav", b"\0\0" * 8000, rate=8000)
+    out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(r8k), "--url", voice_fleet.http],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "out_of_range" in out.stderr and "16000 Hz" in out.stderr

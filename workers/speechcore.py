@@ -1,0 +1,245 @@
+"""The speech worker's core, without I/O: one utterance per decoder slot, decoded as its
+audio arrives (docs/voice.md, "The worker").
+
+``SpeechCore`` has the shape of ``workers.core.WorkerCore`` (``add``, ``cancel``,
+``abandon``, ``step``, ``free_slots``…), so the worker's parts — intake, publisher,
+reclaim, drain, reload — serve speech models unchanged. The difference is the input: a
+text sequence has its prompt, an utterance has audio that is still arriving. The
+worker's ``AudioFeed`` (``workers/audio.py``) reads it from Redis and hands it over with
+``feed``; ``step`` decodes what was fed and emits:
+
+* ``TokenEvent(index, text)`` — a partial: the utterance's hypothesis so far, each
+  time it changes (index 0, text "", when the utterance starts: the gateway stops
+  counting its slot wait);
+* ``DoneEvent(text=…)`` — the final transcript, after the audio's end marker;
+* ``ErrorEvent`` — the task cannot be transcribed, or its audio stopped arriving.
+
+A redelivered utterance (another worker died) is decoded again from its first byte of
+audio: partial indices restart at 0 (the gateway drops those it delivered) and the final
+comes once. Thread safety as ``WorkerCore``: ``add``, ``feed``, ``cancel`` from the event
+loop take a short lock; ``step`` runs in the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from streamfleet.shared.errors import ErrorCode
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Task, TokenEvent
+
+from streamfleet.workers.core import StepOutput
+
+__all__ = ["SpeechCore", "AUDIO_IDLE_S"]
+
+log = get_logger("worker.speech")
+
+#: an utterance whose audio has not advanced for this long is failed (its gateway is gone:
+#: a live one sends its end marker within ``SF_VAD_END_SILENCE_MS`` of the last speech)
+AUDIO_IDLE_S = 10.0
+
+
+@dataclass(slots=True)
+class _Utterance:
+    task: Task
+    decoder: Any
+    admitted_at: float
+    inbox: list[bytes] = field(default_factory=list)
+    ended: bool = False  # the end marker has been fed
+    cancelled: bool = False
+    partials: int = 0  # partial events sent (the next one's index)
+    hypothesis: str | None = None
+    first_partial_at: float | None = None
+    audio_bytes: int = 0
+    fed_at: float = 0.0  # when audio last arrived
+
+
+class SpeechCore:
+    """Utterances of one speech engine.
+
+    Args:
+        engine: a ``workers.engines.speech.SpeechEngine`` (its decoder pool).
+        clock: unix seconds (``Task.created_at`` is on the same scale).
+    """
+
+    def __init__(self, engine: Any, *, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self._clock = clock
+        self._utts: dict[str, _Utterance] = {}
+        self._rejected: list[tuple[Task, ErrorCode, str]] = []
+        self._lock = threading.Lock()
+
+    # -- the core's shape ---------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        return int(self.engine.slots)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self._utts)
+
+    @property
+    def active(self) -> int:
+        return len(self._utts)
+
+    def has_work(self) -> bool:
+        return bool(self._utts or self._rejected)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._utts
+
+    def listening(self) -> list[str]:
+        """The utterances whose audio is still to come (the ``AudioFeed`` reads these)."""
+        with self._lock:
+            return [rid for rid, u in self._utts.items() if not u.ended and not u.cancelled]
+
+    def ready(self) -> bool:
+        """Whether ``step`` has something to do now (audio fed, an end, a start to
+        announce, a cancel or a refusal), so the audio read need not wait."""
+        with self._lock:
+            return bool(self._rejected) or any(u.inbox or u.ended or u.cancelled or u.partials == 0
+                                               for u in self._utts.values())
+
+    def add(self, task: Task, replay: list[int] | None = None) -> None:
+        """Start an utterance (``replay`` is for text; an utterance restarts from its
+        audio). A task that cannot be transcribed ends with an ErrorEvent next step.
+
+        Raises:
+            ValueError: no free slot, or the utterance is already here.
+        """
+        now = self._clock()
+        problem = self._validate(task, now)
+        if problem is not None:
+            with self._lock:
+                self._rejected.append((task, *problem))
+            return
+        with self._lock:
+            if task.request_id in self._utts:
+                raise ValueError(f"request {task.request_id} is already running")
+            if len(self._utts) >= self.max_batch:
+                raise ValueError("no free decoder slot")
+            decoder = self.engine.acquire()
+            decoder.begin()
+            self._utts[task.request_id] = _Utterance(task, decoder, admitted_at=now, fed_at=now)
+
+    def _validate(self, task: Task, now: float) -> tuple[ErrorCode, str] | None:
+        if task.audio is None:
+            return ErrorCode.invalid_request, f"model {task.model!r} transcribes audio; this task has none"
+        if task.audio.sample_rate != self.engine.sample_rate:
+            return (ErrorCode.invalid_request, f"model {task.model!r} takes {self.engine.sample_rate} Hz audio, "
+                    f"not {task.audio.sample_rate} Hz")
+        if task.audio.encoding != "pcm_s16le":
+            return ErrorCode.invalid_request, f"unsupported audio encoding {task.audio.encoding!r}"
+        if task.deadline is not None and now > task.deadline:
+            return ErrorCode.timeout, "the utterance's deadline passed before a worker could start it"
+        return None
+
+    def feed(self, request_id: str, pcm: list[bytes], ended: bool) -> None:
+        """Audio read from the utterance's stream (and whether its end marker came)."""
+        with self._lock:
+            u = self._utts.get(request_id)
+            if u is None:
+                return
+            if pcm:
+                u.inbox.extend(pcm)
+                u.fed_at = self._clock()
+            u.ended = u.ended or ended
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            u = self._utts.get(request_id)
+            if u is None:
+                return False
+            u.cancelled = True
+            return True
+
+    def abandon(self, request_id: str) -> bool:
+        """Drop an utterance without a word (another worker has it now)."""
+        with self._lock:
+            u = self._utts.pop(request_id, None)
+        if u is None:
+            return False
+        self._release(u)
+        return True
+
+    def abandon_all(self) -> list[Task]:
+        with self._lock:
+            utts, self._utts = list(self._utts.values()), {}
+        for u in utts:
+            self._release(u)
+        return [u.task for u in utts]
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """Decode the audio fed since the last step; emit changed partials and finals."""
+        out = StepOutput()
+        now = self._clock()
+        with self._lock:
+            rejected, self._rejected = self._rejected, []
+            work = []
+            for rid, u in self._utts.items():
+                work.append((u, u.inbox, u.ended, u.cancelled))
+                u.inbox = []
+        for task, code, message in rejected:
+            out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
+            out.finished.append(task.request_id)
+        for u, pcm, ended, cancelled in work:
+            rid = u.task.request_id
+            if cancelled:
+                self._end(u, out, now, "cancelled", u.hypothesis or "")
+                continue
+            try:
+                if pcm:
+                    out.batch_size += 1
+                    for piece in pcm:
+                        u.decoder.feed(piece)
+                        u.audio_bytes += len(piece)
+                if ended:
+                    self._end(u, out, now, "stop", u.decoder.finish())
+                    continue
+                text = u.decoder.hypothesis() if pcm else u.hypothesis
+                if u.partials == 0 or (text is not None and text != u.hypothesis):
+                    self._partial(u, out, now, text or "")
+                if now - u.fed_at > AUDIO_IDLE_S:
+                    self._fail(u, out, ErrorCode.timeout, f"no audio for {AUDIO_IDLE_S:g} s and no end of utterance")
+            except Exception as exc:  # a decoder failure ends this utterance, not the worker
+                log.exception("speech decoding failed", request_id=rid, trace_id=u.task.trace_id)
+                self._fail(u, out, ErrorCode.engine_error, f"speech decoding failed: {exc}")
+        return out
+
+    def _partial(self, u: _Utterance, out: StepOutput, now: float, text: str) -> None:
+        out.events.append((u.task.reply_to, TokenEvent(u.task.request_id, u.partials, text)))
+        u.partials += 1
+        u.hypothesis = text
+        if u.first_partial_at is None:
+            u.first_partial_at = now
+
+    def _end(self, u: _Utterance, out: StepOutput, now: float, reason: str, text: str) -> None:
+        t = u.task
+        created = t.created_at
+        # completion_tokens counts the partials sent, as a text request's counts its tokens:
+        # the gateway checks it has every index before it passes the end on
+        done = DoneEvent(t.request_id, reason, prompt_tokens=0, completion_tokens=u.partials,
+                         queue_ms=max(0.0, (u.admitted_at - created) * 1000.0),
+                         ttft_ms=max(0.0, ((u.first_partial_at or now) - created) * 1000.0),
+                         total_ms=max(0.0, (now - created) * 1000.0), text=text)
+        out.events.append((t.reply_to, done))
+        out.finished.append(t.request_id)
+        self._remove(u)
+
+    def _fail(self, u: _Utterance, out: StepOutput, code: ErrorCode, message: str) -> None:
+        out.events.append((u.task.reply_to, ErrorEvent(u.task.request_id, str(code), message)))
+        out.finished.append(u.task.request_id)
+        self._remove(u)
+
+    def _remove(self, u: _Utterance) -> None:
+        with self._lock:
+            self._utts.pop(u.task.request_id, None)
+        self._release(u)
+
+    def _release(self, u: _Utterance) -> None:
+        """Give the decoder back to the pool (which aborts an utterance still open)."""
+        self.engine.release(u.decoder)
