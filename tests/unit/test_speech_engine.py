@@ -314,6 +314,8 @@ def test_speech_fields_are_checked(tmp_path):
     assert rate.options == {"final_pass": False}
     with pytest.raises(FatalError, match="16000 Hz"):
         load_speech_engine(rate)
+    with pytest.raises(FatalError, match="final_pass must be true or false"):
+        load_speech_engine(spec(), final_pass="maybe")
     unknown = write_model(tmp_path, "ctc", 'kind = "asr"\nbackend = "whisperish"\n')
     assert not unknown.artifacts_present()
     with pytest.raises(FatalError, match="unknown speech backend"):

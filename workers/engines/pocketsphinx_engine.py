@@ -5,13 +5,13 @@ Two passes, because one cannot give both partials and good finals:
 * The streaming pass: each slot's decoder takes every chunk with
   ``process_raw(full_utt=False)``, which is what makes partials possible. But a
   streaming decoder normalises the features with a *live* cepstral mean that starts
-  from the acoustic model's prior (``cmninit``) and barely moves within one utterance,
-  and the bundled model was trained with per-utterance (batch) means: its finals have
-  a 21% word error rate on the test sentences (docs/voice.md has the table).
+  from the acoustic model's prior (``cmninit``) and is not updated within an utterance
+  shorter than 8 s, while the bundled model expects per-utterance (batch) means: its
+  finals have a 21% word error rate on the test sentences (docs/voice.md has the table).
 * The final pass: at ``finish``, the utterance's retained audio is decoded again, whole
   (``process_raw(full_utt=True)``), so that the mean is the utterance's own: 2.4% WER.
 
-The final pass costs about as much again as the streaming pass; it runs on one decoder
+The final pass costs about twice what the (pruned) streaming pass does; it runs on one decoder
 shared by every slot (behind a lock: finishes are serialised, which costs nothing when
 one executor thread drives all decoders, the intended use) and the streaming decoders
 skip the ``fwdflat``/``bestpath`` refinements whose only product is a final they no
@@ -155,11 +155,14 @@ class PocketSphinxEngine(SpeechEngine):
         if spec.sample_rate != SAMPLE_RATE:
             raise FatalError(f"speech model {spec.name!r}: pocketsphinx's bundled model takes {SAMPLE_RATE} Hz "
                              f"audio, not {spec.sample_rate} Hz")
-        n = int(slots if slots is not None else spec.slots)
         use_final = _as_bool(final_pass if final_pass is not None else spec.options.get("final_pass", True),
                              spec, "final_pass")
-        max_s = float(final_pass_max_s if final_pass_max_s is not None
-                      else spec.options.get("final_pass_max_s", FINAL_PASS_MAX_S))
+        try:
+            n = int(slots if slots is not None else spec.slots)
+            max_s = float(final_pass_max_s if final_pass_max_s is not None
+                          else spec.options.get("final_pass_max_s", FINAL_PASS_MAX_S))
+        except (TypeError, ValueError) as exc:
+            raise FatalError(f"speech model {spec.name!r}: slots and final_pass_max_s must be numbers: {exc}") from exc
         if n < 1 or max_s <= 0:
             raise FatalError(f"speech model {spec.name!r}: slots must be at least 1 and final_pass_max_s "
                              f"positive (got {n}, {max_s})")
@@ -172,7 +175,7 @@ class PocketSphinxEngine(SpeechEngine):
                                 "samprate": SAMPLE_RATE, "loglevel": "FATAL"}
         # With a final pass the streaming decoders give partials only: no fwdflat/bestpath
         # (they refine a final that is not used), and every other frame scored (ds) with at
-        # most 3000 HMMs a frame, which costs a third less and left the partials' WER as
+        # most 3000 HMMs a frame, which costs about 40% less and left the partials' WER as
         # it was (docs/voice.md); the final pass keeps the model's settings, which those
         # cuts made worse (2.4% -> 4.8% WER).
         streaming = base if not use_final else {**base, "fwdflat": False, "bestpath": False, "ds": 2,

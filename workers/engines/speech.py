@@ -245,7 +245,8 @@ class SpeechEngine(ABC):
                 self._free.append(decoder)
 
     def close(self) -> None:
-        """Abort every utterance and free the model; later ``acquire`` calls raise."""
+        """Abort every utterance and free the model; later ``acquire`` calls raise. Call
+        it once no decoder call is running (at shutdown, after the executor drained)."""
         with self._lock:
             if self._closed:
                 return
