@@ -24,9 +24,8 @@ from typing import Any, Callable, Union
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
-from streamfleet.shared.keys import LANES
-
 from streamfleet.gateway.protocol import Send
+from streamfleet.gateway.validation import check_lane
 
 __all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "ENCODINGS",
            "MAX_FRAME_MS"]
@@ -109,12 +108,20 @@ class AudioProtocol:
         self.bucket = TokenBucket(settings.audio_frames_per_s, settings.audio_frames_burst, clock)
 
     # -- frames --------------------------------------------------------------------------
-    def receive_bytes(self, data: bytes) -> list[Output]:
+    def _over_rate(self) -> list[Output]:
+        """Take a frame's token: [] when there was one, else the ``rate_limited`` error
+        that goes out instead of handling the frame."""
         retry = self.bucket.take()
-        if retry is not None:
-            return [Send(RefusedError(f"more than {self.settings.audio_frames_per_s:g} frames a second; this "
-                                      f"frame was dropped", code=ErrorCode.rate_limited,
-                                      retry_after_ms=retry).to_frame(self._id()))]
+        if retry is None:
+            return []
+        return [Send(RefusedError(f"more than {self.settings.audio_frames_per_s:g} frames a second; this frame "
+                                  f"was dropped", code=ErrorCode.rate_limited,
+                                  retry_after_ms=retry).to_frame(self._id()))]
+
+    def receive_bytes(self, data: bytes) -> list[Output]:
+        refused = self._over_rate()
+        if refused:
+            return refused
         cfg = self.config
         if cfg is None:
             return [Send(ValidationError("audio before 'start': send a start frame first",
@@ -132,11 +139,9 @@ class AudioProtocol:
         return [Audio(data)]
 
     def receive_text(self, text: str) -> list[Output]:
-        retry = self.bucket.take()
-        if retry is not None:
-            return [Send(RefusedError(f"more than {self.settings.audio_frames_per_s:g} frames a second; this "
-                                      f"frame was dropped", code=ErrorCode.rate_limited,
-                                      retry_after_ms=retry).to_frame(self._id()))]
+        refused = self._over_rate()
+        if refused:
+            return refused
         limit = min(self.settings.max_frame_bytes, 64 * 1024)  # control frames are small
         if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
             return [Send(ValidationError(f"a text frame may be at most {limit} bytes",
@@ -217,13 +222,7 @@ class AudioProtocol:
             if not _same_language(language, spec.language):
                 raise ValidationError(f"model {model!r} transcribes {spec.language}, not {language!r}",
                                       code=ErrorCode.out_of_range, param="language")
-        lane = msg.get("priority", "normal")
-        if lane is None:
-            lane = "normal"
-        if lane not in LANES:
-            raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
-                                  code=ErrorCode.out_of_range if isinstance(lane, str) else ErrorCode.invalid_type,
-                                  param="priority")
+        lane = check_lane(msg.get("priority"))
         return AudioConfig(client_id=cid, model=spec.name, sample_rate=rate, encoding=encoding,
                            language=spec.language, lane=lane)
 

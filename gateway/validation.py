@@ -26,7 +26,7 @@ from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokeni
 from streamfleet.shared.schema import AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat"]
+__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane"]
 
 MAX_ID_CHARS = 128
 MAX_SEED = 2**63 - 1
@@ -135,6 +135,21 @@ def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+def check_lane(value: Any) -> str:
+    """The lane a request's ``priority`` names (absent or null: ``normal``).
+
+    Raises:
+        ValidationError: not one of the lanes.
+    """
+    if value is None:
+        return "normal"
+    if value not in LANES:
+        raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
+                              code=ErrorCode.out_of_range if isinstance(value, str) else ErrorCode.invalid_type,
+                              param="priority")
+    return value
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -216,13 +231,7 @@ class Validator:
             raise ValidationError(f"model {spec.name!r} is a {spec.kind} model, not a text model; stream audio to "
                                   f"/v1/audio/stream for it", code=ErrorCode.invalid_request, param="model")
 
-        lane = p.get("priority", "normal")
-        if lane is None:
-            lane = "normal"
-        if lane not in LANES:
-            raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
-                                  code=ErrorCode.out_of_range if isinstance(lane, str) else ErrorCode.invalid_type,
-                                  param="priority")
+        lane = check_lane(p.get("priority"))
 
         explicit = frozenset(name for name in ("max_tokens", "timeout") if p.get(name) is not None)
         max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
