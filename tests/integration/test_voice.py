@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 
+import httpx
 import orjson
 import pytest
 import websockets
@@ -235,3 +236,59 @@ def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
     out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(r8k), "--url", voice_fleet.http],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "out_of_range" in out.stderr and "16000 Hz" in out.stderr
+
+
+async def test_a_gateway_that_dies_stops_its_utterances(fleet, rds, key_prefix):
+    gw = fleet.gateway()
+    worker = fleet.worker(model="asr-en")
+    v = await Voice.connect(gw)
+    await v.wait_for(lambda f: f["type"] == "started")
+    sending = asyncio.create_task(v.send_audio(silence(300) + speech(SENTENCES[0]) + speech(SENTENCES[3]),
+                                               realtime=True))
+    await v.wait_for(lambda f: f["type"] == "partial", timeout=30)
+    lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
+    assert rds.xpending(lane, "workers")["pending"] == 1
+    gw.popen.kill()  # mid-utterance: no end marker will ever come
+    sending.cancel()
+    # the worker notices nobody hears the utterance and frees its slot
+    t0 = time.monotonic()
+    while rds.xpending(lane, "workers")["pending"] and time.monotonic() - t0 < 20:
+        await asyncio.sleep(0.1)
+    assert rds.xpending(lane, "workers")["pending"] == 0, worker.log()
+    assert time.monotonic() - t0 < 12
+    assert worker.alive()
+
+
+async def test_redis_outage_ends_utterances_clearly_and_voice_resumes(own_redis, tmp_path):
+    from streamfleet.launcher import EmbeddedRedis
+    from tests.integration.conftest import FleetFactory
+
+    fleet = FleetFactory(own_redis.url, "sfvoice", tmp_path)
+    restarted = None
+    try:
+        gw = fleet.gateway()
+        fleet.worker(model="asr-en")
+        v = await Voice.connect(gw)
+        await v.wait_for(lambda f: f["type"] == "started")
+        sending = asyncio.create_task(v.send_audio(silence(300) + speech(SENTENCES[0]) + speech(SENTENCES[3])
+                                                   + silence(1000), realtime=True))
+        await v.wait_for(lambda f: f["type"] == "partial", timeout=30)
+        own_redis.proc.terminate()
+        own_redis.proc.wait(10)
+        err = await v.wait_for(lambda f: f["type"] == "error", timeout=30)
+        assert err["code"] == "broker_unavailable" and err["utterance"] == 0, err
+        await sending
+        restarted = EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
+        async with httpx.AsyncClient(timeout=15) as http:
+            deadline = time.monotonic() + 30
+            while (await http.get(gw.http + "/readyz")).status_code != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        await v.send_audio(speech(SENTENCES[2]) + silence(1000))
+        final = await v.wait_for(lambda f: f["type"] == "final", timeout=60)
+        assert wer(SENTENCES[2], final["text"]) <= 0.25, final
+        await v.close()
+    finally:
+        fleet.close()
+        if restarted is not None:
+            restarted.stop()
