@@ -114,7 +114,7 @@ class GatewaySettings(CommonSettings):
     audio_frames_per_s: float = 150.0
     audio_frames_burst: float = 300.0
     #: voice activity detector: silero | webrtc | energy
-    vad: str = "silero"
+    vad: Literal["silero", "webrtc", "energy"] = "silero"
     #: speech this quiet for this long ends its utterance (ms)
     vad_end_silence_ms: int = 600
     #: audio kept after the last voiced frame before speech counts as stopped (ms)

@@ -19,6 +19,21 @@ app.add_typer(keys_app, name="keys", help="Manage API keys: add, list, revoke (s
 app.add_typer(engines_app, name="engines", help="TensorRT plans: build (here or on a GPU queue), list, build worker.")
 
 
+def _settings(cls, overrides: dict):
+    """The process's settings; a bad value stops it with one line per bad setting, naming
+    the variable (docs/configuration.md), not a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err.get("loc") else "?"
+            where = f"--{name.replace('_', '-')}" if name in overrides else f"SF_{name.upper()}"
+            print(f"error: invalid setting {where}={err.get('input')!r}: {err['msg']}", file=sys.stderr)
+        raise typer.Exit(2)
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="gateway bind address"),
@@ -56,7 +71,7 @@ def gateway(
 
     overrides = {k: v for k, v in {"host": host, "port": port, "redis_url": redis_url, "metrics_port": metrics_port,
                                    "metrics_host": metrics_host, "grpc_port": grpc_port}.items() if v is not None}
-    settings = GatewaySettings(**overrides)
+    settings = _settings(GatewaySettings, overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
     # the voice detectors' small matrix products (gateway/vad.py) run several times slower
     # when BLAS spreads each over threads; set before numpy loads
@@ -80,7 +95,7 @@ def worker(
 
     overrides = {k: v for k, v in {"model": model, "backend": backend, "max_batch": max_batch,
                                    "redis_url": redis_url, "threads": threads}.items() if v is not None}
-    settings = WorkerSettings(**overrides)
+    settings = _settings(WorkerSettings, overrides)
     configure_logging(settings.log_level, settings.log_format, process="worker")
     from streamfleet.workers.process import run_worker
 
