@@ -62,9 +62,7 @@ class Hub:
         # to the reconnect backoff after Redis restarts) no request here can get its events
         if not self.broker.healthy:
             return False, {"status": "unavailable", "reason": "pub/sub connection down"}
-        models = {}
-        for name in self.validator.model_names():
-            models[name] = len(await self.broker.live_workers(name))
+        models = await self._worker_counts()
         if not any(models.values()):
             return False, {"status": "unavailable", "reason": "no live worker", "workers": models}
         return True, {"status": "ready", "workers": models}
@@ -75,15 +73,15 @@ class Hub:
         Raises:
             UnavailableError: Redis cannot be read.
         """
-        out = []
         try:
-            for name in self.validator.model_names():
-                workers = await self.broker.live_workers(name)
-                if workers:
-                    out.append((name, len(workers)))
+            counts = await self._worker_counts()
         except Exception as exc:
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
-        return out
+        return [(name, n) for name, n in counts.items() if n]
+
+    async def _worker_counts(self) -> dict[str, int]:
+        """Live workers of each model served here."""
+        return {name: len(await self.broker.live_workers(name)) for name in self.validator.model_names()}
 
 
 def json_response(data: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -16,8 +16,8 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
-from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord, Task,
-                                       decode_events, live_workers)
+from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord,
+                                       Task, decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.pubsub import PubSubConnection, open_pubsub

@@ -33,14 +33,15 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from streamfleet.shared.errors import ErrorCode, GenerationError, RefusedError, StreamfleetError, \
+from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, \
     UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
-from streamfleet.gateway.observe import trace_id_from
+from streamfleet.gateway.admission import revoked_error
+from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.session import Session
@@ -56,6 +57,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "streamfleet.
 ERROR_DOMAIN = "streamfleet"
 #: seconds between two readiness checks behind the health service
 HEALTH_PERIOD_S = 1.0
+#: a Stream call with nothing to send looks this often whether a drain has begun
+STREAM_CHECK_S = 1.0
 #: frames a Stream call queues for a client that reads slower than its requests produce;
 #: past it, the requests wait (as a WebSocket's wait on the socket)
 STREAM_OUTBOX = 256
@@ -338,48 +341,32 @@ class InferenceService(pb_grpc.InferenceServicer):
                     req.delivered()
         finally:
             with anyio.CancelScope(shield=True):
-                try:
-                    await events.aclose()
-                except RuntimeError:
-                    pass
+                await stop_events(None, events)
                 await req.close(reason="grpc_call_ended")
 
     async def Stream(self, request_iterator: AsyncIterator[pb.ClientFrame], context: aio.ServicerContext):
         hub = self.hub
-        s = hub.settings
         md = _metadata(context)
         session = _StreamSession(hub)
-        admission = hub.admission
         try:
             session.identity = await self._caller(md)
-            if hub.connections >= s.max_connections:
-                raise RefusedError("this gateway holds too many connections; retry another or later",
-                                   code=ErrorCode.overloaded, retry_after_ms=1000)
-            await admission.connect(session.identity, session.channel.connection_id)
+            full = session.at_capacity()
+            if full is not None:
+                raise full
+            await session.connect()
         except StreamfleetError as exc:
             await self._refuse(context, exc)
         session.trace_id = trace_id_from(md.get("traceparent"))
-        revoked = asyncio.get_running_loop().create_future()
-
-        async def on_revoked() -> None:
-            if not revoked.done():
-                revoked.set_result(None)
-
-        watch = admission.watch(session.identity, on_revoked)
-        hub.connections += 1
-        metrics.connections.inc()
         reader: asyncio.Task | None = None
+        getter: asyncio.Future | None = None
         try:
             try:
                 await session.channel.open()
             except StreamfleetError as exc:
                 await self._refuse(context, exc)
             reader = asyncio.create_task(session.read(request_iterator))
-            getter: asyncio.Future | None = None
             while True:
-                if revoked.done():
-                    from streamfleet.gateway.admission import revoked_error
-
+                if session.revoked.done():
                     await abort(context, revoked_error())
                 idle = not session.proto.in_flight and session.outbox.empty()
                 if hub.draining and (idle or hub.drain_expired):
@@ -390,8 +377,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                     return  # the client half-closed and every request ended: OK
                 if getter is None:
                     getter = asyncio.ensure_future(session.outbox.get())
-                wait = {getter, revoked} | ({reader} if not reader.done() else set())
-                done, _ = await asyncio.wait(wait, timeout=HEALTH_PERIOD_S, return_when=asyncio.FIRST_COMPLETED)
+                wait = {getter, session.revoked} | ({reader} if not reader.done() else set())
+                done, _ = await asyncio.wait(wait, timeout=STREAM_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     frame, getter = getter.result(), None
                     yield server_frame(frame)
@@ -403,10 +390,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     getter.cancel()
                 await session.channel.close("disconnect")
                 session.cancel_tasks()
-                hub.connections -= 1
-                metrics.connections.dec()
-                admission.unwatch(session.identity, watch)
-                await admission.disconnect(session.identity, session.channel.connection_id)
+                await session.disconnect()
 
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from typing import AsyncIterator
@@ -11,7 +12,7 @@ from streamfleet.shared.metrics import gateway as m
 
 from streamfleet.gateway.streams import End, Failed, RequestStream, StreamEvent, Token
 
-__all__ = ["observed", "trace_id_from"]
+__all__ = ["observed", "stop_events", "trace_id_from"]
 
 log = get_logger("gateway")
 
@@ -72,3 +73,18 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
         log.info("request ended", request_id=stream.request_id, trace_id=stream.trace_id, outcome=outcome,
                  code=code or None, tokens=stream.next_index, transport=transport,
                  duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+
+async def stop_events(pending: asyncio.Future | None, events: AsyncIterator) -> None:
+    """Stop reading a stream's ``observed`` events (``pending``: a read still under way)
+    and let the observer record the outcome."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+        try:
+            await pending
+        except BaseException:
+            pass
+    try:
+        await events.aclose()
+    except RuntimeError:
+        pass

@@ -30,7 +30,7 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
-from streamfleet.gateway.observe import trace_id_from
+from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 
@@ -303,24 +303,10 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
                 return
     finally:
         with anyio.CancelScope(shield=True):
-            await _finish(pending, events)
+            await stop_events(pending, events)
         # the slot goes back only if the request ended; one left running (the client left)
         # keeps it until the worker ends it (ClientRequest.release)
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
-
-
-async def _finish(pending: asyncio.Future | None, events: AsyncIterator) -> None:
-    """Stop reading a stream's events and let its observer record the outcome."""
-    if pending is not None and not pending.done():
-        pending.cancel()
-        try:
-            await pending
-        except BaseException:
-            pass
-    try:
-        await events.aclose()
-    except RuntimeError:
-        pass
 
 
 async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Response:
@@ -349,7 +335,7 @@ async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Re
         ev = consumer.result()
     finally:
         watcher.cancel()
-        await _finish(consumer, events)
+        await stop_events(consumer, events)
     if isinstance(ev, Failed):
         return openai_error_response(ev.error)
     return Response(orjson.dumps(shape.full("".join(parts), ev)), media_type="application/json")

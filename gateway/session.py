@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError
+from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
@@ -45,6 +45,45 @@ class Session:
         self.tasks: set[asyncio.Task] = set()
         self.identity = None  # the API key's identity (None with auth off)
         self.trace_id: str | None = None  # from the connection's traceparent, when it sent one
+        #: done once the API key is revoked while connected (it also wakes the adapter's loop)
+        self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._watch: int | None = None  # the revocation watch ``connect`` set
+
+    # -- the connection ------------------------------------------------------------------
+    def at_capacity(self) -> RefusedError | None:
+        """The refusal for a connection this process has no room for, or None."""
+        if self.hub.connections >= self.hub.settings.max_connections:
+            return RefusedError("this gateway holds too many connections; retry another or later",
+                                code=ErrorCode.overloaded, retry_after_ms=1000)
+        return None
+
+    async def connect(self) -> None:
+        """Take one of the API key's connection slots (all gateways together) and count the
+        connection here until ``disconnect``; a revoked key completes ``revoked``.
+
+        Raises:
+            StreamfleetError: ``Admission.connect``'s refusals (the key's connection cap,
+                the broker); nothing is held then.
+        """
+        admission = self.hub.admission
+        await admission.connect(self.identity, self.channel.connection_id)
+        self._watch = admission.watch(self.identity, self._key_revoked)
+        self.hub.connections += 1
+        metrics.connections.inc()
+
+    async def disconnect(self) -> None:
+        """Give back what ``connect`` took."""
+        admission = self.hub.admission
+        self.hub.connections -= 1
+        metrics.connections.dec()
+        admission.unwatch(self.identity, self._watch)
+        await admission.disconnect(self.identity, self.channel.connection_id)
+
+    async def _key_revoked(self) -> None:
+        """The connection's API key was revoked: the adapter ends the connection (its
+        requests are cancelled, as on any clean close)."""
+        if not self.revoked.done():
+            self.revoked.set_result(None)
 
     # -- the adapter's writes ----------------------------------------------------------
     def send(self, frame: dict) -> None:

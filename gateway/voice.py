@@ -28,6 +28,7 @@ from streamfleet.shared.schema import AudioChunk, AudioInput, SamplingParams
 
 from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocol import Send
+from streamfleet.gateway.observe import stop_events
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 from streamfleet.gateway.vad import (Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd,
@@ -66,6 +67,10 @@ class Utterance:
     def frame(self, kind: str, **fields) -> dict:
         return {"type": kind, "id": self.config.client_id, "utterance": self.index, **fields}
 
+    def error_frame(self, error: StreamfleetError) -> dict:
+        """The text protocol's ``error`` frame, naming this utterance."""
+        return error.to_frame(self.config.client_id) | {"utterance": self.index}
+
     async def run(self) -> None:
         cfg, s = self.config, self.session.hub.settings
         draft = Draft(client_id=cfg.client_id, model=cfg.model, lane=cfg.lane,
@@ -79,9 +84,7 @@ class Utterance:
                 await self.req.submit(draft, trace_id=self.session.trace_id)
             except StreamfleetError as exc:
                 metrics.refusals.labels("voice", str(exc.code)).inc()
-                frame = exc.to_frame(cfg.client_id)
-                frame["utterance"] = self.index
-                await self.session.emit(frame)
+                await self.session.emit(self.error_frame(exc))
                 return
             writer = asyncio.create_task(self._write_audio(s.request_timeout_s + s.log_ttl_s))
             await self._transcript(s.voice_slot_warning_s)
@@ -140,18 +143,11 @@ class Utterance:
                     self.req.delivered()
                     return
                 elif isinstance(ev, Failed):
-                    frame = ev.error.to_frame(self.config.client_id)
-                    frame["utterance"] = self.index
-                    await self.session.emit(frame)
+                    await self.session.emit(self.error_frame(ev.error))
                     self.req.delivered()
                     return
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-            try:
-                await events.aclose()
-            except RuntimeError:
-                pass
+            await stop_events(pending, events)
 
 
 class VoiceSession(WebSocketSession):

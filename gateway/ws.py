@@ -15,7 +15,7 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
@@ -56,8 +56,6 @@ class WebSocketSession(Session):
         self.ws = ws
         self.outbox: asyncio.Queue[dict | None] = asyncio.Queue()
         self.broken = False  # a write failed: the socket is gone
-        #: done once the API key is revoked while connected (it also wakes the read loop)
-        self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def send(self, frame: dict) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
@@ -107,10 +105,9 @@ class WebSocketSession(Session):
             await self._refuse(StreamfleetError(f"origin {origin!r} is not allowed", code=ErrorCode.forbidden),
                                1008, "origin not allowed")
             return
-        if self.hub.connections >= s.max_connections:
-            await self._refuse(RefusedError("this gateway holds too many connections; retry another or later",
-                                            code=ErrorCode.overloaded, retry_after_ms=1000),
-                               1013, "too many connections; try again later")
+        full = self.at_capacity()
+        if full is not None:
+            await self._refuse(full, 1013, "too many connections; try again later")
             return
         admission = self.hub.admission
         try:
@@ -123,29 +120,17 @@ class WebSocketSession(Session):
             structlog.contextvars.bind_contextvars(key_id=self.identity.key_id)
         self.trace_id = trace_id_from(self.ws.headers.get("traceparent"))
         try:
-            await admission.connect(self.identity, self.channel.connection_id)
+            await self.connect()
         except StreamfleetError as exc:
             metrics.refusals.labels("ws", str(exc.code)).inc()
             reason = "too many connections for this API key" if exc.code == ErrorCode.too_many_requests \
                 else "broker unavailable"
             await self._refuse(exc, 1013, reason)
             return
-        watch = admission.watch(self.identity, self._key_revoked)
-        self.hub.connections += 1
-        metrics.connections.inc()
         try:
             await self._serve()
         finally:
-            self.hub.connections -= 1
-            metrics.connections.dec()
-            admission.unwatch(self.identity, watch)
-            await admission.disconnect(self.identity, self.channel.connection_id)
-
-    async def _key_revoked(self) -> None:
-        """The connection's API key was revoked: end the connection (its requests are
-        cancelled, as on any clean close)."""
-        if not self.revoked.done():
-            self.revoked.set_result(None)
+            await self.disconnect()
 
     async def _serve(self) -> None:
         s = self.hub.settings

@@ -116,8 +116,6 @@ async def run_arq_bench(redis_url: str, *, concurrency: int, requests: int, max_
             rec, fut = item
             for ev in orjson.loads(msg["data"]):
                 if ev["type"] == "token":
-                    if rec.first is None:
-                        rec.first = now
                     rec.token_times.append(now)
                 elif ev["type"] == "done":
                     rec.end = now

@@ -145,13 +145,17 @@ class RequestRecord:
 
     lane: str
     start: float
-    first: float | None = None
     end: float | None = None
     #: arrival time of every token (WebSocket, gRPC: each token frame; SSE: each chunk with text)
     token_times: list[float] = field(default_factory=list)
     #: completion tokens the server reported (``usage``), else the token frames counted
     tokens: int = 0
     error: str | None = None
+
+    @property
+    def first(self) -> float | None:
+        """When the first token arrived."""
+        return self.token_times[0] if self.token_times else None
 
     @property
     def ok(self) -> bool:
@@ -315,8 +319,6 @@ class _WsConn:
                 rec, fut = item
                 kind = msg.get("type")
                 if kind == "token":
-                    if rec.first is None:
-                        rec.first = now
                     rec.token_times.append(now)
                 elif kind == "done":
                     rec.end = now
@@ -392,8 +394,6 @@ async def _sse_request(http: httpx.AsyncClient, base: str, cfg: BenchConfig, rec
                     for choice in chunk.get("choices") or ():
                         if choice.get("text"):
                             chunks += 1
-                            if rec.first is None:
-                                rec.first = now
                             rec.token_times.append(now)
                     if chunk.get("usage"):
                         rec.tokens = int(chunk["usage"].get("completion_tokens", chunks))
@@ -460,8 +460,6 @@ class _GrpcChannel:
                     now = perf()
                     kind = event.WhichOneof("event")
                     if kind == "token":
-                        if rec.first is None:
-                            rec.first = now
                         rec.token_times.append(now)
                     elif kind == "done":
                         rec.end = now

@@ -45,12 +45,13 @@ class AudioFeed(Part):
         if not listening:
             return
         ready = any(vc.core.ready() for vc in self.cores.all())
-        streams = {self.keys.audio(rid): self.cursors.get(rid, b"0-0") for rid in listening}
+        rids = {self.keys.audio(rid).encode(): rid for rid in listening}
+        streams = {key: self.cursors.get(rid, b"0-0") for key, rid in rids.items()}
         reply = await self.redis.xread(streams, count=READ_COUNT, block=None if ready else READ_BLOCK_MS)
         for key, entries in reply or ():
-            rid = (key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[1]
-            core = listening.get(rid)
-            if core is None or not entries:
+            rid = rids[key if isinstance(key, bytes) else key.encode()]
+            core = listening[rid]
+            if not entries:
                 continue
             pcm: list[bytes] = []
             ended = False

@@ -97,8 +97,7 @@ class WorkerProcess:
         self.cores: CoreSet | None = None
         self.max_batch = 0
         self.overlap_io = True
-        self.speech = False  # a speech model (set at start-up)
-        self.audio: AudioFeed | None = None
+        self.audio: AudioFeed | None = None  # a speech model's audio input
         self._bg: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -155,7 +154,7 @@ class WorkerProcess:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _compose(self) -> None:
+    def _compose(self, speech: bool) -> None:
         """Build the parts around the connection, the cores and the in-flight table."""
         ctx = WorkerContext(self.redis, self.settings, self.keys, self.worker_id, self.lane_keys)
         table = self.table
@@ -167,7 +166,7 @@ class WorkerProcess:
         self.control = ControlChannel(ctx, table, self.wake)
         self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat)
         self.drain = Drain(ctx, self.cores, table, self._executor)
-        self.audio = AudioFeed(ctx, self.cores) if self.speech else None
+        self.audio = AudioFeed(ctx, self.cores) if speech else None
 
     # -- main -------------------------------------------------------------------------
     async def run(self) -> int:
@@ -193,7 +192,6 @@ class WorkerProcess:
         # a CPU engine (ONNX Runtime, a CPU speech decoder) needs those cores itself
         self.overlap_io = self.settings.overlap_io if self.settings.overlap_io is not None \
             else backend not in ("onnxruntime", "pocketsphinx")
-        self.speech = spec.kind == "asr"
         if self.settings.metrics_port:
             from prometheus_client import start_http_server
 
@@ -201,7 +199,7 @@ class WorkerProcess:
             log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics")
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch,
                  version=self.cores.version, frozen_objects=aio.settle_heap())
-        self._compose()
+        self._compose(speech=spec.kind == "asr")
         aux = [asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
                asyncio.create_task(self.control.run(), name="cancels"),
                asyncio.create_task(self.reclaimer.run(), name="reclaim"),
