@@ -1,6 +1,8 @@
 """The demo page: ``GET /`` serves ``gateway/static/index.html`` and ``GET /static/{name}``
-its script and stylesheet. Plain files, no build step; the page talks to the gateway's own
-``/v1/models`` and ``/v1/stream`` and makes no other request.
+its scripts and stylesheet. Plain files, no build step; the page talks to the gateway's own
+``/v1/models``, ``/v1/stream`` and, for its microphone button, ``/v1/audio/stream`` (the
+audio is converted to 16 kHz PCM16 in ``static/mic-worklet.js``, an AudioWorklet), and
+makes no other request.
 
 The files are read once, when this module is imported; only the files that sit directly
 in ``gateway/static`` at that moment are served, by exact name, so no path can reach

@@ -363,6 +363,8 @@ async def models(request: Request) -> Response:
         served = await hub.served_models()
     except StreamfleetError as exc:  # Redis down: say so in OpenAI's shape
         return openai_error_response(exc)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n}
-            for name, n in served]
+    # beyond OpenAI's fields: the live workers, and what the model does ("text", or "asr":
+    # speech recognition, served on /v1/audio/stream only)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n,
+             "kind": hub.validator.spec(name).kind} for name, n in served]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

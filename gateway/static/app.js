@@ -1,5 +1,7 @@
 // streamfleet demo page: one WebSocket to this gateway's /v1/stream (reconnected when it
-// closes), one request at a time from the form, tokens appended as they arrive.
+// closes), one request at a time from the form, tokens appended as they arrive; and the
+// microphone, resampled by an AudioWorklet (mic-worklet.js) and streamed to
+// /v1/audio/stream on a WebSocket of its own while the Mic button is on.
 // No build step, no dependencies, no requests anywhere but this origin.
 "use strict";
 
@@ -11,6 +13,8 @@
     ignoreEos: $("ignore-eos"), seed: $("seed"), generate: $("generate"), stop: $("stop"),
     output: $("output"), status: $("status"), ttft: $("ttft"), tps: $("tps"), count: $("count"),
     queue: $("queue"), usage: $("usage"), error: $("error"), conn: $("conn"),
+    mic: $("mic"), voiceStatus: $("voice-status"), voiceError: $("voice-error"), partial: $("partial"),
+    finals: $("finals"),
   };
 
   const FALLBACK_MODELS = ["tiny-gpt"];
@@ -27,10 +31,10 @@
   let renderQueued = false;
 
   // ---- connection --------------------------------------------------------------------
-  function streamUrl() {
+  function socketUrl(path) {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const key = el.apiKey.value.trim();
-    return `${scheme}//${location.host}/v1/stream` + (key ? `?api_key=${encodeURIComponent(key)}` : "");
+    return `${scheme}//${location.host}${path}` + (key ? `?api_key=${encodeURIComponent(key)}` : "");
   }
 
   function setConn(state, text) {
@@ -42,7 +46,7 @@
     clearTimeout(reconnectTimer);
     reconnectTimer = null;
     setConn("connecting", "connecting…");
-    const sock = new WebSocket(streamUrl());
+    const sock = new WebSocket(socketUrl("/v1/stream"));
     ws = sock;
     sock.onopen = () => {
       if (sock !== ws) return;
@@ -111,7 +115,8 @@
       if (r.ok) {
         const body = await r.json();
         const got = (body && Array.isArray(body.data) ? body.data : [])
-          .map((m) => m && m.id).filter((id) => typeof id === "string" && id);
+          .filter((m) => m && (m.kind === undefined || m.kind === "text"))  // speech models: the mic
+          .map((m) => m.id).filter((id) => typeof id === "string" && id);
         if (got.length) ids = got;
       }
     } catch (e) { /* keep the fallback */ }
@@ -127,12 +132,12 @@
     el.status.textContent = text;
   }
 
-  function clearError() {
-    el.error.hidden = true;
-    el.error.replaceChildren();
+  function clearError(box = el.error) {
+    box.hidden = true;
+    box.replaceChildren();
   }
 
-  function showError(e) {
+  function showError(e, box = el.error) {
     const head = document.createElement("div");
     head.className = "error-head";
     const code = document.createElement("span");
@@ -152,11 +157,12 @@
     if (e.param) extra.push(`param: ${e.param}`);
     if (typeof e.retry_after_ms === "number") extra.push(`retry after ${(e.retry_after_ms / 1000).toFixed(1)} s`);
     if (e.id) extra.push(`request: ${e.id}`);
+    if (typeof e.utterance === "number") extra.push(`utterance ${e.utterance}`);
     const details = document.createElement("div");
     details.className = "error-details";
     details.textContent = extra.join(" · ");
-    el.error.replaceChildren(head, message, ...(extra.length ? [details] : []));
-    el.error.hidden = false;
+    box.replaceChildren(head, message, ...(extra.length ? [details] : []));
+    box.hidden = false;
   }
 
   function fmtMs(ms) {
@@ -302,6 +308,194 @@
     }
   }
 
+  // ---- voice ---------------------------------------------------------------------------
+  const VOICE_MODEL = "asr-en";  // the fleet's speech model (the gateway's default_asr_model)
+  const VOICE_RATE = 16000;      // what the worklet sends: 16 kHz mono PCM16LE...
+  const VOICE_CHUNK_MS = 20;     // ...in 20 ms frames (the gateway takes 10-100 ms, at most 150 a second)
+
+  // the microphone session: {ctx, stream, ws, queue, started, stopping}; null when the mic is off
+  let voice = null;
+
+  function setVoiceStatus(state, text) {
+    el.voiceStatus.dataset.state = state;
+    el.voiceStatus.textContent = text || state;
+  }
+
+  function setMicButton(on) {
+    el.mic.textContent = on ? "Stop" : "Mic";
+    el.mic.setAttribute("aria-pressed", String(on));
+    el.mic.disabled = false;
+  }
+
+  // the voice box shows errors, and the gateway's warnings (high_load) in its warning style
+  function showVoiceError(e, warning = false) {
+    // e.id is the voice session's id ("audio"), not a request's: leave it out
+    showError({...e, id: undefined}, el.voiceError);
+    el.voiceError.classList.toggle("warning", warning);
+    el.voiceError.dataset.utterance = typeof e.utterance === "number" ? String(e.utterance) : "";
+  }
+
+  // what went wrong opening the microphone (getUserMedia, the AudioContext or the worklet)
+  function micError(e) {
+    const messages = {
+      NotAllowedError: "the browser refused the microphone: allow it for this site and try again",
+      NotFoundError: "no microphone found",
+      NotReadableError: "the microphone could not be opened (in use by another application?)",
+    };
+    return {code: "microphone_unavailable",
+            message: messages[e && e.name] || `the microphone could not be started (${e})`};
+  }
+
+  async function startVoice() {
+    clearError(el.voiceError);
+    el.partial.textContent = "";
+    el.finals.replaceChildren();  // utterances count from 0 again on a new connection
+    if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia || !window.AudioWorkletNode) {
+      showVoiceError({code: "microphone_unavailable", message: window.isSecureContext
+        ? "this browser cannot record audio here (no getUserMedia or AudioWorklet)"
+        : "the microphone needs a secure page: open it over https, or on localhost"});
+      setVoiceStatus("error");
+      return;
+    }
+    const v = {ctx: null, stream: null, ws: null, queue: [], started: false, stopping: false};
+    voice = v;
+    el.mic.disabled = true;  // while the browser asks for the microphone
+    try {
+      v.ctx = new AudioContext();  // before the first await: still in the click, so autoplay lets it run
+      const [stream] = await Promise.all([
+        // the browser's voice processing off: the page plays no sound to cancel, and echo
+        // cancellation, noise suppression and gain control distort speech enough to cost
+        // the recogniser words ("fair enough" for "turn off" in the page's test), which
+        // normalises each utterance's level itself
+        navigator.mediaDevices.getUserMedia({audio: {channelCount: 1, echoCancellation: false,
+                                                     noiseSuppression: false, autoGainControl: false}}),
+        v.ctx.audioWorklet.addModule("static/mic-worklet.js"),
+      ]);
+      v.stream = stream;
+      const node = new AudioWorkletNode(v.ctx, "pcm16-downsampler", {
+        numberOfInputs: 1, numberOfOutputs: 0, channelCount: 1, channelCountMode: "explicit",
+        channelInterpretation: "speakers", processorOptions: {targetRate: VOICE_RATE, chunkMs: VOICE_CHUNK_MS}});
+      node.port.onmessage = (ev) => sendAudio(v, ev.data);
+      v.ctx.createMediaStreamSource(stream).connect(node);
+      await v.ctx.resume();
+    } catch (e) {
+      showVoiceError(micError(e));
+      endVoice(v, "error");
+      return;
+    }
+    openVoiceSocket(v);
+    setMicButton(true);
+    setVoiceStatus("listening");
+  }
+
+  function openVoiceSocket(v) {
+    const ws = new WebSocket(socketUrl("/v1/audio/stream"));
+    v.ws = ws;
+    ws.onopen = () => ws.send(JSON.stringify({type: "start", model: VOICE_MODEL, sample_rate: VOICE_RATE,
+                                              encoding: "pcm_s16le"}));
+    ws.onmessage = (ev) => {
+      if (voice !== v || typeof ev.data !== "string") return;
+      let msg;
+      try { msg = JSON.parse(ev.data); } catch (e) { return; }
+      onVoiceFrame(v, msg);
+    };
+    ws.onclose = (ev) => {
+      if (voice !== v) return;
+      showVoiceError({code: "connection_closed", status: ev.code,
+                      message: `the voice WebSocket closed${ev.reason ? " (" + ev.reason + ")" : ""}`});
+      endVoice(v, "error");
+    };
+  }
+
+  function sendAudio(v, pcm) {
+    if (v.stopping || voice !== v) return;  // chunks still on their way from the worklet after Stop
+    if (v.started) v.ws.send(pcm);
+    else v.queue.push(pcm);                 // audio goes out only once the gateway said "started"
+  }
+
+  function stopVoice() {
+    const v = voice;
+    if (!v || v.stopping) return;
+    v.stopping = true;
+    if (!v.started) {  // the gateway has no session to end
+      endVoice(v, "idle");
+      return;
+    }
+    // (the worklet's last, unfinished chunk, under 20 ms, is not sent)
+    v.ws.send(JSON.stringify({type: "stop"}));
+    releaseMic(v);
+    el.mic.disabled = true;
+    setVoiceStatus("stopping", "stopping…");  // the gateway answers "stopped" after the last final
+  }
+
+  function releaseMic(v) {
+    if (v.stream) v.stream.getTracks().forEach((t) => t.stop());
+    if (v.ctx) v.ctx.close().catch(() => {});
+    v.stream = null;
+    v.ctx = null;
+  }
+
+  function endVoice(v, state) {
+    releaseMic(v);
+    if (v.ws) {
+      v.ws.onclose = null;
+      v.ws.close(1000, "done");
+    }
+    if (voice === v) voice = null;
+    setMicButton(false);
+    setVoiceStatus(state);
+  }
+
+  function showFinal(utterance, text) {
+    const li = document.createElement("li");
+    li.dataset.utterance = String(utterance);
+    li.textContent = text;
+    li.classList.toggle("empty", !text);
+    // in utterance order, whatever order the finals come in
+    const after = [...el.finals.children].find((x) => Number(x.dataset.utterance) > utterance);
+    el.finals.insertBefore(li, after || null);
+    if (el.partial.dataset.utterance === String(utterance)) el.partial.textContent = "";
+    if (el.voiceError.classList.contains("warning") && el.voiceError.dataset.utterance === String(utterance)) {
+      clearError(el.voiceError);  // its high_load warning is over
+    }
+  }
+
+  function onVoiceFrame(v, msg) {
+    switch (msg.type) {
+      case "started":
+        v.started = true;
+        for (const pcm of v.queue) v.ws.send(pcm);
+        v.queue = [];
+        break;
+      case "speech_started":
+        if (!v.stopping) setVoiceStatus("speaking");
+        break;
+      case "speech_stopped":
+        if (!v.stopping) setVoiceStatus("listening");
+        break;
+      case "partial":  // the utterance's whole hypothesis so far
+        el.partial.dataset.utterance = String(msg.utterance);
+        el.partial.textContent = msg.text || "";
+        break;
+      case "final":
+        showFinal(msg.utterance, msg.text || "");
+        break;
+      case "warning":
+        showVoiceError(msg, true);
+        break;
+      case "error":  // with an utterance: that utterance failed and gets no final
+        showVoiceError(msg);
+        if (el.partial.dataset.utterance === String(msg.utterance)) el.partial.textContent = "";
+        if (!v.started) endVoice(v, "error");  // the start was refused; otherwise the session goes on
+        break;
+      case "stopped":
+        endVoice(v, "idle");
+        break;
+      default:
+        break; // pong and frames this page does not know
+    }
+  }
+
   // ---- wiring --------------------------------------------------------------------------
   el.form.addEventListener("submit", (ev) => { ev.preventDefault(); generate(); });
   el.stop.addEventListener("click", stop);
@@ -309,6 +503,7 @@
     if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) { ev.preventDefault(); generate(); }
   });
   el.apiKey.addEventListener("change", () => { reconnectNow(); loadModels(); });
+  el.mic.addEventListener("click", () => { if (voice) stopVoice(); else startVoice(); });
 
   loadModels();
   connect();

@@ -2,8 +2,12 @@
 package through Playwright's Python API; no browser is downloaded) against a real gateway,
 a real worker and a real redis-server.
 
+The microphone test gives Chromium a fake microphone that plays a WAV of flite speech
+(``--use-file-for-fake-audio-capture``) and checks the transcript the page shows.
+
 The browser tests skip, saying why, when Playwright or a ``chromium`` executable is not
-installed; the plain HTTP test of the page's files always runs.
+installed (the microphone test also without ``flite``); the plain HTTP test of the page's
+files always runs.
 """
 
 from __future__ import annotations
@@ -13,19 +17,24 @@ import os
 import re
 import shutil
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, write_wav
+
 try:
     from playwright.sync_api import expect
-except ImportError:  # the browser tests skip (see the browser fixture)
+except ImportError:  # the browser tests skip (see the launch fixture)
     expect = None
 
 DEMO_SCREENSHOT = Path("/tmp/streamfleet-demo.png")
 #: the echo engine's step time: 200 tokens take about 5 s, so Stop always lands mid-stream
 #: (tiny-gpt itself writes 200 tokens in well under a second on a CPU, too fast to stop reliably)
 ECHO_DELAY_MS = 25
+#: what the fake microphone says (flite); nothing after it: the file is played once
+MIC_SENTENCE = SENTENCES[4]
 
 
 def _chromium() -> str | None:
@@ -36,7 +45,10 @@ def _chromium() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def browser():
+def launch():
+    """Launches a headless Chromium with the given command-line flags (besides --no-sandbox
+    and fake media devices).
+    One Playwright for the module's browsers: a second sync Playwright cannot start beside it."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -46,25 +58,47 @@ def browser():
         pytest.skip("no chromium executable (Debian: apt-get install chromium)")
     expect.set_options(timeout=20_000)
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
+        yield lambda *args: pw.chromium.launch(executable_path=executable, headless=True,
+                                               args=["--no-sandbox", "--use-fake-device-for-media-stream", *args])
+
+
+@pytest.fixture(scope="module")
+def browser(launch):
+    b = launch()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def mic_browser(launch, tmp_path_factory):
+    """A Chromium whose microphone, once opened, says MIC_SENTENCE: 0.5 s of silence, the
+    sentence, 1.5 s of silence, then silence for good (``%noloop``: Chromium would otherwise
+    play the file over and over). The file is 16 kHz; the page's AudioContext runs at the
+    fake device's rate (44.1 kHz with this Chromium), so the page's resampler is in the path."""
+    if flite_missing():
+        pytest.skip(flite_missing())
+    wav = write_wav(tmp_path_factory.mktemp("mic") / "speech.wav",
+                    silence(500) + speech(MIC_SENTENCE) + silence(1500))
+    b = launch("--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}%noloop")
+    yield b
+    b.close()
 
 
 class PageWatch:
     """A page with everything it does recorded: requests, WebSocket frames, script errors."""
 
-    def __init__(self, browser, origin: str) -> None:
+    def __init__(self, browser, origin: str, permissions: tuple[str, ...] = ()) -> None:
         self.origin = origin
-        self.context = browser.new_context(viewport={"width": 1100, "height": 860})
+        self.context = browser.new_context(viewport={"width": 1100, "height": 860}, permissions=list(permissions))
         self.page = self.context.new_page()
         self.page.set_default_timeout(20_000)
         self.requests: list[str] = []
         self.websockets: list[str] = []
         self.sent: list[dict] = []
         self.received: list[dict] = []
+        self.audio_sent: list[int] = []  # the size of each binary frame sent
+        # each WebSocket path's frames in order: {"/v1/audio/stream": ["sent:start", "received:started", ...]}
+        self.timelines: dict[str, list[str]] = {}
         self.errors: list[str] = []
         self.page.on("request", lambda r: self.requests.append(r.url))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
@@ -78,20 +112,31 @@ class PageWatch:
 
     def _on_ws(self, ws) -> None:
         self.websockets.append(ws.url)
-        ws.on("framesent", lambda payload: self.sent.append(json.loads(payload)))
-        ws.on("framereceived", lambda payload: self.received.append(json.loads(payload)))
+        timeline = self.timelines.setdefault(urlsplit(ws.url).path, [])
+        ws.on("framesent", lambda payload: self._on_frame(timeline, "sent", self.sent, payload))
+        ws.on("framereceived", lambda payload: self._on_frame(timeline, "received", self.received, payload))
 
-    def open(self) -> None:
+    def _on_frame(self, timeline: list[str], direction: str, frames: list[dict], payload: str | bytes) -> None:
+        if isinstance(payload, bytes):  # audio: the voice socket's binary frames
+            if direction == "sent":
+                self.audio_sent.append(len(payload))
+            timeline.append(f"{direction}:audio")
+            return
+        frame = json.loads(payload)
+        frames.append(frame)
+        timeline.append(f"{direction}:{frame.get('type')}")
+
+    def open(self, text_model: str = "tiny-gpt") -> None:
         self.page.goto(self.origin + "/")
         self.page.wait_for_selector("#conn[data-state=open]")       # the WebSocket is up
         self.page.wait_for_selector("#model[data-loaded]", state="attached")  # /v1/models answered (or failed)
-        self.page.wait_for_selector("#model option[value=tiny-gpt]", state="attached")
+        self.page.wait_for_selector(f"#model option[value={text_model}]", state="attached")
 
     def assert_same_origin_only(self) -> None:
         ws_origin = self.origin.replace("http://", "ws://", 1)
         assert self.requests and all(u.startswith(self.origin + "/") for u in self.requests), self.requests
-        assert self.websockets and all(u.startswith(ws_origin + "/v1/stream") for u in self.websockets), \
-            self.websockets
+        assert self.websockets and all(u.startswith((ws_origin + "/v1/stream", ws_origin + "/v1/audio/stream"))
+                                       for u in self.websockets), self.websockets
 
     def close(self) -> None:
         self.context.close()
@@ -103,11 +148,14 @@ def test_page_files_are_served(fleet):
         r = http.get("/")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         for element_id in ("prompt", "model", "priority", "max-tokens", "temperature", "generate", "stop",
-                           "output", "status", "ttft", "tps", "error", "ignore-eos"):
+                           "output", "status", "ttft", "tps", "error", "ignore-eos",
+                           "mic", "voice-status", "voice-error", "partial", "finals"):
             assert f'id="{element_id}"' in r.text
         assert "http://" not in r.text and "https://" not in r.text  # nothing from elsewhere
-        js = http.get("/static/app.js")
-        assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+        for script in ("/static/app.js", "/static/mic-worklet.js"):
+            js = http.get(script)
+            assert js.status_code == 200 and "javascript" in js.headers["content-type"], script
+        assert "registerProcessor(" in http.get("/static/mic-worklet.js").text
         css = http.get("/static/style.css")
         assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
         for bad in ("/static/nope.js", "/static/..%2Fdemo.py", "/static/%2e%2e%2fdemo.py", "/static/../demo.py",
@@ -264,6 +312,80 @@ def test_rate_limit_reconnect_and_api_key(fleet, browser):
         assert models_request.value.headers.get("authorization") == "Bearer sk-test key"
         expect(page.locator("#conn")).to_have_attribute("data-state", "open")
         assert len(conns) == 3 and conns[2].endswith("/v1/stream?api_key=sk-test%20key"), conns
+        assert not w.errors, w.errors
+    finally:
+        w.close()
+
+
+def test_microphone_transcribes_speech(fleet, mic_browser, tmp_path):
+    """Mic on, a sentence spoken, Stop: the page shows partials while it is spoken, then the
+    final; it sent what the voice protocol asks for, in that protocol's order."""
+    gw = fleet.gateway()
+    fleet.worker(model="asr-en")
+    w = PageWatch(mic_browser, gw.http, permissions=("microphone",))
+    try:
+        page = w.page
+        w.open(text_model="asr-en")  # /v1/models lists the fleet's only model
+        expect(page.locator("#voice-status")).to_have_text("idle")
+        page.click("#mic")
+        expect(page.locator("#mic")).to_have_text("Stop")
+        # the speech (about 3 s from 0.5 s on) is seen, and partials show while it lasts
+        expect(page.locator("#voice-status")).to_have_text("speaking", timeout=30_000)
+        expect(page.locator("#partial")).to_have_text(re.compile(r"\S"), timeout=30_000)
+        final = page.locator("#finals li").first
+        expect(final).to_have_text(re.compile(r"\S"), timeout=60_000)
+        assert final.get_attribute("data-utterance") == "0"
+        hypothesis = final.text_content()
+        assert wer(MIC_SENTENCE, hypothesis) <= 0.2, hypothesis
+        assert page.text_content("#partial") == ""  # the final replaced the utterance's partial
+        expect(page.locator("#voice-status")).to_have_text("listening")  # the speech is over
+        page.screenshot(path=str(tmp_path / "demo-mic.png"), full_page=True)
+
+        page.click("#mic")
+        expect(page.locator("#voice-status")).to_have_text("idle", timeout=30_000)
+        expect(page.locator("#mic")).to_have_text("Mic")
+        assert page.locator("#finals li").count() == 1
+        assert page.is_hidden("#voice-error")
+
+        # the protocol, as the page spoke it
+        assert w.websockets[-1] == gw.ws.replace("/v1/stream", "/v1/audio/stream")
+        voice = w.timelines["/v1/audio/stream"]
+        assert voice[0] == "sent:start" and voice[-1] == "received:stopped", voice
+        assert {"type": "start", "model": "asr-en", "sample_rate": 16000, "encoding": "pcm_s16le"} in w.sent
+        # audio only between "started" and "stop", a partial before the final, no errors
+        first_audio, last_audio = voice.index("sent:audio"), len(voice) - 1 - voice[::-1].index("sent:audio")
+        assert voice.index("received:started") < first_audio and last_audio < voice.index("sent:stop"), voice
+        assert voice.index("received:partial") < voice.index("received:final"), voice
+        assert "received:error" not in voice
+        finals = [f for f in w.received if f.get("type") == "final"]
+        assert len(finals) == 1 and finals[0]["text"] == hypothesis
+        # 16 kHz PCM16 in 10-100 ms frames of whole samples, up to the utterance's end at least
+        assert w.audio_sent and all(320 <= n <= 3200 and n % 2 == 0 for n in w.audio_sent), set(w.audio_sent)
+        assert sum(w.audio_sent) / 32 >= finals[0]["end_ms"], (sum(w.audio_sent), finals[0])
+        w.assert_same_origin_only()
+        assert not w.errors, w.errors
+    finally:
+        w.close()
+
+
+def test_microphone_refused_is_explained(fleet, browser):
+    """The microphone is not allowed (the context has no permission for it, and nothing
+    grants it: in headless Chromium that is a refusal): the voice box says so, no voice
+    socket opens, and the button can be tried again."""
+    gw = fleet.gateway()
+    w = PageWatch(browser, gw.http)
+    try:
+        page = w.page
+        w.open()
+        page.click("#mic")
+        expect(page.locator("#voice-status")).to_have_text("error")
+        box = page.locator("#voice-error")
+        expect(box).to_be_visible()
+        expect(box).to_contain_text("microphone_unavailable")
+        expect(box).to_contain_text("the browser refused the microphone")
+        expect(page.locator("#mic")).to_have_text("Mic")
+        assert page.is_enabled("#mic")
+        assert len(w.websockets) == 1  # only the text socket
         assert not w.errors, w.errors
     finally:
         w.close()
