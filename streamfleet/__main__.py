@@ -1,3 +1,6 @@
 from streamfleet.cli import app
 
-app(prog_name="streamfleet")
+# guarded: a speech worker's decoder processes start by "spawn", which imports this
+# module again (as __mp_main__) in each child
+if __name__ == "__main__":
+    app(prog_name="streamfleet")

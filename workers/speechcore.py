@@ -55,6 +55,7 @@ class _Utterance:
     first_partial_at: float | None = None
     audio_bytes: int = 0
     fed_at: float = 0.0  # when audio last arrived
+    begun: bool = False  # the decoder's begin() ran (in the step, never on the event loop)
 
 
 class SpeechCore:
@@ -70,6 +71,7 @@ class SpeechCore:
         self._clock = clock
         self._utts: dict[str, _Utterance] = {}
         self._rejected: list[tuple[Task, ErrorCode, str]] = []
+        self._dropped: list[_Utterance] = []  # abandoned: their decoders go back in the next step
         self._lock = threading.Lock()
 
     # -- the core's shape ---------------------------------------------------------------
@@ -79,14 +81,14 @@ class SpeechCore:
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch - len(self._utts)
+        return self.max_batch - len(self._utts) - len(self._dropped)
 
     @property
     def active(self) -> int:
         return len(self._utts)
 
     def has_work(self) -> bool:
-        return bool(self._utts or self._rejected)
+        return bool(self._utts or self._rejected or self._dropped)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._utts
@@ -100,7 +102,7 @@ class SpeechCore:
         """Whether ``step`` has something to do now (audio fed, an end, a start to
         announce, a cancel or a refusal), so the audio read need not wait."""
         with self._lock:
-            return bool(self._rejected) or any(u.inbox or u.ended or u.cancelled or u.partials == 0
+            return bool(self._rejected or self._dropped) or any(u.inbox or u.ended or u.cancelled or u.partials == 0
                                                for u in self._utts.values())
 
     def add(self, task: Task, replay: list[int] | None = None) -> None:
@@ -122,7 +124,6 @@ class SpeechCore:
             if len(self._utts) >= self.max_batch:
                 raise ValueError("no free decoder slot")
             decoder = self.engine.acquire()
-            decoder.begin()
             self._utts[task.request_id] = _Utterance(task, decoder, admitted_at=now, fed_at=now)
 
     def _validate(self, task: Task, now: float) -> tuple[ErrorCode, str] | None:
@@ -157,18 +158,22 @@ class SpeechCore:
             return True
 
     def abandon(self, request_id: str) -> bool:
-        """Drop an utterance without a word (another worker has it now)."""
+        """Drop an utterance without a word (another worker has it now). Its decoder goes
+        back to the pool in the next step: a step may be decoding it right now, in the
+        engine thread, and a decoder's calls must not overlap."""
         with self._lock:
             u = self._utts.pop(request_id, None)
-        if u is None:
-            return False
-        self._release(u)
+            if u is None:
+                return False
+            self._dropped.append(u)
         return True
 
     def abandon_all(self) -> list[Task]:
+        """Drop every utterance (a drain). Like ``step``, it runs in the engine thread."""
         with self._lock:
             utts, self._utts = list(self._utts.values()), {}
-        for u in utts:
+            dropped, self._dropped = self._dropped, []
+        for u in utts + dropped:
             self._release(u)
         return [u.task for u in utts]
 
@@ -179,24 +184,43 @@ class SpeechCore:
         now = self._clock()
         with self._lock:
             rejected, self._rejected = self._rejected, []
+            dropped, self._dropped = self._dropped, []
             work = []
             for rid, u in self._utts.items():
                 work.append((u, u.inbox, u.ended, u.cancelled))
                 u.inbox = []
+        for u in dropped:
+            self._release(u)
         for task, code, message in rejected:
             out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
             out.finished.append(task.request_id)
+        # two passes: every utterance's audio first, then the hypotheses and finals, so
+        # that decoders in child processes (speech_process.py) decode side by side
+        failed: set[str] = set()
+        for u, pcm, _ended, cancelled in work:
+            if cancelled:
+                continue
+            try:
+                if not u.begun:  # (a decoder process that died is restarted here, off the event loop)
+                    u.decoder.begin()
+                    u.begun = True
+                if not pcm:
+                    continue
+                out.batch_size += 1
+                for piece in pcm:
+                    u.decoder.feed(piece)
+                    u.audio_bytes += len(piece)
+                    out.audio_s += len(piece) / (2 * self.engine.sample_rate)
+            except Exception as exc:  # a decoder failure ends this utterance, not the worker
+                self._decoding_failed(u, out, exc)
+                failed.add(u.task.request_id)
         for u, pcm, ended, cancelled in work:
-            rid = u.task.request_id
+            if u.task.request_id in failed:
+                continue
             if cancelled:
                 self._end(u, out, now, "cancelled", u.hypothesis or "")
                 continue
             try:
-                if pcm:
-                    out.batch_size += 1
-                    for piece in pcm:
-                        u.decoder.feed(piece)
-                        u.audio_bytes += len(piece)
                 if ended:
                     self._end(u, out, now, "stop", u.decoder.finish())
                     continue
@@ -206,9 +230,12 @@ class SpeechCore:
                 if now - u.fed_at > AUDIO_IDLE_S:
                     self._fail(u, out, ErrorCode.timeout, f"no audio for {AUDIO_IDLE_S:g} s and no end of utterance")
             except Exception as exc:  # a decoder failure ends this utterance, not the worker
-                log.exception("speech decoding failed", request_id=rid, trace_id=u.task.trace_id)
-                self._fail(u, out, ErrorCode.engine_error, f"speech decoding failed: {exc}")
+                self._decoding_failed(u, out, exc)
         return out
+
+    def _decoding_failed(self, u: _Utterance, out: StepOutput, exc: Exception) -> None:
+        log.exception("speech decoding failed", request_id=u.task.request_id, trace_id=u.task.trace_id)
+        self._fail(u, out, ErrorCode.engine_error, f"speech decoding failed: {exc}")
 
     def _partial(self, u: _Utterance, out: StepOutput, now: float, text: str) -> None:
         out.events.append((u.task.reply_to, TokenEvent(u.task.request_id, u.partials, text)))
@@ -237,8 +264,11 @@ class SpeechCore:
 
     def _remove(self, u: _Utterance) -> None:
         with self._lock:
-            self._utts.pop(u.task.request_id, None)
-        self._release(u)
+            mine = self._utts.get(u.task.request_id) is u
+            if mine:
+                del self._utts[u.task.request_id]
+        if mine:  # else abandoned meanwhile: the next step releases it
+            self._release(u)
 
     def _release(self, u: _Utterance) -> None:
         """Give the decoder back to the pool (which aborts an utterance still open)."""

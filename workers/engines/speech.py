@@ -266,9 +266,20 @@ def load_speech_engine(spec: ModelSpec, **options: Any) -> SpeechEngine:
     """Load the speech engine ``spec.backend`` names, with ``options`` (keyword
     arguments of that backend; they override engine.toml's).
 
+    ``processes`` (an option, else engine.toml's, default false) puts each decoder in a
+    child process of its own (``workers/engines/speech_process.py``): for backends that
+    hold the GIL while they decode, like PocketSphinx.
+
     Raises:
         FatalError: not a speech model, unknown backend, or the backend cannot start.
     """
+    processes = options.pop("processes", spec.options.get("processes", False))
+    if not isinstance(processes, bool):
+        raise FatalError(f"speech model {spec.name!r}: processes must be true or false, got {processes!r}")
+    if processes and spec.kind == "asr":
+        from streamfleet.workers.engines.speech_process import ProcessSpeechEngine
+
+        return ProcessSpeechEngine(spec, **options)
     if spec.kind != "asr":
         raise FatalError(f"model {spec.name!r} is not a speech model (kind {spec.kind!r}, expected 'asr')")
     target = SPEECH_BACKENDS.get(spec.backend, spec.backend if ":" in spec.backend else None)

@@ -1,0 +1,260 @@
+"""Speech decoders in child processes (docs/voice.md, "Decoders in child processes").
+
+PocketSphinx holds the GIL while it decodes. In the worker process every decoding call
+would stop the event loop for as long as it runs: a final pass over a 15 s utterance
+takes about 3 s, the heartbeat stops, and after ``SF_WORKER_DEAD_AFTER_S`` (1.5 s) the
+other workers take the utterance over and decode it again. ``ProcessSpeechEngine``
+therefore runs each slot's decoder in a child process of its own: the worker's thread
+only writes audio to a pipe and reads text back, which releases the GIL, so the event
+loop keeps running, and the slots decode on as many cores as there are.
+
+Each child loads the backend with one slot (its decoder and, for PocketSphinx, its own
+final-pass decoder) once, when the worker starts, and serves one utterance at a time
+over a ``multiprocessing`` pipe. Calls are pipelined: ``begin``, ``feed`` and ``abort``
+are sent without waiting, ``hypothesis`` and ``finish`` wait for everything sent before
+them. A reply carries the utterance it belongs to, so an error of an aborted utterance
+never lands on the next one. A child that dies fails its utterance (``engine_error``)
+and is started again before the slot's next utterance.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine
+
+__all__ = ["ProcessSpeechEngine", "DecoderProcessDied"]
+
+log = get_logger("worker.speech")
+
+#: how long a child may take to load its model before the worker gives up on it
+START_TIMEOUT_S = 120.0
+
+
+class DecoderProcessDied(RuntimeError):
+    """The child process of a decoder slot exited (or its pipe broke) mid-utterance."""
+
+
+def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
+    """A slot's child: load the backend with one decoder, then serve calls until the
+    pipe closes (the worker exited: the child goes with it)."""
+    from streamfleet.workers.engines.speech import load_speech_engine
+
+    try:
+        engine = load_speech_engine(spec, **options, slots=1, processes=False)
+        decoder = engine.acquire()
+    except BaseException as exc:  # noqa: BLE001 — reported to the parent, which stops
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            gen, op, arg = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            break
+        try:
+            if op == "begin":
+                decoder.abort()
+                decoder.begin()
+                result: Any = None
+            elif op == "feed":
+                decoder.feed(arg)
+                result = None
+            elif op == "hypothesis":
+                result = decoder.hypothesis()
+            elif op == "finish":
+                result = decoder.finish()
+            elif op == "abort":
+                decoder.abort()
+                result = None
+            elif op == "close":
+                break
+            else:
+                raise ValueError(f"unknown decoder call {op!r}")
+            reply = (gen, True, result)
+        except Exception as exc:  # noqa: BLE001 — the parent raises it for this utterance
+            reply = (gen, False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(reply)
+        except (OSError, EOFError):
+            break
+    engine.close()
+
+
+class ProcessDecoder(SpeechDecoder):
+    """The parent's side of one slot: a child process and the pipe to it."""
+
+    def __init__(self, spec: ModelSpec, options: dict[str, Any], index: int) -> None:
+        super().__init__()
+        self._spec = spec
+        self._options = options
+        self._index = index
+        self._gen = 0          # the utterance number: replies of older ones are dropped
+        self._waiting = 0      # replies still to read
+        self._error: str | None = None  # the first failure of this utterance's pipelined calls
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self.restarts = 0
+
+    # -- the child -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the child, without waiting for it to load (``wait_ready``)."""
+        ctx = multiprocessing.get_context("spawn")  # never fork a process with threads
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, self._spec, self._options), daemon=True,
+                                 name=f"speech-decoder-{self._spec.name}-{self._index}")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self._waiting = 0
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait for the child to load its model.
+
+        Raises:
+            FatalError: it failed to load, exited, or took longer than ``timeout``.
+        """
+        what = f"speech model {self._spec.name!r}, decoder {self._index}"
+        try:
+            if not self._conn.poll(timeout):
+                raise FatalError(f"{what}: the decoder process did not load in {timeout:g} s")
+            status, detail = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise FatalError(f"{what}: the decoder process exited while loading "
+                             f"(exit code {self._proc.exitcode})") from exc
+        if status != "ready":
+            raise FatalError(f"{what}: {detail}")
+
+    def _restart(self) -> None:
+        self._stop_child(wait_s=1.0)
+        self.restarts += 1
+        log.warning("speech decoder process restarting", model=self._spec.name, slot=self._index,
+                    restarts=self.restarts)
+        self.start()
+        self.wait_ready()
+
+    def _stop_child(self, wait_s: float) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send((self._gen, "close", None))
+            except (OSError, EOFError):
+                pass
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            self._proc.join(wait_s)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)
+            self._proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- calls -----------------------------------------------------------------------------
+    def _send(self, op: str, arg: Any = None) -> None:
+        try:
+            self._conn.send((self._gen, op, arg))
+        except (OSError, EOFError, AttributeError) as exc:
+            raise DecoderProcessDied(f"speech decoder process {self._index} is gone") from exc
+        self._waiting += 1
+
+    def _call(self, op: str) -> Any:
+        """Send ``op`` and return its result, once every earlier call has answered.
+
+        Raises:
+            DecoderProcessDied: the child exited.
+            RuntimeError: a call of this utterance failed in the child.
+        """
+        self._send(op)
+        result = None
+        try:
+            while self._waiting:
+                gen, ok, value = self._conn.recv()
+                self._waiting -= 1
+                if gen != self._gen:
+                    continue  # an aborted utterance's late reply
+                if not ok and self._error is None:
+                    self._error = value
+                result = value
+        except (EOFError, OSError) as exc:
+            raise DecoderProcessDied(f"speech decoder process {self._index} exited "
+                                     f"(exit code {self._proc.exitcode if self._proc else None})") from exc
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(error)
+        return result
+
+    def _begin(self) -> None:
+        if self._proc is None or not self._proc.is_alive():
+            # a child that died in the last utterance: load a new one (in the worker's
+            # engine thread, like every call that waits; the event loop goes on)
+            self._restart()
+        self._gen += 1
+        self._error = None
+        self._send("begin")
+
+    def _feed(self, pcm: bytes) -> None:
+        self._send("feed", pcm)
+
+    def _hypothesis(self) -> str:
+        return self._call("hypothesis") or ""
+
+    def _finish(self) -> str:
+        return self._call("finish") or ""
+
+    def _abort(self) -> None:
+        self._gen += 1  # whatever the utterance still has coming is dropped on arrival
+        self._error = None
+        try:
+            self._send("abort")
+        except DecoderProcessDied:
+            pass  # restarted by the next begin
+
+    def _close(self) -> None:
+        super()._close()
+        self._stop_child(wait_s=5.0)
+
+
+class ProcessSpeechEngine(SpeechEngine):
+    """``slots`` decoders of a backend, each in a child process (see the module docstring).
+
+    Args:
+        spec: the speech model; its ``backend`` is what the children load.
+        slots: decoders (default: the spec's).
+        options: the backend's keyword arguments.
+
+    Raises:
+        FatalError: a child could not load the backend.
+    """
+
+    def __init__(self, spec: ModelSpec, *, slots: int | None = None, **options: Any) -> None:
+        n = int(slots if slots is not None else spec.slots)
+        if n < 1:
+            raise FatalError(f"speech model {spec.name!r}: slots must be at least 1, got {n}")
+        decoders = [ProcessDecoder(spec, options, k) for k in range(n)]
+        started = time.monotonic()
+        try:
+            for d in decoders:
+                d.start()
+            for d in decoders:  # they load in parallel
+                d.wait_ready()
+        except BaseException:
+            for d in decoders:
+                d._stop_child(wait_s=1.0)
+            raise
+        super().__init__(spec, decoders)
+        self.backend = spec.backend
+        log.info("speech decoder processes ready", model=spec.name, slots=n,
+                 pids=[d.pid for d in decoders], load_s=round(time.monotonic() - started, 2))
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [d.pid for d in self._decoders]
