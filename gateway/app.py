@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -24,7 +24,7 @@ from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.origin import OriginGuard
 from streamfleet.gateway.validation import Validator
-from streamfleet.gateway.voice import audio_stream
+from streamfleet.gateway.voice import SileroBatch, audio_stream
 from streamfleet.gateway.ws import websocket_stream
 
 __all__ = ["Hub", "create_app", "json_response"]
@@ -40,6 +40,8 @@ class Hub:
     validator: Validator
     broker: Broker
     admission: Admission
+    #: the voice connections' Silero decisions, batched across connections
+    silero: SileroBatch = field(default_factory=SileroBatch)
     #: WebSocket connections open on this process
     connections: int = 0
     #: SIGTERM received: refuse new work, let streams finish

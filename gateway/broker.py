@@ -282,16 +282,21 @@ class Broker:
         worker transcribing it, or one taking it over, reads it from the start).
 
         Raises:
-            UnavailableError: Redis is unreachable.
+            UnavailableError: Redis is unreachable, or refused the append (out of memory).
         """
         key = self.keys.audio(request_id)
+        # through the coalescer: every utterance's append of this loop turn goes out in one
+        # batch on one connection (hundreds of utterances would otherwise each hold a pooled
+        # connection for a round trip, and wait for one when the pool runs dry)
+        replies = [self._coalescer.send(b"XADD", key, b"MAXLEN", b"~", AUDIO_MAXLEN, b"*",
+                                        *(x for pair in chunk.fields().items() for x in pair))
+                   for chunk in chunks]
+        replies.append(self._coalescer.send(b"EXPIRE", key, max(1, int(ttl_s))))
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for chunk in chunks:
-                    pipe.xadd(key, chunk.fields(), maxlen=AUDIO_MAXLEN, approximate=True)
-                pipe.expire(key, max(1, int(ttl_s)))
-                await pipe.execute()
-        except BROKER_ERRORS as exc:
+            for reply in await asyncio.gather(*replies, return_exceptions=True):
+                if isinstance(reply, BaseException):  # an error reply (OOM) or a lost connection
+                    raise reply
+        except (*BROKER_ERRORS, ResponseError) as exc:
             metrics.redis_errors.labels("audio").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
 

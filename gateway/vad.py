@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = [
     "SAMPLE_RATE", "BYTES_PER_MS", "DETECTORS", "DEFAULT_DETECTOR", "Detector", "SileroDetector", "SileroModel",
-    "WebRtcDetector", "EnergyDetector", "make_detector", "silero_model", "SpeechStarted", "SpeechAudio",
+    "WebRtcDetector", "EnergyDetector", "AlwaysSpeech", "make_detector", "silero_model", "SpeechStarted", "SpeechAudio",
     "SpeechStopped", "UtteranceEnd", "VadEvent", "Segmenter",
 ]
 
@@ -371,6 +371,18 @@ class SileroDetector:
                 d._state[:] = state[j]
                 out[k].append(bool(probs[j] >= d.threshold))
         return out
+
+
+class AlwaysSpeech:
+    """Every frame is speech: VAD off (``SF_VAD=off``). An utterance then runs from the
+    first audio to ``stop`` (or ``max_utterance_ms``), so the client's own start and stop
+    bound it, as push-to-talk does; a connection streaming silence holds a worker slot
+    all the while. Not a detector in ``DETECTORS``: it detects nothing."""
+
+    frame_ms = 20
+
+    def is_speech(self, frame: bytes) -> bool:
+        return True
 
 
 #: detector kinds by name, for ``make_detector`` and configuration

@@ -74,10 +74,10 @@ class WebSocketSession(Session):
             self.outbox.put_nowait(_BROKEN)
 
     # -- what the frames mean (the voice WebSocket, gateway/voice.py, reads them otherwise) --
-    def receive_text(self, text: str) -> None:
+    async def receive_text(self, text: str) -> None:
         self.dispatch(self.proto.receive_text(text))
 
-    def receive_bytes(self, data: bytes) -> None:
+    async def receive_bytes(self, data: bytes) -> None:
         self.dispatch(self.proto.receive_bytes(data))
 
     @property
@@ -185,9 +185,9 @@ class WebSocketSession(Session):
                     dropped = msg.get("code") in (1005, 1006)
                     break
                 if msg.get("text") is not None:
-                    self.receive_text(msg["text"])
+                    await self.receive_text(msg["text"])
                 elif msg.get("bytes") is not None:
-                    self.receive_bytes(msg["bytes"])
+                    await self.receive_bytes(msg["bytes"])
                 if self.busy:
                     idle_since = time.monotonic()
         except (WebSocketDisconnect, RuntimeError):

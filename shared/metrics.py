@@ -51,6 +51,8 @@ class worker:  # noqa: N801 — a namespace
     admissions = Counter("streamfleet_worker_admissions_total", "Tasks admitted into the batch, by lane",
                          ["model", "lane"])
     tokens = Counter("streamfleet_worker_tokens_generated_total", "Completion tokens generated", ["model"])
+    audio = Counter("streamfleet_worker_audio_seconds_total", "Seconds of utterance audio decoded (speech "
+                    "models)", ["model"])
     finished = Counter("streamfleet_worker_requests_finished_total", "Requests that ended on this worker",
                        ["model", "outcome"])
     batch_size = Histogram("streamfleet_worker_batch_size", "Sequences in one engine step", ["model"],

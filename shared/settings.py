@@ -113,8 +113,9 @@ class GatewaySettings(CommonSettings):
     #: inbound frames a voice connection may send per second on average, and at once
     audio_frames_per_s: float = 150.0
     audio_frames_burst: float = 300.0
-    #: voice activity detector: silero | webrtc | energy
-    vad: Literal["silero", "webrtc", "energy"] = "silero"
+    #: voice activity detector: silero | webrtc | energy, or off (every frame is speech:
+    #: an utterance lasts from the first audio to ``stop``, as for push-to-talk clients)
+    vad: Literal["silero", "webrtc", "energy", "off"] = "silero"
     #: speech this quiet for this long ends its utterance (ms)
     vad_end_silence_ms: int = 600
     #: audio kept after the last voiced frame before speech counts as stopped (ms)

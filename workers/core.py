@@ -54,6 +54,7 @@ class StepOutput:
         token_ids: ``(request_id, index) -> token id`` of every TokenEvent in ``events``
             (written to the request log, so a worker that takes the request over can
             continue from there instead of regenerating it).
+        audio_s: seconds of audio decoded this step (a speech model's core).
     """
 
     events: list[tuple[str, Event]] = field(default_factory=list)
@@ -61,6 +62,7 @@ class StepOutput:
     batch_size: int = 0
     new_tokens: int = 0
     token_ids: dict[tuple[str, int], int] = field(default_factory=dict)
+    audio_s: float = 0.0
 
 
 class WorkerCore:

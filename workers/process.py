@@ -105,6 +105,7 @@ class WorkerProcess:
         self._m_step = metrics.step_time.labels(m)
         self._m_batch = metrics.batch_size.labels(m)
         self._m_tokens = metrics.tokens.labels(m)
+        self._m_audio = metrics.audio.labels(m)
 
     # -- start-up -------------------------------------------------------------------
     def _load(self, version: str | None = None) -> VersionedCore:
@@ -329,6 +330,8 @@ class WorkerProcess:
                 self._m_batch.observe(out.batch_size)
             if out.new_tokens:
                 self._m_tokens.inc(out.new_tokens)
+            if out.audio_s:
+                self._m_audio.inc(out.audio_s)
             self.tokens.add(out.new_tokens)
 
     async def _free_retired(self) -> None:

@@ -13,6 +13,8 @@ import pytest
 import websockets
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
+from streamfleet.launcher import free_port
+from tests.integration.test_metrics import value
 
 pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
 
@@ -87,7 +89,10 @@ class Voice:
 @pytest.fixture
 def voice_fleet(fleet):
     gw = fleet.gateway()
-    fleet.worker(model="asr-en")
+    port = free_port()
+    worker = fleet.worker(model="asr-en", metrics_port=port)
+    worker.metrics_port = port
+    gw.extra["speech_worker"] = worker
     return gw
 
 
@@ -118,6 +123,13 @@ async def test_transcripts_are_accurate_with_partials_and_one_final_per_utteranc
     # one task per utterance, no more
     lane = f"{key_prefix}:{{asr-en}}:tasks:normal"
     assert rds.xinfo_stream(lane)["entries-added"] == len(refs)
+    # /v1/models says what the model does, so that clients (the demo page) offer it for voice only
+    [listed] = httpx.get(voice_fleet.http + "/v1/models").json()["data"]
+    assert listed["id"] == "asr-en" and listed["kind"] == "asr" and listed["workers"] == 1
+    # the worker counts the audio it decoded: exactly the utterances' spans
+    metrics = httpx.get(voice_fleet.extra["speech_worker"].metrics_url).text
+    decoded = value(metrics, "streamfleet_worker_audio_seconds_total", model="asr-en")
+    assert decoded == pytest.approx(sum(f["end_ms"] - f["start_ms"] for f in finals) / 1000, abs=0.05)
 
 
 async def test_silence_and_low_noise_create_no_task(voice_fleet, rds, key_prefix):
@@ -202,6 +214,36 @@ async def test_a_worker_killed_mid_utterance_still_gives_each_final_once(fleet, 
     finals = v.of("final")
     assert len(finals) == 1, v.frames
     assert wer(ref, finals[0]["text"]) <= 0.25, finals[0]["text"]
+    await v.close()
+
+
+async def test_a_long_utterance_does_not_stall_its_worker(fleet, rds, key_prefix):
+    """A final pass over a long utterance takes seconds of CPU; the worker's heartbeat and
+    event loop must go on meanwhile, or the other worker would take the utterance over
+    (SF_WORKER_DEAD_AFTER_S is 1.5 s) and decode it twice."""
+    gw = fleet.gateway()
+    ports = [free_port(), free_port()]
+    workers = [fleet.worker(model="asr-en", metrics_port=p) for p in ports]
+    for w, p in zip(workers, ports):
+        w.metrics_port = p
+    v = await Voice.connect(gw)
+    await v.wait_for(lambda f: f["type"] == "started")
+    refs = SENTENCES[:6]
+    # one utterance of about 15 s: the pauses are shorter than the end-of-utterance silence
+    await v.send_audio(silence(300) + b"".join(speech(s) + silence(250) for s in refs) + silence(1500))
+    heartbeats = f"{key_prefix}:workers:asr-en"
+    worst = 0.0
+    while not v.of("final"):  # every heartbeat stays fresh while the utterance decodes
+        for raw in rds.hvals(heartbeats):
+            worst = max(worst, time.time() - orjson.loads(raw)["heartbeat"])
+        await asyncio.sleep(0.1)
+    await v.stop(timeout=60)
+    finals = v.of("final")
+    assert len(finals) == 1 and finals[0]["end_ms"] - finals[0]["start_ms"] > 12_000, v.frames
+    assert wer(" ".join(refs), finals[0]["text"]) <= 0.2, finals[0]["text"]
+    assert worst < 1.0, f"a worker's heartbeat was {worst:.2f} s old"
+    for w in workers:  # nobody took the utterance over (the counter appears with its first takeover)
+        assert "streamfleet_worker_reclaimed_tasks_total{" not in httpx.get(w.metrics_url).text
     await v.close()
 
 
