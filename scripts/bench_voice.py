@@ -304,7 +304,8 @@ def run_mode(args, vad: str, sentences: list[bytes]) -> dict:
         gw = fleet.start("gateway", ["gateway", "--port", str(port), "--grpc-port", "0"],
                          dict(env, SF_METRICS_PORT=str(mport)))
         wports = [free_port() for _ in range(args.workers)]
-        workers = [fleet.start(f"worker{k}", ["worker", "--model", MODEL], dict(env, SF_METRICS_PORT=str(p)))
+        wenv = dict(env, **({"SF_MAX_BATCH": str(args.slots)} if args.slots else {}))
+        workers = [fleet.start(f"worker{k}", ["worker", "--model", MODEL], dict(wenv, SF_METRICS_PORT=str(p)))
                    for k, p in enumerate(wports)]
         http = f"http://127.0.0.1:{port}"
         if not wait_ready(http, abort=lambda: bool(fleet.dead())):
@@ -357,6 +358,7 @@ def main() -> int:
     ap.add_argument("--gap-s", type=float, default=8.0, help="mean silence between a speaker's sentences")
     ap.add_argument("--frame-ms", type=int, default=100, choices=range(10, 101), metavar="10..100")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=0, help="decoder slots per worker (0: engine.toml's, 2)")
     ap.add_argument("--vad", default="silero", choices=["silero", "webrtc", "energy"])
     ap.add_argument("--modes", default="on,off", help="on (the --vad detector), off, or both")
     ap.add_argument("--drain-s", type=float, default=30.0, help="how long after stop to wait for finals")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +41,8 @@ log = get_logger("worker.speech")
 #: an utterance whose audio has not advanced for this long is failed (its gateway is gone:
 #: a live one sends its end marker within ``SF_VAD_END_SILENCE_MS`` of the last speech)
 AUDIO_IDLE_S = 10.0
+#: a step with nothing to do but wait for final passes waits for one this long at most
+FINISH_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class _Utterance:
     audio_bytes: int = 0
     fed_at: float = 0.0  # when audio last arrived
     begun: bool = False  # the decoder's begin() ran (in the step, never on the event loop)
+    finishing: Future | None = None  # the final pass, running on a thread of its own
 
 
 class SpeechCore:
@@ -73,6 +77,8 @@ class SpeechCore:
         self._rejected: list[tuple[Task, ErrorCode, str]] = []
         self._dropped: list[_Utterance] = []  # abandoned: their decoders go back in the next step
         self._lock = threading.Lock()
+        self._pool = (ThreadPoolExecutor(max_workers=int(engine.slots), thread_name_prefix="speech-slot")
+                      if getattr(engine, "concurrent", False) and int(engine.slots) > 1 else None)
 
     # -- the core's shape ---------------------------------------------------------------
     @property
@@ -102,8 +108,10 @@ class SpeechCore:
         """Whether ``step`` has something to do now (audio fed, an end, a start to
         announce, a cancel or a refusal), so the audio read need not wait."""
         with self._lock:
-            return bool(self._rejected or self._dropped) or any(u.inbox or u.ended or u.cancelled or u.partials == 0
-                                               for u in self._utts.values())
+            return bool(self._rejected) or any(u.finishing is None or u.finishing.done() for u in self._dropped) \
+                or any(u.inbox or u.cancelled or u.partials == 0 or (u.ended and (u.finishing is None
+                                                                                 or u.finishing.done()))
+                       for u in self._utts.values())
 
     def add(self, task: Task, replay: list[int] | None = None) -> None:
         """Start an utterance (``replay`` is for text; an utterance restarts from its
@@ -174,6 +182,8 @@ class SpeechCore:
             utts, self._utts = list(self._utts.values()), {}
             dropped, self._dropped = self._dropped, []
         for u in utts + dropped:
+            if u.finishing is not None:
+                wait([u.finishing])  # the decoder is busy with the final pass
             self._release(u)
         return [u.task for u in utts]
 
@@ -190,7 +200,11 @@ class SpeechCore:
                 work.append((u, u.inbox, u.ended, u.cancelled))
                 u.inbox = []
         for u in dropped:
-            self._release(u)
+            if u.finishing is not None and not u.finishing.done():
+                with self._lock:  # its final pass is still running: release it once done
+                    self._dropped.append(u)
+            else:
+                self._release(u)
         for task, code, message in rejected:
             out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
             out.finished.append(task.request_id)
@@ -198,7 +212,7 @@ class SpeechCore:
         # that decoders in child processes (speech_process.py) decode side by side
         failed: set[str] = set()
         for u, pcm, _ended, cancelled in work:
-            if cancelled:
+            if cancelled or u.finishing is not None:
                 continue
             try:
                 if not u.begun:  # (a decoder process that died is restarted here, off the event loop)
@@ -214,24 +228,64 @@ class SpeechCore:
             except Exception as exc:  # a decoder failure ends this utterance, not the worker
                 self._decoding_failed(u, out, exc)
                 failed.add(u.task.request_id)
+        todo = []
         for u, pcm, ended, cancelled in work:
             if u.task.request_id in failed:
                 continue
-            if cancelled:
-                self._end(u, out, now, "cancelled", u.hypothesis or "")
-                continue
-            try:
-                if ended:
-                    self._end(u, out, now, "stop", u.decoder.finish())
-                    continue
-                text = u.decoder.hypothesis() if pcm else u.hypothesis
-                if u.partials == 0 or (text is not None and text != u.hypothesis):
-                    self._partial(u, out, now, text or "")
-                if now - u.fed_at > AUDIO_IDLE_S:
-                    self._fail(u, out, ErrorCode.timeout, f"no audio for {AUDIO_IDLE_S:g} s and no end of utterance")
-            except Exception as exc:  # a decoder failure ends this utterance, not the worker
-                self._decoding_failed(u, out, exc)
+            if u.finishing is not None:
+                if u.finishing.done():
+                    self._finished(u, out, now)
+            elif ended and not cancelled and self._pool is not None:
+                # a final pass takes a while (a quarter of the utterance's length): it runs
+                # on its own thread, and its final goes out in the step after it is done
+                u.finishing = self._pool.submit(u.decoder.finish)
+            else:
+                todo.append((u, pcm, ended, cancelled))
+        if self._pool is not None and len(todo) > 1:
+            # decoders that run side by side: each slot waited for on a thread of its own
+            list(self._pool.map(lambda w: self._conclude(*w, now, out), todo))
+        else:
+            for w in todo:
+                self._conclude(*w, now, out)
+        if not out.events and not out.batch_size:
+            # nothing to do but wait for final passes: wait here (the event loop is free
+            # meanwhile) rather than come straight back
+            pending = [u.finishing for u in [w[0] for w in work] + self._dropped
+                       if u.finishing is not None and not u.finishing.done()]
+            if pending:
+                wait(pending, timeout=FINISH_POLL_S, return_when=FIRST_COMPLETED)
         return out
+
+    def _finished(self, u: _Utterance, out: StepOutput, now: float) -> None:
+        """The final pass that ran on its own thread is done: the final (or the failure)."""
+        try:
+            text = u.finishing.result()
+        except Exception as exc:  # noqa: BLE001
+            self._decoding_failed(u, out, exc)
+            return
+        if u.cancelled:
+            self._end(u, out, now, "cancelled", u.hypothesis or "")
+        else:
+            self._end(u, out, now, "stop", text)
+
+    def _conclude(self, u: _Utterance, pcm: list[bytes], ended: bool, cancelled: bool, now: float,
+                  out: StepOutput) -> None:
+        """The second pass for one utterance: its final, its new partial, or its end.
+        Events of one utterance come from one thread, so they keep their order."""
+        if cancelled:
+            self._end(u, out, now, "cancelled", u.hypothesis or "")
+            return
+        try:
+            if ended:
+                self._end(u, out, now, "stop", u.decoder.finish())
+                return
+            text = u.decoder.hypothesis() if pcm else u.hypothesis
+            if u.partials == 0 or (text is not None and text != u.hypothesis):
+                self._partial(u, out, now, text or "")
+            if now - u.fed_at > AUDIO_IDLE_S:
+                self._fail(u, out, ErrorCode.timeout, f"no audio for {AUDIO_IDLE_S:g} s and no end of utterance")
+        except Exception as exc:  # a decoder failure ends this utterance, not the worker
+            self._decoding_failed(u, out, exc)
 
     def _decoding_failed(self, u: _Utterance, out: StepOutput, exc: Exception) -> None:
         log.exception("speech decoding failed", request_id=u.task.request_id, trace_id=u.task.trace_id)

@@ -5,6 +5,8 @@ the model repository."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,7 @@ from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, words
 from streamfleet.shared.errors import ErrorCode, FatalError
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts, load_tokenizer
 from streamfleet.workers.engines.speech import NoFreeDecoder, SpeechDecoder, SpeechStateError, load_speech_engine
+from streamfleet.workers.engines.speech_process import DecoderProcessDied, ProcessSpeechEngine
 
 pytest.importorskip("pocketsphinx")
 
@@ -203,6 +206,67 @@ def test_a_long_utterance_keeps_the_streaming_final():
         eng.close()
 
 
+# -- decoders in child processes (speech_process.py) -------------------------------------
+
+
+def test_decoders_run_in_child_processes_with_the_same_text(engine, streamed):
+    """asr-en puts each decoder in a child process of its own; the text is exactly what
+    the same backend gives in this process."""
+    need_flite()
+    assert isinstance(engine, ProcessSpeechEngine)
+    pids = engine.pids
+    assert len(set(pids)) == engine.slots and os.getpid() not in pids
+    local = load_speech_engine(spec(), slots=1, processes=False)
+    try:
+        assert not isinstance(local, ProcessSpeechEngine)
+        dec = local.acquire()
+        assert [transcribe(dec, speech(s), 20) for s in SENTENCES] == streamed(20)
+    finally:
+        local.close()
+
+
+def test_a_decoder_process_that_dies_fails_its_utterance_and_comes_back():
+    need_flite()
+    eng = load_speech_engine(spec(), slots=1)
+    try:
+        dec = eng.acquire()
+        dec.begin()
+        dec.feed(speech(SENTENCES[0])[:16000])
+        os.kill(eng.pids[0], signal.SIGKILL)
+        with pytest.raises(DecoderProcessDied):
+            dec.feed(speech(SENTENCES[0])[16000:])
+            dec.hypothesis()
+        eng.release(dec)  # aborting a dead child's utterance does not raise
+        dec = eng.acquire()
+        final, _ = transcribe(dec, speech(SENTENCES[1]), 50)  # begin() started a new child
+        assert wer(SENTENCES[1], final) <= 0.2 and dec.restarts == 1 and eng.pids[0] is not None
+    finally:
+        eng.close()
+    assert eng.pids == [None]  # close() stopped the child
+
+
+def test_calls_are_pipelined_and_an_aborted_utterance_leaves_nothing_behind(engine):
+    """feed() does not wait for the child; hypothesis() and finish() wait for what was
+    sent before them, and an abort drops the replies still to come."""
+    need_flite()
+    dec = engine.acquire()
+    try:
+        dec.begin()
+        for chunk in chunks(speech(SENTENCES[2]), 20):
+            dec.feed(chunk)  # returns at once: the child decodes meanwhile
+        dec.abort()  # with replies outstanding
+        final, _ = transcribe(dec, speech(SENTENCES[0]), 100)
+        assert final == transcribe(dec, speech(SENTENCES[0]), 100)[0]
+        assert wer(SENTENCES[0], final) <= 0.2
+    finally:
+        engine.release(dec)
+
+
+def test_a_backend_that_cannot_load_in_its_child_stops_the_worker_with_its_reason():
+    with pytest.raises(FatalError, match="final_pass"):
+        load_speech_engine(spec(), slots=1, final_pass="sometimes")
+
+
 # -- the pool ---------------------------------------------------------------------------
 
 
@@ -283,7 +347,7 @@ def write_model(root: Path, name: str, body: str) -> ModelSpec:
 def test_the_asr_model_folder():
     s = spec()
     assert (s.kind, s.backend, s.slots, s.sample_rate, s.language) == ("asr", "pocketsphinx", 2, 16000, "en-US")
-    assert s.options == {} and s.eos_token_ids == ()
+    assert s.options == {"processes": True} and s.eos_token_ids == ()
     assert s.artifacts_present()
     ensure_artifacts(s)  # present: nothing generated, nothing raised
     assert ModelRepository().get("tiny-gpt").kind == "text"

@@ -185,6 +185,11 @@ class SpeechEngine(ABC):
         decoders: every decoder the engine will ever lend; ``slots`` is their number.
     """
 
+    #: whether calls on different decoders gain from running on separate threads at once
+    #: (decoders in child processes do; ones that hold the GIL do not), so that a worker
+    #: waits for every slot's hypothesis or final at the same time
+    concurrent: bool = False
+
     def __init__(self, spec: ModelSpec, decoders: Sequence[SpeechDecoder]) -> None:
         if not decoders:
             raise FatalError(f"speech model {spec.name!r}: an engine needs at least one decoder")

@@ -235,6 +235,8 @@ class ProcessSpeechEngine(SpeechEngine):
         FatalError: a child could not load the backend.
     """
 
+    concurrent = True
+
     def __init__(self, spec: ModelSpec, *, slots: int | None = None, **options: Any) -> None:
         n = int(slots if slots is not None else spec.slots)
         if n < 1:
