@@ -126,11 +126,11 @@ class PageWatch:
         frames.append(frame)
         timeline.append(f"{direction}:{frame.get('type')}")
 
-    def open(self, text_model: str = "tiny-gpt") -> None:
+    def open(self) -> None:
         self.page.goto(self.origin + "/")
         self.page.wait_for_selector("#conn[data-state=open]")       # the WebSocket is up
         self.page.wait_for_selector("#model[data-loaded]", state="attached")  # /v1/models answered (or failed)
-        self.page.wait_for_selector(f"#model option[value={text_model}]", state="attached")
+        self.page.wait_for_selector("#model option[value=tiny-gpt]", state="attached")
 
     def assert_same_origin_only(self) -> None:
         ws_origin = self.origin.replace("http://", "ws://", 1)
@@ -325,7 +325,8 @@ def test_microphone_transcribes_speech(fleet, mic_browser, tmp_path):
     w = PageWatch(mic_browser, gw.http, permissions=("microphone",))
     try:
         page = w.page
-        w.open(text_model="asr-en")  # /v1/models lists the fleet's only model
+        w.open()  # /v1/models lists only a speech model: the text form falls back to tiny-gpt
+        assert page.locator("#model option[value=asr-en]").count() == 0
         expect(page.locator("#voice-status")).to_have_text("idle")
         page.click("#mic")
         expect(page.locator("#mic")).to_have_text("Stop")
