@@ -101,8 +101,12 @@ class Utterance:
     """One utterance of a voice connection: its task, its audio on the way to Redis, and
     its transcript on the way back."""
 
-    def __init__(self, session: "VoiceSession", config: AudioConfig, index: int, start_ms: int) -> None:
+    def __init__(self, session: "VoiceSession", config: AudioConfig, index: int, start_ms: int,
+                 previous: "Utterance | None") -> None:
         self.session = session
+        # finals go out in utterance order: another worker may finish a later utterance first
+        self.previous = previous
+        self.over = asyncio.Event()  # this utterance's final (or error) went out, or never will
         self.config = config
         self.index = index
         self.start_ms = start_ms
@@ -140,14 +144,22 @@ class Utterance:
                 await self.req.submit(draft, trace_id=self.session.trace_id)
             except StreamfleetError as exc:
                 metrics.refusals.labels("voice", str(exc.code)).inc()
+                await self._in_turn()
                 await self.session.emit(self.error_frame(exc))
                 return
             writer = asyncio.create_task(self._write_audio(s.request_timeout_s + s.log_ttl_s))
             await self._transcript(s.voice_slot_warning_s)
         finally:
+            self.over.set()
             if writer is not None:
                 writer.cancel()
             await self.req.close()
+
+    async def _in_turn(self) -> None:
+        """Wait until every earlier utterance of the connection has had its final or error."""
+        if self.previous is not None:
+            await self.previous.over.wait()
+            self.previous = None  # (and let it go)
 
     async def _write_audio(self, ttl_s: float) -> None:
         """Append the audio as it comes, whatever has queued since the last append in one
@@ -192,6 +204,7 @@ class Utterance:
                     if ev.text:
                         await self.session.emit(self.frame("partial", text=ev.text))
                 elif isinstance(ev, End):
+                    await self._in_turn()
                     await self.session.emit(self.frame(
                         "final", request_id=self.req.request_id, text=ev.text, start_ms=self.start_ms,
                         end_ms=self.end_ms if self.end_ms is not None else self.start_ms,
@@ -199,6 +212,7 @@ class Utterance:
                     self.req.delivered()
                     return
                 elif isinstance(ev, Failed):
+                    await self._in_turn()
                     await self.session.emit(self.error_frame(ev.error))
                     self.req.delivered()
                     return
@@ -218,6 +232,7 @@ class VoiceSession(WebSocketSession):
         self.current: Utterance | None = None
         self.utterances: list[Utterance] = []
         self.count = 0  # utterances of this connection so far
+        self.last: Utterance | None = None  # the newest utterance (the next one's final waits for its)
 
     # the read loop hands every frame here (gateway.ws.WebSocketSession._serve) and reads
     # the next one only once this one is handled: a connection's frames stay in order
@@ -269,7 +284,7 @@ class VoiceSession(WebSocketSession):
             if isinstance(ev, SpeechStarted):
                 self.send({"type": "speech_started", "id": cid, "offset_ms": ev.offset_ms})
                 if self.current is None:
-                    self.current = Utterance(self, self.config, self.count, ev.offset_ms)
+                    self.current = self.last = Utterance(self, self.config, self.count, ev.offset_ms, self.last)
                     self.count += 1
                     self.utterances = [u for u in self.utterances if not u.task.done()] + [self.current]
                 self.current.push(ev.audio)

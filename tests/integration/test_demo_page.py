@@ -71,14 +71,17 @@ def browser(launch):
 
 @pytest.fixture(scope="module")
 def mic_browser(launch, tmp_path_factory):
-    """A Chromium whose microphone, once opened, says MIC_SENTENCE: 0.5 s of silence, the
+    """A Chromium whose microphone, once opened, says MIC_SENTENCE: 2 s of silence, the
     sentence, 1.5 s of silence, then silence for good (``%noloop``: Chromium would otherwise
-    play the file over and over). The file is 16 kHz; the page's AudioContext runs at the
-    fake device's rate (44.1 kHz with this Chromium), so the page's resampler is in the path."""
+    play the file over and over). The file plays from the moment the capture opens, and the
+    page hears it only once its AudioWorklet is connected, a moment later (more on a busy
+    machine: with 0.5 s of lead-in the suite's load cut "turn off" to "fair enough"). The
+    file is 16 kHz; the page's AudioContext runs at the fake device's rate (44.1 kHz with
+    this Chromium), so the page's resampler is in the path."""
     if flite_missing():
         pytest.skip(flite_missing())
     wav = write_wav(tmp_path_factory.mktemp("mic") / "speech.wav",
-                    silence(500) + speech(MIC_SENTENCE) + silence(1500))
+                    silence(2000) + speech(MIC_SENTENCE) + silence(1500))
     b = launch("--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}%noloop")
     yield b
     b.close()

@@ -247,6 +247,24 @@ async def test_a_long_utterance_does_not_stall_its_worker(fleet, rds, key_prefix
     await v.close()
 
 
+async def test_finals_come_in_utterance_order(voice_fleet):
+    """A long utterance's final pass outlasts the short one after it (on another slot or
+    worker): the short one's final waits, so finals arrive in utterance order."""
+    v = await Voice.connect(voice_fleet)
+    await v.wait_for(lambda f: f["type"] == "started")
+    long = b"".join(speech(s) + silence(250) for s in SENTENCES[:4])
+    await v.send_audio(silence(300) + long + silence(1000) + speech(SENTENCES[4]) + silence(1000))
+    await v.stop(timeout=60)
+    finals = v.of("final")
+    assert [f["utterance"] for f in finals] == [0, 1], v.frames
+    assert wer(" ".join(SENTENCES[:4]), finals[0]["text"]) <= 0.2 and wer(SENTENCES[4], finals[1]["text"]) <= 0.2
+    # the short one was transcribed first: its partials came while the long one was finishing
+    last_partial_1 = max(i for i, f in enumerate(v.frames) if f["type"] == "partial" and f["utterance"] == 1)
+    final_0 = next(i for i, f in enumerate(v.frames) if f["type"] == "final" and f["utterance"] == 0)
+    assert last_partial_1 < final_0, v.frames
+    await v.close()
+
+
 def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
     import subprocess
     import sys
