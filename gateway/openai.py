@@ -33,6 +33,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
+from streamfleet.gateway.validation import check_unsupported
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -55,6 +56,9 @@ def openai_error_response(exc: StreamfleetError) -> Response:
 def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, Any]:
     """Map an OpenAI body (already known to be an object) to the generate payload of the
     WebSocket protocol."""
+    ignored = check_unsupported(body, request.app.state.hub.settings.refuse_unsupported)
+    if ignored:
+        log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
     n = body.get("n")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, (int, float)):

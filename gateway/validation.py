@@ -6,8 +6,11 @@ frame, later an OpenAI request body mapped to the same shape) into a
 ``ValidRequest``; only a ``ValidRequest`` can become a ``Task``. Each rule that can
 fail raises ``ValidationError`` with its own code and the offending ``param``.
 
-Unknown fields are ignored (as the OpenAI API does), so clients can send fields
-newer gateways understand.
+Fields no rule knows are ignored, so clients can send fields newer gateways
+understand, except the parameters of the OpenAI API (and vLLM's extensions) that
+streamfleet does not implement (``UNSUPPORTED``): asking for what they do (any value
+but the one that does nothing) is refused with 400 naming the parameter, because
+serving the request without it would be silently wrong (``check_unsupported``).
 """
 
 from __future__ import annotations
@@ -20,13 +23,81 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.keys import LANES
+from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
 from streamfleet.shared.schema import AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane"]
+__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane",
+           "UNSUPPORTED", "check_unsupported"]
+
+log = get_logger("gateway.validation")
+
+#: request parameters of the OpenAI API, and of vLLM's extensions to it, that streamfleet
+#: does not implement, each with the values that ask for nothing (what a client sends when
+#: it spells out the defaults); anything else is refused (``check_unsupported``)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "store": (None, False),
+}
+
+
+def check_unsupported(p: dict[str, Any], strict: bool = True) -> list[str]:
+    """The parameters of ``p`` in ``UNSUPPORTED`` that ask for something.
+
+    Raises:
+        ValidationError: ``invalid_request`` (400) naming the first one, when ``strict``
+            (``SF_REFUSE_UNSUPPORTED``); otherwise they are returned, for the caller to
+            log and ignore.
+    """
+    asked = [name for name, inert in UNSUPPORTED.items() if name in p and not _inert(p[name], inert)]
+    if asked and strict:
+        name = asked[0]
+        shown = [v for v in UNSUPPORTED[name] if v is not None]
+        default = orjson.dumps(shown[0]).decode() if shown else "null"
+        raise ValidationError(f"{name!r} is not supported by streamfleet: leave it out or send its default "
+                              f"({default})", code=ErrorCode.invalid_request, param=name)
+    return asked
+
+
+def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``inert`` (booleans are not numbers here: ``logprobs: 0``
+    asks for something, ``logprobs: false`` does not)."""
+    for v in inert:
+        if v is None:
+            if value is None:
+                return True
+        elif isinstance(value, bool) == isinstance(v, bool) and type(value) in (type(v), int, float) \
+                and value == v:
+            return True
+    return False
 
 MAX_ID_CHARS = 128
 MAX_SEED = 2**63 - 1
@@ -213,6 +284,9 @@ class Validator:
             NotFoundError: unknown model.
         """
         s = self.settings
+        ignored = check_unsupported(p, s.refuse_unsupported)
+        if ignored:
+            log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
         client_id = p.get("id")
         if client_id is None:
             raise ValidationError("field 'id' is required", code=ErrorCode.missing_field, param="id")

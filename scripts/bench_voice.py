@@ -106,8 +106,9 @@ async def run_conn(url: str, c: Conn, frame_ms: int, started: asyncio.Event, dra
         async def reader() -> None:
             try:
                 await read()
-            except websockets.ConnectionClosed as exc:
-                c.errors.append({"code": f"closed {exc.rcvd.code if exc.rcvd else exc.sent.code if exc.sent else ''}"})
+            except websockets.ConnectionClosed as exc:  # by the gateway (rcvd) or by this client (sent)
+                close = exc.rcvd or exc.sent
+                c.errors.append({"code": f"closed {close.code} {close.reason}" if close else "closed"})
 
         async def read() -> None:
             async for raw in ws:

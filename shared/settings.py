@@ -60,6 +60,11 @@ class GatewaySettings(CommonSettings):
     max_prompt_chars: int = 100_000
     max_inflight_per_connection: int = 64
     max_max_tokens: int = 4096
+    #: a request that asks for an OpenAI parameter streamfleet does not implement
+    #: (``presence_penalty: 0.5``, ``response_format``, ``tools``…) gets 400 naming it;
+    #: false: it is served without it and a warning logged (for clients that cannot help
+    #: sending such fields)
+    refuse_unsupported: bool = True
     default_max_tokens: int = 64
     max_stop_sequences: int = 4
     max_stop_chars: int = 64
