@@ -217,7 +217,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
                                           "127.0.0.1", "--metrics-port", str(metrics_port),
                                           "--grpc-port", str(grpc_port)], env)
         base = f"http://{host}:{port}"
-        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid):
+        served = (model, speech_model) if speech_model else (model,)  # ready once every worker is
+        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid, models=served):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
                 return 1
@@ -260,19 +261,22 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             embedded.stop()
 
 
-def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0, pid: int | None = None) -> bool:
+def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0, pid: int | None = None,
+               models: tuple[str, ...] = ()) -> bool:
     """Poll ``{base}/readyz`` until it answers 200 (True), ``abort()`` or the timeout (False).
     With ``pid``, only the gateway of that process counts (its ``/healthz`` names its pid):
-    another fleet answering on the same address is not this one becoming ready."""
+    another fleet answering on the same address is not this one becoming ready. With
+    ``models``, each of them must have a live worker too (``/readyz`` is ready with one)."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not abort():
         try:
             ours = pid is None or httpx.get(base + "/healthz", timeout=1.0).json().get("pid") == pid
-            if ours and httpx.get(base + "/readyz", timeout=1.0).status_code == 200:
+            r = httpx.get(base + "/readyz", timeout=1.0) if ours else None
+            if r is not None and r.status_code == 200 and all(r.json()["workers"].get(m) for m in models):
                 return True
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
             pass
         time.sleep(0.2)
     return False
