@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, words
@@ -232,7 +234,10 @@ def test_a_decoder_process_that_dies_fails_its_utterance_and_comes_back():
         dec = eng.acquire()
         dec.begin()
         dec.feed(speech(SENTENCES[0])[:16000])
-        os.kill(eng.pids[0], signal.SIGKILL)
+        victim = psutil.Process(eng.pids[0])
+        victim.send_signal(signal.SIGKILL)
+        while victim.status() != psutil.STATUS_ZOMBIE:  # gone before the next call (else it could answer it)
+            time.sleep(0.01)
         with pytest.raises(DecoderProcessDied):
             dec.feed(speech(SENTENCES[0])[16000:])
             dec.hypothesis()
@@ -258,6 +263,32 @@ def test_calls_are_pipelined_and_an_aborted_utterance_leaves_nothing_behind(engi
         final, _ = transcribe(dec, speech(SENTENCES[0]), 100)
         assert final == transcribe(dec, speech(SENTENCES[0]), 100)[0]
         assert wer(SENTENCES[0], final) <= 0.2
+    finally:
+        engine.release(dec)
+
+
+def test_a_long_backlog_of_feeds_never_blocks_the_pipe(engine):
+    """A worker taking an utterance over feeds its whole retained audio in one step:
+    thousands of feeds before the next hypothesis. Only hypothesis and finish answer, so
+    neither side of the pipe fills up waiting for the other."""
+    need_flite()
+    dec = engine.acquire()
+    result: list[str] = []
+    pcm = (speech(SENTENCES[0]) + silence(300)) * 8  # about 24 s
+
+    def feed_all() -> None:
+        dec.begin()
+        for at in range(0, len(pcm), 320):  # 10 ms feeds: 2,400 calls with no reply in between
+            dec.feed(pcm[at:at + 320])
+        result.append(dec.hypothesis())
+        result.append(dec.finish())
+
+    try:
+        t = threading.Thread(target=feed_all, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the decoder's pipe is stuck"
+        assert words(result[1]) and wer(" ".join([SENTENCES[0]] * 8), result[1]) <= 0.2, result
     finally:
         engine.release(dec)
 

@@ -11,9 +11,10 @@ loop keeps running, and the slots decode on as many cores as there are.
 Each child loads the backend with one slot (its decoder and, for PocketSphinx, its own
 final-pass decoder) once, when the worker starts, and serves one utterance at a time
 over a ``multiprocessing`` pipe. Calls are pipelined: ``begin``, ``feed`` and ``abort``
-are sent without waiting, ``hypothesis`` and ``finish`` wait for everything sent before
-them. A reply carries the utterance it belongs to, so an error of an aborted utterance
-never lands on the next one. A child that dies fails its utterance (``engine_error``)
+are sent without waiting and get no reply (a failure of begin or feed comes back with
+the utterance's next ``hypothesis`` or ``finish``, the only calls that answer). Every
+call carries the utterance it belongs to, so the child drops what an aborted utterance
+still had queued and an error of one utterance never lands on the next. A child that dies fails its utterance (``engine_error``)
 and is started again before the slot's next utterance.
 """
 
@@ -53,33 +54,38 @@ def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
+    current = 0               # the utterance the parent is on
+    failed: str | None = None  # the first failure of its begin/feed calls (they get no reply)
     while True:
         try:
             gen, op, arg = conn.recv()
         except (EOFError, OSError, KeyboardInterrupt):
             break
+        if op == "close":
+            break
+        if op in ("begin", "abort"):
+            current, failed = gen, None
+            decoder.abort()
+        if gen != current:
+            continue  # a call of an utterance the parent has left (it skips the replies too)
+        if op in ("begin", "feed"):
+            if failed is None:
+                try:
+                    decoder.begin() if op == "begin" else decoder.feed(arg)
+                except Exception as exc:  # noqa: BLE001 — reported with the next hypothesis or finish
+                    failed = f"{type(exc).__name__}: {exc}"
+            continue
+        if op == "abort":
+            continue
+        # hypothesis or finish: the only calls that answer, so the pipe back never fills
         try:
-            if op == "begin":
-                decoder.abort()
-                decoder.begin()
-                result: Any = None
-            elif op == "feed":
-                decoder.feed(arg)
-                result = None
-            elif op == "hypothesis":
-                result = decoder.hypothesis()
-            elif op == "finish":
-                result = decoder.finish()
-            elif op == "abort":
-                decoder.abort()
-                result = None
-            elif op == "close":
-                break
-            else:
-                raise ValueError(f"unknown decoder call {op!r}")
-            reply = (gen, True, result)
+            if failed is not None:
+                raise RuntimeError(failed)
+            reply = (gen, True, decoder.hypothesis() if op == "hypothesis" else decoder.finish())
         except Exception as exc:  # noqa: BLE001 — the parent raises it for this utterance
-            reply = (gen, False, f"{type(exc).__name__}: {exc}")
+            reply = (gen, False, str(exc) if failed is not None else f"{type(exc).__name__}: {exc}")
+            if op == "finish":
+                decoder.abort()
         try:
             conn.send(reply)
         except (OSError, EOFError):
@@ -95,11 +101,11 @@ class ProcessDecoder(SpeechDecoder):
         self._spec = spec
         self._options = options
         self._index = index
-        self._gen = 0          # the utterance number: replies of older ones are dropped
-        self._waiting = 0      # replies still to read
-        self._error: str | None = None  # the first failure of this utterance's pipelined calls
+        self._gen = 0          # the utterance number: the child drops calls of older ones
+        self._waiting = 0      # replies still to read (of hypothesis and finish calls only)
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
+        self._broken = False   # the pipe failed: the child is gone, whatever its process says
         self.restarts = 0
 
     # -- the child -------------------------------------------------------------------------
@@ -113,6 +119,7 @@ class ProcessDecoder(SpeechDecoder):
         child.close()
         self._conn = parent
         self._waiting = 0
+        self._broken = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait for the child to load its model.
@@ -159,46 +166,45 @@ class ProcessDecoder(SpeechDecoder):
         return self._proc.pid if self._proc is not None else None
 
     # -- calls -----------------------------------------------------------------------------
+    # begin, feed and abort get no reply (a failure of begin or feed comes back with the
+    # utterance's next hypothesis or finish); only those two answer, and the parent reads
+    # each answer before it sends the next, so neither side ever waits on a full pipe
     def _send(self, op: str, arg: Any = None) -> None:
         try:
             self._conn.send((self._gen, op, arg))
         except (OSError, EOFError, AttributeError) as exc:
+            self._broken = True
             raise DecoderProcessDied(f"speech decoder process {self._index} is gone") from exc
-        self._waiting += 1
 
     def _call(self, op: str) -> Any:
-        """Send ``op`` and return its result, once every earlier call has answered.
+        """Send ``op`` (hypothesis or finish) and return its answer.
 
         Raises:
             DecoderProcessDied: the child exited.
-            RuntimeError: a call of this utterance failed in the child.
+            RuntimeError: this utterance's begin, feed or this call failed in the child.
         """
         self._send(op)
-        result = None
+        self._waiting += 1
         try:
-            while self._waiting:
+            while True:
                 gen, ok, value = self._conn.recv()
                 self._waiting -= 1
-                if gen != self._gen:
-                    continue  # an aborted utterance's late reply
-                if not ok and self._error is None:
-                    self._error = value
-                result = value
+                if gen == self._gen and not self._waiting:
+                    break
         except (EOFError, OSError) as exc:
+            self._broken = True
             raise DecoderProcessDied(f"speech decoder process {self._index} exited "
                                      f"(exit code {self._proc.exitcode if self._proc else None})") from exc
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(error)
-        return result
+        if not ok:
+            raise RuntimeError(value)
+        return value
 
     def _begin(self) -> None:
-        if self._proc is None or not self._proc.is_alive():
+        if self._broken or self._proc is None or not self._proc.is_alive():
             # a child that died in the last utterance: load a new one (in the worker's
             # engine thread, like every call that waits; the event loop goes on)
             self._restart()
         self._gen += 1
-        self._error = None
         self._send("begin")
 
     def _feed(self, pcm: bytes) -> None:
@@ -211,8 +217,7 @@ class ProcessDecoder(SpeechDecoder):
         return self._call("finish") or ""
 
     def _abort(self) -> None:
-        self._gen += 1  # whatever the utterance still has coming is dropped on arrival
-        self._error = None
+        self._gen += 1  # the child drops what the utterance still has queued
         try:
             self._send("abort")
         except DecoderProcessDied:
