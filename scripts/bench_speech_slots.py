@@ -119,7 +119,7 @@ def run(k: int, in_process: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--slots", default="1,2,3,4")
+    ap.add_argument("--slots", default="1,2,3,4", help="slot counts to try, comma-separated")
     ap.add_argument("--in-process", action="store_true", help="all decoders in this process (the GIL)")
     args = ap.parse_args()
     if (why := flite_missing()) is not None:
