@@ -33,7 +33,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
-from streamfleet.gateway.validation import check_unsupported
+from streamfleet.gateway.validation import UNSUPPORTED
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -56,9 +56,6 @@ def openai_error_response(exc: StreamfleetError) -> Response:
 def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, Any]:
     """Map an OpenAI body (already known to be an object) to the generate payload of the
     WebSocket protocol."""
-    ignored = check_unsupported(body, request.app.state.hub.settings.refuse_unsupported)
-    if ignored:
-        log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
     n = body.get("n")
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, (int, float)):
@@ -66,7 +63,8 @@ def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, An
         if n != 1:
             raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
     p: dict[str, Any] = {"id": "http"}
-    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout"):
+    # the parameters streamfleet does not implement go along, for the validator to refuse
+    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout", *UNSUPPORTED):
         if name in body:
             p[name] = body[name]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))

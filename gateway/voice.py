@@ -232,7 +232,6 @@ class VoiceSession(WebSocketSession):
         self.current: Utterance | None = None
         self.utterances: list[Utterance] = []
         self.count = 0  # utterances of this connection so far
-        self.last: Utterance | None = None  # the newest utterance (the next one's final waits for its)
 
     # the read loop hands every frame here (gateway.ws.WebSocketSession._serve) and reads
     # the next one only once this one is handled: a connection's frames stay in order
@@ -284,9 +283,13 @@ class VoiceSession(WebSocketSession):
             if isinstance(ev, SpeechStarted):
                 self.send({"type": "speech_started", "id": cid, "offset_ms": ev.offset_ms})
                 if self.current is None:
-                    self.current = self.last = Utterance(self, self.config, self.count, ev.offset_ms, self.last)
+                    # its final waits for the newest one still running (finals end in order, so
+                    # every utterance before that one has had its final)
+                    running = [u for u in self.utterances if not u.task.done()]
+                    self.current = Utterance(self, self.config, self.count, ev.offset_ms,
+                                             running[-1] if running else None)
                     self.count += 1
-                    self.utterances = [u for u in self.utterances if not u.task.done()] + [self.current]
+                    self.utterances = running + [self.current]
                 self.current.push(ev.audio)
             elif isinstance(ev, SpeechAudio):
                 if self.current is not None:

@@ -67,8 +67,6 @@ class Conn:
     lag_ms: float = 0.0                  # how far behind real time its sending fell, at most
     finals: list[tuple[float, dict]] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
-    open_utts: int = 0
-    stopped: bool = False
 
 
 def plan(n: int, speaking: int, seconds: float, gap_s: float, rng: random.Random,
@@ -121,7 +119,6 @@ async def run_conn(url: str, c: Conn, frame_ms: int, started: asyncio.Event, dra
                 elif t == "error":
                     c.errors.append(f)
                 elif t == "stopped":
-                    c.stopped = True
                     return
 
         rd = asyncio.create_task(reader())
@@ -144,18 +141,16 @@ async def run_conn(url: str, c: Conn, frame_ms: int, started: asyncio.Event, dra
             pass
 
 
-def latencies(conns: list[Conn]) -> tuple[list[float], list[float]]:
-    """Final latency after the end of speech (speakers' finals), and after the end of the
-    utterance's audio (every final), in ms."""
-    after_speech, after_audio = [], []
+def latencies(conns: list[Conn]) -> list[float]:
+    """Final latency after the end of speech (of the speakers' finals), in ms."""
+    after_speech = []
     for c in conns:
         for arrived, f in c.finals:
             end = f["end_ms"]
-            after_audio.append((arrived - (c.t0 + end / 1000)) * 1000)
             said = [e for s, e in c.speech_spans if s < end and e > f["start_ms"]]
             if said and f.get("text"):
                 after_speech.append((arrived - (c.t0 + max(said) / 1000)) * 1000)
-    return after_speech, after_audio
+    return after_speech
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -260,7 +255,7 @@ async def measure(args, http: str, metrics_url: str, rds_url: str, gw: psutil.Pr
     rds.close()
 
     finals = [f for c in conns for _, f in c.finals]
-    after_speech, after_audio = latencies(conns)
+    after_speech = latencies(conns)
     in_run = samples[:int(args.seconds)]
     errors: dict[str, int] = {}
     for c in conns:
@@ -272,7 +267,6 @@ async def measure(args, http: str, metrics_url: str, rds_url: str, gw: psutil.Pr
         "sentences": sentences_said,
         "finals": len(finals),
         "finals_with_text": sum(1 for f in finals if f.get("text")),
-        "stopped": sum(1 for c in conns if c.stopped),
         "busy_mean": statistics.mean(s[0] for s in in_run) if in_run else float("nan"),
         "busy_max": max((s[0] for s in in_run), default=0),
         "capacity": max((s[1] for s in samples), default=0),

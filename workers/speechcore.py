@@ -56,10 +56,14 @@ class _Utterance:
     partials: int = 0  # partial events sent (the next one's index)
     hypothesis: str | None = None
     first_partial_at: float | None = None
-    audio_bytes: int = 0
     fed_at: float = 0.0  # when audio last arrived
     begun: bool = False  # the decoder's begin() ran (in the step, never on the event loop)
     finishing: Future | None = None  # the final pass, running on a thread of its own
+
+    @property
+    def final_pending(self) -> bool:
+        """Its final pass is still running: the decoder is busy, the final not out yet."""
+        return self.finishing is not None and not self.finishing.done()
 
 
 class SpeechCore:
@@ -108,9 +112,8 @@ class SpeechCore:
         """Whether ``step`` has something to do now (audio fed, an end, a start to
         announce, a cancel or a refusal), so the audio read need not wait."""
         with self._lock:
-            return bool(self._rejected) or any(u.finishing is None or u.finishing.done() for u in self._dropped) \
-                or any(u.inbox or u.cancelled or u.partials == 0 or (u.ended and (u.finishing is None
-                                                                                 or u.finishing.done()))
+            return bool(self._rejected) or any(not u.final_pending for u in self._dropped) \
+                or any(u.inbox or u.cancelled or u.partials == 0 or (u.ended and not u.final_pending)
                        for u in self._utts.values())
 
     def add(self, task: Task, replay: list[int] | None = None) -> None:
@@ -196,15 +199,18 @@ class SpeechCore:
             rejected, self._rejected = self._rejected, []
             dropped, self._dropped = self._dropped, []
             work = []
-            for rid, u in self._utts.items():
+            for u in self._utts.values():
                 work.append((u, u.inbox, u.ended, u.cancelled))
                 u.inbox = []
+        still_finishing = []  # abandoned during a final pass: released once it is done
         for u in dropped:
-            if u.finishing is not None and not u.finishing.done():
-                with self._lock:  # its final pass is still running: release it once done
-                    self._dropped.append(u)
+            if u.final_pending:
+                still_finishing.append(u)
             else:
                 self._release(u)
+        if still_finishing:
+            with self._lock:
+                self._dropped.extend(still_finishing)
         for task, code, message in rejected:
             out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
             out.finished.append(task.request_id)
@@ -223,7 +229,6 @@ class SpeechCore:
                 out.batch_size += 1
                 for piece in pcm:
                     u.decoder.feed(piece)
-                    u.audio_bytes += len(piece)
                     out.audio_s += len(piece) / (2 * self.engine.sample_rate)
             except Exception as exc:  # a decoder failure ends this utterance, not the worker
                 self._decoding_failed(u, out, exc)
@@ -250,8 +255,7 @@ class SpeechCore:
         if not out.events and not out.batch_size:
             # nothing to do but wait for final passes: wait here (the event loop is free
             # meanwhile) rather than come straight back
-            pending = [u.finishing for u in [w[0] for w in work] + self._dropped
-                       if u.finishing is not None and not u.finishing.done()]
+            pending = [u.finishing for u in [w[0] for w in work] + still_finishing if u.final_pending]
             if pending:
                 wait(pending, timeout=FINISH_POLL_S, return_when=FIRST_COMPLETED)
         return out

@@ -102,7 +102,6 @@ class ProcessDecoder(SpeechDecoder):
         self._options = options
         self._index = index
         self._gen = 0          # the utterance number: the child drops calls of older ones
-        self._waiting = 0      # replies still to read (of hypothesis and finish calls only)
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._broken = False   # the pipe failed: the child is gone, whatever its process says
@@ -118,7 +117,6 @@ class ProcessDecoder(SpeechDecoder):
         self._proc.start()
         child.close()
         self._conn = parent
-        self._waiting = 0
         self._broken = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -184,12 +182,10 @@ class ProcessDecoder(SpeechDecoder):
             RuntimeError: this utterance's begin, feed or this call failed in the child.
         """
         self._send(op)
-        self._waiting += 1
         try:
-            while True:
+            while True:  # (every answer is read before the next call: only a stray one is skipped)
                 gen, ok, value = self._conn.recv()
-                self._waiting -= 1
-                if gen == self._gen and not self._waiting:
+                if gen == self._gen:
                     break
         except (EOFError, OSError) as exc:
             self._broken = True
@@ -258,7 +254,6 @@ class ProcessSpeechEngine(SpeechEngine):
                 d._stop_child(wait_s=1.0)
             raise
         super().__init__(spec, decoders)
-        self.backend = spec.backend
         log.info("speech decoder processes ready", model=spec.name, slots=n,
                  pids=[d.pid for d in decoders], load_s=round(time.monotonic() - started, 2))
 
