@@ -210,13 +210,16 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
+        base = f"http://{host}:{port}"
+        # recorded before anything starts: `status` and the other commands find this fleet's
+        # Redis while it comes up, not only once the banner shows
+        record = write_record(ServeRecord(redis_url=url, api_url=base, pid=os.getpid(), embedded=embedded is not None))
         fleet.start("worker", ["worker", "--model", model], env)
         if speech_model:  # voice: a speech worker beside the text one (docs/voice.md)
             fleet.start("speech-worker", ["worker", "--model", speech_model], env)
         gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
                                           "127.0.0.1", "--metrics-port", str(metrics_port),
                                           "--grpc-port", str(grpc_port)], env)
-        base = f"http://{host}:{port}"
         served = (model, speech_model) if speech_model else (model,)  # ready once every worker is
         if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid, models=served):
             if not stop:
@@ -243,7 +246,6 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"  Ctrl-C stops everything.\n"
         )
         print(banner, flush=True)
-        record = write_record(ServeRecord(redis_url=url, api_url=base, pid=os.getpid(), embedded=embedded is not None))
         log.info("other streamfleet commands in this account use this fleet's Redis by default", record=str(record))
         while not stop:
             dead = fleet.dead()
