@@ -83,7 +83,8 @@ _BY_STATUS: dict[int, grpc.StatusCode] = {
 }
 
 _PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high"}
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "timeout")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "top_logprobs")
 
 
 class GrpcListenError(Exception):
@@ -151,6 +152,12 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
         p["stop"] = list(req.stop)
     if req.ignore_eos:
         p["ignore_eos"] = True
+    if req.logit_bias:
+        p["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
+    if req.stop_token_ids:
+        p["stop_token_ids"] = list(req.stop_token_ids)
+    if req.logprobs:
+        p["logprobs"] = True
     if req.priority not in _PRIORITY:
         raise ValidationError(f"'priority' {req.priority} is not a Priority value; use PRIORITY_NORMAL or "
                               f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
@@ -183,6 +190,16 @@ def _accepted(f: dict) -> pb.Accepted:
                        resume_token=f.get("resume_token") or "", resumed_from=f.get("resumed_from"))
 
 
+def _token(f: dict) -> pb.Token:
+    lp = f.get("logprobs")
+    if lp is None:
+        return pb.Token(index=f["index"], text=f["text"])
+    return pb.Token(index=f["index"], text=f["text"], logprob=pb.TokenLogprob(
+        id=lp["id"], token=lp["token"], bytes=bytes(lp["bytes"]), logprob=lp["logprob"],
+        top=[pb.TokenLogprob(id=t["id"], token=t["token"], bytes=bytes(t["bytes"]), logprob=t["logprob"])
+             for t in lp["top"]]))
+
+
 def _done(f: dict) -> pb.Done:
     return pb.Done(request_id=f["request_id"], finish_reason=f["finish_reason"], usage=pb.Usage(**f["usage"]),
                    timing=pb.Timing(**f["timing"]), model_version=f.get("model_version") or "")
@@ -197,7 +214,7 @@ def server_frame(f: dict) -> pb.ServerFrame:
     """The ``ServerFrame`` of a WebSocket frame (accepted, token, done or error)."""
     kind, cid = f["type"], f.get("id") or ""
     if kind == "token":
-        return pb.ServerFrame(id=cid, token=pb.Token(index=f["index"], text=f["text"]))
+        return pb.ServerFrame(id=cid, token=_token(f))
     if kind == "accepted":
         return pb.ServerFrame(id=cid, accepted=_accepted(f))
     if kind == "done":
@@ -211,7 +228,7 @@ def generate_event(f: dict) -> pb.GenerateEvent:
     """The ``GenerateEvent`` of a WebSocket frame (accepted, token or done)."""
     kind = f["type"]
     if kind == "token":
-        return pb.GenerateEvent(token=pb.Token(index=f["index"], text=f["text"]))
+        return pb.GenerateEvent(token=_token(f))
     if kind == "accepted":
         return pb.GenerateEvent(accepted=_accepted(f))
     if kind == "done":

@@ -33,7 +33,11 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
-from streamfleet.gateway.validation import UNSUPPORTED
+from streamfleet.gateway.validation import MAX_TOP_LOGPROBS, UNSUPPORTED
+
+#: the sampling and log-probability parameters passed through to the validator as they are
+PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+              "stop_token_ids", "logprobs", "top_logprobs")
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -64,9 +68,20 @@ def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, An
             raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
     p: dict[str, Any] = {"id": "http"}
     # the parameters streamfleet does not implement go along, for the validator to refuse
-    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout", *UNSUPPORTED):
+    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
+                 *PROCESSING, *UNSUPPORTED):
         if name in body:
             p[name] = body[name]
+    if not chat and body.get("logprobs") is not None:
+        # a completion's "logprobs": k is the chat API's logprobs + top_logprobs: k
+        k = body["logprobs"]
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValidationError("'logprobs' must be an integer (the number of alternatives per token)",
+                                  code=ErrorCode.invalid_type, param="logprobs")
+        p["logprobs"], p["top_logprobs"] = True, k
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValidationError(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
+                                  code=ErrorCode.out_of_range, param="logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         p["max_tokens"] = max_tokens
@@ -117,6 +132,10 @@ def _usage(end: End) -> dict[str, int]:
             "total_tokens": end.prompt_tokens + end.completion_tokens}
 
 
+def _top_chat(e: dict) -> dict:
+    return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+
 class _Shape:
     """The response shapes of one endpoint (completion vs chat)."""
 
@@ -126,7 +145,20 @@ class _Shape:
         self.model = model
         self.created = int(time.time())
 
-    def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False) -> dict:
+    def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
+        """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``)
+        in the chat API's shape or the completions API's; None when none were asked for."""
+        if not tokens:
+            return None
+        if self.chat:
+            return {"content": [{**_top_chat(e), "top_logprobs": [_top_chat(t) for t in e["top"]]}
+                                for _, e in tokens], "refusal": None}
+        return {"tokens": [e["token"] for _, e in tokens], "token_logprobs": [e["logprob"] for _, e in tokens],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for _, e in tokens],
+                "text_offset": [o for o, _ in tokens]}
+
+    def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
+              logprobs: list[tuple[int, dict]] | None = None) -> dict:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -134,10 +166,10 @@ class _Shape:
                 delta["content"] = ""
             elif text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         if usage_null:
@@ -149,14 +181,14 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
                 "usage": _usage(end)}
 
-    def full(self, text: str, end: End) -> dict:
+    def full(self, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
         finish = _FINISH.get(end.finish_reason, end.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": _usage(end)}
@@ -275,6 +307,9 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
                       include_usage: bool) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
     pending: asyncio.Future | None = None
+    # log probabilities of tokens whose text is held back go out with the next text
+    held: list[tuple[int, dict]] = []
+    offset = 0
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
@@ -287,12 +322,16 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
                 continue
             ev, pending = pending.result(), None
             if isinstance(ev, Token):
+                if ev.logprobs is not None:
+                    held.append((offset, ev.logprobs))
                 if ev.text:
-                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage),
+                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage, logprobs=held),
                                _event_id(req.request_id, req.resume_token, ev.index))
+                    offset += len(ev.text)
+                    held = []
             elif isinstance(ev, End):
                 yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
-                                       usage_null=include_usage))
+                                       usage_null=include_usage, logprobs=held))
                 if include_usage:
                     yield _sse(shape.usage_chunk(ev))
                 yield _sse("[DONE]")
@@ -314,11 +353,17 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
 async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Response:
     """Non-streamed: gather the whole completion, cancelling if the client leaves."""
     parts: list[str] = []
+    logprobs: list[tuple[int, dict]] = []
+    offset = 0
 
     async def consume():
+        nonlocal offset
         async for ev in events:
             if isinstance(ev, Token):
+                if ev.logprobs is not None:
+                    logprobs.append((offset, ev.logprobs))
                 parts.append(ev.text)
+                offset += len(ev.text)
             else:
                 return ev
 
@@ -340,7 +385,7 @@ async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Re
         await stop_events(consumer, events)
     if isinstance(ev, Failed):
         return openai_error_response(ev.error)
-    return Response(orjson.dumps(shape.full("".join(parts), ev)), media_type="application/json")
+    return Response(orjson.dumps(shape.full("".join(parts), ev, logprobs)), media_type="application/json")
 
 
 @router.post("/v1/completions")

@@ -65,6 +65,8 @@ def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_tok
 def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
     """The wire frame of one stream event."""
     if isinstance(ev, Token):
+        if ev.logprobs is not None:
+            return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text, "logprobs": ev.logprobs}
         return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text}
     if isinstance(ev, End):
         frame = {"type": "done", "id": client_id, "request_id": request_id, "finish_reason": ev.finish_reason,

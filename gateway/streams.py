@@ -57,6 +57,8 @@ LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]
 class Token:
     index: int
     text: str
+    #: the token and its log probability, when the request asked (``TokenEvent.logprobs``)
+    logprobs: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +143,9 @@ class RequestStream:
                 if not from_log:
                     self.duplicates_dropped += 1
             elif ev.index > self.next_index:
-                self._ahead[ev.index] = Token(ev.index, ev.text)
+                self._ahead[ev.index] = Token(ev.index, ev.text, ev.logprobs)
             else:
-                self._deliver(Token(ev.index, ev.text))
+                self._deliver(Token(ev.index, ev.text, ev.logprobs))
         elif isinstance(ev, DoneEvent):
             end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version,
                       ev.text)

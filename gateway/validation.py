@@ -41,15 +41,6 @@ log = get_logger("gateway.validation")
 #: does not implement, each with the values that ask for nothing (what a client sends when
 #: it spells out the defaults); anything else is refused (``check_unsupported``)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "stop_token_ids": (None, []),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -101,6 +92,11 @@ def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
 
 MAX_ID_CHARS = 128
 MAX_SEED = 2**63 - 1
+#: most entries of ``logit_bias`` (OpenAI's limit) and of ``stop_token_ids``
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 64
+#: most alternatives ``top_logprobs`` may ask for (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -349,7 +345,7 @@ class Validator:
             raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
                                   code=ErrorCode.prompt_too_long, param="prompt")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos)
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
                      prompt_text=text, explicit=explicit, chat=messages is not None)
 
@@ -373,6 +369,59 @@ class Validator:
                 code=ErrorCode.prompt_too_long, param="prompt")
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
                             params=draft.params, timeout_s=draft.timeout_s, prompt_text=draft.prompt_text)
+
+    def _processing(self, p: dict[str, Any], spec: ModelSpec, max_tokens: int) -> dict[str, Any]:
+        """The logits-processing and log-probability fields of ``SamplingParams``
+        (docs/sampling.md)."""
+        out: dict[str, Any] = {
+            "presence_penalty": self._float(p, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": self._float(p, "frequency_penalty", 0.0, -2.0, 2.0),
+            "repetition_penalty": self._float(p, "repetition_penalty", 1.0, 0.01, 10.0),
+            "min_p": self._float(p, "min_p", 0.0, 0.0, 1.0),
+            "min_tokens": self._int(p, "min_tokens", 0, 0, max_tokens),
+        }
+        bias, stop_ids = p.get("logit_bias"), p.get("stop_token_ids")
+        vocab = len(self.tokenizer(spec)) if bias or stop_ids else 0
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValidationError("'logit_bias' must be an object of token id to bias", code=ErrorCode.invalid_type,
+                                      param="logit_bias")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValidationError(f"'logit_bias' has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}",
+                                      code=ErrorCode.out_of_range, param="logit_bias")
+            pairs: dict[int, float] = {}
+            for key, value in bias.items():
+                tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 else -1
+                if not 0 <= tid < vocab:
+                    raise ValidationError(f"'logit_bias' key {key!r} is not a token id of model {spec.name!r} "
+                                          f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="logit_bias")
+                if not _is_number(value) or not -100 <= value <= 100:
+                    raise ValidationError(f"'logit_bias' value for token {key} must be a number from -100 to 100",
+                                          code=ErrorCode.out_of_range, param="logit_bias")
+                pairs[tid] = pairs.get(tid, 0.0) + float(value)
+            out["logit_bias"] = [[t, b] for t, b in pairs.items()]
+        if stop_ids is not None:
+            if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+                raise ValidationError("'stop_token_ids' must be a list of token ids", code=ErrorCode.invalid_type,
+                                      param="stop_token_ids")
+            if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValidationError(f"'stop_token_ids' has {len(stop_ids)} entries; the limit is "
+                                      f"{MAX_STOP_TOKEN_IDS}", code=ErrorCode.out_of_range, param="stop_token_ids")
+            bad = [t for t in stop_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValidationError(f"'stop_token_ids' holds {bad[0]}, not a token id of model {spec.name!r} "
+                                      f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="stop_token_ids")
+            out["stop_token_ids"] = sorted(set(stop_ids))
+        logprobs = p.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise ValidationError("'logprobs' must be true or false (a completion's integer 'logprobs' is "
+                                  "'top_logprobs' here)", code=ErrorCode.invalid_type, param="logprobs")
+        top = self._int(p, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not logprobs:
+            raise ValidationError("'top_logprobs' needs 'logprobs': true", code=ErrorCode.invalid_request,
+                                  param="top_logprobs")
+        out["logprobs"] = (top or 0) if logprobs else None
+        return out
 
     # -- field helpers ----------------------------------------------------------
     @staticmethod

@@ -92,6 +92,30 @@ class SamplingParams:
     seed: int = 0
     #: keep generating past EOS (fixed-length outputs for benchmarks and tests)
     ignore_eos: bool = False
+    # -- logits processing, applied to the whole batch's logits each step (workers/logits.py)
+    #: OpenAI's: subtracted once from the logit of every token generated so far
+    presence_penalty: float = 0.0
+    #: OpenAI's: subtracted per occurrence from the logit of every token generated so far
+    frequency_penalty: float = 0.0
+    #: CTRL's (as vLLM and transformers): the logit of every token of the prompt or the
+    #: output so far is divided by it when positive, multiplied by it when negative
+    repetition_penalty: float = 1.0
+    #: ``[token_id, bias]`` pairs added to those tokens' logits (OpenAI's ``logit_bias``)
+    logit_bias: list[list[float]] = field(default_factory=list)
+    #: tokens below ``min_p`` times the most likely token's probability are never drawn
+    min_p: float = 0.0
+    #: tokens that end the sequence like EOS (not part of the output)
+    stop_token_ids: list[int] = field(default_factory=list)
+    #: EOS and ``stop_token_ids`` cannot be drawn before this many tokens
+    min_tokens: int = 0
+    #: None: no log probabilities; k >= 0: each token's, with the k most likely
+    logprobs: int | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits go through a processor before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_p or self.min_tokens)
 
 
 @dataclass(slots=True)
@@ -152,6 +176,9 @@ class TokenEvent:
     request_id: str
     index: int  # completion-token index, from 0
     text: str  # valid UTF-8; may be "" while a character or stop match is held back
+    #: asked for (``SamplingParams.logprobs``): the token and its log probability, with the
+    #: most likely alternatives (``workers.logits.TokenTable.entry``)
+    logprobs: dict | None = None
     type: str = "token"
 
 
@@ -198,9 +225,17 @@ def event_from_dict(d: dict[str, Any]) -> Event:
     return cls(**d)
 
 
+def _wire(ev: Event) -> Event | dict[str, Any]:
+    """A token without log probabilities leaves the field out (most tokens: bytes saved on
+    every publish and log entry)."""
+    if type(ev) is TokenEvent and ev.logprobs is None:
+        return {"request_id": ev.request_id, "index": ev.index, "text": ev.text, "type": "token"}
+    return ev
+
+
 def encode_events(events: list[Event]) -> bytes:
     """One pub/sub message: the events of one step for one connection."""
-    return orjson.dumps(events, option=orjson.OPT_SERIALIZE_DATACLASS)
+    return orjson.dumps([_wire(e) for e in events], option=orjson.OPT_SERIALIZE_DATACLASS)
 
 
 def decode_events(raw: bytes | str) -> list[Event]:
@@ -316,7 +351,7 @@ class RequestRecord:
 
 def encode_event(ev: Event) -> bytes:
     """One event alone: the body of its request-log entry (field ``e``)."""
-    return orjson.dumps(ev, option=orjson.OPT_SERIALIZE_DATACLASS)
+    return orjson.dumps(_wire(ev), option=orjson.OPT_SERIALIZE_DATACLASS)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from streamfleet.shared.schema import Task, TokenEvent
 
 if TYPE_CHECKING:
     from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
+    from streamfleet.workers.logits import Penalties
     from streamfleet.workers.sampling import Sampler
 
 __all__ = ["Sequence", "StepPlan", "Scheduler"]
@@ -40,6 +41,10 @@ class Sequence:
     #: the last TokenEvent, kept back while text is held back after it so that text
     #: can still join it should the sequence end on EOS (no extra index for EOS)
     deferred: TokenEvent | None = None
+    #: logits processing state (penalties, bias, min_p, min_tokens); None: none asked for
+    penalties: "Penalties | None" = None
+    #: tokens that end it like EOS (``SamplingParams.stop_token_ids``)
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def request_id(self) -> str:

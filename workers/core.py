@@ -34,6 +34,7 @@ from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
+from streamfleet.workers.logits import MAX_TOP_LOGPROBS, Logprobs, Penalties, TokenTable, process
 from streamfleet.workers.sampling import Sampler
 
 __all__ = ["WorkerCore", "StepOutput"]
@@ -99,6 +100,7 @@ class WorkerCore:
         self._vocab_size = int(engine.vocab_size)
         self._lock = threading.Lock()
         self._rejected: list[tuple[Task, ErrorCode, str]] = []
+        self._tokens: TokenTable | None = None  # for log probabilities, built on first use
 
     # -- admission -----------------------------------------------------------------
 
@@ -155,6 +157,10 @@ class WorkerCore:
             lane=task.lane,
             admitted_at=now,
         )
+        p = task.params
+        if p.processed:
+            seq.penalties = Penalties(p, task.prompt_ids, frozenset() if p.ignore_eos else self._eos)
+        seq.stop_ids = frozenset(int(t) for t in p.stop_token_ids)
         if replay and getattr(self.engine, "replays_exactly", True) and self._replayable(task, replay):
             self._fast_forward(seq, replay)
         with self._lock:
@@ -162,15 +168,18 @@ class WorkerCore:
 
     def _replayable(self, task: Task, replay: list[int]) -> bool:
         vocab = self._vocab_size
+        ends = set(task.params.stop_token_ids) | (set() if task.params.ignore_eos else self._eos)
         return (len(replay) < task.params.max_tokens and len(task.prompt_ids) + len(replay) < self._max_context - 1
                 and all(type(t) is int and 0 <= t < vocab for t in replay)
-                and (task.params.ignore_eos or not any(t in self._eos for t in replay)))
+                and not any(t in ends for t in replay))
 
     @staticmethod
     def _fast_forward(seq: Sequence, replay: list[int]) -> None:
         seq.sampler.skip(len(replay))
         for t in replay:
             seq.stop.push(seq.detokenizer.push(t))
+            if seq.penalties is not None:
+                seq.penalties.push(t)
         seq.generated = list(replay)
         seq.emitted = len(replay)
 
@@ -233,8 +242,39 @@ class WorkerCore:
             return ErrorCode.invalid_request, "top_k must be an integer >= 0"
         if not all(isinstance(s, str) for s in p.stop):
             return ErrorCode.invalid_request, "stop must be a list of strings"
+        problem = self._validate_processing(p)
+        if problem is not None:
+            return ErrorCode.invalid_request, problem
         if task.deadline is not None and now > task.deadline:
             return ErrorCode.timeout, "the request's deadline passed before a worker could start it"
+        return None
+
+    def _validate_processing(self, p) -> str | None:
+        """What is wrong with the logits-processing parameters (the gateway checked them;
+        a worker never trusts a task it did not validate), or None."""
+        vocab = self._vocab_size
+
+        def token(t) -> bool:
+            return type(t) is int and 0 <= t < vocab
+
+        def number(v, lo, hi) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+        if not (number(p.presence_penalty, -2, 2) and number(p.frequency_penalty, -2, 2)):
+            return "presence_penalty and frequency_penalty must be in [-2, 2]"
+        if not (number(p.repetition_penalty, 0.01, 10)):
+            return "repetition_penalty must be in [0.01, 10]"
+        if not (number(p.min_p, 0, 1)):
+            return "min_p must be in [0, 1]"
+        if not (type(p.min_tokens) is int and 0 <= p.min_tokens):
+            return "min_tokens must be an integer >= 0"
+        if not (isinstance(p.logit_bias, list) and all(
+                isinstance(e, list) and len(e) == 2 and token(e[0]) and number(e[1], -100, 100) for e in p.logit_bias)):
+            return f"logit_bias must map token ids in [0, {vocab}) to numbers in [-100, 100]"
+        if not (isinstance(p.stop_token_ids, list) and all(token(t) for t in p.stop_token_ids)):
+            return f"stop_token_ids must be token ids in [0, {vocab})"
+        if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
+            return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
         return None
 
     # -- the step ------------------------------------------------------------------
@@ -257,23 +297,54 @@ class WorkerCore:
                 continue
             self._finish(seq, FinishReason.cancelled, out)
 
-        ready = self._engine_call(plan.prefill, out, prefill=True)
-        ready += self._engine_call(plan.decode, out, prefill=False)
+        calls = [self._engine_call(plan.prefill, out, prefill=True),
+                 self._engine_call(plan.decode, out, prefill=False)]
         out.batch_size = len(plan.prefill) + len(plan.decode)
         now = self._clock()
-        for seq, row in ready:
+        for seqs, logits in calls:
+            if not seqs:
+                continue
             try:
-                self._advance(seq, row, now, out)
-            except Exception as exc:  # a bug or a bad row must not take the batch down
-                log.exception("sampling/detokenizing failed", request_id=seq.request_id, trace_id=seq.task.trace_id)
-                self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
+                logits, lps = self._process(seqs, logits)
+            except Exception as exc:  # a bug must not take the other call's sequences down
+                log.exception("logits processing failed", request_ids=[q.request_id for q in seqs])
+                for seq in seqs:
+                    self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
+                continue
+            for i, seq in enumerate(seqs):
+                try:
+                    token = seq.sampler.sample(logits[i])
+                    entry = None
+                    if lps is not None and i in lps:
+                        entry = self._token_table().entry(token, *lps.of(i, token))
+                    self._advance(seq, token, entry, now, out)
+                except Exception as exc:  # a bug or a bad row must not take the batch down
+                    log.exception("sampling/detokenizing failed", request_id=seq.request_id,
+                                  trace_id=seq.task.trace_id)
+                    self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
         return out
+
+    def _process(self, seqs: list[Sequence], logits: np.ndarray) -> tuple[np.ndarray, Logprobs | None]:
+        """The batch's log probabilities (from the raw logits) where asked, then every
+        sequence's logits processing, vectorised over the batch (workers/logits.py)."""
+        want = [i for i, s in enumerate(seqs) if s.task.params.logprobs is not None]
+        lps = Logprobs(logits, want, [seqs[i].task.params.logprobs for i in want]) if want else None
+        states = [s.penalties for s in seqs]
+        if any(st is not None for st in states):
+            logits = np.array(logits, dtype=np.float32)  # a copy: the engine may reuse its buffer
+            process(logits, states, [s.emitted for s in seqs])
+        return logits, lps
+
+    def _token_table(self) -> TokenTable:
+        if self._tokens is None:
+            self._tokens = TokenTable(self.tokenizer)
+        return self._tokens
 
     def _engine_call(
         self, seqs: list[Sequence], out: StepOutput, *, prefill: bool
-    ) -> list[tuple[Sequence, np.ndarray]]:
-        """Run prefill or decode on ``seqs``; returns ``(seq, logits_row)`` of those
-        that succeeded. A ``SequenceError`` ends only the sequences it names and the
+    ) -> tuple[list[Sequence], np.ndarray | None]:
+        """Run prefill or decode on ``seqs``; returns those that succeeded and their
+        logits (a row each). A ``SequenceError`` ends only the sequences it names and the
         call is retried without them (the engine left the others untouched); any
         other error ends every sequence of the call."""
         live = list(seqs)
@@ -294,7 +365,7 @@ class WorkerCore:
                 failed = set(exc.seq_ids) & {s.request_id for s in live}
                 if not failed:
                     self._fail_all(live, exc, kind, out)
-                    return []
+                    return [], None
                 log.warning("engine failed for some sequences", call=kind, request_ids=sorted(failed), error=str(exc))
                 for seq in live:
                     if seq.request_id in failed:
@@ -303,25 +374,26 @@ class WorkerCore:
                 continue
             except Exception as exc:
                 self._fail_all(live, exc, kind, out)
-                return []
+                return [], None
             if prefill:
                 for seq in live:
                     seq.prefilled = True
-            return list(zip(live, logits))
-        return []
+            return live, logits
+        return [], None
 
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
         log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
         for seq in seqs:
             self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
 
-    def _advance(self, seq: Sequence, logits: np.ndarray, now: float, out: StepOutput) -> None:
-        """Sample one token for ``seq`` and turn it into events."""
-        token = seq.sampler.sample(logits)
+    def _advance(self, seq: Sequence, token: int, logprobs: dict | None, now: float, out: StepOutput) -> None:
+        """Turn ``seq``'s sampled token into events."""
         seq.generated.append(token)
+        if seq.penalties is not None:
+            seq.penalties.push(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
-        if token in self._eos and not seq.task.params.ignore_eos:
+        if (token in self._eos and not seq.task.params.ignore_eos) or token in seq.stop_ids:
             # EOS is not a token event: held-back text joins the deferred last event
             self._finish(seq, FinishReason.stop, out, tail=self._drain_text(seq)[0], now=now)
             return
@@ -336,7 +408,7 @@ class WorkerCore:
             reason = FinishReason.stop if hit else FinishReason.length
 
         self._emit_deferred(seq, out)
-        event = TokenEvent(seq.request_id, seq.emitted, text)
+        event = TokenEvent(seq.request_id, seq.emitted, text, logprobs)
         out.token_ids[(seq.request_id, seq.emitted)] = token
         seq.emitted += 1
         out.new_tokens += 1

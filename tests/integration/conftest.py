@@ -188,3 +188,13 @@ def fleet(redis_server, key_prefix, tiny_spec, tmp_path):
     factory = FleetFactory(redis_server.url, key_prefix, tmp_path)
     yield factory
     factory.close()
+
+
+@pytest.fixture(scope="module")
+def module_fleet(redis_server, tiny_spec, tmp_path_factory):
+    """One fleet for a whole module, for tests that only send requests to it (each on a
+    key prefix of its own, so no test sees another module's keys)."""
+    factory = FleetFactory(redis_server.url, f"sft{os.getpid()}x{next(_prefix_counter)}",
+                           tmp_path_factory.mktemp("fleet"))
+    yield factory
+    factory.close()

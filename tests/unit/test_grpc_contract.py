@@ -25,7 +25,7 @@ def test_committed_descriptor_is_the_protos():
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
     assert committed == from_proto
-    assert len(committed.message_type) == 16 and committed.service[0].name == "Inference"
+    assert len(committed.message_type) == 17 and committed.service[0].name == "Inference"
 
 
 def _messages(types):
@@ -77,6 +77,12 @@ def test_messages_carry_the_websocket_frames_fields():
                         "retry_after_ms": 1200})
     assert err.id == "a" and err.error.code == "rate_limited" and err.error.status == 429
     assert err.error.retry_after_ms == 1200 and err.error.param == ""
+    lp = {"id": 7, "token": "\\xe2", "bytes": [226], "logprob": -0.5,
+          "top": [{"id": 7, "token": "\\xe2", "bytes": [226], "logprob": -0.5}]}
+    tok = generate_event({"type": "token", "id": "a", "index": 3, "text": "", "logprobs": lp}).token
+    assert (tok.index, tok.logprob.id, tok.logprob.bytes, tok.logprob.logprob) == (3, 7, b"\xe2", -0.5)
+    assert [t.id for t in tok.logprob.top] == [7]
+    assert not server_frame({"type": "token", "id": "a", "index": 0, "text": "x"}).token.HasField("logprob")
     acc = server_frame({"type": "accepted", "id": "a", "request_id": "r1", "queue_depth": 2, "resumed_from": 5})
     assert acc.accepted.HasField("resumed_from") and acc.accepted.resumed_from == 5
     assert not server_frame({"type": "accepted", "id": "a", "request_id": "r1",
