@@ -158,6 +158,16 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
         p["stop_token_ids"] = list(req.stop_token_ids)
     if req.logprobs:
         p["logprobs"] = True
+    if req.json_schema:
+        p["guided_json"] = req.json_schema
+    if req.json_object:
+        p["response_format"] = {"type": "json_object"}
+    if req.regex:
+        p["guided_regex"] = req.regex
+    if req.choice:
+        p["guided_choice"] = list(req.choice)
+    if req.grammar:
+        p["guided_grammar"] = req.grammar
     if req.priority not in _PRIORITY:
         raise ValidationError(f"'priority' {req.priority} is not a Priority value; use PRIORITY_NORMAL or "
                               f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")

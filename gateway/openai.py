@@ -34,10 +34,11 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 from streamfleet.gateway.validation import MAX_TOP_LOGPROBS, UNSUPPORTED
+from streamfleet.shared.grammar import CONSTRAINTS
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-              "stop_token_ids", "logprobs", "top_logprobs")
+              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS)
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 

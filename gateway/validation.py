@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
+from streamfleet.shared.grammar import GrammarError, Grammars, grammar_of
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
@@ -44,15 +45,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -234,6 +230,8 @@ class Validator:
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
         self._tokenizers: dict[Any, Any] = {}  # tokenizer file -> loaded tokenizer
         self._template_problems: dict[Any, str | None] = {}  # tokenizer file -> template_problem()
+        self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
+        self._grammar_problems: dict[tuple[Any, str], str | None] = {}  # recent grammars checked
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -261,6 +259,34 @@ class Validator:
         if key not in self._template_problems:
             self._template_problems[key] = template_problem(self.tokenizer(spec))
         return self._template_problems[key]
+
+    def _constraint(self, p: dict[str, Any], spec: ModelSpec, ignore_eos: bool) -> str:
+        """The llguidance grammar of the structured output ``p`` asks for ("" for none),
+        checked against the model's tokenizer (docs/structured-outputs.md)."""
+        try:
+            found = grammar_of(p)
+        except GrammarError as exc:
+            raise ValidationError(str(exc), code=ErrorCode.invalid_request, param=exc.param) from exc
+        if found is None:
+            return ""
+        grammar, param = found
+        if ignore_eos:
+            raise ValidationError(f"'ignore_eos' cannot be combined with '{param}': a constrained output ends "
+                                  f"when its grammar is complete", code=ErrorCode.invalid_request, param="ignore_eos")
+        key = (spec.tokenizer_path, grammar)
+        if key not in self._grammar_problems:
+            grammars = self._grammars.get(spec.tokenizer_path)
+            if grammars is None:
+                tok = self.tokenizer(spec)
+                grammars = self._grammars[spec.tokenizer_path] = Grammars(tok, len(tok), list(spec.eos_token_ids))
+            if len(self._grammar_problems) >= 256:  # recent ones only: a client cannot grow it
+                self._grammar_problems.pop(next(iter(self._grammar_problems)))
+            self._grammar_problems[key] = grammars.problem(grammar)
+        problem = self._grammar_problems[key]
+        if problem is not None:
+            raise ValidationError(f"'{param}' cannot constrain model {spec.name!r}: {problem}"[:500],
+                                  code=ErrorCode.invalid_request, param=param)
+        return grammar
 
     # -- the rules --------------------------------------------------------------
     def generate(self, p: dict[str, Any]) -> ValidRequest:
@@ -345,7 +371,8 @@ class Validator:
             raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
                                   code=ErrorCode.prompt_too_long, param="prompt")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens),
+                                grammar=self._constraint(p, spec, ignore_eos))
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
                      prompt_text=text, explicit=explicit, chat=messages is not None)
 

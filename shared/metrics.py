@@ -53,6 +53,9 @@ class worker:  # noqa: N801 — a namespace
     tokens = Counter("streamfleet_worker_tokens_generated_total", "Completion tokens generated", ["model"])
     audio = Counter("streamfleet_worker_audio_seconds_total", "Seconds of utterance audio decoded (speech "
                     "models)", ["model"])
+    grammar_mask = Histogram("streamfleet_worker_grammar_mask_seconds", "Time one step spent computing and "
+                             "applying the token masks of its constrained sequences (structured outputs)", ["model"],
+                             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0))
     finished = Counter("streamfleet_worker_requests_finished_total", "Requests that ended on this worker",
                        ["model", "outcome"])
     batch_size = Histogram("streamfleet_worker_batch_size", "Sequences in one engine step", ["model"],

@@ -110,6 +110,9 @@ class SamplingParams:
     min_tokens: int = 0
     #: None: no log probabilities; k >= 0: each token's, with the k most likely
     logprobs: int | None = None
+    #: an llguidance grammar the output must match ("" for none): structured outputs
+    #: (shared/grammar.py); the sequence ends when the grammar is complete
+    grammar: str = ""
 
     @property
     def processed(self) -> bool:

@@ -45,6 +45,9 @@ class Sequence:
     penalties: "Penalties | None" = None
     #: tokens that end it like EOS (``SamplingParams.stop_token_ids``)
     stop_ids: frozenset[int] = frozenset()
+    #: the llguidance matcher of a constrained output (``SamplingParams.grammar``),
+    #: created by its first step
+    matcher: object = None
 
     @property
     def request_id(self) -> str:

@@ -23,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
+from streamfleet.shared.grammar import Grammars
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
@@ -56,6 +58,7 @@ class StepOutput:
             (written to the request log, so a worker that takes the request over can
             continue from there instead of regenerating it).
         audio_s: seconds of audio decoded this step (a speech model's core).
+        grammar_s: seconds this step spent on the token masks of constrained sequences.
     """
 
     events: list[tuple[str, Event]] = field(default_factory=list)
@@ -64,6 +67,7 @@ class StepOutput:
     new_tokens: int = 0
     token_ids: dict[tuple[str, int], int] = field(default_factory=dict)
     audio_s: float = 0.0
+    grammar_s: float = 0.0
 
 
 class WorkerCore:
@@ -101,6 +105,8 @@ class WorkerCore:
         self._lock = threading.Lock()
         self._rejected: list[tuple[Task, ErrorCode, str]] = []
         self._tokens: TokenTable | None = None  # for log probabilities, built on first use
+        self._grammars: Grammars | None = None  # for structured outputs, built on first use
+        self._masker: ThreadPoolExecutor | None = None  # computes the masks while the engine runs
 
     # -- admission -----------------------------------------------------------------
 
@@ -159,7 +165,10 @@ class WorkerCore:
         )
         p = task.params
         if p.processed:
-            seq.penalties = Penalties(p, task.prompt_ids, frozenset() if p.ignore_eos else self._eos)
+            # a grammar decides when a constrained output may end: min_tokens holds off
+            # only the stop tokens then, never the EOS the grammar may be left with
+            ends = frozenset() if p.ignore_eos or p.grammar else self._eos
+            seq.penalties = Penalties(p, task.prompt_ids, ends)
         seq.stop_ids = frozenset(int(t) for t in p.stop_token_ids)
         if replay and getattr(self.engine, "replays_exactly", True) and self._replayable(task, replay):
             self._fast_forward(seq, replay)
@@ -271,6 +280,8 @@ class WorkerCore:
         if not (isinstance(p.logit_bias, list) and all(
                 isinstance(e, list) and len(e) == 2 and token(e[0]) and number(e[1], -100, 100) for e in p.logit_bias)):
             return f"logit_bias must map token ids in [0, {vocab}) to numbers in [-100, 100]"
+        if not isinstance(p.grammar, str) or (p.grammar and p.ignore_eos):
+            return "grammar must be a string, and cannot be combined with ignore_eos"
         if not (isinstance(p.stop_token_ids, list) and all(token(t) for t in p.stop_token_ids)):
             return f"stop_token_ids must be token ids in [0, {vocab})"
         if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
@@ -297,15 +308,27 @@ class WorkerCore:
                 continue
             self._finish(seq, FinishReason.cancelled, out)
 
-        calls = [self._engine_call(plan.prefill, out, prefill=True),
+        prefill = [seq for seq in plan.prefill if not seq.task.params.grammar or self._start_matcher(seq, out)]
+        # the constrained sequences' token masks are computed while the engine runs (both
+        # leave the GIL): only what the engine call did not cover waits
+        constrained = [seq for seq in (*prefill, *plan.decode) if seq.matcher is not None]
+        masks = self._mask_pool().submit(self._grammar().masks, [q.matcher for q in constrained]) \
+            if constrained else None
+        calls = [self._engine_call(prefill, out, prefill=True),
                  self._engine_call(plan.decode, out, prefill=False)]
-        out.batch_size = len(plan.prefill) + len(plan.decode)
+        allowed: dict[str, np.ndarray] = {}
+        if masks is not None:
+            t0 = time.perf_counter()
+            rows = masks.result()
+            out.grammar_s += time.perf_counter() - t0
+            allowed = {q.request_id: rows[i] for i, q in enumerate(constrained)}
+        out.batch_size = len(prefill) + len(plan.decode)
         now = self._clock()
         for seqs, logits in calls:
             if not seqs:
                 continue
             try:
-                logits, lps = self._process(seqs, logits)
+                logits, lps = self._process(seqs, logits, allowed, out)
             except Exception as exc:  # a bug must not take the other call's sequences down
                 log.exception("logits processing failed", request_ids=[q.request_id for q in seqs])
                 for seq in seqs:
@@ -317,23 +340,68 @@ class WorkerCore:
                     entry = None
                     if lps is not None and i in lps:
                         entry = self._token_table().entry(token, *lps.of(i, token))
-                    self._advance(seq, token, entry, now, out)
+                    complete = False
+                    if seq.matcher is not None and token not in self._eos:
+                        if not seq.matcher.consume_token(token):
+                            self._fail(seq, ErrorCode.internal, "the output constraint refused a token it allowed: "
+                                       + seq.matcher.get_error()[:200], out)
+                            continue
+                        complete = seq.matcher.is_stopped()  # nothing can follow: the output is whole
+                    self._advance(seq, token, entry, now, out, complete=complete)
                 except Exception as exc:  # a bug or a bad row must not take the batch down
                     log.exception("sampling/detokenizing failed", request_id=seq.request_id,
                                   trace_id=seq.task.trace_id)
                     self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
         return out
 
-    def _process(self, seqs: list[Sequence], logits: np.ndarray) -> tuple[np.ndarray, Logprobs | None]:
-        """The batch's log probabilities (from the raw logits) where asked, then every
-        sequence's logits processing, vectorised over the batch (workers/logits.py)."""
+    def _process(self, seqs: list[Sequence], logits: np.ndarray, allowed: dict[str, np.ndarray], out: StepOutput
+                 ) -> tuple[np.ndarray, Logprobs | None]:
+        """The batch's log probabilities (from the raw logits) where asked, then the token
+        masks of the constrained sequences, then every sequence's logits processing, each
+        vectorised over the batch (workers/logits.py, shared/grammar.py)."""
         want = [i for i, s in enumerate(seqs) if s.task.params.logprobs is not None]
         lps = Logprobs(logits, want, [seqs[i].task.params.logprobs for i in want]) if want else None
         states = [s.penalties for s in seqs]
-        if any(st is not None for st in states):
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained or any(st is not None for st in states):
             logits = np.array(logits, dtype=np.float32)  # a copy: the engine may reuse its buffer
+        if constrained:
+            t0 = time.perf_counter()
+            mask = np.stack([allowed[seqs[i].request_id] for i in constrained])
+            if len(constrained) == len(seqs):
+                np.copyto(logits, np.float32(-np.inf), where=~mask)
+            else:
+                rows = np.asarray(constrained, dtype=np.int64)
+                logits[rows] = np.where(mask, logits[rows], np.float32(-np.inf))
+            out.grammar_s += time.perf_counter() - t0
+        if any(st is not None for st in states):
             process(logits, states, [s.emitted for s in seqs])
         return logits, lps
+
+    def _mask_pool(self) -> ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masker
+
+    def _grammar(self) -> Grammars:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self._vocab_size, sorted(self._eos))
+        return self._grammars
+
+    def _start_matcher(self, seq: Sequence, out: StepOutput) -> bool:
+        """Compile a constrained sequence's grammar before its prefill (and replay the
+        tokens a taken-over request already has); False when it fails, which ends it."""
+        if seq.matcher is not None:
+            return True
+        try:
+            seq.matcher = self._grammar().matcher(seq.task.params.grammar)
+        except Exception as exc:  # a grammar the gateway let through but this worker cannot compile
+            self._fail(seq, ErrorCode.invalid_request, f"the output constraint does not compile: {exc}"[:300], out)
+            return False
+        if seq.generated and not seq.matcher.consume_tokens(list(seq.generated)):
+            self._fail(seq, ErrorCode.internal, "the tokens generated before the takeover break the constraint", out)
+            return False
+        return True
 
     def _token_table(self) -> TokenTable:
         if self._tokens is None:
@@ -386,8 +454,10 @@ class WorkerCore:
         for seq in seqs:
             self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
 
-    def _advance(self, seq: Sequence, token: int, logprobs: dict | None, now: float, out: StepOutput) -> None:
-        """Turn ``seq``'s sampled token into events."""
+    def _advance(self, seq: Sequence, token: int, logprobs: dict | None, now: float, out: StepOutput, *,
+                 complete: bool = False) -> None:
+        """Turn ``seq``'s sampled token into events; ``complete``: the token completed the
+        output's grammar, so the sequence ends with it (``stop``)."""
         seq.generated.append(token)
         if seq.penalties is not None:
             seq.penalties.push(token)
@@ -401,11 +471,12 @@ class WorkerCore:
         text, hit = seq.stop.push(seq.detokenizer.push(token))
         reason: FinishReason | None = FinishReason.stop if hit else None
         if reason is None and (
-            seq.emitted + 1 >= seq.task.params.max_tokens or seq.prompt_len + len(seq.generated) >= self._max_context
+            complete or seq.emitted + 1 >= seq.task.params.max_tokens
+            or seq.prompt_len + len(seq.generated) >= self._max_context
         ):
             tail, hit = self._drain_text(seq)
             text += tail
-            reason = FinishReason.stop if hit else FinishReason.length
+            reason = FinishReason.stop if hit or complete else FinishReason.length
 
         self._emit_deferred(seq, out)
         event = TokenEvent(seq.request_id, seq.emitted, text, logprobs)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estreamfleet/v1/inference.proto\x12\x0estreamfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbd\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.streamfleet.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12*\n\x08priority\x18\x0b \x01(\x0e\x32\x18.streamfleet.v1.Priority\x12\x14\n\x07timeout\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\t\x88\x01\x01\x12\x42\n\nlogit_bias\x18\x10 \x03(\x0b\x32..streamfleet.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\x05min_p\x18\x11 \x01(\x01H\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x12 \x03(\r\x12\x17\n\nmin_tokens\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12\x10\n\x08logprobs\x18\x14 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\n\n\x08_timeoutB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"M\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"u\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\x12\x19\n\x0cresumed_from\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_resumed_from\"S\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.streamfleet.v1.TokenLogprob\"t\n\x0cTokenLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12)\n\x03top\x18\x05 \x03(\x0b\x32\x1c.streamfleet.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x96\x01\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.streamfleet.v1.Usage\x12&\n\x06timing\x18\x04 \x01(\x0b\x32\x16.streamfleet.v1.Timing\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"u\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\x12\x1b\n\x0eretry_after_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_retry_after_ms\"\x94\x01\n\rGenerateEvent\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.streamfleet.v1.AcceptedH\x00\x12&\n\x05token\x18\x02 \x01(\x0b\x32\x15.streamfleet.v1.TokenH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.streamfleet.v1.DoneH\x00\x42\x07\n\x05\x65vent\"\x08\n\x06\x43\x61ncel\"\xb2\x01\n\x0b\x43lientFrame\x12\n\n\x02id\x18\x01 \x01(\t\x12\x33\n\x08generate\x18\x02 \x01(\x0b\x32\x1f.streamfleet.v1.GenerateRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x16.streamfleet.v1.CancelH\x00\x12/\n\x06resume\x18\x04 \x01(\x0b\x32\x1d.streamfleet.v1.ResumeRequestH\x00\x42\x07\n\x05\x66rame\"\xc6\x01\n\x0bServerFrame\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x18.streamfleet.v1.AcceptedH\x00\x12&\n\x05token\x18\x03 \x01(\x0b\x32\x15.streamfleet.v1.TokenH\x00\x12$\n\x04\x64one\x18\x04 \x01(\x0b\x32\x14.streamfleet.v1.DoneH\x00\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.streamfleet.v1.ErrorH\x00\x42\x07\n\x05\x66rame\"\x13\n\x11ListModelsRequest\"$\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.streamfleet.v1.Model*L\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x13\n\x0fPRIORITY_NORMAL\x10\x01\x12\x11\n\rPRIORITY_HIGH\x10\x02\x32\xc0\x02\n\tInference\x12L\n\x08Generate\x12\x1f.streamfleet.v1.GenerateRequest\x1a\x1d.streamfleet.v1.GenerateEvent0\x01\x12\x46\n\x06Stream\x12\x1b.streamfleet.v1.ClientFrame\x1a\x1b.streamfleet.v1.ServerFrame(\x01\x30\x01\x12H\n\x06Resume\x12\x1d.streamfleet.v1.ResumeRequest\x1a\x1d.streamfleet.v1.GenerateEvent0\x01\x12S\n\nListModels\x12!.streamfleet.v1.ListModelsRequest\x1a\".streamfleet.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estreamfleet/v1/inference.proto\x12\x0estreamfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x97\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12-\n\x08messages\x18\x03 \x03(\x0b\x32\x1b.streamfleet.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12*\n\x08priority\x18\x0b \x01(\x0e\x32\x18.streamfleet.v1.Priority\x12\x14\n\x07timeout\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\t\x88\x01\x01\x12\x42\n\nlogit_bias\x18\x10 \x03(\x0b\x32..streamfleet.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\x05min_p\x18\x11 \x01(\x01H\n\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x12 \x03(\r\x12\x17\n\nmin_tokens\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12\x10\n\x08logprobs\x18\x14 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x15 \x01(\rH\x0c\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x16 \x01(\t\x12\x13\n\x0bjson_object\x18\x17 \x01(\x08\x12\r\n\x05regex\x18\x18 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x19 \x03(\t\x12\x0f\n\x07grammar\x18\x1a \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\n\n\x08_timeoutB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"M\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"u\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\x12\x19\n\x0cresumed_from\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_resumed_from\"S\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x07logprob\x18\x03 \x01(\x0b\x32\x1c.streamfleet.v1.TokenLogprob\"t\n\x0cTokenLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12)\n\x03top\x18\x05 \x03(\x0b\x32\x1c.streamfleet.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x96\x01\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.streamfleet.v1.Usage\x12&\n\x06timing\x18\x04 \x01(\x0b\x32\x16.streamfleet.v1.Timing\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"u\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\x12\x1b\n\x0eretry_after_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_retry_after_ms\"\x94\x01\n\rGenerateEvent\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.streamfleet.v1.AcceptedH\x00\x12&\n\x05token\x18\x02 \x01(\x0b\x32\x15.streamfleet.v1.TokenH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.streamfleet.v1.DoneH\x00\x42\x07\n\x05\x65vent\"\x08\n\x06\x43\x61ncel\"\xb2\x01\n\x0b\x43lientFrame\x12\n\n\x02id\x18\x01 \x01(\t\x12\x33\n\x08generate\x18\x02 \x01(\x0b\x32\x1f.streamfleet.v1.GenerateRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x16.streamfleet.v1.CancelH\x00\x12/\n\x06resume\x18\x04 \x01(\x0b\x32\x1d.streamfleet.v1.ResumeRequestH\x00\x42\x07\n\x05\x66rame\"\xc6\x01\n\x0bServerFrame\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x18.streamfleet.v1.AcceptedH\x00\x12&\n\x05token\x18\x03 \x01(\x0b\x32\x15.streamfleet.v1.TokenH\x00\x12$\n\x04\x64one\x18\x04 \x01(\x0b\x32\x14.streamfleet.v1.DoneH\x00\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.streamfleet.v1.ErrorH\x00\x42\x07\n\x05\x66rame\"\x13\n\x11ListModelsRequest\"$\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.streamfleet.v1.Model*L\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x13\n\x0fPRIORITY_NORMAL\x10\x01\x12\x11\n\rPRIORITY_HIGH\x10\x02\x32\xc0\x02\n\tInference\x12L\n\x08Generate\x12\x1f.streamfleet.v1.GenerateRequest\x1a\x1d.streamfleet.v1.GenerateEvent0\x01\x12\x46\n\x06Stream\x12\x1b.streamfleet.v1.ClientFrame\x1a\x1b.streamfleet.v1.ServerFrame(\x01\x30\x01\x12H\n\x06Resume\x12\x1d.streamfleet.v1.ResumeRequest\x1a\x1d.streamfleet.v1.GenerateEvent0\x01\x12S\n\nListModels\x12!.streamfleet.v1.ListModelsRequest\x1a\".streamfleet.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2386
-  _globals['_PRIORITY']._serialized_end=2462
+  _globals['_PRIORITY']._serialized_start=2476
+  _globals['_PRIORITY']._serialized_end=2552
   _globals['_CHATMESSAGE']._serialized_start=50
   _globals['_CHATMESSAGE']._serialized_end=94
   _globals['_GENERATEREQUEST']._serialized_start=97
-  _globals['_GENERATEREQUEST']._serialized_end=926
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=687
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=735
-  _globals['_RESUMEREQUEST']._serialized_start=928
-  _globals['_RESUMEREQUEST']._serialized_end=1005
-  _globals['_ACCEPTED']._serialized_start=1007
-  _globals['_ACCEPTED']._serialized_end=1124
-  _globals['_TOKEN']._serialized_start=1126
-  _globals['_TOKEN']._serialized_end=1209
-  _globals['_TOKENLOGPROB']._serialized_start=1211
-  _globals['_TOKENLOGPROB']._serialized_end=1327
-  _globals['_USAGE']._serialized_start=1329
-  _globals['_USAGE']._serialized_end=1386
-  _globals['_TIMING']._serialized_start=1388
-  _globals['_TIMING']._serialized_end=1449
-  _globals['_DONE']._serialized_start=1452
-  _globals['_DONE']._serialized_end=1602
-  _globals['_ERROR']._serialized_start=1604
-  _globals['_ERROR']._serialized_end=1721
-  _globals['_GENERATEEVENT']._serialized_start=1724
-  _globals['_GENERATEEVENT']._serialized_end=1872
-  _globals['_CANCEL']._serialized_start=1874
-  _globals['_CANCEL']._serialized_end=1882
-  _globals['_CLIENTFRAME']._serialized_start=1885
-  _globals['_CLIENTFRAME']._serialized_end=2063
-  _globals['_SERVERFRAME']._serialized_start=2066
-  _globals['_SERVERFRAME']._serialized_end=2264
-  _globals['_LISTMODELSREQUEST']._serialized_start=2266
-  _globals['_LISTMODELSREQUEST']._serialized_end=2285
-  _globals['_MODEL']._serialized_start=2287
-  _globals['_MODEL']._serialized_end=2323
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2325
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2384
-  _globals['_INFERENCE']._serialized_start=2465
-  _globals['_INFERENCE']._serialized_end=2785
+  _globals['_GENERATEREQUEST']._serialized_end=1016
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=777
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=825
+  _globals['_RESUMEREQUEST']._serialized_start=1018
+  _globals['_RESUMEREQUEST']._serialized_end=1095
+  _globals['_ACCEPTED']._serialized_start=1097
+  _globals['_ACCEPTED']._serialized_end=1214
+  _globals['_TOKEN']._serialized_start=1216
+  _globals['_TOKEN']._serialized_end=1299
+  _globals['_TOKENLOGPROB']._serialized_start=1301
+  _globals['_TOKENLOGPROB']._serialized_end=1417
+  _globals['_USAGE']._serialized_start=1419
+  _globals['_USAGE']._serialized_end=1476
+  _globals['_TIMING']._serialized_start=1478
+  _globals['_TIMING']._serialized_end=1539
+  _globals['_DONE']._serialized_start=1542
+  _globals['_DONE']._serialized_end=1692
+  _globals['_ERROR']._serialized_start=1694
+  _globals['_ERROR']._serialized_end=1811
+  _globals['_GENERATEEVENT']._serialized_start=1814
+  _globals['_GENERATEEVENT']._serialized_end=1962
+  _globals['_CANCEL']._serialized_start=1964
+  _globals['_CANCEL']._serialized_end=1972
+  _globals['_CLIENTFRAME']._serialized_start=1975
+  _globals['_CLIENTFRAME']._serialized_end=2153
+  _globals['_SERVERFRAME']._serialized_start=2156
+  _globals['_SERVERFRAME']._serialized_end=2354
+  _globals['_LISTMODELSREQUEST']._serialized_start=2356
+  _globals['_LISTMODELSREQUEST']._serialized_end=2375
+  _globals['_MODEL']._serialized_start=2377
+  _globals['_MODEL']._serialized_end=2413
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2415
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2474
+  _globals['_INFERENCE']._serialized_start=2555
+  _globals['_INFERENCE']._serialized_end=2875
 # @@protoc_insertion_point(module_scope)

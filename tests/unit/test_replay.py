@@ -77,3 +77,29 @@ def test_sampler_skip_matches_drawing():
     drawn = [a.sample(r) for r in rows]
     b.skip(6)
     assert [b.sample(r) for r in rows[6:]] == drawn[6:]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.9, seed=5, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.3, min_p=0.05),
+    dict(temperature=1.0, seed=8, grammar=None, frequency_penalty=0.3),  # grammar: filled in below
+])
+def test_replay_restores_penalties_and_the_output_constraint(core, params):
+    """A takeover replays the log into the penalty counts and the grammar's matcher: the
+    continuation equals the uninterrupted run."""
+    from streamfleet.shared.grammar import grammar_of
+
+    if "grammar" in params:
+        schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}, "b": {"type": "integer"}},
+                  "required": ["a", "b"], "additionalProperties": False}
+        params = {**params, "grammar": grammar_of({"guided_json": schema})[0]}
+    else:
+        params = {**params, "ignore_eos": True}
+    ref, ids = run(core, task("pref", max_tokens=40, **params))
+    tokens = [ev for ev in ref if isinstance(ev, TokenEvent)]
+    assert len(tokens) >= 12
+    k = 10
+    got, _ = run(core, task("pk", max_tokens=40, **params), [ids[("pref", i)] for i in range(k)])
+    got_tokens = [ev for ev in got if isinstance(ev, TokenEvent)]
+    assert [ev.index for ev in got_tokens] == list(range(k, len(tokens)))
+    assert "".join(ev.text for ev in got_tokens) == "".join(ev.text for ev in tokens[k:])
+    assert got[-1].finish_reason == ref[-1].finish_reason
