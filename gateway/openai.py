@@ -34,11 +34,12 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 from streamfleet.gateway.validation import MAX_TOP_LOGPROBS, UNSUPPORTED
+from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.shared.grammar import CONSTRAINTS
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS)
+              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice")
 
 __all__ = ["router", "openai_error_response", "SSE_HEADERS"]
 
@@ -46,6 +47,9 @@ log = get_logger("gateway.openai")
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: with tool_choice "auto", streamed text that may be a tool call is held back up to this
+#: many characters (a call is decided at the end); past it, it is text
+_MAX_HELD_CALL = 16384
 #: OpenAI has no "cancelled"; a cancelled HTTP request only happens when its client left
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -140,11 +144,29 @@ def _top_chat(e: dict) -> dict:
 class _Shape:
     """The response shapes of one endpoint (completion vs chat)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, tools: Tools | None = None) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
+        self.tools = tools
+        self.call_id = f"call_{request_id[:24]}"
+
+    def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict]] | None = None,
+                   usage_null: bool = False) -> dict:
+        """A streamed chunk of the call: its name (``kind == "name"``, with the call's id
+        and type) or a piece of its arguments."""
+        if kind == "name":
+            call = {"index": 0, "id": self.call_id, "type": "function", "function": {"name": value, "arguments": ""}}
+        else:
+            call = {"index": 0, "function": {"arguments": value}}
+        out = self.chunk(None, None, usage_null=usage_null, logprobs=logprobs)
+        out["choices"][0]["delta"] = {"tool_calls": [call]}
+        return out
+
+    def call(self, text: str) -> tuple[str, str] | None:
+        """The tool call a finished completion holds, if any."""
+        return parse_call(text, self.tools.names) if self.tools is not None else None
 
     def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
         """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``)
@@ -185,14 +207,26 @@ class _Shape:
     def full(self, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
         finish = _FINISH.get(end.finish_reason, end.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            call = self.call(text)
+            if call is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": self.call_id, "type": "function", "function": {"name": call[0], "arguments": call[1]}}]}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": _usage(end)}
+
+
+def _could_be_call(text: str) -> bool:
+    """Whether streamed text so far may still turn out to be a tool call (``auto``)."""
+    head = text.lstrip()
+    return len(text) < _MAX_HELD_CALL and (head.startswith("{") or head.startswith("<tool_call>")
+                                           or "<tool_call>".startswith(head))
 
 
 def _sse(data: dict | str, event_id: str | None = None) -> bytes:
@@ -253,6 +287,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         stream_mode, include_usage = _stream_flags(body)
         resume = _last_event_id(request)
         req = ClientRequest(hub, "http", identity=identity)
+        tools = None
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
@@ -260,15 +295,16 @@ async def _generate(request: Request, chat: bool) -> Response:
             # the model is the recorded one, validated at submit: never the body's
             await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
-            await req.submit(hub.validator.check(_payload(body, request, chat)),
-                             trace_id=trace_id_from(request.headers.get("traceparent")))
+            draft = hub.validator.check(_payload(body, request, chat))
+            tools = draft.tools
+            await req.submit(draft, trace_id=trace_id_from(request.headers.get("traceparent")))
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
 
     req.watch()  # a revoked key ends the stream
     events = req.events("sse" if stream_mode else "http")
-    shape = _Shape(chat, req.request_id, req.model)
+    shape = _Shape(chat, req.request_id, req.model, tools)
     if stream_mode:
         return StreamingResponse(_sse_events(hub, req, events, shape, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -311,6 +347,11 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
     # log probabilities of tokens whose text is held back go out with the next text
     held: list[tuple[int, dict]] = []
     offset = 0
+    tools = shape.tools
+    # a forced call streams as tool_calls deltas; with "auto" text that may be a call is
+    # held until the end decides (docs/tools.md)
+    calls = CallStream() if tools is not None and tools.mode == "forced" else None
+    maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
@@ -325,14 +366,42 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
             if isinstance(ev, Token):
                 if ev.logprobs is not None:
                     held.append((offset, ev.logprobs))
-                if ev.text:
-                    yield _sse(shape.chunk(ev.text, None, usage_null=include_usage, logprobs=held),
-                               _event_id(req.request_id, req.resume_token, ev.index))
-                    offset += len(ev.text)
-                    held = []
+                if not ev.text:
+                    continue
+                eid = _event_id(req.request_id, req.resume_token, ev.index)
+                offset += len(ev.text)
+                if calls is not None:
+                    for kind, value in calls.feed(ev.text):
+                        yield _sse(shape.tool_chunk(kind, value, held, include_usage), eid)
+                        held = []
+                    continue
+                text = ev.text
+                if maybe_call is not None:
+                    maybe_call.append(text)
+                    text = "".join(maybe_call)
+                    if _could_be_call(text):
+                        continue
+                    maybe_call = None  # it is text after all: out it goes, and the rest as it comes
+                yield _sse(shape.chunk(text, None, usage_null=include_usage, logprobs=held), eid)
+                held = []
             elif isinstance(ev, End):
-                yield _sse(shape.chunk(None if shape.chat else "", _FINISH.get(ev.finish_reason, ev.finish_reason),
-                                       usage_null=include_usage, logprobs=held))
+                finish = _FINISH.get(ev.finish_reason, ev.finish_reason)
+                if calls is not None:
+                    for kind, value in calls.finish(ev.finish_reason == "stop"):
+                        yield _sse(shape.tool_chunk(kind, value, held, include_usage))
+                        held = []
+                    if calls.name is not None and ev.finish_reason == "stop":
+                        finish = "tool_calls"
+                elif maybe_call is not None:
+                    call = shape.call("".join(maybe_call))
+                    if call is not None:
+                        yield _sse(shape.tool_chunk("name", call[0], None, include_usage))
+                        yield _sse(shape.tool_chunk("arguments", call[1], held, include_usage))
+                        finish = "tool_calls"
+                    elif maybe_call:
+                        yield _sse(shape.chunk("".join(maybe_call), None, usage_null=include_usage, logprobs=held))
+                    held = []
+                yield _sse(shape.chunk(None if shape.chat else "", finish, usage_null=include_usage, logprobs=held))
                 if include_usage:
                     yield _sse(shape.usage_chunk(ev))
                 yield _sse("[DONE]")

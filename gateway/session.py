@@ -20,7 +20,8 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
     render
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.streams import ReplyChannel
+from streamfleet.gateway.streams import End, ReplyChannel, Token
+from streamfleet.gateway.tools import Tools, parse_call
 
 __all__ = ["Session"]
 
@@ -99,7 +100,7 @@ class Session:
                 self.send(out.frame)
             elif isinstance(out, Submit):
                 req = self._request(out.request.client_id)
-                self._spawn(self._run(req, self._submit(req, out.request)))
+                self._spawn(self._run(req, self._submit(req, out.request), out.request.tools))
             elif isinstance(out, Resume):
                 req = self._request(out.client_id)
                 self._spawn(self._run(req, self._resume(req, out)))
@@ -131,9 +132,13 @@ class Session:
         frame["resumed_from"] = r.from_index
         await self.emit(frame)
 
-    async def _run(self, req: ClientRequest, opening) -> None:
-        """Open the request (submit or resume), then render its events until it ends."""
+    async def _run(self, req: ClientRequest, opening, tools: Tools | None = None) -> None:
+        """Open the request (submit or resume), then render its events until it ends. A
+        request that offered tools has its completion read for a call at the end: the
+        ``done`` frame then carries ``tool_calls`` and ``finish_reason: "tool_calls"``
+        (docs/tools.md)."""
         cid = req.client_id
+        text: list[str] | None = [] if tools is not None else None
         try:
             try:
                 await opening
@@ -142,7 +147,17 @@ class Session:
                 await self.emit(exc.to_frame(cid))
                 return
             async for ev in req.events(self.transport):
-                await self.emit(render(cid, req.request_id, ev))
+                frame = render(cid, req.request_id, ev)
+                if text is not None:
+                    if isinstance(ev, Token):
+                        text.append(ev.text)
+                    elif isinstance(ev, End):
+                        call = parse_call("".join(text), tools.names)
+                        if call is not None and ev.finish_reason == "stop":
+                            frame["finish_reason"] = "tool_calls"
+                            frame["tool_calls"] = [{"id": f"call_{req.request_id[:24]}", "type": "function",
+                                                    "function": {"name": call[0], "arguments": call[1]}}]
+                await self.emit(frame)
             req.delivered()
         finally:
             self.requests.pop(cid, None)

@@ -27,6 +27,7 @@ import orjson
 
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.grammar import GrammarError, Grammars, grammar_of
+from streamfleet.gateway.tools import Tools, call_text, parse_tools, tools_prompt
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
@@ -45,8 +46,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
@@ -116,6 +115,8 @@ class Draft:
     chat: bool = False
     #: a speech request: the utterance it transcribes (no prompt; nothing to tokenize)
     audio: AudioInput | None = None
+    #: the tools a chat request offers (gateway/tools.py), for reading calls back out
+    tools: Tools | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +192,20 @@ def template_problem(tokenizer: Any) -> str | None:
     return None
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> str:
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | None = None) -> str:
+    """The prompt of a conversation: the tokenizer's chat template (given the offered
+    tools, as templates that know tools take them), or the default template, where the
+    tools are offered in a system message first and earlier calls are written as the
+    model is asked to write them (gateway/tools.py)."""
+    offered = tools is not None and tools.mode != "none"
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    parts = [DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages]
+        extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} if offered else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] if offered else []
+    for m in messages:
+        content = m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
+                                         for c in m.get("tool_calls", ()))
+        parts.append(DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=content))
     return "".join(parts) + "<|assistant|>\n"
 
 
@@ -260,11 +271,17 @@ class Validator:
             self._template_problems[key] = template_problem(self.tokenizer(spec))
         return self._template_problems[key]
 
-    def _constraint(self, p: dict[str, Any], spec: ModelSpec, ignore_eos: bool) -> str:
-        """The llguidance grammar of the structured output ``p`` asks for ("" for none),
-        checked against the model's tokenizer (docs/structured-outputs.md)."""
+    def _constraint(self, p: dict[str, Any], spec: ModelSpec, ignore_eos: bool, tools: Tools | None) -> str:
+        """The llguidance grammar of the structured output ``p`` asks for, or of the call
+        its ``tool_choice`` forces ("" for none), checked against the model's tokenizer
+        (docs/structured-outputs.md, docs/tools.md)."""
         try:
             found = grammar_of(p)
+            if tools is not None and tools.mode == "forced":
+                if found is not None:
+                    raise GrammarError(f"a forced tool call and '{found[1]}' both constrain the output; send one",
+                                       "tool_choice")
+                found = grammar_of({"guided_json": tools.call_schema()})[0], "tools"
         except GrammarError as exc:
             raise ValidationError(str(exc), code=ErrorCode.invalid_request, param=exc.param) from exc
         if found is None:
@@ -350,13 +367,18 @@ class Validator:
         if (prompt is None) == (messages is None):
             raise ValidationError("exactly one of 'prompt' or 'messages' is required",
                                   code=ErrorCode.missing_field, param="prompt")
+        tools = parse_tools(p)
+        if tools is not None and prompt is not None:
+            raise ValidationError("'tools' need 'messages' (a chat request)", code=ErrorCode.invalid_request,
+                                  param="tools")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValidationError("'prompt' must be a string", code=ErrorCode.invalid_type, param="prompt")
             text = prompt
         else:
             msgs = self._messages(messages)
-            chars = sum(len(m["content"]) for m in msgs)
+            chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+                        for m in msgs) + (len(orjson.dumps(tools.functions)) if tools is not None else 0)
             if chars > s.max_prompt_chars:  # before a template renders them
                 raise ValidationError(f"the messages have {chars} characters; the limit is {s.max_prompt_chars}",
                                       code=ErrorCode.prompt_too_long, param="messages")
@@ -364,7 +386,7 @@ class Validator:
             if problem is not None:
                 raise ValidationError(f"model {spec.name!r} cannot serve chat: {problem}; send a 'prompt' instead",
                                       code=ErrorCode.invalid_request, param="messages")
-            text = render_chat(msgs, self.tokenizer(spec))
+            text = render_chat(msgs, self.tokenizer(spec), tools)
         if not text:
             raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
         if len(text) > s.max_prompt_chars:
@@ -372,9 +394,10 @@ class Validator:
                                   code=ErrorCode.prompt_too_long, param="prompt")
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens),
-                                grammar=self._constraint(p, spec, ignore_eos))
+                                grammar=self._constraint(p, spec, ignore_eos, tools))
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
-                     prompt_text=text, explicit=explicit, chat=messages is not None)
+                     prompt_text=text, explicit=explicit, chat=messages is not None,
+                     tools=tools if tools is not None and tools.mode != "none" else None)
 
     def finish(self, draft: Draft) -> ValidRequest:
         """Tokenize an admitted draft's prompt and check it fits the model's context.
@@ -509,6 +532,9 @@ class Validator:
             if role not in ROLES:
                 raise ValidationError(f"messages[{i}].role must be one of {', '.join(ROLES)}",
                                       code=ErrorCode.invalid_request, param="messages")
+            calls = Validator._tool_calls(m.get("tool_calls"), i) if role == "assistant" else []
+            if content is None and calls:  # an assistant turn that only called tools
+                content = ""
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
                 if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -518,5 +544,33 @@ class Validator:
             if not isinstance(content, str):
                 raise ValidationError(f"messages[{i}].content must be a string", code=ErrorCode.invalid_type,
                                       param="messages")
-            out.append({"role": role, "content": content})
+            msg: dict[str, Any] = {"role": role, "content": content}
+            if calls:
+                msg["tool_calls"] = calls
+            if role == "tool":
+                call_id = m.get("tool_call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise ValidationError(f"messages[{i}] (role tool) needs its 'tool_call_id'",
+                                          code=ErrorCode.missing_field, param="messages")
+                msg["tool_call_id"] = call_id
+            out.append(msg)
+        return out
+
+    @staticmethod
+    def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:
+        """An assistant message's earlier ``tool_calls``, normalised."""
+        if v is None:
+            return []
+        if not isinstance(v, list):
+            raise ValidationError(f"messages[{i}].tool_calls must be a list", code=ErrorCode.invalid_type,
+                                  param="messages")
+        out = []
+        for c in v:
+            f = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str) \
+                    or not isinstance(c.get("id"), str):
+                raise ValidationError(f"messages[{i}].tool_calls entries need an 'id' and a 'function' with 'name' "
+                                      f"and 'arguments' (a string)", code=ErrorCode.invalid_type, param="messages")
+            out.append({"id": c["id"], "type": "function",
+                        "function": {"name": f["name"], "arguments": f["arguments"]}})
         return out

@@ -93,8 +93,8 @@ def test_parameters_streamfleet_does_not_implement_are_refused_by_name(fleet, rd
     chat = {"model": "tiny-gpt", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
     refused = [
         ("store", {"store": True}),
-        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
-        ("tool_choice", {"tool_choice": "required"}),
+        ("functions", {"functions": [{"name": "f", "parameters": {"type": "object"}}]}),  # the pre-tools API
+        ("prediction", {"prediction": {"type": "content", "content": "x"}}),
     ]
     for param, fields in refused:
         with pytest.raises(openai.BadRequestError) as e:
