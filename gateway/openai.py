@@ -15,7 +15,9 @@ SDK: ``extra_body={"priority": "high"}``). Also accepted as extras: ``top_k``,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 import anyio
@@ -33,7 +35,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
-from streamfleet.gateway.validation import MAX_TOP_LOGPROBS, UNSUPPORTED
+from streamfleet.gateway.validation import MAX_SEED, MAX_TOP_LOGPROBS, UNSUPPORTED
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.shared.grammar import CONSTRAINTS
 
@@ -47,6 +49,8 @@ log = get_logger("gateway.openai")
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: most choices (``n``, ``best_of``) one request may ask for
+MAX_CHOICES = 16
 #: with tool_choice "auto", streamed text that may be a tool call is held back up to this
 #: many characters (a call is decided at the end); past it, it is text
 _MAX_HELD_CALL = 16384
@@ -65,12 +69,6 @@ def openai_error_response(exc: StreamfleetError) -> Response:
 def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, Any]:
     """Map an OpenAI body (already known to be an object) to the generate payload of the
     WebSocket protocol."""
-    n = body.get("n")
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, (int, float)):
-            raise ValidationError("'n' must be an integer", code=ErrorCode.invalid_type, param="n")
-        if n != 1:
-            raise ValidationError("only n=1 is supported", code=ErrorCode.out_of_range, param="n")
     p: dict[str, Any] = {"id": "http"}
     # the parameters streamfleet does not implement go along, for the validator to refuse
     for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
@@ -108,6 +106,34 @@ def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, An
             raise ValidationError("'prompt' is required", code=ErrorCode.missing_field, param="prompt")
         p["prompt"] = prompt
     return p
+
+
+def _counts(body: dict[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
+    """``(n, best_of)``: the choices returned, and the completions generated for them
+    (``best_of`` >= ``n``, completions only: the ``n`` with the highest total log
+    probability are returned)."""
+    def count(name: str, default: int, lo: int) -> int:
+        v = body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValidationError(f"'{name}' must be an integer", code=ErrorCode.invalid_type, param=name)
+        if not lo <= v <= MAX_CHOICES:
+            raise ValidationError(f"'{name}' must be between {lo} and {MAX_CHOICES}, got {v}",
+                                  code=ErrorCode.out_of_range, param=name)
+        return v
+
+    n = count("n", 1, 1)
+    if chat and body.get("best_of") is not None:
+        raise ValidationError("'best_of' is a parameter of /v1/completions", code=ErrorCode.invalid_request,
+                              param="best_of")
+    best_of = count("best_of", n, n)
+    if best_of > n and stream:
+        raise ValidationError("'best_of' greater than 'n' cannot be streamed (the best are known at the end)",
+                              code=ErrorCode.invalid_request, param="best_of")
+    return n, best_of
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -153,14 +179,15 @@ class _Shape:
         self.call_id = f"call_{request_id[:24]}"
 
     def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict]] | None = None,
-                   usage_null: bool = False) -> dict:
+                   usage_null: bool = False, index: int = 0) -> dict:
         """A streamed chunk of the call: its name (``kind == "name"``, with the call's id
         and type) or a piece of its arguments."""
         if kind == "name":
-            call = {"index": 0, "id": self.call_id, "type": "function", "function": {"name": value, "arguments": ""}}
+            call = {"index": 0, "id": self.call_id_of(index), "type": "function",
+                    "function": {"name": value, "arguments": ""}}
         else:
             call = {"index": 0, "function": {"arguments": value}}
-        out = self.chunk(None, None, usage_null=usage_null, logprobs=logprobs)
+        out = self.chunk(None, None, usage_null=usage_null, logprobs=logprobs, index=index)
         out["choices"][0]["delta"] = {"tool_calls": [call]}
         return out
 
@@ -180,8 +207,11 @@ class _Shape:
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for _, e in tokens],
                 "text_offset": [o for o, _ in tokens]}
 
+    def call_id_of(self, index: int) -> str:
+        return self.call_id if index == 0 else f"{self.call_id}_{index}"
+
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
-              logprobs: list[tuple[int, dict]] | None = None) -> dict:
+              logprobs: list[tuple[int, dict]] | None = None, index: int = 0) -> dict:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -189,10 +219,11 @@ class _Shape:
                 delta["content"] = ""
             elif text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish}
             obj = "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         if usage_null:
@@ -205,21 +236,26 @@ class _Shape:
                 "usage": _usage(end)}
 
     def full(self, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        return self.full_many([self.choice_full(0, text, end, logprobs)], end)
+
+    def full_many(self, choices: list[dict], end: End) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": _usage(end)}
+
+    def choice_full(self, index: int, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        """One choice of a response that is not streamed."""
         finish = _FINISH.get(end.finish_reason, end.finish_reason)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             call = self.call(text)
             if call is not None:
                 message = {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": self.call_id, "type": "function", "function": {"name": call[0], "arguments": call[1]}}]}
+                    {"id": self.call_id_of(index), "type": "function",
+                     "function": {"name": call[0], "arguments": call[1]}}]}
                 finish = "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": _usage(end)}
+            return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
 
 def _could_be_call(text: str) -> bool:
@@ -285,6 +321,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         if not isinstance(body, dict):
             raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         stream_mode, include_usage = _stream_flags(body)
+        n, best_of = _counts(body, chat, stream_mode)
         resume = _last_event_id(request)
         req = ClientRequest(hub, "http", identity=identity)
         tools = None
@@ -292,15 +329,26 @@ async def _generate(request: Request, chat: bool) -> Response:
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
                                       param="stream")
+            if best_of > 1:
+                raise ValidationError("a request of several choices cannot be resumed", param="n",
+                                      code=ErrorCode.invalid_request)
             # the model is the recorded one, validated at submit: never the body's
             await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
             draft = hub.validator.check(_payload(body, request, chat))
             tools = draft.tools
-            await req.submit(draft, trace_id=trace_id_from(request.headers.get("traceparent")))
+            trace = trace_id_from(request.headers.get("traceparent"))
+            if best_of > 1:
+                reqs = await _submit_choices(hub, identity, draft, best_of, scored=best_of > n, trace=trace)
+            else:
+                await req.submit(draft, trace_id=trace)
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
+
+    if best_of > 1:
+        return await _many(request, hub, reqs, chat, n, stream_mode, include_usage, tools,
+                           keep_logprobs=draft.params.logprobs is not None)
 
     req.watch()  # a revoked key ends the stream
     events = req.events("sse" if stream_mode else "http")
@@ -312,6 +360,195 @@ async def _generate(request: Request, chat: bool) -> Response:
         return await _collect(request, events, shape)
     finally:
         await req.close(reason="http_disconnect")
+
+
+async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: str | None) -> list[ClientRequest]:
+    """Submit the ``k`` completions of one request: one task each (admitted, rate limited
+    and run as any request), seeds ``seed``, ``seed + 1``, …, so that the choices differ
+    and the same request gives the same choices again. They carry one group id: the
+    worker that starts the first prefills the prompt once for those it starts after it
+    (``WorkerCore._prefill``). ``scored``: ``best_of`` picks the best, which needs each
+    token's log probability. A refusal takes back what was submitted."""
+    params = draft.params
+    reqs = [ClientRequest(hub, "http", identity=identity) for _ in range(k)]
+    group = uuid.uuid4().hex
+    drafts = [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
+        params, seed=(params.seed + i) % (MAX_SEED + 1),
+        logprobs=0 if scored and params.logprobs is None else params.logprobs)) for i in range(k)]
+    # admitted side by side, then enqueued in one loop turn (one pipeline of the gateway's
+    # coalescer): a worker reads them together and prefills the prompt once
+    gate = asyncio.Event()
+    state = {"arrived": 0, "broken": False}
+
+    async def together() -> None:
+        state["arrived"] += 1
+        if state["arrived"] == k:
+            gate.set()
+            await asyncio.sleep(0)  # resume in the loop turn the others resume in
+        await gate.wait()
+        if state["broken"]:
+            raise asyncio.BrokenBarrierError
+
+    async def one(req: ClientRequest, d) -> None:
+        try:
+            await req.submit(d, trace_id=trace, before_enqueue=together)
+        except BaseException:
+            state["broken"] = True  # the others stop waiting (and are refused too)
+            gate.set()
+            raise
+
+    results = await asyncio.gather(*(one(req, d) for req, d in zip(reqs, drafts)), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for req, r in zip(reqs, results):
+            if not isinstance(r, BaseException):
+                await req.close(reason="refused")
+        # the first refusal itself, not the broken barrier of the others
+        raise next((r for r in failed if not isinstance(r, asyncio.BrokenBarrierError)), failed[0])
+    return reqs
+
+
+async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """``(choice, event)`` of several streams as they come, until every one has ended."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        async for ev in it:
+            await queue.put((i, ev))
+
+    pumps = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    left = len(iterators)
+    try:
+        while left:
+            i, ev = await queue.get()
+            if isinstance(ev, (End, Failed)):
+                left -= 1
+            yield i, ev
+    finally:
+        for task in pumps:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            for task, it in zip(pumps, iterators):
+                await stop_events(task, it)
+
+
+async def _many(request: Request, hub, reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
+                include_usage: bool, tools: Tools | None, keep_logprobs: bool) -> Response:
+    """The response of a request of several choices (``n``, ``best_of``): streamed, each
+    chunk names its choice by ``index`` (no ``id:`` lines: such a stream is not
+    resumable); not streamed, ``choices`` in order, or the ``n`` best of ``best_of``.
+    Usage: the prompt once, the completion tokens of every choice. A failed choice fails
+    the request, and the others are cancelled."""
+    for req in reqs:
+        req.watch()
+    shape = _Shape(chat, reqs[0].request_id, reqs[0].model, tools)
+    events = _merged([req.events("sse" if stream else "http") for req in reqs])
+
+    async def close_all() -> None:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+            for req in reqs:
+                await req.close(hub.settings.sse_resume_grace_s if stream else 0.0, "http_disconnect")
+
+    if stream:
+        async def chunks() -> AsyncIterator[bytes]:
+            choices = [_ChoiceStream(shape, i, include_usage) for i in range(len(reqs))]
+            ends: list[End] = []
+            try:
+                if shape.chat:
+                    for i in range(len(reqs)):
+                        out = shape.chunk(None, None, role=True, usage_null=include_usage, index=i)
+                        yield _sse(out)
+                async for i, ev in events:
+                    if isinstance(ev, Token):
+                        for chunk in choices[i].token(ev):
+                            yield _sse(chunk)
+                    elif isinstance(ev, End):
+                        for chunk in choices[i].end(ev):
+                            yield _sse(chunk)
+                        reqs[i].delivered()
+                        ends.append(ev)
+                    elif isinstance(ev, Failed):
+                        yield _sse(ev.error.to_openai())
+                        yield _sse("[DONE]")
+                        reqs[i].delivered()
+                        return
+                if include_usage:
+                    yield _sse(shape.usage_chunk(_sum_usage(ends)))
+                yield _sse("[DONE]")
+            finally:
+                await close_all()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    texts: list[list[str]] = [[] for _ in reqs]
+    lps: list[list[tuple[int, dict]]] = [[] for _ in reqs]
+    ends: dict[int, End] = {}
+
+    async def consume():
+        async for i, ev in events:
+            if isinstance(ev, Token):
+                if ev.logprobs is not None:
+                    lps[i].append((sum(map(len, texts[i])), ev.logprobs))
+                texts[i].append(ev.text)
+            elif isinstance(ev, End):
+                ends[i] = ev
+                reqs[i].delivered()
+            elif isinstance(ev, Failed):
+                reqs[i].delivered()
+                return ev
+        return None
+
+    try:
+        failed = await _until_disconnect(request, consume())
+    finally:
+        await close_all()
+    if failed is _DISCONNECTED:
+        return Response(status_code=499)
+    if failed is not None:
+        return openai_error_response(failed.error)
+    order = list(range(len(reqs)))
+    if len(reqs) > n:  # best_of: the n with the highest total log probability
+        order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in lps[i]))[:n]
+    choices = [shape.choice_full(j, "".join(texts[i]), ends[i], lps[i] if keep_logprobs else None)
+               for j, i in enumerate(order)]
+    return Response(orjson.dumps(shape.full_many(choices, _sum_usage(list(ends.values())))),
+                    media_type="application/json")
+
+
+def _sum_usage(ends: list[End]) -> End:
+    """One ``End`` whose usage is the request's: the prompt once, every choice's completion."""
+    first = ends[0]
+    return End(first.finish_reason, first.prompt_tokens, sum(e.completion_tokens for e in ends))
+
+
+_DISCONNECTED = object()
+
+
+async def _until_disconnect(request: Request, work) -> Any:
+    """``work``'s result, or ``_DISCONNECTED`` when the client leaves first (the work is
+    cancelled)."""
+    async def disconnected():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return None
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            return _DISCONNECTED
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:
+                pass
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -340,18 +577,70 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
+class _ChoiceStream:
+    """The streamed chunks of one choice: its text as it comes (log probabilities of
+    tokens whose text is held back ride with the next text), a forced tool call as
+    ``tool_calls`` deltas, and with ``"auto"`` text that may be a call held until the end
+    decides (docs/tools.md)."""
+
+    def __init__(self, shape: _Shape, index: int, include_usage: bool) -> None:
+        self.shape, self.index, self.usage_null = shape, index, include_usage
+        self.held: list[tuple[int, dict]] = []
+        self.offset = 0
+        tools = shape.tools
+        self.calls = CallStream() if tools is not None and tools.mode == "forced" else None
+        self.maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
+
+    def _text(self, text: str | None, finish: str | None = None) -> dict:
+        out = self.shape.chunk(text, finish, usage_null=self.usage_null, logprobs=self.held, index=self.index)
+        self.held = []
+        return out
+
+    def _call(self, kind: str, value: str) -> dict:
+        out = self.shape.tool_chunk(kind, value, self.held, self.usage_null, index=self.index)
+        self.held = []
+        return out
+
+    def token(self, ev: Token) -> list[dict]:
+        if ev.logprobs is not None:
+            self.held.append((self.offset, ev.logprobs))
+        if not ev.text:
+            return []
+        self.offset += len(ev.text)
+        if self.calls is not None:
+            return [self._call(kind, value) for kind, value in self.calls.feed(ev.text)]
+        text = ev.text
+        if self.maybe_call is not None:
+            self.maybe_call.append(text)
+            text = "".join(self.maybe_call)
+            if _could_be_call(text):
+                return []
+            self.maybe_call = None  # it is text after all: out it goes, and the rest as it comes
+        return [self._text(text)]
+
+    def end(self, ev: End) -> list[dict]:
+        finish = _FINISH.get(ev.finish_reason, ev.finish_reason)
+        out = []
+        if self.calls is not None:
+            out += [self._call(kind, value) for kind, value in self.calls.finish(ev.finish_reason == "stop")]
+            if self.calls.name is not None and ev.finish_reason == "stop":
+                finish = "tool_calls"
+        elif self.maybe_call is not None:
+            call = self.shape.call("".join(self.maybe_call))
+            if call is not None:
+                out += [self._call("name", call[0]), self._call("arguments", call[1])]
+                finish = "tool_calls"
+            elif self.maybe_call:
+                out.append(self._text("".join(self.maybe_call)))
+        out.append(self._text(None if self.shape.chat else "", finish))
+        return out
+
+
 async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Shape,
                       include_usage: bool) -> AsyncIterator[bytes]:
     keepalive = hub.settings.sse_keepalive_s
     pending: asyncio.Future | None = None
-    # log probabilities of tokens whose text is held back go out with the next text
-    held: list[tuple[int, dict]] = []
-    offset = 0
-    tools = shape.tools
-    # a forced call streams as tool_calls deltas; with "auto" text that may be a call is
-    # held until the end decides (docs/tools.md)
-    calls = CallStream() if tools is not None and tools.mode == "forced" else None
-    maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
+    choice = _ChoiceStream(shape, 0, include_usage)
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
@@ -364,44 +653,12 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
                 continue
             ev, pending = pending.result(), None
             if isinstance(ev, Token):
-                if ev.logprobs is not None:
-                    held.append((offset, ev.logprobs))
-                if not ev.text:
-                    continue
                 eid = _event_id(req.request_id, req.resume_token, ev.index)
-                offset += len(ev.text)
-                if calls is not None:
-                    for kind, value in calls.feed(ev.text):
-                        yield _sse(shape.tool_chunk(kind, value, held, include_usage), eid)
-                        held = []
-                    continue
-                text = ev.text
-                if maybe_call is not None:
-                    maybe_call.append(text)
-                    text = "".join(maybe_call)
-                    if _could_be_call(text):
-                        continue
-                    maybe_call = None  # it is text after all: out it goes, and the rest as it comes
-                yield _sse(shape.chunk(text, None, usage_null=include_usage, logprobs=held), eid)
-                held = []
+                for chunk in choice.token(ev):
+                    yield _sse(chunk, eid)
             elif isinstance(ev, End):
-                finish = _FINISH.get(ev.finish_reason, ev.finish_reason)
-                if calls is not None:
-                    for kind, value in calls.finish(ev.finish_reason == "stop"):
-                        yield _sse(shape.tool_chunk(kind, value, held, include_usage))
-                        held = []
-                    if calls.name is not None and ev.finish_reason == "stop":
-                        finish = "tool_calls"
-                elif maybe_call is not None:
-                    call = shape.call("".join(maybe_call))
-                    if call is not None:
-                        yield _sse(shape.tool_chunk("name", call[0], None, include_usage))
-                        yield _sse(shape.tool_chunk("arguments", call[1], held, include_usage))
-                        finish = "tool_calls"
-                    elif maybe_call:
-                        yield _sse(shape.chunk("".join(maybe_call), None, usage_null=include_usage, logprobs=held))
-                    held = []
-                yield _sse(shape.chunk(None if shape.chat else "", finish, usage_null=include_usage, logprobs=held))
+                for chunk in choice.end(ev):
+                    yield _sse(chunk)
                 if include_usage:
                     yield _sse(shape.usage_chunk(ev))
                 yield _sse("[DONE]")

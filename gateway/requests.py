@@ -26,7 +26,7 @@ HTTP request).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
@@ -97,11 +97,14 @@ class ClientRequest:
             self._cancel_pending = False
             self.channel.cancel(stream)
 
-    async def submit(self, draft: "Draft", trace_id: str | None = None) -> int:
+    async def submit(self, draft: "Draft", trace_id: str | None = None,
+                     before_enqueue: Callable[[], Awaitable[Any]] | None = None) -> int:
         """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
         a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
         gives back what admission took. ``trace_id``: the caller's (``traceparent``);
-        None for a new one.
+        None for a new one. ``before_enqueue``: awaited just before the enqueue (the
+        choices of one request wait for each other there, so that they are enqueued in
+        one round trip).
 
         Raises:
             StreamfleetError: refused (``Admission.admit``, ``Validator.finish``, the
@@ -113,6 +116,8 @@ class ClientRequest:
             request = self.hub.validator.finish(ticket.request)
             channel = await self._open_channel()
             try:
+                if before_enqueue is not None:
+                    await before_enqueue()
                 stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
                                                      slot=ticket.slot, trace_id=trace_id)
             except BaseException:

@@ -43,7 +43,6 @@ log = get_logger("gateway.validation")
 #: does not implement, each with the values that ask for nothing (what a client sends when
 #: it spells out the defaults); anything else is refused (``check_unsupported``)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
     "functions": (None, []),
@@ -117,6 +116,9 @@ class Draft:
     audio: AudioInput | None = None
     #: the tools a chat request offers (gateway/tools.py), for reading calls back out
     tools: Tools | None = None
+    #: one of the choices of a request (``n``): their shared id, and how many there are
+    group: str = ""
+    group_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,8 @@ class ValidRequest:
     timeout_s: float
     prompt_text: str
     audio: AudioInput | None = None
+    group: str = ""
+    group_size: int = 1
 
     def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None,
                 slot: str = "") -> Task:
@@ -148,6 +152,8 @@ class ValidRequest:
             trace_id=trace_id or uuid.uuid4().hex[:16],
             slot=slot,
             audio=self.audio,
+            group=self.group,
+            group_size=self.group_size,
         )
 
 
@@ -326,6 +332,11 @@ class Validator:
         ignored = check_unsupported(p, s.refuse_unsupported)
         if ignored:
             log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
+        for name in ("n", "best_of"):  # the OpenAI door spreads them over requests (gateway/openai.py)
+            if p.get(name) not in (None, 1):
+                raise ValidationError(f"'{name}' is a parameter of the OpenAI API; here, send one request per "
+                                      f"completion (with the same prompt, requests that arrive together share "
+                                      f"its prefill)", code=ErrorCode.invalid_request, param=name)
         client_id = p.get("id")
         if client_id is None:
             raise ValidationError("field 'id' is required", code=ErrorCode.missing_field, param="id")
@@ -418,7 +429,8 @@ class Validator:
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
-                            params=draft.params, timeout_s=draft.timeout_s, prompt_text=draft.prompt_text)
+                            params=draft.params, timeout_s=draft.timeout_s, prompt_text=draft.prompt_text,
+                            group=draft.group, group_size=draft.group_size)
 
     def _processing(self, p: dict[str, Any], spec: ModelSpec, max_tokens: int) -> dict[str, Any]:
         """The logits-processing and log-probability fields of ``SamplingParams``

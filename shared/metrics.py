@@ -53,6 +53,8 @@ class worker:  # noqa: N801 — a namespace
     tokens = Counter("streamfleet_worker_tokens_generated_total", "Completion tokens generated", ["model"])
     audio = Counter("streamfleet_worker_audio_seconds_total", "Seconds of utterance audio decoded (speech "
                     "models)", ["model"])
+    shared_prefills = Counter("streamfleet_worker_shared_prefills_total", "Sequences started from the cache of "
+                              "another with the same prompt instead of a prefill of their own (n > 1)", ["model"])
     grammar_mask = Histogram("streamfleet_worker_grammar_mask_seconds", "Time one step spent computing and "
                              "applying the token masks of its constrained sequences (structured outputs)", ["model"],
                              buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0))

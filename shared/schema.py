@@ -155,6 +155,10 @@ class Task:
     slot: str = ""
     #: a speech task: the utterance it transcribes (``prompt_ids`` is empty); None for text
     audio: AudioInput | None = None
+    #: the choices of one request (``n``): the first choice's request id and how many
+    #: there are; a worker prefills their prompt once (``WorkerCore._prefill``)
+    group: str = ""
+    group_size: int = 1
 
     def encode(self) -> bytes:
         return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)

@@ -59,6 +59,7 @@ class StepOutput:
             continue from there instead of regenerating it).
         audio_s: seconds of audio decoded this step (a speech model's core).
         grammar_s: seconds this step spent on the token masks of constrained sequences.
+        shared_prefills: sequences started from another one's prefill (same prompt).
     """
 
     events: list[tuple[str, Event]] = field(default_factory=list)
@@ -68,6 +69,28 @@ class StepOutput:
     token_ids: dict[tuple[str, int], int] = field(default_factory=dict)
     audio_s: float = 0.0
     grammar_s: float = 0.0
+    shared_prefills: int = 0
+
+
+class _Prefix:
+    """The prompt of a group's first choice, for the choices still to start: its
+    sequence (whose cache holds the prompt), the prompt's length and logits."""
+
+    __slots__ = ("seq", "length", "logits", "waiting", "prompt")
+
+    def __init__(self, seq: Sequence, length: int, logits: np.ndarray, waiting: int) -> None:
+        self.seq, self.length, self.logits, self.waiting = seq, length, logits, waiting
+        self.prompt = list(seq.task.prompt_ids)
+
+    def usable(self, prompt: list[int]) -> bool:
+        """The first choice is still running (its cache is there) and has the same prompt."""
+        return self.seq.prefilled and not self.seq.cancelled and prompt == self.prompt
+
+    def take(self, prefixes: dict[str, "_Prefix"], group: str) -> None:
+        """One more choice started from it; forgotten after the last."""
+        self.waiting -= 1
+        if self.waiting <= 0:
+            prefixes.pop(group, None)
 
 
 class WorkerCore:
@@ -107,6 +130,8 @@ class WorkerCore:
         self._tokens: TokenTable | None = None  # for log probabilities, built on first use
         self._grammars: Grammars | None = None  # for structured outputs, built on first use
         self._masker: ThreadPoolExecutor | None = None  # computes the masks while the engine runs
+        #: the prompts of the groups (``Task.group``) whose other choices are still to start
+        self._prefixes: dict[str, _Prefix] = {}
 
     # -- admission -----------------------------------------------------------------
 
@@ -420,8 +445,7 @@ class WorkerCore:
         while live:
             try:
                 if prefill:
-                    # prompt + what a taken-over request had already generated (empty otherwise)
-                    logits = self.engine.prefill([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
+                    logits = self._prefill(live, out)
                 else:
                     logits = self.engine.decode([(s.request_id, s.last_token) for s in live])
                 logits = np.asarray(logits)
@@ -448,6 +472,63 @@ class WorkerCore:
                     seq.prefilled = True
             return live, logits
         return [], None
+
+    def _prefill(self, live: list[Sequence], out: StepOutput) -> np.ndarray:
+        """Prefill ``live``: prompt + what a taken-over request had already generated.
+
+        The choices of one request (``Task.group``) share one prefill when the engine
+        can ``fork`` a cache: the first to start is prefilled and its prompt logits kept
+        while the others are still to come; each later one starts from the first one's
+        cache of the prompt (a causal model's cache of the prompt does not change as it
+        decodes on) and those logits, and samples its own tokens. Sequences of the same
+        prompt in one step share it too."""
+        fork = getattr(self.engine, "fork", None)
+        if fork is None:
+            return self.engine.prefill([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
+        leader_of: dict[int, int] = {}  # a sequence of this call -> the one of this call it forks from
+        earlier: dict[int, _Prefix] = {}  # a sequence of this call -> the earlier prefill it forks from
+        first: dict[tuple, int] = {}
+        for i, s in enumerate(live):
+            if s.generated:
+                continue  # a takeover's replay: its own prefill
+            t = s.task
+            prefix = self._prefixes.get(t.group) if t.group else None
+            if prefix is not None and prefix.usable(t.prompt_ids):
+                earlier[i] = prefix
+                continue
+            j = first.setdefault((t.group, tuple(t.prompt_ids)) if t.group else ("", tuple(t.prompt_ids)), i)
+            if j != i:
+                leader_of[i] = j
+        leaders = [i for i in range(len(live)) if i not in leader_of and i not in earlier]
+        logits = self.engine.prefill([(live[i].request_id, [*live[i].task.prompt_ids, *live[i].generated])
+                                      for i in leaders]) if leaders else np.empty((0, self._vocab_size), np.float32)
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != len(leaders):
+            return logits  # the caller reports the bad shape
+        row = {j: r for r, j in enumerate(leaders)}
+        for r, j in enumerate(leaders):  # a group's first: kept for its choices still to come
+            t = live[j].task
+            if t.group and t.group_size > 1 and not live[j].generated:
+                self._prefixes[t.group] = _Prefix(live[j], len(t.prompt_ids), np.array(logits[r]),
+                                                  t.group_size - 1)
+        rows: list[np.ndarray] = []
+        for i, seq in enumerate(live):
+            if i in earlier:
+                prefix = earlier[i]
+                fork(prefix.seq.request_id, [seq.request_id], length=prefix.length)
+                rows.append(prefix.logits)
+                prefix.take(self._prefixes, seq.task.group)
+            elif i in leader_of:
+                j = leader_of[i]
+                fork(live[j].request_id, [seq.request_id])
+                rows.append(logits[row[j]])
+                prefix = self._prefixes.get(seq.task.group)
+                if prefix is not None and prefix.seq is live[j]:
+                    prefix.take(self._prefixes, seq.task.group)
+            else:
+                rows.append(logits[row[i]])
+        out.shared_prefills += len(leader_of) + len(earlier)
+        return np.stack(rows) if rows else logits
 
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
         log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
@@ -547,6 +628,9 @@ class WorkerCore:
         out.finished.append(seq.request_id)
 
     def _release(self, seq: Sequence) -> None:
+        prefix = self._prefixes.get(seq.task.group) if seq.task.group else None
+        if prefix is not None and prefix.seq is seq:  # its cache goes: the later choices prefill
+            del self._prefixes[seq.task.group]
         try:
             self.engine.release(seq.request_id)
         except Exception:

@@ -105,6 +105,7 @@ class WorkerProcess:
         self._m_step = metrics.step_time.labels(m)
         self._m_batch = metrics.batch_size.labels(m)
         self._m_grammar = metrics.grammar_mask.labels(m)
+        self._m_shared = metrics.shared_prefills.labels(m)
         self._m_tokens = metrics.tokens.labels(m)
         self._m_audio = metrics.audio.labels(m)
 
@@ -335,6 +336,8 @@ class WorkerProcess:
                 self._m_audio.inc(out.audio_s)
             if out.grammar_s:
                 self._m_grammar.observe(out.grammar_s)
+            if out.shared_prefills:
+                self._m_shared.inc(out.shared_prefills)
             self.tokens.add(out.new_tokens)
 
     async def _free_retired(self) -> None:

@@ -74,7 +74,7 @@ MALFORMED = [
     (COMPLETIONS, _j({"prompt": "x", "model": {"id": "tiny-gpt"}}), {}, "invalid_type"),
     (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "unknown_model"),
     (COMPLETIONS, _j({"prompt": "x", "model": "a\u0000b"}), {}, "unknown_model"),
-    (COMPLETIONS, _j({"prompt": "x", "n": 2}), {}, "out_of_range"),
+    (COMPLETIONS, _j({"prompt": "x", "n": 17}), {}, "out_of_range"),
     (COMPLETIONS, _j({"prompt": "x", "n": []}), {}, "invalid_type"),
     (COMPLETIONS, _j({"prompt": "x", "n": "1"}), {}, "invalid_type"),
     (COMPLETIONS, _j({"prompt": "x", "max_tokens": "5"}), {}, "invalid_type"),

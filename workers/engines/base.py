@@ -78,6 +78,13 @@ class Engine(Protocol):
         """Free a sequence's cache; unknown ids are ignored."""
         ...
 
+    # optional: fork(src_id, dst_ids, length=None) starts sequences ``dst_ids`` with the
+    # first ``length`` positions (default: all) of the cache of the live sequence
+    # ``src_id``: they go on from the same prompt without a prefill of their own (the
+    # ``n`` completions of one request; a causal model's cache of the prompt does not
+    # change as a sequence decodes on). The worker core prefills each sequence itself
+    # when an engine has no ``fork``.
+
     def close(self) -> None:
         """Free everything."""
         ...

@@ -24,7 +24,7 @@ import numpy as np
 
 from streamfleet.shared.modelrepo import ModelSpec
 # the shared argument checks (that module imports onnxruntime itself only when an engine is built)
-from streamfleet.workers.engines.onnxruntime import check_decode, check_prefill
+from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
 
 __all__ = ["EchoEngine"]
 
@@ -99,6 +99,21 @@ class EchoEngine:
             seq.length += 1
             chosen.append(seq.cycle[seq.generated % len(seq.cycle)])
         return self._logits(chosen)
+
+    def fork(self, src_id: str, dst_ids: list[str], length: int | None = None) -> None:
+        """Start ``dst_ids`` where ``src_id`` started, or is (see ``Engine``)."""
+        src = self._seqs.get(src_id)
+        bad = {src_id: "is not live"} if src is None else {}
+        bad.update({d: "is already live" for d in dst_ids if d in self._seqs})
+        if bad:
+            raise InvalidSequenceError("; ".join(f"sequence {k!r} {v}" for k, v in bad.items()), list(bad))
+        if len(self._seqs) + len(dst_ids) > self.max_batch:
+            raise ValueError(f"forked sequences exceed max_batch {self.max_batch}")
+        for d in dst_ids:
+            if length is None:
+                self._seqs[d] = _Seq(cycle=list(src.cycle), generated=src.generated, length=src.length)
+            else:  # the prompt's end: as just prefilled
+                self._seqs[d] = _Seq(cycle=list(src.cycle), generated=0, length=int(length))
 
     def release(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)

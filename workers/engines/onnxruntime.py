@@ -330,6 +330,34 @@ class OnnxRuntimeEngine:
             self._seqs[seq_id].length += 1
         return np.ascontiguousarray(logits[order, -1, :], dtype=np.float32)
 
+    def fork(self, src_id: str, dst_ids: list[str], length: int | None = None) -> None:
+        """Start ``dst_ids`` with the first ``length`` positions (default: all) of
+        ``src_id``'s cache (see ``Engine``): a sequence just prefilled owns its cache,
+        which is never written to (a slab copies it in), so the new ones share it; a
+        shorter prefix, or a cache already in the slab, is copied out.
+
+        Raises:
+            InvalidSequenceError: ``src_id`` is not live, or a new id already is.
+            ValueError: more than ``max_batch`` live sequences.
+        """
+        src = self._seqs.get(src_id)
+        bad = {src_id: "is not live"} if src is None else {}
+        bad.update({d: "is already live" for d in dst_ids if d in self._seqs})
+        if bad:
+            raise InvalidSequenceError(_describe(bad), list(bad))
+        if len(self._seqs) + len(dst_ids) > self.max_batch:
+            raise ValueError(f"{len(self._seqs)} live + {len(dst_ids)} forked sequences exceed max_batch "
+                             f"{self.max_batch}")
+        n = src.length if length is None else int(length)
+        if not 0 < n <= src.length:
+            raise ValueError(f"cannot fork {n} positions of a sequence of {src.length}")
+        if src.kv is not None and n == src.length:
+            cache = src.kv
+        else:
+            cache = [c[:, :n, :].copy() for c in self._cache_of(src)]
+        for d in dst_ids:
+            self._seqs[d] = _Seq(length=n, kv=list(cache))
+
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None and seq.kv is None and self._slab is not None:
