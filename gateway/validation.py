@@ -15,6 +15,7 @@ serving the request without it would be silently wrong (``check_unsupported``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import secrets
@@ -248,7 +249,7 @@ class Validator:
         self._tokenizers: dict[Any, Any] = {}  # tokenizer file -> loaded tokenizer
         self._template_problems: dict[Any, str | None] = {}  # tokenizer file -> template_problem()
         self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
-        self._grammar_problems: dict[tuple[Any, str], str | None] = {}  # recent grammars checked
+        self._grammar_problems: dict[tuple[Any, bytes], str | None] = {}  # recent grammars (digests) checked
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -296,7 +297,7 @@ class Validator:
         if ignore_eos:
             raise ValidationError(f"'ignore_eos' cannot be combined with '{param}': a constrained output ends "
                                   f"when its grammar is complete", code=ErrorCode.invalid_request, param="ignore_eos")
-        key = (spec.tokenizer_path, grammar)
+        key = (spec.tokenizer_path, hashlib.blake2b(grammar.encode(), digest_size=16).digest())
         if key not in self._grammar_problems:
             grammars = self._grammars.get(spec.tokenizer_path)
             if grammars is None:
