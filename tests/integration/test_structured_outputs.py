@@ -14,18 +14,8 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "member": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "member"],
-    "additionalProperties": False,
-}
+from scripts.bench_structured import SCHEMA  # the benchmark's schema: what is measured is what is tested
+
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
