@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ __all__ = ["Hub", "create_app", "json_response"]
 
 log = get_logger("gateway")
 
+#: Retry-After of a request refused because its model has no live worker
+NO_WORKERS_RETRY_MS = 5000
+
 
 @dataclass
 class Hub:
@@ -48,6 +52,9 @@ class Hub:
     draining: bool = False
     #: the drain deadline passed: close what is left
     drain_expired: bool = False
+    #: model -> (monotonic time its workers were last read, last time one was live)
+    _workers_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _started: float = field(default_factory=time.monotonic)
 
     def active_streams(self) -> int:
         """Requests this process still streams (WebSocket, HTTP and gRPC)."""
@@ -64,10 +71,34 @@ class Hub:
         # to the reconnect backoff after Redis restarts) no request here can get its events
         if not self.broker.healthy:
             return False, {"status": "unavailable", "reason": "pub/sub connection down"}
-        models = await self._worker_counts()
-        if not any(models.values()):
-            return False, {"status": "unavailable", "reason": "no live worker", "workers": models}
-        return True, {"status": "ready", "workers": models}
+        # ready whatever the workers: the lanes hold requests through a worker rollout, and
+        # workers scaled to zero are woken by what gateways enqueue (docs/deployment.md);
+        # a model without workers for long is refused per request (check_workers)
+        return True, {"status": "ready", "workers": await self._worker_counts()}
+
+    async def check_workers(self, model: str) -> None:
+        """Refuse a request for ``model`` when it has had no live worker for
+        ``SF_NO_WORKER_GRACE_S`` (or since this gateway started); the live workers are read
+        at most once a second per model.
+
+        Raises:
+            UnavailableError: ``no_workers`` (503, Retry-After).
+        """
+        grace = self.settings.no_worker_grace_s
+        if grace <= 0:
+            return
+        now = time.monotonic()
+        checked, seen = self._workers_seen.get(model, (0.0, self._started))
+        if now - checked >= 1.0:
+            try:
+                if await self.broker.live_workers(model):
+                    seen = now
+            except Exception:  # Redis trouble shows in the enqueue itself
+                return
+            self._workers_seen[model] = (now, seen)
+        if now - seen > grace:
+            raise UnavailableError(f"model {model!r} has had no live worker for {now - seen:.0f} s; retry later",
+                                   code=ErrorCode.no_workers, retry_after_ms=NO_WORKERS_RETRY_MS)
 
     async def served_models(self) -> list[tuple[str, int]]:
         """``(model, live workers)`` for each model with at least one live worker.

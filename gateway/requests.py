@@ -111,6 +111,7 @@ class ClientRequest:
                 channel or the enqueue).
         """
         admission = self.hub.admission
+        await self.hub.check_workers(draft.model)
         ticket = await admission.admit(self.identity, draft)
         try:
             request = self.hub.validator.finish(ticket.request)

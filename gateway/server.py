@@ -143,4 +143,19 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
 
 
 def run_gateway(settings: GatewaySettings, port_file: str | None = None) -> int:
+    _open_files(settings)
     return aio.run(serve(settings, port_file), settings.event_loop)
+
+
+#: descriptors a gateway needs besides one per connection (Redis pool, listeners, files)
+_SPARE_FDS = 256
+
+
+def _open_files(settings: GatewaySettings) -> None:
+    """Raise the open-files soft limit to the hard one (a connection is a descriptor) and
+    log it; warn when it still cannot hold ``SF_MAX_CONNECTIONS``."""
+    limits = aio.raise_open_files_limit(settings.max_connections + _SPARE_FDS)
+    log.info("open files limit", soft=limits["soft"], hard=limits["hard"], raised_from=limits["before"])
+    if limits["soft"] < settings.max_connections + _SPARE_FDS:
+        log.warning("the open files limit is below SF_MAX_CONNECTIONS: connections past it will be refused by "
+                    "the kernel", soft=limits["soft"], max_connections=settings.max_connections)

@@ -49,3 +49,26 @@ def settle_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def raise_open_files_limit(wanted: int = 0) -> dict[str, int]:
+    """Raise this process's soft limit on open files to its hard limit and say what it is.
+
+    Containers often start with a soft limit of 1024 under a hard one of a million: a
+    gateway would stop accepting sockets at about 1,000 connections whatever
+    ``SF_MAX_CONNECTIONS`` says. Returns ``{"before", "soft", "hard"}`` (``wanted``: the
+    descriptors the process expects to need, logged against the result by the caller).
+    """
+    import resource
+
+    before, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft = before
+    if hard == resource.RLIM_INFINITY or before < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(before, wanted, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # some sandboxes refuse; the caller logs what remains
+            pass
+    return {"before": int(before), "soft": int(soft), "hard": int(hard) if hard != resource.RLIM_INFINITY else -1}
+

@@ -61,10 +61,15 @@ class GatewaySettings(CommonSettings):
     max_inflight_per_connection: int = 64
     max_max_tokens: int = 4096
     #: a request that asks for an OpenAI parameter streamfleet does not implement
-    #: (``presence_penalty: 0.5``, ``response_format``, ``tools``…) gets 400 naming it;
+    #: (``echo``, ``suffix``, ``store``…) gets 400 naming it;
     #: false: it is served without it and a warning logged (for clients that cannot help
     #: sending such fields)
     refuse_unsupported: bool = True
+    #: a request for a model that has had no live worker for this many seconds (or since
+    #: this gateway started) is refused with 503 ``no_workers`` and Retry-After instead of
+    #: queued; within it (a worker rollout, a crash) requests queue in the lanes. 0: always
+    #: queue (workers scaled to zero, woken by the lanes' backlog)
+    no_worker_grace_s: float = 60.0
     default_max_tokens: int = 64
     max_stop_sequences: int = 4
     max_stop_chars: int = 64
@@ -155,6 +160,9 @@ class WorkerSettings(CommonSettings):
     #: a worker whose heartbeat has not changed for this long, as seen by a live worker
     #: that kept reading it throughout, is dead: its deliveries are taken over at once
     worker_dead_after_s: float = 1.5
+    #: the worker's GET /healthz (metrics port) answers 503 when sequences are in flight
+    #: and no step has finished for this long, or its event loop has not run for this long
+    worker_stall_s: float = 60.0
     #: worker consumer name (default: host-pid-random)
     worker_id: str | None = None
     #: intra-op threads for ONNX Runtime (0 = runtime default)

@@ -662,6 +662,12 @@ async def _preflight(cfg: BenchConfig, ws_url: str, base: str) -> str | None:
         except ValueError:
             reason = ""
         return f"the gateway at {base} is up but not ready ({reason or 'HTTP 503'}); requests may fail"
+    try:
+        workers = r.json().get("workers") or {}
+    except ValueError:
+        workers = {}
+    if not any(workers.values()):
+        return f"the gateway at {base} sees no live worker; requests will wait in the queue or be refused"
     return None
 
 

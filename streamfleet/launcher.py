@@ -265,10 +265,11 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
 
 def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0, pid: int | None = None,
                models: tuple[str, ...] = ()) -> bool:
-    """Poll ``{base}/readyz`` until it answers 200 (True), ``abort()`` or the timeout (False).
-    With ``pid``, only the gateway of that process counts (its ``/healthz`` names its pid):
-    another fleet answering on the same address is not this one becoming ready. With
-    ``models``, each of them must have a live worker too (``/readyz`` is ready with one)."""
+    """Poll ``{base}/readyz`` until it answers 200 with a live worker (True), ``abort()``
+    or the timeout (False). With ``pid``, only the gateway of that process counts (its
+    ``/healthz`` names its pid): another fleet answering on the same address is not this
+    one becoming ready. With ``models``, each of them must have a live worker (the
+    gateway itself is ready without any: ``/readyz`` lists the workers it sees)."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -276,8 +277,10 @@ def wait_ready(base: str, abort=lambda: False, timeout: float = 120.0, pid: int 
         try:
             ours = pid is None or httpx.get(base + "/healthz", timeout=1.0).json().get("pid") == pid
             r = httpx.get(base + "/readyz", timeout=1.0) if ours else None
-            if r is not None and r.status_code == 200 and all(r.json()["workers"].get(m) for m in models):
-                return True
+            if r is not None and r.status_code == 200:
+                workers = r.json()["workers"]
+                if all(workers.get(m) for m in models) if models else any(workers.values()):
+                    return True
         except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
             pass
         time.sleep(0.2)

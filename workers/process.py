@@ -49,6 +49,7 @@ from streamfleet.workers.coreset import CoreSet, VersionedCore
 from streamfleet.workers.deadletters import DeadLetters
 from streamfleet.workers.drain import Drain
 from streamfleet.workers.engines import load_engine
+from streamfleet.workers.health import Liveness, serve_metrics_and_health
 from streamfleet.workers.heartbeat import HeartbeatLoop, TokenRate
 from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.intake import Intake, WakeState
@@ -87,6 +88,7 @@ class WorkerProcess:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.model = settings.model
+        self.liveness = Liveness(settings.worker_stall_s)
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.lane_keys = self.keys.lanes(self.model)
         self.policy = LanePolicy(settings.lane_weights)
@@ -196,14 +198,15 @@ class WorkerProcess:
         self.overlap_io = self.settings.overlap_io if self.settings.overlap_io is not None \
             else backend not in ("onnxruntime", "pocketsphinx")
         if self.settings.metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(self.settings.metrics_port, addr=self.settings.metrics_host)
-            log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics")
+            # /metrics and /healthz (the liveness that sees a hang: workers/health.py)
+            serve_metrics_and_health(self.settings.metrics_host, self.settings.metrics_port, self.liveness)
+            log.info("worker metrics", url=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/metrics",
+                     health=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/healthz")
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch,
                  version=self.cores.version, frozen_objects=aio.settle_heap())
         self._compose(speech=spec.kind == "asr")
-        aux = [asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
+        aux = [asyncio.create_task(self.liveness.tick(), name="liveness"),
+               asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
                asyncio.create_task(self.control.run(), name="cancels"),
                asyncio.create_task(self.reclaimer.run(), name="reclaim"),
                asyncio.create_task(self.reloader.run(), name="reload")]
@@ -226,6 +229,8 @@ class WorkerProcess:
         st = StepState()
         backoff = 0.1
         while True:
+            if st.running is None and not self.cores.has_work():
+                self.liveness.idle()
             stopping = self._stopping.is_set()
             if stopping and st.running is None and await self._drained(st):
                 return
@@ -327,6 +332,7 @@ class WorkerProcess:
         st.running = None
         st.unpublished += outs
         self._m_step.observe(time.perf_counter() - st.started_at)
+        self.liveness.stepped(self.cores.active)
         for _version, out in outs:
             if out.batch_size:
                 self._m_batch.observe(out.batch_size)

@@ -26,6 +26,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -405,7 +406,7 @@ def test_compose_redis(compose):
                  "--client-output-buffer-limit pubsub 64mb 16mb 60"):
         assert flag in cmd, f"redis: {flag}"
     assert re.search(r"--maxmemory \d+[kmg]b", cmd), "redis: a maxmemory"
-    assert redis_svc["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert redis_svc["healthcheck"]["test"][0] == "CMD-SHELL" and "PONG" in redis_svc["healthcheck"]["test"][1]
     assert any(str(v).endswith(":/data") for v in redis_svc["volumes"]), "AOF on a volume"
     assert "ports" not in redis_svc, "Redis is not published on the host"
 
@@ -452,7 +453,7 @@ def test_compose_workers(compose):
     for name in ("worker-cpu", "worker-gpu0", "worker-gpu1"):
         env = services[name]["environment"]
         assert env["SF_METRICS_PORT"] == "9100" and env["SF_METRICS_HOST"] == "0.0.0.0"
-        assert "9100/metrics" in " ".join(services[name]["healthcheck"]["test"])
+        assert "9100/healthz" in " ".join(services[name]["healthcheck"]["test"]), "the liveness that sees a hang"
         assert "container_name" not in services[name]
     builder = services["engine-builder"]
     assert builder["command"] == ["engines", "worker", "--queue", "sm90"]
@@ -930,3 +931,68 @@ def test_k8s_engine_builder(k8s_docs):
         mounts = {m["mountPath"] for m in _container(d)["volumeMounts"]}
         assert env["SF_ENGINES_DIR"] in mounts
     _secure(dep)
+
+
+def test_compose_redis_healthcheck_fails_unless_pong(compose_raw, tmp_path):
+    """`redis-cli ping` exits 0 on NOAUTH (and LOADING) replies: the healthcheck runs
+    here, as compose runs it (`$$` is compose's `$`), against a private redis-server that
+    answers PONG and one that answers NOAUTH."""
+    if not shutil.which("redis-cli") or not shutil.which("redis-server"):
+        pytest.skip("redis-cli/redis-server are not installed")
+    test = compose_raw["services"]["redis"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL"
+    from streamfleet.launcher import free_port
+
+    def check(port: int, command: str) -> int:
+        shell = command.replace("$$", "$").replace("redis-cli", f"redis-cli -p {port}")
+        return subprocess.run(["sh", "-c", shell], capture_output=True, timeout=10).returncode
+
+    servers = []
+    try:
+        ports = {}
+        for name, extra in (("open", []), ("auth", ["--requirepass", "s3cret"])):
+            port = ports[name] = free_port()
+            servers.append(subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                                             "--dir", str(tmp_path), *extra], stdout=subprocess.DEVNULL))
+        for port in ports.values():
+            deadline = time.monotonic() + 10
+            while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode != 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert check(ports["auth"], "redis-cli ping") == 0, "the old check passes a server it cannot use"
+        assert check(ports["open"], test[1]) == 0
+        assert check(ports["auth"], test[1]) != 0
+    finally:
+        for p in servers:
+            p.terminate()
+            p.wait(10)
+
+
+def test_nginx_access_log_never_holds_an_api_key():
+    """Browsers' WebSockets send the key as ?api_key=: the access log's format logs the
+    request line and Referer through maps that replace such a query by REDACTED."""
+    conf = NGINX_CONF.read_text()
+    fmt = re.search(r"log_format\s+(\w+)\s+((?:'[^']*'\s*)+);", conf)
+    assert fmt, "a log_format of its own"
+    name, body = fmt.group(1), "".join(re.findall(r"'([^']*)'", fmt.group(2)))
+    assert re.search(rf"^\s*access_log\s+\S+\s+{name}\s*;", conf, re.M), "the access log uses it"
+    assert not re.findall(r"^\s*access_log\s+\S+\s+combined\s*;", conf, re.M)
+    for raw in ("$request ", "$request_uri", "$args", "$query_string", "$arg_api_key", "$http_referer"):
+        assert raw not in body, f"the log format logs {raw.strip()}"
+    maps = {dst: src for src, dst in re.findall(r"map\s+\$(\w+)\s+\$(\w+)\s*\{", conf)}
+    for var in re.findall(r"\$(sf_\w+)", body):
+        source = maps.get(var)
+        assert source in ("request_uri", "http_referer"), var
+        block = re.search(rf"map\s+\${source}\s+\${var}\s*\{{(.*?)\n\s*\}}", conf, re.S).group(1)
+        (pattern, repl), = re.findall(r'"~\*(.*?)"\s+"(.*?)";', block)
+        # nginx's PCRE and Python's re agree on this pattern: apply it as nginx would
+        rx = re.compile(pattern.replace("(?<", "(?P<"), re.I)
+        for uri, logged in (("/v1/stream?api_key=sk-live-123", "/v1/stream?REDACTED"),
+                            ("/v1/stream?x=1&API_KEY=sk-live-123&y=2", "/v1/stream?REDACTED"),
+                            ("/v1/stream?api_key=a&api_key=b", "/v1/stream?REDACTED"),
+                            ("/v1/completions", None), ("/v1/stream?model=tiny-gpt", None)):
+            m = rx.search(uri)
+            got = re.sub(r"\$\{(\w+)\}", lambda g: m.group(g.group(1)), repl) if m else None
+            assert got == logged, (var, uri, got)
+            assert got is None or "sk-live" not in got
+

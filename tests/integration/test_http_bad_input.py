@@ -6,9 +6,11 @@ its keep-alive connections carry on."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -341,3 +343,37 @@ async def test_readyz_is_503_while_pubsub_is_refused(own_redis, tiny_spec, tmp_p
             assert res.end["type"] == "done", res.end
     finally:
         fleet.close()
+
+
+def test_gateway_raises_its_open_files_limit(fleet, tmp_path):
+    """A container's soft limit of 1024 would stop a gateway at ~1,000 sockets: the
+    gateway raises it to the hard limit at start-up and logs both."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.integration.conftest import REPO
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 1024:
+        pytest.skip(f"the hard limit here is {hard}: not a container's soft/hard pair")
+    port_file = tmp_path / "gw.port"
+    log_path = tmp_path / "gw.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamfleet", "gateway", "--port", "0", "--port-file", str(port_file)],
+            env=fleet.env(metrics_port=0, grpc_port=0), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        soft_now = next(line.split()[3] for line in limits.splitlines() if line.startswith("Max open files"))
+        assert soft_now == str(hard), limits
+        line = next(json.loads(x) for x in log_path.read_text().splitlines() if '"open files limit"' in x)
+        assert (line["raised_from"], line["soft"], line["hard"]) == (1024, hard, hard), line
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -3,6 +3,8 @@ the API docs switch, and trace ids in the logs."""
 
 from __future__ import annotations
 
+import asyncio
+
 import subprocess
 
 import httpx
@@ -115,3 +117,32 @@ def test_api_docs_on_request(fleet):
     for path in ("/docs", "/redoc"):
         r = httpx.get(gw.http + path, timeout=5)
         assert r.status_code == 200 and "text/html" in r.headers["content-type"], path
+
+
+async def test_worker_healthz_sees_a_step_that_does_not_finish(fleet):
+    """/metrics answers through a hang (its own thread); /healthz on the same port says
+    503 once sequences are in flight and no step has finished for SF_WORKER_STALL_S."""
+    import httpx as _httpx
+
+    from streamfleet.launcher import free_port
+    from tests.integration.wsclient import Client
+
+    gw = fleet.gateway()
+    port = free_port()
+    fleet.worker(backend="echo", echo_delay_ms=4000, metrics_port=port, worker_stall_s=1.5)
+    base = f"http://127.0.0.1:{port}"
+    async with _httpx.AsyncClient(timeout=5) as http:
+        r = await http.get(base + "/healthz")
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+        c = await Client.connect(gw.ws)
+        slow = c.start("slow", "abc", max_tokens=2)
+        deadline = asyncio.get_running_loop().time() + 10
+        while (r := await http.get(base + "/healthz")).status_code == 200:
+            assert asyncio.get_running_loop().time() < deadline, "never stalled"
+            await asyncio.sleep(0.2)
+        assert r.status_code == 503 and r.json()["reason"] == "sequences in flight and no step finished", r.text
+        assert r.json()["in_flight"] == 1
+        assert (await http.get(base + "/metrics")).status_code == 200  # what a /metrics probe would see
+        assert (await asyncio.wait_for(slow, 30)).end["type"] == "done"  # the step ends: healthy again
+        assert (await http.get(base + "/healthz")).status_code == 200
+        await c.close()

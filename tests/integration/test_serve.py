@@ -50,7 +50,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         assert "redis-server" in names and "gateway" in names and "worker" in names
         # the banner says where the metrics are; they are there, and not on the API port
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        # (the banner comes once every model has a live worker: /readyz is ready with one)
+        # (the banner comes once every model has a live worker)
         deadline = time.monotonic() + 60
         while "Ctrl-C stops everything." not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.1)

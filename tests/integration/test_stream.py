@@ -14,15 +14,30 @@ from tests.integration.wsclient import Client
 
 
 async def test_health_and_ready(fleet):
+    """Readiness is the gateway's (and its Redis'): ready with no worker, listing the
+    workers it sees. Requests queue for a worker within SF_NO_WORKER_GRACE_S and are
+    refused with 503 no_workers and Retry-After past it."""
     gw = fleet.gateway()
-    async with httpx.AsyncClient() as http:
+    strict = fleet.gateway(no_worker_grace_s=1)
+    body = {"model": "tiny-gpt", "prompt": "Once", "max_tokens": 3}
+    async with httpx.AsyncClient(timeout=60) as http:
         assert (await http.get(gw.http + "/healthz")).status_code == 200
         r = await http.get(gw.http + "/readyz")
-        assert r.status_code == 503 and r.json()["reason"] == "no live worker"
-        fleet.worker()
+        assert r.status_code == 200 and r.json()["workers"]["tiny-gpt"] == 0, r.text
+        await asyncio.sleep(1.5)
+        r = await http.post(strict.http + "/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+        assert r.headers["retry-after"] == "5" and "tiny-gpt" in r.json()["error"]["message"]
+        queued = asyncio.ensure_future(http.post(gw.http + "/v1/completions", json=body))
+        await asyncio.sleep(0.5)
+        fleet.worker()  # a worker that comes within the grace serves what waited
+        assert (await queued).status_code == 200
         r = await http.get(gw.http + "/readyz")
-        assert r.status_code == 200, r.text
-        assert r.json()["workers"]["tiny-gpt"] == 1
+        assert r.status_code == 200 and r.json()["workers"]["tiny-gpt"] == 1
+        deadline = asyncio.get_running_loop().time() + 5
+        while (r := await http.post(strict.http + "/v1/completions", json=body)).status_code != 200:
+            assert asyncio.get_running_loop().time() < deadline, r.text
+            await asyncio.sleep(0.2)
 
 
 async def test_one_request_streams_in_order(fleet, rds, key_prefix):

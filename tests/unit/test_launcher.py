@@ -11,10 +11,14 @@ from streamfleet.launcher import port_free, wait_ready
 
 
 class _Fleet(BaseHTTPRequestHandler):
-    """Another fleet's gateway: ready, and its /healthz names its own pid."""
+    """Another fleet's gateway: ready, and its /healthz names its own pid; its workers
+    are ``workers`` (the gateway is ready without any)."""
+
+    workers: dict = {"tiny-gpt": 1}
 
     def do_GET(self):  # noqa: N802
-        body = json.dumps({"status": "ok", "pid": 4242} if self.path == "/healthz" else {"status": "ready"}).encode()
+        body = json.dumps({"status": "ok", "pid": 4242} if self.path == "/healthz"
+                          else {"status": "ready", "workers": _Fleet.workers}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -32,7 +36,11 @@ def test_readiness_wait_recognises_its_own_gateway():
         assert not wait_ready(base, timeout=1.0, pid=1234), "another process's gateway is not ours"
         assert wait_ready(base, timeout=5.0, pid=4242)
         assert wait_ready(base, timeout=5.0)
+        assert not wait_ready(base, timeout=1.0, models=("asr-en",)), "a model without a worker is not ready"
+        _Fleet.workers = {"tiny-gpt": 0}
+        assert not wait_ready(base, timeout=1.0), "a gateway with no live worker anywhere is not a ready fleet"
     finally:
+        _Fleet.workers = {"tiny-gpt": 1}
         server.shutdown()
         server.server_close()
 
