@@ -5,7 +5,7 @@ engine hangs: a probe of ``/metrics`` cannot see a stuck worker. ``Liveness`` is
 by the event loop when a step finishes (or when there is nothing to do) and ticks once a
 second from a task on the loop; ``/healthz`` answers 503 when sequences are in flight and
 no step has finished for ``SF_WORKER_STALL_S``, or when the loop has not ticked for that
-long (docs/operations.md, "Probes").
+long (docs/operations.md, "Probes and limits").
 """
 
 from __future__ import annotations
