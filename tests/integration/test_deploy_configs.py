@@ -843,16 +843,17 @@ def test_keda_scaled_object(k8s_docs):
     triggers = spec["triggers"]
     model = "tiny-gpt"
     lanes = {f"sf:{{{model}}}:tasks:high", f"sf:{{{model}}}:tasks:normal"}
-    lag = [t for t in triggers if "lagCount" in t["metadata"]]
-    assert {t["metadata"]["stream"] for t in lag} == lanes, "one lag trigger per lane"
+    # XLEN of a lane = queued + in flight (workers XDEL what they finish)
+    lengths = [t for t in triggers if "streamLength" in t["metadata"]]
+    assert {t["metadata"]["stream"] for t in lengths} == lanes, "one stream-length trigger per lane"
     names = set()
     for t in triggers:
         assert t["type"] == "redis-streams"
         md = t["metadata"]
-        assert md["consumerGroup"] == "workers"
+        assert "consumerGroup" not in md, "a consumerGroup turns the scaler from XLEN to XPENDING / lag"
         assert md["stream"] in lanes
         assert md.get("addressFromEnv") == "KEDA_REDIS_ADDRESS" or "address" in md
-        for count in ("lagCount", "pendingEntriesCount"):
+        for count in ("streamLength",):
             if count in md:
                 assert isinstance(md[count], str) and int(md[count]) > 0, f"{count} is a string of digits"
         assert re.fullmatch(r"[a-z_][a-z0-9_]*", t["name"]), "trigger names are formula identifiers"
@@ -866,9 +867,7 @@ def test_keda_scaled_object(k8s_docs):
     mod = spec["advanced"]["scalingModifiers"]
     identifiers = set(re.findall(r"[a-z_][a-z0-9_]*", mod["formula"]))
     assert identifiers <= names, f"formula names unknown triggers: {identifiers - names}"
-    assert {t["name"] for t in lag} <= identifiers, "every lane's lag counts"
-    high = next(t["name"] for t in lag if t["metadata"]["stream"].endswith(":high"))
-    assert re.search(rf"\d+(\.\d+)?\s*\*\s*{high}\b", mod["formula"]), "high-lane lag weighs more"
+    assert {t["name"] for t in lengths} <= identifiers, "every lane's length counts"
     assert float(mod["target"]) > 0 and mod.get("metricType", "AverageValue") == "AverageValue"
     assert isinstance(mod["target"], str)
 
@@ -903,7 +902,8 @@ def test_k8s_redis(k8s_docs):
     assert find(k8s_docs, "Service", sts["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
     c = _container(sts)
     assert c["image"].startswith("redis:7")
-    assert c["livenessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    probe = c["livenessProbe"]["exec"]["command"]  # PONG, not just redis-cli's exit code
+    assert probe[:2] == ["sh", "-c"] and "redis-cli ping" in probe[2] and "= PONG" in probe[2], probe
     conf = next(d for d in k8s_docs if d["kind"] == "ConfigMap"
                 and d["metadata"]["name"].startswith("streamfleet-redis-config"))["data"]["redis.conf"]
     lines = {ln.split(None, 1)[0]: ln for ln in conf.splitlines() if ln.strip() and not ln.startswith("#")}
@@ -917,9 +917,10 @@ def test_k8s_redis(k8s_docs):
 
 
 def test_k8s_engine_builder(k8s_docs):
-    dep = find(k8s_docs, "Deployment", "streamfleet-engine-builder")
+    cron = find(k8s_docs, "CronJob", "streamfleet-engine-build")  # the template of a build Job
+    dep = {"metadata": cron["metadata"], "spec": cron["spec"]["jobTemplate"]["spec"]}
     c = _container(dep)
-    assert c["args"] == ["engines", "worker", "--queue", "sm90"]
+    assert c["args"] == ["engines", "build", "tiny-gpt"]
     assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     # builder and workers share the model repository
     worker = find(k8s_docs, "Deployment", "streamfleet-worker")
