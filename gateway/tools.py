@@ -14,11 +14,11 @@ anything else is text. ``CallStream`` turns the streamed text of a call into Ope
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 
 from streamfleet.shared.errors import ErrorCode, ValidationError
 
@@ -28,6 +28,8 @@ __all__ = ["Tools", "parse_tools", "tools_prompt", "parse_call", "CallStream", "
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 _TAGGED = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>\s*", re.S)
+#: the start of a call as the constraint writes it (``Tools.call_schema``, compact JSON)
+_CALL_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,26 +121,39 @@ def call_text(name: str, arguments: str) -> str:
 
 
 def parse_call(text: str, names: frozenset[str]) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` when the completion is one call of an offered tool."""
+    """``(name, arguments JSON)`` when the completion is one call of an offered tool.
+
+    The arguments are the model's own text where the call has the constrained shape
+    (what a stream gave out, byte for byte); otherwise they are re-serialised compactly
+    with the standard library, which keeps integers of any size exact (orjson would turn
+    one past 64 bits into a float)."""
     m = _TAGGED.fullmatch(text)
     body = m.group(1) if m else text.strip()
     if not body.startswith("{"):
         return None
+    head = _CALL_HEAD.match(body)
+    if head is not None and head.group(1) in names and body.endswith("}"):
+        raw = body[head.end():-1]
+        try:
+            if isinstance(json.loads(raw), dict):
+                return head.group(1), raw
+        except ValueError:
+            pass
     try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        obj = json.loads(body)
+    except ValueError:
         return None
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or obj["name"] not in names:
         return None
     args = obj["arguments"]
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = orjson.loads(args)
-        except orjson.JSONDecodeError:
+            args = json.loads(args)
+        except ValueError:
             return None
     if not isinstance(args, dict):
         return None
-    return obj["name"], orjson.dumps(args).decode()
+    return obj["name"], json.dumps(args, separators=(",", ":"), ensure_ascii=False)
 
 
 class CallStream:
@@ -156,7 +171,7 @@ class CallStream:
         self.text += piece
         out: list[tuple[str, str]] = []
         if self.name is None:
-            m = re.match(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":', self.text)
+            m = _CALL_HEAD.match(self.text)
             if m is None:
                 return out
             self.name = m.group(1)
