@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-
 from streamfleet.shared.errors import ErrorCode, ValidationError
 
 __all__ = ["Tools", "parse_tools", "tools_prompt", "parse_call", "CallStream", "MAX_TOOLS"]
