@@ -362,6 +362,47 @@ async def _generate(request: Request, chat: bool) -> Response:
         await req.close(reason="http_disconnect")
 
 
+class _Gathered:
+    """One choice's text and log probabilities as its tokens come (a response not
+    streamed); each token's log probabilities with the text offset where it starts."""
+
+    __slots__ = ("parts", "logprobs", "offset")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[tuple[int, dict]] = []
+        self.offset = 0
+
+    def add(self, ev: Token) -> None:
+        if ev.logprobs is not None:
+            self.logprobs.append((self.offset, ev.logprobs))
+        self.parts.append(ev.text)
+        self.offset += len(ev.text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
+    """``events``, with a None whenever ``every_s`` pass without one (an SSE keepalive is
+    due); closing it stops the read under way and closes ``events``."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            ev, pending = pending.result(), None
+            yield ev
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stop_events(pending, events)
+
+
 async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: str | None) -> list[ClientRequest]:
     """Submit the ``k`` completions of one request: one task each (admitted, rate limited
     and run as any request), seeds ``seed``, ``seed + 1``, …, so that the choices differ
@@ -454,12 +495,17 @@ async def _many(request: Request, hub, reqs: list[ClientRequest], chat: bool, n:
         async def chunks() -> AsyncIterator[bytes]:
             choices = [_ChoiceStream(shape, i, include_usage) for i in range(len(reqs))]
             ends: list[End] = []
+            ticks = _ticking(events, hub.settings.sse_keepalive_s)
             try:
                 if shape.chat:
                     for i in range(len(reqs)):
                         out = shape.chunk(None, None, role=True, usage_null=include_usage, index=i)
                         yield _sse(out)
-                async for i, ev in events:
+                async for item in ticks:
+                    if item is None:
+                        yield b": keepalive\n\n"
+                        continue
+                    i, ev = item
                     if isinstance(ev, Token):
                         for chunk in choices[i].token(ev):
                             yield _sse(chunk)
@@ -473,24 +519,25 @@ async def _many(request: Request, hub, reqs: list[ClientRequest], chat: bool, n:
                         yield _sse("[DONE]")
                         reqs[i].delivered()
                         return
+                    if len(ends) == len(reqs):
+                        break
                 if include_usage:
                     yield _sse(shape.usage_chunk(_sum_usage(ends)))
                 yield _sse("[DONE]")
             finally:
+                with anyio.CancelScope(shield=True):
+                    await ticks.aclose()
                 await close_all()
 
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    texts: list[list[str]] = [[] for _ in reqs]
-    lps: list[list[tuple[int, dict]]] = [[] for _ in reqs]
+    got = [_Gathered() for _ in reqs]
     ends: dict[int, End] = {}
 
     async def consume():
         async for i, ev in events:
             if isinstance(ev, Token):
-                if ev.logprobs is not None:
-                    lps[i].append((sum(map(len, texts[i])), ev.logprobs))
-                texts[i].append(ev.text)
+                got[i].add(ev)
             elif isinstance(ev, End):
                 ends[i] = ev
                 reqs[i].delivered()
@@ -509,8 +556,8 @@ async def _many(request: Request, hub, reqs: list[ClientRequest], chat: bool, n:
         return openai_error_response(failed.error)
     order = list(range(len(reqs)))
     if len(reqs) > n:  # best_of: the n with the highest total log probability
-        order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in lps[i]))[:n]
-    choices = [shape.choice_full(j, "".join(texts[i]), ends[i], lps[i] if keep_logprobs else None)
+        order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in got[i].logprobs))[:n]
+    choices = [shape.choice_full(j, got[i].text, ends[i], got[i].logprobs if keep_logprobs else None)
                for j, i in enumerate(order)]
     return Response(orjson.dumps(shape.full_many(choices, _sum_usage(list(ends.values())))),
                     media_type="application/json")
@@ -638,20 +685,15 @@ class _ChoiceStream:
 
 async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Shape,
                       include_usage: bool) -> AsyncIterator[bytes]:
-    keepalive = hub.settings.sse_keepalive_s
-    pending: asyncio.Future | None = None
     choice = _ChoiceStream(shape, 0, include_usage)
+    ticks = _ticking(events, hub.settings.sse_keepalive_s)
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=keepalive)
-            if not done:
+        async for ev in ticks:
+            if ev is None:
                 yield b": keepalive\n\n"
                 continue
-            ev, pending = pending.result(), None
             if isinstance(ev, Token):
                 eid = _event_id(req.request_id, req.resume_token, ev.index)
                 for chunk in choice.token(ev):
@@ -671,7 +713,8 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
                 return
     finally:
         with anyio.CancelScope(shield=True):
-            await stop_events(pending, events)
+            await ticks.aclose()
+            await stop_events(None, events)  # (closed already, unless never read)
         # the slot goes back only if the request ended; one left running (the client left)
         # keeps it until the worker ends it (ClientRequest.release)
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
@@ -679,40 +722,24 @@ async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Sh
 
 async def _collect(request: Request, events: AsyncIterator, shape: _Shape) -> Response:
     """Non-streamed: gather the whole completion, cancelling if the client leaves."""
-    parts: list[str] = []
-    logprobs: list[tuple[int, dict]] = []
-    offset = 0
+    got = _Gathered()
 
     async def consume():
-        nonlocal offset
         async for ev in events:
             if isinstance(ev, Token):
-                if ev.logprobs is not None:
-                    logprobs.append((offset, ev.logprobs))
-                parts.append(ev.text)
-                offset += len(ev.text)
+                got.add(ev)
             else:
                 return ev
 
-    async def disconnected():
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return None
-
-    consumer = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if consumer not in done:
-            return Response(status_code=499)
-        ev = consumer.result()
+        ev = await _until_disconnect(request, consume())
     finally:
-        watcher.cancel()
-        await stop_events(consumer, events)
+        await stop_events(None, events)
+    if ev is _DISCONNECTED:
+        return Response(status_code=499)
     if isinstance(ev, Failed):
         return openai_error_response(ev.error)
-    return Response(orjson.dumps(shape.full("".join(parts), ev, logprobs)), media_type="application/json")
+    return Response(orjson.dumps(shape.full(got.text, ev, got.logprobs)), media_type="application/json")
 
 
 @router.post("/v1/completions")
