@@ -122,7 +122,7 @@ class Admission:
         return await self.store.verify(extract_key(authorization, api_key))
 
     # -- requests ---------------------------------------------------------------------
-    async def admit(self, identity: Identity | None, draft) -> Ticket:
+    async def admit(self, identity: Identity | None, draft, request_id: str | None = None) -> Ticket:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
         (a ``gateway.validation.Draft``), before its prompt is tokenized.
 
@@ -131,7 +131,7 @@ class Admission:
             ValidationError: ``out_of_range`` — ``max_tokens`` or ``timeout`` above the tier's ceiling.
             RefusedError: ``rate_limited`` / ``too_many_requests`` (429, with a retry hint).
         """
-        rid = uuid.uuid4().hex
+        rid = request_id or uuid.uuid4().hex
         if identity is None:
             token = secrets.token_hex(16)
             return Ticket(rid, token_owner(token), draft, resume_token=token)

@@ -12,15 +12,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
-from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, connect
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, RedisTarget, connect
 from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord,
                                        Task, decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.pubsub import PubSubConnection, open_pubsub
+from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
 
 __all__ = ["Broker"]
 
@@ -48,9 +47,10 @@ class Listener(Protocol):
 #: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
 #: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
 #: all gateways together never push a lane past it.
-#: KEYS[1] lane stream; ARGV[1] threshold (0 = none); ARGV[2] task JSON; ARGV[3] the
-#: model's wake channel; ARGV[4] the lane name. Publishes a ``shared.schema.Wake``
-#: (``"<lane> <entry id>"``). Returns {1, depth after add} or {0, depth}.
+#: KEYS[1] lane stream; KEYS[2] the model's wake channel (declared: on a cluster it is
+#: published with SPUBLISH and shares the lane's slot); ARGV[1] threshold (0 = none);
+#: ARGV[2] task JSON; ARGV[3] the lane name; ARGV[4] PUBLISH or SPUBLISH. Publishes a
+#: ``shared.schema.Wake`` (``"<lane> <entry id>"``). Returns {1, depth after add} or {0, depth}.
 ENQUEUE_LUA = """
 local depth = redis.call('XLEN', KEYS[1])
 local limit = tonumber(ARGV[1])
@@ -58,7 +58,7 @@ if limit > 0 and depth >= limit then
   return {0, depth}
 end
 local id = redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
-redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. id)
+redis.call(ARGV[4], KEYS[2], ARGV[3] .. ' ' .. id)
 return {1, depth + 1}
 """
 
@@ -68,7 +68,7 @@ class Broker:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.keys()
         self.gateway_id = uuid.uuid4().hex[:12]
         self.redis: aioredis.Redis | None = None
         self._pubsub: PubSubConnection | None = None
@@ -77,6 +77,10 @@ class Broker:
         self._closing = False
         self.healthy = False
         self._replays = asyncio.Semaphore(REPLAY_READS)
+        self.target = RedisTarget.parse(settings.redis_url, settings.redis_cluster)
+        #: a cluster's sharded subscriptions (docs/cluster.md); None on a single server
+        self._shards: ShardSubscriptions | None = None
+        self._reader_retry: asyncio.Task | None = None
 
     @property
     def control_channel(self) -> str:
@@ -84,11 +88,16 @@ class Broker:
 
     async def start(self) -> None:
         s = self.settings
-        self.redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s)
+        cluster = self.target.cluster
+        self.redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s)
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
         self._coalescer = Coalescer(self.redis)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
-        self.tail_redis = connect(s.redis_url, socket_timeout=s.redis_socket_timeout_s + 2, max_connections=512)
+        self.tail_redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s + 2,
+                                  max_connections=512)
+        if cluster:
+            await self._start_shards()
+            return
         try:
             # the control channel keeps the pub/sub connection open before any client arrives
             await self._connect_pubsub()
@@ -97,8 +106,58 @@ class Broker:
             log.warning("redis unreachable at start; will retry", error=str(exc))
         self._reader = asyncio.create_task(self._watch(), name="pubsub-watch")
 
+    async def _start_shards(self) -> None:
+        s = self.settings
+        self._shards = ShardSubscriptions(
+            self.redis, self.target.node_url, self._on_message, timeout=s.redis_socket_timeout_s,
+            client_name=f"sf-gateway-{self.gateway_id}-pubsub", on_restored=self._shards_restored,
+            on_lost=self._shards_lost, failover_s=s.redis_failover_s, log=log)
+        self._reader = asyncio.create_task(self._shards.run(), name="pubsub-shards")
+        try:
+            # the control channel names this gateway to `streamfleet status` (PUBSUB SHARDCHANNELS)
+            await self._shards.subscribe(self.control_channel.encode())
+            self.healthy = True
+        except Exception as exc:
+            log.warning("redis cluster unreachable at start; will retry", error=str(exc))
+            self._reader_retry = asyncio.create_task(self._retry_control(), name="pubsub-control")
+
+    async def _retry_control(self) -> None:
+        backoff = 0.05
+        while not self.healthy and not self._closing:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+            try:
+                await self._shards.subscribe(self.control_channel.encode(), attempts=1)
+            except Exception:
+                continue
+            self.healthy = True
+            log.info("redis cluster reachable")
+
+    def _shards_restored(self, channels: list[bytes]) -> None:
+        for ch in channels:
+            listener = self._routes.get(ch)
+            if listener is not None:
+                try:
+                    listener.resync()
+                except Exception:
+                    log.exception("resync handler failed")
+
+    def _shards_lost(self, channels: list[bytes]) -> None:
+        metrics.redis_errors.labels("pubsub").inc()
+        for ch in channels:
+            listener = self._routes.get(ch)
+            if listener is not None:
+                try:
+                    listener.broker_lost()
+                except Exception:
+                    log.exception("broker_lost handler failed")
+
     async def stop(self) -> None:
         self._closing = True
+        if self._shards is not None:
+            self._shards.close()
+        if self._reader_retry is not None:
+            self._reader_retry.cancel()
         if self._reader:
             self._reader.cancel()
             try:
@@ -119,12 +178,15 @@ class Broker:
         Raises:
             UnavailableError: Redis is unreachable.
         """
-        if not self.healthy or self._pubsub is None:
+        if not self.healthy or (self._pubsub is None and self._shards is None):
             raise UnavailableError("message broker unavailable; retry shortly", retry_after_ms=1000)
         channel = self.keys.reply(connection_id)
         self._routes[channel.encode()] = listener
         try:
-            await self._pubsub.subscribe(channel, timeout=self.settings.redis_socket_timeout_s)
+            if self._shards is not None:
+                await self._shards.subscribe(channel.encode())
+            else:
+                await self._pubsub.subscribe(channel, timeout=self.settings.redis_socket_timeout_s)
         except _PUBSUB_ERRORS as exc:
             self._routes.pop(channel.encode(), None)
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
@@ -132,7 +194,9 @@ class Broker:
     async def unregister(self, connection_id: str) -> None:
         channel = self.keys.reply(connection_id)
         self._routes.pop(channel.encode(), None)
-        if self._pubsub is not None:
+        if self._shards is not None:
+            self._shards.unsubscribe(channel.encode())
+        elif self._pubsub is not None:
             self._pubsub.unsubscribe(channel)  # the subscription dies with the connection anyway
 
     # -- the pub/sub connection -------------------------------------------------------
@@ -254,15 +318,16 @@ class Broker:
                                len(task.prompt_ids))
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
-        args = (threshold, task.encode(), self.keys.wake(task.model), task.lane)
+        wake = self.keys.wake(task.model)
+        args = (threshold, task.encode(), task.lane, self.keys.publish)
         try:
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
             record_set = self._coalescer.send(b"SET", self.keys.request(task.request_id), record.encode(),
                                               b"PX", ttl_ms)
             try:
-                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, 1, lane_key, *args)
+                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, 2, lane_key, wake, *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
-                ok, depth = await self._enqueue(keys=[lane_key], args=list(args))
+                ok, depth = await self._enqueue(keys=[lane_key, wake], args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
@@ -276,7 +341,7 @@ class Broker:
                 code=ErrorCode.overloaded, retry_after_ms=self.settings.overload_retry_after_ms)
         return int(depth)
 
-    async def append_audio(self, request_id: str, chunks: list[AudioChunk], ttl_s: float) -> None:
+    async def append_audio(self, request_id: str, model: str, chunks: list[AudioChunk], ttl_s: float) -> None:
         """Append to an utterance's audio stream ``sf:audio:{request_id}``, capped at
         ``AUDIO_MAXLEN`` entries and expiring ``ttl_s`` after the last append (the
         worker transcribing it, or one taking it over, reads it from the start).
@@ -284,7 +349,7 @@ class Broker:
         Raises:
             UnavailableError: Redis is unreachable, or refused the append (out of memory).
         """
-        key = self.keys.audio(request_id)
+        key = self.keys.audio(request_id, model)
         # through the coalescer: every utterance's append of this loop turn goes out in one
         # batch on one connection (hundreds of utterances would otherwise each hold a pooled
         # connection for a round trip, and wait for one when the pool runs dry)
@@ -300,10 +365,11 @@ class Broker:
             metrics.redis_errors.labels("audio").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
 
-    async def cancel(self, request_id: str, reason: str = "client") -> None:
+    async def cancel(self, request_id: str, model: str, reason: str = "client") -> None:
+        """Tell the workers of ``model`` to stop the request (one of them runs it)."""
         try:
-            await self.redis.publish(self.keys.cancel, Cancel(request_id, reason).encode())
-        except BROKER_ERRORS as exc:
+            await self._coalescer.call(self.keys.publish, self.keys.cancel(model), Cancel(request_id, reason).encode())
+        except (*BROKER_ERRORS, ResponseError) as exc:
             log.warning("cancel not delivered", request_id=request_id, error=str(exc))
 
     def active_streams(self) -> int:
@@ -362,7 +428,8 @@ class Broker:
             log.warning("unreadable request record", request_id=request_id)
             return None
 
-    async def follow(self, request_id: str, connection_id: str, ttl_s: float, announce: bool = True) -> None:
+    async def follow(self, request_id: str, model: str, connection_id: str, ttl_s: float,
+                     announce: bool = True) -> None:
         """Note that ``connection_id`` follows ``request_id`` (a resume), for ``ttl_s``
         unless renewed, and tell the workers, so the one running it publishes its events
         there too and keeps it running while anyone listens.
@@ -372,16 +439,21 @@ class Broker:
         """
         key = self.keys.attach(request_id)
         now_ms = int(time.time() * 1000)
+        batch = RawBatch()
+        for member, score in Attach(connection_id, now_ms + int(ttl_s * 1000)).encode().items():
+            batch.add(b"ZADD", key, score, member)
+        batch.add(b"ZREMRANGEBYSCORE", key, b"-inf", now_ms)
+        batch.add(b"PEXPIRE", key, int(ttl_s * 1000))
+        if announce:  # after the set is written: a worker that hears it reads the set
+            batch.add(self.keys.publish, self.keys.follow(model), Follow(request_id, connection_id).encode(),
+                      after=(key,))
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, Attach(connection_id, now_ms + int(ttl_s * 1000)).encode())
-                pipe.zremrangebyscore(key, "-inf", now_ms)
-                pipe.pexpire(key, int(ttl_s * 1000))
-                if announce:
-                    pipe.publish(self.keys.follow, Follow(request_id, connection_id).encode())
-                await pipe.execute()
+            results = await batch.execute(self.redis)
         except BROKER_ERRORS as exc:
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise UnavailableError(f"message broker unavailable: {failed}", retry_after_ms=1000)
 
     async def unfollow(self, request_id: str, connection_id: str) -> None:
         try:

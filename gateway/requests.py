@@ -26,6 +26,7 @@ HTTP request).
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -64,6 +65,7 @@ class ClientRequest:
         self.lane = ""  # "" for a resume: the lane is not recorded
         self._resume_token: str | None = None
         self._own_channel = channel is None
+        self._next_channel_id: str | None = None
         self._cancel_pending = False  # cancelled before the stream existed
         self._watch: int | None = None
         self._released = False
@@ -84,8 +86,18 @@ class ClientRequest:
     # -- opening ----------------------------------------------------------------------
     async def _open_channel(self) -> ReplyChannel:
         if self.channel is None:
-            self.channel = await ReplyChannel(self.hub.broker).open()
+            self.channel = await ReplyChannel(self.hub.broker, self._channel_id()).open()
         return self.channel
+
+    def _channel_id(self) -> str:
+        """The id of the connection this request is answered on (of the channel it will
+        open, when it has none yet): request ids start with its shard tag
+        (``Keys.new_request_id``)."""
+        if self.channel is not None:
+            return self.channel.connection_id
+        if self._next_channel_id is None:
+            self._next_channel_id = uuid.uuid4().hex
+        return self._next_channel_id
 
     async def _close_own_channel(self, reason: str = "disconnect", grace_s: float = 0.0) -> None:
         if self._own_channel and self.channel is not None:
@@ -112,7 +124,8 @@ class ClientRequest:
         """
         admission = self.hub.admission
         await self.hub.check_workers(draft.model)
-        ticket = await admission.admit(self.identity, draft)
+        ticket = await admission.admit(self.identity, draft,
+                                       request_id=self.hub.broker.keys.new_request_id(self._channel_id()))
         try:
             request = self.hub.validator.finish(ticket.request)
             channel = await self._open_channel()
@@ -169,7 +182,7 @@ class ClientRequest:
         self._watch = self.hub.admission.watch(self.identity, self._key_revoked)
 
     async def _key_revoked(self) -> None:  # end the stream: the key may not read it any more
-        await self.hub.broker.cancel(self.stream.request_id, "key_revoked")
+        await self.hub.broker.cancel(self.stream.request_id, self.stream.model, "key_revoked")
         self.stream.fail(revoked_error())
 
     def delivered(self) -> None:

@@ -336,12 +336,13 @@ class ReplyChannel:
         Raises:
             StreamfleetError: refused (overload, broker down).
         """
-        rid = request_id or uuid.uuid4().hex
+        rid = request_id or self.broker.keys.new_request_id(self.connection_id)
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
                                stall_timeout_s=self.stall_timeout_s)
         stream.trace_id = task.trace_id
+        stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
         try:
             depth = await self.broker.submit(task, owner)
@@ -377,7 +378,7 @@ class ReplyChannel:
         stream.model = record.model
         self.streams[request_id] = stream  # before the follow: live events may come at once
         try:
-            await self.broker.follow(request_id, self.connection_id, FOLLOW_TTL_S)
+            await self.broker.follow(request_id, record.model, self.connection_id, FOLLOW_TTL_S)
         except StreamfleetError:
             self.streams.pop(request_id, None)
             raise
@@ -391,7 +392,7 @@ class ReplyChannel:
             if stream.finished:
                 break
             try:
-                await self.broker.follow(stream.request_id, self.connection_id, FOLLOW_TTL_S)
+                await self.broker.follow(stream.request_id, stream.model, self.connection_id, FOLLOW_TTL_S)
             except StreamfleetError:
                 pass  # the stream itself notices an outage
         await self.broker.unfollow(stream.request_id, self.connection_id)
@@ -411,7 +412,7 @@ class ReplyChannel:
         self._spawn(self._cancel(stream, reason))
 
     async def _cancel(self, stream: RequestStream, reason: str) -> None:
-        await self.broker.cancel(stream.request_id, reason)
+        await self.broker.cancel(stream.request_id, stream.model, reason)
         await asyncio.sleep(CANCEL_GRACE_S)
         stream.end_cancelled()
 
@@ -449,7 +450,7 @@ class ReplyChannel:
                                           for s in own))
         abandoned = [s for s, f in zip(own, followed) if not f]
         if abandoned:
-            await asyncio.gather(*(self.broker.cancel(s.request_id, reason) for s in abandoned),
+            await asyncio.gather(*(self.broker.cancel(s.request_id, s.model, reason) for s in abandoned),
                                  return_exceptions=True)
         for s in abandoned:
             s.cancel_requested = True
@@ -482,7 +483,7 @@ class ReplyChannel:
                     for s in streams:
                         if s.resumed:
                             try:
-                                await self.broker.follow(s.request_id, self.connection_id, FOLLOW_TTL_S, False)
+                                await self.broker.follow(s.request_id, s.model, self.connection_id, FOLLOW_TTL_S, False)
                             except StreamfleetError:
                                 pass
                 if time.monotonic() >= deadline:

@@ -173,7 +173,7 @@ class Utterance:
             pcm = b"".join(p for p in pieces if p)
             chunks = ([AudioChunk(pcm=pcm)] if pcm else []) + ([AudioChunk(end=True)] if ended else [])
             try:
-                await self.session.hub.broker.append_audio(rid, chunks, ttl_s)
+                await self.session.hub.broker.append_audio(rid, self.req.stream.model, chunks, ttl_s)
             except StreamfleetError as exc:
                 self.req.stream.fail(exc)
                 return

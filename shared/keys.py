@@ -2,13 +2,31 @@
 
 Keys of one model share the hash tag ``{model}`` so that a multi-lane XREADGROUP
 is legal on Redis Cluster.
+
+On a Redis Cluster (``Keys(cluster=True)``, docs/cluster.md) a few names change so that
+what travels together lands on one shard:
+
+* a connection's reply channel and its requests' logs, records and follower sets share
+  a *shard tag*: the first ``TAG_LEN`` characters of the connection id, which every
+  request id minted for that connection starts with (``Keys.new_request_id``). A
+  worker's step then logs and publishes a request's events on one shard in one
+  pipeline, and any gateway finds a request's keys from its id alone (resume);
+* the model's wake, cancel and follow channels and its utterances' audio carry the
+  ``{model}`` tag of its lanes (the enqueue script publishes the wake on the lanes'
+  slot; a worker reads all its utterances' audio in one XREAD);
+* channels are sharded (``SPUBLISH``/``SSUBSCRIBE``), so a message is handled only by
+  the shard that owns its slot.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "LANES", "Keys"]
+__all__ = ["GROUP", "LANES", "TAG_LEN", "Keys"]
+
+#: characters of a connection id that tag its reply channel, and start its requests' ids
+TAG_LEN = 4
 
 #: consumer group every worker of a model joins on each lane stream
 GROUP = "workers"
@@ -18,9 +36,27 @@ LANES: tuple[str, ...] = ("high", "normal")
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Key builder for one key prefix (default ``sf``)."""
+    """Key builder for one key prefix (default ``sf``), for a single server or a
+    Redis Cluster."""
 
     prefix: str = "sf"
+    cluster: bool = False
+
+    @staticmethod
+    def new_request_id(connection_id: str) -> str:
+        """A fresh request id (32 hex characters) that starts with the connection's
+        shard tag, so its logs share the shard of the connection's reply channel."""
+        return connection_id[:TAG_LEN] + uuid.uuid4().hex[TAG_LEN:]
+
+    def _tagged(self, kind: str, ident: str) -> str:
+        if self.cluster:
+            return f"{self.prefix}:{kind}:{{{ident[:TAG_LEN]}}}:{ident}"
+        return f"{self.prefix}:{kind}:{ident}"
+
+    @property
+    def publish(self) -> bytes:
+        """The publish command for the fleet's channels: ``SPUBLISH`` on a cluster."""
+        return b"SPUBLISH" if self.cluster else b"PUBLISH"
 
     def lane(self, model: str, lane: str) -> str:
         return f"{self.prefix}:{{{model}}}:tasks:{lane}"
@@ -32,25 +68,28 @@ class Keys:
         return f"{self.prefix}:{{{model}}}:dead"
 
     def reply(self, connection_id: str) -> str:
-        return f"{self.prefix}:reply:{connection_id}"
+        return self._tagged("reply", connection_id)
 
-    @property
-    def cancel(self) -> str:
-        return f"{self.prefix}:cancel"
+    def cancel(self, model: str) -> str:
+        """Pub/sub channel: cancellations (``shared.schema.Cancel``), heard by every
+        worker of ``model`` (``sf:cancel`` for all models on a single server)."""
+        return f"{self.prefix}:cancel:{{{model}}}" if self.cluster else f"{self.prefix}:cancel"
 
     def wake(self, model: str) -> str:
         """Pub/sub channel: a gateway just queued a task for ``model`` (message: a
         ``shared.schema.Wake``, its lane and entry id).
         A hint only; workers that miss one still find the task on their next read."""
-        return f"{self.prefix}:wake:{model}"
+        return f"{self.prefix}:wake:{{{model}}}" if self.cluster else f"{self.prefix}:wake:{model}"
 
     def log(self, request_id: str) -> str:
-        return f"{self.prefix}:log:{request_id}"
+        return self._tagged("log", request_id)
 
-    def audio(self, request_id: str) -> str:
+    def audio(self, request_id: str, model: str) -> str:
         """Stream (capped, with a TTL): the audio of one utterance, appended by the gateway
         as the client speaks (``shared.schema.AudioChunk``), then an end marker; the
         worker transcribing it reads it as it arrives (docs/voice.md)."""
+        if self.cluster:
+            return f"{self.prefix}:audio:{{{model}}}:{request_id}"
         return f"{self.prefix}:audio:{request_id}"
 
     def attach(self, request_id: str) -> str:
@@ -58,19 +97,19 @@ class Keys:
         clients that resumed the request and follow it, wherever they are. Workers
         publish the request's events to these too, and keep it running while any
         of them is listened to."""
-        return f"{self.prefix}:attach:{request_id}"
+        return self._tagged("attach", request_id)
 
-    @property
-    def follow(self) -> str:
+    def follow(self, model: str) -> str:
         """Pub/sub channel: a client started following a request on another connection
-        (``shared.schema.Follow``); every worker of every model hears it."""
-        return f"{self.prefix}:follow"
+        (``shared.schema.Follow``); every worker of ``model`` hears it (of every model on
+        a single server)."""
+        return f"{self.prefix}:follow:{{{model}}}" if self.cluster else f"{self.prefix}:follow"
 
     def request(self, request_id: str) -> str:
         """String with TTL: the request's record (``shared.schema.RequestRecord``),
         written by the gateway before the task is queued, so a request can be resumed
         while it still waits for a worker."""
-        return f"{self.prefix}:req:{request_id}"
+        return self._tagged("req", request_id)
 
     def target_version(self, model: str) -> str:
         """String: the model version every worker should serve (set by `streamfleet reload`)."""

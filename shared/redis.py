@@ -3,22 +3,128 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
+from redis.exceptions import (AskError, ClusterDownError, MovedError, RedisClusterException, ResponseError,
+                              SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-__all__ = ["connect", "BROKER_ERRORS", "pack", "RawBatch", "Coalescer", "refresh_members"]
+__all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
+           "Coalescer", "refresh_members", "is_cluster", "slot_of"]
 
-#: exceptions meaning "the broker is not reachable right now"
-BROKER_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+#: exceptions meaning "the broker is not reachable right now" (a cluster whose slot map
+#: cannot be read, or whose slot has no live primary during a failover, included)
+BROKER_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, SlotNotCoveredError,
+                 RedisClusterException)
 
 
-def connect(url: str, *, socket_timeout: float | None = 5.0, max_connections: int = 64) -> aioredis.Redis:
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """Where the fleet's Redis is: one server, or the seed nodes of a Redis Cluster.
+
+    ``SF_REDIS_URL`` names one server (``redis://host:6379/0``); for a cluster it names
+    one or more seed nodes, comma separated (``redis://:pw@h1:7000,h2:7000,h3:7000``),
+    and ``SF_REDIS_CLUSTER=true`` says so (a URL listing several hosts implies it).
+    Credentials, TLS (``rediss://``) and query options apply to every node.
+    """
+
+    url: str
+    cluster: bool
+    seeds: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def parse(cls, url: str, cluster: bool = False) -> "RedisTarget":
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        userinfo, _, hosts = netloc.rpartition("@")
+        seeds = []
+        for entry in filter(None, (h.strip() for h in hosts.split(","))):
+            if "://" in entry:  # redis://h1:7000,redis://h2:7000
+                entry = urlsplit(entry).netloc.rpartition("@")[2]
+            host, sep, port = entry.rpartition(":") if not entry.endswith("]") else (entry, "", "")
+            if not sep:
+                host, port = entry, "6379"
+            try:
+                seeds.append((host.strip("[]") or "127.0.0.1", int(port)))
+            except ValueError:
+                raise ValueError(f"SF_REDIS_URL: {entry!r} is not host:port") from None
+        if len(seeds) > 1:
+            cluster = True
+        if cluster:
+            db = parts.path.strip("/")
+            if db not in ("", "0"):
+                raise ValueError(f"SF_REDIS_URL: a Redis Cluster has only database 0, not {db!r}")
+            if parts.scheme == "unix":
+                raise ValueError("SF_REDIS_URL: a Redis Cluster is reached over TCP, not a unix socket")
+        return cls(url, cluster, tuple(seeds))
+
+    def node_url(self, host: str, port: int) -> str:
+        """The configured URL (credentials, TLS, options) pointed at one node."""
+        parts = urlsplit(self.url)
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return urlunsplit((parts.scheme, f"{userinfo}{at}{where}", parts.path, parts.query, parts.fragment))
+
+    @property
+    def first_url(self) -> str:
+        """A URL of one server: the configured one, or the first seed's."""
+        if not self.cluster or not self.seeds:
+            return self.url
+        return self.node_url(*self.seeds[0])
+
+
+class FleetCluster(RedisCluster):
+    """``redis.asyncio.RedisCluster`` that also remembers when its slot map was last
+    refreshed after a node failed (``RawBatch`` refreshes it at most every
+    ``REFRESH_EVERY_S``)."""
+
+    __slots__ = ("refresh_due", "refreshed_at")
+
+
+#: seconds between slot-map refreshes forced by failed nodes
+REFRESH_EVERY_S = 0.25
+
+
+def is_cluster(client) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def slot_of(key: bytes | str) -> int:
+    return key_slot(key.encode() if isinstance(key, str) else key)
+
+
+def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
+    from redis.asyncio.connection import parse_url
+
+    params = parse_url(target.first_url)
+    kw: dict = dict(username=params.get("username"), password=params.get("password"), decode_responses=False,
+                    socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+    conn_class = params.get("connection_class")
+    if conn_class is not None and "SSL" in conn_class.__name__:
+        kw["ssl"] = True
+        for k in ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"):
+            if k in params:
+                kw[k] = params[k]
+    return kw
+
+
+def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0,
+            max_connections: int = 64) -> aioredis.Redis:
     """An asyncio client returning bytes, with bounded retries and timeouts.
+
+    With ``cluster`` (or a URL listing several seed nodes) it is a ``FleetCluster``:
+    commands go to the primary owning their key's slot, and ``max_connections`` is per
+    node (docs/cluster.md).
 
     The pool blocks (up to the socket timeout) when all ``max_connections`` are busy,
     so a burst of requests queues for a connection instead of failing.
@@ -26,6 +132,15 @@ def connect(url: str, *, socket_timeout: float | None = 5.0, max_connections: in
     Blocking commands (XREADGROUP BLOCK, pub/sub reads) must use a per-call timeout
     that exceeds their block time; the socket timeout guards everything else.
     """
+    target = RedisTarget.parse(url, cluster)
+    if target.cluster:
+        client = FleetCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.seeds],
+                              max_connections=max_connections, health_check_interval=15,
+                              retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+                              **_cluster_kwargs(target, socket_timeout))
+        client.refresh_due = False
+        client.refreshed_at = 0.0
+        return client
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         timeout=socket_timeout,  # wait this long for a free pooled connection, then fail
@@ -41,6 +156,18 @@ def connect(url: str, *, socket_timeout: float | None = 5.0, max_connections: in
         max_connections=max_connections,
     )
     return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+
+
+def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0):
+    """A synchronous client (the command-line tools): ``redis.Redis``, or
+    ``redis.RedisCluster`` in cluster mode."""
+    target = RedisTarget.parse(url, cluster)
+    if not target.cluster:
+        return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+    from redis.cluster import ClusterNode as SyncNode
+
+    return redis.RedisCluster(startup_nodes=[SyncNode(h, p) for h, p in target.seeds],
+                              **_cluster_kwargs(target, socket_timeout))
 
 
 async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]], expiry_ms: int,
@@ -74,6 +201,20 @@ def pack(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
+#: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails
+MAX_REDIRECTS = 5
+_REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
+
+
+def _route_key(args: tuple) -> bytes | str | None:
+    """The key (or sharded channel) a command is routed by in a cluster: its first
+    argument, or for EVAL/EVALSHA its first key."""
+    name = args[0]
+    if name in (b"EVALSHA", b"EVAL", "EVALSHA", "EVAL"):
+        return args[3] if int(args[2]) > 0 else None
+    return args[1] if len(args) > 1 else None
+
+
 class RawBatch:
     """A pipeline of commands packed by hand, for the worker's per-step publish.
 
@@ -85,24 +226,49 @@ class RawBatch:
     A connection or timeout error retries the whole batch once on a fresh connection
     (every command the worker batches here is safe to repeat: gateways drop a
     duplicated token by its index, XACK/XDEL/EXPIRE are idempotent).
+
+    On a Redis Cluster (docs/cluster.md) the batch is split per primary by each
+    command's key, the parts go out side by side (one round trip per shard touched),
+    and MOVED/ASK/TRYAGAIN replies are followed. ``add(..., after=keys)`` keeps an
+    order across shards: such a command waits until the commands on ``keys`` ran, in a
+    second round, unless they all live on its own shard (then one pipeline keeps the
+    order, as on a single server).
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_parts", "_args", "_after")
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
+        self._args: list[tuple] = []
+        self._after: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self._parts)
 
-    def add(self, *args: bytes | str | int) -> int:
-        """Queue a command; returns its index in the results."""
+    def add(self, *args: bytes | str | int, after: tuple | list = ()) -> int:
+        """Queue a command; returns its index in the results. ``after``: keys whose
+        commands in this batch must run before this one (they do when queued earlier on a
+        single server; on a cluster see the class docstring)."""
         self._parts.append(pack(*args))
+        self._args.append(args)
+        self._after.append(tuple(after))
         return len(self._parts) - 1
 
-    async def execute(self, client: aioredis.Redis) -> list:
+    async def execute(self, client: aioredis.Redis, *, partial: bool = False) -> list:
+        """Run the batch; one result per command (error replies in place).
+
+        Args:
+            partial: on a cluster, a shard that cannot be reached puts its connection
+                error in place of its commands' results instead of raising (the
+                others' results are real: they ran).
+
+        Raises:
+            BROKER_ERRORS: the server (or, without ``partial``, any shard) is unreachable.
+        """
         if not self._parts:
             return []
+        if isinstance(client, RedisCluster):
+            return await self._run_cluster(client, partial)
         try:
             return await self._run(client)
         except (RedisConnectionError, RedisTimeoutError):
@@ -125,6 +291,108 @@ class RawBatch:
             raise
         finally:
             await pool.release(conn)
+
+    # -- Redis Cluster -------------------------------------------------------------------
+    async def _run_cluster(self, client: "FleetCluster", partial: bool) -> list:
+        await _ready(client)
+        nodes = client.nodes_manager
+        n = len(self._parts)
+        out: list = [None] * n
+        slots = [slot_of(k) if (k := _route_key(a)) is not None else 0 for a in self._args]
+        asking: dict[int, ClusterNode] = {}
+        todo = list(range(n))
+        for attempt in range(MAX_REDIRECTS):
+            node_of = {i: asking.get(i) or nodes.get_node_from_slot(slots[i]) for i in todo}
+            first, later = [], []
+            for i in todo:
+                deps = self._after[i]
+                if deps and any(nodes.get_node_from_slot(slot_of(d)) is not node_of[i] for d in deps):
+                    later.append(i)
+                else:
+                    first.append(i)
+            retry: list[int] = []
+            for group in (first, later):
+                if not group or (group is later and retry):  # a redirected command goes before its dependants
+                    retry.extend(group if group is later else ())
+                    continue
+                by_node: dict[ClusterNode, list[int]] = defaultdict(list)
+                for i in group:
+                    by_node[node_of[i]].append(i)
+                sent = await asyncio.gather(*(self._send_node(node, idxs, asking) for node, idxs in by_node.items()),
+                                            return_exceptions=True)
+                for (node, idxs), res in zip(by_node.items(), sent):
+                    if isinstance(res, BaseException):
+                        if not isinstance(res, Exception):
+                            raise res
+                        client.refresh_due = True
+                        if not partial:
+                            raise res
+                        for i in idxs:
+                            out[i] = res
+                        continue
+                    for i, r in zip(idxs, res):
+                        if isinstance(r, MovedError):
+                            await nodes.move_slot(r)
+                            asking.pop(i, None)
+                            retry.append(i)
+                        elif isinstance(r, AskError):
+                            asking[i] = nodes.get_node(host=r.host, port=r.port) or ClusterNode(
+                                r.host, r.port, **nodes.connection_kwargs)
+                            retry.append(i)
+                        elif isinstance(r, (TryAgainError, ClusterDownError)):
+                            retry.append(i)
+                        else:
+                            out[i] = r
+            if not retry:
+                return out
+            todo = sorted(set(retry))
+            await asyncio.sleep(0.01 * (attempt + 1))
+        for i in todo:
+            out[i] = ResponseError(f"redirected more than {MAX_REDIRECTS} times")
+        return out
+
+    async def _send_node(self, node: ClusterNode, idxs: list[int], asking: dict[int, ClusterNode]) -> list:
+        parts = []
+        for i in idxs:
+            if i in asking:
+                parts.append(_ASKING)
+            parts.append(self._parts[i])
+        conn = node.acquire_connection()
+        try:
+            await conn.send_packed_command(b"".join(parts), check_health=False)
+            out = []
+            for i in idxs:
+                if i in asking:
+                    try:
+                        await conn.read_response()
+                    except ResponseError:
+                        pass
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as exc:
+                    out.append(exc)
+            return out
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            node.release(conn)
+
+
+_ASKING = pack(b"ASKING")
+
+
+async def _ready(client: "FleetCluster") -> None:
+    """Load the slot map (first use), or reload it when a node failed since the last load."""
+    if client._initialize:
+        await client.initialize()
+    elif client.refresh_due and time.monotonic() - client.refreshed_at >= REFRESH_EVERY_S:
+        client.refresh_due = False
+        client.refreshed_at = time.monotonic()
+        try:
+            await client.nodes_manager.initialize()
+        except BROKER_ERRORS:
+            client.refresh_due = True
 
 
 class Coalescer:
@@ -175,7 +443,7 @@ class Coalescer:
         for args, _ in pending:
             batch.add(*args)
         try:
-            results = await batch.execute(self.client)
+            results = await batch.execute(self.client, partial=True)
         except BaseException as exc:
             for _, fut in pending:
                 if not fut.done():

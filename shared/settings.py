@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["CommonSettings", "GatewaySettings", "WorkerSettings"]
@@ -20,6 +20,12 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", validation_alias=AliasChoices("SF_REDIS_URL", "REDIS_URL")
     )
+    #: Redis Cluster (docs/cluster.md): SF_REDIS_URL then names one or more seed nodes
+    #: (``redis://h1:7000,h2:7000``); a URL listing several hosts implies it
+    redis_cluster: bool = False
+    #: cluster: seconds a subscription or a batch waits for a failed primary's replica to
+    #: take over before the requests on that shard end with ``broker_unavailable``
+    redis_failover_s: float = 30.0
     #: prefix of every Redis key (README: "Redis keys")
     key_prefix: str = "sf"
     #: model repository folder (default: <repo>/engines)
@@ -44,6 +50,24 @@ class CommonSettings(BaseSettings):
     #: API-key tier overrides as JSON, e.g. '{"free": {"requests_per_minute": 20}}'
     #: (fields and defaults: shared/tiers.py); empty = the default tiers
     tiers: str = ""
+
+
+    @model_validator(mode="after")
+    def _cluster_from_url(self):
+        from streamfleet.shared.redis import RedisTarget
+
+        try:
+            target = RedisTarget.parse(self.redis_url, self.redis_cluster)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        self.redis_cluster = target.cluster
+        return self
+
+    def keys(self):
+        """The key names of this fleet (prefix, cluster or not): ``shared.keys.Keys``."""
+        from streamfleet.shared.keys import Keys
+
+        return Keys(self.key_prefix, self.redis_cluster)
 
 
 class GatewaySettings(CommonSettings):

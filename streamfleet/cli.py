@@ -248,7 +248,7 @@ def reload(
     import redis
 
     from streamfleet.shared.errors import StreamfleetError
-    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.redis import sync_client
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.local import admin_settings
     from streamfleet.shared.schema import live_workers
@@ -262,8 +262,8 @@ def reload(
     if to not in versions:
         typer.echo(f"error: {model} has no version {to!r}; available: {', '.join(versions)}", err=True)
         raise typer.Exit(2)
-    keys = Keys(settings.key_prefix)
-    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5)
+    keys = settings.keys()
+    r = sync_client(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5)
     try:
         r.set(keys.target_version(model), to)
         typer.echo(f"{model}: target version set to {to}")

@@ -152,7 +152,7 @@ def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, A
     from streamfleet.workers.enginebuild import plans_key
 
     async def main() -> None:
-        client = connect(settings.redis_url, socket_timeout=2.0)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=2.0)
         try:
             await client.hset(plans_key(settings.key_prefix, model), key, encode_plan_record(record))
         finally:
@@ -178,7 +178,7 @@ def list_(
     settings = _settings(redis_url)
 
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        client = connect(settings.redis_url, socket_timeout=settings.redis_socket_timeout_s)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_socket_timeout_s)
         try:
             return (await list_plans(client, settings.key_prefix, model),
                     await list_queues(client, settings.key_prefix))

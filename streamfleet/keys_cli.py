@@ -33,7 +33,6 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
     """Run ``action(store)`` against a KeyStore built from the settings."""
     from streamfleet.gateway.auth import KeyStore
     from streamfleet.shared.errors import FatalError
-    from streamfleet.shared.keys import Keys
     from streamfleet.shared.redis import BROKER_ERRORS, connect
     from streamfleet.local import admin_settings, mask_url
     from streamfleet.shared.tiers import parse_tiers
@@ -46,9 +45,9 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
         raise typer.Exit(2) from None
 
     async def main() -> T:
-        client = connect(settings.redis_url, socket_timeout=settings.redis_socket_timeout_s)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_socket_timeout_s)
         try:
-            return await action(KeyStore(client, Keys(settings.key_prefix), tiers=tiers, cache_ttl_s=0))
+            return await action(KeyStore(client, settings.keys(), tiers=tiers, cache_ttl_s=0))
         finally:
             await client.aclose()
 

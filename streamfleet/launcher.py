@@ -25,7 +25,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "Fleet", "wait_ready"]
+__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "wait_ready"]
 
 
 def free_port() -> int:
@@ -125,6 +125,135 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """``n`` loopback ports that are free, and whose cluster-bus ports (+10000) are too."""
+    import random
+    import socket
+
+    out: list[int] = []
+    while len(out) < n:
+        port = random.randint(20000, 55000)
+        if port in out or port + 10000 in out or port - 10000 in out:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        out.append(port)
+    return out
+
+
+class EmbeddedCluster:
+    """A private Redis Cluster on loopback: ``primaries`` shards of one primary and
+    ``replicas`` replicas each, made with ``redis-cli --cluster create`` (the integration
+    tests and ``scripts/bench_cluster.py``; docs/cluster.md). Redis 7 is required.
+
+    ``node_timeout_ms`` is the cluster's ``cluster-node-timeout``: a primary that stops
+    answering for that long is failed over to its replica.
+    """
+
+    def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
+                 binary: str | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        if self.binary is None or redis_server_version(self.binary) < (7,):
+            raise RuntimeError("a Redis Cluster with sharded pub/sub needs redis-server 7 or newer")
+        cli = Path(self.binary).with_name("redis-cli")
+        self.cli = str(cli) if cli.exists() else (shutil.which("redis-cli") or "")
+        if not self.cli:
+            raise RuntimeError("redis-cli is needed to create a cluster")
+        self.primaries, self.replicas = primaries, replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.ports = _cluster_ports(primaries * (1 + replicas))
+        self.dir = tempfile.mkdtemp(prefix="streamfleet-cluster-")
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        """The seed list of the fleet's ``SF_REDIS_URL`` (every node)."""
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start_node(self, port: int) -> None:
+        folder = Path(self.dir) / str(port)
+        folder.mkdir(exist_ok=True)
+        self.procs[port] = spawn(
+            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(folder), "--daemonize", "no", "--loglevel", "warning",
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0",
+             "--client-output-buffer-limit", "pubsub", "64mb", "16mb", "60"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedCluster":
+        for port in self.ports:
+            self.start_node(port)
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            while not redis_reachable(f"redis://127.0.0.1:{port}", 0.2):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster node {port} did not come up")
+                time.sleep(0.05)
+        out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        self.wait_ok(deadline - time.monotonic())
+        return self
+
+    def info(self, port: int) -> str:
+        out = subprocess.run([self.cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True,
+                             timeout=5)
+        return out.stdout
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node says ``cluster_state:ok`` and agrees on the slot owners."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [p for p, proc in self.procs.items() if proc.poll() is None]
+            states = [self.info(p) for p in live]
+            if live and all("cluster_state:ok" in s for s in states) and len(set(self._owners(p) for p in live)) == 1:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok: {states}")
+            time.sleep(0.1)
+
+    def _owners(self, port: int) -> tuple:
+        out = subprocess.run([self.cli, "-p", str(port), "cluster", "shards"], capture_output=True, text=True,
+                             timeout=5).stdout
+        return tuple(sorted(line for line in out.splitlines() if line.strip().isdigit()))
+
+    def primary_ports(self) -> list[int]:
+        """Ports of the nodes that are primaries now."""
+        out = []
+        for port, proc in self.procs.items():
+            if proc.poll() is None:
+                role = subprocess.run([self.cli, "-p", str(port), "role"], capture_output=True, text=True,
+                                      timeout=5).stdout.split()
+                if role and role[0] == "master":
+                    out.append(port)
+        return sorted(out)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (its replica takes over after ``node_timeout_ms``)."""
+        proc = self.procs[port]
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ import redis
 from streamfleet.local import mask_url
 from streamfleet.shared.keys import GROUP, LANES, Keys
 from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.redis import sync_client
 from streamfleet.shared.schema import DeadLetter, Heartbeat
 from streamfleet.shared.settings import CommonSettings
 
@@ -116,10 +117,28 @@ class ModelStatus:
     dead_key: str = ""
     dead_count: int = 0
     dead_latest: list[DeadLetterStatus] = field(default_factory=list)
+    #: cluster: the primary (host:port) that holds the model's lanes (their hash slot)
+    shard: str | None = None
+    slot: int | None = None
 
     @property
     def live_workers(self) -> list[WorkerStatus]:
         return [w for w in self.workers if not w.stale]
+
+
+@dataclass(slots=True)
+class ShardStatus:
+    """One primary of a Redis Cluster."""
+
+    node: str
+    slots: int
+    replicas: list[str]
+    keys: int
+    used_memory: int
+    ops_per_s: int
+    #: sharded channels subscribed on it (reply channels, control channels)
+    channels: int
+    models: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -133,6 +152,8 @@ class FleetStatus:
     cancel_listeners: int
     worker_ttl_s: float
     models: list[ModelStatus]
+    #: cluster mode: one entry per primary (empty on a single server)
+    shards: list[ShardStatus] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -245,7 +266,7 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
     Raises:
         redis.RedisError: Redis is unreachable or answered with an error.
     """
-    keys = Keys(settings.key_prefix)
+    keys = settings.keys()
     sec, usec = r.time()
     now_ms = int(sec) * 1000 + int(usec) // 1000
     now = time.time()  # heartbeats are written with the workers' clocks, like the gateways read them
@@ -259,13 +280,68 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
         m.dead_count, m.dead_latest = _dead(r, m.dead_key, now_ms, DEAD_SHOWN)
         out.append(m)
     head = f"{keys.prefix}:gateway:"
+    if settings.redis_cluster:
+        return _collect_cluster(r, settings, keys, head, now_ms, out)
     gateways = sorted(_s(c)[len(head):] for c in r.pubsub_channels(head + "*"))
-    numsub = r.pubsub_numsub(keys.cancel)
+    numsub = r.pubsub_numsub(keys.cancel(""))
     info = r.info("server")
     return FleetStatus(redis_url=mask_url(settings.redis_url), key_prefix=keys.prefix, time=now_ms / 1000,
                        redis_version=str(info.get("redis_version", "?")), gateways=gateways,
                        cancel_listeners=int(numsub[0][1]) if numsub else 0,
                        worker_ttl_s=settings.worker_ttl_s, models=out)
+
+
+def _collect_cluster(r, settings: CommonSettings, keys: Keys, head: str, now_ms: int,
+                     models: list[ModelStatus]) -> FleetStatus:
+    """A cluster's status: every primary asked for its own part (sharded channels, key
+    count, memory), each model placed on the primary owning its lanes' slot."""
+    from redis.crc import key_slot
+
+    primaries = r.get_primaries()
+    replicas_of: dict[str, list[str]] = {}
+    slots_of: dict[str, int] = {}
+    for start, end, primary, *replicas in (_slot_ranges(r)):
+        slots_of[primary] = slots_of.get(primary, 0) + end - start + 1
+        replicas_of.setdefault(primary, [])
+        replicas_of[primary] += [x for x in replicas if x not in replicas_of[primary]]
+    shards = []
+    gateways: set[str] = set()
+    version = "?"
+    for node in sorted(primaries, key=lambda n: n.name):
+        chans = [_s(c) for c in r.execute_command("PUBSUB SHARDCHANNELS", target_nodes=node)]
+        gateways.update(c[len(head):] for c in chans if c.startswith(head))
+        info = r.info(target_nodes=node)
+        version = str(info.get("redis_version", version))
+        shards.append(ShardStatus(node=node.name, slots=slots_of.get(node.name, 0),
+                                  replicas=sorted(replicas_of.get(node.name, [])),
+                                  keys=int(r.execute_command("DBSIZE", target_nodes=node)),
+                                  used_memory=int(info.get("used_memory", 0)),
+                                  ops_per_s=int(info.get("instantaneous_ops_per_sec", 0)), channels=len(chans)))
+    by_name = {sh.node: sh for sh in shards}
+    listeners = 0
+    for m in models:
+        m.slot = key_slot(keys.lane(m.name, "high").encode())
+        node = r.nodes_manager.get_node_from_slot(m.slot)
+        m.shard = node.name
+        if node.name in by_name:
+            by_name[node.name].models.append(m.name)
+        numsub = r.execute_command("PUBSUB SHARDNUMSUB", keys.cancel(m.name), target_nodes=node)
+        listeners += int(numsub[1]) if len(numsub) > 1 else 0
+    return FleetStatus(redis_url=mask_url(settings.redis_url), key_prefix=keys.prefix, time=now_ms / 1000,
+                       redis_version=version, gateways=sorted(gateways), cancel_listeners=listeners,
+                       worker_ttl_s=settings.worker_ttl_s, models=models, shards=shards)
+
+
+def _slot_ranges(r) -> list[tuple]:
+    """``CLUSTER SLOTS`` as ``(start, end, primary host:port, replica host:port...)``."""
+    out = []
+    for row in r.execute_command("CLUSTER SLOTS", target_nodes=r.get_random_node()) or []:
+        start, end, *nodes = row if isinstance(row, (list, tuple)) else (None, None)
+        if start is None:
+            continue
+        names = [f"{_s(n[0])}:{n[1]}" for n in nodes]
+        out.append((int(start), int(end), *names))
+    return out
 
 
 # -- text ---------------------------------------------------------------------------
@@ -298,6 +374,14 @@ def render(st: FleetStatus) -> str:
     lines = [f"streamfleet status  {stamp}  redis {st.redis_url} (v{st.redis_version}, prefix {st.key_prefix})"]
     gws = ", ".join(st.gateways) if st.gateways else "none"
     lines.append(f"gateways: {len(st.gateways)} connected ({gws})   cancel listeners: {st.cancel_listeners}")
+    if st.shards:
+        lines.append("")
+        lines.append(f"redis cluster: {len(st.shards)} shards")
+        rows = [[sh.node, str(sh.slots), ", ".join(sh.replicas) or "none", str(sh.keys),
+                 f"{sh.used_memory / 2**20:.1f} MiB", str(sh.ops_per_s), str(sh.channels),
+                 ", ".join(sh.models) or "-"] for sh in st.shards]
+        lines += _table(["primary", "slots", "replicas", "keys", "memory", "ops/s", "channels", "model lanes"],
+                        rows, right={1, 3, 4, 5, 6})
     if not st.models:
         lines.append("\nno models found (no model folder and no worker hash)")
     for m in st.models:
@@ -307,7 +391,8 @@ def render(st: FleetStatus) -> str:
         lines.append("")
         lines.append(f"model {m.name}: backlog {backlog}, {live} live worker{'s' if live != 1 else ''}"
                      + (f", {stale} stale" if stale else "") + f", {m.dead_count} dead letter"
-                     + ("s" if m.dead_count != 1 else ""))
+                     + ("s" if m.dead_count != 1 else "")
+                     + (f"; lanes on {m.shard} (slot {m.slot})" if m.shard else ""))
         rows = []
         for lane in m.lanes:
             if not lane.exists:
@@ -356,7 +441,11 @@ def run_status(settings: CommonSettings, *, model: str | None = None, watch: boo
 
     Returns the exit code: 0, or 2 when Redis cannot be reached (once mode).
     """
-    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        r = sync_client(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=5.0)
+    except (redis.RedisError, OSError) as exc:
+        print(f"cannot read the fleet from Redis at {mask_url(settings.redis_url)}: {exc}", file=err)
+        return 2
     models = [model] if model else None
     try:
         while True:

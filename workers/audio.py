@@ -45,7 +45,7 @@ class AudioFeed(Part):
         if not listening:
             return
         ready = any(vc.core.ready() for vc in self.cores.all())
-        rids = {self.keys.audio(rid).encode(): rid for rid in listening}
+        rids = {self.keys.audio(rid, self.model).encode(): rid for rid in listening}
         streams = {key: self.cursors.get(rid, b"0-0") for key, rid in rids.items()}
         reply = await self.redis.xread(streams, count=READ_COUNT, block=None if ready else READ_BLOCK_MS)
         for key, entries in reply or ():

@@ -1,5 +1,7 @@
 """The control channel: one pub/sub connection hearing ``sf:cancel``, ``sf:follow``
-and this model's ``sf:wake:{model}`` (docs/architecture.md, "Redis keys").
+and this model's ``sf:wake:{model}`` (docs/architecture.md, "Redis keys"; on a Redis
+Cluster the model's own sharded ``sf:cancel:{model}``, ``sf:follow:{model}`` and
+``sf:wake:{model}``, docs/cluster.md).
 
 Cancels are queued for the main loop, which applies them between steps; follows go to
 the in-flight table; wakes to the intake's ``WakeState``. The connection is
@@ -13,7 +15,8 @@ import time
 
 
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.pubsub import ShardSubscriptions
+from streamfleet.shared.redis import BROKER_ERRORS, RedisTarget
 from streamfleet.shared.schema import Cancel, Follow
 
 from streamfleet.workers.context import Part, WorkerContext
@@ -51,24 +54,22 @@ class ControlChannel(Part):
         self.table.follow(f.request_id, f.reply_to, time.monotonic())
 
     async def run(self) -> None:
+        if self.settings.redis_cluster:
+            await self._run_sharded()
+            return
         backoff = 0.1
         wake = self.keys.wake(self.model).encode()
-        follow = self.keys.follow.encode()
+        follow = self.keys.follow(self.model).encode()
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.keys.cancel, wake, follow)
+                await pubsub.subscribe(self.keys.cancel(self.model), wake, follow)
                 backoff = 0.1
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "message":
                         continue
-                    if msg["channel"] == wake:
-                        self.wake.on_wake(msg["data"])
-                    elif msg["channel"] == follow:
-                        self.on_follow(msg["data"])
-                    else:
-                        self.on_cancel(msg["data"])
+                    self._route(msg["channel"], msg["data"])
             except asyncio.CancelledError:
                 await pubsub.aclose()
                 raise
@@ -81,3 +82,51 @@ class ControlChannel(Part):
                     await pubsub.aclose()
                 except Exception:
                     pass
+
+    def _route(self, channel: bytes, data: bytes) -> None:
+        if channel == self._wake:
+            self.wake.on_wake(data)
+        elif channel == self._follow:
+            self.on_follow(data)
+        else:
+            self.on_cancel(data)
+
+    @property
+    def _wake(self) -> bytes:
+        return self.keys.wake(self.model).encode()
+
+    @property
+    def _follow(self) -> bytes:
+        return self.keys.follow(self.model).encode()
+
+    async def _run_sharded(self) -> None:
+        """On a Redis Cluster: the model's three channels share its lanes' slot and are
+        SSUBSCRIBEd on that shard's primary, moved with it on a failover or reshard."""
+        channels = [self.keys.cancel(self.model).encode(), self._wake, self._follow]
+        route = {ch: self._route for ch in channels}
+
+        def on_message(channel: bytes, data: bytes) -> None:
+            handler = route.get(channel)
+            if handler is not None:
+                handler(channel, data)
+
+        target = RedisTarget.parse(self.settings.redis_url, True)
+        shards = ShardSubscriptions(self.redis, target.node_url, on_message, timeout=self.settings.redis_socket_timeout_s,
+                                    client_name=f"sf-worker-{self.worker_id}-control", on_restored=lambda chs: None,
+                                    on_lost=lambda chs: None, failover_s=self.settings.redis_failover_s, log=log)
+        keeper = asyncio.create_task(shards.run(), name="control-shards")
+        try:
+            backoff = 0.1
+            for ch in channels:
+                while True:
+                    try:
+                        await shards.subscribe(ch)
+                        break
+                    except Exception as exc:
+                        log.warning("control channel not subscribed yet; retrying", error=str(exc))
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+            await keeper
+        finally:
+            keeper.cancel()
+            shards.close()

@@ -33,7 +33,7 @@ from redis.exceptions import ResponseError
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.keys import GROUP, Keys
+from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
@@ -86,7 +86,7 @@ class WorkerProcess:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = settings.keys()
         self.model = settings.model
         self.liveness = Liveness(settings.worker_stall_s)
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -181,7 +181,8 @@ class WorkerProcess:
                 loop.add_signal_handler(sig, self._stopping.set)
             except (NotImplementedError, RuntimeError):
                 pass
-        self.redis = connect(self.settings.redis_url, socket_timeout=self.settings.redis_socket_timeout_s)
+        self.redis = connect(self.settings.redis_url, cluster=self.settings.redis_cluster,
+                             socket_timeout=self.settings.redis_socket_timeout_s)
         await self._wait_for_redis()
         try:
             first = await self._load_async(await target_version(self.redis, self.keys, self.model))

@@ -72,11 +72,16 @@ class Publisher(Part):
         batch = RawBatch()
         self.log_events(batch, [ev for _, ev in out.events], out.token_ids)
         first_publish = len(batch)
+        publish, keys = self.keys.publish, self.keys
         for ch in channels:
-            batch.add(b"PUBLISH", self.keys.reply(ch), encode_events(by_channel[ch]))
-        for _, fl in acked:
-            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id)
-            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id)
+            # on a cluster a request's log shares its connection's shard (shared/keys.py), so
+            # this goes out in the same pipeline as the log entries; a follower's channel on
+            # another shard waits for them (RawBatch, "after")
+            batch.add(publish, keys.reply(ch), encode_events(by_channel[ch]),
+                      after=[keys.log(rid) for rid in rids_by_channel[ch]])
+        for rid, fl in acked:
+            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=(keys.log(rid),))
+            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=(keys.log(rid),))
         results = await batch.execute(self.redis)
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
@@ -101,7 +106,8 @@ class Publisher(Part):
         batch = RawBatch()
         self.log_events(batch, [ev], tasks={task.request_id: task})
         for ch in {task.reply_to, *await self.followers_of(task.request_id)}:
-            batch.add(b"PUBLISH", self.keys.reply(ch), encode_events([ev]))
+            batch.add(self.keys.publish, self.keys.reply(ch), encode_events([ev]),
+                      after=(self.keys.log(task.request_id),))
         await batch.execute(self.redis)
 
     def log_events(self, batch: RawBatch, events: list[Event], token_ids: dict | None = None,

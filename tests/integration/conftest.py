@@ -2,6 +2,10 @@
 factories that start real gateway and worker processes (closed at teardown).
 
 Each test gets its own key prefix, so tests share the server without sharing keys.
+
+A test marked ``@pytest.mark.both_brokers`` runs twice: on the single server and on a
+real local Redis Cluster (3 primaries, 3 replicas; ``redis_cluster``, started once for
+the session when a test first needs it). Its ``fleet`` and ``rds`` follow the broker.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis
 
-from streamfleet.launcher import EmbeddedRedis, free_port
+from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, free_port
+from streamfleet.shared.redis import sync_client
 
 REPO = Path(__file__).resolve().parents[2]
 _prefix_counter = itertools.count()
@@ -29,6 +33,40 @@ def redis_server():
     server = EmbeddedRedis().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster (3 primaries with a replica each) for the session."""
+    try:
+        cluster = EmbeddedCluster().start()
+    except RuntimeError as exc:
+        pytest.skip(f"no local Redis Cluster: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+@dataclass(frozen=True)
+class Broker:
+    """The Redis a test's fleet uses: the session's server, or the session's cluster."""
+
+    url: str
+    cluster: bool = False
+
+    def client(self):
+        return sync_client(self.url, cluster=self.cluster)
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("both_brokers") and "broker" in metafunc.fixturenames:
+        metafunc.parametrize("broker", ["single", "cluster"], indirect=True)
+
+
+@pytest.fixture
+def broker(request, redis_server) -> Broker:
+    if getattr(request, "param", "single") == "cluster":
+        return Broker(request.getfixturevalue("redis_cluster").url, cluster=True)
+    return Broker(redis_server.url)
 
 
 @pytest.fixture
@@ -45,8 +83,8 @@ def key_prefix(redis_server) -> str:
 
 
 @pytest.fixture
-def rds(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
+def rds(broker):
+    client = broker.client()
     yield client
     client.close()
 
@@ -104,8 +142,9 @@ class Proc:
 
 
 class FleetFactory:
-    def __init__(self, redis_url: str, prefix: str, tmp: Path) -> None:
+    def __init__(self, redis_url: str, prefix: str, tmp: Path, cluster: bool = False) -> None:
         self.redis_url = redis_url
+        self.cluster = cluster
         self.prefix = prefix
         self.tmp = tmp
         self.procs: list[Proc] = []
@@ -113,7 +152,8 @@ class FleetFactory:
 
     def env(self, **extra: object) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
-        env.update(SF_REDIS_URL=self.redis_url, SF_KEY_PREFIX=self.prefix, SF_LOG_FORMAT="json",
+        env.update(SF_REDIS_URL=self.redis_url, SF_REDIS_CLUSTER=str(self.cluster).lower(),
+                   SF_KEY_PREFIX=self.prefix, SF_LOG_FORMAT="json",
                    PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         env.update({f"SF_{k.upper()}": str(v) for k, v in extra.items()})
         return env
@@ -155,7 +195,7 @@ class FleetFactory:
         return proc
 
     def wait_worker(self, proc: Proc, model: str = "tiny-gpt", timeout: float = 60.0) -> None:
-        r = redis.Redis.from_url(self.redis_url)
+        r = sync_client(self.redis_url, cluster=self.cluster)
         key = f"{self.prefix}:workers:{model}"
         deadline = time.monotonic() + timeout
         try:
@@ -184,8 +224,8 @@ class FleetFactory:
 
 
 @pytest.fixture
-def fleet(redis_server, key_prefix, tiny_spec, tmp_path):
-    factory = FleetFactory(redis_server.url, key_prefix, tmp_path)
+def fleet(broker, key_prefix, tiny_spec, tmp_path):
+    factory = FleetFactory(broker.url, key_prefix, tmp_path, cluster=broker.cluster)
     yield factory
     factory.close()
 

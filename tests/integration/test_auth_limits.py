@@ -67,6 +67,7 @@ async def test_keys_are_required_and_checked(fleet):
         assert r.status_code == 401
 
 
+@pytest.mark.both_brokers
 async def test_two_gateways_share_one_budget_per_key(fleet):
     gws = [fleet.gateway(auth_enabled="true", tiers=TIERS) for _ in range(2)]
     fleet.worker(backend="echo")
@@ -92,6 +93,7 @@ async def test_two_gateways_share_one_budget_per_key(fleet):
     await c.close()
 
 
+@pytest.mark.both_brokers
 async def test_concurrent_stream_cap(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
     fleet.worker(backend="echo", echo_delay_ms=20)

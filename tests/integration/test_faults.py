@@ -47,6 +47,7 @@ def wait_pending(rds, key: str, want: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.both_brokers
 async def test_worker_killed_mid_stream_is_seamless(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker(**SLOW, **RECLAIM)
@@ -84,6 +85,7 @@ async def test_too_many_deliveries_go_to_dead_letters(fleet, rds, key_prefix):
     await c.close()
 
 
+@pytest.mark.both_brokers
 async def test_resume_on_another_gateway_after_a_dropped_connection(fleet):
     a, b = fleet.gateway(), fleet.gateway()
     fleet.worker(**SLOW)
@@ -114,6 +116,7 @@ async def test_resume_on_another_gateway_after_a_dropped_connection(fleet):
     await cb.close()
 
 
+@pytest.mark.both_brokers
 def test_sse_last_event_id_resumes_on_another_gateway(fleet):
     a = fleet.gateway(sse_resume_grace_s=10)
     b = fleet.gateway()

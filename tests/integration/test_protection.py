@@ -13,6 +13,7 @@ from tests.integration.rawws import RawWebSocket
 from tests.integration.wsclient import Client
 
 
+@pytest.mark.both_brokers
 async def test_backpressure_refuses_at_threshold_and_accepted_work_completes(fleet, rds, key_prefix):
     # capacity 10 → refusals from a backlog of 8; offered: 30 = 3x the lane's capacity
     gw = fleet.gateway(lane_capacity='{"normal": 10, "high": 10}')

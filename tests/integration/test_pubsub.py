@@ -1,4 +1,4 @@
-"""The gateway's own pub/sub connection (gateway/pubsub.py) against a real redis-server:
+"""The gateway's own pub/sub connection (shared/pubsub.py) against a real redis-server:
 subscribe acknowledgements, delivery, PING, drops, and authentication."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
-from streamfleet.gateway.pubsub import open_pubsub
+from streamfleet.shared.pubsub import open_pubsub
 from streamfleet.shared.redis import pack
 from streamfleet.launcher import free_port
 

@@ -86,7 +86,7 @@ async def test_submit_carries_ticket_model_lane_and_slot_until_the_end(hub, rds)
 async def test_a_cancel_before_the_stream_exists_is_applied_once_it_does(hub, rds):
     who = await identity(hub)
     pubsub = rds.pubsub()
-    await pubsub.subscribe(Keys(hub.settings.key_prefix).cancel)
+    await pubsub.subscribe(Keys(hub.settings.key_prefix).cancel("tiny-gpt"))
     channel = await ReplyChannel(hub.broker).open()
     req = ClientRequest(hub, "c1", identity=who, channel=channel)
     req.cancel()

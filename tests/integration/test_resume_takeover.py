@@ -9,6 +9,7 @@ import signal
 import time
 
 import orjson
+import pytest
 import websockets
 
 from streamfleet.launcher import EmbeddedRedis
@@ -54,6 +55,7 @@ async def start_raw(ws, id: str, **params) -> dict:
             return msg
 
 
+@pytest.mark.both_brokers
 async def test_resume_after_the_gateway_dies_keeps_the_generation_and_follows_it_live(fleet):
     a, b = fleet.gateway(), fleet.gateway()
     worker = fleet.worker(backend="echo", echo_delay_ms=20)
@@ -113,6 +115,7 @@ async def test_resume_of_a_request_still_queued(fleet):
     await cb.close()
 
 
+@pytest.mark.both_brokers
 async def test_dead_worker_is_taken_over_within_seconds(fleet, rds, key_prefix):
     """No idle-threshold wait: the default claim_idle_ms (10 s) is left as it is, so only
     the heartbeat-based takeover can be this fast."""

@@ -7,6 +7,7 @@ import random
 
 import httpx
 import orjson
+import pytest
 import websockets
 
 from streamfleet.shared.schema import Wake
@@ -40,6 +41,7 @@ async def test_health_and_ready(fleet):
             await asyncio.sleep(0.2)
 
 
+@pytest.mark.both_brokers
 async def test_one_request_streams_in_order(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker()
@@ -145,6 +147,7 @@ async def test_duplicate_in_flight_id_is_refused(fleet):
     await c.close()
 
 
+@pytest.mark.both_brokers
 async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)  # slow enough to cancel mid-way
@@ -166,6 +169,7 @@ async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     await c.close()
 
 
+@pytest.mark.both_brokers
 async def test_32_clients_mixed_lanes_match_single_runs(fleet):
     gw = fleet.gateway()
     fleet.worker(max_batch=16)

@@ -55,7 +55,7 @@ async def test_gateway_payloads_read_back_by_their_consumers(redis_server, key_p
     await broker.start()
     r = aioredis.Redis.from_url(redis_server.url)
     pubsub = r.pubsub()
-    await pubsub.subscribe(keys.wake("tiny-gpt"), keys.cancel, keys.follow)
+    await pubsub.subscribe(keys.wake("tiny-gpt"), keys.cancel("tiny-gpt"), keys.follow("tiny-gpt"))
     try:
         now = time.time()
         task = Task(request_id="a" * 32, model="tiny-gpt", lane="high", reply_to="c" * 32, client_id="r1",
@@ -82,9 +82,9 @@ async def test_gateway_payloads_read_back_by_their_consumers(redis_server, key_p
         assert isinstance(record, RequestRecord) and record.owner == "key:" + "k" * 12
         assert record.reply_to == task.reply_to and record.prompt_tokens == 3
 
-        await broker.cancel(task.request_id, "client")
+        await broker.cancel(task.request_id, task.model, "client")
         assert Cancel.decode((await _next_message(pubsub))["data"]) == Cancel(task.request_id, "client")
-        await broker.follow(task.request_id, "d" * 32, 15.0)
+        await broker.follow(task.request_id, task.model, "d" * 32, 15.0)
         assert Follow.decode((await _next_message(pubsub))["data"]) == Follow(task.request_id, "d" * 32)
         assert await broker.followed_elsewhere(task.request_id, "c" * 32)
     finally:
@@ -141,7 +141,7 @@ async def test_worker_payloads_read_back_by_their_consumers(fleet, redis_server,
         task = Task(request_id="b" * 32, model="tiny-gpt", lane="high", reply_to="c" * 32, client_id="r2",
                     prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=4, seed=1), created_at=now,
                     deadline=now + 60, trace_id="t2")
-        await broker.follow(task.request_id, follower, 30.0, announce=False)
+        await broker.follow(task.request_id, task.model, follower, 30.0, announce=False)
         await broker.submit(task, owner="tok:x")
         events = await _events_until_end(replies)
         await replies.aclose()
@@ -224,7 +224,7 @@ async def test_worker_parts_write_what_their_consumers_read(redis_server, key_pr
         assert await reclaimer.read_progress(running) == (False, [21, 22])
 
         # the followers a gateway's resume registers are the ones the worker publishes to
-        await broker.follow(running, "d" * 32, 15.0)
+        await broker.follow(running, "tiny-gpt", "d" * 32, 15.0)
         assert await publisher.followers_of(running) == {"d" * 32}
 
         # the dead letter a worker writes
