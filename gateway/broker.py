@@ -83,6 +83,13 @@ class Broker:
         self._reader_retry: asyncio.Task | None = None
 
     @property
+    def outage_grace_s(self) -> float:
+        """How long a stream waits for a log it cannot read (``RequestStream``): a cluster
+        shard failing over gets ``SF_REDIS_FAILOVER_S``; a single server's outage ends
+        the streams at once (the pub/sub connection reports it)."""
+        return self.settings.redis_failover_s if self.target.cluster else 0.0
+
+    @property
     def control_channel(self) -> str:
         return f"{self.keys.prefix}:gateway:{self.gateway_id}"
 
@@ -400,6 +407,12 @@ class Broker:
         try:
             res = await client.xread({self.keys.log(request_id): after}, count=1000, block=block_ms)
         except BROKER_ERRORS as exc:
+            raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+        except Exception as exc:
+            # redis-py's cluster client, racing a node that dies under it, can fail with an
+            # AttributeError or (uvloop) RuntimeError: an outage all the same, which the stream
+            # rides out or reports; it must never end the connection
+            log.warning("log read failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
         out = []
         for _key, entries in res or []:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
+from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
@@ -22,6 +23,8 @@ from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Res
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, ReplyChannel, Token
 from streamfleet.gateway.tools import Tools, parse_call
+
+log = get_logger("gateway.session")
 
 __all__ = ["Session"]
 
@@ -159,6 +162,9 @@ class Session:
                                                     "function": {"name": call[0], "arguments": call[1]}}]
                 await self.emit(frame)
             req.delivered()
+        except Exception:  # a bug or an unforeseen failure ends this request, not the connection
+            log.exception("request failed", request_id=req.request_id)
+            await self.emit(StreamfleetError("the request failed inside the gateway; retry it").to_frame(cid))
         finally:
             self.requests.pop(cid, None)
             self.proto.finished(cid)

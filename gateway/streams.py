@@ -45,6 +45,8 @@ log = get_logger("gateway.streams")
 CANCEL_GRACE_S = 5.0
 #: seconds of silence from a running request before the stream checks its log
 CATCH_UP_AFTER_S = 2.0
+#: seconds between reads of a log that could not be read, while its shard fails over
+OUTAGE_RETRY_S = 0.5
 #: a follower registration lasts this long unless renewed (renewed every third of it)
 FOLLOW_TTL_S = 15.0
 #: entries read from a log per XREAD
@@ -100,11 +102,15 @@ class RequestStream:
             first, and its client does not own the generation's life).
         next_index: first index the client still needs.
         stall_timeout_s: a started request silent this long (log included) fails with ``timeout``.
+        outage_grace_s: how long a log that cannot be read is waited for before the request
+            fails with ``broker_unavailable`` (on a Redis Cluster, a shard failing over:
+            ``SF_REDIS_FAILOVER_S``; 0 on a single server, whose outage the pub/sub
+            connection reports at once).
     """
 
     def __init__(self, request_id: str, client_id: str, *, prompt_tokens: int = 0, deadline: float,
                  log_reader: LogReader | None = None, resumed: bool = False, next_index: int = 0,
-                 stall_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 60.0, outage_grace_s: float = 0.0) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.prompt_tokens = prompt_tokens
@@ -113,6 +119,8 @@ class RequestStream:
         self.resumed = resumed
         self.next_index = next_index
         self.stall_timeout_s = stall_timeout_s
+        self.outage_grace_s = outage_grace_s
+        self._unreadable_since: float | None = None  # the log's first failed read of an outage
         self.finished = False  # the final event is queued
         self.cancel_requested = False
         self.started = False  # any event seen (tokens or end)
@@ -209,18 +217,25 @@ class RequestStream:
         return self.finished
 
     # -- consuming -----------------------------------------------------------------------
-    async def _read_log(self) -> None:
+    async def _read_log(self) -> bool:
         """Feed what the log holds past the last entry read (the log is read once over,
-        however many times a gap or silence sends the stream to it)."""
+        however many times a gap or silence sends the stream to it). Returns False when
+        the log could not be read and is waited for (``outage_grace_s``)."""
         if self.log_reader is None:
-            return
+            return True
         before = self.gap_open
         while not self.finished:
             try:
                 entries = await self.log_reader(self._log_pos, None)
             except UnavailableError as exc:
+                now = time.monotonic()
+                if self._unreadable_since is None:
+                    self._unreadable_since = now
+                if now - self._unreadable_since < self.outage_grace_s:
+                    return False  # a shard failing over: its replica takes over within the grace
                 self.fail(exc)
-                return
+                return True
+            self._unreadable_since = None
             for entry_id, ev in entries:
                 self._log_pos = entry_id
                 self.feed(ev, from_log=True)
@@ -228,6 +243,7 @@ class RequestStream:
                 break
         if before and not self.gap_open:
             self.gaps_repaired += 1
+        return True
 
     async def next(self) -> StreamEvent:
         """The next event; ``Failed(timeout)`` when the deadline or stall limit passes."""
@@ -242,7 +258,12 @@ class RequestStream:
             await self._read_log()
         while self._queue.empty():
             if self.gap_open:
-                await self._read_log()
+                if not await self._read_log():  # wait for the broker (or a live event)
+                    try:
+                        async with asyncio.timeout(OUTAGE_RETRY_S):
+                            return await self._queue.get()
+                    except TimeoutError:
+                        continue
                 if self._queue.empty() and self.gap_open:
                     self._skip_gap()
                 continue
@@ -296,6 +317,10 @@ class ReplyChannel:
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
 
+    @property
+    def _outage_grace_s(self) -> float:
+        return float(getattr(self.broker, "outage_grace_s", 0.0))
+
     async def open(self) -> "ReplyChannel":
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
         await self.broker.register(self.connection_id, self)
@@ -340,7 +365,7 @@ class ReplyChannel:
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
-                               stall_timeout_s=self.stall_timeout_s)
+                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self._outage_grace_s)
         stream.trace_id = task.trace_id
         stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
@@ -374,7 +399,7 @@ class ReplyChannel:
                                 code=ErrorCode.unknown_request, param="request_id")
         stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
                                log_reader=self._reader(request_id, replay=True), resumed=True, next_index=from_index,
-                               stall_timeout_s=self.stall_timeout_s)
+                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self._outage_grace_s)
         stream.model = record.model
         self.streams[request_id] = stream  # before the follow: live events may come at once
         try:

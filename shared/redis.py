@@ -372,8 +372,12 @@ class RawBatch:
                 except ResponseError as exc:
                     out.append(exc)
             return out
-        except BaseException:
+        except BaseException as exc:
             await conn.disconnect()
+            if isinstance(exc, Exception) and not isinstance(exc, BROKER_ERRORS):
+                # redis-py's connection to a node that died mid-write can fail with an
+                # AttributeError or (uvloop) RuntimeError: the node is unreachable all the same
+                raise RedisConnectionError(f"{node.name}: {type(exc).__name__}: {exc}") from exc
             raise
         finally:
             node.release(conn)
@@ -453,4 +457,7 @@ class Coalescer:
             return
         for (_, fut), res in zip(pending, results):
             if not fut.done():
-                fut.set_result(res)
+                if isinstance(res, Exception) and not isinstance(res, ResponseError):
+                    fut.set_exception(res)  # a cluster shard that could not be reached
+                else:
+                    fut.set_result(res)

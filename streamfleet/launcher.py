@@ -202,7 +202,7 @@ class EmbeddedCluster:
                              capture_output=True, text=True, timeout=timeout)
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
-        self.wait_ok(deadline - time.monotonic())
+        self.wait_ok(deadline - time.monotonic(), replicated=True)
         return self
 
     def info(self, port: int) -> str:
@@ -210,22 +210,41 @@ class EmbeddedCluster:
                              timeout=5)
         return out.stdout
 
-    def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says ``cluster_state:ok`` and agrees on the slot owners."""
+    def wait_ok(self, timeout: float = 30.0, replicated: bool = False) -> None:
+        """Until every live node says ``cluster_state:ok`` and every slot's primary (as
+        each of them sees it) is a live node; with ``replicated``, also until every
+        replica is in sync with its primary."""
         deadline = time.monotonic() + timeout
         while True:
             live = [p for p, proc in self.procs.items() if proc.poll() is None]
             states = [self.info(p) for p in live]
-            if live and all("cluster_state:ok" in s for s in states) and len(set(self._owners(p) for p in live)) == 1:
+            if (live and all("cluster_state:ok" in s for s in states)
+                    and all(self._primaries_seen(p) <= set(live) for p in live)
+                    and (not replicated or self._replicated(live))):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok: {states}")
             time.sleep(0.1)
 
-    def _owners(self, port: int) -> tuple:
-        out = subprocess.run([self.cli, "-p", str(port), "cluster", "shards"], capture_output=True, text=True,
+    def _primaries_seen(self, port: int) -> set[int]:
+        out = subprocess.run([self.cli, "-p", str(port), "cluster", "nodes"], capture_output=True, text=True,
                              timeout=5).stdout
-        return tuple(sorted(line for line in out.splitlines() if line.strip().isdigit()))
+        seen = set()
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) > 8 and "master" in parts[2] and "fail" not in parts[2]:
+                seen.add(int(parts[1].split("@")[0].rsplit(":", 1)[1]))
+        return seen
+
+    def _replicated(self, live: list[int]) -> bool:
+        """Every live replica is connected to its primary (a fresh cluster's replicas
+        sync a moment after the slots are assigned)."""
+        for port in live:
+            info = subprocess.run([self.cli, "-p", str(port), "info", "replication"], capture_output=True,
+                                  text=True, timeout=5).stdout
+            if "role:slave" in info and "master_link_status:up" not in info:
+                return False
+        return True
 
     def primary_ports(self) -> list[int]:
         """Ports of the nodes that are primaries now."""

@@ -326,7 +326,7 @@ def _collect_cluster(r, settings: CommonSettings, keys: Keys, head: str, now_ms:
         if node.name in by_name:
             by_name[node.name].models.append(m.name)
         numsub = r.execute_command("PUBSUB SHARDNUMSUB", keys.cancel(m.name), target_nodes=node)
-        listeners += int(numsub[1]) if len(numsub) > 1 else 0
+        listeners += sum(int(count) for _, count in numsub)
     return FleetStatus(redis_url=mask_url(settings.redis_url), key_prefix=keys.prefix, time=now_ms / 1000,
                        redis_version=version, gateways=sorted(gateways), cancel_listeners=listeners,
                        worker_ttl_s=settings.worker_ttl_s, models=models, shards=shards)
@@ -335,11 +335,9 @@ def _collect_cluster(r, settings: CommonSettings, keys: Keys, head: str, now_ms:
 def _slot_ranges(r) -> list[tuple]:
     """``CLUSTER SLOTS`` as ``(start, end, primary host:port, replica host:port...)``."""
     out = []
-    for row in r.execute_command("CLUSTER SLOTS", target_nodes=r.get_random_node()) or []:
-        start, end, *nodes = row if isinstance(row, (list, tuple)) else (None, None)
-        if start is None:
-            continue
-        names = [f"{_s(n[0])}:{n[1]}" for n in nodes]
+    for (start, end), where in (r.execute_command("CLUSTER SLOTS", target_nodes=r.get_random_node()) or {}).items():
+        primary = where["primary"]
+        names = [f"{_s(h)}:{p}" for h, p in [primary, *where.get("replicas", [])]]
         out.append((int(start), int(end), *names))
     return out
 
