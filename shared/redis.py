@@ -49,8 +49,6 @@ class RedisTarget:
         userinfo, _, hosts = netloc.rpartition("@")
         seeds = []
         for entry in filter(None, (h.strip() for h in hosts.split(","))):
-            if "://" in entry:  # redis://h1:7000,redis://h2:7000
-                entry = urlsplit(entry).netloc.rpartition("@")[2]
             host, sep, port = entry.rpartition(":") if not entry.endswith("]") else (entry, "", "")
             if not sep:
                 host, port = entry, "6379"
