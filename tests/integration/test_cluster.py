@@ -207,3 +207,79 @@ async def test_the_lanes_primary_killed_mid_stream_fails_over_without_restarting
               f"{time.monotonic() - killed_at:.1f} s;", [r.end for r in results if r.end["type"] != "done"])
     finally:
         fleet.close()
+
+
+def _migrate_slot(slot: int, src: int, dst: int, ports: list[int]) -> int:
+    """Move one slot from primary ``src`` to primary ``dst`` the way `redis-cli --cluster
+    reshard` does: IMPORTING/MIGRATING, MIGRATE every key, then SETSLOT NODE everywhere.
+    Returns how many keys moved."""
+    import redis
+
+    a, b = redis.Redis(port=src), redis.Redis(port=dst)
+    try:
+        src_id, dst_id = a.execute_command("CLUSTER MYID").decode(), b.execute_command("CLUSTER MYID").decode()
+        b.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        a.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while True:
+            keys = a.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            if not keys:
+                break
+            a.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+            time.sleep(0.05)  # the fleet keeps writing meanwhile (ASK to the new owner)
+        for port in [dst, src, *(p for p in ports if p not in (src, dst))]:
+            r = redis.Redis(port=port)
+            try:
+                r.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+            finally:
+                r.close()
+        return moved
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_connections_slot_resharded_mid_stream_keeps_its_streams_intact(own_cluster, tiny_spec, tmp_path):
+    prefix = "sfm"
+    fleet = FleetFactory(own_cluster.url, prefix, tmp_path, cluster=True)
+    try:
+        gw = fleet.gateway()
+        worker = fleet.worker(backend="echo", echo_delay_ms=25)
+        c = await Client.connect(gw.ws)
+        warm = await c.generate("warm", max_tokens=2, ignore_eos=True)
+        assert warm.end["type"] == "done", warm.end
+        r = fleet_client(own_cluster)
+        [channel] = [ch.decode() for node in r.get_primaries() for ch in
+                     r.execute_command("PUBSUB SHARDCHANNELS", f"{prefix}:reply:*", target_nodes=node)]
+        slot = key_slot(channel.encode())
+        src = _port_of(r, slot)
+        primaries = own_cluster.primary_ports()
+        dst = next(p for p in primaries if p != src)
+        futs = [c.start(f"r{i}", max_tokens=160, ignore_eos=True) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(c.results[f"r{i}"].tokens for i in range(2)):
+            assert time.monotonic() < deadline, "streams did not start"
+            await asyncio.sleep(0.02)
+        moved = await asyncio.to_thread(_migrate_slot, slot, src, dst, primaries)
+        assert moved >= 2  # at least the logs of the running requests went along
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*futs), 60)
+        except Exception as exc:
+            raise AssertionError(f"{exc!r}\n{gw.log(20000)}\n{worker.log(8000)}") from exc
+        for res in results:  # every token once, in order: the moved slot cost nothing
+            assert res.end["type"] == "done" and res.indices == list(range(160)), (res.end, gw.log(8000))
+        # the channel now lives on the new owner, and the connection still works
+        import redis
+
+        d = redis.Redis(port=dst)
+        assert channel.encode() in d.execute_command("PUBSUB SHARDCHANNELS", f"{prefix}:reply:*")
+        d.close()
+        # (Redis unsubscribed the gateway when the slot left; it subscribed again on the new owner)
+        assert "sharded subscriptions restored" in gw.log(None)
+        res = await c.generate("after", max_tokens=8, ignore_eos=True)
+        assert res.end["type"] == "done" and len(res.tokens) == 8, res.end
+        await c.close()
+        r.close()
+    finally:
+        fleet.close()
