@@ -141,23 +141,21 @@ class Broker:
             log.info("redis cluster reachable")
 
     def _shards_restored(self, channels: list[bytes]) -> None:
-        for ch in channels:
-            listener = self._routes.get(ch)
-            if listener is not None:
-                try:
-                    listener.resync()
-                except Exception:
-                    log.exception("resync handler failed")
+        self._tell(channels, "resync")
 
     def _shards_lost(self, channels: list[bytes]) -> None:
         metrics.redis_errors.labels("pubsub").inc()
+        self._tell(channels, "broker_lost")
+
+    def _tell(self, channels: list[bytes], what: str) -> None:
+        """Call ``resync`` or ``broker_lost`` on the listeners of ``channels``."""
         for ch in channels:
             listener = self._routes.get(ch)
             if listener is not None:
                 try:
-                    listener.broker_lost()
+                    getattr(listener, what)()
                 except Exception:
-                    log.exception("broker_lost handler failed")
+                    log.exception("listener failed", handler=what)
 
     async def stop(self) -> None:
         self._closing = True
