@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import os
 import platform
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +31,11 @@ from pathlib import Path
 import httpx
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent))
+from streamfleet.bench import BenchConfig, run_bench, summarize
+from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, Fleet, free_port
+from streamfleet.shared.redis import sync_client
 
-from streamfleet.bench import BenchConfig, run_bench, summarize  # noqa: E402
-from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, Fleet, free_port  # noqa: E402
-from streamfleet.shared.redis import sync_client  # noqa: E402
-
-from scripts.bench_fleet import MODEL, wait_until, write_model  # noqa: E402
+from scripts.bench_fleet import MODEL, wait_until, write_model
 
 
 @dataclass
