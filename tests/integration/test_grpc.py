@@ -97,6 +97,7 @@ def status_details(err: grpc.aio.AioRpcError) -> dict:
     return out
 
 
+@pytest.mark.both_brokers
 async def test_same_seed_same_text_over_websocket_sse_and_grpc(fleet):
     gw = fleet.gateway()
     fleet.worker()  # the demo model on ONNX Runtime: sampled text, so the seed decides it
@@ -324,6 +325,7 @@ async def test_deadline_shorter_than_the_queue_wait(fleet, rds, key_prefix):
     assert not [e for e in events if isinstance(e, TokenEvent)], events
 
 
+@pytest.mark.both_brokers
 async def test_resume_on_another_gateway_after_the_first_dies(fleet):
     a, b = fleet.gateway(), fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)

@@ -195,6 +195,7 @@ async def test_inbound_frame_rate_is_limited_per_connection(voice_fleet):
     await v.close()
 
 
+@pytest.mark.both_brokers
 async def test_a_worker_killed_mid_utterance_still_gives_each_final_once(fleet, rds, key_prefix):
     gw = fleet.gateway()
     workers = [fleet.worker(model="asr-en", worker_dead_after_s=1.0) for _ in range(2)]
