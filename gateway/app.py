@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.websockets import WebSocket
 import orjson
 
 from streamfleet.shared import aio
@@ -148,6 +149,37 @@ async def refresh_fleet_gauges(hub: Hub) -> None:
         m.redis_errors.labels("metrics").inc()
 
 
+#: the WebSocket doors, served by ``websocket_front`` without the HTTP stack in between
+WEBSOCKET_ROUTES = {"/v1/stream": websocket_stream, "/v1/audio/stream": audio_stream}
+
+
+def websocket_front(app: FastAPI):
+    """The ASGI app uvicorn runs: a WebSocket to one of ``WEBSOCKET_ROUTES`` goes straight
+    to its session; everything else (HTTP, lifespan, any other path) to ``app``.
+
+    FastAPI's middleware, exception handlers, exit stacks and routing hold about 12 KiB per
+    connection for as long as it stays open — a third of an idle WebSocket's cost — and
+    give a WebSocket session nothing it uses: it checks its Origin and answers its own
+    errors (docs/operations.md, "Idle connections"). The routes stay registered on ``app``
+    as well, for in-process test clients.
+    """
+    routes = WEBSOCKET_ROUTES
+
+    async def front(scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            handler = routes.get(scope["path"])
+            if handler is not None:
+                scope["app"] = app
+                try:
+                    await handler(WebSocket(scope, receive, send))
+                except Exception:  # as the HTTP stack's last handler would, without a traceback per client
+                    log.exception("websocket session failed", path=scope["path"])
+                return
+        await app(scope, receive, send)
+
+    return front
+
+
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     repo = ModelRepository(settings.engines_dir)
@@ -187,8 +219,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         ready, body = await hub.readiness()
         return json_response(body, status_code=200 if ready else 503)
 
-    app.add_api_websocket_route("/v1/stream", websocket_stream)
-    app.add_api_websocket_route("/v1/audio/stream", audio_stream)
+    for path, handler in WEBSOCKET_ROUTES.items():
+        app.add_api_websocket_route(path, handler)
     app.include_router(openai.router)
     app.include_router(demo.router)
 

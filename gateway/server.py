@@ -8,12 +8,15 @@ import asyncio
 from pathlib import Path
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+from websockets.server import ServerProtocol
 
 from streamfleet.shared import aio
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.app import create_app
+from streamfleet.gateway.app import create_app, websocket_front
 from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
@@ -35,6 +38,65 @@ async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door=Non
         tmp = Path(port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.replace(port_file)
+
+
+#: per-message deflate, when on (SF_WS_COMPRESSION): 512-byte windows and the smallest
+#: memLevel keep zlib's state per connection near 10 KiB (uvicorn's 4 KiB windows hold ~40),
+#: and still shrink a token frame to about a quarter (docs/operations.md, "Idle connections")
+DEFLATE_WINDOW_BITS = 9
+DEFLATE_MEM_LEVEL = 1
+
+
+class _ReceiveQueue:
+    """What uvicorn's protocol needs of its receive queue (``put_nowait``, ``get``,
+    ``empty``), as a list and one waiting future: an ``asyncio.Queue`` holds four deques,
+    about 3 KiB per connection, idle or not."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+
+class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (the `websockets` library's sans-I/O core), lighter
+    per connection (docs/operations.md, "Idle connections"): a list-based receive queue,
+    the handshake's request and response let go once the handshake is done, and small
+    per-message-deflate windows when compression is on."""
+
+    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.queue = _ReceiveQueue()
+        if config.ws_per_message_deflate:
+            self.conn = ServerProtocol(
+                extensions=[ServerPerMessageDeflateFactory(
+                    server_max_window_bits=DEFLATE_WINDOW_BITS, client_max_window_bits=DEFLATE_WINDOW_BITS,
+                    compress_settings={"memLevel": DEFLATE_MEM_LEVEL})],
+                max_size=config.ws_max_size, logger=self.conn.logger)
+
+    async def send(self, message) -> None:
+        await super().send(message)
+        if self.handshake_complete and getattr(self, "response", None) is not None:
+            self.request = self.response = None  # (the handshake's headers, ~2 KiB)
 
 
 class DrainingServer(uvicorn.Server):
@@ -114,11 +176,12 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
                 metrics_sock.close()
             return 2
     config = uvicorn.Config(
-        app,
+        websocket_front(app),
         host=settings.host,
         port=settings.port,
-        ws="websockets-sansio",  # the `websockets` library's sans-I/O protocol
+        ws=LeanWebSocketProtocol,  # the `websockets` library's sans-I/O protocol
         ws_max_size=settings.max_frame_bytes * 4,
+        ws_per_message_deflate=settings.ws_compression,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,
         log_config=None,

@@ -46,7 +46,7 @@ class Session:
         self.channel = ReplyChannel(hub.broker)
         #: client id -> the request in flight under it (from its submit or resume frame on)
         self.requests: dict[str, ClientRequest] = {}
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
         self.identity = None  # the API key's identity (None with auth off)
         self.trace_id: str | None = None  # from the connection's traceparent, when it sent one
         #: done once the API key is revoked while connected (it also wakes the adapter's loop)
@@ -119,8 +119,7 @@ class Session:
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
-        self.tasks.add(t)
-        t.add_done_callback(self.tasks.discard)
+        self.track(t)
 
     async def _submit(self, req: ClientRequest, draft) -> None:
         if self.hub.draining:
@@ -170,6 +169,14 @@ class Session:
             self.proto.finished(cid)
             # the stream slot goes back only if the request ended (ClientRequest.release)
             await req.close()
+
+    def track(self, task: asyncio.Task) -> None:
+        """Hold a task of this connection until it ends (``cancel_tasks`` stops them all)."""
+        self.tasks[task] = None
+        task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task) -> None:
+        self.tasks.pop(task, None)
 
     def cancel_tasks(self) -> None:
         """Stop every request task (the connection is gone; ``ReplyChannel.close`` decided

@@ -114,8 +114,7 @@ class Utterance:
         self.audio: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: the end
         self.req = ClientRequest(session.hub, config.client_id, identity=session.identity, channel=session.channel)
         self.task = asyncio.create_task(self.run())
-        session.tasks.add(self.task)  # cancelled with the connection's other tasks
-        self.task.add_done_callback(session.tasks.discard)
+        session.track(self.task)  # cancelled with the connection's other tasks
 
     def push(self, pcm: bytes) -> None:
         self.audio.put_nowait(pcm)

@@ -50,11 +50,61 @@ class _QuietInvalidUtf8(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_QuietInvalidUtf8())
 
 
+class Outbox:
+    """The frames a connection's sender task writes, first in first out: a list and at
+    most one waiting future. (An ``asyncio.Queue`` holds four deques, about 3 KiB, for
+    every connection, idle or not.)"""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+
+class _Interrupt:
+    """Cancels a task's read of its socket when called (a done callback), once: ``take``
+    says whether a ``CancelledError`` the task caught was this one (and only this one)."""
+
+    __slots__ = ("task", "armed", "fired")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.armed = False
+        self.fired = False
+
+    def __call__(self, _future=None) -> None:
+        if self.armed and not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def take(self) -> bool:
+        if not self.fired:
+            return False
+        self.fired = False
+        return self.task.uncancel() == 0
+
+
 class WebSocketSession(Session):
     def __init__(self, ws: WebSocket, hub) -> None:
         super().__init__(hub, "ws")
         self.ws = ws
-        self.outbox: asyncio.Queue[dict | None] = asyncio.Queue()
+        self.outbox = Outbox()
         self.broken = False  # a write failed: the socket is gone
 
     def send(self, frame: dict) -> None:
@@ -146,12 +196,21 @@ class WebSocketSession(Session):
         age_limit = opened + s.ws_max_age_s if s.ws_max_age_s > 0 else math.inf
         hard_limit = age_limit + s.ws_max_age_grace_s
         idle_since = opened
-        receiver: asyncio.Future | None = None
         close: tuple[int, str] | None = None
         dropped = False
+        # this task reads the socket itself (no reader task, no asyncio.wait or timeout
+        # object per turn: an idle connection holds ~4 KiB less); a timer tick (the checks
+        # above, at least once a second), a failed sender or a revoked key interrupt its read
+        # by cancelling it (docs/operations.md, "Idle connections")
+        loop = asyncio.get_running_loop()
+        interrupt = _Interrupt(asyncio.current_task())
+        sender.add_done_callback(interrupt)
+        self.revoked.add_done_callback(interrupt)
         try:
             while True:
                 now = time.monotonic()
+                if sender.done():  # the socket failed while sending
+                    break
                 if self.revoked.done():
                     self.send(revoked_error().to_frame(None))
                     close = (1008, "API key revoked")
@@ -170,15 +229,17 @@ class WebSocketSession(Session):
                     else:
                         close = (1000, f"idle: no request for {s.ws_idle_timeout_s:g} s")
                     break
-                if receiver is None:
-                    receiver = asyncio.ensure_future(self.ws.receive())
-                done, _ = await asyncio.wait({receiver, sender, self.revoked}, timeout=min(deadline - now, 1.0),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if sender in done:  # the socket failed while sending
-                    break
-                if receiver not in done:
-                    continue
-                msg, receiver = receiver.result(), None
+                interrupt.armed = True
+                tick = loop.call_later(min(deadline - now, 1.0), interrupt)
+                try:
+                    msg = await self.ws.receive()
+                except asyncio.CancelledError:
+                    if interrupt.take():  # ours (the tick, the sender, the key): look again
+                        continue
+                    raise
+                finally:
+                    tick.cancel()
+                    interrupt.armed = False
                 if msg["type"] == "websocket.disconnect":
                     # the connection dropped without a close frame (uvicorn reports 1005 or 1006):
                     # the client may come back and resume; a close frame with a code cancels at once
@@ -193,8 +254,8 @@ class WebSocketSession(Session):
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
-            if receiver is not None:
-                receiver.cancel()
+            sender.remove_done_callback(interrupt)
+            self.revoked.remove_done_callback(interrupt)
             await self.channel.close("disconnect", grace_s=s.ws_resume_grace_s if dropped else 0.0)
             self.cancel_tasks()
             self.outbox.put_nowait(None)

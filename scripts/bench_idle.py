@@ -2,13 +2,19 @@
 """Idle connections on one gateway: memory per idle WebSocket, and what 1,000 idle
 connections do to 50 active streams — side by side in one run.
 
-Starts a private redis-server, one gateway and one echo worker (10 ms per step, so the
-model costs nothing and the gateway is what is measured), then:
+Starts a private redis-server, three gateways and one echo worker (10 ms per step, so
+the model costs nothing and the gateway is what is measured), then:
 
-  1. 50 concurrent streaming clients alone: TTFT and inter-token p50/p99;
-  2. opens 1,000 idle WebSocket connections (each sends one ping and waits), reading the
-     gateway's RSS before and after: memory per idle connection;
-  3. the same 50 streaming clients again while the 1,000 stay open.
+  1. 50 concurrent streaming clients alone on each gateway (which also warms each alike):
+     TTFT and inter-token p50/p99 on A;
+  2. opens 1,000 idle WebSocket connections (each sends one ping and waits) on each
+     gateway, reading each gateway's RSS before and after: memory per idle connection
+     when the client offers no compression (A), when it offers per-message deflate as
+     every browser does and the gateway declines it (B, the default), and when the
+     gateway accepts it (C, ``SF_WS_COMPRESSION=true``: 512-byte windows);
+  3. the same 50 streaming clients on A again while its 1,000 stay open.
+
+Each gateway starts from the same state, so the three figures compare directly.
 
     python -m scripts.bench_idle [--idle 1000] [--active 50] [--requests 200]
 """
@@ -25,8 +31,8 @@ import psutil
 import websockets
 
 
-from streamfleet.bench import BenchConfig, run_bench  # noqa: E402
-from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready  # noqa: E402
+from streamfleet.bench import BenchConfig, run_bench
+from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready
 
 
 def pct(values: list[float], p: float) -> float:
@@ -42,10 +48,10 @@ async def active(url: str, n: int, requests: int) -> dict:
             "itl_p99": pct(i, 99), "errors": sum(res.errors.values()), "ok": len(res.ok)}
 
 
-async def open_idle(ws_url: str, n: int) -> list:
+async def open_idle(ws_url: str, n: int, compression: str | None = None) -> list:
     conns = []
     for start in range(0, n, 100):  # in batches, so the handshakes do not all time out at once
-        batch = await asyncio.gather(*(websockets.connect(ws_url, max_size=None, compression=None)
+        batch = await asyncio.gather(*(websockets.connect(ws_url, max_size=None, compression=compression)
                                        for _ in range(min(100, n - start))))
         for ws in batch:
             await ws.send('{"type":"ping"}')
@@ -55,25 +61,41 @@ async def open_idle(ws_url: str, n: int) -> list:
     return conns
 
 
-async def main_async(args, http: str, gw_pid: int) -> None:
+async def idle_cost(http: str, pid: int, n: int, compression: str | None) -> tuple[float, list, bool]:
+    """KiB of gateway RSS per idle connection; the connections; whether deflate was agreed."""
+    gw = psutil.Process(pid)
     ws_url = http.replace("http", "ws") + "/v1/stream"
-    gw = psutil.Process(gw_pid)
-    alone = await active(http, args.active, args.requests)
     rss0 = gw.memory_info().rss
-    t0 = time.perf_counter()
-    conns = await open_idle(ws_url, args.idle)
-    opened_s = time.perf_counter() - t0
+    conns = await open_idle(ws_url, n, compression)
     await asyncio.sleep(1.0)
-    rss1 = gw.memory_info().rss
-    with_idle = await active(http, args.active, args.requests)
-    still_open = sum(1 for c in conns if c.state.name == "OPEN")
-    await asyncio.gather(*(c.close() for c in conns))
+    agreed = any("permessage-deflate" in (c.response.headers.get("Sec-WebSocket-Extensions") or "") for c in conns)
+    return (gw.memory_info().rss - rss0) / n / 1024, conns, agreed
 
-    per_conn = (rss1 - rss0) / args.idle
-    print(f"\none gateway process, {args.idle} idle WebSockets, {args.active} active streams, "
+
+async def main_async(args, urls: list[str], pids: list[int]) -> None:
+    # the same load on every gateway first: the "alone" figures (on A), and each heap warmed
+    # alike, so that the three memory figures compare
+    alone = [await active(url, args.active, args.requests) for url in urls][0]
+    t0 = time.perf_counter()
+    rows, idle = [], []
+    for (name, comp), url, pid in zip((("no compression offered", None), ("deflate offered, declined (default)",
+                                                                          "deflate"),
+                                       ("deflate offered, accepted (SF_WS_COMPRESSION=true)", "deflate")),
+                                      urls, pids):
+        kib, conns, agreed = await idle_cost(url, pid, args.idle, comp)
+        rows.append((name, kib, agreed))
+        idle += conns
+    opened_s = time.perf_counter() - t0
+    with_idle = await active(urls[0], args.active, args.requests)
+    still_open = sum(1 for c in idle if c.state.name == "OPEN")
+    await asyncio.gather(*(c.close() for c in idle))
+
+    print(f"\n{args.idle} idle WebSockets on each of three gateways, {args.active} active streams on the first, "
           f"{os.cpu_count()} cores (echo engine, 10 ms/step, 32 tokens/request)")
-    print(f"idle connections: opened in {opened_s:.1f} s, {still_open} still open at the end; "
-          f"gateway RSS {rss0 / 2**20:.1f} MiB -> {rss1 / 2**20:.1f} MiB = {per_conn / 1024:.1f} KiB per idle connection")
+    print(f"idle connections opened in {opened_s:.1f} s, {still_open} of {len(idle)} still open at the end")
+    for name, kib, agreed in rows:
+        print(f"  {name:52} {kib:5.1f} KiB ({kib * 1.024:.1f} kB) per idle connection"
+              f"{'  [deflate negotiated]' if agreed else ''}")
     print(f"{'':24} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'errors':>6}")
     for name, r in ((f"{args.active} active alone", alone), (f"{args.active} active + {args.idle} idle", with_idle)):
         print(f"{name:24} {r['ttft_p50']:9.1f} {r['ttft_p99']:9.1f} {r['itl_p50']:8.1f} {r['itl_p99']:8.1f} "
@@ -92,13 +114,18 @@ def main() -> None:
     env = dict(os.environ, SF_REDIS_URL=rds.url, SF_LOG_LEVEL="warning", SF_MAX_CONNECTIONS=str(args.idle + 500))
     fleet = Fleet()
     try:
-        port = free_port()
-        gw = fleet.start("gateway", ["gateway", "--port", str(port)], env)
+        urls, pids = [], []
+        for compression in ("false", "false", "true"):
+            port = free_port()
+            gw = fleet.start("gateway", ["gateway", "--port", str(port)],
+                             dict(env, SF_WS_COMPRESSION=compression, SF_GRPC_PORT="0"))
+            urls.append(f"http://127.0.0.1:{port}")
+            pids.append(gw.pid)
         fleet.start("worker", ["worker", "--backend", "echo"], dict(env, SF_ECHO_DELAY_MS="10", SF_MAX_BATCH="64"))
-        http = f"http://127.0.0.1:{port}"
-        if not wait_ready(http):
-            raise RuntimeError("fleet not ready")
-        asyncio.run(main_async(args, http, gw.pid))
+        for http in urls:
+            if not wait_ready(http):
+                raise RuntimeError("fleet not ready")
+        asyncio.run(main_async(args, urls, pids))
     finally:
         fleet.stop()
         rds.stop()

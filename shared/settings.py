@@ -126,6 +126,10 @@ class GatewaySettings(CommonSettings):
     drain_timeout_s: float = 30.0
     #: SSE comment sent after this many seconds without an event
     sse_keepalive_s: float = 15.0
+    #: negotiate per-message deflate when a client offers it (browsers do). Off: a token
+    #: frame is ~55 bytes, and compressing it (to ~13 with 512-byte windows) costs ~10 KiB of
+    #: zlib state per connection and ~2 µs per frame (docs/operations.md, "Idle connections")
+    ws_compression: bool = False
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
     #: the gRPC service (streamfleet.v1.Inference, health, reflection) on this port of

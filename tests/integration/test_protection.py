@@ -269,3 +269,23 @@ def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
         assert time.monotonic() < deadline, (gauge(), rds.xpending(lane, "workers"), gw.log()[-2000:])
         time.sleep(0.1)
     raw.close()
+
+
+async def test_per_message_deflate_is_declined_unless_enabled_then_small(fleet):
+    """Browsers offer per-message deflate; a gateway declines it by default (a token frame
+    is ~55 bytes, the zlib state ~17 KiB per connection) and accepts it with 512-byte
+    windows when SF_WS_COMPRESSION is on (docs/operations.md, "Idle connections")."""
+    plain, squeezed = fleet.gateway(), fleet.gateway(ws_compression="true")
+    fleet.worker(backend="echo")
+    for gw, agreed in ((plain, False), (squeezed, True)):
+        async with websockets.connect(gw.ws, compression="deflate") as ws:
+            ext = ws.response.headers.get("Sec-WebSocket-Extensions") or ""
+            assert ("permessage-deflate" in ext) is agreed, ext
+            if agreed:
+                assert "server_max_window_bits=9" in ext and "client_max_window_bits=9" in ext, ext
+            await ws.send(orjson.dumps({"type": "generate", "id": "a", "prompt": "Once upon a time",
+                                        "max_tokens": 24, "ignore_eos": True}).decode())
+            frames = []
+            while not frames or frames[-1]["type"] not in ("done", "error"):
+                frames.append(orjson.loads(await asyncio.wait_for(ws.recv(), 30)))
+            assert frames[-1]["type"] == "done" and sum(f["type"] == "token" for f in frames) == 24, frames[-1]
