@@ -47,45 +47,15 @@ DEFLATE_WINDOW_BITS = 9
 DEFLATE_MEM_LEVEL = 1
 
 
-class _ReceiveQueue:
-    """What uvicorn's protocol needs of its receive queue (``put_nowait``, ``get``,
-    ``empty``), as a list and one waiting future: an ``asyncio.Queue`` holds four deques,
-    about 3 KiB per connection, idle or not."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    async def get(self):
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.pop(0)
-
-
 class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol (the `websockets` library's sans-I/O core), lighter
-    per connection (docs/operations.md, "Idle connections"): a list-based receive queue,
+    per connection (docs/operations.md, "Idle connections"): a light receive queue,
     the handshake's request and response let go once the handshake is done, and small
     per-message-deflate windows when compression is on."""
 
     def __init__(self, config, server_state, app_state, _loop=None) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.queue = _ReceiveQueue()
+        self.queue = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
         if config.ws_per_message_deflate:
             self.conn = ServerProtocol(
                 extensions=[ServerPerMessageDeflateFactory(

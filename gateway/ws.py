@@ -15,6 +15,7 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
@@ -50,33 +51,6 @@ class _QuietInvalidUtf8(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_QuietInvalidUtf8())
 
 
-class Outbox:
-    """The frames a connection's sender task writes, first in first out: a list and at
-    most one waiting future. (An ``asyncio.Queue`` holds four deques, about 3 KiB, for
-    every connection, idle or not.)"""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self):
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.pop(0)
-
-
 class _Interrupt:
     """Cancels a task's read of its socket when called (a done callback), once: ``take``
     says whether a ``CancelledError`` the task caught was this one (and only this one)."""
@@ -104,7 +78,7 @@ class WebSocketSession(Session):
     def __init__(self, ws: WebSocket, hub) -> None:
         super().__init__(hub, "ws")
         self.ws = ws
-        self.outbox = Outbox()
+        self.outbox = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
         self.broken = False  # a write failed: the socket is gone
 
     def send(self, frame: dict) -> None:

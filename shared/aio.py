@@ -13,7 +13,7 @@ import asyncio
 import gc
 from typing import Any, Callable, Coroutine
 
-__all__ = ["EVENT_LOOPS", "loop_factory", "run", "settle_heap"]
+__all__ = ["EVENT_LOOPS", "LightQueue", "loop_factory", "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -71,4 +71,35 @@ def raise_open_files_limit(wanted: int = 0) -> dict[str, int]:
         except (ValueError, OSError):  # some sandboxes refuse; the caller logs what remains
             pass
     return {"before": int(before), "soft": int(soft), "hard": int(hard) if hard != resource.RLIM_INFINITY else -1}
+
+
+class LightQueue:
+    """A first-in-first-out queue for one consumer: ``put_nowait``, ``get``, ``empty``,
+    as a list and at most one waiting future. Every WebSocket holds two (uvicorn's receive
+    queue and the connection's outbox); an ``asyncio.Queue`` holds four deques, about
+    3 KiB, idle or not (docs/operations.md, "Idle connections")."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
 
