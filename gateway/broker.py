@@ -80,7 +80,6 @@ class Broker:
         self.target = RedisTarget.parse(settings.redis_url, settings.redis_cluster)
         #: a cluster's sharded subscriptions (docs/cluster.md); None on a single server
         self._shards: ShardSubscriptions | None = None
-        self._reader_retry: asyncio.Task | None = None
 
     @property
     def outage_grace_s(self) -> float:
@@ -120,27 +119,19 @@ class Broker:
             client_name=f"sf-gateway-{self.gateway_id}-pubsub", on_restored=self._shards_restored,
             on_lost=self._shards_lost, failover_s=s.redis_failover_s, log=log)
         self._reader = asyncio.create_task(self._shards.run(), name="pubsub-shards")
+        control = self.control_channel.encode()
         try:
             # the control channel names this gateway to `streamfleet status` (PUBSUB SHARDCHANNELS)
-            await self._shards.subscribe(self.control_channel.encode())
+            await self._shards.subscribe(control)
             self.healthy = True
         except Exception as exc:
             log.warning("redis cluster unreachable at start; will retry", error=str(exc))
-            self._reader_retry = asyncio.create_task(self._retry_control(), name="pubsub-control")
-
-    async def _retry_control(self) -> None:
-        backoff = 0.05
-        while not self.healthy and not self._closing:
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-            try:
-                await self._shards.subscribe(self.control_channel.encode(), attempts=1)
-            except Exception:
-                continue
-            self.healthy = True
-            log.info("redis cluster reachable")
+            self._shards.keep(control)  # healthy once it is subscribed (``_shards_restored``)
 
     def _shards_restored(self, channels: list[bytes]) -> None:
+        if not self.healthy and self.control_channel.encode() in channels:
+            self.healthy = True
+            log.info("redis cluster reachable")
         self._tell(channels, "resync")
 
     def _shards_lost(self, channels: list[bytes]) -> None:
@@ -161,8 +152,6 @@ class Broker:
         self._closing = True
         if self._shards is not None:
             self._shards.close()
-        if self._reader_retry is not None:
-            self._reader_retry.cancel()
         if self._reader:
             self._reader.cancel()
             try:

@@ -317,10 +317,6 @@ class ReplyChannel:
         self._tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
         self.closed = False
 
-    @property
-    def _outage_grace_s(self) -> float:
-        return float(getattr(self.broker, "outage_grace_s", 0.0))
-
     async def open(self) -> "ReplyChannel":
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
         await self.broker.register(self.connection_id, self)
@@ -365,7 +361,7 @@ class ReplyChannel:
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
         stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
-                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self._outage_grace_s)
+                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s)
         stream.trace_id = task.trace_id
         stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
@@ -399,7 +395,7 @@ class ReplyChannel:
                                 code=ErrorCode.unknown_request, param="request_id")
         stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
                                log_reader=self._reader(request_id, replay=True), resumed=True, next_index=from_index,
-                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self._outage_grace_s)
+                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s)
         stream.model = record.model
         self.streams[request_id] = stream  # before the follow: live events may come at once
         try:

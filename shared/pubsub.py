@@ -27,7 +27,7 @@ import hiredis
 from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
 
-from streamfleet.shared.redis import pack
+from streamfleet.shared.redis import pack, slot_of
 
 __all__ = ["PubSubConnection", "open_pubsub", "pack"]
 
@@ -281,18 +281,8 @@ class ShardSubscriptions:
         self._kick = asyncio.Event()
         self._watchers: set[asyncio.Task] = set()
 
-    @property
-    def channels(self) -> int:
-        return len(self._where) + len(self._pending)
-
-    def nodes(self) -> list[str]:
-        """Names (``host:port``) of the primaries this process holds a socket to."""
-        return sorted(name for name, c in self._conns.items() if c.is_open)
-
     async def _owner(self, channel: bytes):
-        from streamfleet.shared.redis import _ready, slot_of
-
-        await _ready(self.cluster)
+        await self.cluster.ready()
         return self.cluster.nodes_manager.get_node_from_slot(slot_of(channel))
 
     async def _socket(self, node) -> PubSubConnection:
@@ -332,20 +322,24 @@ class ShardSubscriptions:
                 if not str(exc).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")):
                     raise
                 last = exc
-            except (RedisConnectionError, OSError, asyncio.TimeoutError, ValueError) as exc:
-                last = exc
-            except Exception as exc:  # the slot map cannot be read (ClusterDownError, SlotNotCovered...)
+            except Exception as exc:  # unreachable, or no slot map (ClusterDownError, SlotNotCovered...)
                 last = exc
             else:
                 self._where[channel] = node.name
                 self._pending.pop(channel, None)
                 self._reported.discard(channel)
                 return
-            self.cluster.refresh_due = True
-            self.cluster.refreshed_at = 0.0
+            self.cluster.stale(at_once=True)
             if attempt + 1 < attempts:
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise RedisConnectionError(f"cannot subscribe to {channel.decode(errors='replace')}: {last}")
+
+    def keep(self, channel: bytes) -> None:
+        """Subscribe in the background: ``run`` tries until a primary takes it, then
+        reports it to ``on_restored``."""
+        if channel not in self._where:
+            self._pending.setdefault(channel, time.monotonic())
+            self._kick.set()
 
     def unsubscribe(self, channel: bytes) -> None:
         self._pending.pop(channel, None)
@@ -379,7 +373,7 @@ class ShardSubscriptions:
             self._pending.setdefault(ch, now)
         if moved and self.log is not None:
             self.log.warning("pub/sub connection to a shard lost; resubscribing", node=name, channels=len(moved))
-        self.cluster.refresh_due = True
+        self.cluster.stale()
         self._kick.set()
 
     async def run(self) -> None:

@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 __all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
-           "Coalescer", "refresh_members", "is_cluster", "slot_of"]
+           "Coalescer", "refresh_members", "slot_of"]
 
 #: exceptions meaning "the broker is not reachable right now" (a cluster whose slot map
 #: cannot be read, or whose slot has no live primary during a failover, included)
@@ -81,20 +81,40 @@ class RedisTarget:
         return self.node_url(*self.seeds[0])
 
 
-class FleetCluster(RedisCluster):
-    """``redis.asyncio.RedisCluster`` that also remembers when its slot map was last
-    refreshed after a node failed (``RawBatch`` refreshes it at most every
-    ``REFRESH_EVERY_S``)."""
-
-    __slots__ = ("refresh_due", "refreshed_at")
-
-
 #: seconds between slot-map refreshes forced by failed nodes
 REFRESH_EVERY_S = 0.25
 
 
-def is_cluster(client) -> bool:
-    return isinstance(client, RedisCluster)
+class FleetCluster(RedisCluster):
+    """``redis.asyncio.RedisCluster`` whose slot map is also used by the fleet's own
+    batches and sharded subscriptions: a failed node marks it ``stale``, and ``ready``
+    reloads it at most every ``REFRESH_EVERY_S``."""
+
+    __slots__ = ("refresh_due", "refreshed_at")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.refresh_due = False
+        self.refreshed_at = 0.0
+
+    def stale(self, at_once: bool = False) -> None:
+        """A node failed or redirected: reload the slot map before the next use
+        (``at_once``: without waiting out ``REFRESH_EVERY_S``)."""
+        self.refresh_due = True
+        if at_once:
+            self.refreshed_at = 0.0
+
+    async def ready(self) -> None:
+        """Load the slot map (first use), or reload it when it was marked stale."""
+        if self._initialize:
+            await self.initialize()
+        elif self.refresh_due and time.monotonic() - self.refreshed_at >= REFRESH_EVERY_S:
+            self.refresh_due = False
+            self.refreshed_at = time.monotonic()
+            try:
+                await self.nodes_manager.initialize()
+            except BROKER_ERRORS:
+                self.refresh_due = True
 
 
 def slot_of(key: bytes | str) -> int:
@@ -132,13 +152,10 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
     """
     target = RedisTarget.parse(url, cluster)
     if target.cluster:
-        client = FleetCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.seeds],
-                              max_connections=max_connections, health_check_interval=15,
-                              retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
-                              **_cluster_kwargs(target, socket_timeout))
-        client.refresh_due = False
-        client.refreshed_at = 0.0
-        return client
+        return FleetCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.seeds],
+                            max_connections=max_connections, health_check_interval=15,
+                            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+                            **_cluster_kwargs(target, socket_timeout))
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         timeout=socket_timeout,  # wait this long for a free pooled connection, then fail
@@ -201,7 +218,6 @@ def pack(*args: bytes | str | int) -> bytes:
 
 #: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails
 MAX_REDIRECTS = 5
-_REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
 
 
 def _route_key(args: tuple) -> bytes | str | None:
@@ -292,13 +308,12 @@ class RawBatch:
 
     # -- Redis Cluster -------------------------------------------------------------------
     async def _run_cluster(self, client: "FleetCluster", partial: bool) -> list:
-        await _ready(client)
+        await client.ready()
         nodes = client.nodes_manager
-        n = len(self._parts)
-        out: list = [None] * n
+        out: list = [None] * len(self._parts)
         slots = [slot_of(k) if (k := _route_key(a)) is not None else 0 for a in self._args]
         asking: dict[int, ClusterNode] = {}
-        todo = list(range(n))
+        todo = list(range(len(self._parts)))
         for attempt in range(MAX_REDIRECTS):
             node_of = {i: asking.get(i) or nodes.get_node_from_slot(slots[i]) for i in todo}
             first, later = [], []
@@ -308,39 +323,11 @@ class RawBatch:
                     later.append(i)
                 else:
                     first.append(i)
-            retry: list[int] = []
-            for group in (first, later):
-                if not group or (group is later and retry):  # a redirected command goes before its dependants
-                    retry.extend(group if group is later else ())
-                    continue
-                by_node: dict[ClusterNode, list[int]] = defaultdict(list)
-                for i in group:
-                    by_node[node_of[i]].append(i)
-                sent = await asyncio.gather(*(self._send_node(node, idxs, asking) for node, idxs in by_node.items()),
-                                            return_exceptions=True)
-                for (node, idxs), res in zip(by_node.items(), sent):
-                    if isinstance(res, BaseException):
-                        if not isinstance(res, Exception):
-                            raise res
-                        client.refresh_due = True
-                        if not partial:
-                            raise res
-                        for i in idxs:
-                            out[i] = res
-                        continue
-                    for i, r in zip(idxs, res):
-                        if isinstance(r, MovedError):
-                            await nodes.move_slot(r)
-                            asking.pop(i, None)
-                            retry.append(i)
-                        elif isinstance(r, AskError):
-                            asking[i] = nodes.get_node(host=r.host, port=r.port) or ClusterNode(
-                                r.host, r.port, **nodes.connection_kwargs)
-                            retry.append(i)
-                        elif isinstance(r, (TryAgainError, ClusterDownError)):
-                            retry.append(i)
-                        else:
-                            out[i] = r
+            retry = await self._round(client, first, node_of, asking, out, partial)
+            if retry:  # a redirected command goes before the commands that wait for it
+                retry += later
+            elif later:
+                retry = await self._round(client, later, node_of, asking, out, partial)
             if not retry:
                 return out
             todo = sorted(set(retry))
@@ -348,6 +335,42 @@ class RawBatch:
         for i in todo:
             out[i] = ResponseError(f"redirected more than {MAX_REDIRECTS} times")
         return out
+
+    async def _round(self, client: "FleetCluster", group: list[int], node_of: dict[int, ClusterNode],
+                     asking: dict[int, ClusterNode], out: list, partial: bool) -> list[int]:
+        """Send ``group`` side by side, one pipeline per node; fill ``out``; return the
+        commands to send again (redirected, or refused while a slot moves)."""
+        nodes = client.nodes_manager
+        by_node: dict[ClusterNode, list[int]] = defaultdict(list)
+        for i in group:
+            by_node[node_of[i]].append(i)
+        sent = await asyncio.gather(*(self._send_node(node, idxs, asking) for node, idxs in by_node.items()),
+                                    return_exceptions=True)
+        retry: list[int] = []
+        for (node, idxs), res in zip(by_node.items(), sent):
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res
+                client.stale()
+                if not partial:
+                    raise res
+                for i in idxs:
+                    out[i] = res
+                continue
+            for i, r in zip(idxs, res):
+                if isinstance(r, MovedError):
+                    await nodes.move_slot(r)
+                    asking.pop(i, None)
+                    retry.append(i)
+                elif isinstance(r, AskError):
+                    asking[i] = nodes.get_node(host=r.host, port=r.port) or ClusterNode(
+                        r.host, r.port, **nodes.connection_kwargs)
+                    retry.append(i)
+                elif isinstance(r, (TryAgainError, ClusterDownError)):
+                    retry.append(i)
+                else:
+                    out[i] = r
+        return retry
 
     async def _send_node(self, node: ClusterNode, idxs: list[int], asking: dict[int, ClusterNode]) -> list:
         parts = []
@@ -382,19 +405,6 @@ class RawBatch:
 
 
 _ASKING = pack(b"ASKING")
-
-
-async def _ready(client: "FleetCluster") -> None:
-    """Load the slot map (first use), or reload it when a node failed since the last load."""
-    if client._initialize:
-        await client.initialize()
-    elif client.refresh_due and time.monotonic() - client.refreshed_at >= REFRESH_EVERY_S:
-        client.refresh_due = False
-        client.refreshed_at = time.monotonic()
-        try:
-            await client.nodes_manager.initialize()
-        except BROKER_ERRORS:
-            client.refresh_due = True
 
 
 class Coalescer:

@@ -34,6 +34,9 @@ class ControlChannel(Part):
         self.table = table
         self.wake = wake
         self._cancels: list[str] = []
+        self._wake = self.keys.wake(self.model).encode()
+        self._follow = self.keys.follow(self.model).encode()
+        self._cancel = self.keys.cancel(self.model).encode()
 
     def take_cancels(self) -> list[str]:
         """The request ids of the cancels heard since the last call."""
@@ -58,12 +61,10 @@ class ControlChannel(Part):
             await self._run_sharded()
             return
         backoff = 0.1
-        wake = self.keys.wake(self.model).encode()
-        follow = self.keys.follow(self.model).encode()
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.keys.cancel(self.model), wake, follow)
+                await pubsub.subscribe(self._cancel, self._wake, self._follow)
                 backoff = 0.1
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -88,45 +89,19 @@ class ControlChannel(Part):
             self.wake.on_wake(data)
         elif channel == self._follow:
             self.on_follow(data)
-        else:
+        elif channel == self._cancel:
             self.on_cancel(data)
-
-    @property
-    def _wake(self) -> bytes:
-        return self.keys.wake(self.model).encode()
-
-    @property
-    def _follow(self) -> bytes:
-        return self.keys.follow(self.model).encode()
 
     async def _run_sharded(self) -> None:
         """On a Redis Cluster: the model's three channels share its lanes' slot and are
         SSUBSCRIBEd on that shard's primary, moved with it on a failover or reshard."""
-        channels = [self.keys.cancel(self.model).encode(), self._wake, self._follow]
-        route = {ch: self._route for ch in channels}
-
-        def on_message(channel: bytes, data: bytes) -> None:
-            handler = route.get(channel)
-            if handler is not None:
-                handler(channel, data)
-
         target = RedisTarget.parse(self.settings.redis_url, True)
-        shards = ShardSubscriptions(self.redis, target.node_url, on_message, timeout=self.settings.redis_socket_timeout_s,
+        shards = ShardSubscriptions(self.redis, target.node_url, self._route, timeout=self.settings.redis_socket_timeout_s,
                                     client_name=f"sf-worker-{self.worker_id}-control", on_restored=lambda chs: None,
                                     on_lost=lambda chs: None, failover_s=self.settings.redis_failover_s, log=log)
-        keeper = asyncio.create_task(shards.run(), name="control-shards")
+        for ch in (self._cancel, self._wake, self._follow):
+            shards.keep(ch)
         try:
-            backoff = 0.1
-            for ch in channels:
-                while True:
-                    try:
-                        await shards.subscribe(ch)
-                        break
-                    except Exception as exc:
-                        log.warning("control channel not subscribed yet; retrying", error=str(exc))
-                        await asyncio.sleep(backoff)
-                        backoff = min(backoff * 2, 5.0)
-            await keeper
+            await shards.run()
         finally:
-            keeper.cancel()
             shards.close()

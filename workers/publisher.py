@@ -72,16 +72,19 @@ class Publisher(Part):
         batch = RawBatch()
         self.log_events(batch, [ev for _, ev in out.events], out.token_ids)
         first_publish = len(batch)
-        publish, keys = self.keys.publish, self.keys
+        keys = self.keys
+        # on a cluster a request's log shares its connection's shard (shared/keys.py), so its
+        # publish goes out in the same pipeline as its log entries; a follower's channel on
+        # another shard, and the ack on the lanes' shard, wait for them (RawBatch, "after").
+        # One server runs the batch in order: no list of keys to build per step.
+        cluster = keys.cluster
         for ch in channels:
-            # on a cluster a request's log shares its connection's shard (shared/keys.py), so
-            # this goes out in the same pipeline as the log entries; a follower's channel on
-            # another shard waits for them (RawBatch, "after")
-            batch.add(publish, keys.reply(ch), encode_events(by_channel[ch]),
-                      after=[keys.log(rid) for rid in rids_by_channel[ch]])
+            batch.add(keys.publish, keys.reply(ch), encode_events(by_channel[ch]),
+                      after=[keys.log(rid) for rid in rids_by_channel[ch]] if cluster else ())
         for rid, fl in acked:
-            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=(keys.log(rid),))
-            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=(keys.log(rid),))
+            after = (keys.log(rid),) if cluster else ()
+            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
+            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
         results = await batch.execute(self.redis)
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
