@@ -20,8 +20,8 @@
 #   this node when it starts, and Redis takes a known node's new address from its first
 #   PING.
 #
-# Kept identical in deploy/compose/ and deploy/k8s/components/redis-cluster/
-# (tests/integration/test_deploy_cluster.py checks it). POSIX sh + awk + getent (or
+# One script for both: docker compose (deploy/compose/cluster.yml) mounts this file.
+# POSIX sh + awk + getent (or
 # busybox nslookup): runs in redis:7.x-alpine as the redis user.
 set -eu
 
