@@ -52,6 +52,7 @@ from streamfleet.shared import aio  # noqa: E402
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
 from streamfleet.bench import BenchConfig, BenchResult, run_bench, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
+from scripts.procstats import cpu_s, stop  # noqa: E402
 
 BENCHES = ("overhead", "throughput", "scaleout", "arq")
 MODEL = "echo-bench"
@@ -176,11 +177,7 @@ def baseline_server(engines: Path, delay_ms: float, max_batch: int):
                    lambda: ["baseline_server"] if p.poll() is not None else [])
         yield f"ws://127.0.0.1:{int(port_file.read_text())}/v1/stream", p.pid
     finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p)
 
 
 @contextlib.contextmanager
@@ -200,11 +197,7 @@ def arq_worker(redis_url: str, engines: Path, delay_ms: float, max_batch: int, p
         yield
     finally:
         r.close()
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p)
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -245,17 +238,13 @@ class CpuMeter:
         self.c0: dict[str, float] = {}
         self.share: dict[str, float] = {}
 
-    def _cpu(self, p: psutil.Process) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
-
     def start(self) -> None:
-        self.c0 = {n: self._cpu(p) for n, p in self.procs.items()}
+        self.c0 = {n: cpu_s([p]) for n, p in self.procs.items()}
         self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         wall = time.perf_counter() - self.t0
-        self.share = {n: (self._cpu(p) - self.c0[n]) / wall for n, p in self.procs.items()}
+        self.share = {n: (cpu_s([p]) - self.c0[n]) / wall for n, p in self.procs.items()}
 
 
 class MachineMeter:

@@ -42,6 +42,7 @@ from streamfleet.bench import BenchConfig, run_bench, summarize
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, spawn
 
 from scripts.bench_fleet import MODEL, wait_until, write_model
+from scripts.procstats import cpu_s, rss_mib, stop, tree
 
 SERVERS = ("one-process", "ray-serve", "streamfleet")
 
@@ -69,18 +70,6 @@ RAY_MAIN = textwrap.dedent("""
 """)
 
 
-def tree(pids: list[int]) -> list[psutil.Process]:
-    out = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            continue
-        out.append(p)
-        out += p.children(recursive=True)
-    return out
-
-
 def ray_processes() -> list[psutil.Process]:
     """Every process of the local Ray session (raylet, GCS, workers, the proxy)."""
     out = []
@@ -90,27 +79,6 @@ def ray_processes() -> list[psutil.Process]:
                              or "dashboard" in cmd or "log_monitor" in cmd or "monitor.py" in cmd):
             out.append(p)
     return out
-
-
-def cpu_s(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def rss_mib(procs: list[psutil.Process]) -> float:
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
 
 
 def env_for(engines: Path, delay_ms: float) -> dict[str, str]:
@@ -130,8 +98,7 @@ def one_process(engines: Path, delay_ms: float):
         wait_until(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 60, "the one-process server")
         yield url, lambda: tree([p.pid])
     finally:
-        p.terminate()
-        p.wait(10)
+        stop(p)
 
 
 @contextmanager
@@ -147,11 +114,7 @@ def ray_serve(engines: Path, delay_ms: float):
         wait_until(lambda: httpx.get(url + "/readyz", timeout=2).status_code == 200, 120, "the Ray Serve route")
         yield url, lambda: [*tree([p.pid]), *ray_processes()]
     finally:
-        p.terminate()
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p, 60)
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 
 from scripts.flite import SENTENCES, flite_missing, silence, speech
+from scripts.procstats import cpu_s, family
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.workers.engines.speech import load_speech_engine
 
@@ -33,10 +34,6 @@ STEP = 16000 * TICK_MS // 1000 * 2
 def pct(values: list[float], p: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))] if s else float("nan")
-
-
-def cpu_s(proc: psutil.Process) -> float:
-    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
 
 
 def run(k: int, in_process: bool) -> dict:
@@ -56,7 +53,7 @@ def run(k: int, in_process: bool) -> dict:
         streams.append({"utts": utts, "starts": starts, "i": 0, "fed": 0, "begun": False, "finishing": None})
     lags, finals = [], []
     me = psutil.Process()
-    cpu0 = cpu_s(me)
+    cpu0 = cpu_s(family(me))
     t0 = time.monotonic()
     tick = 0
 
@@ -107,7 +104,7 @@ def run(k: int, in_process: bool) -> dict:
                 conclude(j)
         tick += 1
     wall = time.monotonic() - t0
-    cpu = cpu_s(me) - cpu0
+    cpu = cpu_s(family(me)) - cpu0
     if pool is not None:
         pool.shutdown()
     for d in decoders:

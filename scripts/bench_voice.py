@@ -42,6 +42,7 @@ import redis
 import websockets
 
 from scripts.flite import SENTENCES, flite_missing, noise, speech
+from scripts.procstats import cpu_s, family
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.schema import Heartbeat
@@ -153,18 +154,6 @@ def latencies(conns: list[Conn]) -> list[float]:
     return after_speech
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    """CPU seconds of a process and its children (a speech worker decodes in child processes)."""
-    total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def scrape(metrics_url: str, series: str) -> float:
     """One series' value from a Prometheus endpoint (0 when absent)."""
     for line in httpx.get(metrics_url, timeout=5).text.splitlines():
@@ -233,8 +222,8 @@ async def measure(args, http: str, metrics_url: str, rds_url: str, gw: psutil.Pr
     samples: list[tuple[int, int, int, int]] = []
     done = asyncio.Event()
     sampler = asyncio.create_task(sample_slots(rds, keys, metrics_url, samples, done))
-    gw_cpu0 = cpu_s(gw)
-    wk_cpu0 = [cpu_s(w) for w, _ in workers]
+    gw_cpu0 = cpu_s(family(gw))
+    wk_cpu0 = [cpu_s(family(w)) for w, _ in workers]
     wk_audio0 = [audio_decoded(url) for _, url in workers]
     t_start = time.monotonic()
     started.set()
@@ -245,10 +234,10 @@ async def measure(args, http: str, metrics_url: str, rds_url: str, gw: psutil.Pr
         speaking.append(len(conns) if vad == "off" else
                         sum(1 for c in conns if any(s <= ms < e for s, e in c.speech_spans)))
     await asyncio.sleep(max(0.0, t_start + args.seconds - time.monotonic()))
-    gw_cpu = cpu_s(gw) - gw_cpu0
+    gw_cpu = cpu_s(family(gw)) - gw_cpu0
     gw_wall = time.monotonic() - t_start
     await asyncio.gather(*tasks, return_exceptions=True)
-    wk_cpu = [cpu_s(w) - c0 for (w, _), c0 in zip(workers, wk_cpu0)]
+    wk_cpu = [cpu_s(family(w)) - c0 for (w, _), c0 in zip(workers, wk_cpu0)]
     wk_audio = [audio_decoded(url) - a0 for (_, url), a0 in zip(workers, wk_audio0)]
     done.set()
     await sampler

@@ -1,0 +1,61 @@
+"""What the benchmarks read of the processes they start: CPU seconds and memory of a
+process and its children (psutil), and a polite stop. Benchmark code only."""
+
+from __future__ import annotations
+
+import subprocess
+
+import psutil
+
+__all__ = ["family", "tree", "cpu_s", "rss_mib", "stop"]
+
+
+def family(proc: psutil.Process) -> list[psutil.Process]:
+    """A process and all its children (a speech worker decodes in child processes)."""
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return [proc]
+
+
+def tree(pids: list[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` (the gone ones left out) and all their children."""
+    out = []
+    for pid in pids:
+        try:
+            out += family(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``procs`` (a process that is gone counts 0)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def rss_mib(procs: list[psutil.Process]) -> float:
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def stop(p: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    p.terminate()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
