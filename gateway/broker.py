@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, RedisTarget, connect
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
 from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord,
                                        Task, decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
@@ -77,7 +77,7 @@ class Broker:
         self._closing = False
         self.healthy = False
         self._replays = asyncio.Semaphore(REPLAY_READS)
-        self.target = RedisTarget.parse(settings.redis_url, settings.redis_cluster)
+        self.target = settings.redis_target()
         #: a cluster's sharded subscriptions (docs/cluster.md); None on a single server
         self._shards: ShardSubscriptions | None = None
 

@@ -51,17 +51,16 @@ class CommonSettings(BaseSettings):
     #: (fields and defaults: shared/tiers.py); empty = the default tiers
     tiers: str = ""
 
-
     @model_validator(mode="after")
     def _cluster_from_url(self):
+        self.redis_cluster = self.redis_target().cluster  # (a bad URL is refused here, by name)
+        return self
+
+    def redis_target(self):
+        """Where Redis is: ``shared.redis.RedisTarget`` (one server, or a cluster's seeds)."""
         from streamfleet.shared.redis import RedisTarget
 
-        try:
-            target = RedisTarget.parse(self.redis_url, self.redis_cluster)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-        self.redis_cluster = target.cluster
-        return self
+        return RedisTarget.parse(self.redis_url, self.redis_cluster)
 
     def keys(self):
         """The key names of this fleet (prefix, cluster or not): ``shared.keys.Keys``."""

@@ -16,7 +16,7 @@ import time
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.pubsub import ShardSubscriptions
-from streamfleet.shared.redis import BROKER_ERRORS, RedisTarget
+from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import Cancel, Follow
 
 from streamfleet.workers.context import Part, WorkerContext
@@ -95,8 +95,7 @@ class ControlChannel(Part):
     async def _run_sharded(self) -> None:
         """On a Redis Cluster: the model's three channels share its lanes' slot and are
         SSUBSCRIBEd on that shard's primary, moved with it on a failover or reshard."""
-        target = RedisTarget.parse(self.settings.redis_url, True)
-        shards = ShardSubscriptions(self.redis, target.node_url, self._route, timeout=self.settings.redis_socket_timeout_s,
+        shards = ShardSubscriptions(self.redis, self.settings.redis_target().node_url, self._route, timeout=self.settings.redis_socket_timeout_s,
                                     client_name=f"sf-worker-{self.worker_id}-control", on_restored=lambda chs: None,
                                     on_lost=lambda chs: None, failover_s=self.settings.redis_failover_s, log=log)
         for ch in (self._cancel, self._wake, self._follow):
