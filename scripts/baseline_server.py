@@ -60,7 +60,8 @@ class Gen:
 
 @dataclass
 class EchoBatcher:
-    """A plain continuous-batching loop over an EchoEngine.
+    """A plain continuous-batching loop over an EchoEngine (or any fleet engine:
+    ``build_batcher``'s ``backend``).
 
     ``submit`` queues a generation; the loop admits what fits between steps, runs
     prefill (new sequences) and decode (running ones) in a thread, and hands each
@@ -170,9 +171,17 @@ class EchoBatcher:
 
 
 def build_batcher(model: str, delay_ms: float, max_batch: int, engines_dir: str | None = None,
-                  on_step=None) -> EchoBatcher:
+                  on_step=None, backend: str = "echo") -> EchoBatcher:
+    """The loop over ``model``'s ``EchoEngine`` (``delay_ms`` per call), or with
+    ``backend`` another of the fleet's engines (``onnxruntime``: the model's own weights,
+    the same engine class a CPU worker runs)."""
     spec = ModelRepository(engines_dir).get(model)
-    engine = EchoEngine(spec, delay_ms=delay_ms)
+    if backend == "echo":
+        engine = EchoEngine(spec, delay_ms=delay_ms)
+    else:
+        from streamfleet.workers.engines import load_engine
+
+        engine = load_engine(spec, backend)
     return EchoBatcher(engine=engine, tokenizer=load_tokenizer(spec), max_batch=min(max_batch, engine.max_batch),
                        on_step=on_step)
 

@@ -43,7 +43,8 @@ class PeerState:
             self.batcher = build_batcher(os.environ.get("PEER_MODEL", "tiny-gpt"),
                                          float(os.environ.get("PEER_DELAY_MS", "10")),
                                          int(os.environ.get("PEER_MAX_BATCH", "256")),
-                                         os.environ.get("PEER_ENGINES_DIR") or None).start()
+                                         os.environ.get("PEER_ENGINES_DIR") or None,
+                                         backend=os.environ.get("PEER_BACKEND", "echo")).start()
         return self.batcher
 
 

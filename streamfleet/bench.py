@@ -16,8 +16,9 @@ Load shapes:
 
 Connections: over WebSocket, ``concurrency`` connections (a closed-loop client each;
 open-loop requests round-robin over them, multiplexed by id); over SSE each request is
-its own HTTP stream; over gRPC one ``Generate`` call per request, on one HTTP/2 channel
-per ``GRPC_CALLS_PER_CHANNEL`` of concurrency (round-robin).
+one HTTP stream on a pool of keep-alive connections, read straight off the socket; over
+gRPC one ``Generate`` call per request, on one HTTP/2 channel per
+``GRPC_CALLS_PER_CHANNEL`` of concurrency (round-robin).
 
 The run ends after ``requests`` requests or ``duration`` seconds, whichever comes
 first; requests in flight at the deadline finish and count. ``run_comparison`` runs the
@@ -35,12 +36,14 @@ import asyncio
 import itertools
 import math
 import random
+import ssl
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
@@ -361,74 +364,254 @@ class _WsConn:
                     pass
 
 
-async def _sse_request(http: httpx.AsyncClient, base: str, cfg: BenchConfig, rec: RequestRecord,
-                       body: dict) -> None:
-    headers = {"X-Priority": rec.lane}
-    if cfg.api_key:
-        headers["Authorization"] = f"Bearer {cfg.api_key}"
-    perf = time.perf_counter
-    try:
-        async with asyncio.timeout(cfg.timeout):
-            async with http.stream("POST", base + "/v1/completions", json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    raw = await r.aread()
-                    try:
-                        rec.error = str(orjson.loads(raw)["error"]["code"])
-                    except (orjson.JSONDecodeError, KeyError, TypeError):
-                        rec.error = f"http_{r.status_code}"
-                    rec.end = perf()
+class _HttpStream(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of ``_SseClient``, reading one streamed
+    response at a time straight from the socket (no reader task, no line iterator): each
+    read is parsed in ``data_received`` and every SSE event in it is stamped with the
+    read's arrival time. It parses what a streaming server sends (a status line, headers,
+    then a chunked or ``Content-Length`` body) and nothing more."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.used = False  # a response was read on it before (a stale keep-alive may close)
+        self.got_bytes = False
+        self.buf = bytearray()
+        self.rec: RequestRecord | None = None
+        self.done: asyncio.Future | None = None
+        self.state = "head"
+        self.status = 0
+        self.keep_alive = True
+        self.chunked = False
+        self.left = 0  # body bytes still due (Content-Length), or the current chunk's
+        self.body = bytearray()  # an error response's body
+        self.events = bytearray()  # SSE text not yet split into events
+        self.chunks = 0
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the server closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        if self.done is None or self.done.done():
+            return  # nothing asked for: a stray byte after a response ends
+        self.got_bytes = True
+        self.buf += data
+        try:
+            self._parse(time.perf_counter())
+        except (ValueError, IndexError) as exc:
+            self.keep_alive = False
+            self.done.set_exception(ConnectionError(f"malformed response: {exc}"))
+
+    # -- one request ----------------------------------------------------------------------
+    def start(self, rec: RequestRecord, head: bytes, body: bytes) -> asyncio.Future:
+        self.rec, self.state, self.status, self.chunks = rec, "head", 0, 0
+        self.keep_alive, self.chunked, self.left = True, False, 0
+        self.got_bytes = False
+        self.buf.clear()
+        self.body.clear()
+        self.events.clear()
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(head + body)
+        return self.done
+
+    def _parse(self, now: float) -> None:
+        buf = self.buf
+        while not self.done.done():
+            if self.state == "head":
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
                     return
-                chunks = 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    now = perf()
-                    data = line[6:]
-                    if data == "[DONE]":
-                        rec.end = now
-                        break
-                    chunk = orjson.loads(data)
-                    if "error" in chunk:
-                        rec.error = str((chunk["error"] or {}).get("code") or "error")
-                        continue
-                    for choice in chunk.get("choices") or ():
-                        if choice.get("text"):
-                            chunks += 1
-                            rec.token_times.append(now)
-                    if chunk.get("usage"):
-                        rec.tokens = int(chunk["usage"].get("completion_tokens", chunks))
-                if rec.end is None and rec.error is None:
-                    rec.error = "stream_truncated"
-                if not rec.tokens:
-                    rec.tokens = chunks
-    except TimeoutError:
-        rec.error = "timeout"
-    except httpx.HTTPError:
-        rec.error = "connection_error"
-    if rec.end is None:
-        rec.end = perf()
+                lines = bytes(buf[:end]).split(b"\r\n")
+                del buf[:end + 4]
+                self.status = int(lines[0].split(b" ", 2)[1])
+                length = None
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name, value = name.strip().lower(), value.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"transfer-encoding":
+                        self.chunked = b"chunked" in value
+                    elif name == b"connection":
+                        self.keep_alive = value != b"close"
+                if self.chunked:
+                    self.state = "size"
+                elif length is not None:
+                    self.state, self.left = "data", length
+                else:  # the body runs to the end of the connection
+                    self.state, self.left, self.keep_alive = "data", 1 << 62, False
+            elif self.state == "size":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+                del buf[:end + 2]
+                if size == 0:
+                    self.state = "trailer"
+                else:
+                    self.state, self.left = "data", size
+            elif self.state == "data":
+                if not buf:
+                    return
+                take = buf[:self.left]
+                del buf[:len(take)]
+                self.left -= len(take)
+                self._body(take, now)
+                if self.left == 0:
+                    if self.chunked:
+                        self.state = "crlf"
+                    else:
+                        self._finish()
+            elif self.state == "crlf":
+                if len(buf) < 2:
+                    return
+                del buf[:2]
+                self.state = "size"
+            else:  # "trailer": none expected; the body ends with an empty line
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                del buf[:end + 2]
+                if end == 0:
+                    self._finish()
+
+    def _body(self, data: bytearray, now: float) -> None:
+        if self.status != 200:
+            self.body += data
+            return
+        self.events += data
+        ev = self.events
+        rec = self.rec
+        while (end := ev.find(b"\n\n")) >= 0:
+            block = bytes(ev[:end])
+            del ev[:end + 2]
+            for line in block.split(b"\n"):
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:]
+                if payload == b"[DONE]":
+                    rec.end = now
+                    continue
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    rec.error = str((chunk["error"] or {}).get("code") or "error")
+                    continue
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):
+                        self.chunks += 1
+                        rec.token_times.append(now)
+                if chunk.get("usage"):
+                    rec.tokens = int(chunk["usage"].get("completion_tokens", self.chunks))
+
+    def _finish(self) -> None:
+        rec = self.rec
+        if self.status != 200:
+            try:
+                rec.error = str(orjson.loads(bytes(self.body))["error"]["code"])
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                rec.error = f"http_{self.status}"
+        else:
+            if rec.end is None and rec.error is None:
+                rec.error = "stream_truncated"
+            if not rec.tokens:
+                rec.tokens = self.chunks
+        self.state = "done"
+        self.used = True
+        self.done.set_result(None)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+        self.closed = True
 
 
 class _SseClient:
-    """HTTP streams to /v1/completions, one per request, over one pooled client."""
+    """SSE streams to /v1/completions over a pool of keep-alive HTTP/1.1 connections,
+    one request at a time on each (as an HTTP client library would pool them), read by
+    ``_HttpStream``: per token, one parse of the chunk and a timestamp, so the client's
+    own CPU stays small next to the server's (its cost is printed by the benchmarks)."""
 
     def __init__(self, base: str, cfg: BenchConfig) -> None:
         self.base = base
         self.cfg = cfg
-        self.http: httpx.AsyncClient | None = None
+        parts = urlsplit(base)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.idle: list[_HttpStream] = []
+        self.all: set[_HttpStream] = set()
 
-    async def open(self) -> None:
-        c = self.cfg
-        limits = httpx.Limits(max_connections=None if c.rate else c.concurrency,
-                              max_keepalive_connections=None if c.rate else c.concurrency)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=limits)
+    async def open(self) -> None:  # connections open as requests need them
+        conn = await self._connect()
+        self.idle.append(conn)
 
     async def close(self) -> None:
-        if self.http is not None:
-            await self.http.aclose()
+        for conn in self.all:
+            conn.close()
+        self.all.clear()
+        self.idle.clear()
+
+    async def _connect(self) -> _HttpStream:
+        loop = asyncio.get_running_loop()
+        ctx = ssl.create_default_context() if self.tls else None
+        async with asyncio.timeout(10.0):
+            _, conn = await loop.create_connection(_HttpStream, self.host, self.port, ssl=ctx)
+        self.all.add(conn)
+        return conn
+
+    def _head(self, rec: RequestRecord, body: bytes) -> bytes:
+        lines = [f"POST {self.prefix}/v1/completions HTTP/1.1", f"Host: {self.host}:{self.port}",
+                 "Content-Type: application/json", "Accept: text/event-stream",
+                 f"Content-Length: {len(body)}", f"X-Priority: {rec.lane}"]
+        if self.cfg.api_key:
+            lines.append(f"Authorization: Bearer {self.cfg.api_key}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
     async def request(self, rec: RequestRecord, body: dict) -> None:
-        await _sse_request(self.http, self.base, self.cfg, rec, body)
+        raw = orjson.dumps(body)
+        head = self._head(rec, raw)
+        conn: _HttpStream | None = None
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                for attempt in range(2):
+                    conn = None
+                    while self.idle and conn is None:
+                        c = self.idle.pop()
+                        conn = None if c.closed else c
+                    reused = conn is not None
+                    if conn is None:
+                        conn = await self._connect()
+                    try:
+                        await conn.start(rec, head, raw)
+                        break
+                    except ConnectionError:
+                        # a kept-alive connection the server had closed before reading this
+                        # request: once more on a fresh one
+                        if reused and not conn.got_bytes and attempt == 0:
+                            conn.close()
+                            self.all.discard(conn)
+                            continue
+                        raise
+        except TimeoutError:
+            rec.error = "timeout"
+        except (ConnectionError, OSError):
+            rec.error = rec.error or "connection_error"
+        finally:
+            if conn is not None:
+                if conn.state == "done" and conn.keep_alive and not conn.closed:
+                    self.idle.append(conn)
+                else:
+                    conn.close()
+                    self.all.discard(conn)
+        if rec.end is None:
+            rec.end = time.perf_counter()
 
 
 class _GrpcChannel:
