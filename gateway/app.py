@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 from starlette.websockets import WebSocket
 import orjson
 
@@ -24,7 +24,7 @@ from streamfleet.shared.settings import GatewaySettings
 from streamfleet.gateway import demo, openai
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.origin import OriginGuard
+from streamfleet.gateway.origin import OriginGuard, refused_origin
 from streamfleet.gateway.validation import Validator
 from streamfleet.gateway.voice import SileroBatch, audio_stream
 from streamfleet.gateway.ws import websocket_stream
@@ -149,25 +149,37 @@ async def refresh_fleet_gauges(hub: Hub) -> None:
         m.redis_errors.labels("metrics").inc()
 
 
-#: the WebSocket doors, served by ``websocket_front`` without the HTTP stack in between
+#: the WebSocket doors, served by ``front`` without the HTTP stack in between
 WEBSOCKET_ROUTES = {"/v1/stream": websocket_stream, "/v1/audio/stream": audio_stream}
+#: the OpenAI generation doors (POST), served by ``front`` the same way
+STREAM_ROUTES = {"/v1/completions": openai.completions, "/v1/chat/completions": openai.chat_completions}
 
 
-def websocket_front(app: FastAPI):
+def front(app: FastAPI):
     """The ASGI app uvicorn runs: a WebSocket to one of ``WEBSOCKET_ROUTES`` goes straight
-    to its session; everything else (HTTP, lifespan, any other path) to ``app``.
+    to its session, a POST to one of ``STREAM_ROUTES`` straight to its handler;
+    everything else (other HTTP routes, lifespan, any other path) to ``app``.
 
-    FastAPI's middleware, exception handlers, exit stacks and routing hold about 12 KiB per
-    connection for as long as it stays open — a third of an idle WebSocket's cost — and
-    give a WebSocket session nothing it uses: it checks its Origin and answers its own
-    errors (docs/operations.md, "Idle connections"). The routes stay registered on ``app``
-    as well, for in-process test clients.
+    FastAPI's middleware, exception handlers, exit stacks and routing give these doors
+    nothing they use (they check the Origin, read their bodies within their limits and
+    answer every refusal themselves), yet cost on every request and every token:
+
+    * a WebSocket: about 12 KiB held per connection for as long as it stays open, a third
+      of an idle WebSocket's cost (docs/operations.md, "Idle connections");
+    * an SSE stream: each token's ``send`` passes through every middleware's wrapper, and
+      routing and the exit stacks run per request (docs/status.md, "Beside the peers").
+
+    The routes stay registered on ``app`` as well (in-process test clients, the OpenAPI
+    document); what the stack would add is done here: the Origin check of
+    ``gateway.origin.OriginGuard`` and the last-resort 500 of ``create_app``.
     """
-    routes = WEBSOCKET_ROUTES
+    sockets, streams = WEBSOCKET_ROUTES, STREAM_ROUTES
+    allowed = app.state.hub.settings.allowed_origins
 
-    async def front(scope, receive, send) -> None:
-        if scope["type"] == "websocket":
-            handler = routes.get(scope["path"])
+    async def serve(scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "websocket":
+            handler = sockets.get(scope["path"])
             if handler is not None:
                 scope["app"] = app
                 try:
@@ -175,9 +187,37 @@ def websocket_front(app: FastAPI):
                 except Exception:  # as the HTTP stack's last handler would, without a traceback per client
                     log.exception("websocket session failed", path=scope["path"])
                 return
+        elif kind == "http" and scope["method"] == "POST":
+            handler = streams.get(scope["path"])
+            if handler is not None:
+                scope["app"] = app
+                await _stream_route(handler, allowed, scope, receive, send)
+                return
         await app(scope, receive, send)
 
-    return front
+    return serve
+
+
+async def _stream_route(handler, allowed_origins: str, scope, receive, send) -> None:
+    """One POST to a generation door, as ``app`` would serve it."""
+    refusal = refused_origin(scope, allowed_origins)
+    if refusal is not None:
+        await openai.openai_error_response(refusal)(scope, receive, send)
+        return
+    request = Request(scope, receive)
+    try:
+        response = await handler(request)
+    except ClientDisconnect:  # a body cut short: nobody reads the answer (as create_app's handler)
+        response = Response(status_code=499)
+    except Exception:
+        log.exception("unhandled error", path=scope["path"])
+        response = openai.openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
+    try:
+        await response(scope, receive, send)
+    except ClientDisconnect:
+        pass
+    except Exception:  # mid-stream: the server closes the connection; the client sees it cut short
+        log.exception("stream failed", path=scope["path"])
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

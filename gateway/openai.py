@@ -34,7 +34,7 @@ from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.streams import End, Failed, Token
+from streamfleet.gateway.streams import TICK, End, Failed, Token
 from streamfleet.gateway.validation import MAX_SEED, MAX_TOP_LOGPROBS, UNSUPPORTED
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.shared.grammar import CONSTRAINTS
@@ -685,36 +685,37 @@ class _ChoiceStream:
 
 async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Shape,
                       include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body of one choice. Keepalives come from the stream itself
+    (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
+    finish chunk, the usage chunk, ``[DONE]``) goes out as one write."""
     choice = _ChoiceStream(shape, 0, include_usage)
-    ticks = _ticking(events, hub.settings.sse_keepalive_s)
+    req.stream.tick_s = hub.settings.sse_keepalive_s
     try:
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True, usage_null=include_usage))
-        async for ev in ticks:
-            if ev is None:
+        async for ev in events:
+            if ev is TICK:
                 yield b": keepalive\n\n"
-                continue
-            if isinstance(ev, Token):
-                eid = _event_id(req.request_id, req.resume_token, ev.index)
-                for chunk in choice.token(ev):
-                    yield _sse(chunk, eid)
+            elif isinstance(ev, Token):
+                chunks = choice.token(ev)
+                if chunks:
+                    eid = _event_id(req.request_id, req.resume_token, ev.index)
+                    yield b"".join(_sse(chunk, eid) for chunk in chunks)
             elif isinstance(ev, End):
-                for chunk in choice.end(ev):
-                    yield _sse(chunk)
+                tail = [_sse(chunk) for chunk in choice.end(ev)]
                 if include_usage:
-                    yield _sse(shape.usage_chunk(ev))
-                yield _sse("[DONE]")
+                    tail.append(_sse(shape.usage_chunk(ev)))
+                tail.append(b"data: [DONE]\n\n")
+                yield b"".join(tail)
                 req.delivered()
                 return
             elif isinstance(ev, Failed):
-                yield _sse(ev.error.to_openai())
-                yield _sse("[DONE]")
+                yield _sse(ev.error.to_openai()) + b"data: [DONE]\n\n"
                 req.delivered()
                 return
     finally:
         with anyio.CancelScope(shield=True):
-            await ticks.aclose()
-            await stop_events(None, events)  # (closed already, unless never read)
+            await stop_events(None, events)
         # the slot goes back only if the request ended; one left running (the client left)
         # keeps it until the worker ends it (ClientRequest.release)
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")

@@ -25,7 +25,7 @@ from streamfleet.shared.errors import ErrorCode, StreamfleetError
 
 from streamfleet.gateway.openai import openai_error_response
 
-__all__ = ["origin_allowed", "OriginGuard"]
+__all__ = ["refused_origin", "origin_allowed", "OriginGuard"]
 
 #: the scheme a same-origin page has, by the scheme of the request it makes
 _PAGE_SCHEME = {"http": "http", "ws": "http", "https": "https", "wss": "https"}
@@ -95,11 +95,19 @@ class OriginGuard:
         self.allowed_origins = allowed_origins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
-            headers = Headers(scope=scope)
-            origin = headers.get("origin")
-            if not origin_allowed(origin, headers.get("host"), scope.get("scheme", "http"), self.allowed_origins):
-                error = StreamfleetError(f"origin {origin!r} is not allowed", code=ErrorCode.forbidden)
-                await openai_error_response(error)(scope, receive, send)
-                return
+        refusal = refused_origin(scope, self.allowed_origins)
+        if refusal is not None:
+            await openai_error_response(refusal)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+def refused_origin(scope: Scope, allowed_origins: str) -> StreamfleetError | None:
+    """The ``forbidden`` error for an HTTP request that may change something (POST, ...)
+    from an ``Origin`` that ``origin_allowed`` refuses; None when it may go on."""
+    if scope["type"] == "http" and scope["method"] not in SAFE_METHODS:
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if not origin_allowed(origin, headers.get("host"), scope.get("scheme", "http"), allowed_origins):
+            return StreamfleetError(f"origin {origin!r} is not allowed", code=ErrorCode.forbidden)
+    return None

@@ -16,7 +16,7 @@ from streamfleet.shared import aio
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.app import create_app, websocket_front
+from streamfleet.gateway.app import create_app, front
 from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
@@ -146,7 +146,7 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
                 metrics_sock.close()
             return 2
     config = uvicorn.Config(
-        websocket_front(app),
+        front(app),
         host=settings.host,
         port=settings.port,
         ws=LeanWebSocketProtocol,  # the `websockets` library's sans-I/O protocol

@@ -37,7 +37,7 @@ from streamfleet.shared.errors import ErrorCode, GenerationError, NotFoundError,
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
-__all__ = ["Token", "End", "Failed", "StreamEvent", "RequestStream", "ReplyChannel"]
+__all__ = ["Token", "End", "Failed", "StreamEvent", "RequestStream", "ReplyChannel", "TICK"]
 
 log = get_logger("gateway.streams")
 
@@ -89,6 +89,19 @@ StreamEvent = Union[Token, End, Failed]
 _WAKE = object()
 
 
+class Tick:
+    """Yielded by a stream with ``tick_s`` set when that long passed without an event
+    (the SSE adapter sends a keepalive comment then)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TICK"
+
+
+TICK = Tick()
+
+
 class RequestStream:
     """One request's events, in order, each index once, ending with ``End`` or ``Failed``.
 
@@ -136,6 +149,12 @@ class RequestStream:
         self._resync = resumed  # a resume replays the log before anything else
         self.created = time.monotonic()
         self._last_event = self.created
+        #: yield ``TICK`` after this many seconds without an event (None: never). A tick is
+        #: checked in the wait the stream does anyway, so it costs nothing per token (no
+        #: task or timer of its own)
+        self.tick_s: float | None = None
+        self._yielded = self.created  # when the consumer last got something
+        self._wait_until: float | None = None  # the wait a tick interrupted, resumed after it
 
     # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
     def feed(self, ev: Event, from_log: bool = False) -> None:
@@ -245,12 +264,36 @@ class RequestStream:
             self.gaps_repaired += 1
         return True
 
-    async def next(self) -> StreamEvent:
-        """The next event; ``Failed(timeout)`` when the deadline or stall limit passes."""
+    async def next(self) -> StreamEvent | Tick:
+        """The next event; ``Failed(timeout)`` when the deadline or stall limit passes;
+        ``TICK`` when ``tick_s`` passed without one."""
         while True:
             ev = await self._next()
             if ev is not _WAKE:
+                if ev is not TICK:
+                    self._wait_until = None  # an event ends the wait a tick interrupted
+                if self.tick_s is not None:
+                    self._yielded = time.monotonic()
                 return ev
+
+    async def _get(self, wait: float) -> StreamEvent | Tick | None:
+        """The next queued event within ``wait`` seconds (None: the wait passed), or
+        ``TICK`` first when one falls due sooner; the wait it interrupted goes on from where
+        it was at the next call."""
+        now = time.monotonic()
+        if self._wait_until is None:
+            self._wait_until = now + wait
+        tick_at = self._yielded + self.tick_s if self.tick_s is not None else None
+        ticking = tick_at is not None and tick_at < self._wait_until
+        try:  # asyncio.timeout, not wait_for: no extra task per token
+            async with asyncio.timeout(max(0.0, (tick_at if ticking else self._wait_until) - now)):
+                ev = await self._queue.get()
+        except TimeoutError:
+            if ticking:
+                return TICK
+            self._wait_until = None
+            return None
+        return ev
 
     async def _next(self) -> StreamEvent:
         if self._resync and not self.finished:
@@ -273,11 +316,9 @@ class RequestStream:
                     wait = min(wait, CATCH_UP_AFTER_S)
             else:
                 wait = min(CATCH_UP_AFTER_S, self.stall_timeout_s)
-            try:  # asyncio.timeout, not wait_for: no extra task per token
-                async with asyncio.timeout(wait):
-                    return await self._queue.get()
-            except TimeoutError:
-                pass
+            ev = await self._get(wait)
+            if ev is not None:
+                return ev
             if not self.started:
                 if self.resumed:
                     await self._read_log()
