@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Union
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, NotFoundError, StreamfleetError, UnavailableError, \
     error_from_code
 from streamfleet.shared.logging import get_logger
@@ -87,6 +88,8 @@ StreamEvent = Union[Token, End, Failed]
 
 #: queued to wake a waiting consumer (see ``RequestStream.resync``); never yielded
 _WAKE = object()
+#: queued by a stream's timer when the wait it was armed for may be over; never yielded
+_TIMER = object()
 
 
 class Tick:
@@ -142,7 +145,7 @@ class RequestStream:
         self.gaps_skipped = 0
         self.trace_id = ""
         self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
-        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._queue = aio.LightQueue()  # StreamEvent, _WAKE or _TIMER; one consumer
         self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
         self._final: StreamEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
@@ -155,6 +158,9 @@ class RequestStream:
         self.tick_s: float | None = None
         self._yielded = self.created  # when the consumer last got something
         self._wait_until: float | None = None  # the wait a tick interrupted, resumed after it
+        self._due: float | None = None  # when the consumer's current wait ends (None: not waiting)
+        self._timer: asyncio.TimerHandle | None = None  # armed for ``_timer_at``, or later
+        self._timer_at = 0.0
 
     # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
     def feed(self, ev: Event, from_log: bool = False) -> None:
@@ -225,6 +231,9 @@ class RequestStream:
         self._ahead.clear()
         self._final = None
         self._queue.put_nowait(ev)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def drop_pending(self) -> bool:
         """Drop the events queued for a consumer that is gone (a closed connection's
@@ -269,7 +278,7 @@ class RequestStream:
         ``TICK`` when ``tick_s`` passed without one."""
         while True:
             ev = await self._next()
-            if ev is not _WAKE:
+            if ev is not _WAKE and ev is not _TIMER:  # (a timer's mark that events overtook)
                 if ev is not TICK:
                     self._wait_until = None  # an event ends the wait a tick interrupted
                 if self.tick_s is not None:
@@ -279,21 +288,51 @@ class RequestStream:
     async def _get(self, wait: float) -> StreamEvent | Tick | None:
         """The next queued event within ``wait`` seconds (None: the wait passed), or
         ``TICK`` first when one falls due sooner; the wait it interrupted goes on from where
-        it was at the next call."""
+        it was at the next call.
+
+        Every token is waited for, yet hardly any wait runs out: rather than a timer armed
+        and cancelled per token (``asyncio.timeout``), the stream keeps one timer that,
+        when it fires early (the wait it was armed for was met, and a later one begun),
+        re-arms itself for the wait under way — one timer event per stream every few
+        seconds instead of two heap operations per token."""
         now = time.monotonic()
         if self._wait_until is None:
             self._wait_until = now + wait
         tick_at = self._yielded + self.tick_s if self.tick_s is not None else None
         ticking = tick_at is not None and tick_at < self._wait_until
-        try:  # asyncio.timeout, not wait_for: no extra task per token
-            async with asyncio.timeout(max(0.0, (tick_at if ticking else self._wait_until) - now)):
+        self._due = due = tick_at if ticking else self._wait_until
+        if self._timer is None or self._timer_at > due:
+            self._arm(due)
+        try:
+            while True:
                 ev = await self._queue.get()
-        except TimeoutError:
-            if ticking:
-                return TICK
-            self._wait_until = None
-            return None
-        return ev
+                if ev is not _TIMER:
+                    return ev
+                if time.monotonic() >= due:
+                    break
+                self._arm(due)  # a mark from a wait already over
+        finally:
+            self._due = None
+        if ticking:
+            return TICK
+        self._wait_until = None
+        return None
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None:  # nobody waits: the next wait arms it again
+            return
+        if time.monotonic() >= due:
+            self._queue.put_nowait(_TIMER)
+        else:  # the wait it was armed for was met; this one ends later
+            self._arm(due)
 
     async def _next(self) -> StreamEvent:
         if self._resync and not self.finished:

@@ -74,8 +74,8 @@ def raise_open_files_limit(wanted: int = 0) -> dict[str, int]:
 
 
 class LightQueue:
-    """A first-in-first-out queue for one consumer: ``put_nowait``, ``get``, ``empty``,
-    as a list and at most one waiting future. Every WebSocket holds two (uvicorn's receive
+    """A first-in-first-out queue for one consumer: ``put_nowait``, ``get``,
+    ``get_nowait``, ``empty``, as a list and at most one waiting future. Every WebSocket holds two (uvicorn's receive
     queue and the connection's outbox); an ``asyncio.Queue`` holds four deques, about
     3 KiB, idle or not (docs/operations.md, "Idle connections")."""
 
@@ -93,6 +93,12 @@ class LightQueue:
 
     def empty(self) -> bool:
         return not self._items
+
+    def get_nowait(self):
+        """The first item; ``asyncio.QueueEmpty`` when there is none."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.pop(0)
 
     async def get(self):
         while not self._items:

@@ -9,7 +9,7 @@ import time
 from streamfleet.shared.errors import UnavailableError
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 
-from streamfleet.gateway.streams import End, Failed, RequestStream, Token
+from streamfleet.gateway.streams import TICK, End, Failed, RequestStream, Token
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:
@@ -180,3 +180,46 @@ async def test_drop_pending_discards_what_nobody_reads_and_tells_the_end():
     s.feed(done(3))
     assert s.drop_pending() is True and s.next_index == 3
     assert s.drop_pending() is True  # nothing left: still finished
+
+
+async def test_ticks_come_when_nothing_else_does_and_never_postpone_the_catch_up(monkeypatch):
+    """``tick_s`` (the SSE keepalive): a stream silent that long yields TICK; ticks more
+    frequent than the catch-up read do not hold the read off (the lost final event is
+    still found in the log), and events delivered in between reset the tick."""
+    monkeypatch.setattr("streamfleet.gateway.streams.CATCH_UP_AFTER_S", 0.3)
+    log = [(b"1-0", tok(0)), (b"2-0", done(1))]
+    s = make(log)
+    s.tick_s = 0.05
+    s.feed(tok(0))  # the done message was lost: only the log has it
+    t0 = time.monotonic()
+    evs = await asyncio.wait_for(drain(s), 5)
+    assert isinstance(evs[0], Token) and isinstance(evs[-1], End)
+    ticks = [e for e in evs if e is TICK]
+    assert 3 <= len(ticks) <= 8, evs  # about one per 0.05 s of the 0.3 s wait
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_a_busy_stream_keeps_one_timer_not_one_per_token(monkeypatch):
+    """Waiting for each token arms no timer of its own (``asyncio.timeout`` would arm and
+    cancel one per token): a stream that waits for each of 200 tokens schedules a
+    handful of timers."""
+    loop = asyncio.get_running_loop()
+    timers = []
+    for name in ("call_later", "call_at"):
+        real = getattr(loop, name)
+        monkeypatch.setattr(loop, name, lambda *a, _real=real, **k: timers.append(a) or _real(*a, **k))
+    s = make()
+    s.tick_s = 15.0
+    fed = []
+
+    def feed_one() -> None:  # one token per loop turn: the consumer waits for every one
+        i = len(fed)
+        fed.append(i)
+        s.feed(tok(i) if i < 200 else done(200))
+        if i < 200:
+            loop.call_soon(feed_one)
+
+    loop.call_soon(feed_one)
+    evs = await asyncio.wait_for(drain(s), 10)
+    assert [e.index for e in evs if isinstance(e, Token)] == list(range(200))
+    assert len(timers) <= 5, len(timers)  # wait_for's own, the first wait's, one re-arm when it shortens
