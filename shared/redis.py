@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -229,6 +230,29 @@ def _route_key(args: tuple) -> bytes | str | None:
     return args[1] if len(args) > 1 else None
 
 
+async def _read_replies(conn, n: int) -> list:
+    """``n`` replies from ``conn`` (an error reply as its ``ResponseError``), all within the
+    connection's socket timeout. redis-py's ``read_response`` would arm and cancel a
+    timeout of its own for every reply — a timer per token in a step's publish batch,
+    once a tenth of a worker's CPU (docs/status.md, "Beside the peers") — so the batch is
+    read under one.
+
+    Raises:
+        redis.exceptions.TimeoutError: the replies did not all come within the timeout.
+    """
+    out = []
+    try:
+        async with asyncio.timeout(conn.socket_timeout):
+            for _ in range(n):
+                try:
+                    out.append(await conn.read_response(timeout=math.inf))
+                except ResponseError as exc:
+                    out.append(exc)
+    except TimeoutError as exc:
+        raise RedisTimeoutError(f"timeout reading {n} replies from Redis") from exc
+    return out
+
+
 class RawBatch:
     """A pipeline of commands packed by hand, for the worker's per-step publish.
 
@@ -293,13 +317,7 @@ class RawBatch:
         conn = await pool.get_connection()
         try:
             await conn.send_packed_command(b"".join(self._parts), check_health=False)
-            out = []
-            for _ in self._parts:
-                try:
-                    out.append(await conn.read_response())
-                except ResponseError as exc:
-                    out.append(exc)
-            return out
+            return await _read_replies(conn, len(self._parts))
         except BaseException:
             await conn.disconnect()
             raise
@@ -381,17 +399,12 @@ class RawBatch:
         conn = node.acquire_connection()
         try:
             await conn.send_packed_command(b"".join(parts), check_health=False)
+            replies = iter(await _read_replies(conn, len(parts)))
             out = []
             for i in idxs:
                 if i in asking:
-                    try:
-                        await conn.read_response()
-                    except ResponseError:
-                        pass
-                try:
-                    out.append(await conn.read_response())
-                except ResponseError as exc:
-                    out.append(exc)
+                    next(replies)  # ASKING's own OK
+                out.append(next(replies))
             return out
         except BaseException as exc:
             await conn.disconnect()

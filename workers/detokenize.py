@@ -48,6 +48,13 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # the Rust tokenizer's own decode when the wrapper would add nothing to it (no
+        # clean-up of spaces): the wrapper's argument handling cost a worker about 5 % of
+        # its CPU at two decodes per token (docs/status.md, "Beside the peers")
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        raw = getattr(backend, "decode", None)
+        self._raw_decode = raw if raw is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False \
+            else None
         ctx = [int(i) for i in prompt_ids[-self.CONTEXT_TOKENS :]] if self.CONTEXT_TOKENS else []
         ctx_text = self._decode(ctx)
         if ctx_text.endswith(REPLACEMENT_CHAR):
@@ -67,6 +74,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._raw_decode is not None:
+            return self._raw_decode(ids, skip_special_tokens=self._skip)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
