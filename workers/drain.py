@@ -45,10 +45,20 @@ class Drain(Part):
     def due(self) -> bool:
         """Whether to hand back now: nothing runs here any more, or the drain's deadline
         passed. The first call starts the drain."""
+        self.start()
+        return not self.cores.has_work() or time.monotonic() >= self.deadline
+
+    def overdue(self) -> bool:
+        """The drain's deadline passed (its clock starts when the worker is told to stop,
+        ``start``)."""
+        return time.monotonic() >= self.start()
+
+    def start(self) -> float:
+        """Start the drain's clock (once); returns its deadline."""
         if self.deadline is None:
             self.deadline = time.monotonic() + self.timeout_s
             log.info("draining: no new tasks", in_flight=self.cores.active, drain_timeout_s=self.timeout_s)
-        return not self.cores.has_work() or time.monotonic() >= self.deadline
+        return self.deadline
 
     async def hand_back(self) -> None:
         """Give every unfinished task back to its lane so another worker runs it."""

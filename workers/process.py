@@ -233,7 +233,10 @@ class WorkerProcess:
             if st.running is None and not self.cores.has_work():
                 self.liveness.idle()
             stopping = self._stopping.is_set()
-            if stopping and st.running is None and await self._drained(st):
+            # a step cut short by a Redis error is finished first, unless Redis stays away
+            # past the drain's deadline: then the worker stops all the same (what it held
+            # stays pending in the lanes, and a live worker reclaims it)
+            if stopping and (st.running is None or self.drain.overdue()) and await self._drained(st):
                 return
             try:
                 await self._step(st, stopping)

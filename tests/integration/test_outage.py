@@ -56,3 +56,29 @@ async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_sp
         fleet.close()
         if restarted is not None:
             restarted.stop()
+
+
+async def test_worker_told_to_stop_while_redis_is_down_still_stops(own_redis, tiny_spec, tmp_path):
+    """SIGTERM to a worker whose Redis went away mid-step: it cannot finish the step (its
+    events cannot be published) nor hand its task back, yet it exits once the drain's
+    deadline passes, instead of retrying forever; the task stays pending in the lane for
+    a live worker to reclaim when Redis is back."""
+    fleet = FleetFactory(own_redis.url, "sfstop", tmp_path)
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo", echo_delay_ms=30, drain_timeout_s=1)
+        c = await Client.connect(gw.ws)
+        c.start("r", "Once upon a time", max_tokens=500, ignore_eos=True)
+        while len(c.results["r"].tokens) < 5:
+            await asyncio.sleep(0.01)
+        own_redis.proc.terminate()
+        own_redis.proc.wait(10)
+        await asyncio.sleep(0.5)  # the worker's next publish fails: its step is cut short
+        t0 = time.monotonic()
+        w.popen.terminate()
+        code = await asyncio.to_thread(w.popen.wait, 30)
+        assert code == 0, w.log()
+        assert time.monotonic() - t0 < 15, w.log()
+        await c.close()
+    finally:
+        fleet.close()
