@@ -35,6 +35,9 @@ class InFlight:
     lane: str
     message_id: bytes
     task: Task
+    #: its ack is on its way (the publisher's batch): gone from the lane's pending list
+    #: because it finished, not because another worker claimed it
+    acking: bool = False
 
 
 @dataclass(slots=True)
@@ -96,9 +99,11 @@ class InFlightTable:
     def lost(self, lane: str, message_ids: set[bytes]) -> list[tuple[str, InFlight]]:
         """Deliveries of ``lane`` that are no longer this worker's (another worker claimed
         them): drop them, held or running; returns the running ones (the caller abandons
-        them in the cores)."""
+        them in the cores). One being acked is not lost: it left the pending list because
+        it finished (the reclaimer's look may cross the publisher's ack)."""
         self.held = [d for d in self.held if not (d.lane == lane and d.message_id in message_ids)]
-        dropped = [(rid, fl) for rid, fl in self.running.items() if fl.lane == lane and fl.message_id in message_ids]
+        dropped = [(rid, fl) for rid, fl in self.running.items()
+                   if fl.lane == lane and fl.message_id in message_ids and not fl.acking]
         for rid, _ in dropped:
             del self.running[rid]
         return dropped

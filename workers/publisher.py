@@ -85,7 +85,14 @@ class Publisher(Part):
             after = (keys.log(rid),) if cluster else ()
             batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
             batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
-        results = await batch.execute(self.redis)
+        for _, fl in acked:
+            fl.acking = True
+        try:
+            results = await batch.execute(self.redis)
+        except BaseException:
+            for _, fl in acked:
+                fl.acking = False
+            raise
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             metrics.redis_errors.labels("publish").inc()

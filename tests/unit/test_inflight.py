@@ -94,6 +94,19 @@ def test_lost_deliveries_are_dropped_held_or_running():
     assert [d.message_id for d in t.held] == [b"3-0"]
 
 
+def test_a_delivery_being_acked_is_not_lost():
+    """The reclaimer reads the worker's pending deliveries while the publisher's batch
+    acks a finished one: that one left the pending list because it finished, and is not
+    "taken over by another" (the soak once logged six such warnings for finished tasks)."""
+    t = InFlightTable()
+    t.admit("normal", b"1-0", task("r1"))
+    t.admit("normal", b"2-0", task("r2"))
+    t.get("r1").acking = True
+    dropped = t.lost("normal", {b"1-0", b"2-0"})
+    assert [rid for rid, _ in dropped] == ["r2"]
+    assert "r1" in t  # the publisher forgets it once its ack is through (finish)
+
+
 def test_hand_back_empties_the_table():
     t = InFlightTable()
     t.admit("normal", b"1-0", task("r1", slot="k1"))
