@@ -1,23 +1,31 @@
 #!/usr/bin/env python
 """streamfleet beside what a user would pick instead, under one client in one run.
 
-Three servers stream the same echo workload (the fleet's ``EchoEngine``, a continuous
-batching step of ``--delay-ms``, ``--tokens`` tokens per request) over the same two doors
-(OpenAI SSE and the WebSocket frames):
+Three servers stream the same workload, ``--tokens`` tokens per request, over the same
+two doors (OpenAI SSE and the WebSocket frames). ``--engine echo`` (the default) is the
+fleet's ``EchoEngine`` with a continuous-batching step of ``--delay-ms``: no model cost,
+so what shows is each server's own overhead. ``--engine bench-gpt`` is a real model
+(34 M parameters, ``engines/bench-gpt``, made by ``scripts/make_tiny_model.py --preset
+bench`` when missing) on ONNX Runtime, the same engine class in all three servers.
 
   one-process  ``scripts/peer_app.py`` under uvicorn: the batching loop in the server's
-               own event loop (the limit any fleet is measured against)
+               own event loop, the engine on a thread (the limit any fleet is measured
+               against)
   ray-serve    the same FastAPI app as a Ray Serve deployment behind Ray's HTTP proxy
                (Ray 2.60: ``pip install -e '.[peers]'``; skipped when Ray is missing)
-  streamfleet  one gateway + one echo worker on a private Redis
+  streamfleet  one gateway + one worker on a private Redis
 
 For each server, door and concurrency (closed loop): TTFT p50/p99, inter-token p99,
-tokens/s, CPU per token of every server process (psutil, the process tree), and their
-memory; then streamfleet's figures as differences and ratios against the one-process
-server. The client is ``streamfleet.bench`` in this process; its own CPU per token is
+tokens/s, CPU per token of every server process (psutil, the process tree; for
+streamfleet also gateway, worker and Redis apart, with the tokens/s one gateway process
+would carry on a core of its own), and their memory; then the peers' figures as
+differences and ratios against the one-process server. The client is
+``streamfleet.bench`` in this process (WebSocket: the ``websockets`` client; SSE: a
+keep-alive connection pool parsed straight off the socket); its own CPU per token is
 printed with every row, so a client that cost too much shows.
 
-    python -m scripts.bench_peers [--concurrency 1,8,64,256] [--doors sse,ws] [--only one-process,streamfleet]
+    python -m scripts.bench_peers [--engine echo|bench-gpt] [--concurrency 1,8,64,256] [--doors sse,ws]
+                                  [--only one-process,ray-serve,streamfleet]
 """
 
 from __future__ import annotations

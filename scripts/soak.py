@@ -310,7 +310,8 @@ async def probe(url: str, concurrency: int, seconds: float) -> float:
 
 async def soak(args, url: str, procs, redis_url: str) -> tuple[float, list[Interval]]:
     capacity = await probe(url, args.probe_concurrency, args.probe_s)
-    mean_tokens = sum(share * n for share, n in MIX.values())
+    # tokens a request of each kind actually streams: a cancelled one stops after CANCEL_AFTER
+    mean_tokens = sum(share * (CANCEL_AFTER if kind.endswith("_cancel") else n) for kind, (share, n) in MIX.items())
     rate = args.load * capacity / mean_tokens
     print(f"capacity {capacity:,.0f} tokens/s; soak at {args.load:.0%}: {rate:.1f} requests/s "
           f"({rate * mean_tokens:,.0f} tokens/s) for {args.minutes:g} min", flush=True)
