@@ -29,26 +29,28 @@ def tree(pids: list[int]) -> list[psutil.Process]:
     return out
 
 
-def cpu_s(procs: list[psutil.Process]) -> float:
-    """User + system CPU seconds of ``procs`` (a process that is gone counts 0)."""
+def _total(procs: list[psutil.Process], measure) -> float:
+    """The sum of ``measure(p)`` over ``procs`` (a process that is gone counts 0)."""
     total = 0.0
     for p in procs:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
+            total += measure(p)
         except psutil.NoSuchProcess:
             pass
     return total
 
 
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``procs`` (a process that is gone counts 0)."""
+    def seconds(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    return _total(procs, seconds)
+
+
 def rss_mib(procs: list[psutil.Process]) -> float:
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
+    return _total(procs, lambda p: p.memory_info().rss) / 2**20
 
 
 def stop(p: subprocess.Popen, timeout: float = 10.0) -> None:
