@@ -45,8 +45,7 @@ class Drain(Part):
     def due(self) -> bool:
         """Whether to hand back now: nothing runs here any more, or the drain's deadline
         passed. The first call starts the drain."""
-        self.start()
-        return not self.cores.has_work() or time.monotonic() >= self.deadline
+        return self.overdue() or not self.cores.has_work()
 
     def overdue(self) -> bool:
         """The drain's deadline passed (its clock starts when the worker is told to stop,
