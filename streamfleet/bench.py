@@ -374,7 +374,6 @@ class _HttpStream(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.used = False  # a response was read on it before (a stale keep-alive may close)
         self.got_bytes = False
         self.buf = bytearray()
         self.rec: RequestRecord | None = None
@@ -384,6 +383,7 @@ class _HttpStream(asyncio.Protocol):
         self.keep_alive = True
         self.chunked = False
         self.left = 0  # body bytes still due (Content-Length), or the current chunk's
+        self.until_close = False  # neither: the body ends when the server closes
         self.body = bytearray()  # an error response's body
         self.events = bytearray()  # SSE text not yet split into events
         self.chunks = 0
@@ -395,7 +395,10 @@ class _HttpStream(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError("the server closed the connection"))
+            if self.until_close and exc is None:
+                self._finish()
+            else:
+                self.done.set_exception(ConnectionError("the server closed the connection"))
 
     def data_received(self, data: bytes) -> None:
         if self.done is None or self.done.done():
@@ -411,7 +414,7 @@ class _HttpStream(asyncio.Protocol):
     # -- one request ----------------------------------------------------------------------
     def start(self, rec: RequestRecord, head: bytes, body: bytes) -> asyncio.Future:
         self.rec, self.state, self.status, self.chunks = rec, "head", 0, 0
-        self.keep_alive, self.chunked, self.left = True, False, 0
+        self.keep_alive, self.chunked, self.left, self.until_close = True, False, 0, False
         self.got_bytes = False
         self.buf.clear()
         self.body.clear()
@@ -445,7 +448,7 @@ class _HttpStream(asyncio.Protocol):
                 elif length is not None:
                     self.state, self.left = "data", length
                 else:  # the body runs to the end of the connection
-                    self.state, self.left, self.keep_alive = "data", 1 << 62, False
+                    self.state, self.left, self.keep_alive, self.until_close = "data", 1 << 62, False, True
             elif self.state == "size":
                 end = buf.find(b"\r\n")
                 if end < 0:
@@ -522,7 +525,6 @@ class _HttpStream(asyncio.Protocol):
             if not rec.tokens:
                 rec.tokens = self.chunks
         self.state = "done"
-        self.used = True
         self.done.set_result(None)
 
     def close(self) -> None:
@@ -566,6 +568,14 @@ class _SseClient:
         self.all.add(conn)
         return conn
 
+    def _idle(self) -> _HttpStream | None:
+        """A kept-alive connection still open, or None."""
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
     def _head(self, rec: RequestRecord, body: bytes) -> bytes:
         lines = [f"POST {self.prefix}/v1/completions HTTP/1.1", f"Host: {self.host}:{self.port}",
                  "Content-Type: application/json", "Accept: text/event-stream",
@@ -581,10 +591,7 @@ class _SseClient:
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 for attempt in range(2):
-                    conn = None
-                    while self.idle and conn is None:
-                        c = self.idle.pop()
-                        conn = None if c.closed else c
+                    conn = self._idle()
                     reused = conn is not None
                     if conn is None:
                         conn = await self._connect()
