@@ -75,9 +75,10 @@ def raise_open_files_limit(wanted: int = 0) -> dict[str, int]:
 
 class LightQueue:
     """A first-in-first-out queue for one consumer: ``put_nowait``, ``get``,
-    ``get_nowait``, ``empty``, as a list and at most one waiting future. Every WebSocket holds two (uvicorn's receive
-    queue and the connection's outbox); an ``asyncio.Queue`` holds four deques, about
-    3 KiB, idle or not (docs/operations.md, "Idle connections")."""
+    ``get_nowait``, ``empty``, as a list and at most one waiting future. Every WebSocket
+    holds two (uvicorn's receive queue and the connection's outbox) and every request
+    stream one; an ``asyncio.Queue`` holds four deques, about 3 KiB, idle or not
+    (docs/operations.md, "Idle connections")."""
 
     __slots__ = ("_items", "_waiter")
 
