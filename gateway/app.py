@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -25,6 +26,7 @@ from streamfleet.gateway import demo, openai
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.origin import OriginGuard, refused_origin
+from streamfleet.gateway.streams import ReplyChannel
 from streamfleet.gateway.validation import Validator
 from streamfleet.gateway.voice import SileroBatch, audio_stream
 from streamfleet.gateway.ws import websocket_stream
@@ -56,6 +58,33 @@ class Hub:
     #: model -> (monotonic time its workers were last read, last time one was live)
     _workers_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
     _started: float = field(default_factory=time.monotonic)
+    _http_channel: ReplyChannel | None = None
+    _http_channel_opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def http_channel(self) -> ReplyChannel | None:
+        """The reply channel the requests of HTTP and gRPC calls on this process share
+        (docs/architecture.md, "Reply channels"): subscribed once for the process's life,
+        so a call costs no SUBSCRIBE round trip before its task is enqueued, and a
+        worker's step reaches every such stream here in one message. None on a Redis
+        Cluster, where each call keeps a channel of its own so that request logs (which
+        share their channel's shard) spread over the shards.
+
+        Raises:
+            UnavailableError: the pub/sub connection is down (no event could reach a
+                request submitted now).
+        """
+        broker = self.broker
+        if broker.keys.cluster:
+            return None
+        if not broker.healthy:
+            raise UnavailableError("message broker unavailable; retry shortly", retry_after_ms=1000)
+        channel = self._http_channel
+        if channel is None:
+            async with self._http_channel_opening:
+                if self._http_channel is None:
+                    self._http_channel = await ReplyChannel(broker).open()
+                channel = self._http_channel
+        return channel
 
     def active_streams(self) -> int:
         """Requests this process still streams (WebSocket, HTTP and gRPC)."""

@@ -50,7 +50,9 @@ class ClientRequest:
         hub: the process's ``gateway.app.Hub`` (admission, validator, broker).
         client_id: the id the client answers under (``"http"`` for an HTTP request).
         identity: the caller's API key identity (None with auth off).
-        channel: the connection's open reply channel; None: the request opens its own.
+        channel: the connection's open reply channel; None: a submit uses the process's
+            shared HTTP channel (``Hub.http_channel``), a resume (or any request on a
+            Redis Cluster) opens its own.
     """
 
     def __init__(self, hub: "Hub", client_id: str, *, identity: "Identity | None" = None,
@@ -65,6 +67,7 @@ class ClientRequest:
         self.lane = ""  # "" for a resume: the lane is not recorded
         self._resume_token: str | None = None
         self._own_channel = channel is None
+        self._shared = False  # on the process's shared HTTP channel (``Hub.http_channel``)
         self._next_channel_id: str | None = None
         self._cancel_pending = False  # cancelled before the stream existed
         self._watch: int | None = None
@@ -124,6 +127,10 @@ class ClientRequest:
         """
         admission = self.hub.admission
         await self.hub.check_workers(draft.model)
+        if self.channel is None:  # one HTTP or gRPC call: on the process's shared channel, if any
+            self.channel = await self.hub.http_channel()
+            self._shared = self.channel is not None
+            self._own_channel = not self._shared
         ticket = await admission.admit(self.identity, draft,
                                        request_id=self.hub.broker.keys.new_request_id(self._channel_id()))
         try:
@@ -203,10 +210,13 @@ class ClientRequest:
 
     async def close(self, grace_s: float = 0.0, reason: str = "disconnect") -> None:
         """The adapter is done with the request: stop watching its key, close its own
-        reply channel (``ReplyChannel.close``: a request left running is cancelled, at
-        once or after ``grace_s``), then ``release``."""
+        reply channel or leave the shared one (``ReplyChannel.close`` / ``leave``: a
+        request left running is cancelled, at once or after ``grace_s``), then
+        ``release``."""
         with anyio.CancelScope(shield=True):
             self.hub.admission.unwatch(self.identity, self._watch)
             self._watch = None
             await self._close_own_channel(reason, grace_s)
+            if self._shared and self.stream is not None:
+                await self.channel.leave(self.stream, reason, grace_s)
             await self.release()

@@ -386,7 +386,9 @@ class ReplyChannel:
 
     Args:
         broker: the process's ``gateway.broker.Broker``.
-        connection_id: names the channel; fresh per WebSocket or HTTP request.
+        connection_id: names the channel; fresh per WebSocket connection, per resumed
+            HTTP or gRPC call, and per gateway process for the HTTP and gRPC calls it
+            submits (``gateway.app.Hub.http_channel``).
     """
 
     def __init__(self, broker: Any, connection_id: str | None = None, *, stall_timeout_s: float = 60.0) -> None:
@@ -569,36 +571,60 @@ class ReplyChannel:
         _DETACHED.add(t)
         t.add_done_callback(_DETACHED.discard)
 
+    async def leave(self, stream: RequestStream, reason: str = "disconnect", grace_s: float = 0.0) -> None:
+        """The client of one request on a channel many share (``gateway.app.Hub.http_channel``)
+        is gone: for this request what ``close`` does for all of a connection's, and the
+        channel stays subscribed. A request that ended is just forgotten."""
+        if stream.finished:
+            self.release(stream)
+        elif grace_s > 0:
+            self._spawn_detached(self._leave_later(stream, reason, grace_s))
+        else:
+            try:
+                await self._let_go([stream], reason)
+            finally:
+                self.release(stream)
+
+    async def _leave_later(self, stream: RequestStream, reason: str, grace_s: float) -> None:
+        try:
+            await self._let_go_later([stream], reason, grace_s)
+        finally:
+            self.release(stream)
+
     async def _close_later(self, streams: list[RequestStream], reason: str, grace_s: float) -> None:
         """Keep the channel subscribed (so workers see a listener) while the requests may
-        still be resumed, and keep following the resumed ones; then let them go (see
-        ``_let_go``). Own requests followed elsewhere keep the channel open until they end
-        or nobody follows them any more."""
+        still be resumed (``_let_go_later``), then unsubscribe."""
         try:
-            deadline = time.monotonic() + grace_s
-            renew_at = time.monotonic() + FOLLOW_TTL_S / 3
-            while True:
-                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                streams = [s for s in streams if not s.drop_pending()]
-                if not streams:
-                    break
-                if time.monotonic() >= renew_at:
-                    renew_at = time.monotonic() + FOLLOW_TTL_S / 3
-                    for s in streams:
-                        if s.resumed:
-                            try:
-                                await self.broker.follow(s.request_id, s.model, self.connection_id, FOLLOW_TTL_S, False)
-                            except StreamfleetError:
-                                pass
-                if time.monotonic() >= deadline:
-                    streams = await self._let_go(streams, reason)
-                    if streams:
-                        log.info("resume grace over; requests followed elsewhere keep running", count=len(streams))
-                    else:
-                        break
-                    deadline = time.monotonic() + grace_s
+            await self._let_go_later(streams, reason, grace_s)
         finally:
             await self.broker.unregister(self.connection_id)
+
+    async def _let_go_later(self, streams: list[RequestStream], reason: str, grace_s: float) -> None:
+        """Keep following the resumed requests while they may still be resumed
+        elsewhere; then let them go (see ``_let_go``). Own requests followed elsewhere
+        are held until they end or nobody follows them any more."""
+        deadline = time.monotonic() + grace_s
+        renew_at = time.monotonic() + FOLLOW_TTL_S / 3
+        while True:
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            streams = [s for s in streams if not s.drop_pending()]
+            if not streams:
+                break
+            if time.monotonic() >= renew_at:
+                renew_at = time.monotonic() + FOLLOW_TTL_S / 3
+                for s in streams:
+                    if s.resumed:
+                        try:
+                            await self.broker.follow(s.request_id, s.model, self.connection_id, FOLLOW_TTL_S, False)
+                        except StreamfleetError:
+                            pass
+            if time.monotonic() >= deadline:
+                streams = await self._let_go(streams, reason)
+                if streams:
+                    log.info("resume grace over; requests followed elsewhere keep running", count=len(streams))
+                else:
+                    break
+                deadline = time.monotonic() + grace_s
 
 
 _DETACHED: set[asyncio.Task] = set()

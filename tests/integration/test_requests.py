@@ -105,7 +105,7 @@ async def test_a_cancel_before_the_stream_exists_is_applied_once_it_does(hub, rd
     await req.close()
 
 
-async def test_refusals_give_back_what_admission_took_and_close_the_own_channel(hub, rds):
+async def test_refusals_give_back_what_admission_took_and_leave_the_shared_channel(hub, rds):
     who = await identity(hub)
     keys = Keys(hub.settings.key_prefix)
     held = []
@@ -113,23 +113,72 @@ async def test_refusals_give_back_what_admission_took_and_close_the_own_channel(
         req = ClientRequest(hub, "http", identity=who)
         await req.submit(draft(hub))
         held.append(req)
+    shared = await hub.http_channel()
+    assert all(req.channel is shared for req in held) and set(shared.streams) == {r.request_id for r in held}
     refused = ClientRequest(hub, "http", identity=who)
     with pytest.raises(RefusedError) as info:
         await refused.submit(draft(hub))
     assert info.value.code == ErrorCode.overloaded
-    assert refused.ticket is None and refused.stream is None and refused.channel.closed
+    assert refused.ticket is None and refused.stream is None and len(shared.streams) == 2
     assert await rds.zcard(keys.streams(who.key_id)) == 2
 
     too_long = ClientRequest(hub, "http", identity=who)
-    with pytest.raises(ValidationError) as info:  # tokenizing refused it: no channel was opened
+    with pytest.raises(ValidationError) as info:  # tokenizing refused it
         await too_long.submit(draft(hub, prompt="hello " * 5000))
-    assert info.value.code == ErrorCode.prompt_too_long and too_long.channel is None
+    assert info.value.code == ErrorCode.prompt_too_long and len(shared.streams) == 2
     assert await rds.zcard(keys.streams(who.key_id)) == 2
 
-    for req in held:  # a request left running keeps its slot; its own channel cancels it on close
+    for req in held:  # a request left running keeps its slot; leaving the channel cancels it
         await req.close(reason="http_disconnect")
-        assert req.channel.closed and req.stream.finished
+        assert req.stream.finished and req.request_id not in shared.streams
+    assert not shared.closed and await rds.zcard(keys.streams(who.key_id)) == 0
+
+
+async def test_http_calls_share_one_subscribed_channel(hub, rds):
+    """Every HTTP or gRPC submit of a process is answered on one channel, subscribed once:
+    no SUBSCRIBE per call, one message carries a step's events for all of them, and a call
+    whose client leaves is cancelled alone (after the resume grace, when it has one)."""
+    who = await identity(hub)
+    keys = Keys(hub.settings.key_prefix)
+    pubsub = rds.pubsub()
+    await pubsub.subscribe(keys.cancel("tiny-gpt"))
+    a, b, c = (ClientRequest(hub, "http", identity=who) for _ in range(3))
+    await a.submit(draft(hub))
+    await b.submit(draft(hub, priority="normal"))
+    channel = a.channel
+    assert b.channel is channel
+    assert (await rds.pubsub_numsub(keys.reply(channel.connection_id)))[0][1] == 1
+    # one message, the events of both requests
+    await publish(rds, hub, channel, TokenEvent(a.request_id, 0, "x"), TokenEvent(b.request_id, 0, "y"),
+                  DoneEvent(a.request_id, "stop", 2, 1))
+    got = [ev async for ev in a.events("sse")]
+    assert [ev.text for ev in got if isinstance(ev, Token)] == ["x"] and isinstance(got[-1], End)
+    assert isinstance(await asyncio.wait_for(b.stream.next(), 5), Token)
+    a.delivered()
+    await a.close()
+    assert a.request_id not in channel.streams and b.request_id in channel.streams
+
+    await b.close(reason="http_disconnect")  # b's client left mid-stream: b alone is cancelled
+    msg = None
+    for _ in range(50):
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if msg is not None:
+            break
+    assert msg is not None and b.request_id.encode() in msg["data"] and a.request_id.encode() not in msg["data"]
+    assert b.stream.finished and b.request_id not in channel.streams
+
+    await c.submit(draft(hub))  # with a resume grace: held (and heard) until it is over
+    await c.close(0.3, reason="http_disconnect")
+    assert c.request_id in channel.streams and not c.stream.finished
+    for _ in range(40):
+        if c.request_id not in channel.streams:
+            break
+        await asyncio.sleep(0.1)
+    assert c.request_id not in channel.streams and c.stream.finished and c.stream.cancel_requested
+    assert not channel.closed and (await rds.pubsub_numsub(keys.reply(channel.connection_id)))[0][1] == 1
+    await c.release()  # (a worker gives the slot back when it ends the request; there is none here)
     assert await rds.zcard(keys.streams(who.key_id)) == 0
+    await pubsub.aclose()
 
 
 async def test_resume_follows_the_recorded_request_on_its_own_channel(hub, rds):
