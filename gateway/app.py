@@ -120,12 +120,13 @@ class Hub:
         now = time.monotonic()
         checked, seen = self._workers_seen.get(model, (0.0, self._started))
         if now - checked >= 1.0:
+            self._workers_seen[model] = (now, seen)  # one read a second, however many requests wait on it
             try:
                 if await self.broker.live_workers(model):
                     seen = now
             except Exception:  # Redis trouble shows in the enqueue itself
                 return
-            self._workers_seen[model] = (now, seen)
+            self._workers_seen[model] = (now, max(seen, self._workers_seen[model][1]))
         if now - seen > grace:
             raise UnavailableError(f"model {model!r} has had no live worker for {now - seen:.0f} s; retry later",
                                    code=ErrorCode.no_workers, retry_after_ms=NO_WORKERS_RETRY_MS)

@@ -246,7 +246,7 @@ class Validator:
         self.settings = settings
         self.repo = repo
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
-        self._tokenizers: dict[Any, Any] = {}  # tokenizer file -> loaded tokenizer
+        self._tokenizers: dict[Any, Any] = {}  # (model folder, tokenizer file) -> loaded tokenizer
         self._template_problems: dict[Any, str | None] = {}  # tokenizer file -> template_problem()
         self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
         self._grammar_problems: dict[tuple[Any, bytes], str | None] = {}  # recent grammars (digests) checked
@@ -262,11 +262,12 @@ class Validator:
         return self.repo.get(model)
 
     def tokenizer(self, spec: ModelSpec) -> Any:
-        tok = self._tokenizers.get(spec.tokenizer_path)
+        key = (spec.path, spec.tokenizer)  # the spec's own Path keeps its hash: no new Path per request
+        tok = self._tokenizers.get(key)
         if tok is not None:
             return tok
         try:
-            tok = self._tokenizers[spec.tokenizer_path] = load_tokenizer(spec)
+            tok = self._tokenizers[key] = load_tokenizer(spec)
         except FatalError as exc:
             raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
         return tok
