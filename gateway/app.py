@@ -212,6 +212,10 @@ def front(app: FastAPI):
             handler = sockets.get(scope["path"])
             if handler is not None:
                 scope["app"] = app
+                # the server's direct text-frame writer, where it has one (gateway.server)
+                frame_writer = getattr(getattr(send, "__self__", None), "send_text_frame", None)
+                if frame_writer is not None:
+                    scope["streamfleet.send_text_frame"] = frame_writer
                 try:
                     await handler(WebSocket(scope, receive, send))
                 except Exception:  # as the HTTP stack's last handler would, without a traceback per client

@@ -5,11 +5,14 @@ together."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from pathlib import Path
 
 import uvicorn
+from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
+from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from streamfleet.shared import aio
@@ -67,6 +70,35 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if self.handshake_complete and getattr(self, "response", None) is not None:
             self.request = self.response = None  # (the handshake's headers, ~2 KiB)
+
+    async def send_text_frame(self, payload: bytes) -> None:
+        """Send one text message, ``payload`` being its UTF-8 bytes (a JSON frame), as one
+        unfragmented frame written straight to the socket when nothing else may stand
+        between (the handshake done, the connection open, no close sent, no extension
+        negotiated, the transport not paused): a token frame then skips the ASGI message,
+        the text's decode and encode and the sans-I/O frame object (docs/status.md,
+        "Beside the peers"). Otherwise, as ``send`` would.
+
+        Raises:
+            ClientDisconnected: the client is gone.
+        """
+        if self.disconnected:
+            raise ClientDisconnected()
+        if self.close_sent or not self.handshake_complete or self.initial_response is not None \
+                or self.conn.extensions or self.conn.state is not State.OPEN or not self.writable.is_set():
+            await self.send({"type": "websocket.send", "text": payload.decode()})
+            return
+        n = len(payload)  # RFC 6455 §5.2: FIN + text opcode, unmasked, then the payload length
+        if n < 126:
+            head = _SHORT_HEADS[n]
+        elif n < 65536:
+            head = struct.pack("!BBH", 0x81, 126, n)
+        else:
+            head = struct.pack("!BBQ", 0x81, 127, n)
+        self.transport.write(head + payload)
+
+
+_SHORT_HEADS = [bytes((0x81, n)) for n in range(126)]
 
 
 class DrainingServer(uvicorn.Server):

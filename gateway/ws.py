@@ -80,6 +80,9 @@ class WebSocketSession(Session):
         self.ws = ws
         self.outbox = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
         self.broken = False  # a write failed: the socket is gone
+        #: writes a JSON frame's bytes as one text frame (the server's direct writer,
+        #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
+        self.write = ws.scope.get("streamfleet.send_text_frame") or self._send_text
 
     def send(self, frame: dict) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
@@ -92,10 +95,13 @@ class WebSocketSession(Session):
         if self.broken:
             return
         try:
-            await self.ws.send_text(orjson.dumps(frame).decode())
+            await self.write(orjson.dumps(frame))
         except Exception:
             self.broken = True
             self.outbox.put_nowait(_BROKEN)
+
+    async def _send_text(self, payload: bytes) -> None:
+        await self.ws.send_text(payload.decode())
 
     # -- what the frames mean (the voice WebSocket, gateway/voice.py, reads them otherwise) --
     async def receive_text(self, text: str) -> None:
@@ -114,7 +120,7 @@ class WebSocketSession(Session):
             frame = await self.outbox.get()
             if frame is None or frame is _BROKEN:
                 return
-            await self.ws.send_text(orjson.dumps(frame).decode())
+            await self.write(orjson.dumps(frame))
 
     async def _refuse(self, error: StreamfleetError, code: int, reason: str) -> None:
         await self.ws.accept()

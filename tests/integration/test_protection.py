@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 
 import orjson
@@ -289,3 +290,34 @@ async def test_per_message_deflate_is_declined_unless_enabled_then_small(fleet):
             while not frames or frames[-1]["type"] not in ("done", "error"):
                 frames.append(orjson.loads(await asyncio.wait_for(ws.recv(), 30)))
             assert frames[-1]["type"] == "done" and sum(f["type"] == "token" for f in frames) == 24, frames[-1]
+
+
+def test_frames_written_straight_to_the_socket_are_whole_unmasked_text_frames(fleet):
+    """A JSON frame goes straight to the socket (``LeanWebSocketProtocol.send_text_frame``,
+    gateway/server.py): each is one final, unmasked text frame whose length takes the
+    7-bit form below 126 bytes and the 16-bit form from 126 on (RFC 6455 §5.2), and
+    carries one whole JSON document."""
+    gw = fleet.gateway()
+    fleet.worker(backend="echo")
+    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "a", "prompt": "Once upon a time", "max_tokens": 8,
+                                      "ignore_eos": True, "logprobs": True, "top_logprobs": 5}))
+    raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "b", "prompt": "Once", "max_tokens": 8,
+                                      "ignore_eos": True}))
+    forms, frames, done = set(), [], 0
+    while done < 2:
+        b0, b1 = raw._read(2)
+        assert b0 == 0x81 and not b1 & 0x80, (b0, b1)  # FIN + text; a server never masks
+        n = b1 & 0x7F
+        if n == 126:
+            (n,) = struct.unpack("!H", raw._read(2))
+            assert n >= 126
+            forms.add("16-bit")
+        else:
+            assert n < 126
+            forms.add("7-bit")
+        frames.append(orjson.loads(raw._read(n)))
+        done += frames[-1]["type"] in ("done", "error")
+    assert [f["type"] for f in frames if f["type"] in ("done", "error")] == ["done", "done"], frames[-3:]
+    assert sum(f["type"] == "token" for f in frames) == 16 and forms == {"7-bit", "16-bit"}
+    raw.close()
