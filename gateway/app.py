@@ -58,16 +58,16 @@ class Hub:
     #: model -> (monotonic time its workers were last read, last time one was live)
     _workers_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
     _started: float = field(default_factory=time.monotonic)
-    _http_channel: ReplyChannel | None = None
-    _http_channel_opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _shared_channel: ReplyChannel | None = None
+    _shared_channel_opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def http_channel(self) -> ReplyChannel | None:
-        """The reply channel the requests of HTTP and gRPC calls on this process share
+    async def shared_channel(self) -> ReplyChannel | None:
+        """The reply channel the requests this process submits share, whatever their door
         (docs/architecture.md, "Reply channels"): subscribed once for the process's life,
-        so a call costs no SUBSCRIBE round trip before its task is enqueued, and a
+        so a request costs no SUBSCRIBE round trip before its task is enqueued, and a
         worker's step reaches every such stream here in one message. None on a Redis
-        Cluster, where each call keeps a channel of its own so that request logs (which
-        share their channel's shard) spread over the shards.
+        Cluster, where each connection or call keeps a channel of its own so that request
+        logs (which share their channel's shard) spread over the shards.
 
         Raises:
             UnavailableError: the pub/sub connection is down (no event could reach a
@@ -78,12 +78,12 @@ class Hub:
             return None
         if not broker.healthy:
             raise UnavailableError("message broker unavailable; retry shortly", retry_after_ms=1000)
-        channel = self._http_channel
+        channel = self._shared_channel
         if channel is None:
-            async with self._http_channel_opening:
-                if self._http_channel is None:
-                    self._http_channel = await ReplyChannel(broker).open()
-                channel = self._http_channel
+            async with self._shared_channel_opening:
+                if self._shared_channel is None:
+                    self._shared_channel = await ReplyChannel(broker).open()
+                channel = self._shared_channel
         return channel
 
     def active_streams(self) -> int:

@@ -415,7 +415,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     reader.cancel()
                 if getter is not None:
                     getter.cancel()
-                await session.channel.close("disconnect")
+                await session.close_requests()
                 session.cancel_tasks()
                 await session.disconnect()
 

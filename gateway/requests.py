@@ -51,12 +51,14 @@ class ClientRequest:
         client_id: the id the client answers under (``"http"`` for an HTTP request).
         identity: the caller's API key identity (None with auth off).
         channel: the connection's open reply channel; None: a submit uses the process's
-            shared HTTP channel (``Hub.http_channel``), a resume (or any request on a
-            Redis Cluster) opens its own.
+            shared channel (``Hub.shared_channel``), a resume (or any request on a Redis
+            Cluster) opens its own.
+        share: with ``channel``, submit on the process's shared channel all the same
+            (where there is one); resumes stay on ``channel``.
     """
 
     def __init__(self, hub: "Hub", client_id: str, *, identity: "Identity | None" = None,
-                 channel: ReplyChannel | None = None) -> None:
+                 channel: ReplyChannel | None = None, share: bool = False) -> None:
         self.hub = hub
         self.client_id = client_id
         self.identity = identity
@@ -67,13 +69,20 @@ class ClientRequest:
         self.lane = ""  # "" for a resume: the lane is not recorded
         self._resume_token: str | None = None
         self._own_channel = channel is None
-        self._shared = False  # on the process's shared HTTP channel (``Hub.http_channel``)
+        self._share = channel is None or share  # a submit goes on the process's shared channel, if any
+        self._shared = False  # on the process's shared channel (``Hub.shared_channel``)
+        self._left = False  # it left the shared channel (``close``)
         self._next_channel_id: str | None = None
         self._cancel_pending = False  # cancelled before the stream existed
         self._watch: int | None = None
         self._released = False
 
     # -- what it carries -------------------------------------------------------------
+    @property
+    def shared(self) -> bool:
+        """Submitted on the process's shared channel (``Hub.shared_channel``)."""
+        return self._shared
+
     @property
     def request_id(self) -> str | None:
         if self.stream is not None:
@@ -127,10 +136,10 @@ class ClientRequest:
         """
         admission = self.hub.admission
         await self.hub.check_workers(draft.model)
-        if self.channel is None:  # one HTTP or gRPC call: on the process's shared channel, if any
-            self.channel = await self.hub.http_channel()
-            self._shared = self.channel is not None
-            self._own_channel = not self._shared
+        if self._share and not self._shared:  # on the process's shared channel, where there is one
+            shared = await self.hub.shared_channel()
+            if shared is not None:
+                self.channel, self._shared, self._own_channel = shared, True, False
         ticket = await admission.admit(self.identity, draft,
                                        request_id=self.hub.broker.keys.new_request_id(self._channel_id()))
         try:
@@ -217,6 +226,7 @@ class ClientRequest:
             self.hub.admission.unwatch(self.identity, self._watch)
             self._watch = None
             await self._close_own_channel(reason, grace_s)
-            if self._shared and self.stream is not None:
+            if self._shared and self.stream is not None and not self._left:
+                self._left = True
                 await self.channel.leave(self.stream, reason, grace_s)
             await self.release()

@@ -2,8 +2,9 @@
 (``gateway/ws.py``) and a gRPC ``Stream`` call (``gateway/grpc_server.py``) share.
 
 A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protocol.py``)
-into requests (``gateway.requests.ClientRequest``, one per client id, all answered on
-the session's reply channel) and each request's events into protocol frames (the
+into requests (``gateway.requests.ClientRequest``, one per client id: submits answered
+on the process's shared channel, resumes on the session's own; docs/architecture.md,
+"Reply channels") and each request's events into protocol frames (the
 WebSocket's JSON objects, ``protocol.render``). An adapter supplies two writes:
 
 * ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
@@ -113,9 +114,18 @@ class Session:
                     req.cancel()
 
     def _request(self, client_id: str) -> ClientRequest:
-        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel)
+        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel, share=True)
         self.requests[client_id] = req
         return req
+
+    async def close_requests(self, grace_s: float = 0.0) -> None:
+        """The connection is gone: what it submitted on the process's shared channel leaves
+        it (``ClientRequest.close``), and its own channel (its resumes, and on a Redis
+        Cluster everything) closes (``ReplyChannel.close``); a request left running is
+        cancelled, at once or after ``grace_s``, unless a client follows it elsewhere."""
+        shared = [req for req in self.requests.values() if req.shared]
+        await asyncio.gather(*(req.close(grace_s, "disconnect") for req in shared), return_exceptions=True)
+        await self.channel.close("disconnect", grace_s=grace_s)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -179,7 +189,7 @@ class Session:
         self.tasks.pop(task, None)
 
     def cancel_tasks(self) -> None:
-        """Stop every request task (the connection is gone; ``ReplyChannel.close`` decided
+        """Stop every request task (the connection is gone; ``close_requests`` decided
         what happens to the requests themselves)."""
         for t in list(self.tasks):
             t.cancel()

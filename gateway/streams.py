@@ -386,9 +386,9 @@ class ReplyChannel:
 
     Args:
         broker: the process's ``gateway.broker.Broker``.
-        connection_id: names the channel; fresh per WebSocket connection, per resumed
-            HTTP or gRPC call, and per gateway process for the HTTP and gRPC calls it
-            submits (``gateway.app.Hub.http_channel``).
+        connection_id: names the channel; fresh per connection (WebSocket, gRPC
+            ``Stream``), per resumed HTTP or gRPC call, and per gateway process for the
+            requests it submits (``gateway.app.Hub.shared_channel``).
     """
 
     def __init__(self, broker: Any, connection_id: str | None = None, *, stall_timeout_s: float = 60.0) -> None:
@@ -451,6 +451,10 @@ class ReplyChannel:
             depth = await self.broker.submit(task, owner)
         except StreamfleetError:
             self.streams.pop(rid, None)
+            raise
+        except BaseException:  # cancelled (the caller left) mid-enqueue: the task may be queued,
+            self.streams.pop(rid, None)  # and on a channel others keep listening to nobody would stop it
+            self._spawn_detached(self.broker.cancel(rid, task.model, "disconnect"))
             raise
         extra = {"prompt": request.prompt_text} if self.broker.settings.log_prompts else {}
         log.info("request accepted", request_id=rid, trace_id=task.trace_id, model=task.model, lane=task.lane,
@@ -572,7 +576,7 @@ class ReplyChannel:
         t.add_done_callback(_DETACHED.discard)
 
     async def leave(self, stream: RequestStream, reason: str = "disconnect", grace_s: float = 0.0) -> None:
-        """The client of one request on a channel many share (``gateway.app.Hub.http_channel``)
+        """The client of one request on a channel many share (``gateway.app.Hub.shared_channel``)
         is gone: for this request what ``close`` does for all of a connection's, and the
         channel stays subscribed. A request that ended is just forgotten."""
         if stream.finished:

@@ -236,7 +236,7 @@ class WebSocketSession(Session):
         finally:
             sender.remove_done_callback(interrupt)
             self.revoked.remove_done_callback(interrupt)
-            await self.channel.close("disconnect", grace_s=s.ws_resume_grace_s if dropped else 0.0)
+            await self.close_requests(s.ws_resume_grace_s if dropped else 0.0)
             self.cancel_tasks()
             self.outbox.put_nowait(None)
             if close is not None:

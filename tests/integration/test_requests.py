@@ -113,7 +113,7 @@ async def test_refusals_give_back_what_admission_took_and_leave_the_shared_chann
         req = ClientRequest(hub, "http", identity=who)
         await req.submit(draft(hub))
         held.append(req)
-    shared = await hub.http_channel()
+    shared = await hub.shared_channel()
     assert all(req.channel is shared for req in held) and set(shared.streams) == {r.request_id for r in held}
     refused = ClientRequest(hub, "http", identity=who)
     with pytest.raises(RefusedError) as info:
@@ -219,3 +219,33 @@ async def test_a_revoked_key_ends_a_watched_request(hub, rds):
     assert isinstance(ev, Failed) and ev.error.status == 401
     await req.close()
     assert await rds.zcard(Keys(hub.settings.key_prefix).streams(who.key_id)) == 0
+
+
+async def test_a_submit_cancelled_mid_enqueue_leaves_nothing_on_the_shared_channel(hub, rds):
+    """The caller leaves while the enqueue is under way (a gRPC call cancelled, a gateway
+    stopping): the task may be queued, and the shared channel stays heard, so nobody would
+    stop it. The stream is dropped and a cancel goes out."""
+    keys = Keys(hub.settings.key_prefix)
+    pubsub = rds.pubsub()
+    await pubsub.subscribe(keys.cancel("tiny-gpt"))
+    shared = await hub.shared_channel()
+    before = set(shared.streams)
+    req = ClientRequest(hub, "http")  # auth off: admission takes no round trip, the enqueue is the first write
+    await rds.execute_command("CLIENT", "PAUSE", 300, "WRITE")  # the enqueue waits in Redis
+    task = asyncio.create_task(req.submit(draft(hub)))
+    for _ in range(100):
+        if set(shared.streams) - before:
+            break
+        await asyncio.sleep(0.005)
+    (rid,) = set(shared.streams) - before  # registered before the enqueue returns
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert rid not in shared.streams and req.stream is None
+    msg = None
+    for _ in range(50):
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if msg is not None:
+            break
+    assert msg is not None and rid.encode() in msg["data"]
+    await pubsub.aclose()

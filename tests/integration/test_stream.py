@@ -247,3 +247,36 @@ async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds
     assert msg is not None and Wake.decode(msg["data"]).lane == "high", msg
     wake.close()
     await c.close()
+
+
+async def test_connections_submit_on_their_process_shared_channel(fleet, rds, key_prefix):
+    """The requests that WebSocket connections submit are answered on one channel per
+    gateway process (docs/architecture.md, "Reply channels"): a worker's step reaches
+    them in one message, and a connection that goes away still cancels its own requests
+    only."""
+    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.schema import RequestRecord
+
+    keys = Keys(key_prefix)
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=20)
+    a, b = await Client.connect(gw.ws), await Client.connect(gw.ws)
+    ra, rb = await a.generate("x", max_tokens=4), await b.generate("y", max_tokens=4)
+    assert ra.end["type"] == rb.end["type"] == "done"
+    channels = {RequestRecord.decode(rds.get(keys.request(r.accepted["request_id"]))).reply_to for r in (ra, rb)}
+    assert len(channels) == 1, channels
+    (channel,) = channels
+    assert rds.pubsub_numsub(keys.reply(channel))[0][1] == 1
+
+    a.start("long", max_tokens=100000, ignore_eos=True)
+    long_b = b.start("long", max_tokens=50, ignore_eos=True)
+    await asyncio.sleep(0.5)
+    await a.close()  # a clean close: a's request is cancelled at once, b's runs on
+    res_b = await long_b
+    assert res_b.end["type"] == "done" and res_b.end["finish_reason"] == "length" and len(res_b.tokens) == 50
+    lane = keys.lane("tiny-gpt", "normal")
+    deadline = asyncio.get_running_loop().time() + 10
+    while rds.xlen(lane) or rds.xpending(lane, "workers")["pending"]:  # nothing left running or queued
+        assert asyncio.get_running_loop().time() < deadline, rds.xpending(lane, "workers")
+        await asyncio.sleep(0.1)
+    await b.close()
