@@ -128,6 +128,7 @@ class Stack:
         env.update(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_ENGINES_DIR=str(self.engines),
                    SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL, SF_MODELS=MODEL, SF_BACKEND="echo",
                    SF_ECHO_DELAY_MS=str(self.delay_ms), SF_MAX_BATCH=str(self.max_batch),
+                   SF_GRPC_PORT="0",  # WebSocket only; several gateways on one host would share 50051
                    PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         return env
 
@@ -168,10 +169,10 @@ class Stack:
 def baseline_server(engines: Path, delay_ms: float, max_batch: int):
     tmp = Path(tempfile.mkdtemp(prefix="sf-baseline-"))
     port_file = tmp / "port"
-    p = spawn([sys.executable, str(SCRIPTS / "baseline_server.py"), "--port", "0", "--port-file", str(port_file),
+    p = spawn([sys.executable, "-m", "scripts.baseline_server", "--port", "0", "--port-file", str(port_file),
                "--model", MODEL, "--engines-dir", str(engines), "--delay-ms", str(delay_ms),
                "--max-batch", str(max_batch)], env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-              stdout=subprocess.DEVNULL)
+              stdout=subprocess.DEVNULL, cwd=SCRIPTS.parent)
     try:
         wait_until(port_file.exists, 60, "the baseline server",
                    lambda: ["baseline_server"] if p.poll() is not None else [])
@@ -182,11 +183,11 @@ def baseline_server(engines: Path, delay_ms: float, max_batch: int):
 
 @contextlib.contextmanager
 def arq_worker(redis_url: str, engines: Path, delay_ms: float, max_batch: int, poll_delay: float):
-    p = spawn([sys.executable, str(SCRIPTS / "arq_baseline.py"), "worker", "--redis-url", redis_url,
+    p = spawn([sys.executable, "-m", "scripts.arq_baseline", "worker", "--redis-url", redis_url,
                "--delay-ms", str(delay_ms), "--max-batch", str(max_batch), "--poll-delay", str(poll_delay),
                "--model", MODEL, "--engines-dir", str(engines)],
               env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=subprocess.DEVNULL,
-              stderr=subprocess.DEVNULL)
+              stderr=subprocess.DEVNULL, cwd=SCRIPTS.parent)
     from scripts.arq_baseline import QUEUE
 
     r = redis.Redis.from_url(redis_url)
