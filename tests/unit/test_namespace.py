@@ -47,6 +47,15 @@ def test_scripts_need_no_sys_path_edits():
     assert not offenders, f"scripts run as modules (python -m scripts.NAME): {offenders}"
 
 
+def test_scripts_start_other_scripts_as_modules():
+    """A script run by its file path (``python scripts/x.py``) cannot import ``scripts.*``,
+    so one script starts another as ``python -m scripts.NAME`` (bench_fleet's arq worker
+    failed to start when it did not)."""
+    by_path = re.compile(r"""["']scripts/\w+\.py["']|(SCRIPTS|parent)\s*/\s*["']\w+\.py["']""")
+    offenders = [p.name for p in (REPO / "scripts").glob("*.py") if by_path.search(p.read_text())]
+    assert not offenders, f"start scripts with [sys.executable, '-m', 'scripts.NAME']: {offenders}"
+
+
 def test_gpu_extra_pins_one_cuda_line():
     """Unpinned, `tensorrt` and `cuda-python` resolve to the CUDA 13 line, which needs a
     CUDA 13 driver: the extra stays on TensorRT 10 for CUDA 12 with the CUDA 12 bindings."""
