@@ -262,7 +262,7 @@ class Cancel:
     reason: str = "client"
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Cancel":
@@ -281,7 +281,7 @@ class Follow:
     reply_to: str
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Follow":
@@ -346,7 +346,7 @@ class RequestRecord:
     prompt_tokens: int = 0
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # a dataclass, written as asdict would (without its deep copy)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "RequestRecord":
@@ -562,7 +562,7 @@ class KeyRecord:
     revoked: bool = False
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "KeyRecord":
