@@ -124,7 +124,10 @@ class Session:
         Cluster everything) closes (``ReplyChannel.close``); a request left running is
         cancelled, at once or after ``grace_s``, unless a client follows it elsewhere."""
         shared = [req for req in self.requests.values() if req.shared]
-        await asyncio.gather(*(req.close(grace_s, "disconnect") for req in shared), return_exceptions=True)
+        results = await asyncio.gather(*(req.close(grace_s, "disconnect") for req in shared), return_exceptions=True)
+        for req, result in zip(shared, results):  # one request's failure must not keep the others or the channel
+            if isinstance(result, Exception):
+                log.error("letting a request go failed", request_id=req.request_id, exc_info=result)
         await self.channel.close("disconnect", grace_s=grace_s)
 
     def _spawn(self, coro) -> None:
