@@ -95,7 +95,8 @@ class Broker:
     async def start(self) -> None:
         s = self.settings
         cluster = self.target.cluster
-        self.redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s)
+        self.redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s,
+                             command_name=f"sf-gateway-{self.gateway_id}-commands")
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
         self._coalescer = Coalescer(self.redis)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path

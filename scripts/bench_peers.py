@@ -180,7 +180,8 @@ def streamfleet(w: Workload, extra_env: dict[str, str] | None = None):
     env.update(SF_REDIS_URL=redis.url, SF_LOG_LEVEL="warning", SF_ENGINES_DIR=str(w.engines), SF_MODEL=w.model,
                SF_DEFAULT_MODEL=w.model, SF_MODELS=w.model, SF_BACKEND=w.backend, SF_ECHO_DELAY_MS=str(w.delay_ms),
                SF_MAX_BATCH="256", SF_GRPC_PORT="0", SF_MAX_CONNECTIONS="4096",
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(extra_env or {}))
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(extra_env or {})  # overrides the defaults above
     try:
         worker = fleet.start("worker", ["worker"], env)
         port = free_port()

@@ -137,8 +137,19 @@ def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
     return kw
 
 
+class FleetRedis(aioredis.Redis):
+    """redis-py's client, whose ``aclose`` also closes the pipelined socket ``RawBatch``
+    sends on (``shared.pubsub.CommandLink``)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        from streamfleet.shared.pubsub import close_command_link
+
+        close_command_link(self)
+        await super().aclose(close_connection_pool)
+
+
 def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0,
-            max_connections: int = 64) -> aioredis.Redis:
+            max_connections: int = 64, command_name: str | None = None) -> aioredis.Redis:
     """An asyncio client returning bytes, with bounded retries and timeouts.
 
     With ``cluster`` (or a URL listing several seed nodes) it is a ``FleetCluster``:
@@ -150,6 +161,8 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
 
     Blocking commands (XREADGROUP BLOCK, pub/sub reads) must use a per-call timeout
     that exceeds their block time; the socket timeout guards everything else.
+
+    ``command_name``: the name (``CLIENT LIST``) of the socket ``RawBatch`` sends on.
     """
     target = RedisTarget.parse(url, cluster)
     if target.cluster:
@@ -171,7 +184,8 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
         retry_on_error=[RedisConnectionError],
         max_connections=max_connections,
     )
-    return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+    pool._sf_command_name = command_name
+    return FleetRedis(connection_pool=pool, auto_close_connection_pool=True)
 
 
 def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0):
@@ -215,6 +229,15 @@ def pack(*args: bytes | str | int) -> bytes:
             a = b"%d" % a
         out.append(b"$%d\r\n%s\r\n" % (len(a), a))
     return b"".join(out)
+
+
+def _command_link(client):
+    """``shared.pubsub.command_link`` (imported on first use: that module imports this one)."""
+    global _command_link
+    from streamfleet.shared.pubsub import command_link
+
+    _command_link = command_link
+    return command_link(client)
 
 
 #: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails
@@ -313,16 +336,21 @@ class RawBatch:
             return await self._run(client)
 
     async def _run(self, client: aioredis.Redis) -> list:
-        pool = client.connection_pool
-        conn = await pool.get_connection()
+        """On the client's pipelined command socket (``shared.pubsub.CommandLink``), not
+        a pooled connection: batches of concurrent callers go out back to back."""
+        link = _command_link(client)
+        conn = await link.connection()
+        n = len(self._parts)
+        replies = conn.send(b"".join(self._parts), n)
+        if link.timeout is None:
+            return await replies
         try:
-            await conn.send_packed_command(b"".join(self._parts), check_health=False)
-            return await _read_replies(conn, len(self._parts))
-        except BaseException:
-            await conn.disconnect()
-            raise
-        finally:
-            await pool.release(conn)
+            async with asyncio.timeout(link.timeout):
+                return await replies
+        except TimeoutError as exc:
+            error = RedisTimeoutError(f"timeout reading {n} replies from Redis")
+            conn.abort(error)
+            raise error from exc
 
     # -- Redis Cluster -------------------------------------------------------------------
     async def _run_cluster(self, client: "FleetCluster", partial: bool) -> list:

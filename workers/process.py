@@ -182,7 +182,8 @@ class WorkerProcess:
             except (NotImplementedError, RuntimeError):
                 pass
         self.redis = connect(self.settings.redis_url, cluster=self.settings.redis_cluster,
-                             socket_timeout=self.settings.redis_socket_timeout_s)
+                             socket_timeout=self.settings.redis_socket_timeout_s,
+                             command_name=f"sf-worker-{self.worker_id}-commands")
         await self._wait_for_redis()
         try:
             first = await self._load_async(await target_version(self.redis, self.keys, self.model))

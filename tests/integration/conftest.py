@@ -238,3 +238,43 @@ def module_fleet(redis_server, tiny_spec, tmp_path_factory):
                            tmp_path_factory.mktemp("fleet"))
     yield factory
     factory.close()
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """A redis-server serving TLS only, with a self-signed certificate for localhost
+    (skipped where openssl is missing or redis-server was built without TLS)."""
+    import shutil
+    import subprocess
+
+    from streamfleet.launcher import find_redis_server
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = free_port()
+    proc = subprocess.Popen([find_redis_server(), "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                             "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    import socket
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            pytest.skip(f"redis-server without TLS: {proc.stderr.read().decode(errors='replace')[-200:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("TLS redis-server did not start")
+            time.sleep(0.05)
+    yield port, cert
+    proc.terminate()
+    proc.wait(10)
