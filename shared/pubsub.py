@@ -5,8 +5,12 @@ Every token a gateway delivers arrives as one pub/sub message, so this is the bu
 code path in the process. redis-py's ``PubSub.get_message`` costs a coroutine, a timeout
 context, a health check and a dict per message; here the socket's bytes go straight to
 hiredis in ``data_received`` and each parsed message is handed to
-``on_message(channel, data)`` synchronously (docs/status.md has the figures). The rest
-of the gateway's Redis traffic (enqueue, cancels, logs) stays on redis-py.
+``on_message(channel, data)`` synchronously (docs/status.md has the figures).
+
+The same kind of socket carries ``shared.redis.RawBatch``: ``CommandConnection``, one per
+client (``CommandLink``), on which the batches of a gateway's enqueues and a worker's
+per-step publishes are pipelined. The rest of the Redis traffic (heartbeats, log reads,
+rate limits) stays on redis-py.
 
 The connection speaks RESP2 and knows what a pub/sub-only client needs: AUTH (user and
 password from the URL), TLS (``rediss://``), unix sockets, SUBSCRIBE and SSUBSCRIBE

@@ -282,8 +282,9 @@ class RawBatch:
     redis-py's ``Pipeline`` spends about as long building each command (argument
     encoding, a command stack, response callbacks) as Redis takes to run it; a step of 64
     sequences is 128+ commands. Here each command is packed straight to RESP bytes, the
-    batch is written in one call on a pooled connection, and the replies are read back
-    raw: error replies come back as ``ResponseError`` objects in place, never raised.
+    batch is written in one call on the client's pipelined command socket
+    (``shared.pubsub.CommandLink``: not a pooled connection), and the replies are read
+    back raw: error replies come back as ``ResponseError`` objects in place, never raised.
     A connection or timeout error retries the whole batch once on a fresh connection
     (every command the worker batches here is safe to repeat: gateways drop a
     duplicated token by its index, XACK/XDEL/EXPIRE are idempotent).
