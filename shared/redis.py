@@ -246,10 +246,14 @@ MAX_REDIRECTS = 5
 
 def _route_key(args: tuple) -> bytes | str | None:
     """The key (or sharded channel) a command is routed by in a cluster: its first
-    argument, or for EVAL/EVALSHA its first key."""
+    argument, for EVAL/EVALSHA its first key, for XREAD/XREADGROUP its first stream."""
     name = args[0]
     if name in (b"EVALSHA", b"EVAL", "EVALSHA", "EVAL"):
         return args[3] if int(args[2]) > 0 else None
+    if name in (b"XREADGROUP", b"XREAD", "XREADGROUP", "XREAD"):  # the first stream after STREAMS
+        for i, a in enumerate(args):
+            if a in (b"STREAMS", "STREAMS"):
+                return args[i + 1]
     return args[1] if len(args) > 1 else None
 
 

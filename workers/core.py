@@ -263,7 +263,8 @@ class WorkerCore:
                 f"the prompt has {len(ids)} tokens; this model takes at most {limit}",
             )
         vocab = self._vocab_size
-        if not all(type(i) is int and 0 <= i < vocab for i in ids):
+        # in C, not a generator per id: a long prompt is thousands of them (bool is not int)
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
             return ErrorCode.invalid_request, f"prompt token ids must be integers in [0, {vocab})"
         p = task.params
         if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):

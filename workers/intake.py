@@ -17,6 +17,7 @@ from typing import Callable, Coroutine
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.redis import RawBatch
 from streamfleet.shared.schema import Task, Wake, stream_entry_id
 
 from streamfleet.workers.context import Part, WorkerContext
@@ -81,6 +82,7 @@ class Intake(Part):
         self.wake = wake
         self.dead_letters = dead_letters
         self.spawn = spawn
+        self._admitted: dict = {}  # lane -> its admissions counter (labels() is a lookup per call)
 
     async def admit(self, block: bool, read: bool = True) -> None:
         """Start held tasks (read earlier, or reclaimed), then, with ``read``, read more;
@@ -103,13 +105,9 @@ class Intake(Part):
     async def _read_lanes(self, free: int, block: bool) -> list[Delivery]:
         asked = self.policy.split(free)
         got: dict[str, list] = {lane: [] for lane in LANES}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            lanes = [lane for lane in LANES if asked.get(lane, 0) > 0]
-            for lane in lanes:
-                pipe.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=asked[lane])
-            results = await pipe.execute() if lanes else []
-        for lane, res in zip(lanes, results):
-            got[lane] = self._entries(res)
+        lanes = {lane: asked[lane] for lane in LANES if asked.get(lane, 0) > 0}
+        if lanes:
+            got.update(await self._read_new(lanes))
         n = sum(len(v) for v in got.values())
         if n < free:  # give unused share to lanes that still had backlog
             for lane in LANES:
@@ -118,8 +116,7 @@ class Intake(Part):
                     break
                 if asked.get(lane, 0) and len(got[lane]) < asked[lane]:
                     continue  # this lane is drained
-                res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">"}, count=short)
-                more = self._entries(res)
+                more = (await self._read_new({lane: short}))[lane]
                 got[lane].extend(more)
                 n += len(more)
         self.policy.record({lane: len(v) for lane, v in got.items()}, asked)
@@ -137,11 +134,29 @@ class Intake(Part):
             out = out[:free]
         return out
 
-    @staticmethod
-    def _entries(res) -> list[tuple[bytes, dict]]:
-        if not res:
-            return []
-        return [(mid, fields) for _key, items in res for mid, fields in items]
+    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[bytes, dict]]]:
+        """New entries of each lane (up to its count), without blocking: one
+        ``XREADGROUP`` per lane, all in one ``RawBatch`` on the worker's command socket
+        (their replies read raw: no redis-py pipeline and response callbacks for a
+        burst of tasks at a step boundary).
+
+        Raises:
+            ResponseError: a lane refused the read (NOGROUP: its stream or group vanished).
+            BROKER_ERRORS: Redis is unreachable.
+        """
+        batch = RawBatch()
+        for lane, n in counts.items():
+            batch.add(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", n, b"STREAMS",
+                      self.lane_keys[lane], b">")
+        out = {}
+        for lane, res in zip(counts, await batch.execute(self.redis)):
+            if isinstance(res, Exception):
+                raise res
+            # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}
+            streams = res.values() if isinstance(res, dict) else (items for _key, items in res or ())
+            out[lane] = [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {})
+                         for items in streams for mid, flat in items]
+        return out
 
     def _start(self, d: Delivery) -> None:
         raw = d.raw_task
@@ -159,7 +174,10 @@ class Intake(Part):
             return
         cancelled = self.table.admit(d.lane, d.message_id, task)
         self.cores.add(task, d.replay)
-        metrics.admissions.labels(self.model, d.lane).inc()
+        counter = self._admitted.get(d.lane)
+        if counter is None:
+            counter = self._admitted[d.lane] = metrics.admissions.labels(self.model, d.lane)
+        counter.inc()
         if cancelled:
             self.cores.cancel(task.request_id)
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=d.lane,

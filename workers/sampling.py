@@ -47,8 +47,10 @@ class Sampler:
         top_k = int(params.top_k)
         self.top_k = top_k if 0 < top_k < self.vocab_size else 0
         self.top_p = float(params.top_p)
-        # PCG64 from the request's seed: the same stream on every host and process
-        self._rng = np.random.default_rng(int(params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        # PCG64 from the request's seed: the same stream on every host and process. A
+        # greedy sampler never draws, and seeding one costs more than the rest of a
+        # request's admission (SeedSequence hashing): none is made for it
+        self._rng = None if self.greedy else np.random.default_rng(int(params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
     def skip(self, n: int) -> None:
         """Advance past ``n`` tokens sampled elsewhere (a request taken over mid-way):

@@ -73,7 +73,9 @@ def test_a_batch_routes_each_command_by_its_key() -> None:
     b.add(b"XADD", "sf:log:{ab12}:ab12cd", b"*", b"e", b"x")
     b.add(b"EVALSHA", b"0" * 40, 2, "sf:{m}:tasks:normal", "sf:wake:{m}", b"1")
     b.add(b"EVALSHA", b"0" * 40, 0, b"1")
-    assert [_route_key(a) for a in b._args] == ["sf:log:{ab12}:ab12cd", "sf:{m}:tasks:normal", None]
+    b.add(b"XREADGROUP", b"GROUP", "workers", "w1", b"COUNT", 8, b"STREAMS", "sf:{m}:tasks:high", b">")
+    assert [_route_key(a) for a in b._args] == ["sf:log:{ab12}:ab12cd", "sf:{m}:tasks:normal", None,
+                                              "sf:{m}:tasks:high"]
 
 
 @pytest.mark.parametrize("url, cluster, seeds", [

@@ -303,6 +303,10 @@ def test_max_context_ends_with_length():
         ("x" * 16, {}, "prompt_too_long"),
         ([1, 2, 999], {}, "invalid_request"),
         ([1, -1], {}, "invalid_request"),
+        ([1, True], {}, "invalid_request"),  # a bool is not a token id
+        ([1, 2.0], {}, "invalid_request"),
+        ([1, "2"], {}, "invalid_request"),
+        ([1, [2]], {}, "invalid_request"),
         ("ok", {"max_tokens": 0}, "invalid_request"),
         ("ok", {"temperature": -1.0}, "invalid_request"),
         ("ok", {"deadline": 999.0}, "timeout"),
