@@ -127,11 +127,7 @@ class PubSubConnection(asyncio.Protocol):
         self._replies.clear()
         self._pongs.clear()
         self._acks.clear()
-        for fut in waiting:
-            if not fut.done():
-                fut.set_exception(exc)
-        if not self.lost.done():
-            self.lost.set_result(exc)
+        _fail_all(waiting, exc, self.lost)
 
     # -- commands --------------------------------------------------------------------------
     @property
@@ -187,6 +183,15 @@ class PubSubConnection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _fail_all(waiting: list[asyncio.Future], exc: Exception, lost: asyncio.Future) -> None:
+    """A socket is gone: every reply still awaited fails with ``exc``, and ``lost`` says so."""
+    for fut in waiting:
+        if not fut.done():
+            fut.set_exception(exc)
+    if not lost.done():
+        lost.set_result(exc)
 
 
 def _ssl_context(params: dict) -> ssl.SSLContext:
@@ -313,11 +318,7 @@ class CommandConnection(asyncio.Protocol):
     def _fail(self, exc: Exception) -> None:
         waiting = [entry[2] for entry in self._waiting]
         self._waiting.clear()
-        for fut in waiting:
-            if not fut.done():
-                fut.set_exception(exc)
-        if not self.lost.done():
-            self.lost.set_result(exc)
+        _fail_all(waiting, exc, self.lost)
 
     @property
     def is_open(self) -> bool:

@@ -169,6 +169,37 @@ async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     await c.close()
 
 
+async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, rds):
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=20)
+    c = await Client.connect(gw.ws)
+    warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
+    assert warm.end["type"] == "done", warm.end
+
+    def control_sockets():
+        return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
+                and cl["name"].endswith("-control")]
+
+    [victim] = control_sockets()  # the worker names its subscriber socket (cancels, follows, wakes)
+    assert rds.client_kill_filter(_id=victim["id"]) == 1
+    for _ in range(200):  # opened again by the worker, subscribed again
+        fresh = [cl for cl in control_sockets() if cl["id"] != victim["id"] and int(cl.get("sub", 0)) == 3]
+        if fresh:
+            break
+        await asyncio.sleep(0.02)
+    assert fresh, rds.client_list()
+    fut = c.start("long", "Once upon a time", max_tokens=240, temperature=0, ignore_eos=True)
+    for _ in range(2000):
+        if c.results["long"].tokens or fut.done():
+            break
+        await asyncio.sleep(0.005)
+    await c.send({"type": "cancel", "id": "long"})
+    res = await asyncio.wait_for(fut, 10)
+    assert res.end["type"] == "done" and res.end["finish_reason"] == "cancelled", res.end
+    assert len(res.tokens) < 240
+    await c.close()
+
+
 @pytest.mark.both_brokers
 async def test_32_clients_mixed_lanes_match_single_runs(fleet):
     gw = fleet.gateway()
