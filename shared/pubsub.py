@@ -251,7 +251,9 @@ async def _connect(params: dict, proto: "PubSubConnection | CommandConnection", 
                     raise
     except (ResponseError, AuthenticationError) as exc:
         proto.close()
-        if isinstance(exc, AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc) or "invalid" in str(exc).lower():
+        refused = str(exc)
+        if isinstance(exc, AuthenticationError) or "NOAUTH" in refused or "WRONGPASS" in refused \
+                or "invalid" in refused.lower():
             raise AuthenticationError(f"Redis refused the {what} connection's credentials: {exc}") from exc
         raise RedisConnectionError(f"Redis refused the {what} connection: {exc}") from exc
     except asyncio.TimeoutError as exc:

@@ -231,15 +231,6 @@ def pack(*args: bytes | str | int) -> bytes:
     return b"".join(out)
 
 
-def _command_link(client):
-    """``shared.pubsub.command_link`` (imported on first use: that module imports this one)."""
-    global _command_link
-    from streamfleet.shared.pubsub import command_link
-
-    _command_link = command_link
-    return command_link(client)
-
-
 #: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails
 MAX_REDIRECTS = 5
 
@@ -343,7 +334,9 @@ class RawBatch:
     async def _run(self, client: aioredis.Redis) -> list:
         """On the client's pipelined command socket (``shared.pubsub.CommandLink``), not
         a pooled connection: batches of concurrent callers go out back to back."""
-        link = _command_link(client)
+        from streamfleet.shared.pubsub import command_link  # (that module imports this one)
+
+        link = command_link(client)
         conn = await link.connection()
         n = len(self._parts)
         replies = conn.send(b"".join(self._parts), n)

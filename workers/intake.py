@@ -82,7 +82,8 @@ class Intake(Part):
         self.wake = wake
         self.dead_letters = dead_letters
         self.spawn = spawn
-        self._admitted: dict = {}  # lane -> its admissions counter (labels() is a lookup per call)
+        # each lane's admissions counter, looked up once (labels() is a lookup per call)
+        self._admitted = {lane: metrics.admissions.labels(self.model, lane) for lane in LANES}
 
     async def admit(self, block: bool, read: bool = True) -> None:
         """Start held tasks (read earlier, or reclaimed), then, with ``read``, read more;
@@ -174,10 +175,7 @@ class Intake(Part):
             return
         cancelled = self.table.admit(d.lane, d.message_id, task)
         self.cores.add(task, d.replay)
-        counter = self._admitted.get(d.lane)
-        if counter is None:
-            counter = self._admitted[d.lane] = metrics.admissions.labels(self.model, d.lane)
-        counter.inc()
+        self._admitted[d.lane].inc()
         if cancelled:
             self.cores.cancel(task.request_id)
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=d.lane,
