@@ -82,7 +82,7 @@ class Hub:
         if channel is None:
             async with self._shared_channel_opening:
                 if self._shared_channel is None:
-                    self._shared_channel = await ReplyChannel(broker).open()
+                    self._shared_channel = await ReplyChannel(broker, shared=True).open()
                 channel = self._shared_channel
         return channel
 

@@ -44,6 +44,8 @@ log = get_logger("gateway.streams")
 
 #: seconds a cancel may go unanswered before the gateway ends the request itself
 CANCEL_GRACE_S = 5.0
+#: seconds between two publishes of one unanswered cancel
+CANCEL_RESEND_S = 1.0
 #: seconds of silence from a running request before the stream checks its log
 CATCH_UP_AFTER_S = 2.0
 #: seconds between reads of a log that could not be read, while its shard fails over
@@ -52,6 +54,12 @@ OUTAGE_RETRY_S = 0.5
 FOLLOW_TTL_S = 15.0
 #: entries read from a log per XREAD
 LOG_PAGE = 1000
+#: a shared channel's memory of requests it let go of while they may still run
+#: (``ReplyChannel._unheard``): at most this many, each for at most this long
+LET_GO_REMEMBERED = 4096
+LET_GO_REMEMBER_S = 600.0
+#: seconds between two cancels of one let-go request whose events keep coming
+LET_GO_CANCEL_EVERY_S = 1.0
 
 LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
@@ -139,6 +147,9 @@ class RequestStream:
         self._unreadable_since: float | None = None  # the log's first failed read of an outage
         self.finished = False  # the final event is queued
         self.cancel_requested = False
+        #: the gateway ended the stream itself (``fail``, ``end_cancelled``), not a worker's
+        #: ``done`` or ``error``: the worker may still be running the request
+        self.ended_here = False
         self.started = False  # any event seen (tokens or end)
         self.duplicates_dropped = 0
         self.gaps_repaired = 0
@@ -220,10 +231,12 @@ class RequestStream:
     def fail(self, error: StreamfleetError) -> None:
         """End the request with an error the gateway decided on."""
         if not self.finished:
+            self.ended_here = True
             self._end(Failed(error))
 
     def end_cancelled(self) -> None:
         if not self.finished:
+            self.ended_here = True
             self._end(End("cancelled", self.prompt_tokens, self.next_index))
 
     def _end(self, ev: StreamEvent) -> None:
@@ -389,15 +402,25 @@ class ReplyChannel:
         connection_id: names the channel; fresh per connection (WebSocket, gRPC
             ``Stream``), per resumed HTTP or gRPC call, and per gateway process for the
             requests it submits (``gateway.app.Hub.shared_channel``).
+        shared: the process's shared channel. Its subscription outlives every request,
+            so a worker's "nobody listening" check (docs/failures.md) never fires for a
+            request whose stream the gateway ended by itself (a broker outage, a lost
+            log, a cancel that could not be delivered); the channel stops such a request
+            itself when its events keep arriving (``_unheard``).
     """
 
-    def __init__(self, broker: Any, connection_id: str | None = None, *, stall_timeout_s: float = 60.0) -> None:
+    def __init__(self, broker: Any, connection_id: str | None = None, *, stall_timeout_s: float = 60.0,
+                 shared: bool = False) -> None:
         self.broker = broker
         self.connection_id = connection_id or uuid.uuid4().hex
         self.stall_timeout_s = stall_timeout_s
+        self.shared = shared
         self.streams: dict[str, RequestStream] = {}
         self._tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
         self.closed = False
+        #: request id -> [model, when let go, next cancel at]: requests this shared channel
+        #: ended itself, whose worker may not know (oldest first)
+        self._let_go_ids: dict[str, list] = {}
 
     async def open(self) -> "ReplyChannel":
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
@@ -406,10 +429,48 @@ class ReplyChannel:
 
     # -- called by the broker's reader ----------------------------------------------------
     def route(self, events: list[Event]) -> None:
+        streams = self.streams
         for ev in events:
-            stream = self.streams.get(ev.request_id)
+            stream = streams.get(ev.request_id)
             if stream is not None:
                 stream.feed(ev)
+            elif self._let_go_ids:
+                self._unheard(ev)
+
+    def _unheard(self, ev: Event) -> None:
+        """An event of a request this shared channel ended by itself: the worker still
+        runs it (it never heard a cancel, or none could be sent). Cancel it, at most once
+        every ``LET_GO_CANCEL_EVERY_S``, until its end arrives; unless a client follows
+        it elsewhere (a resume), which then owns its life."""
+        rid = ev.request_id
+        entry = self._let_go_ids.get(rid)
+        if entry is None:
+            return
+        if not isinstance(ev, TokenEvent):  # its end: the worker is done with it
+            del self._let_go_ids[rid]
+            return
+        now = time.monotonic()
+        if now < entry[2]:
+            return
+        entry[2] = now + LET_GO_CANCEL_EVERY_S
+        self._spawn_detached(self._cancel_unheard(rid, entry[0]))
+
+    async def _cancel_unheard(self, rid: str, model: str) -> None:
+        if await self.broker.followed_elsewhere(rid, self.connection_id):
+            return  # (or Redis cannot say: asked again at the next event past the interval)
+        log.info("request still running after its stream ended here; cancelling", request_id=rid,
+                 connection_id=self.connection_id)
+        await self.broker.cancel(rid, model, "no_listener")
+
+    def _remember_let_go(self, stream: RequestStream) -> None:
+        ids = self._let_go_ids
+        now = time.monotonic()
+        while ids:  # forget the oldest past the bounds
+            first = next(iter(ids))
+            if len(ids) < LET_GO_REMEMBERED and now - ids[first][1] < LET_GO_REMEMBER_S:
+                break
+            del ids[first]
+        ids[stream.request_id] = [stream.model, now, 0.0]
 
     def resync(self) -> None:
         """The subscription was re-established: events may have been missed; check the logs."""
@@ -505,9 +566,12 @@ class ReplyChannel:
         await self.broker.unfollow(stream.request_id, self.connection_id)
 
     def release(self, stream: RequestStream) -> None:
-        """The adapter delivered the stream's final event."""
+        """The adapter delivered the stream's final event (or, on the shared channel, its
+        client left)."""
         if self.streams.get(stream.request_id) is stream:
             del self.streams[stream.request_id]
+            if self.shared and stream.ended_here and stream.model:
+                self._remember_let_go(stream)
 
     def cancel(self, stream: RequestStream, reason: str = "client") -> None:
         """Interrupt a request: workers stop it within one decode step; if no worker answers
@@ -519,8 +583,18 @@ class ReplyChannel:
         self._spawn(self._cancel(stream, reason))
 
     async def _cancel(self, stream: RequestStream, reason: str) -> None:
-        await self.broker.cancel(stream.request_id, stream.model, reason)
-        await asyncio.sleep(CANCEL_GRACE_S)
+        """Publish the cancel, again every ``CANCEL_RESEND_S`` while no end arrives (a cancel
+        is heard at most once: one published while a worker's control socket reconnects
+        is lost), and end the stream here after ``CANCEL_GRACE_S``."""
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while not stream.finished:
+            await self.broker.cancel(stream.request_id, stream.model, reason)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(CANCEL_RESEND_S, left))
+            if time.monotonic() >= deadline:
+                break
         stream.end_cancelled()
 
     def _forget(self, task: asyncio.Task) -> None:

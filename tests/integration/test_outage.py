@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import httpx
+import redis
 
 from streamfleet.launcher import EmbeddedRedis
 from tests.integration.conftest import FleetFactory
@@ -49,7 +50,13 @@ async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_sp
             while (await http.get(gw.http + "/readyz")).status_code != 200:
                 assert time.monotonic() < deadline, gw.log() + w.log()
                 await asyncio.sleep(0.2)
-        again = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True)
+        try:
+            again = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=30)
+        except TimeoutError:
+            raise AssertionError("no answer after Redis came back; frames: "
+                                 f"accepted={c.results['after'].accepted if 'after' in c.results else None} "
+                                 f"tokens={len(c.results['after'].tokens) if 'after' in c.results else None}\n"
+                                 f"--- gateway\n{gw.log(None)}\n--- worker\n{w.log(None)}") from None
         assert again.end["type"] == "done" and len(again.tokens) == 5, again.end
         await c.close()
     finally:
@@ -81,4 +88,102 @@ async def test_worker_told_to_stop_while_redis_is_down_still_stops(own_redis, ti
         assert time.monotonic() - t0 < 15, w.log()
         await c.close()
     finally:
+        fleet.close()
+
+
+def _refuse_new_connections(rds, on: bool) -> None:
+    """Redis asks new connections for a password (those already open stay served): a
+    process whose socket drops cannot open another until it is lifted."""
+    rds.config_set("requirepass", "s3cret-for-a-moment" if on else "")
+
+
+def _sockets(rds, suffix: str, prefix: str) -> list[dict]:
+    return [cl for cl in rds.client_list() if cl.get("name", "").startswith(prefix) and cl["name"].endswith(suffix)]
+
+
+async def _until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_a_request_ended_by_the_gateway_is_stopped_when_its_events_keep_coming(own_redis, tiny_spec,
+                                                                                      tmp_path):
+    """The gateway's pub/sub socket drops and cannot come back at once: the request's
+    stream ends with ``broker_unavailable``, while the worker, whose sockets stayed up,
+    never hears of it. The gateway's shared reply channel stays subscribed for the
+    process's life, so the worker's "nobody listening" check cannot stop the request
+    (its grace is 30 s here, beyond the test); the gateway itself cancels it when its
+    events reach the channel again (docs/failures.md, "Cancellation")."""
+    fleet = FleetFactory(own_redis.url, "sflet", tmp_path)
+    rds = redis.Redis.from_url(own_redis.url, single_connection_client=True, decode_responses=True)
+    lane = "sflet:{tiny-gpt}:tasks:normal"
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo", echo_delay_ms=100, orphan_grace_s=30)  # 24 s for the request
+        c = await Client.connect(gw.ws)
+        fut = c.start("r", "Once upon a time", max_tokens=240, ignore_eos=True)
+        await _until(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), 30, "no tokens")
+        assert not fut.done(), c.results["r"].end
+        assert rds.xlen(lane) == 1
+        _refuse_new_connections(rds, True)
+        try:
+            [pubsub] = _sockets(rds, "-pubsub", "sf-gateway-")
+            rds.client_kill_filter(_id=pubsub["id"])
+            res = await asyncio.wait_for(fut, 10)
+            assert res.end["type"] == "error" and res.end["code"] == "broker_unavailable", res.end
+        finally:
+            _refuse_new_connections(rds, False)
+        async with httpx.AsyncClient(timeout=15) as http:
+            deadline = time.monotonic() + 30
+            while (await http.get(gw.http + "/readyz")).status_code != 200:
+                assert time.monotonic() < deadline, gw.log()
+                await asyncio.sleep(0.1)
+        await _until(lambda: rds.xlen(lane) == 0, 10, "the request still runs\n" + gw.log() + w.log())
+        assert "still running after its stream ended here; cancelling" in gw.log(None)
+        # the fleet serves on
+        again = await c.generate("after", "Once upon a time", max_tokens=3, ignore_eos=True, timeout=30)
+        assert again.end["type"] == "done" and len(again.tokens) == 3, again.end
+        await c.close()
+    finally:
+        rds.close()
+        fleet.close()
+
+
+async def test_a_cancel_lost_while_the_worker_reconnects_is_sent_again(own_redis, tiny_spec, tmp_path):
+    """Cancels travel over pub/sub, at most once: one published while the worker's control
+    socket is down (here it cannot reconnect until Redis takes new connections again) is
+    lost. The gateway publishes it again every second, so the worker itself stops the
+    request (its own ``done``, with its timings) long before the gateway's 5 s grace would
+    end the stream without it."""
+    fleet = FleetFactory(own_redis.url, "sfcan", tmp_path)
+    rds = redis.Redis.from_url(own_redis.url, single_connection_client=True, decode_responses=True)
+    lane = "sfcan:{tiny-gpt}:tasks:normal"
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo", echo_delay_ms=100)  # 24 s for the request
+        c = await Client.connect(gw.ws)
+        fut = c.start("r", "Once upon a time", max_tokens=240, ignore_eos=True)
+        await _until(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), 30, "no tokens")
+        assert not fut.done(), c.results["r"].end
+        _refuse_new_connections(rds, True)
+        try:
+            [control] = _sockets(rds, "-control", "sf-worker-")
+            rds.client_kill_filter(_id=control["id"])
+            await _until(lambda: rds.pubsub_numsub("sfcan:cancel") == [("sfcan:cancel", 0)], 5, "still subscribed")
+            t0 = time.monotonic()
+            await c.send({"type": "cancel", "id": "r"})
+            await asyncio.sleep(0.5)  # published and lost meanwhile
+        finally:
+            _refuse_new_connections(rds, False)
+        res = await asyncio.wait_for(fut, 10)
+        took = time.monotonic() - t0
+        assert res.end["type"] == "done" and res.end["finish_reason"] == "cancelled", res.end
+        assert res.end["timing"].get("total_ms"), ("ended by the gateway's grace, not the worker", res.end)
+        assert took < 4.5, took
+        await _until(lambda: rds.xlen(lane) == 0, 5, w.log())
+        await c.close()
+    finally:
+        rds.close()
         fleet.close()

@@ -290,7 +290,7 @@ async def test_connections_submit_on_their_process_shared_channel(fleet, rds, ke
 
     keys = Keys(key_prefix)
     gw = fleet.gateway()
-    fleet.worker(backend="echo", echo_delay_ms=20)
+    fleet.worker(backend="echo", echo_delay_ms=50)  # a's long request would take 12 s
     a, b = await Client.connect(gw.ws), await Client.connect(gw.ws)
     ra, rb = await a.generate("x", max_tokens=4), await b.generate("y", max_tokens=4)
     assert ra.end["type"] == rb.end["type"] == "done"
@@ -299,14 +299,15 @@ async def test_connections_submit_on_their_process_shared_channel(fleet, rds, ke
     (channel,) = channels
     assert rds.pubsub_numsub(keys.reply(channel))[0][1] == 1
 
-    a.start("long", max_tokens=100000, ignore_eos=True)
+    long_a = a.start("long", max_tokens=240, ignore_eos=True)
     long_b = b.start("long", max_tokens=50, ignore_eos=True)
     await asyncio.sleep(0.5)
+    assert a.results["long"].tokens and not long_a.done(), a.results["long"]  # it runs
     await a.close()  # a clean close: a's request is cancelled at once, b's runs on
     res_b = await long_b
     assert res_b.end["type"] == "done" and res_b.end["finish_reason"] == "length" and len(res_b.tokens) == 50
     lane = keys.lane("tiny-gpt", "normal")
-    deadline = asyncio.get_running_loop().time() + 10
+    deadline = asyncio.get_running_loop().time() + 5
     while rds.xlen(lane) or rds.xpending(lane, "workers")["pending"]:  # nothing left running or queued
         assert asyncio.get_running_loop().time() < deadline, rds.xpending(lane, "workers")
         await asyncio.sleep(0.1)
