@@ -223,3 +223,41 @@ async def test_a_busy_stream_keeps_one_timer_not_one_per_token(monkeypatch):
     evs = await asyncio.wait_for(drain(s), 10)
     assert [e.index for e in evs if isinstance(e, Token)] == list(range(200))
     assert len(timers) <= 5, len(timers)  # wait_for's own, the first wait's, one re-arm when it shortens
+
+
+async def test_a_shared_channel_remembers_what_it_ended_itself_within_bounds(monkeypatch):
+    """Only streams the gateway ended by itself are remembered (a worker's own end is
+    not), on the shared channel only, at most ``LET_GO_REMEMBERED`` of them and each for
+    ``LET_GO_REMEMBER_S``; an end arriving afterwards forgets the request."""
+    from streamfleet.gateway import streams as mod
+
+    monkeypatch.setattr(mod, "LET_GO_REMEMBERED", 3)
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+
+    def stream(rid: str, *, here: bool) -> RequestStream:
+        s = RequestStream(rid, "c", deadline=time.time() + 60)
+        s.model = "m"
+        if here:
+            s.fail(UnavailableError("down"))
+        else:
+            s.feed(DoneEvent(rid, "length", 3, 0))
+        return s
+
+    own = mod.ReplyChannel(None, "conn")  # a connection's channel: the worker's check covers it
+    for ch in (own, mod.ReplyChannel(None, "proc", shared=True)):
+        for rid, here in (("a", True), ("b", False), ("c", True), ("d", True)):
+            s = ch.streams[rid] = stream(rid, here=here)
+            ch.release(s)
+            now[0] += 1
+    assert own._let_go_ids == {}
+    assert list(ch._let_go_ids) == ["a", "c", "d"]
+    s = ch.streams["e"] = stream("e", here=True)
+    ch.release(s)
+    assert list(ch._let_go_ids) == ["c", "d", "e"]  # the oldest made room
+    now[0] += mod.LET_GO_REMEMBER_S
+    s = ch.streams["f"] = stream("f", here=True)
+    ch.release(s)
+    assert list(ch._let_go_ids) == ["f"]  # the others expired
+    ch.route([DoneEvent("f", "cancelled", 3, 2)])
+    assert ch._let_go_ids == {}
