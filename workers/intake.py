@@ -10,6 +10,7 @@ in-flight table as held and start first.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, Coroutine
 
@@ -44,6 +45,10 @@ class WakeState:
         self.woken = False
         self.read_at = 0.0  # monotonic time of the last read
         self.last_read: dict[str, tuple[int, int]] = {}  # lane -> newest entry id read
+        self.announced: dict[str, tuple[int, int]] = {}  # lane -> newest entry id announced
+        self._unreadable = False  # a wake that named no entry came since the last read
+        self._announced_at_read: dict[str, tuple[int, int]] = {}  # ``announced`` when the last read began
+        self._waiter: asyncio.Future | None = None  # ``next_wake``'s
 
     def on_wake(self, data: bytes) -> None:
         """A gateway's enqueue announced a task (``shared.schema.Wake``): wake unless it
@@ -52,10 +57,28 @@ class WakeState:
             wake = Wake.decode(data)
         except ValueError:
             log.warning("unreadable wake message", data=data[:64])
-            self.woken = True
+            self._unreadable = True
+            self._wake()
             return
         if wake.is_new(self.last_read):
-            self.woken = True
+            if wake.entry_id > self.announced.get(wake.lane, (0, 0)):
+                self.announced[wake.lane] = wake.entry_id
+            self._wake()
+
+    def _wake(self) -> None:
+        self.woken = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def next_wake(self) -> asyncio.Future:
+        """Resolved by the next wake (already, when woken)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        if self.woken:
+            waiter.set_result(None)
+        return waiter
 
     def should_read(self) -> bool:
         return self.woken or time.monotonic() - self.read_at >= READ_EVERY_S
@@ -63,7 +86,20 @@ class WakeState:
     def reading(self) -> None:
         """A read starts: a wake that lands during it is kept."""
         self.woken = False
+        self._unreadable = False
         self.read_at = time.monotonic()
+        self._announced_at_read = dict(self.announced)
+
+    def settle(self, short: bool) -> None:
+        """A read returned (``short``: with fewer tasks than it asked for, so the lanes
+        held nothing more for this worker when it ran). A wake that landed during it for an
+        entry the read took, or for one announced before it began (another worker took
+        it), leaves nothing to read: a burst of enqueues is read in a few reads, not one
+        per wake."""
+        if self.woken and not self._unreadable:
+            last, before = self.last_read, self._announced_at_read if short else {}
+            self.woken = any(entry > last.get(lane, (0, 0)) and entry > before.get(lane, (0, 0))
+                             for lane, entry in self.announced.items())
 
     def read(self, lane: str, message_id: bytes) -> None:
         """The read returned ``message_id`` from ``lane``."""
@@ -101,6 +137,7 @@ class Intake(Part):
         out = await self._read_lanes(free, block)
         for d in out:
             self.wake.read(d.lane, d.message_id)
+        self.wake.settle(short=len(out) < free)
         return out
 
     async def _read_lanes(self, free: int, block: bool) -> list[Delivery]:

@@ -23,6 +23,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,11 @@ from streamfleet.workers.reload import Reloader, target_version
 __all__ = ["WorkerProcess", "run_worker", "Takeover"]
 
 log = get_logger("worker")
+
+
+#: seconds the loop waits at most for the engine thread to take up a step it was handed
+#: (``WorkerProcess._start_step``)
+STEP_HANDOFF_S = 0.002
 
 
 @dataclass(slots=True)
@@ -103,6 +109,7 @@ class WorkerProcess:
         self._bg: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._step_began = threading.Event()  # set by the engine thread as a step begins
         m = self.model
         self._m_step = metrics.step_time.labels(m)
         self._m_batch = metrics.batch_size.labels(m)
@@ -309,9 +316,23 @@ class WorkerProcess:
         if not self.cores.has_work():
             return
         st.started_at = time.perf_counter()
-        st.running = asyncio.get_running_loop().run_in_executor(self._executor, self.cores.step)
+        began = self._step_began
+        began.clear()
+        st.running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step)
         if not self.overlap_io:  # finish the step before any I/O
             await self._finish_step(st)
+        else:
+            # The engine thread first (docs/architecture.md, "Processes"): block until it
+            # runs, so that it holds the GIL through the step's own Python up to the engine
+            # call; only then does this loop build and send the last step's publish beside
+            # it. Otherwise the engine thread waits for the GIL until that Python is done
+            # (about 0.5 ms a step at 64 sequences, the step's start delayed by as much).
+            began.wait(STEP_HANDOFF_S)
+
+    def _run_step(self):
+        """The step, in the engine thread."""
+        self._step_began.set()
+        return self.cores.step()
 
     async def _publish_previous(self, st: StepState) -> None:
         """The last finished step's events, after any whose publish failed before."""
@@ -321,14 +342,32 @@ class WorkerProcess:
 
     async def _admit_arrivals(self, st: StepState, stopping: bool) -> None:
         """While the engine computes, start what has arrived (read only when woken, or
-        ``READ_EVERY_S`` after the last read); an idle worker blocks on the read instead."""
+        ``READ_EVERY_S`` after the last read), and then what gateways announce until the
+        step returns; an idle worker blocks on the read instead."""
         if stopping or self.cores.free_slots <= 0:
             return
         if st.running is not None:
             await self.intake.admit(block=False, read=self.wake.should_read())
+            await self._admit_while_computing(st.running)
         elif not self.cores.has_work():
             await self.intake.admit(block=True)
             st.just_read = True
+
+    async def _admit_while_computing(self, running: asyncio.Future) -> None:
+        """Read and start the tasks gateways announce while the engine computes, until it
+        returns (docs/architecture.md, "A request's path"): they are in the cores when
+        the step ends, so the next one starts at once with them, instead of after a read
+        at the boundary; and a worker whose sequences all end in this step starts the
+        next with what arrived meanwhile, its events published beside it, instead of
+        publishing first and then blocking on a read. A burst of enqueues is read in a
+        few reads (``WakeState.settle``)."""
+        wake = self.wake
+        while not running.done() and self.cores.free_slots > 0 and not self._stopping.is_set():
+            if not wake.woken:
+                await asyncio.wait((running, wake.next_wake()), return_when=asyncio.FIRST_COMPLETED)
+                if running.done() or not wake.woken or self._stopping.is_set():
+                    break
+            await self.intake.admit(block=False, read=True)
 
     async def _finish_step(self, st: StepState) -> None:
         if st.running is None:

@@ -51,3 +51,54 @@ def test_a_read_clears_the_wake_and_records_the_newest_entry_per_lane():
     assert w.last_read == {"normal": (1700000000000, 6)}
     w.on_wake(b"normal 1700000000000-6")
     assert not w.woken
+
+
+def test_wakes_that_land_during_a_read_for_what_it_took_leave_nothing_to_read():
+    """A burst of enqueues announced while a read runs: what the read took, and (when
+    it came back short: the lanes had nothing more) what was announced before it began
+    and another worker took, leave the worker unwoken; an entry past both wakes it."""
+    w = make()
+    w.on_wake(b"normal 1700000000000-1")
+    w.reading()
+    w.on_wake(b"normal 1700000000000-2")  # during the read, which takes both
+    w.read("normal", b"1700000000000-1")
+    w.read("normal", b"1700000000000-2")
+    w.settle(short=True)
+    assert not w.woken
+
+    w.on_wake(b"normal 1700000000000-5")  # another worker takes this one
+    w.reading()
+    w.settle(short=True)  # the read found nothing
+    assert not w.woken
+
+    w.reading()
+    w.on_wake(b"normal 1700000000000-7")  # during a read that came back empty: maybe after it ran
+    w.settle(short=True)
+    assert w.woken
+
+    w.reading()
+    w.on_wake(b"high 1700000000000-1")
+    w.read("normal", b"1700000000000-7")
+    w.settle(short=False)  # a full read: more may wait in either lane
+    assert w.woken
+
+    w.reading()
+    w.on_wake(b"\xff nonsense")  # names no entry: always worth a read
+    w.settle(short=True)
+    assert w.woken
+
+
+async def test_next_wake_resolves_at_the_next_wake_or_at_once_when_woken():
+    w = make()
+    fut = w.next_wake()
+    assert not fut.done()
+    w.on_wake(b"normal 1700000000000-1")
+    assert fut.done()
+    assert w.next_wake().done()  # still woken: no wait
+    w.reading()
+    w.read("normal", b"1700000000000-1")
+    fut = w.next_wake()
+    w.on_wake(b"normal 1700000000000-1")  # already read: no wake
+    assert not fut.done()
+    w.on_wake(b"normal 1700000000000-2")
+    assert fut.done()
