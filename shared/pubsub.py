@@ -30,12 +30,13 @@ from typing import Callable
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.connection import parse_url
-from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
+from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError, \
+    TimeoutError as RedisTimeoutError
 
 from streamfleet.shared.redis import pack, slot_of
 
 __all__ = ["PubSubConnection", "open_pubsub", "pack", "CommandConnection", "CommandLink", "command_link",
-           "close_command_link"]
+           "blocking_link", "close_command_link"]
 
 OnMessage = Callable[[bytes, bytes], None]
 
@@ -364,11 +365,11 @@ class CommandLink:
     is lost. ``timeout``: how long a batch may wait for its replies (the pool's socket
     timeout); past it the socket is dropped, as redis-py drops a timed-out connection."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, name: str | None = None) -> None:
         self.params = dict(pool.connection_kwargs, connection_class=pool.connection_class)
         self.timeout: float | None = self.params.get("socket_timeout")
         self.connect_timeout: float = self.params.get("socket_connect_timeout") or self.timeout or 5.0
-        self.name: str | None = getattr(pool, "_sf_command_name", None) or self.params.get("client_name")
+        self.name: str | None = name or getattr(pool, "_sf_command_name", None) or self.params.get("client_name")
         self._conn: CommandConnection | None = None
         self._opening: asyncio.Future | None = None
 
@@ -397,6 +398,30 @@ class CommandLink:
             old.close()
         return conn
 
+    async def blocking(self, *args: bytes | str | int, block_s: float) -> object:
+        """One blocking command (``XREADGROUP ... BLOCK``) that may hold the socket for
+        ``block_s``: its reply is waited for that long plus the socket timeout, past which
+        the socket is dropped. Use a link of its own for it (``blocking_link``): batches
+        queued behind it would wait as long.
+
+        Raises:
+            ResponseError: Redis refused the command (the error reply).
+            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError: the socket
+                was lost, or no reply came in time.
+        """
+        conn = await self.connection()
+        replies = conn.send(pack(*args), 1)
+        try:
+            async with asyncio.timeout(block_s + (self.timeout or 5.0)):
+                (reply,) = await replies
+        except TimeoutError as exc:
+            error = RedisTimeoutError(f"no reply to a blocking {args[0]!r} from Redis")
+            conn.abort(error)
+            raise error from exc
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -420,11 +445,24 @@ def command_link(client) -> CommandLink:
     return link
 
 
+def blocking_link(client, name: str) -> CommandLink:
+    """A second ``CommandLink`` of a redis-py client, named ``name``, for the blocking
+    commands of one caller (``CommandLink.blocking``: a worker's idle wait on its lanes),
+    so that they never hold the socket the client's batches are pipelined on."""
+    pool = client.connection_pool
+    link = getattr(pool, "_sf_blocking_link", None)
+    if link is None:
+        link = pool._sf_blocking_link = CommandLink(pool, name)
+    return link
+
+
 def close_command_link(client) -> None:
-    """Close the client's command socket, if it has one (with ``client.aclose()``)."""
-    link = getattr(getattr(client, "connection_pool", None), "_sf_command_link", None)
-    if link is not None:
-        link.close()
+    """Close the client's command sockets, if it has any (with ``client.aclose()``)."""
+    pool = getattr(client, "connection_pool", None)
+    for attr in ("_sf_command_link", "_sf_blocking_link"):
+        link = getattr(pool, attr, None)
+        if link is not None:
+            link.close()
 
 
 #: seconds of quiet after which a sharded subscriber socket is PINGed

@@ -14,10 +14,13 @@ import asyncio
 import time
 from typing import Callable, Coroutine
 
+from redis.asyncio.cluster import RedisCluster
+
 
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
+from streamfleet.shared.pubsub import blocking_link
 from streamfleet.shared.redis import RawBatch
 from streamfleet.shared.schema import Task, Wake, stream_entry_id
 
@@ -160,17 +163,39 @@ class Intake(Part):
         self.policy.record({lane: len(v) for lane, v in got.items()}, asked)
         out = [Delivery(lane, mid, f) for lane in LANES for mid, f in got[lane]]
         if not out and block:
-            res = await self.redis.xreadgroup(
-                GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
-                count=1, block=self.settings.block_ms)
             key_to_lane = {v.encode(): k for k, v in self.lane_keys.items()}
-            for key, items in res or []:
+            for key, items in await self._read_blocking():
                 lane = key_to_lane[key if isinstance(key, bytes) else key.encode()]
                 out.extend(Delivery(lane, mid, f) for mid, f in items)
             for extra in out[free:]:
                 self.table.hold(extra)
             out = out[:free]
         return out
+
+    async def _read_blocking(self) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
+        """An idle worker's wait for a task on any lane (``XREADGROUP ... BLOCK``):
+        ``[(stream, [(entry id, fields)])]``, empty when ``block_ms`` passed. On a single
+        server it goes out on a socket of its own (``sf-worker-<id>-reads``), written and
+        read raw like the command socket's batches: the wake of an idle worker is on the
+        way of every request that finds it idle, and redis-py's pooled connection and
+        reply callbacks cost a few hundred microseconds of it (docs/status.md). On a
+        Redis Cluster redis-py routes it to the lanes' shard.
+
+        Raises:
+            ResponseError: a lane refused the read (NOGROUP).
+            BROKER_ERRORS: Redis is unreachable.
+        """
+        block_ms = self.settings.block_ms
+        if isinstance(self.redis, RedisCluster):
+            res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
+                                              count=1, block=block_ms)
+            return [(key, items) for key, items in res or ()]
+        link = blocking_link(self.redis, f"sf-worker-{self.worker_id}-reads")
+        res = await link.blocking(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", 1, b"BLOCK", block_ms,
+                                  b"STREAMS", *(self.lane_keys[lane] for lane in LANES), *(b">" for _ in LANES),
+                                  block_s=block_ms / 1000)
+        return [(key, [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items])
+                for key, items in res or ()]
 
     async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[bytes, dict]]]:
         """New entries of each lane (up to its count), without blocking: one

@@ -200,6 +200,33 @@ async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, 
     await c.close()
 
 
+async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss(fleet, rds):
+    """An idle worker blocks on its lanes on a socket named ``sf-worker-<id>-reads``
+    (its batches keep ``-commands`` to themselves); killed mid-wait, it is opened again
+    and the next request is served."""
+    gw = fleet.gateway()
+    fleet.worker(backend="echo", echo_delay_ms=5)
+    c = await Client.connect(gw.ws)
+    warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
+    assert warm.end["type"] == "done", warm.end
+
+    def reads_sockets():
+        return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
+                and cl["name"].endswith("-reads")]
+
+    for _ in range(200):  # idle again: blocked in XREADGROUP on that socket
+        blocked = [cl for cl in reads_sockets() if cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")]
+        if blocked:
+            break
+        await asyncio.sleep(0.02)
+    assert blocked, rds.client_list()
+    assert rds.client_kill_filter(_id=blocked[0]["id"]) == 1
+    res = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=20)
+    assert res.end["type"] == "done" and len(res.tokens) == 5, res.end
+    assert [cl for cl in reads_sockets() if cl["id"] != blocked[0]["id"]], rds.client_list()
+    await c.close()
+
+
 @pytest.mark.both_brokers
 async def test_32_clients_mixed_lanes_match_single_runs(fleet):
     gw = fleet.gateway()
