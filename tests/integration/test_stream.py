@@ -169,16 +169,27 @@ async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     await c.close()
 
 
-async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, rds):
+async def _warm_fleet(fleet, echo_delay_ms: float) -> Client:
+    """A gateway and an echo worker that served one request, and a client of them."""
     gw = fleet.gateway()
-    fleet.worker(backend="echo", echo_delay_ms=20)
+    fleet.worker(backend="echo", echo_delay_ms=echo_delay_ms)
     c = await Client.connect(gw.ws)
     warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
     assert warm.end["type"] == "done", warm.end
+    return c
+
+
+def _worker_sockets(rds, suffix: str) -> list[dict]:
+    """The worker's sockets named ``sf-worker-<id><suffix>`` in ``CLIENT LIST``."""
+    return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
+            and cl["name"].endswith(suffix)]
+
+
+async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, rds):
+    c = await _warm_fleet(fleet, 20)
 
     def control_sockets():
-        return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
-                and cl["name"].endswith("-control")]
+        return _worker_sockets(rds, "-control")
 
     [victim] = control_sockets()  # the worker names its subscriber socket (cancels, follows, wakes)
     assert rds.client_kill_filter(_id=victim["id"]) == 1
@@ -204,15 +215,10 @@ async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss
     """An idle worker blocks on its lanes on a socket named ``sf-worker-<id>-reads``
     (its batches keep ``-commands`` to themselves); killed mid-wait, it is opened again
     and the next request is served."""
-    gw = fleet.gateway()
-    fleet.worker(backend="echo", echo_delay_ms=5)
-    c = await Client.connect(gw.ws)
-    warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
-    assert warm.end["type"] == "done", warm.end
+    c = await _warm_fleet(fleet, 5)
 
     def reads_sockets():
-        return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
-                and cl["name"].endswith("-reads")]
+        return _worker_sockets(rds, "-reads")
 
     for _ in range(200):  # idle again: blocked in XREADGROUP on that socket
         blocked = [cl for cl in reads_sockets() if cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")]
@@ -223,7 +229,12 @@ async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss
     assert rds.client_kill_filter(_id=blocked[0]["id"]) == 1
     res = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=20)
     assert res.end["type"] == "done" and len(res.tokens) == 5, res.end
-    assert [cl for cl in reads_sockets() if cl["id"] != blocked[0]["id"]], rds.client_list()
+    for _ in range(200):  # idle again, on a new socket (opened by the wait after the request's end)
+        if [cl for cl in reads_sockets() if cl["id"] != blocked[0]["id"]]:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(rds.client_list())
     await c.close()
 
 
