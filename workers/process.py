@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import FatalError
@@ -237,6 +237,7 @@ class WorkerProcess:
         lane stream or group that vanished is recreated."""
         st = StepState()
         backoff = 0.1
+        regroup = False  # a lane's stream or group vanished: recreate them before the next step
         while True:
             if st.running is None and not self.cores.has_work():
                 self.liveness.idle()
@@ -247,18 +248,23 @@ class WorkerProcess:
             if stopping and (st.running is None or self.drain.overdue()) and await self._drained(st):
                 return
             try:
+                if regroup:  # (here, so that Redis failing meanwhile backs off like any step)
+                    await self._ensure_groups()
+                    regroup = False
                 await self._step(st, stopping)
                 backoff = 0.1
-            except BROKER_ERRORS as exc:
+            except (*BROKER_ERRORS, ReadOnlyError) as exc:  # (READONLY: a primary turned replica)
                 metrics.redis_errors.labels("main_loop").inc()
                 log.warning("redis error in worker loop", error=str(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                # NOGROUP: a read found a lane's group gone (Redis restarted empty, the key
+                # deleted); UNBLOCKED: the stream an idle worker waited on was deleted
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
                 log.warning("lane stream or group vanished; recreating", error=str(exc))
-                await self._ensure_groups()
+                regroup = True
 
     async def _step(self, st: StepState, stopping: bool) -> None:
         """One continuous-batching step. The previous step's events are published while
@@ -322,7 +328,7 @@ class WorkerProcess:
         if not self.overlap_io:  # finish the step before any I/O
             await self._finish_step(st)
         else:
-            # The engine thread first (docs/architecture.md, "Processes"): block until it
+            # The engine thread first (docs/architecture.md, "A request's path"): block until it
             # runs, so that it holds the GIL through the step's own Python up to the engine
             # call; only then does this loop build and send the last step's publish beside
             # it. Otherwise the engine thread waits for the GIL until that Python is done

@@ -101,10 +101,12 @@ def _sockets(rds, suffix: str, prefix: str) -> list[dict]:
     return [cl for cl in rds.client_list() if cl.get("name", "").startswith(prefix) and cl["name"].endswith(suffix)]
 
 
-async def _until(pred, timeout: float, what: str) -> None:
+async def _until(pred, timeout: float, what) -> None:
+    """Wait for ``pred()``; ``what`` (a string, or a callable giving one when it fails)
+    says what did not happen."""
     deadline = time.monotonic() + timeout
     while not pred():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         await asyncio.sleep(0.05)
 
 
@@ -140,7 +142,7 @@ async def test_a_request_ended_by_the_gateway_is_stopped_when_its_events_keep_co
             while (await http.get(gw.http + "/readyz")).status_code != 200:
                 assert time.monotonic() < deadline, gw.log()
                 await asyncio.sleep(0.1)
-        await _until(lambda: rds.xlen(lane) == 0, 10, "the request still runs\n" + gw.log() + w.log())
+        await _until(lambda: rds.xlen(lane) == 0, 10, lambda: "the request still runs\n" + gw.log() + w.log())
         assert "still running after its stream ended here; cancelling" in gw.log(None)
         # the fleet serves on
         again = await c.generate("after", "Once upon a time", max_tokens=3, ignore_eos=True, timeout=30)
@@ -183,6 +185,38 @@ async def test_a_cancel_lost_while_the_worker_reconnects_is_sent_again(own_redis
         assert res.end["timing"].get("total_ms"), ("ended by the gateway's grace, not the worker", res.end)
         assert took < 4.5, took
         await _until(lambda: rds.xlen(lane) == 0, 5, w.log())
+        await c.close()
+    finally:
+        rds.close()
+        fleet.close()
+
+
+async def test_workers_survive_their_lanes_deleted_while_pooled_sockets_are_dead(own_redis, tiny_spec, tmp_path):
+    """The lanes an idle worker blocks on are deleted (``redis-cli DEL``: the wait ends
+    with ``UNBLOCKED``) while the pooled connections it would recreate them on are dead
+    (as after Redis restarted). The worker recreates the streams and groups, backing off
+    while that fails, and serves the next request instead of exiting."""
+    fleet = FleetFactory(own_redis.url, "sfdel", tmp_path)
+    rds = redis.Redis.from_url(own_redis.url, single_connection_client=True, decode_responses=True)
+    try:
+        gw = fleet.gateway()
+        w = fleet.worker(backend="echo", echo_delay_ms=5)
+        c = await Client.connect(gw.ws)
+        warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
+        assert warm.end["type"] == "done", warm.end
+        await _until(lambda: any(cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")
+                                 for cl in _sockets(rds, "-reads", "sf-worker-")), 10, "not waiting")
+        me = rds.client_id()
+        for cl in rds.client_list():  # every pooled (unnamed) connection of the fleet
+            if not cl.get("name") and int(cl["id"]) != me:
+                rds.client_kill_filter(_id=cl["id"])
+        assert rds.delete("sfdel:{tiny-gpt}:tasks:high", "sfdel:{tiny-gpt}:tasks:normal") == 2
+        await _until(lambda: rds.exists("sfdel:{tiny-gpt}:tasks:normal", "sfdel:{tiny-gpt}:tasks:high") == 2, 15,
+                     lambda: "the lanes were not recreated\n" + w.log())
+        assert w.alive(), w.log()
+        res = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=30)
+        assert res.end["type"] == "done" and len(res.tokens) == 5, res.end
+        assert w.alive(), w.log()
         await c.close()
     finally:
         rds.close()
