@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from typing import AsyncIterator
@@ -35,30 +36,19 @@ def trace_id_from(traceparent: str | None) -> str | None:
     return m.group(2)
 
 
-#: (transport, model, lane) -> the metric children a stream of theirs records into, and
-#: (model, lane, transport, outcome, code) -> its ``requests`` child: a label lookup
-#: (``labels()``, about 2 µs each) once per kind of stream, not seven per request. Both are
-#: bounded by the label values the metrics themselves keep.
-_CHILDREN: dict[tuple[str, str, str], tuple] = {}
-_REQUESTS: dict[tuple[str, str, str, str, str], object] = {}
-
-
+# A label lookup (``labels()``, about 2 µs each) once per kind of stream, not seven per
+# request; the caches hold no more label sets than the metrics themselves keep.
+@functools.cache
 def _children(transport: str, model: str, lane: str) -> tuple:
-    key = (transport, model, lane)
-    found = _CHILDREN.get(key)
-    if found is None:
-        found = _CHILDREN[key] = (m.streams.labels(transport), m.ttft.labels(model, lane, transport),
-                                  m.itl.labels(model, transport), m.tokens.labels(model, transport),
-                                  m.queue_time.labels(model, lane))
-    return found
+    """The metric children a stream of ``(transport, model, lane)`` records into."""
+    return (m.streams.labels(transport), m.ttft.labels(model, lane, transport), m.itl.labels(model, transport),
+            m.tokens.labels(model, transport), m.queue_time.labels(model, lane))
 
 
+@functools.cache
 def _requests(model: str, lane: str, transport: str, outcome: str, code: str):
-    key = (model, lane, transport, outcome, code)
-    found = _REQUESTS.get(key)
-    if found is None:
-        found = _REQUESTS[key] = m.requests.labels(model, lane, transport, outcome, code)
-    return found
+    """The ``requests`` child of a stream that ended so."""
+    return m.requests.labels(model, lane, transport, outcome, code)
 
 
 async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[StreamEvent]:

@@ -44,7 +44,8 @@ log = get_logger("gateway.streams")
 
 #: seconds a cancel may go unanswered before the gateway ends the request itself
 CANCEL_GRACE_S = 5.0
-#: seconds between two publishes of one unanswered cancel
+#: seconds between two publishes of a cancel for one request (an unanswered cancel, or
+#: one of a request still running after its stream ended here: ``ReplyChannel._unheard``)
 CANCEL_RESEND_S = 1.0
 #: seconds of silence from a running request before the stream checks its log
 CATCH_UP_AFTER_S = 2.0
@@ -58,8 +59,6 @@ LOG_PAGE = 1000
 #: (``ReplyChannel._unheard``): at most this many, each for at most this long
 LET_GO_REMEMBERED = 4096
 LET_GO_REMEMBER_S = 600.0
-#: seconds between two cancels of one let-go request whose events keep coming
-LET_GO_CANCEL_EVERY_S = 1.0
 
 LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
@@ -440,7 +439,7 @@ class ReplyChannel:
     def _unheard(self, ev: Event) -> None:
         """An event of a request this shared channel ended by itself: the worker still
         runs it (it never heard a cancel, or none could be sent). Cancel it, at most once
-        every ``LET_GO_CANCEL_EVERY_S``, until its end arrives; unless a client follows
+        every ``CANCEL_RESEND_S``, until its end arrives; unless a client follows
         it elsewhere (a resume), which then owns its life."""
         rid = ev.request_id
         entry = self._let_go_ids.get(rid)
@@ -452,7 +451,7 @@ class ReplyChannel:
         now = time.monotonic()
         if now < entry[2]:
             return
-        entry[2] = now + LET_GO_CANCEL_EVERY_S
+        entry[2] = now + CANCEL_RESEND_S
         self._spawn_detached(self._cancel_unheard(rid, entry[0]))
 
     async def _cancel_unheard(self, rid: str, model: str) -> None:

@@ -16,7 +16,6 @@ from typing import Callable, Coroutine
 
 from redis.asyncio.cluster import RedisCluster
 
-
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
@@ -194,8 +193,7 @@ class Intake(Part):
         res = await link.blocking(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", 1, b"BLOCK", block_ms,
                                   b"STREAMS", *(self.lane_keys[lane] for lane in LANES), *(b">" for _ in LANES),
                                   block_s=block_ms / 1000)
-        return [(key, [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items])
-                for key, items in res or ()]
+        return [(key, _entries(items)) for key, items in res or ()]
 
     async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[bytes, dict]]]:
         """New entries of each lane (up to its count), without blocking: one
@@ -217,8 +215,7 @@ class Intake(Part):
                 raise res
             # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}
             streams = res.values() if isinstance(res, dict) else (items for _key, items in res or ())
-            out[lane] = [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {})
-                         for items in streams for mid, flat in items]
+            out[lane] = [entry for items in streams for entry in _entries(items)]
         return out
 
     def _start(self, d: Delivery) -> None:
@@ -242,3 +239,9 @@ class Intake(Part):
             self.cores.cancel(task.request_id)
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=d.lane,
                  queue_ms=round((now - task.created_at) * 1000, 2))
+
+
+def _entries(items) -> list[tuple[bytes, dict]]:
+    """A stream's entries as a raw ``XREADGROUP`` reply has them (``[id, [field, value,
+    ...]]``; no fields for an entry deleted since it was delivered) as ``(id, fields)``."""
+    return [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items]
