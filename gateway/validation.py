@@ -31,7 +31,8 @@ from streamfleet.shared.grammar import GrammarError, Grammars, grammar_of
 from streamfleet.gateway.tools import Tools, call_text, parse_tools, tools_prompt
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, load_tokenizer
+from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
+                                          load_tokenizer)
 from streamfleet.shared.schema import AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
@@ -159,8 +160,11 @@ class ValidRequest:
 
 
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
-"""The fallback chat format for models without a chat template: each message as
-``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply."""
+"""The fleet's generic chat format, for models whose ``engine.toml`` says
+``chat_template = "builtin"`` (the demo model): each message as
+``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply. A model with
+no chat template and no such line is served no chat requests (``Validator``): the fleet
+does not make up a format the model was never trained on."""
 
 
 def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
@@ -201,9 +205,10 @@ def template_problem(tokenizer: Any) -> str | None:
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | None = None) -> str:
     """The prompt of a conversation: the tokenizer's chat template (given the offered
-    tools, as templates that know tools take them), or the default template, where the
-    tools are offered in a system message first and earlier calls are written as the
-    model is asked to write them (gateway/tools.py)."""
+    tools, as templates that know tools take them), or the builtin format
+    (``DEFAULT_CHAT_TEMPLATE``; the caller checks the model chooses it), where the tools
+    are offered in a system message first and earlier calls are written as the model is
+    asked to write them (gateway/tools.py)."""
     offered = tools is not None and tools.mode != "none"
     if getattr(tokenizer, "chat_template", None):
         extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} if offered else {}
@@ -247,7 +252,8 @@ class Validator:
         self.repo = repo
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
         self._tokenizers: dict[Any, Any] = {}  # (model folder, tokenizer file) -> loaded tokenizer
-        self._template_problems: dict[Any, str | None] = {}  # tokenizer file -> template_problem()
+        self._template_problems: dict[Any, str | None] = {}  # (tokenizer, engine.toml template) -> problem
+        self._template_sources: dict[Any, str | None] = {}  # (folder, tokenizer, engine.toml's) -> source
         self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
         self._grammar_problems: dict[tuple[Any, bytes], str | None] = {}  # recent grammars (digests) checked
 
@@ -272,9 +278,32 @@ class Validator:
             raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
         return tok
 
+    def chat_template(self, spec: ModelSpec) -> str | None:
+        """Where the model's chat template comes from (``chat_template_source``: a file of
+        its folder, ``engine.toml``, ``builtin``), or None when it has none; found once
+        per model folder and ``engine.toml`` template.
+
+        Raises:
+            NotFoundError: a template file of the folder cannot be read.
+        """
+        key = (spec.path, spec.tokenizer, spec.chat_template)
+        if key not in self._template_sources:
+            try:
+                self._template_sources[key] = chat_template_source(spec)
+            except FatalError as exc:
+                raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
+        return self._template_sources[key]
+
     def _chat_problem(self, spec: ModelSpec) -> str | None:
-        """``template_problem`` of the model's tokenizer, found once per tokenizer file."""
-        key = spec.tokenizer_path
+        """Why the model cannot serve chat, or None: it has no chat template, or
+        ``template_problem`` of its tokenizer's (found once per tokenizer and template)."""
+        source = self.chat_template(spec)
+        if source is None:
+            return ("it has no chat template (its folder has no chat_template.jinja and no chat_template in "
+                    "tokenizer_config.json; `chat_template` in its engine.toml can give it one)")
+        if source == BUILTIN_CHAT_TEMPLATE:
+            return None
+        key = (spec.tokenizer_path, spec.chat_template)
         if key not in self._template_problems:
             self._template_problems[key] = template_problem(self.tokenizer(spec))
         return self._template_problems[key]
