@@ -765,8 +765,18 @@ async def models(request: Request) -> Response:
         served = await hub.served_models()
     except StreamfleetError as exc:  # Redis down: say so in OpenAI's shape
         return openai_error_response(exc)
-    # beyond OpenAI's fields: the live workers, and what the model does ("text", or "asr":
-    # speech recognition, served on /v1/audio/stream only)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n,
-             "kind": hub.validator.spec(name).kind} for name, n in served]
+    # beyond OpenAI's fields: the live workers, what the model does ("text", or "asr":
+    # speech recognition, served on /v1/audio/stream only), and where its chat template
+    # comes from (a file of its folder, "engine.toml", "builtin"; null: no chat requests),
+    # and whether a request that names no model gets it ("default")
+    default = hub.validator.settings.default_model
+    data = []
+    for name, n in served:
+        spec = hub.validator.spec(name)
+        try:
+            template = hub.validator.chat_template(spec)
+        except StreamfleetError:  # an unreadable template file: chat requests say why
+            template = None
+        data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n,
+                     "kind": spec.kind, "chat_template": template, "default": name == default})
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

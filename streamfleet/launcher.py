@@ -25,7 +25,14 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "wait_ready"]
+__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "wait_ready",
+           "DEFAULT_MODEL", "FALLBACK_MODEL"]
+
+#: what `streamfleet serve` serves unless told otherwise: a real instruct model whose
+#: weights come from the Python package index on first use (engines/smollm2-135m)
+DEFAULT_MODEL = "smollm2-135m"
+#: ... and what it serves where that model cannot be fetched: generated here in seconds
+FALLBACK_MODEL = "tiny-gpt"
 
 
 def free_port() -> int:
@@ -303,7 +310,7 @@ class Fleet:
         return [n for n, p in self.procs if p.poll() is not None]
 
 
-def serve(host: str, port: int, model: str, redis_url: str | None, log_format: str = "console",
+def serve(host: str, port: int, model: str | None, redis_url: str | None, log_format: str = "console",
           metrics_port: int | None = None, grpc_port: int = 50051, speech_model: str | None = "asr-en") -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none), its
@@ -311,17 +318,15 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
     worker of its own (None = no voice)."""
     from streamfleet.local import ServeRecord, clear_record, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
-    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
+    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+    from streamfleet.shared.errors import FatalError, NotFoundError
+    from streamfleet.shared.packagefetch import FetchError
 
     configure_logging("info", log_format, process="serve")
     log = get_logger("serve")
     from streamfleet.shared.settings import CommonSettings, GatewaySettings
 
-    spec = ModelRepository(CommonSettings().engines_dir).get(model)
-    if not spec.artifacts_present():
-        log.info("building the demo model (first run only)", model=model, folder=str(spec.path))
-    ensure_artifacts(spec)
-
+    # the ports first: a taken one is said before a model is fetched or built
     if port and not port_free(host, port):
         print(f"error: {host}:{port} is already in use (another `streamfleet serve`?). Stop that one, or "
               f"choose another port: --port 8001, or --port 0 for any free port.", file=sys.stderr, flush=True)
@@ -331,6 +336,32 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
               f"or choose another port: --grpc-port 50052, or --grpc-port 0 for no gRPC.", file=sys.stderr,
               flush=True)
         return 2
+    repo = ModelRepository(CommonSettings().engines_dir)
+    chosen = model or DEFAULT_MODEL
+    try:
+        spec = repo.get(chosen)
+        if not spec.artifacts_present() and not spec.source:
+            log.info("building the demo model (first run only)", model=chosen, folder=str(spec.path))
+        try:
+            ensure_artifacts(spec)
+        except FetchError as exc:
+            if model is not None:  # asked for by name: no substitute
+                raise
+            print(f"streamfleet: cannot fetch {chosen}: {exc}. Serving the small demo model {FALLBACK_MODEL} "
+                  f"instead (word salad, for trying the fleet); `streamfleet serve --model {chosen}` once the "
+                  f"package index is reachable.", file=sys.stderr, flush=True)
+            chosen = FALLBACK_MODEL
+            spec = repo.get(chosen)
+            ensure_artifacts(spec)
+    except NotFoundError:
+        print(f"error: model {chosen!r} does not exist in {repo.root}; models there: {', '.join(repo.names())} "
+              f"(`streamfleet engines import PATH` adds one)", file=sys.stderr, flush=True)
+        return 2
+    except FatalError as exc:
+        print(f"error: model {chosen!r} cannot be served: {exc}", file=sys.stderr, flush=True)
+        return 2
+    model = chosen
+
 
     embedded: EmbeddedRedis | None = None
     url = redis_url or os.environ.get("SF_REDIS_URL") or os.environ.get("REDIS_URL")
@@ -345,6 +376,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
         log.info("embedded redis-server started", url=url, binary=embedded.binary, version=version)
 
     env = dict(os.environ, SF_REDIS_URL=url, REDIS_URL=url, SF_LOG_FORMAT=log_format)
+    env.setdefault("SF_DEFAULT_MODEL", model)  # a request that names no model gets the one served
     port = port or free_port()
     if metrics_port is None:
         metrics_port = free_port()
@@ -380,6 +412,8 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
                  if speech_model else "off")
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
+        example = ('"What is the capital of France?"' if load_tokenizer(spec).chat_template
+                   else '"Once upon a time"')
         banner = (
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
@@ -387,7 +421,7 @@ def serve(host: str, port: int, model: str, redis_url: str | None, log_format: s
             f"    OpenAI API  {base}/v1  (completions, chat/completions, models)\n"
             f"    gRPC        {grpc}\n"
             f"    voice       {voice}\n"
-            f"    try         streamfleet client --url {base} \"Once upon a time\"\n"
+            f"    try         streamfleet client --url {base} {example}\n"
             f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"
             f"    auth        {auth}\n"

@@ -1,0 +1,800 @@
+"""``streamfleet engines import FILE.gguf``: a Llama-family GGUF file (llama.cpp's format)
+turned into a model folder the ONNX Runtime engine serves, without torch.
+
+What is read from the file (``gguf``'s reader, numpy only):
+
+* the architecture (``general.architecture``: ``llama``; anything else is refused by
+  name), layers, hidden size, heads and KV heads, RoPE base and dimensions, the RMSNorm
+  epsilon and the context length; any setting the graph below does not apply (RoPE
+  scaling, a sliding window, experts, logit soft-capping...) refuses the file by name;
+* the weights, each by its quantization type: F32/F16/BF16 and every type ``gguf``'s own
+  ``dequantize`` knows are served exactly as fp32 (the values transformers loads from the
+  same file); Q4_0, Q4_1 and Q8_0 can also stay packed (``--weights q4``, below);
+* the tokenizer (``tokenizer.ggml.*``: a GPT-2-style byte-level BPE with its merges, the
+  control tokens as special tokens, the pre-tokenizer named by ``tokenizer.ggml.pre``),
+  BOS/EOS/PAD/UNK ids, whether BOS is added, and the chat template.
+
+The graph (``model.onnx`` + ``model.onnx.data``) is a Llama decoder in the layout the
+engine batches (docs/models.md): ``input_ids``, ``attention_mask``, ``position_ids`` and
+``past_key_values.N.key/value`` in; ``logits`` of the last position and
+``present.N.key/value`` out. Attention is grouped-query without copying the KV heads
+(the query heads of a group are folded into its rows), RoPE is HF's rotate-half form
+(llama.cpp's Q/K row permutation is undone at import), the feed-forward is SwiGLU, and
+the output layer is tied to the embedding or not, as the file says.
+
+Weights (``--weights``, docs/models.md has the measured figures):
+
+``q4`` (default)
+    Q4_0/Q4_1 matrices stay 4-bit in ONNX Runtime's ``MatMulNBits`` with fp32
+    activations (``accuracy_level`` 0): Q4_0 as itself (zero point 8), Q4_1's ``d*q + m``
+    as a 4-bit product plus ``m`` times each block's sum of the activations, and a Q8_0
+    matrix as two 4-bit products (its high and low nibbles). Every weight keeps the
+    value it has in the file, so the products are those of the fp32 graph; only the
+    order of the sums differs.
+``fp32``
+    every matrix dequantized to fp32 (plain ``MatMul``): the reference path, the same
+    values transformers computes with when it loads the file.
+``int8``
+    every matrix requantized to 8 bits per block of 32, with 8-bit activations (ONNX
+    Runtime's fast 8-bit path): lossy, kept for comparison.
+``q4-int8act``
+    as ``q4`` but with 8-bit activations (``accuracy_level`` 4, llama.cpp's own Q4_1
+    path): faster and lossy; opt-in only, with its agreement figure in docs/models.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamfleet.shared.errors import FatalError
+
+__all__ = ["GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf", "write_model_files", "import_gguf",
+           "importer_digest", "build_tokenizer_json"]
+
+#: ``--weights`` choices, the default first
+WEIGHT_MODES = ("q4", "fp32", "int8", "q4-int8act")
+DEFAULT_WEIGHTS = "q4"
+#: the graph's name in a model folder (its weights beside it in ``model.onnx.data``)
+GRAPH_FILE = "model.onnx"
+#: default context cap: the KV cache of every live sequence is sized by it (as the ONNX import)
+DEFAULT_MAX_CONTEXT = 4096
+#: the additive mask of a masked slot: the most negative fp32, as transformers uses
+_MASKED = float(np.finfo(np.float32).min)
+
+#: ``tokenizer.ggml.pre`` -> the pre-tokenizer of the original tokenizer.json (llama.cpp
+#: keeps the name only; these are the splits its own tokenizer code applies for each)
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "default": _BYTE_LEVEL,
+    "gpt2": _BYTE_LEVEL,
+    "gpt-2": _BYTE_LEVEL,
+    # SmolLM / StarCoder: every digit on its own, then GPT-2's split
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+    "starcoder": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+}
+
+#: metadata keys of a llama GGUF the graph applies or that change nothing it computes
+_LLAMA_KEYS = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size",
+    "rope.dimension_count", "attention.key_length", "attention.value_length",
+}
+
+# llama.cpp's tensor types (ggml_type numbers) this module handles without gguf's dequantize
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
+
+
+@dataclass
+class _Tensor:
+    name: str
+    qtype: int
+    qname: str
+    #: logical shape, numpy order: (rows = output features, cols = input features)
+    shape: tuple[int, ...]
+    #: the raw data as gguf's reader maps it (bytes per row for quantized types)
+    raw: np.ndarray
+
+
+@dataclass
+class GgufModel:
+    """What a GGUF file holds, as checked."""
+
+    path: Path
+    architecture: str
+    name: str
+    n_layer: int
+    hidden: int
+    intermediate: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    vocab_size: int
+    tied: bool
+    tensor_types: dict[str, int]
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
+    sha256: str = ""
+
+    def describe(self, weights: str, max_context: int, context_note: str) -> str:
+        types = ", ".join(f"{n} {k}" for k, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
+        params = sum(int(np.prod(t.shape)) for t in self.tensors.values())
+        eos = self.token_text(self.eos_id)
+        bos = self.token_text(self.bos_id)
+        return "\n".join([
+            f"source        {self.path}",
+            f"model         {self.name or '(unnamed)'}: {self.architecture}, {params / 1e6:.1f} M parameters "
+            f"({types})",
+            f"layers        {self.n_layer}, hidden {self.hidden}, heads {self.n_head}, KV heads {self.n_kv_head}, "
+            f"head size {self.head_dim}, feed-forward {self.intermediate}",
+            f"RoPE          base {self.rope_base:g}; RMSNorm eps {self.rms_eps:g}",
+            f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
+            f"weights       {weights}: {_WEIGHT_NOTES[weights]}",
+            f"context       {max_context} tokens ({context_note})",
+            f"tokenizer     byte-level BPE, {len(self.tokens)} tokens, {len(self.merges)} merges, "
+            f"pre-tokenizer {self.pre!r}",
+            f"BOS           {bos!r} ({self.bos_id}); "
+            f"{'added to every prompt' if self.add_bos else 'not added to prompts'}",
+            f"EOS ids       [{self.eos_id}] ({eos!r})" if self.eos_id is not None else
+            "EOS ids       none declared: requests end at max_tokens",
+            f"chat template {'from the file (tokenizer.chat_template)' if self.chat_template else 'none in the file'}",
+        ])
+
+    def token_text(self, tid: int | None) -> str | None:
+        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
+
+
+_WEIGHT_NOTES = {
+    "q4": "Q4_0/Q4_1 as 4-bit MatMulNBits (Q8_0 as two 4-bit halves), fp32 activations",
+    "fp32": "dequantized to fp32 (the reference path)",
+    "int8": "requantized to 8 bits per block of 32, 8-bit activations (lossy)",
+    "q4-int8act": "4-bit weights with 8-bit activations (lossy, opt-in)",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf(path: Path) -> GgufModel:
+    """Read and check a GGUF file's metadata and tensor directory (the data is mapped,
+    not read).
+
+    Raises:
+        FatalError: not a GGUF file, or anything the graph cannot compute exactly, by name.
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise FatalError("reading GGUF files needs the gguf package: pip install gguf") from exc
+    path = Path(path)
+    if not path.is_file():
+        raise FatalError(f"{path} is not a file")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # gguf raises ValueError / struct errors on a bad file
+        raise FatalError(f"cannot read {path} as GGUF: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise FatalError(f"{path}: architecture {arch!r} is not supported by the GGUF import (it builds Llama "
+                         f"decoders: general.architecture 'llama'); export the model with Optimum and use "
+                         f"`streamfleet engines import FOLDER` instead")
+    prefix = "llama."
+    unknown = sorted(k[len(prefix):] for k in reader.fields if k.startswith(prefix)
+                     and k[len(prefix):] not in _LLAMA_KEYS)
+    if unknown:
+        raise FatalError(f"{path}: setting(s) {', '.join(prefix + k for k in unknown)} are not applied by the "
+                         f"GGUF import; refusing rather than serving the model approximately")
+
+    def need(key: str) -> Any:
+        value = _field(reader, prefix + key)
+        if value is None:
+            raise FatalError(f"{path}: {prefix}{key} is missing")
+        return value
+
+    n_layer, hidden = int(need("block_count")), int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    kv = _field(reader, prefix + "attention.head_count_kv", n_head)
+    if isinstance(kv, list):
+        if len(set(kv)) != 1:
+            raise FatalError(f"{path}: a different number of KV heads per layer ({sorted(set(kv))}) is not supported")
+        kv = kv[0]
+    n_kv_head = int(kv)
+    if hidden % n_head or n_head % n_kv_head:
+        raise FatalError(f"{path}: hidden {hidden} / heads {n_head} / KV heads {n_kv_head} do not divide")
+    head_dim = hidden // n_head
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        value = _field(reader, prefix + key)
+        if value is not None and int(value) != head_dim:
+            raise FatalError(f"{path}: {prefix}{key} is {value}, not the head size {head_dim} "
+                             f"(partial rotary or unequal head sizes are not supported)")
+    tokenizer_model = _field(reader, "tokenizer.ggml.model")
+    if tokenizer_model != "gpt2":
+        raise FatalError(f"{path}: tokenizer model {tokenizer_model!r} is not supported (the GGUF import builds "
+                         f"GPT-2-style byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')")
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    if pre not in _PRE_TOKENIZERS:
+        raise FatalError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known to the GGUF import "
+                         f"(known: {', '.join(sorted(_PRE_TOKENIZERS))}); refusing rather than splitting text "
+                         f"differently from the model's own tokenizer")
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens", [])]
+    if not tokens:
+        raise FatalError(f"{path}: tokenizer.ggml.tokens is missing")
+    token_types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
+    merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges", [])]
+
+    tensors: dict[str, _Tensor] = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        # gguf lists dims fastest first (ne0 = input features); numpy order reverses them
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        tensors[t.name] = _Tensor(t.name, qtype, t.tensor_type.name, shape, t.data)
+
+    def tensor(name: str, shape: tuple[int, ...]) -> _Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise FatalError(f"{path}: tensor {name} is missing")
+        if t.shape != shape:
+            raise FatalError(f"{path}: tensor {name} has shape {t.shape}, expected {shape}")
+        return t
+
+    vocab = len(tokens)
+    declared_vocab = _field(reader, prefix + "vocab_size")
+    if declared_vocab is not None and int(declared_vocab) != vocab:
+        raise FatalError(f"{path}: {prefix}vocab_size {declared_vocab} differs from the {vocab} tokens listed")
+    intermediate = int(need("feed_forward_length"))
+    tensor("token_embd.weight", (vocab, hidden))
+    tensor("output_norm.weight", (hidden,))
+    tied = "output.weight" not in tensors
+    if not tied:
+        tensor("output.weight", (vocab, hidden))
+    kv_dim = n_kv_head * head_dim
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    for i in range(n_layer):
+        for name, shape in ((f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
+                            (f"blk.{i}.attn_q.weight", (hidden, hidden)), (f"blk.{i}.attn_k.weight", (kv_dim, hidden)),
+                            (f"blk.{i}.attn_v.weight", (kv_dim, hidden)),
+                            (f"blk.{i}.attn_output.weight", (hidden, hidden)),
+                            (f"blk.{i}.ffn_gate.weight", (intermediate, hidden)),
+                            (f"blk.{i}.ffn_up.weight", (intermediate, hidden)),
+                            (f"blk.{i}.ffn_down.weight", (hidden, intermediate))):
+            tensor(name, shape)
+            expected.add(name)
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise FatalError(f"{path}: tensor(s) {', '.join(extra[:6])}{'...' if len(extra) > 6 else ''} are not part "
+                         f"of the Llama graph the import builds (biases, experts or other extensions are not "
+                         f"supported)")
+    types: dict[str, int] = {}
+    for t in tensors.values():
+        if not _dequantizable(t.qtype):
+            raise FatalError(f"{path}: tensor {t.name} has quantization type {t.qname}, which cannot be "
+                             f"dequantized exactly here")
+        types[t.qname] = types.get(t.qname, 0) + 1
+
+    def opt_id(key: str) -> int | None:
+        v = _field(reader, key)
+        return int(v) if v is not None else None
+
+    template = _field(reader, "tokenizer.chat_template")
+    return GgufModel(
+        path=path, architecture=arch, name=str(_field(reader, "general.name", "") or ""),
+        n_layer=n_layer, hidden=hidden, intermediate=intermediate, n_head=n_head, n_kv_head=n_kv_head,
+        head_dim=head_dim, rope_base=float(_field(reader, prefix + "rope.freq_base", 10000.0)),
+        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        context_length=int(_field(reader, prefix + "context_length", 2048)), vocab_size=vocab, tied=tied,
+        tensor_types=types, tokens=tokens, token_types=token_types, merges=merges, pre=pre,
+        bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+        pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=str(template) if template else None, tensors=tensors,
+    )
+
+
+def _dequantizable(qtype: int) -> bool:
+    if qtype in (_F32, _F16, _BF16):
+        return True
+    from gguf import GGMLQuantizationType, quants
+
+    try:
+        kind = GGMLQuantizationType(qtype)
+    except ValueError:
+        return False
+    # the types gguf's own dequantize knows (a private table; a type's class otherwise)
+    traits = getattr(quants, "_type_traits", None)
+    return kind in traits if isinstance(traits, dict) else hasattr(quants, kind.name)
+
+
+def _dequantize(t: _Tensor) -> np.ndarray:
+    """A tensor as fp32 in numpy order, exactly as ``gguf.quants.dequantize`` gives it."""
+    if t.qtype == _F32:
+        return np.asarray(t.raw, dtype=np.float32).reshape(t.shape)
+    if t.qtype == _F16:
+        return np.asarray(t.raw, dtype=np.float16).astype(np.float32).reshape(t.shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(np.asarray(t.raw), GGMLQuantizationType(t.qtype)), dtype=np.float32).reshape(t.shape)
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's permutation of Q/K rows (its converter's ``permute``): rows of a
+    head go back from interleaved pairs to HF's halves (what transformers' GGUF loader
+    does). Works on raw quantized rows too: the permutation moves whole rows."""
+    n = rows.shape[0]
+    half = n // n_head // 2
+    return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+# -- packed weights for MatMulNBits -----------------------------------------------------------
+
+def _blocks(t: _Tensor, block_bytes: int) -> np.ndarray:
+    raw = np.ascontiguousarray(np.asarray(t.raw, dtype=np.uint8))
+    rows, cols = t.shape
+    return raw.reshape(rows, cols // 32, block_bytes)
+
+
+def _pack4(q: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 32] values 0..15 -> [rows, blocks, 16] bytes, element 2i in the low nibble."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _pack_zeros4(zp: np.ndarray) -> np.ndarray:
+    """[N, nb] 4-bit zero points -> MatMulNBits' packed bytes [N * ceil(nb/2)]."""
+    n, nb = zp.shape
+    padded = np.zeros((n, nb + nb % 2), dtype=np.uint8)
+    padded[:, :nb] = zp
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+
+
+def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
+    """Q4_0 / Q4_1 raw rows as exact terms of ONNX Runtime's fast 4-bit kernel (integer
+    zero points; a float zero point takes a path 20x slower):
+
+    * Q4_0: ``w = d * (q - 8)``: one 4-bit product with the default zero point 8;
+    * Q4_1: ``w = d * q + m``: a 4-bit product with zero point 0, plus ``m`` times the
+      block's sum of the activations (a small [.., blocks] x [blocks, N] product)."""
+    n = rows.shape[0]
+    if t.qtype == _Q4_1:
+        blocks = rows.reshape(n, -1, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:20]
+    else:
+        blocks = rows.reshape(n, -1, 18)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = None
+        qs = blocks[..., 2:18]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # gguf: element j low nibble, j+16 high nibble
+    if m is None:
+        return [("nbits", _pack4(q), d.reshape(-1), None, 4)]
+    zeros = _pack_zeros4(np.zeros(d.shape, dtype=np.uint8))
+    return [("nbits", _pack4(q), d.reshape(-1), zeros, 4), ("blocksum", np.ascontiguousarray(m.T))]
+
+
+def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
+    """Q8_0 raw rows (``w = d * q``, q int8) as two exact 4-bit products: q = 16*hi + lo
+    with lo in 0..15 and hi in -8..7, so ``w = 16d * (hi + 8 - 8) + d * lo`` (ONNX
+    Runtime's 8-bit kernel keeps fp32 activations only on a path 20x slower)."""
+    n = rows.shape[0]
+    blocks = rows.reshape(n, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:34].view(np.int8).astype(np.int16)
+    lo = (q & 0x0F).astype(np.uint8)
+    hi = ((q - lo) // 16 + 8).astype(np.uint8)
+    zeros = _pack_zeros4(np.zeros(d.shape, dtype=np.uint8))
+    return [("nbits", _pack4(hi), (d * 16).reshape(-1), None, 4), ("nbits", _pack4(lo), d.reshape(-1), zeros, 4)]
+
+
+def _requant8_parts(w: np.ndarray) -> list[tuple[str, ...]]:
+    """fp32 [N, K] -> 8 bits per block of 32, asymmetric (lossy): the ``int8`` mode."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    lo = np.minimum(b.min(axis=-1), 0.0)
+    hi = np.maximum(b.max(axis=-1), 0.0)
+    scale = ((hi - lo) / 255.0).astype(np.float32)
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    zp = np.clip(np.round(-lo / scale), 0, 255).astype(np.uint8)
+    q = np.clip(np.round(b / scale[..., None]) + zp[..., None], 0, 255).astype(np.uint8)
+    return [("nbits", q, scale.reshape(-1), zp.reshape(-1), 8)]
+
+
+# -- the graph ------------------------------------------------------------------------------------
+
+class _Graph:
+    """A small ONNX graph builder: nodes, initializers, unique names."""
+
+    def __init__(self) -> None:
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self._n = 0
+        self._consts: dict[tuple[str, bytes], str] = {}
+
+    def name(self, base: str) -> str:
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def op(self, op_type: str, inputs: list[str], base: str | None = None, *, domain: str = "",
+           outputs: list[str] | None = None, n_out: int = 1, **attrs: Any) -> Any:
+        outs = outputs or [self.name(base or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(self.helper.make_node(op_type, inputs, outs, name=self.name(op_type), domain=domain,
+                                                **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, value: Any, dtype: Any = np.int64) -> str:
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str + str(array.shape), array.tobytes())
+        name = self._consts.get(key)
+        if name is None:
+            name = self.init(self.name("const"), array)
+            self._consts[key] = name
+        return name
+
+
+def _linear_init(g: _Graph, m: GgufModel, t: _Tensor, weights: str, prefix: str,
+                 permute_heads: int | None = None) -> list[tuple[Any, ...]]:
+    """A matrix [N, K] as the initializers of one projection: a list of terms summed
+    by ``_apply_linear`` (``("matmul", W^T)``, ``("nbits", B, scales, zero points, bits)``,
+    ``("blocksum", M^T)``)."""
+    quantized = t.qtype in (_Q4_0, _Q4_1, _Q8_0)
+    if weights in ("q4", "q4-int8act") and quantized:
+        rows = _blocks(t, {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}[t.qtype]).reshape(t.shape[0], -1)
+        if permute_heads:
+            rows = _unpermute_rows(rows, permute_heads)
+        parts = _q8_parts(rows) if t.qtype == _Q8_0 else _q4_parts(t, rows)
+    else:
+        w = _dequantize(t)
+        if permute_heads:
+            w = _unpermute_rows(w, permute_heads)
+        if weights != "int8":
+            return [("matmul", g.init(prefix + ".weight_t", np.ascontiguousarray(w.T)))]
+        parts = _requant8_parts(w)
+    out: list[tuple[Any, ...]] = []
+    for j, part in enumerate(parts):
+        name = f"{prefix}.{j}"
+        if part[0] == "blocksum":
+            out.append(("blocksum", g.init(name + ".block_min_t", part[1])))
+        else:
+            _, packed, scales, zeros, bits = part
+            out.append(("nbits", g.init(name + ".qweight", packed), g.init(name + ".scales", scales),
+                        None if zeros is None else g.init(name + ".zeros", zeros), bits))
+    return out
+
+
+def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: int, accuracy: int) -> str:
+    total = None
+    for term in terms:
+        if term[0] == "matmul":
+            y = g.op("MatMul", [x, term[1]])
+        elif term[0] == "blocksum":
+            sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, 0, k // 32, 32])]), g.const([-1])],
+                        keepdims=0)
+            y = g.op("MatMul", [sums, term[1]])
+        else:
+            _, b, s, z, bits = term
+            ins = [x, b, s] + ([z] if z is not None else [])
+            acc = 4 if bits == 8 else accuracy  # the 8-bit (int8 mode) kernel: 8-bit activations
+            y = g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=int(bits), block_size=32,
+                     accuracy_level=acc)
+        total = y if total is None else g.op("Add", [total, y])
+    assert total is not None
+    return total
+
+
+def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
+    """transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight."""
+    sq = g.op("Mul", [x, x])
+    mean = g.op("ReduceMean", [sq], axes=[-1], keepdims=1)
+    denom = g.op("Sqrt", [g.op("Add", [mean, g.const(eps, np.float32)])])
+    normed = g.op("Mul", [x, g.op("Reciprocal", [denom])])
+    return g.op("Mul", [normed, weight])
+
+
+def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+    """HF's rotate-half RoPE on [B, heads, S, head_dim]."""
+    x1, x2 = g.op("Split", [x, g.const([half, half])], axis=-1, n_out=2)
+    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
+
+
+def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[str, str] | None = None) -> Any:
+    """The decoder as an ``onnx.ModelProto`` (weights inside; saved with external data).
+
+    Raises:
+        FatalError: an unknown weights mode.
+    """
+    from onnx import TensorProto, helper
+
+    if weights not in WEIGHT_MODES:
+        raise FatalError(f"weights mode {weights!r} is not one of {', '.join(WEIGHT_MODES)}")
+    accuracy = 4 if weights == "q4-int8act" else 0
+    g = _Graph()
+    h, hd, nh, kvh = m.hidden, m.head_dim, m.n_head, m.n_kv_head
+    t = m.tensors
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1, m.vocab_size])]
+    for i in range(m.n_layer):
+        for kv in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", TensorProto.FLOAT,
+                                                        ["batch", kvh, "past", hd]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
+                                                         ["batch", kvh, "total", hd]))
+
+    # lengths: P (past), S (new), T = P + S
+    past_shape = g.op("Shape", ["past_key_values.0.key"])
+    p_len = g.op("Gather", [past_shape, g.const(2)], axis=0)
+    s_len = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const(1)], axis=0)
+    t_len = g.op("Add", [p_len, s_len])
+    # additive mask [B, 1, S, T]: a key slot is seen when it is real (attention_mask) and not
+    # after the query's own slot
+    cols = g.op("Range", [g.const(0), t_len, g.const(1)])
+    rows = g.op("Range", [p_len, t_len, g.const(1)])
+    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [cols, g.const([0])]), g.op("Unsqueeze", [rows, g.const([1])])])
+    real = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", g.const([1, 2])])], to=TensorProto.BOOL)
+    allowed = g.op("And", [real, causal])
+    bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_MASKED, np.float32)])
+
+    # RoPE tables [B, 1, S, hd]: HF's inv_freq, computed as transformers does in fp32
+    exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+    inv_freq = (1.0 / (np.float32(m.rope_base) ** exponent)).astype(np.float32)
+    inv2 = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    pos = g.op("Cast", [g.op("Unsqueeze", ["position_ids", g.const([-1])])], to=TensorProto.FLOAT)
+    angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([1])])
+    cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
+
+    embed = _dequantize(t["token_embd.weight"])
+    g.init("embed.weight", embed)
+    x = g.op("Gather", ["embed.weight", "input_ids"], axis=0)
+    scale = g.const(1.0 / math.sqrt(hd), np.float32)
+    for i in range(m.n_layer):
+        pre = f"blk.{i}"
+        ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
+        ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
+        wq = _linear_init(g, m, t[f"{pre}.attn_q.weight"], weights, f"{pre}.q", permute_heads=nh)
+        wk = _linear_init(g, m, t[f"{pre}.attn_k.weight"], weights, f"{pre}.k", permute_heads=kvh)
+        wv = _linear_init(g, m, t[f"{pre}.attn_v.weight"], weights, f"{pre}.v")
+        wo = _linear_init(g, m, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
+        wg = _linear_init(g, m, t[f"{pre}.ffn_gate.weight"], weights, f"{pre}.gate")
+        wu = _linear_init(g, m, t[f"{pre}.ffn_up.weight"], weights, f"{pre}.up")
+        wd = _linear_init(g, m, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
+
+        a = _rms_norm(g, x, ln1, m.rms_eps)
+        q = _apply_linear(g, a, wq, h, nh * hd, accuracy)
+        k = _apply_linear(g, a, wk, h, kvh * hd, accuracy)
+        v = _apply_linear(g, a, wv, h, kvh * hd, accuracy)
+        q = g.op("Transpose", [g.op("Reshape", [q, g.const([0, 0, nh, hd])])], perm=[0, 2, 1, 3])
+        k = g.op("Transpose", [g.op("Reshape", [k, g.const([0, 0, kvh, hd])])], perm=[0, 2, 1, 3])
+        v = g.op("Transpose", [g.op("Reshape", [v, g.const([0, 0, kvh, hd])])], perm=[0, 2, 1, 3])
+        q = _rope(g, q, cos, sin, hd // 2)
+        k = _rope(g, k, cos, sin, hd // 2)
+        k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, outputs=[f"present.{i}.key"])
+        v_all = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, outputs=[f"present.{i}.value"])
+        # grouped-query attention without repeating K/V: the query heads of one KV head
+        # become that head's rows, [B, kvh, group*S, hd]
+        qg = g.op("Reshape", [q, g.const([0, kvh, -1, hd])])
+        scores = g.op("Mul", [g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])]), scale])
+        scores = g.op("Add", [g.op("Reshape", [scores, g.const([0, nh, -1, 0])]), bias])
+        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), g.const([0, kvh, -1, 0])])
+        ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), g.const([0, nh, -1, hd])])
+        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, h])])
+        x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
+
+        f = _rms_norm(g, x, ln2, m.rms_eps)
+        gate = _apply_linear(g, f, wg, h, m.intermediate, accuracy)
+        up = _apply_linear(g, f, wu, h, m.intermediate, accuracy)
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
+
+    x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
+    last = g.op("Slice", [x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # [B, 1, H]
+    out_t = t["token_embd.weight"] if m.tied else t["output.weight"]
+    if weights in ("q4", "q4-int8act") and out_t.qtype in (_Q4_0, _Q4_1, _Q8_0):
+        head = _linear_init(g, m, out_t, weights, "output")
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+    elif m.tied and weights == "fp32":
+        # the embedding serves as the output layer too: one copy of it
+        flat = g.op("Reshape", [last, g.const([-1, h])])
+        logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
+        g.op("Unsqueeze", [logits, g.const([1])], outputs=["logits"])
+    else:
+        head = _linear_init(g, m, out_t, weights, "output")
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+
+    graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="streamfleet.shared.ggufimport")
+    model.ir_version = 8
+    for key, value in (metadata or {}).items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    return model
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+
+def build_tokenizer_json(m: GgufModel) -> dict[str, Any]:
+    """A ``tokenizer.json`` (Hugging Face tokenizers) equal to the model's own: byte-level
+    BPE with the file's vocabulary and merges, its control and user-defined tokens as
+    added tokens, BOS added by the post-processor when the file says so."""
+    vocab = {tok: i for i, tok in enumerate(m.tokens)}
+    if len(vocab) != len(m.tokens):
+        raise FatalError(f"{m.path}: tokenizer.ggml.tokens lists a token twice")
+    added = []
+    for i, (tok, kind) in enumerate(zip(m.tokens, m.token_types)):
+        if kind in (3, 4):  # CONTROL, USER_DEFINED
+            added.append({"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": kind == 4, "special": kind == 3})
+    post: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                            "use_regex": True}
+    bos = m.token_text(m.bos_id)
+    if m.add_bos and bos is not None:
+        post = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [m.bos_id], "tokens": [bos]}}}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _PRE_TOKENIZERS[m.pre],
+        "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": m.merges},
+    }
+
+
+# -- the folder ----------------------------------------------------------------------------------
+
+def importer_digest(source_sha256: str, weights: str) -> str:
+    """What built a folder: this module's code, the GGUF file's digest and the weights mode
+    (stamped into the graph, so a changed importer rebuilds what it made)."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(f"\0{source_sha256}\0{weights}".encode())
+    return h.hexdigest()[:32]
+
+
+#: the graph metadata key holding ``importer_digest``
+DIGEST_KEY = "streamfleet.shared.ggufimport"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def context_for(m: GgufModel, max_context: int | None) -> tuple[int, str]:
+    """The served context: the file's, capped by the operator or by the default cap."""
+    ctx, note = m.context_length, "llama.context_length"
+    if max_context is not None and max_context < ctx:
+        return max_context, "--max-context"
+    if max_context is None and ctx > DEFAULT_MAX_CONTEXT:
+        return DEFAULT_MAX_CONTEXT, f"the file's {ctx}, capped at {DEFAULT_MAX_CONTEXT}; --max-context to change"
+    return ctx, note
+
+
+def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS, max_context: int,
+                      source_sha256: str | None = None) -> None:
+    """Write the graph, tokenizer and config files of ``m`` into ``dest`` (no engine.toml).
+
+    Raises:
+        FatalError: a weights mode the file cannot use, or the files cannot be written.
+    """
+    import onnx
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    sha = source_sha256 or file_sha256(m.path)
+    model = build_graph(m, weights, metadata={DIGEST_KEY: importer_digest(sha, weights),
+                                              "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha})
+    tmp = dest / (GRAPH_FILE + ".tmp")
+    data_name = GRAPH_FILE + ".data"
+    for stale in (dest / data_name, tmp):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name, size_threshold=1024)
+    tmp.replace(dest / GRAPH_FILE)
+    (dest / data_name).chmod(0o644)  # onnx writes it owner-only; the folder's other files are 0644
+
+    (dest / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(m), ensure_ascii=False))
+    special = {}
+    for key, tid in (("bos_token", m.bos_id), ("eos_token", m.eos_id), ("pad_token", m.pad_id),
+                     ("unk_token", m.unk_id)):
+        text = m.token_text(tid)
+        if text is not None:
+            special[key] = text
+    tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": m.add_bos,
+                                  "add_eos_token": m.add_eos, "clean_up_tokenization_spaces": False,
+                                  "model_max_length": max_context, **special}
+    if m.chat_template:
+        tok_config["chat_template"] = m.chat_template
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1, ensure_ascii=False))
+    (dest / "special_tokens_map.json").write_text(json.dumps(special, indent=1, ensure_ascii=False))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
+              "intermediate_size": m.intermediate, "num_hidden_layers": m.n_layer,
+              "num_attention_heads": m.n_head, "num_key_value_heads": m.n_kv_head, "head_dim": m.head_dim,
+              "rms_norm_eps": m.rms_eps, "rope_theta": m.rope_base, "vocab_size": m.vocab_size,
+              "max_position_embeddings": m.context_length, "tie_word_embeddings": m.tied,
+              "hidden_act": "silu", "torch_dtype": "float32"}
+    generation: dict[str, Any] = {}
+    for key, tid in (("bos_token_id", m.bos_id), ("eos_token_id", m.eos_id), ("pad_token_id", m.pad_id)):
+        if tid is not None:
+            config[key] = generation[key] = tid
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=1))
+
+
+def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFAULT_WEIGHTS, max_batch: int = 16,
+                max_context: int | None = None, force: bool = False) -> tuple[Path, str]:
+    """Import ``source`` as ``dest_root/name`` with an ``engine.toml``; returns the folder
+    and the description printed by the CLI.
+
+    Raises:
+        FatalError: the file cannot be served exactly, or the destination exists.
+    """
+    m = read_gguf(source)
+    ctx, note = context_for(m, max_context)
+    if weights not in WEIGHT_MODES:
+        raise FatalError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
+    dest = Path(dest_root) / name
+    if (dest / "engine.toml").exists() and not force:
+        raise FatalError(f"{dest} already holds a model; choose another --name or pass --force")
+    description = m.describe(weights, ctx, note)
+    write_model_files(m, dest, weights=weights, max_context=ctx)
+    header = "\n".join(f"# {line}" for line in description.splitlines())
+    lines = [
+        "# Imported by `streamfleet engines import` from a GGUF file:",
+        header,
+        f'name = "{name}"',
+        'version = "1"',
+        'backend = "onnxruntime"',
+        f'onnx = "{GRAPH_FILE}"',
+        'tokenizer = "tokenizer.json"',
+        f"max_batch = {int(max_batch)}",
+        f"max_context = {ctx}",
+        f'weights = "{weights}"',
+        f"num_key_value_heads = {m.n_kv_head}",
+        f"head_dim = {m.head_dim}",
+    ]
+    (dest / "engine.toml").write_text("\n".join(lines) + "\n")
+    return dest, description
