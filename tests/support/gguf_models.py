@@ -1,0 +1,179 @@
+"""Small random Llama GGUF files for the import's tests, written with ``gguf.GGUFWriter``
+(F32, Q4_0, Q4_1 and Q8_0 tensors as llama.cpp lays them out, Q/K rows permuted as its
+converter permutes them), and an independent numpy forward pass in llama.cpp's own
+convention (interleaved RoPE on the permuted rows), so the suite needs neither a real
+model file nor torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TinyLlama", "write_tiny_gguf", "bytes_to_unicode", "numpy_logits"]
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (its byte-level BPE alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+class TinyLlama:
+    """The random weights of one tiny model, as fp32 in llama.cpp's layout (Q/K permuted),
+    after the round trip through their quantization types (what the file holds)."""
+
+    def __init__(self, *, seed: int = 0, n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 2,
+                 intermediate: int = 96, tied: bool = True, rope_base: float = 10000.0, eps: float = 1e-5,
+                 context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0") -> None:
+        from gguf import GGMLQuantizationType as T
+        from gguf.quants import dequantize, quantize
+
+        rng = np.random.default_rng(seed)
+        byte_chars = list(bytes_to_unicode().values())
+        merges = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or", "hell o"]
+        self.tokens = SPECIALS + byte_chars + [m.replace(" ", "") for m in merges]
+        self.token_types = [3] * len(SPECIALS) + [1] * (len(self.tokens) - len(SPECIALS))
+        self.merges = merges
+        self.vocab = len(self.tokens)
+        self.n_layer, self.hidden, self.n_head, self.n_kv_head = n_layer, hidden, n_head, n_kv_head
+        self.head_dim = hidden // n_head
+        self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
+        kinds = {"F32": T.F32, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0}
+        self.tensors: dict[str, tuple[np.ndarray, Any]] = {}  # name -> (stored data, type)
+        self.values: dict[str, np.ndarray] = {}  # name -> fp32 as the file holds it
+
+        def put(name: str, value: np.ndarray, kind: str) -> None:
+            t = kinds[kind]
+            value = value.astype(np.float32)
+            data = value if t == T.F32 else quantize(value, t)
+            self.tensors[name] = (data, t)
+            self.values[name] = value if t == T.F32 else dequantize(data, t).reshape(value.shape)
+
+        def mat(rows: int, cols: int, scale: float = 0.15) -> np.ndarray:
+            w = rng.normal(0.0, scale, size=(rows, cols))
+            w[:, :32] += rng.normal(0.0, scale, size=(rows, 1))  # blocks with an offset: Q4_1's minimum matters
+            return w
+
+        put("token_embd.weight", mat(self.vocab, hidden, 0.5), head_qtype)
+        kv = n_kv_head * self.head_dim
+        for i in range(n_layer):
+            put(f"blk.{i}.attn_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
+            put(f"blk.{i}.ffn_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
+            put(f"blk.{i}.attn_q.weight", mat(hidden, hidden), qtype)
+            put(f"blk.{i}.attn_k.weight", mat(kv, hidden), qtype)
+            put(f"blk.{i}.attn_v.weight", mat(kv, hidden), qtype)
+            put(f"blk.{i}.attn_output.weight", mat(hidden, hidden), qtype)
+            put(f"blk.{i}.ffn_gate.weight", mat(intermediate, hidden), qtype)
+            put(f"blk.{i}.ffn_up.weight", mat(intermediate, hidden), qtype)
+            put(f"blk.{i}.ffn_down.weight", mat(hidden, intermediate), qtype)
+        put("output_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
+        if not tied:
+            put("output.weight", mat(self.vocab, hidden, 0.5), head_qtype)
+
+
+def write_tiny_gguf(path: Path, model: TinyLlama, *, arch: str = "llama", pre: str = "smollm",
+                    extra: dict[str, Any] | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+                    tokenizer_model: str = "gpt2", template: str | None = TEMPLATE) -> Path:
+    """Write ``model`` as a GGUF file; ``extra`` adds metadata (key -> value)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny random llama")
+    w.add_block_count(model.n_layer)
+    w.add_context_length(model.context)
+    w.add_embedding_length(model.hidden)
+    w.add_feed_forward_length(model.intermediate)
+    w.add_head_count(model.n_head)
+    w.add_head_count_kv(model.n_kv_head)
+    w.add_rope_freq_base(model.rope_base)
+    w.add_layer_norm_rms_eps(model.eps)
+    w.add_rope_dimension_count(model.head_dim)
+    w.add_vocab_size(model.vocab)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(model.tokens)
+    w.add_token_types(model.token_types)
+    w.add_token_merges(model.merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    if template:
+        w.add_chat_template(template)
+    for key, value in (extra or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_string(key, str(value))
+    for name, (data, kind) in model.tensors.items():
+        w.add_tensor(name, data, raw_dtype=kind)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _rope_interleaved(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """llama.cpp's RoPE (mode 0): pairs (2i, 2i+1) of each head rotated by pos * base^(-2i/d).
+    ``x``: [S, heads, d]."""
+    d = x.shape[-1]
+    theta = positions[:, None].astype(np.float64) * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
+    """Logits [len(ids), vocab] of one sequence from position 0, in float64."""
+    v = {k: a.astype(np.float64) for k, a in model.values.items()}
+    nh, kvh, hd = model.n_head, model.n_kv_head, model.head_dim
+    s = len(ids)
+    pos = np.arange(s)
+
+    def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + model.eps) * w
+
+    x = v["token_embd.weight"][ids]
+    causal = np.tril(np.ones((s, s), dtype=bool))
+    for i in range(model.n_layer):
+        p = f"blk.{i}."
+        h = norm(x, v[p + "attn_norm.weight"])
+        q = _rope_interleaved((h @ v[p + "attn_q.weight"].T).reshape(s, nh, hd), pos, model.rope_base)
+        k = _rope_interleaved((h @ v[p + "attn_k.weight"].T).reshape(s, kvh, hd), pos, model.rope_base)
+        val = (h @ v[p + "attn_v.weight"].T).reshape(s, kvh, hd)
+        ctx = np.empty((s, nh, hd))
+        for head in range(nh):
+            g = head // (nh // kvh)
+            scores = q[:, head] @ k[:, g].T / np.sqrt(hd)
+            scores = np.where(causal, scores, -np.inf)
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            ctx[:, head] = probs @ val[:, g]
+        x = x + ctx.reshape(s, nh * hd) @ v[p + "attn_output.weight"].T
+        f = norm(x, v[p + "ffn_norm.weight"])
+        gate = f @ v[p + "ffn_gate.weight"].T
+        x = x + ((gate / (1 + np.exp(-gate))) * (f @ v[p + "ffn_up.weight"].T)) @ v[p + "ffn_down.weight"].T
+    x = norm(x, v["output_norm.weight"])
+    out = v["token_embd.weight"] if model.tied else v["output.weight"]
+    return x @ out.T
