@@ -2,7 +2,10 @@
 its scripts and stylesheet. Plain files, no build step; the page talks to the gateway's own
 ``/v1/models``, ``/v1/stream`` and, for its microphone button, ``/v1/audio/stream`` (the
 audio is converted to 16 kHz PCM16 in ``static/mic-worklet.js``, an AudioWorklet), and
-makes no other request.
+makes no other request. With a model that has a chat template (``/v1/models``:
+``chat_template``) the page chats: each message goes out as ``messages`` with the
+conversation's earlier turns, up to a history limit the page states; "New conversation"
+forgets them. A model without one gets the raw prompt to complete.
 
 The files are read once, when this module is imported; only the files that sit directly
 in ``gateway/static`` at that moment are served, by exact name, so no path can reach

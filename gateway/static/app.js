@@ -2,6 +2,10 @@
 // closes), one request at a time from the form, tokens appended as they arrive; and the
 // microphone, resampled by an AudioWorklet (mic-worklet.js) and streamed to
 // /v1/audio/stream on a WebSocket of its own while the Mic button is on.
+// A model with a chat template (GET /v1/models: "chat_template") chats: each message is
+// sent as `messages` with the conversation's earlier turns (the replies as they were shown,
+// a stopped one included), up to the history limit; a model without one completes the
+// raw prompt.
 // No build step, no dependencies, no requests anywhere but this origin.
 "use strict";
 
@@ -11,13 +15,18 @@
     form: $("form"), prompt: $("prompt"), model: $("model"), priority: $("priority"),
     maxTokens: $("max-tokens"), temperature: $("temperature"), apiKey: $("api-key"),
     ignoreEos: $("ignore-eos"), seed: $("seed"), generate: $("generate"), stop: $("stop"),
+    chat: $("chat"), chatTemplate: $("chat-template"), promptLabel: $("prompt-label"), newChat: $("new-chat"),
+    historyChars: $("history-chars"), conversation: $("conversation"), historyNote: $("history-note"),
     output: $("output"), status: $("status"), ttft: $("ttft"), tps: $("tps"), count: $("count"),
     queue: $("queue"), usage: $("usage"), error: $("error"), conn: $("conn"),
     mic: $("mic"), voiceStatus: $("voice-status"), voiceError: $("voice-error"), partial: $("partial"),
     finals: $("finals"),
   };
 
-  const FALLBACK_MODELS = ["tiny-gpt"];
+  const FALLBACK_MODELS = [{id: "tiny-gpt", chat_template: null, default: true}];  // no /v1/models: no chat
+  const HISTORY_CHARS_DEFAULT = 6000;  // the conversation's characters sent (the #history-chars field)
+  const RAW_PLACEHOLDER = "Once upon a time";
+  const CHAT_PLACEHOLDER = "Ask something, e.g. What is the capital of France?  (Enter sends, Shift+Enter: new line)";
   const RECONNECT_MIN_MS = 250;
   const RECONNECT_MAX_MS = 8000;
 
@@ -26,7 +35,14 @@
   let reconnectTimer = null;
   let pending = [];           // frames waiting for the socket to open: {frame, onSent}
   let seq = 0;                // request ids: r1, r2, ...
-  let cur = null;             // the request in flight: {id, t0, tFirst, tLast, n, text, stopping}
+  let cur = null;             // the request in flight: {id, t0, tFirst, tLast, n, stopping, queuedOnly, chat}
+  //                             (a chat request also: user, reply: its two turns, text: the reply so far)
+  let models = new Map();     // model id -> its /v1/models entry ({chat_template, default, ...})
+  let modelChosen = false;    // the user picked a model: a reload of the list keeps it
+  let chatChosen = null;      // the user's own chat checkbox choice, for models that can chat
+  // the conversation: {role: "user" | "assistant", content, node}, oldest first; the reply
+  // being streamed joins it when it ends
+  let turns = [];
   const finished = new Set(); // ids that already ended (late cancel errors for them are ignored)
   let renderQueued = false;
 
@@ -108,7 +124,7 @@
 
   // ---- models --------------------------------------------------------------------------
   async function loadModels() {
-    let ids = FALLBACK_MODELS;
+    let list = FALLBACK_MODELS;
     try {
       const key = el.apiKey.value.trim();
       const r = await fetch("/v1/models", {headers: key ? {Authorization: `Bearer ${key}`} : {}});
@@ -116,14 +132,51 @@
         const body = await r.json();
         const got = (body && Array.isArray(body.data) ? body.data : [])
           .filter((m) => m && (m.kind === undefined || m.kind === "text"))  // speech models: the mic
-          .map((m) => m.id).filter((id) => typeof id === "string" && id);
-        if (got.length) ids = got;
+          .filter((m) => typeof m.id === "string" && m.id);
+        if (got.length) list = got;
       }
     } catch (e) { /* keep the fallback */ }
+    models = new Map(list.map((m) => [m.id, m]));
     const keep = el.model.value;
-    el.model.replaceChildren(...ids.map((id) => new Option(id, id)));
-    if (ids.includes(keep)) el.model.value = keep;
+    el.model.replaceChildren(...list.map((m) => new Option(m.id, m.id)));
+    const dflt = list.find((m) => m.default === true);
+    if (modelChosen && models.has(keep)) el.model.value = keep;
+    else if (dflt) el.model.value = dflt.id;           // the model a request naming none gets
+    else if (models.has(keep)) el.model.value = keep;
+    updateMode();
     el.model.dataset.loaded = "1";
+  }
+
+  // where the chosen model's chat template comes from ("builtin", "tokenizer_config.json"...), or null
+  function chatTemplate() {
+    const m = models.get(el.model.value);
+    const t = m && m.chat_template;
+    return typeof t === "string" && t ? t : null;
+  }
+
+  function chatMode() {
+    return chatTemplate() !== null && el.chat.checked;
+  }
+
+  // the form and the result follow the mode: a conversation (chat) or one raw completion
+  function updateMode() {
+    const template = chatTemplate();
+    el.chat.disabled = template === null || cur !== null;  // no switching modes mid-reply
+    el.chat.checked = template !== null && chatChosen !== false;
+    el.chatTemplate.textContent = template === null ? "(this model has no chat template: raw completion)"
+                                                    : `(template: ${template})`;
+    const chat = chatMode();
+    document.body.dataset.mode = chat ? "chat" : "raw";
+    el.promptLabel.textContent = chat ? "Message" : "Prompt";
+    el.generate.textContent = chat ? "Send" : "Generate";
+    // the raw-completion example text is no question: clear it, unless it was edited
+    if (chat && el.prompt.value === RAW_PLACEHOLDER) el.prompt.value = "";
+    el.prompt.placeholder = chat ? CHAT_PLACEHOLDER : RAW_PLACEHOLDER;
+    el.prompt.rows = chat ? 2 : 5;  // a message box, or room for a prompt to continue
+    el.output.hidden = chat;
+    el.conversation.hidden = !chat;
+    el.newChat.hidden = !chat;
+    el.historyNote.hidden = !chat || !el.historyNote.textContent;
   }
 
   // ---- display -------------------------------------------------------------------------
@@ -204,6 +257,116 @@
   function setBusy(busy) {
     el.generate.disabled = busy;
     el.stop.disabled = !busy;
+    el.newChat.disabled = busy;
+    el.chat.disabled = busy || chatTemplate() === null;  // no switching modes mid-reply
+    el.model.disabled = busy;                             // (nor models: the reply names its model)
+  }
+
+  // ---- the conversation -------------------------------------------------------------------
+  function scrolledToBottom(box) {
+    return box.scrollHeight - box.scrollTop - box.clientHeight < 24;
+  }
+
+  function addTurn(role, content) {
+    const node = document.createElement("div");
+    node.className = "turn";
+    node.dataset.role = role;
+    const who = document.createElement("div");
+    who.className = "who";
+    who.textContent = role === "user" ? "You" : el.model.value;
+    const text = document.createElement("div");
+    text.className = "text";
+    text.append(document.createTextNode(content));
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    node.append(who, text, meta);
+    const box = el.conversation;
+    const atBottom = scrolledToBottom(box);
+    box.querySelector(".empty-note")?.remove();
+    box.append(node);
+    if (atBottom || role === "user") box.scrollTop = box.scrollHeight;
+    return {role, content, node};
+  }
+
+  function setTurnMeta(turn, state, text) {
+    turn.node.dataset.state = state;
+    turn.node.querySelector(".meta").textContent = text;
+  }
+
+  // the turns a message is sent with: the newest (the user's message) always, then whole
+  // exchanges back from it while their characters fit the history limit; the older ones are
+  // marked "not sent" (and stay out: the limit counts from the newest)
+  function historyLimit() {
+    const v = Number(el.historyChars.value);
+    return Number.isFinite(v) && v >= 1 ? Math.floor(v) : HISTORY_CHARS_DEFAULT;
+  }
+
+  function turnsToSend() {
+    const limit = historyLimit();
+    const last = turns.length - 1;
+    let first = last;
+    let chars = turns[last].content.length;
+    // earlier turns go in pairs (a question and its reply), so the history never starts with a reply
+    while (first >= 2) {
+      const pair = turns[first - 2].content.length + turns[first - 1].content.length;
+      if (chars + pair > limit) break;
+      chars += pair;
+      first -= 2;
+    }
+    turns.forEach((t, k) => t.node.classList.toggle("dropped", k < first));
+    if (first > 0) {
+      el.historyNote.textContent = `${first} older turn${first === 1 ? "" : "s"} not sent: the conversation is past ` +
+        `the history limit of ${limit.toLocaleString("en")} characters (Advanced). ` +
+        `This message went with the last ${last - first + 1} turn${last === first ? "" : "s"} (${chars.toLocaleString("en")} characters).`;
+      el.historyNote.hidden = false;
+    } else {
+      el.historyNote.textContent = "";
+      el.historyNote.hidden = true;
+    }
+    return turns.slice(first).map((t) => ({role: t.role, content: t.content}));
+  }
+
+  function newConversation() {
+    if (cur) return;
+    turns = [];
+    emptyNote("New conversation: ask something. Each message is sent with the turns before it.");
+    el.historyNote.textContent = "";
+    el.historyNote.hidden = true;
+    resetResult();
+    setStatus("idle", "idle");
+    el.prompt.focus();
+  }
+
+  // a chat request ended: its reply joins the conversation as it was shown (cut short by
+  // Stop or a dropped connection too); a request that failed before any text leaves no
+  // turns, and its message goes back into the box to be sent again
+  function endChat(c, state, statusText) {
+    const reply = c.reply;
+    if (state === "error" && c.text === "") {
+      reply.node.remove();
+      c.user.node.remove();
+      turns = turns.filter((t) => t !== c.user);
+      if (!el.prompt.value) el.prompt.value = c.user.content;
+      if (!turns.length) emptyNote("No messages yet: ask something. Each message is sent with the turns before it.");
+      return;
+    }
+    reply.content = c.text;
+    turns.push(reply);
+    const tokens = `${c.n} token${c.n === 1 ? "" : "s"}`;
+    if (state === "cancelled") {
+      setTurnMeta(reply, "cancelled", c.text ? `stopped after ${tokens}: kept as shown` : "stopped before any text");
+    } else if (state === "error") {
+      setTurnMeta(reply, "error", `interrupted after ${tokens}: kept as shown`);
+    } else {
+      setTurnMeta(reply, "done", `${statusText} · ${tokens}`);
+    }
+  }
+
+  function emptyNote(text) {
+    const note = document.createElement("p");
+    note.className = "empty-note";
+    note.textContent = text;
+    el.conversation.replaceChildren(note);
   }
 
   // ---- requests ------------------------------------------------------------------------
@@ -217,9 +380,23 @@
   function generate() {
     if (cur) return;
     resetResult();
+    const chat = chatMode();
+    if (chat && !el.prompt.value.trim()) {
+      showError({code: "empty_message", message: "type a message first"});
+      el.prompt.focus();
+      return;
+    }
     const id = `r${++seq}`;
-    const frame = {type: "generate", id, prompt: el.prompt.value, model: el.model.value,
-                   priority: el.priority.value};
+    const frame = {type: "generate", id, model: el.model.value, priority: el.priority.value};
+    let user = null;
+    if (chat) {
+      user = addTurn("user", el.prompt.value);
+      turns.push(user);
+      frame.messages = turnsToSend();
+      el.prompt.value = "";
+    } else {
+      frame.prompt = el.prompt.value;
+    }
     const maxTokens = numberField(el.maxTokens, Number);
     if (maxTokens !== undefined) frame.max_tokens = maxTokens;
     const temperature = numberField(el.temperature, Number);
@@ -228,7 +405,13 @@
     if (seed !== undefined) frame.seed = seed;
     if (el.ignoreEos.checked) frame.ignore_eos = true;
 
-    cur = {id, t0: 0, tFirst: 0, tLast: 0, n: 0, stopping: false, queuedOnly: true};
+    cur = {id, t0: 0, tFirst: 0, tLast: 0, n: 0, stopping: false, queuedOnly: true, chat};
+    if (chat) {
+      cur.user = user;
+      cur.text = "";
+      cur.reply = addTurn("assistant", "");
+      setTurnMeta(cur.reply, "streaming", "");
+    }
     const mine = cur;
     setBusy(true);
     setStatus("streaming", "streaming");
@@ -251,8 +434,10 @@
   function finish(state, text) {
     if (!cur) return;
     render();
-    finished.add(cur.id);
+    const c = cur;
+    finished.add(c.id);
     cur = null;
+    if (c.chat) endChat(c, state, text || state);
     setStatus(state, text || state);
     setBusy(false);
   }
@@ -274,9 +459,14 @@
           cur.n += 1;
           cur.tLast = now;
           if (msg.text) {
-            const o = el.output;
-            const atBottom = o.scrollHeight - o.scrollTop - o.clientHeight < 24;
-            o.lastChild.appendData(msg.text);
+            const o = cur.chat ? el.conversation : el.output;
+            const atBottom = scrolledToBottom(o);
+            if (cur.chat) {
+              cur.text += msg.text;
+              cur.reply.node.querySelector(".text").firstChild.appendData(msg.text);
+            } else {
+              o.lastChild.appendData(msg.text);
+            }
             if (atBottom) o.scrollTop = o.scrollHeight;
           }
           queueRender();
@@ -301,6 +491,13 @@
       case "error":
         if (msg.id && !mine && finished.has(msg.id) && msg.code === "unknown_id") break; // a cancel that lost the race
         showError(msg);
+        if (mine && cur.chat && msg.code === "prompt_too_long") {
+          const hint = document.createElement("div");
+          hint.className = "error-hint";
+          hint.textContent = "The conversation is too long for the model: start a new conversation, " +
+                             "or lower the chat history limit (Advanced).";
+          el.error.append(hint);
+        }
         if (mine || (!msg.id && cur)) finish("error", "error");
         break;
       default:
@@ -499,12 +696,19 @@
   // ---- wiring --------------------------------------------------------------------------
   el.form.addEventListener("submit", (ev) => { ev.preventDefault(); generate(); });
   el.stop.addEventListener("click", stop);
+  el.newChat.addEventListener("click", newConversation);
   el.prompt.addEventListener("keydown", (ev) => {
-    if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) { ev.preventDefault(); generate(); }
+    if (ev.key !== "Enter" || ev.isComposing) return;
+    // Ctrl/Cmd+Enter sends in both modes; in chat a plain Enter sends too (Shift+Enter: a new line)
+    // (through the form, so its fields' own checks apply as for the button)
+    if (ev.ctrlKey || ev.metaKey || (chatMode() && !ev.shiftKey && !ev.altKey)) { ev.preventDefault(); el.form.requestSubmit(); }
   });
+  el.model.addEventListener("change", () => { modelChosen = true; updateMode(); });
+  el.chat.addEventListener("change", () => { chatChosen = el.chat.checked; updateMode(); });
   el.apiKey.addEventListener("change", () => { reconnectNow(); loadModels(); });
   el.mic.addEventListener("click", () => { if (voice) stopVoice(); else startVoice(); });
 
+  updateMode();
   loadModels();
   connect();
 })();

@@ -2,6 +2,11 @@
 package through Playwright's Python API; no browser is downloaded) against a real gateway,
 a real worker and a real redis-server.
 
+A model with a chat template (tiny-gpt's is ``builtin``) chats: the tests check that each
+message goes out as ``messages`` with the conversation's earlier turns (a stopped reply as
+it was shown), that "New conversation" forgets them, that the history limit leaves the
+oldest exchanges out and says so, and that a model's raw completion is still one click away.
+
 The microphone test gives Chromium a fake microphone that plays a WAV of flite speech
 (``--use-file-for-fake-audio-capture``) and checks the transcript the page shows.
 
@@ -153,7 +158,8 @@ def test_page_files_are_served(fleet):
         r = http.get("/")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         for element_id in ("prompt", "model", "priority", "max-tokens", "temperature", "generate", "stop",
-                           "output", "status", "ttft", "tps", "error", "ignore-eos",
+                           "output", "status", "ttft", "tps", "error", "ignore-eos", "chat", "new-chat",
+                           "conversation", "history-chars", "history-note",
                            "mic", "voice-status", "voice-error", "partial", "finals"):
             assert f'id="{element_id}"' in r.text
         assert "http://" not in r.text and "https://" not in r.text  # nothing from elsewhere
@@ -177,6 +183,11 @@ def test_generate_stream_and_stop(fleet, browser, tmp_path):
         w.open()
         assert page.text_content("#status") == "idle"
         assert page.is_disabled("#stop")
+        # tiny-gpt has a chat template ("builtin"): the page chats; unchecked, it completes the raw prompt
+        assert page.is_checked("#chat") and page.text_content("#chat-template") == "(template: builtin)"
+        page.uncheck("#chat")
+        assert page.text_content("#generate") == "Generate" and page.is_visible("#output")
+        assert page.is_hidden("#conversation") and page.is_hidden("#new-chat")
 
         page.fill("#prompt", "Once upon a time, a fleet of tiny workers streamed tokens to the world.")
         page.select_option("#model", "tiny-gpt")
@@ -221,8 +232,127 @@ def test_generate_stream_and_stop(fleet, browser, tmp_path):
         shot = tmp_path / "demo.png"
         page.screenshot(path=str(shot), full_page=True)
         shutil.copyfile(shot, DEMO_SCREENSHOT)
+
+        # chat: a reply stopped mid-stream stays in the conversation as it was shown, and the
+        # next message is sent with it
+        page.check("#chat")
+        assert page.text_content("#generate") == "Send" and page.is_hidden("#output")
+        page.fill("#prompt", "Tell me a long story about a fleet of tiny workers.")
+        page.click("#generate")
+        reply = page.locator("#conversation .turn[data-role=assistant]")
+        expect(page.locator("#count")).to_have_text(re.compile(r"^([2-9]\d|[1-9]\d{2,})$"))
+        page.click("#stop")
+        expect(page.locator("#status")).to_have_text("cancelled")
+        expect(reply).to_have_attribute("data-state", "cancelled")
+        chat = [f for f in w.sent if f.get("type") == "generate"][1]
+        assert "prompt" not in chat and chat["messages"] == [
+            {"role": "user", "content": "Tell me a long story about a fleet of tiny workers."}]
+        shown = "".join(t["text"] for t in w.received if t.get("type") == "token" and t.get("id") == chat["id"])
+        assert shown and reply.locator(".text").text_content() == shown
+        assert reply.locator(".meta").text_content().startswith("stopped after ")
+        page.fill("#max-tokens", "4")
+        page.uncheck("#ignore-eos")
+        page.fill("#prompt", "Go on.")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        follow = [f for f in w.sent if f.get("type") == "generate"][2]
+        assert follow["messages"] == [
+            {"role": "user", "content": "Tell me a long story about a fleet of tiny workers."},
+            {"role": "assistant", "content": shown},
+            {"role": "user", "content": "Go on."}]
+        assert page.locator("#conversation .turn").count() == 4
+
         w.assert_same_origin_only()
         assert any(u == gw.http + "/v1/models" for u in w.requests), w.requests
+        assert not w.errors, w.errors
+    finally:
+        w.close()
+
+
+def _generates(w: PageWatch) -> list[dict]:
+    return [f for f in w.sent if f.get("type") == "generate"]
+
+
+def _done(w: PageWatch, request_id: str) -> dict:
+    [done] = [f for f in w.received if f.get("type") == "done" and f.get("id") == request_id]
+    return done
+
+
+def _reply(w: PageWatch, request_id: str) -> str:
+    return "".join(f["text"] for f in w.received if f.get("type") == "token" and f.get("id") == request_id)
+
+
+def test_chat_keeps_the_conversation(fleet, browser, tmp_path):
+    """The real tiny-gpt, greedy: the second question goes out with the first and its answer
+    (the prompt grows accordingly), "New conversation" forgets them, and past the history
+    limit the oldest exchange is left out, marked and explained."""
+    gw = fleet.gateway()
+    fleet.worker()
+    w = PageWatch(browser, gw.http)
+    try:
+        page = w.page
+        w.open()
+        assert page.is_checked("#chat") and page.text_content("#generate") == "Send"
+        assert page.input_value("#prompt") == ""  # the raw-completion example is no question
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "12")
+        turns = page.locator("#conversation .turn")
+
+        page.fill("#prompt", "What is the capital of France?")
+        page.press("#prompt", "Enter")  # Enter sends a chat message
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        assert page.input_value("#prompt") == ""
+        first = _generates(w)[0]
+        assert "prompt" not in first and first["temperature"] == 0
+        assert first["messages"] == [{"role": "user", "content": "What is the capital of France?"}]
+        answer = _reply(w, first["id"])
+        expect(turns).to_have_count(2)
+        assert [turns.nth(k).get_attribute("data-role") for k in range(2)] == ["user", "assistant"]
+        assert turns.nth(1).locator(".text").text_content() == answer
+        assert turns.nth(1).locator(".who").text_content() == "tiny-gpt"
+
+        page.fill("#prompt", "And of Italy?")
+        page.click("#generate")
+        expect(turns).to_have_count(4)
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        second = _generates(w)[1]
+        assert second["messages"] == [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And of Italy?"}]
+        usage1, usage2 = _done(w, first["id"])["usage"], _done(w, second["id"])["usage"]
+        # the whole first exchange is in the second prompt
+        assert usage2["prompt_tokens"] > usage1["prompt_tokens"] + usage1["completion_tokens"], (usage1, usage2)
+        assert f"prompt {usage2['prompt_tokens']} tokens" in page.text_content("#usage")
+        assert page.is_hidden("#history-note")
+        page.screenshot(path=str(tmp_path / "demo-chat.png"), full_page=True)
+
+        # a new conversation: no turns shown, none sent
+        page.click("#new-chat")
+        expect(turns).to_have_count(0)
+        page.fill("#prompt", "Hello")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        third = _generates(w)[2]
+        assert third["messages"] == [{"role": "user", "content": "Hello"}]
+        assert _done(w, third["id"])["usage"]["prompt_tokens"] < usage2["prompt_tokens"]
+        expect(turns).to_have_count(2)
+
+        # the history limit: the earlier exchange (over 5 characters) no longer fits beside the
+        # new message, so it is left out, marked, and the page says so
+        page.click("#advanced summary")
+        page.fill("#history-chars", str(len("Thanks!") + 2))
+        page.fill("#prompt", "Thanks!")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text(re.compile(r"^done: "))
+        assert _generates(w)[3]["messages"] == [{"role": "user", "content": "Thanks!"}]
+        expect(turns).to_have_count(4)
+        assert [turns.nth(k).get_attribute("class") for k in range(4)] == ["turn dropped"] * 2 + ["turn"] * 2
+        note = page.locator("#history-note")
+        expect(note).to_be_visible()
+        expect(note).to_contain_text("2 older turns not sent")
+        expect(note).to_contain_text("history limit of 9 characters")
+        w.assert_same_origin_only()
         assert not w.errors, w.errors
     finally:
         w.close()
@@ -235,6 +365,7 @@ def test_error_frame_is_shown(fleet, browser, tmp_path):
     try:
         page = w.page
         w.open()
+        page.uncheck("#chat")  # a raw completion first
         page.fill("#prompt", "")
         page.click("#generate")
         expect(page.locator("#error")).to_be_visible()
@@ -253,6 +384,28 @@ def test_error_frame_is_shown(fleet, browser, tmp_path):
         assert page.is_hidden("#error")
         assert page.text_content("#status") == "done: length"
         assert page.text_content("#output")
+
+        # chat: an empty message is not sent; a refused one leaves no turns and goes back
+        # into the box; a conversation too long for the model says what to do
+        page.check("#chat")
+        sent = len(w.sent)
+        page.fill("#prompt", "")
+        page.click("#generate")
+        expect(page.locator("#error")).to_contain_text("type a message first")
+        assert len(w.sent) == sent
+        page.fill("#prompt", "word " * 400)  # past tiny-gpt's 256-token context
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text("error")
+        box = page.text_content("#error")
+        assert "prompt_too_long" in box and "400" in box and "start a new conversation" in box, box
+        assert page.locator("#conversation .turn").count() == 0
+        assert page.input_value("#prompt") == "word " * 400
+        page.fill("#prompt", "Hello?")
+        page.click("#generate")
+        expect(page.locator("#status")).to_have_text("done: length")
+        assert page.is_hidden("#error")
+        assert page.locator("#conversation .turn").count() == 2
+
         assert len(w.websockets) == 1
         w.assert_same_origin_only()
         assert not w.errors, w.errors
@@ -274,7 +427,8 @@ def test_rate_limit_reconnect_and_api_key(fleet, browser):
             f = json.loads(message)
             if f.get("type") != "generate":
                 return
-            if f["prompt"] == "flood":
+            text = f["prompt"] if "prompt" in f else f["messages"][-1]["content"]
+            if text == "flood":
                 route.send(json.dumps({"type": "error", "id": f["id"], "code": "rate_limited", "status": 429,
                                        "message": "too many requests for this key", "retry_after_ms": 1500}))
             else:
