@@ -19,7 +19,8 @@ CLASSES = (CommonSettings, GatewaySettings, WorkerSettings)
 
 #: environment variables the command-line tools read that are not process settings,
 #: with the file that reads each (so a removed one cannot linger in the docs either)
-CLI_VARIABLES = {"SF_STATE_DIR": "streamfleet/local.py", "SF_API_KEY": "streamfleet/cli.py"}
+CLI_VARIABLES = {"SF_STATE_DIR": "streamfleet/local.py", "SF_API_KEY": "streamfleet/cli.py",
+                 "SF_CACHE_DIR": "shared/packagefetch.py", "SF_PACKAGE_INDEX": "shared/packagefetch.py"}
 
 ROW = re.compile(r"^\|\s*`(SF_[A-Z0-9_]+)`\s*\|([^|]*)\|([^|]*)\|")
 SF_NAME = re.compile(r"\bSF_[A-Z0-9_]*[A-Z0-9]")
