@@ -461,34 +461,74 @@ class _Graph:
         return name
 
 
-def _linear_init(g: _Graph, m: GgufModel, t: _Tensor, weights: str, prefix: str,
-                 permute_heads: int | None = None) -> list[tuple[Any, ...]]:
-    """A matrix [N, K] as the initializers of one projection: a list of terms summed
-    by ``_apply_linear`` (``("matmul", W^T)``, ``("nbits", B, scales, zero points, bits)``,
-    ``("blocksum", M^T)``)."""
+def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) -> list[tuple[Any, ...]]:
+    """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``,
+    ``("nbits", B, scales, zero points or None, bits)``, ``("blocksum", M^T)``; their
+    outputs add up to ``x @ W^T``."""
     quantized = t.qtype in (_Q4_0, _Q4_1, _Q8_0)
     if weights in ("q4", "q4-int8act") and quantized:
         rows = _blocks(t, {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}[t.qtype]).reshape(t.shape[0], -1)
         if permute_heads:
             rows = _unpermute_rows(rows, permute_heads)
-        parts = _q8_parts(rows) if t.qtype == _Q8_0 else _q4_parts(t, rows)
-    else:
-        w = _dequantize(t)
-        if permute_heads:
-            w = _unpermute_rows(w, permute_heads)
-        if weights != "int8":
-            return [("matmul", g.init(prefix + ".weight_t", np.ascontiguousarray(w.T)))]
-        parts = _requant8_parts(w)
+        return _q8_parts(rows) if t.qtype == _Q8_0 else _q4_parts(t, rows)
+    w = _dequantize(t)
+    if permute_heads:
+        w = _unpermute_rows(w, permute_heads)
+    if weights != "int8":
+        return [("matmul", np.ascontiguousarray(w.T))]
+    return _requant8_parts(w)
+
+
+def _fuse(parts: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]] | None:
+    """Projections of one input side by side (Q, K and V; gate and up) as one wider
+    projection, when their terms have the same kinds: each output column is the same dot
+    product either way. None when they differ (say, Q4_1 beside Q8_0)."""
+    shape = [tuple((p[0], p[-1] if p[0] == "nbits" else None, p[3] is None if p[0] == "nbits" else None)
+                   for p in ps) for ps in parts]
+    if len(set(shape)) != 1:
+        return None
+    fused: list[tuple[Any, ...]] = []
+    for j, first in enumerate(parts[0]):
+        terms = [ps[j] for ps in parts]
+        if first[0] == "nbits":
+            zeros = None if first[3] is None else np.concatenate([t[3] for t in terms])
+            fused.append(("nbits", np.concatenate([t[1] for t in terms]), np.concatenate([t[2] for t in terms]),
+                          zeros, first[4]))
+        else:  # matmul (W^T) and blocksum (M^T): [*, N] side by side
+            fused.append((first[0], np.concatenate([t[1] for t in terms], axis=1)))
+    return fused
+
+
+def _init_parts(g: _Graph, parts: list[tuple[Any, ...]], prefix: str) -> list[tuple[Any, ...]]:
+    """The terms as initializers of the graph (names for ``_apply_linear``)."""
     out: list[tuple[Any, ...]] = []
     for j, part in enumerate(parts):
         name = f"{prefix}.{j}"
-        if part[0] == "blocksum":
+        if part[0] == "matmul":
+            out.append(("matmul", g.init(name + ".weight_t", part[1])))
+        elif part[0] == "blocksum":
             out.append(("blocksum", g.init(name + ".block_min_t", part[1])))
         else:
             _, packed, scales, zeros, bits = part
             out.append(("nbits", g.init(name + ".qweight", packed), g.init(name + ".scales", scales),
                         None if zeros is None else g.init(name + ".zeros", zeros), bits))
     return out
+
+
+def _projections(g: _Graph, tensors: list[_Tensor], weights: str, prefix: str,
+                 permute: list[int | None]) -> list[list[tuple[Any, ...]]]:
+    """One fused projection for matrices that share an input (a list of one), else one each."""
+    parts = [_linear_parts(t, weights, p) for t, p in zip(tensors, permute)]
+    fused = _fuse(parts) if len(parts) > 1 else None
+    if fused is not None:
+        return [_init_parts(g, fused, prefix)]
+    return [_init_parts(g, p, f"{prefix}.{i}") for i, p in enumerate(parts)]
+
+
+def _linear_init(g: _Graph, m: GgufModel, t: _Tensor, weights: str, prefix: str,
+                 permute_heads: int | None = None) -> list[tuple[Any, ...]]:
+    """One matrix's projection as graph initializers."""
+    return _init_parts(g, _linear_parts(t, weights, permute_heads), prefix)
 
 
 def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: int, accuracy: int) -> str:
@@ -512,18 +552,20 @@ def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: in
 
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    """transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight."""
-    sq = g.op("Mul", [x, x])
-    mean = g.op("ReduceMean", [sq], axes=[-1], keepdims=1)
-    denom = g.op("Sqrt", [g.op("Add", [mean, g.const(eps, np.float32)])])
-    normed = g.op("Mul", [x, g.op("Reciprocal", [denom])])
-    return g.op("Mul", [normed, weight])
+    """transformers' LlamaRMSNorm, x / sqrt(mean(x^2) + eps) * weight, as ONNX Runtime's
+    SimplifiedLayerNormalization (one kernel, fp32 throughout)."""
+    return g.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=float(eps), stash_type=1)
 
 
-def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
-    """HF's rotate-half RoPE on [B, heads, S, head_dim]."""
-    x1, x2 = g.op("Split", [x, g.const([half, half])], axis=-1, n_out=2)
-    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+def _rope(g: _Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
+    """HF's rotate-half RoPE, ``x * cos + rotate_half(x) * sin``; rotate_half ([x1, x2] ->
+    [-x2, x1]) as a product with a constant matrix of one +-1 per column, which is exact
+    (one product and zeros added)."""
+    half = head_dim // 2
+    rot = np.zeros((head_dim, head_dim), dtype=np.float32)
+    rot[np.arange(half) + half, np.arange(half)] = -1.0  # out[j] = -x[j + half]
+    rot[np.arange(half), np.arange(half) + half] = 1.0   # out[j + half] = x[j]
+    rotated = g.op("MatMul", [x, g.const(rot, np.float32)])
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
 
 
@@ -566,12 +608,12 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     allowed = g.op("And", [real, causal])
     bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_MASKED, np.float32)])
 
-    # RoPE tables [B, 1, S, hd]: HF's inv_freq, computed as transformers does in fp32
+    # RoPE tables [B, S, 1, hd]: HF's inv_freq, computed as transformers does in fp32
     exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
     inv_freq = (1.0 / (np.float32(m.rope_base) ** exponent)).astype(np.float32)
     inv2 = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
     pos = g.op("Cast", [g.op("Unsqueeze", ["position_ids", g.const([-1])])], to=TensorProto.FLOAT)
-    angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([1])])
+    angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([2])])  # [B, S, 1, hd]
     cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
 
     embed = _dequantize(t["token_embd.weight"])
@@ -582,23 +624,24 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         pre = f"blk.{i}"
         ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
-        wq = _linear_init(g, m, t[f"{pre}.attn_q.weight"], weights, f"{pre}.q", permute_heads=nh)
-        wk = _linear_init(g, m, t[f"{pre}.attn_k.weight"], weights, f"{pre}.k", permute_heads=kvh)
-        wv = _linear_init(g, m, t[f"{pre}.attn_v.weight"], weights, f"{pre}.v")
+        qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None])
         wo = _linear_init(g, m, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
-        wg = _linear_init(g, m, t[f"{pre}.ffn_gate.weight"], weights, f"{pre}.gate")
-        wu = _linear_init(g, m, t[f"{pre}.ffn_up.weight"], weights, f"{pre}.up")
+        gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
+                               [None, None])
         wd = _linear_init(g, m, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
-        q = _apply_linear(g, a, wq, h, nh * hd, accuracy)
-        k = _apply_linear(g, a, wk, h, kvh * hd, accuracy)
-        v = _apply_linear(g, a, wv, h, kvh * hd, accuracy)
-        q = g.op("Transpose", [g.op("Reshape", [q, g.const([0, 0, nh, hd])])], perm=[0, 2, 1, 3])
-        k = g.op("Transpose", [g.op("Reshape", [k, g.const([0, 0, kvh, hd])])], perm=[0, 2, 1, 3])
-        v = g.op("Transpose", [g.op("Reshape", [v, g.const([0, 0, kvh, hd])])], perm=[0, 2, 1, 3])
-        q = _rope(g, q, cos, sin, hd // 2)
-        k = _rope(g, k, cos, sin, hd // 2)
+        if len(qkv) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
+            heads = g.op("Reshape", [_apply_linear(g, a, qkv[0], h, (nh + 2 * kvh) * hd, accuracy),
+                                     g.const([0, 0, nh + 2 * kvh, hd])])
+            qk, v = g.op("Split", [heads, g.const([nh + kvh, kvh])], axis=2, n_out=2)
+        else:
+            q, k, v = (g.op("Reshape", [_apply_linear(g, a, w, h, n * hd, accuracy), g.const([0, 0, n, hd])])
+                       for w, n in zip(qkv, (nh, kvh, kvh)))
+            qk = g.op("Concat", [q, k], axis=2)
+        qk = _rope(g, qk, cos, sin, hd)
+        q, k = g.op("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
+        q, k, v = (g.op("Transpose", [z], perm=[0, 2, 1, 3]) for z in (q, k, v))
         k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, outputs=[f"present.{i}.key"])
         v_all = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, outputs=[f"present.{i}.value"])
         # grouped-query attention without repeating K/V: the query heads of one KV head
@@ -612,8 +655,11 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
 
         f = _rms_norm(g, x, ln2, m.rms_eps)
-        gate = _apply_linear(g, f, wg, h, m.intermediate, accuracy)
-        up = _apply_linear(g, f, wu, h, m.intermediate, accuracy)
+        if len(gate_up) == 1:
+            both = _apply_linear(g, f, gate_up[0], h, 2 * m.intermediate, accuracy)
+            gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
+        else:
+            gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
 
