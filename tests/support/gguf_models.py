@@ -37,7 +37,8 @@ class TinyLlama:
 
     def __init__(self, *, seed: int = 0, n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 2,
                  intermediate: int = 96, tied: bool = True, rope_base: float = 10000.0, eps: float = 1e-5,
-                 context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0") -> None:
+                 context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0",
+                 overrides: dict[str, str] | None = None) -> None:
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize, quantize
 
@@ -56,6 +57,7 @@ class TinyLlama:
         self.values: dict[str, np.ndarray] = {}  # name -> fp32 as the file holds it
 
         def put(name: str, value: np.ndarray, kind: str) -> None:
+            kind = (overrides or {}).get(name.split(".", 2)[-1].removesuffix(".weight"), kind)
             t = kinds[kind]
             value = value.astype(np.float32)
             data = value if t == T.F32 else quantize(value, t)

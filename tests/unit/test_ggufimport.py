@@ -60,6 +60,12 @@ def test_q4_0_weights_and_an_f32_output_layer(tmp_path):
     _check(_engine(tmp_path, model, "q4"), model, atol=2e-4)
 
 
+def test_matrices_of_different_types_are_projected_apart(tmp_path):
+    # V and up in Q8_0 beside Q4_1 Q, K and gate: no fused projection, the same logits
+    model = TinyLlama(seed=12, overrides={"attn_v": "Q8_0", "ffn_up": "Q8_0", "attn_output": "F32"})
+    _check(_engine(tmp_path, model, "q4"), model, atol=2e-4)
+
+
 def test_q4_and_fp32_graphs_agree_and_q4_keeps_the_file_small(tmp_path):
     model = TinyLlama(seed=5, hidden=128, intermediate=256, n_head=4, n_kv_head=2)
     src = write_tiny_gguf(tmp_path / "m.gguf", model)
