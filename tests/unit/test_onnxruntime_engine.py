@@ -22,6 +22,15 @@ STEPS = 16
 @pytest.fixture(scope="module")
 def engine(tiny_spec):
     eng = OnnxRuntimeEngine(tiny_spec, threads=1)
+    assert eng.batch_invariant  # the default
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def slab_engine(tiny_spec):
+    """The padded slab: one run per step for the whole batch (``batch_invariant = false``)."""
+    eng = OnnxRuntimeEngine(tiny_spec, threads=1, batch_invariant=False)
     yield eng
     eng.close()
 
@@ -89,10 +98,12 @@ def check_scenario(engine, reference_engine, prompts: dict[str, list[int]], plan
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_batch_with_joins_and_leaves(engine, name):
+@pytest.mark.parametrize("mode", ["batch-invariant", "slab"])
+def test_batch_with_joins_and_leaves(engine, slab_engine, name, mode):
     """Sequences of different lengths join and leave mid-way, decode order shuffles, some
     sit out a step; each still gets exactly its solo tokens."""
-    check_scenario(engine, engine, scenario_prompts(engine.vocab_size), SCENARIOS[name], name)
+    eng = engine if mode == "batch-invariant" else slab_engine
+    check_scenario(eng, engine, scenario_prompts(engine.vocab_size), SCENARIOS[name], name)
 
 
 def test_prefill_groups_lengths():
@@ -186,8 +197,9 @@ def test_echo_delay_and_vocab_option(tiny_spec):
         eng.prefill([("b", [50])])
 
 
-def test_steady_batch_feeds_presents_back(engine):
+def test_steady_batch_feeds_presents_back(slab_engine):
     """While the set of sequences stays the same, no new slab is assembled."""
+    engine = slab_engine
     engine.prefill([("s1", [1, 2, 3]), ("s2", [4])])
     engine.decode([("s1", 5), ("s2", 6)])
     slab = engine._slab

@@ -5,18 +5,40 @@ The layout (``input_ids``, ``attention_mask``, ``position_ids``,
 from the graph itself: layer count, KV heads, head size, vocabulary and cache dtype, so
 any model exported that way runs, not only the generated ``tiny-gpt``.
 
-Batching. Sequences of different lengths share one ``session.run``: their pasts are
-left-padded to the longest, pad slots carry ``attention_mask`` 0 and each row gets its
-own ``position_ids``. The padded batch (the "slab") is kept between decode steps and
-the ``present.*`` outputs of one step are the ``past_key_values.*`` of the next, with
-no copy. Membership changes are absorbed in place where possible: a released sequence
-leaves an idle row (fed a pad token, its new slot masked), a newcomer from prefill is
-written into an idle row, and a live sequence left out of a step just gets a masked
-slot. Only when newcomers do not fit, or idle rows or padding grow too large, is a new,
-compact slab assembled (one copy of every member's cache).
+Batch invariance (``batch_invariant``, the default): a sequence gets bit for bit the
+logits it would get alone, whatever else runs with it, so a seeded sampled request draws
+the same tokens in any batch (docs/sampling.md, "What a seed guarantees"). ONNX Runtime
+computes each row of a run independently of the other rows (MLAS splits its matrix
+products over rows and columns, never over the summed dimension: measured bit-identical
+for 1 to 16 rows of equal length), but the attention's softmax and its product with the
+values sum over the cache's width, and their vector kernels group the terms by column:
+padding a sequence's cache to another width changes the last bits of its logits
+(measured on tiny-gpt: up to 6e-6, in over 90 % of the rows). So in this mode nothing
+about a row's inputs depends on the batch:
 
-Prefill runs prompts in groups of similar length (one run per group, left-padded) so a
-short prompt does not pay for a long one's padding.
+* a prompt is prefilled unpadded, in one run with the prompts of exactly its length;
+* a decode step gives a sequence of ``n`` cached tokens a past of width
+  ``invariant_width(n)`` (a function of ``n`` and the engine's settings only), its
+  cache right-aligned after zeros; the sequences whose widths agree share one run.
+
+The price is one run per distinct width in a step (widths are multiples of
+``invariant_quantum``, 128 by default, up to 8 of them, then 4 per doubling of the
+length) and a copy of the group's caches into its past each step (one gather per input
+while the group stays the same).
+
+The padded slab (``batch_invariant = false`` in ``engine.toml``, or the constructor):
+sequences of different lengths share one ``session.run``: their pasts are left-padded
+to the longest, pad slots carry ``attention_mask`` 0 and each row gets its own
+``position_ids``. The slab is kept between decode steps and the ``present.*`` outputs of
+one step are the ``past_key_values.*`` of the next, with no copy. Membership changes are
+absorbed in place where possible: a released sequence leaves an idle row (fed a pad
+token, its new slot masked), a newcomer from prefill is written into an idle row, and a
+live sequence left out of a step just gets a masked slot. Only when newcomers do not
+fit, or idle rows or padding grow too large, is a new, compact slab assembled (one copy
+of every member's cache). Prefill runs prompts in groups of similar length (one run per
+group, left-padded) so a short prompt does not pay for a long one's padding. Faster
+(one run per step), but a sequence's logits then depend in their last bits on what
+shares its slab.
 
 Graphs without ``position_ids`` (Optimum's Gemma, Gemma 2/3, BLOOM, MPT… exports) take
 each token's position from its column in the cache, so padding or moving a sequence's
@@ -35,11 +57,14 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers
 from streamfleet.workers.engines.prefill import prefill_groups
 
-__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill"]
+__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill", "invariant_width"]
+
+log = get_logger("worker.onnxruntime")
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 _INDEX_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
@@ -51,6 +76,9 @@ _PREFILL_GROUP_TOKENS = 8192
 _IDLE_ROW_SHARE = 0.25
 #: ... or when its width exceeds the longest member by more than this many slots and half
 _SPARE_WIDTH = 32
+#: batch-invariant decoding: past widths are multiples of this many slots (and of an
+#: eighth of the length's power of two, when larger) unless ``invariant_quantum`` says otherwise
+_INVARIANT_QUANTUM = 128
 
 
 class InvalidSequenceError(SequenceError, ValueError):
@@ -116,6 +144,16 @@ def check_decode(seqs: list[tuple[str, int]], live: dict[str, Any], max_context:
     return ids
 
 
+def invariant_width(n: int, quantum: int, max_context: int) -> int:
+    """The past width a sequence of ``n`` cached tokens decodes with in batch-invariant
+    mode: ``n`` rounded up to a multiple of ``quantum``, or of an eighth of the power of two
+    at or above ``n`` when that is larger (so padding stays under a quarter of the length),
+    at most ``max_context - 1`` (the longest past a decode step can have) and never below
+    ``n``. A function of ``n`` and the engine's settings only, never of the batch."""
+    step = max(int(quantum), 1 << max(0, (n - 1).bit_length() - 3))
+    return max(n, min(-(-n // step) * step, max_context - 1))
+
+
 def _describe(bad: dict[str, str]) -> str:
     return "; ".join(f"sequence {seq_id!r} {why}" for seq_id, why in bad.items())
 
@@ -127,6 +165,11 @@ class _Seq:
     kv: list[np.ndarray] | None
     #: row in the slab (meaningful while ``kv`` is None)
     row: int = -1
+    #: unslabbed (``_decode_grouped``): the outputs of the run ``kv`` is a row of (its
+    #: slots before the sequence's own are zeros) and that row, for a gather of the
+    #: whole group at the next step; None when ``kv`` came from elsewhere
+    src: list[np.ndarray] | None = None
+    src_row: int = -1
 
 
 @dataclass(slots=True)
@@ -152,13 +195,21 @@ class OnnxRuntimeEngine:
     Args:
         spec: the model folder (``onnx`` graph, ``max_batch``, ``max_context``).
         threads: ``intra_op_num_threads``; None leaves ONNX Runtime's default (all cores).
+        batch_invariant: every sequence gets the logits it would get alone, bit for bit
+            (see the module docstring); None: ``batch_invariant`` in ``engine.toml``, else true.
+            Where the graph cannot have it (``rows_independent`` is false: a 4-bit graph)
+            the engine says so in its log and batches in the slab.
+        invariant_quantum: the padding granularity of that mode (fewer, wider groups when
+            larger); None: ``invariant_quantum`` in ``engine.toml``, else 128. At or above
+            ``max_context`` every decode step is one run at full width.
         options: ``providers`` (a list, default ``["CPUExecutionProvider"]``); others are ignored.
 
     Raises:
         FatalError: the graph is missing or not in the with-past layout.
     """
 
-    def __init__(self, spec: ModelSpec, *, threads: int | None = None, **options: Any) -> None:
+    def __init__(self, spec: ModelSpec, *, threads: int | None = None, batch_invariant: bool | None = None,
+                 invariant_quantum: int | None = None, **options: Any) -> None:
         import onnxruntime as ort  # lazily: the registry imports backends by name
 
         if not spec.onnx_path.exists():
@@ -179,9 +230,27 @@ class OnnxRuntimeEngine:
         self.spec = spec
         self.max_batch = spec.max_batch
         self.max_context = spec.max_context
+        if batch_invariant is None:
+            batch_invariant = spec.options.get("batch_invariant", True)
+        if invariant_quantum is None:
+            invariant_quantum = spec.options.get("invariant_quantum", _INVARIANT_QUANTUM)
+        if not isinstance(batch_invariant, bool):
+            raise FatalError(f"{spec.path}: batch_invariant must be true or false, not {batch_invariant!r}")
+        if not (type(invariant_quantum) is int and invariant_quantum >= 1):
+            raise FatalError(f"{spec.path}: invariant_quantum must be a positive integer, not {invariant_quantum!r}")
+        self.invariant_quantum = invariant_quantum
         self._read_layout()
         self._seqs: dict[str, _Seq] = {}
         self._slab: _Slab | None = None
+        #: sequences get their solo logits bit for bit, whatever the batch (module
+        #: docstring); false where asked, or where the graph's kernels compute a row
+        #: differently beside other rows (``rows_independent``)
+        self.batch_invariant = batch_invariant and self.rows_independent()
+        if batch_invariant and not self.batch_invariant:
+            log.warning("batch invariance is not possible with this graph: its kernels compute a row differently "
+                        "alone and beside other rows (4-bit MatMulNBits has a one-row kernel of its own); "
+                        "batching in one padded slab instead, and a seeded sampled request may draw other "
+                        "tokens in another batch (docs/sampling.md)", model=spec.name)
 
     # -- graph layout ------------------------------------------------------------------
 
@@ -236,6 +305,26 @@ class OnnxRuntimeEngine:
             vocab = self._probe_vocab()
         self.vocab_size = int(vocab)
 
+    def rows_independent(self) -> bool:
+        """Whether this graph, on this ONNX Runtime build, gives a row bit for bit the same
+        logits in a run of its own and beside other rows (a one-token prefill and one
+        decode step, one row against three), which batch invariance rests on. ONNX
+        Runtime's float matrix products are (measured: 1 to 16 rows); its 4-bit
+        ``MatMulNBits`` (fp32 activations) is not: one row takes a kernel of its own, whose
+        sums differ in the last bits from those of two rows or more."""
+        v = self.vocab_size
+        solo, others = (1 % v, 2 % v)
+        results = []
+        for tokens in ([solo], [solo, others, solo]):
+            rows = len(tokens)
+            ids = np.array(tokens, dtype=np.int64)[:, None]
+            logits, *presents = self._run(ids, np.ones((rows, 1), np.int64), np.zeros((rows, 1), np.int64),
+                                          [self._empty_past(rows)] * len(self._past_names))
+            step, *_ = self._run(ids, np.ones((rows, 2), np.int64), np.ones((rows, 1), np.int64), presents)
+            results.append((logits[:, -1], step[:, -1]))
+        (p1, d1), (p3, d3) = results
+        return all(np.array_equal(a[0], b[r]) for a, b in ((p1, p3), (d1, d3)) for r in (0, 2))
+
     def _probe_vocab(self) -> int:
         ids = np.zeros((1, 1), dtype=np.int64)
         logits = self._run(ids, np.ones((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64),
@@ -273,7 +362,8 @@ class OnnxRuntimeEngine:
             return out
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
         lengths = [len(p) for _, p in seqs]
-        groups = self._equal_groups(lengths) if self.solo else self._prefill_groups(lengths)
+        unpadded = self.solo or self.batch_invariant
+        groups = self._equal_groups(lengths) if unpadded else self._prefill_groups(lengths)
         for group in groups:
             width = len(seqs[group[0]][1])
             rows = len(group)
@@ -292,7 +382,8 @@ class OnnxRuntimeEngine:
                 seq_id, prompt = seqs[i]
                 n = len(prompt)
                 # Views into this group's outputs; copied once when the sequence joins a slab.
-                self._seqs[seq_id] = _Seq(length=n, kv=[p[r, :, width - n:, :] for p in presents])
+                self._seqs[seq_id] = _Seq(length=n, kv=[p[r, :, width - n:, :] for p in presents],
+                                          src=presents if unpadded else None, src_row=r)
         return out
 
     def decode(self, seqs: list[tuple[str, int]]) -> np.ndarray:
@@ -307,8 +398,8 @@ class OnnxRuntimeEngine:
         if not seqs:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         check_decode(seqs, self._seqs, self.max_context, self.vocab_size, self.release)
-        if self.solo:
-            return self._decode_solo(seqs)
+        if self.solo or self.batch_invariant:
+            return self._decode_grouped(seqs)
         slab = self._place(seqs)
         active = np.zeros(len(slab.rows), dtype=bool)
         ids = np.zeros((len(slab.rows), 1), dtype=np.int64)  # idle rows get token 0 ...
@@ -379,26 +470,64 @@ class OnnxRuntimeEngine:
             groups.setdefault(n, []).append(i)
         return list(groups.values())
 
-    def _decode_solo(self, seqs: list[tuple[str, int]]) -> np.ndarray:
-        """A decode step for a graph without ``position_ids``: one run per group of
-        sequences of equal length, each row its own cache, unpadded."""
+    def _past_width(self, n: int) -> int:
+        """The past width a sequence of ``n`` cached tokens decodes with, unslabbed."""
+        return n if self.solo else invariant_width(n, self.invariant_quantum, self.max_context)
+
+    def _decode_grouped(self, seqs: list[tuple[str, int]]) -> np.ndarray:
+        """A decode step in groups of equal past width (``_past_width``), each row its own
+        cache right-aligned in that width after zeros: for a graph without ``position_ids``
+        the width is the length (never padded); in batch-invariant mode a function of the
+        length, so a row's inputs are the same whatever shares its run."""
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
-        for group in self._equal_groups([self._seqs[seq_id].length for seq_id, _ in seqs]):
+        groups: dict[int, list[int]] = {}
+        for i, (seq_id, _) in enumerate(seqs):
+            groups.setdefault(self._past_width(self._seqs[seq_id].length), []).append(i)
+        for width, group in groups.items():
             members = [self._seqs[seqs[i][0]] for i in group]
-            n = members[0].length
             ids = np.array([[seqs[i][1]] for i in group], dtype=np.int64)
-            mask = np.ones((len(group), n + 1), dtype=np.int64)
-            positions = np.full((len(group), 1), n, dtype=np.int64)
-            if len(group) == 1:
-                past = [kv[None] for kv in members[0].kv]
-            else:
-                past = [np.stack([m.kv[j] for m in members]) for j in range(len(self._past_names))]
-            logits, *presents = self._run(ids, mask, positions, past)
+            lengths = np.array([m.length for m in members], dtype=np.int64)
+            mask = (np.arange(width + 1) >= (width - lengths)[:, None]).astype(np.int64)
+            logits, *presents = self._run(ids, mask, lengths[:, None], self._grouped_past(members, width))
             out[group] = logits[:, -1, :]
-            for r, seq in enumerate(members):
-                seq.kv = [p[r] for p in presents]
-                seq.length += 1
+            for r, m in enumerate(members):
+                m.length += 1
+                m.kv = [p[r, :, width + 1 - m.length:, :] for p in presents]
+                m.src, m.src_row = presents, r
         return out
+
+    def _grouped_past(self, members: list[_Seq], width: int) -> list[np.ndarray]:
+        """The past inputs of one group of ``_decode_grouped``: each member's cache after
+        zeros, ``width`` slots. The members that come from one earlier run whose outputs
+        are at least that wide (the group of the last step, the usual case) are taken from
+        it by one gather per input (none at all when that run was exactly this group at
+        this width), the others row by row."""
+        rows = len(members)
+        by_src: dict[int, list[int]] = {}
+        for r, m in enumerate(members):
+            if m.src is not None and m.src[0].shape[2] >= width:
+                by_src.setdefault(id(m.src), []).append(r)
+        if len(by_src) == 1 and len(next(iter(by_src.values()))) == rows:
+            src = members[0].src
+            cut = src[0].shape[2] - width
+            if [m.src_row for m in members] == list(range(src[0].shape[0])):
+                return [np.ascontiguousarray(p[:, :, cut:, :]) if cut else p for p in src]
+            idx = np.array([m.src_row for m in members], dtype=np.int64)
+            return [p[idx, :, cut:, :] for p in src]
+        past = [np.zeros((rows, self.kv_heads, width, self.head_dim), dtype=self._kv_dtype)
+                for _ in self._past_names]
+        for rs in by_src.values():
+            src = members[rs[0]].src
+            cut = src[0].shape[2] - width
+            idx = np.array([members[r].src_row for r in rs], dtype=np.int64)
+            for buf, p in zip(past, src):
+                buf[rs] = p[idx, :, cut:, :]
+        taken = {r for rs in by_src.values() for r in rs}
+        for r, m in enumerate(members):
+            if r not in taken:
+                for buf, kv in zip(past, m.kv):
+                    buf[r, :, width - m.length:, :] = kv
+        return past
 
     @staticmethod
     def _prefill_groups(lengths: list[int]) -> list[list[int]]:
