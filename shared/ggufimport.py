@@ -132,6 +132,9 @@ class GgufModel:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    #: end-of-turn / end-of-message ids (``tokenizer.ggml.eot_token_id``, ``eom``): llama.cpp
+    #: stops on them as on EOS, and so does the fleet
+    end_ids: tuple[int, ...] = ()
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
     sha256: str = ""
 
@@ -154,10 +157,14 @@ class GgufModel:
             f"pre-tokenizer {self.pre!r}",
             f"BOS           {bos!r} ({self.bos_id}); "
             f"{'added to every prompt' if self.add_bos else 'not added to prompts'}",
-            f"EOS ids       [{self.eos_id}] ({eos!r})" if self.eos_id is not None else
-            "EOS ids       none declared: requests end at max_tokens",
+            f"EOS ids       {self.stop_ids()} ({', '.join(repr(self.token_text(i)) for i in self.stop_ids())})"
+            if self.stop_ids() else "EOS ids       none declared: requests end at max_tokens",
             f"chat template {'from the file (tokenizer.chat_template)' if self.chat_template else 'none in the file'}",
         ])
+
+    def stop_ids(self) -> list[int]:
+        """EOS, then the end-of-turn ids, each once."""
+        return list(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + list(self.end_ids)))
 
     def token_text(self, tid: int | None) -> str | None:
         return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
@@ -311,6 +318,8 @@ def read_gguf(path: Path) -> GgufModel:
         add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         chat_template=str(template) if template else None, tensors=tensors,
+        end_ids=tuple(i for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
+                      if i is not None and 0 <= i < len(tokens)),
     )
 
 
@@ -803,9 +812,12 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
               "max_position_embeddings": m.context_length, "tie_word_embeddings": m.tied,
               "hidden_act": "silu", "torch_dtype": "float32"}
     generation: dict[str, Any] = {}
-    for key, tid in (("bos_token_id", m.bos_id), ("eos_token_id", m.eos_id), ("pad_token_id", m.pad_id)):
+    for key, tid in (("bos_token_id", m.bos_id), ("pad_token_id", m.pad_id)):
         if tid is not None:
             config[key] = generation[key] = tid
+    stops = m.stop_ids()
+    if stops:
+        config["eos_token_id"] = generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     (dest / "config.json").write_text(json.dumps(config, indent=1))
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=1))
 

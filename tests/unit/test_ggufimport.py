@@ -108,6 +108,14 @@ def test_the_tokenizer_chat_template_and_special_tokens_come_from_the_metadata(t
     assert 'weights = "q4"' in toml and "num_key_value_heads = 2" in toml
 
 
+def test_end_of_turn_ids_end_a_request_as_eos_does(tmp_path):
+    model = TinyLlama(seed=13, n_layer=1)
+    src = write_tiny_gguf(tmp_path / "m.gguf", model, extra={"tokenizer.ggml.eot_token_id": 0})
+    _, description = import_gguf(src, tmp_path / "engines", "eot")
+    assert ModelRepository(tmp_path / "engines").get("eot").eos_token_ids == (2, 0)
+    assert "EOS ids       [2, 0] ('<|im_end|>', '<|endoftext|>')" in description
+
+
 def test_bos_is_added_when_the_file_says_so(tmp_path):
     model = TinyLlama(seed=8)
     m = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", model))
