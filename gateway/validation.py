@@ -203,15 +203,50 @@ def template_problem(tokenizer: Any) -> str | None:
     return None
 
 
+#: a chat template that takes the offered tools (``tools``), and one that writes an assistant
+#: turn's earlier calls (``message.tool_calls``)
+_TAKES_TOOLS = re.compile(r"\btools\b")
+_TAKES_CALLS = re.compile(r"\btool_calls\b")
+
+
+def _template_text(template: Any) -> str:
+    """A tokenizer's chat template as one text (transformers allows several, by name)."""
+    return "\n".join(v for v in template.values() if isinstance(v, str)) if isinstance(template, dict) else template
+
+
+def _generic_tools(messages: list[dict[str, Any]], tools: Tools | None, offer: bool,
+                   calls: bool) -> list[dict[str, Any]]:
+    """The messages with the tools offered in the first system message (``offer``) and
+    earlier calls written into the assistant's turn (``calls``), as the fleet's generic
+    format writes them (gateway/tools.py), for a template that has no place for them."""
+    out = [{**m, "content": m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
+                                                   for c in m["tool_calls"])} if calls and m.get("tool_calls") else m
+           for m in messages]
+    if offer:
+        text = tools_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
 def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | None = None) -> str:
     """The prompt of a conversation: the tokenizer's chat template (given the offered
     tools, as templates that know tools take them), or the builtin format
     (``DEFAULT_CHAT_TEMPLATE``; the caller checks the model chooses it), where the tools
     are offered in a system message first and earlier calls are written as the model is
-    asked to write them (gateway/tools.py)."""
+    asked to write them (gateway/tools.py). A template that has no place for the tools
+    or for earlier calls (SmolLM2's) gets them the builtin format's way, in the messages:
+    it would drop them without a word."""
     offered = tools is not None and tools.mode != "none"
-    if getattr(tokenizer, "chat_template", None):
-        extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} if offered else {}
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        text = _template_text(template)
+        takes_tools = bool(_TAKES_TOOLS.search(text))
+        extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} \
+            if offered and takes_tools else {}
+        messages = _generic_tools(messages, tools, offered and not takes_tools, not _TAKES_CALLS.search(text))
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] if offered else []
     for m in messages:

@@ -91,3 +91,64 @@ def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
             return [len(text)]
 
     assert encode_prompt(Truncating(), "abcdefgh") == [8]
+
+
+class _Templated:
+    """A tokenizer with a chat template, rendered as transformers renders it (jinja2)."""
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+        import jinja2
+
+        return jinja2.Template(self.chat_template).render(messages=messages, tools=tools,
+                                                          add_generation_prompt=add_generation_prompt)
+
+
+#: SmolLM2-135M-Instruct's ChatML template: no place for tools or for an assistant's calls
+_CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+           "<|im_start|>system\nDefault.<|im_end|>\n{% endif %}"
+           "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                              "parameters": {"type": "object", "properties": {"city": {}}}}}]
+
+
+def test_a_template_without_tools_gets_them_in_the_messages():
+    """A chat template that has no place for the offered tools (or an assistant's earlier
+    calls) would drop them without a word: they are offered in the system message and the
+    calls written into the assistant's turn, as the builtin format does."""
+    from streamfleet.gateway.tools import parse_tools, tools_prompt
+
+    tok = _Templated(_CHATML)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    auto = parse_tools({"tools": _WEATHER})
+    offer = tools_prompt(auto)
+    assert render_chat(ask, tok, auto) == (f"<|im_start|>system\n{offer}<|im_end|>\n<|im_start|>user\nWeather in Paris?"
+                                           f"<|im_end|>\n<|im_start|>assistant\n")
+    # a system message of the client's keeps its text, the tools after it
+    text = render_chat([{"role": "system", "content": "Be brief."}] + ask, tok, auto)
+    assert text.startswith(f"<|im_start|>system\nBe brief.\n\n{offer}<|im_end|>\n<|im_start|>user\n")
+    # "none" offers nothing; an earlier call is written in the assistant's turn either way
+    history = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"}]
+    text = render_chat(history, tok, parse_tools({"tools": _WEATHER, "tool_choice": "none"}))
+    assert "Tools:" not in text and text.startswith("<|im_start|>system\nDefault.")
+    assert ('<|im_start|>assistant\n<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+            '<|im_end|>\n<|im_start|>tool\n18 C<|im_end|>\n') in text
+    assert history[1]["content"] == ""  # the caller's messages are left as they were
+    assert render_chat(ask, tok) == render_chat(ask, tok, parse_tools({"tools": _WEATHER, "tool_choice": "none"}))
+
+
+def test_a_template_with_tools_takes_them_as_they_are():
+    tok = _Templated("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+                     "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                     "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>{% endfor %};{% endfor %}")
+    from streamfleet.gateway.tools import parse_tools
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    assert render_chat(history, tok, parse_tools({"tools": _WEATHER})) == \
+        "[get_weather]user:hi;assistant:<call get_weather>;"
