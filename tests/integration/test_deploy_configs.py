@@ -218,6 +218,9 @@ def test_dockerfile_demo_model_and_offline(name):
     builder_runs = " ".join(i.args for i in st[0] if i.cmd == "RUN")
     assert "scripts.make_tiny_model --model-dir engines/tiny-gpt" in builder_runs, \
         f"{name}: tiny-gpt is generated at build time"
+    assert "ensure_artifacts(ModelRepository('engines').get('smollm2-135m'))" in builder_runs, \
+        f"{name}: the default model is fetched and imported at build time, never in a container"
+    assert any(i.cmd == "COPY" and "engines/smollm2-135m/engine.toml" in i.args for i in st[0])
     final = st[-1]
     env = " ".join(i.args for i in final if i.cmd == "ENV")
     for var in ("SF_ENGINES_DIR=/app/engines", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"):
