@@ -154,6 +154,8 @@ class RequestRecord:
     #: completion tokens the server reported (``usage``), else the token frames counted
     tokens: int = 0
     error: str | None = None
+    #: the streamed text, kept for the run's first request only (shown as its sample)
+    text: list[str] | None = None
 
     @property
     def first(self) -> float | None:
@@ -224,6 +226,11 @@ class BenchResult:
     def e2e_ms(self) -> list[float]:
         return [r.e2e_ms for r in self.ok]
 
+    def sample(self) -> str | None:
+        """The text the first request streamed (None when it kept none)."""
+        first = self.records[0] if self.records else None
+        return "".join(first.text) if first is not None and first.text is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         ok = len(self.ok)
         wall = max(self.wall_s, 1e-9)
@@ -244,6 +251,7 @@ class BenchResult:
             "ttft_ms": summarize(self.ttft_ms()),
             "itl_ms": summarize(self.itl_ms()),
             "e2e_ms": summarize(self.e2e_ms()),
+            "sample": self.sample(),
         }
 
     def render(self) -> str:
@@ -266,6 +274,9 @@ class BenchResult:
         errs = d["errors"]
         lines.append("")
         lines.append("  errors    " + (", ".join(f"{k}: {v}" for k, v in sorted(errs.items())) if errs else "none"))
+        if d["sample"]:
+            text = d["sample"].replace("\n", " ")
+            lines.append(f"  sample    {text[:100]!r}{'…' if len(text) > 100 else ''}  (the first request's text)")
         return "\n".join(lines)
 
 
@@ -323,6 +334,8 @@ class _WsConn:
                 kind = msg.get("type")
                 if kind == "token":
                     rec.token_times.append(now)
+                    if rec.text is not None:
+                        rec.text.append(msg.get("text") or "")
                 elif kind == "done":
                     rec.end = now
                     usage = msg.get("usage") or {}
@@ -509,6 +522,8 @@ class _HttpStream(asyncio.Protocol):
                     if choice.get("text"):
                         self.chunks += 1
                         rec.token_times.append(now)
+                        if rec.text is not None:
+                            rec.text.append(choice["text"])
                 if chunk.get("usage"):
                     rec.tokens = int(chunk["usage"].get("completion_tokens", self.chunks))
 
@@ -651,6 +666,8 @@ class _GrpcChannel:
                     kind = event.WhichOneof("event")
                     if kind == "token":
                         rec.token_times.append(now)
+                        if rec.text is not None:
+                            rec.text.append(event.token.text)
                     elif kind == "done":
                         rec.end = now
                         rec.tokens = event.done.usage.completion_tokens
@@ -736,6 +753,8 @@ class _Run:
         lane = self._lane()
         rec = RequestRecord(lane=lane, start=start)
         if keep:
+            if not self.records:
+                rec.text = []  # the sample: what the model streamed for the first request
             self.records.append(rec)
         await conn.request(rec, self.payload(i, lane))
         if keep:

@@ -103,6 +103,7 @@ def check_bench_json(out: dict, transport: str, requests: int, max_tokens: int) 
     assert out["ttft_ms"]["count"] == requests and out["e2e_ms"]["count"] == requests
     assert out["itl_ms"]["count"] > 0
     assert out["tokens_per_s"] > 0 and out["requests_per_s"] > 0
+    assert isinstance(out["sample"], str) and out["sample"], "the first request's text is shown"
 
 
 @pytest.mark.parametrize("transport", ["ws", "sse", "grpc"])
