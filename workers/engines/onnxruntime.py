@@ -247,7 +247,8 @@ class OnnxRuntimeEngine:
         #: differently beside other rows (``rows_independent``)
         self.batch_invariant = batch_invariant and self.rows_independent()
         if batch_invariant and not self.batch_invariant:
-            log.warning("batch invariance is not possible with this graph: its kernels compute a row differently "
+            # info, not a warning: the default model is such a graph, and nothing is wrong with it
+            log.info("batch invariance is not possible with this graph: its kernels compute a row differently "
                         "alone and beside other rows (4-bit MatMulNBits has a one-row kernel of its own); "
                         "batching in one padded slab instead, and a seeded sampled request may draw other "
                         "tokens in another batch (docs/sampling.md)", model=spec.name)
