@@ -489,6 +489,18 @@ def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) ->
     return _requant8_parts(w)
 
 
+def _scaled(parts: list[tuple[Any, ...]], factor: float) -> list[tuple[Any, ...]]:
+    """The terms of ``factor`` times the projection (only for a power of two: every
+    weight, and so every product and sum, is then scaled without rounding)."""
+    out: list[tuple[Any, ...]] = []
+    for p in parts:
+        if p[0] == "nbits":
+            out.append(("nbits", p[1], (p[2] * np.float32(factor)).astype(np.float32), p[3], p[4]))
+        else:
+            out.append((p[0], (p[1] * np.float32(factor)).astype(np.float32)))
+    return out
+
+
 def _fuse(parts: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]] | None:
     """Projections of one input side by side (Q, K and V; gate and up) as one wider
     projection, when their terms have the same kinds: each output column is the same dot
@@ -526,9 +538,12 @@ def _init_parts(g: _Graph, parts: list[tuple[Any, ...]], prefix: str) -> list[tu
 
 
 def _projections(g: _Graph, tensors: list[_Tensor], weights: str, prefix: str,
-                 permute: list[int | None]) -> list[list[tuple[Any, ...]]]:
-    """One fused projection for matrices that share an input (a list of one), else one each."""
+                 permute: list[int | None], first_scale: float = 1.0) -> list[list[tuple[Any, ...]]]:
+    """One fused projection for matrices that share an input (a list of one), else one
+    each; the first matrix times ``first_scale`` (a power of two)."""
     parts = [_linear_parts(t, weights, p) for t, p in zip(tensors, permute)]
+    if first_scale != 1.0:
+        parts[0] = _scaled(parts[0], first_scale)
     fused = _fuse(parts) if len(parts) > 1 else None
     if fused is not None:
         return [_init_parts(g, fused, prefix)]
@@ -547,8 +562,9 @@ def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: in
         if term[0] == "matmul":
             y = g.op("MatMul", [x, term[1]])
         elif term[0] == "blocksum":
-            sums = g.op("ReduceSum", [g.op("Reshape", [x, g.const([0, 0, k // 32, 32])]), g.const([-1])],
-                        keepdims=0)
+            # each block's sum of the activations, as one product with a constant 0/1
+            # indicator [K, K/32] (exact: the other blocks add zeros), then times M^T
+            sums = g.op("MatMul", [x, g.const(np.kron(np.eye(k // 32), np.ones((32, 1))), np.float32)])
             y = g.op("MatMul", [sums, term[1]])
         else:
             _, b, s, z, bits = term
@@ -629,12 +645,22 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     embed = _dequantize(t["token_embd.weight"])
     g.init("embed.weight", embed)
     x = g.op("Gather", ["embed.weight", "input_ids"], axis=0)
-    scale = g.const(1.0 / math.sqrt(hd), np.float32)
+    # the attention's 1/sqrt(head size): a power of two (head size 4^n, as 64) goes into the
+    # query rows, which scales every score exactly as transformers' (q @ k^T) * scale does;
+    # any other is a Mul on the scores
+    inv_sqrt = 1.0 / math.sqrt(hd)
+    folded = math.log2(inv_sqrt).is_integer()
+    scale = None if folded else g.const(inv_sqrt, np.float32)
+    group = nh // kvh
+    # the mask for the grouped rows [B, 1, group*S, T]: row r*S + s is query head r of a
+    # group at position s (the layout of ``qg`` below)
+    bias_g = g.op("Tile", [bias, g.const([1, 1, group, 1])]) if group > 1 else bias
     for i in range(m.n_layer):
         pre = f"blk.{i}"
         ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
-        qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None])
+        qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
+                           first_scale=inv_sqrt if folded else 1.0)
         wo = _linear_init(g, m, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
         gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
                                [None, None])
@@ -657,9 +683,10 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         # grouped-query attention without repeating K/V: the query heads of one KV head
         # become that head's rows, [B, kvh, group*S, hd]
         qg = g.op("Reshape", [q, g.const([0, kvh, -1, hd])])
-        scores = g.op("Mul", [g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])]), scale])
-        scores = g.op("Add", [g.op("Reshape", [scores, g.const([0, nh, -1, 0])]), bias])
-        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), g.const([0, kvh, -1, 0])])
+        scores = g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])
+        if scale is not None:
+            scores = g.op("Mul", [scores, scale])
+        probs = g.op("Softmax", [g.op("Add", [scores, bias_g])], axis=-1)
         ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), g.const([0, nh, -1, hd])])
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, h])])
         x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])

@@ -55,6 +55,12 @@ def test_imported_graph_equals_a_numpy_forward_pass(tmp_path, weights, tied):
     _check(_engine(tmp_path, model, weights), model, atol=2e-4)
 
 
+def test_a_head_size_whose_scale_is_not_a_power_of_two(tmp_path):
+    # head size 32: 1/sqrt(32) stays a Mul on the scores (64's 1/8 goes into the query rows)
+    model = TinyLlama(seed=14, n_head=2, n_kv_head=1)
+    _check(_engine(tmp_path, model, "q4"), model, atol=2e-4)
+
+
 def test_q4_0_weights_and_an_f32_output_layer(tmp_path):
     model = TinyLlama(seed=4, tied=False, qtype="Q4_0", head_qtype="F32")
     _check(_engine(tmp_path, model, "q4"), model, atol=2e-4)
