@@ -39,6 +39,13 @@ log = get_logger("gateway")
 NO_WORKERS_RETRY_MS = 5000
 
 
+def _retrieve(fut: "asyncio.Future[None]") -> None:
+    """Take a background read's exception, so that a read no request waited for is not
+    reported as never retrieved (the requests that waited got it themselves)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 @dataclass
 class Hub:
     """What every request handler of one gateway process shares."""
@@ -57,6 +64,8 @@ class Hub:
     drain_expired: bool = False
     #: model -> (monotonic time its workers were last read, last time one was live)
     _workers_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: the read of a model's live workers under way (check_workers)
+    _worker_reads: dict[str, "asyncio.Future[None]"] = field(default_factory=dict)
     _started: float = field(default_factory=time.monotonic)
     _shared_channel: ReplyChannel | None = None
     _shared_channel_opening: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -109,7 +118,9 @@ class Hub:
     async def check_workers(self, model: str) -> None:
         """Refuse a request for ``model`` when it has had no live worker for
         ``SF_NO_WORKER_GRACE_S`` (or since this gateway started); the live workers are read
-        at most once a second per model.
+        at most once a second per model. A request that the last read would refuse waits
+        for the read under way (or starts one), so the first burst after a quiet spell is
+        judged by what Redis says now, not by what it said before the spell.
 
         Raises:
             UnavailableError: ``no_workers`` (503, Retry-After).
@@ -119,17 +130,32 @@ class Hub:
             return
         now = time.monotonic()
         checked, seen = self._workers_seen.get(model, (0.0, self._started))
-        if now - checked >= 1.0:
-            self._workers_seen[model] = (now, seen)  # one read a second, however many requests wait on it
+        read = self._worker_reads.get(model)
+        if read is None and now - checked >= 1.0:  # one read a second, however many requests wait on it
+            read = asyncio.ensure_future(self._read_live_workers(model))
+            read.add_done_callback(_retrieve)
+            self._worker_reads[model] = read
+        if now - seen > grace and read is not None:
             try:
-                if await self.broker.live_workers(model):
-                    seen = now
+                await asyncio.shield(read)
             except Exception:  # Redis trouble shows in the enqueue itself
                 return
-            self._workers_seen[model] = (now, max(seen, self._workers_seen[model][1]))
+            checked, seen = self._workers_seen[model]
+            now = checked
         if now - seen > grace:
             raise UnavailableError(f"model {model!r} has had no live worker for {now - seen:.0f} s; retry later",
                                    code=ErrorCode.no_workers, retry_after_ms=NO_WORKERS_RETRY_MS)
+
+    async def _read_live_workers(self, model: str) -> None:
+        """One read of ``model``'s live workers into ``_workers_seen`` (when it was read,
+        when a worker was last seen)."""
+        started = time.monotonic()
+        try:
+            live = await self.broker.live_workers(model)
+        finally:
+            self._worker_reads.pop(model, None)
+        _, seen = self._workers_seen.get(model, (0.0, self._started))
+        self._workers_seen[model] = (started, started if live else seen)
 
     async def served_models(self) -> list[tuple[str, int]]:
         """``(model, live workers)`` for each model with at least one live worker.
