@@ -117,6 +117,7 @@ def client(
     model: Optional[str] = typer.Option(None),
     raw: bool = typer.Option(False, "--raw", help="send the text as a raw prompt to complete, even when the model "
                              "has a chat template (by default it is then sent as one user message)"),
+    api_key: Optional[str] = typer.Option(None, help="API key, when auth is on [SF_API_KEY]", envvar="SF_API_KEY"),
 ) -> None:
     """Stream a reply to the terminal: a chat reply when the model has a chat template, else a completion."""
     from streamfleet.client import PRIORITIES, default_grpc_target, model_chats, stream_grpc, stream_sse, stream_ws
@@ -129,9 +130,9 @@ def client(
         fn, where = stream_grpc, grpc_target or default_grpc_target(url)
     else:
         fn, where = (stream_ws if transport == "ws" else stream_sse), url
-    chat = not raw and model_chats(url, model)
+    chat = not raw and model_chats(url, model, api_key=api_key)
     code = asyncio.run(fn(where, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                          priority=priority, model=model, out=sys.stdout, chat=chat))
+                          priority=priority, model=model, out=sys.stdout, chat=chat, api_key=api_key))
     raise typer.Exit(code)
 
 

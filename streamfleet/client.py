@@ -50,12 +50,16 @@ def fleet_error_code(exc: grpc.RpcError) -> str | None:
     return None
 
 
-def model_chats(url: str, model: str | None, timeout: float = 5.0) -> bool:
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def model_chats(url: str, model: str | None, timeout: float = 5.0, api_key: str | None = None) -> bool:
     """Whether ``model`` (None: the gateway's default model) has a chat template, as the
     gateway's ``/v1/models`` says; False when it cannot be asked."""
     _, base = urls(url)
     try:
-        r = httpx.get(base + "/v1/models", timeout=timeout)
+        r = httpx.get(base + "/v1/models", timeout=timeout, headers=_auth(api_key))
         entries = r.json().get("data", []) if r.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         return False
@@ -75,7 +79,7 @@ def _summary(finish: str, n: int, t0: float, first: float | None) -> None:
 
 async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                      seed: int | None = None, priority: str = "normal", model: str | None = None,
-                     out: TextIO = sys.stdout, chat: bool = False) -> int:
+                     out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """Stream one completion over the OpenAI-compatible SSE endpoint (chat completions
     with ``chat``: ``prompt`` as one user message)."""
     _, base = urls(url)
@@ -96,7 +100,7 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as http:
             path = "/v1/chat/completions" if chat else "/v1/completions"
             async with http.stream("POST", base + path, json=body,
-                                   headers={"X-Priority": priority}) as r:
+                                   headers={"X-Priority": priority, **_auth(api_key)}) as r:
                 if r.status_code != 200:
                     err = orjson.loads(await r.aread()).get("error", {})
                     print(f"error {r.status_code} {err.get('code')}: {err.get('message')}", file=sys.stderr)
@@ -132,7 +136,7 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
 
 async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                     seed: int | None = None, priority: str = "normal", model: str | None = None,
-                    out: TextIO = sys.stdout, chat: bool = False) -> int:
+                    out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """Send one generate frame (``prompt`` as one user message with ``chat``) and print
     tokens as they arrive; returns an exit code."""
     frame = {"type": "generate", "id": "cli", "max_tokens": max_tokens, "temperature": temperature,
@@ -149,7 +153,7 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
     t0 = time.perf_counter()
     first = None
     try:
-        async with websockets.connect(url, max_size=None) as ws:
+        async with websockets.connect(url, max_size=None, additional_headers=_auth(api_key) or None) as ws:
             await ws.send(orjson.dumps(frame).decode())
             async for raw in ws:
                 msg = orjson.loads(raw)
@@ -165,6 +169,10 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
                 elif kind == "error":
                     print(f"\nerror {msg.get('status')} {msg.get('code')}: {msg.get('message')}", file=sys.stderr)
                     return 1
+    except websockets.ConnectionClosed as exc:  # the gateway closed it: say why (1008 unauthorized...)
+        why = f"{exc.rcvd.code} {exc.rcvd.reason}" if exc.rcvd else "connection closed"
+        print(f"\nerror: the gateway closed the connection: {why}", file=sys.stderr)
+        return 1
     except (OSError, websockets.WebSocketException) as exc:
         print(f"cannot reach {url}: {exc}", file=sys.stderr)
         return 2
@@ -173,7 +181,7 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
 
 async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
                       seed: int | None = None, priority: str = "normal", model: str | None = None,
-                      out: TextIO = sys.stdout, chat: bool = False) -> int:
+                      out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """One ``Inference.Generate`` call to ``target`` (host:port); prints tokens as they
     arrive and returns an exit code. A refusal or failure ends the call with a status
     whose trailers carry the fleet's error code."""
@@ -184,7 +192,8 @@ async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, tempera
     first = None
     try:
         async with aio.insecure_channel(target) as channel:
-            async for event in pb_grpc.InferenceStub(channel).Generate(request):
+            metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+            async for event in pb_grpc.InferenceStub(channel).Generate(request, metadata=metadata):
                 kind = event.WhichOneof("event")
                 if kind == "token":
                     if first is None:

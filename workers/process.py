@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ReadOnlyError, ResponseError
 
 from streamfleet.shared import aio
-from streamfleet.shared.errors import FatalError
+from streamfleet.shared.errors import FatalError, NotFoundError
 from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
@@ -194,6 +194,12 @@ class WorkerProcess:
         await self._wait_for_redis()
         try:
             first = await self._load_async(await target_version(self.redis, self.keys, self.model))
+        except NotFoundError as exc:  # no such model folder: say which exist, in one line
+            repo = ModelRepository(self.settings.engines_dir)
+            log.error("worker cannot start", error=f"{exc.message} in {repo.root}; models there: "
+                      f"{', '.join(repo.names()) or 'none'} (`streamfleet engines import PATH` adds one)")
+            await self.redis.aclose()
+            return 2
         except FatalError as exc:
             log.error("worker cannot start", error=exc.message)
             await self.redis.aclose()

@@ -56,6 +56,16 @@ async def test_keys_are_required_and_checked(fleet):
     res = await ok.generate("a", max_tokens=2, ignore_eos=True)
     assert res.end["type"] == "done"
     await ok.close()
+    # `streamfleet client` takes the key from --api-key or SF_API_KEY, on every door
+    cli = [sys.executable, "-m", "streamfleet", "client", "hi", "--url", gw.http, "--max-tokens", "2"]
+    for transport in ("ws", "sse", "grpc"):
+        door = ["--transport", transport] + (["--grpc-target", gw.grpc] if transport == "grpc" else [])
+        run = await asyncio.to_thread(subprocess.run, cli + door, env={**fleet.env(), "SF_API_KEY": key},
+                                      capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and "tokens" in run.stderr, (transport, run.stderr)
+        denied = await asyncio.to_thread(subprocess.run, cli + door + ["--api-key", "sf-000000000000-nope"],
+                                         env=fleet.env(), capture_output=True, text=True, timeout=60)
+        assert denied.returncode == 1 and "unauthorized" in denied.stderr.lower(), (transport, denied.stderr)
     # revoked keys stop working (within the gateway's key cache TTL)
     out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "revoke", "alice"], env=fleet.env(),
                          capture_output=True, text=True, timeout=60)
