@@ -71,10 +71,13 @@ def model_chats(url: str, model: str | None, timeout: float = 5.0, api_key: str 
     return bool(chosen and chosen[0].get("chat_template"))
 
 
-def _summary(finish: str, n: int, t0: float, first: float | None) -> None:
+def _summary(finish: str, n: int, t0: float, first: float | None, out: TextIO = sys.stdout) -> None:
+    """The reply's last line ends (on ``out``); the figures go to stderr."""
     total = time.perf_counter() - t0
     ttft = (first - t0) * 1000 if first else float("nan")
-    print(f"\n\n[{finish}] {n} tokens, TTFT {ttft:.0f} ms, {n / total:.1f} tokens/s", file=sys.stderr)
+    out.write("\n")
+    out.flush()
+    print(f"\n[{finish}] {n} tokens, TTFT {ttft:.0f} ms, {n / total:.1f} tokens/s", file=sys.stderr)
 
 
 async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
@@ -130,7 +133,7 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
     except httpx.HTTPError as exc:
         print(f"cannot reach {base}: {exc}", file=sys.stderr)
         return 2
-    _summary(finish, n, t0, first)
+    _summary(finish, n, t0, first, out)
     return 0
 
 
@@ -164,7 +167,7 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
                     out.write(msg["text"])
                     out.flush()
                 elif kind == "done":
-                    _summary(msg["finish_reason"], msg["usage"]["completion_tokens"], t0, first)
+                    _summary(msg["finish_reason"], msg["usage"]["completion_tokens"], t0, first, out)
                     return 0
                 elif kind == "error":
                     print(f"\nerror {msg.get('status')} {msg.get('code')}: {msg.get('message')}", file=sys.stderr)
@@ -201,7 +204,7 @@ async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, tempera
                     out.write(event.token.text)
                     out.flush()
                 elif kind == "done":
-                    _summary(event.done.finish_reason, event.done.usage.completion_tokens, t0, first)
+                    _summary(event.done.finish_reason, event.done.usage.completion_tokens, t0, first, out)
                     return 0
     except aio.AioRpcError as exc:
         code = fleet_error_code(exc)

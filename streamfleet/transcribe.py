@@ -36,9 +36,11 @@ def read_wav(path: str) -> tuple[bytes, int]:
     try:
         with wave.open(path, "rb") as w:
             if w.getnchannels() != 1 or w.getsampwidth() != 2 or w.getcomptype() != "NONE":
-                raise WavError(f"{path}: {w.getnchannels()} channel(s) of {8 * w.getsampwidth()}-bit "
-                               f"{w.getcomptype()} audio; streamfleet takes mono 16-bit PCM (e.g. `sox in.wav -c 1 "
-                               f"-b 16 -r 16000 out.wav`)")
+                kind = "PCM" if w.getcomptype() == "NONE" else w.getcomptype()
+                raise WavError(f"{path}: {w.getnchannels()} channel(s) of {8 * w.getsampwidth()}-bit {kind} audio; "
+                               f"streamfleet takes mono 16-bit PCM. Convert it with sox (Debian: apt-get install "
+                               f"sox): `sox {path} -c 1 -b 16 -r 16000 mono.wav`, or ffmpeg: `ffmpeg -i {path} "
+                               f"-ac 1 -ar 16000 -sample_fmt s16 mono.wav`")
             return w.readframes(w.getnframes()), w.getframerate()
     except (OSError, EOFError, wave.Error) as exc:
         raise WavError(f"{path}: not a readable WAV file ({exc})") from exc
@@ -80,13 +82,16 @@ async def transcribe(url: str, path: str, *, fast: bool = False, model: str | No
                 await ws.send(orjson.dumps({"type": "stop"}).decode())
 
             sender = asyncio.create_task(send())
+            live = err.isatty()  # partials redrawn in place on a terminal only; no escape codes in a log
             async for raw in ws:
                 msg = orjson.loads(raw)
                 kind = msg.get("type")
                 if kind == "partial":
-                    print(f"\r\033[K… {msg['text']}", end="", file=err, flush=True)
+                    if live:
+                        print(f"\r\033[K… {msg['text']}", end="", file=err, flush=True)
                 elif kind == "final":
-                    print("\r\033[K", end="", file=err, flush=True)
+                    if live:
+                        print("\r\033[K", end="", file=err, flush=True)
                     print(f"[{msg['start_ms'] / 1000:7.2f} – {msg['end_ms'] / 1000:7.2f}] {msg['text']}", file=out,
                           flush=True)
                 elif kind == "warning":

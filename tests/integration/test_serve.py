@@ -113,6 +113,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "tokens" in out.stderr and out.stdout.strip()
+        assert out.stdout.endswith("\n"), "the reply's last line ends"
         sse = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time", "--transport", "sse",
                               "--url", f"http://127.0.0.1:{port}", "--max-tokens", "12", "--seed", "1"],
                              capture_output=True, text=True, timeout=60)

@@ -280,6 +280,8 @@ def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
     out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(wav), "--fast", "--url",
                           voice_fleet.http], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    # not a terminal: no escape codes redrawing partials, in either stream
+    assert "\033" not in out.stdout + out.stderr and "\r" not in out.stderr, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2, out.stdout
     for line, ref in zip(lines, (SENTENCES[1], SENTENCES[4])):
@@ -296,6 +298,7 @@ def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
     out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(bad), "--url", voice_fleet.http],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "mono 16-bit PCM" in out.stderr
+    assert "NONE" not in out.stderr and f"sox {bad} -c 1 -b 16 -r 16000 mono.wav" in out.stderr, out.stderr
     r8k = write_wav(tmp_path / "8k.wav", b"\0\0" * 8000, rate=8000)
     out = subprocess.run([sys.executable, "-m", "streamfleet", "transcribe", str(r8k), "--url", voice_fleet.http],
                          capture_output=True, text=True, timeout=60)
