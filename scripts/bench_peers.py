@@ -513,6 +513,17 @@ async def real_suite(peer: Peer, model: str, prompts: Prompts, args, concurrenci
     return out
 
 
+def _wait_up(probe: str, name: str, proc: subprocess.Popen, log: Path) -> None:
+    """Wait until ``probe`` answers 200 (two minutes at most); on failure, the tail of the
+    server's log on stderr."""
+    try:
+        wait_until(lambda: httpx.get(probe, timeout=1).status_code == 200, 120, name,
+                   lambda: [name] if proc.poll() is not None else [])
+    except RuntimeError:
+        print(log.read_text()[-3000:], file=sys.stderr)
+        raise
+
+
 @contextmanager
 def llama_server_peer(binary: Path, gguf: Path, args):
     from scripts import llama_server
@@ -523,12 +534,7 @@ def llama_server_peer(binary: Path, gguf: Path, args):
     with llama_server.start(binary, gguf, port, threads=args.threads, slots=args.llama_slots, ctx_per_slot=ctx,
                             log=log) as p:
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(lambda: httpx.get(url + "/health", timeout=1).status_code == 200, 120, "llama-server",
-                       lambda: ["llama-server"] if p.poll() is not None else [])
-        except RuntimeError:
-            print(log.read_text()[-3000:], file=sys.stderr)
-            raise
+        _wait_up(url + "/health", "llama-server", p, log)
         yield Peer("llama-server", url, lambda: tree([p.pid]), extra={"cache_prompt": False}, fresh=True,
                    note=f"-t {args.threads} -tb {args.threads} -np {args.llama_slots} -c {args.llama_slots * ctx} "
                         f"--cache-ram 0, cache_prompt false")
@@ -550,12 +556,7 @@ def llama_cpp_python_peer(python: str, gguf: Path, args):
                   env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(lambda: httpx.get(url + "/v1/models", timeout=1).status_code == 200, 120, "llama-cpp-python",
-                       lambda: ["llama_cpp.server"] if p.poll() is not None else [])
-        except RuntimeError:
-            print(log.read_text()[-3000:], file=sys.stderr)
-            raise
+        _wait_up(url + "/v1/models", "llama-cpp-python", p, log)
         yield Peer("llama-cpp-python", url, lambda: tree([p.pid]),
                    extra={"logit_bias": {str(t): -100 for t in args.eos_ids}},
                    note=f"n_threads {args.threads}, n_ctx {ctx}, logits_all False, interrupt_requests False, "

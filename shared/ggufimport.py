@@ -72,13 +72,14 @@ _MASKED = float(np.finfo(np.float32).min)
 #: ``tokenizer.ggml.pre`` -> the pre-tokenizer of the original tokenizer.json (llama.cpp
 #: keeps the name only; these are the splits its own tokenizer code applies for each)
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+#: SmolLM / StarCoder: every digit on its own, then GPT-2's split
+_DIGITS_FIRST = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]}
 _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     "default": _BYTE_LEVEL,
     "gpt2": _BYTE_LEVEL,
     "gpt-2": _BYTE_LEVEL,
-    # SmolLM / StarCoder: every digit on its own, then GPT-2's split
-    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
-    "starcoder": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+    "smollm": _DIGITS_FIRST,
+    "starcoder": _DIGITS_FIRST,
 }
 
 #: metadata keys of a llama GGUF the graph applies or that change nothing it computes
@@ -137,7 +138,6 @@ class GgufModel:
     #: stops on them as on EOS, and so does the fleet
     end_ids: tuple[int, ...] = ()
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
-    sha256: str = ""
 
     def describe(self, weights: str, max_context: int, context_note: str) -> str:
         types = ", ".join(f"{n} {k}" for k, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
@@ -367,6 +367,11 @@ def _blocks(t: _Tensor, block_bytes: int) -> np.ndarray:
     return raw.reshape(rows, cols // 32, block_bytes)
 
 
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block ([rows, blocks, bytes]), as fp32."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def _pack4(q: np.ndarray) -> np.ndarray:
     """[rows, blocks, 32] values 0..15 -> [rows, blocks, 16] bytes, element 2i in the low nibble."""
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
@@ -390,14 +395,10 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     n = rows.shape[0]
     if t.qtype == _Q4_1:
         blocks = rows.reshape(n, -1, 20)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., 4:20]
+        d, m, qs = _f16(blocks, 0), _f16(blocks, 2), blocks[..., 4:20]
     else:
         blocks = rows.reshape(n, -1, 18)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = None
-        qs = blocks[..., 2:18]
+        d, m, qs = _f16(blocks, 0), None, blocks[..., 2:18]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # gguf: element j low nibble, j+16 high nibble
     if m is None:
         return [("nbits", _pack4(q), d.reshape(-1), None, 4)]
@@ -411,7 +412,7 @@ def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
     Runtime's 8-bit kernel keeps fp32 activations only on a path 20x slower)."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks, 0)
     q = blocks[..., 2:34].view(np.int8).astype(np.int16)
     lo = (q & 0x0F).astype(np.uint8)
     hi = ((q - lo) // 16 + 8).astype(np.uint8)
@@ -550,7 +551,7 @@ def _projections(g: _Graph, tensors: list[_Tensor], weights: str, prefix: str,
     return [_init_parts(g, p, f"{prefix}.{i}") for i, p in enumerate(parts)]
 
 
-def _linear_init(g: _Graph, m: GgufModel, t: _Tensor, weights: str, prefix: str,
+def _linear_init(g: _Graph, t: _Tensor, weights: str, prefix: str,
                  permute_heads: int | None = None) -> list[tuple[Any, ...]]:
     """One matrix's projection as graph initializers."""
     return _init_parts(g, _linear_parts(t, weights, permute_heads), prefix)
@@ -661,10 +662,10 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
         qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
                            first_scale=inv_sqrt if folded else 1.0)
-        wo = _linear_init(g, m, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
+        wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
         gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
                                [None, None])
-        wd = _linear_init(g, m, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
+        wd = _linear_init(g, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
         if len(qkv) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
@@ -702,17 +703,13 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
 
     x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
     last = g.op("Slice", [x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # [B, 1, H]
-    out_t = t["token_embd.weight"] if m.tied else t["output.weight"]
-    if weights in ("q4", "q4-int8act") and out_t.qtype in (_Q4_0, _Q4_1, _Q8_0):
-        head = _linear_init(g, m, out_t, weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
-    elif m.tied and weights == "fp32":
-        # the embedding serves as the output layer too: one copy of it
+    if m.tied and weights == "fp32":
+        # the fp32 embedding serves as the output layer too: one copy of it
         flat = g.op("Reshape", [last, g.const([-1, h])])
         logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
         g.op("Unsqueeze", [logits, g.const([1])], outputs=["logits"])
     else:
-        head = _linear_init(g, m, out_t, weights, "output")
+        head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
         g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)

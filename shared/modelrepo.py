@@ -317,6 +317,12 @@ class ModelRepository:
             return []
         return sorted(p.parent.name for p in self.root.glob("*/engine.toml"))
 
+    def missing(self, name: str) -> str:
+        """What to tell an operator who named a model this repository lacks: where it was
+        looked for, the models there, and how to add one."""
+        return (f"model {name!r} does not exist in {self.root}; models there: {', '.join(self.names()) or 'none'} "
+                f"(`streamfleet engines import PATH` adds one)")
+
     def get(self, name: str, version: str | None = None) -> ModelSpec:
         """The spec of model ``name``: its base folder, or with ``version`` the folder
         ``<root>/<name>/versions/<version>`` (used by hot reloads), unless the base
@@ -497,11 +503,16 @@ def _made_by_this_generator(spec: ModelSpec) -> bool:
     """
     _require_text(spec, "generated ONNX graph")
     want = generator_digest()
-    if want is None:
-        return True
+    return want is None or _stamped(spec.onnx_path, GENERATOR_KEY, want)
+
+
+def _stamped(graph: Path, key: str, digest: str) -> bool:
+    """Whether ``graph``'s metadata holds ``digest`` under ``key``: what made a generated
+    or imported graph, so that a changed maker rebuilds it (an unreadable graph: False,
+    made again)."""
     try:
-        return onnx_metadata(spec.onnx_path).get(GENERATOR_KEY) == want
-    except (OSError, ValueError):  # unreadable: make it again
+        return onnx_metadata(graph).get(key) == digest
+    except (OSError, ValueError):
         return False
 
 
@@ -593,12 +604,7 @@ def _imported_is_current(spec: ModelSpec, sha256: str, weights: str) -> bool:
     weights mode now (the digest it stamped into the graph)."""
     from streamfleet.shared.ggufimport import DIGEST_KEY, importer_digest
 
-    if not spec.artifacts_present():
-        return False
-    try:
-        return onnx_metadata(spec.onnx_path).get(DIGEST_KEY) == importer_digest(sha256, weights)
-    except (OSError, ValueError):
-        return False
+    return spec.artifacts_present() and _stamped(spec.onnx_path, DIGEST_KEY, importer_digest(sha256, weights))
 
 
 def _ensure_imported(spec: ModelSpec) -> None:

@@ -354,14 +354,12 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
             spec = repo.get(chosen)
             ensure_artifacts(spec)
     except NotFoundError:
-        print(f"error: model {chosen!r} does not exist in {repo.root}; models there: {', '.join(repo.names())} "
-              f"(`streamfleet engines import PATH` adds one)", file=sys.stderr, flush=True)
+        print(f"error: {repo.missing(chosen)}", file=sys.stderr, flush=True)
         return 2
     except FatalError as exc:
         print(f"error: model {chosen!r} cannot be served: {exc}", file=sys.stderr, flush=True)
         return 2
     model = chosen
-
 
     embedded: EmbeddedRedis | None = None
     url = redis_url or os.environ.get("SF_REDIS_URL") or os.environ.get("REDIS_URL")

@@ -194,10 +194,8 @@ class WorkerProcess:
         await self._wait_for_redis()
         try:
             first = await self._load_async(await target_version(self.redis, self.keys, self.model))
-        except NotFoundError as exc:  # no such model folder: say which exist, in one line
-            repo = ModelRepository(self.settings.engines_dir)
-            log.error("worker cannot start", error=f"{exc.message} in {repo.root}; models there: "
-                      f"{', '.join(repo.names()) or 'none'} (`streamfleet engines import PATH` adds one)")
+        except NotFoundError:  # no such model folder: say which exist, in one line
+            log.error("worker cannot start", error=ModelRepository(self.settings.engines_dir).missing(self.model))
             await self.redis.aclose()
             return 2
         except FatalError as exc:

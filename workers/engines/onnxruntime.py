@@ -249,9 +249,9 @@ class OnnxRuntimeEngine:
         if batch_invariant and not self.batch_invariant:
             # info, not a warning: the default model is such a graph, and nothing is wrong with it
             log.info("batch invariance is not possible with this graph: its kernels compute a row differently "
-                        "alone and beside other rows (4-bit MatMulNBits has a one-row kernel of its own); "
-                        "batching in one padded slab instead, and a seeded sampled request may draw other "
-                        "tokens in another batch (docs/sampling.md)", model=spec.name)
+                     "alone and beside other rows (4-bit MatMulNBits has a one-row kernel of its own); "
+                     "batching in one padded slab instead, and a seeded sampled request may draw other "
+                     "tokens in another batch (docs/sampling.md)", model=spec.name)
 
     # -- graph layout ------------------------------------------------------------------
 
