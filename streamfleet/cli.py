@@ -111,7 +111,8 @@ def client(
                                   "grpc (Inference.Generate)"),
     grpc_target: Optional[str] = typer.Option(None, help="gRPC HOST:PORT (default: the --url's host, port 50051)"),
     max_tokens: int = typer.Option(64),
-    temperature: float = typer.Option(0.7),
+    temperature: float = typer.Option(0.0, help="0 = greedy, the model's most likely reply (a small model "
+                                      "answers best so); raise it for varied replies"),
     seed: Optional[int] = typer.Option(None),
     priority: str = typer.Option("normal", help="high | normal"),
     model: Optional[str] = typer.Option(None),

@@ -108,14 +108,15 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         assert "already in use" in second.stderr and "--port 0" in second.stderr
         assert "streamfleet is serving" not in second.stdout
 
+        sampled = ["--max-tokens", "12", "--seed", "1", "--temperature", "0.7"]  # the client's default is greedy
         out = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time",
-                              "--url", f"ws://127.0.0.1:{port}/v1/stream", "--max-tokens", "12", "--seed", "1"],
+                              "--url", f"ws://127.0.0.1:{port}/v1/stream", *sampled],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "tokens" in out.stderr and out.stdout.strip()
         assert out.stdout.endswith("\n"), "the reply's last line ends"
         sse = subprocess.run([sys.executable, "-m", "streamfleet", "client", "Once upon a time", "--transport", "sse",
-                              "--url", f"http://127.0.0.1:{port}", "--max-tokens", "12", "--seed", "1"],
+                              "--url", f"http://127.0.0.1:{port}", *sampled],
                              capture_output=True, text=True, timeout=60)
         assert sse.returncode == 0, sse.stderr
         assert "tokens" in sse.stderr and sse.stdout.strip()
@@ -123,7 +124,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         client = [sys.executable, "-m", "streamfleet", "client", "--transport", "grpc", "--url",
                   f"http://127.0.0.1:{port}"]
         grpc = subprocess.run([*client, "Once upon a time", "--grpc-target", f"127.0.0.1:{grpc_port}",
-                               "--max-tokens", "12", "--seed", "1"], capture_output=True, text=True, timeout=60)
+                               *sampled], capture_output=True, text=True, timeout=60)
         assert grpc.returncode == 0, grpc.stderr
         assert grpc.stdout == out.stdout and "[length] 12 tokens" in grpc.stderr
         # a refusal ends the call with a status and the fleet's error code; nothing listening is exit code 2
