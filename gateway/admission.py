@@ -122,9 +122,11 @@ class Admission:
         return await self.store.verify(extract_key(authorization, api_key))
 
     # -- requests ---------------------------------------------------------------------
-    async def admit(self, identity: Identity | None, draft, request_id: str | None = None) -> Ticket:
+    async def admit(self, identity: Identity | None, draft, request_id: str | None = None, *,
+                    charged: bool = False) -> Ticket:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
-        (a ``gateway.validation.Draft``), before its prompt is tokenized.
+        (a ``gateway.validation.Draft``), before its prompt is tokenized. ``charged``: the
+        rate limit was taken already (``charge``: the choices of one request).
 
         Raises:
             AuthError: ``forbidden`` (403) — the tier may not use the requested lane.
@@ -140,7 +142,8 @@ class Admission:
             raise AuthError(f"the {tier.name} tier may not use the {draft.lane} lane "
                             f"(highest allowed: {tier.max_lane})", code=ErrorCode.forbidden, param="priority")
         draft = self._within_ceilings(tier, draft)
-        await self.limiter.check(identity)
+        if not charged:
+            await self.limiter.check(identity)
         held = await self.slots.acquire(identity.key_id, rid, tier.max_streams)
         return Ticket(rid, owner_of(identity), draft, identity.key_id, held)
 
@@ -162,6 +165,37 @@ class Admission:
         if params is draft.params and timeout_s == draft.timeout_s:
             return draft
         return replace(draft, params=params, timeout_s=timeout_s)
+
+    async def charge(self, identity: Identity | None, choices: int, param: str = "n") -> None:
+        """Take the rate limit of a request of several ``choices`` (``n``, ``best_of``) at
+        once, all or nothing (docs/security.md): a refusal takes nothing. Its choices are
+        then admitted with ``charged=True``; ``refund`` gives back all but one when the
+        request is refused after this.
+
+        Raises:
+            ValidationError: ``out_of_range`` — more choices than the tier's burst or its
+                concurrent streams could ever admit together.
+            RefusedError: ``rate_limited``.
+        """
+        if identity is None:
+            return
+        tier = identity.tier
+        if not tier.unlimited and choices > tier.burst:
+            raise ValidationError(f"{choices} choices need {choices} requests at once; the {tier.name} tier allows "
+                                  f"{tier.burst} at once (its burst)", code=ErrorCode.out_of_range, param=param)
+        if tier.max_streams is not None and choices > tier.max_streams:
+            raise ValidationError(f"{choices} choices need {choices} streams at once; the {tier.name} tier allows "
+                                  f"{tier.max_streams}", code=ErrorCode.out_of_range, param=param)
+        await self.limiter.check(identity, cost=choices)
+
+    async def refund(self, identity: Identity | None, choices: int) -> None:
+        """A request of several choices was refused after ``charge``: it keeps the charge
+        of one request (its checks cost the gateway work), the rest goes back."""
+        if identity is not None and choices > 1:
+            try:
+                await self.limiter.refund(identity, choices - 1)
+            except StreamfleetError as exc:  # Redis away: the charge stays, as it would for a request
+                log.warning("could not give a refused request's choices back to its rate limit", error=str(exc))
 
     async def admit_resume(self, identity: Identity | None, resume_token: str | None) -> str:
         """Admit a resume (or an SSE ``Last-Event-ID`` replay): it is charged to the key's

@@ -32,6 +32,7 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
+from streamfleet.gateway import edge
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import TICK, End, Failed, Token
@@ -306,6 +307,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         identity = await admission.authenticate(request.headers.get("authorization"))
         if identity is not None:  # every log line of this request names its key
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
+            edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
         raw = await _read_body(request, hub.settings.max_frame_bytes)
         if raw is None:
             # the client left before sending the whole body: nobody is there to answer, and
@@ -411,6 +413,7 @@ async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: 
     (``WorkerCore._prefill``). ``scored``: ``best_of`` picks the best, which needs each
     token's log probability. A refusal takes back what was submitted."""
     params = draft.params
+    await hub.admission.charge(identity, k, "best_of" if scored else "n")  # all or nothing: a refusal here takes nothing
     reqs = [ClientRequest(hub, "http", identity=identity) for _ in range(k)]
     group = uuid.uuid4().hex
     drafts = [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
@@ -432,7 +435,7 @@ async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: 
 
     async def one(req: ClientRequest, d) -> None:
         try:
-            await req.submit(d, trace_id=trace, before_enqueue=together)
+            await req.submit(d, trace_id=trace, before_enqueue=together, charged=True)
         except BaseException:
             state["broken"] = True  # the others stop waiting (and are refused too)
             gate.set()
@@ -441,6 +444,7 @@ async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: 
     results = await asyncio.gather(*(one(req, d) for req, d in zip(reqs, drafts)), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
+        await hub.admission.refund(identity, k)
         for req, r in zip(reqs, results):
             if not isinstance(r, BaseException):
                 await req.close(reason="refused")

@@ -92,8 +92,8 @@ class TokenBucket:
                 elapsed = 0
             tokens = min(burst, self.tokens + elapsed * rate_us)
         allowed = tokens + EPSILON >= cost
-        if allowed:
-            tokens = max(0.0, tokens - cost)
+        if allowed:  # (a negative cost gives tokens back: ``RateLimiter.refund``)
+            tokens = min(burst, max(0.0, tokens - cost))
             retry = 0
         else:
             retry = math.ceil((cost - EPSILON - tokens) / rate_us / 1000)
@@ -127,7 +127,7 @@ if stored and ts then
 end
 local allowed, retry = 0, 0
 if tokens + 1e-9 >= cost then
-  tokens = math.max(0, tokens - cost)
+  tokens = math.min(burst, math.max(0, tokens - cost))
   allowed = 1
 else
   retry = math.ceil((cost - 1e-9 - tokens) / rate_us / 1000)
@@ -194,12 +194,19 @@ class RateLimiter:
         decision = await self.take(key_id, tier, cost=cost)
         if decision is None or decision.allowed:
             return
+        what = "exceeded" if cost == 1 else f"has not {cost} requests left for the {cost} choices"
         raise RefusedError(
-            f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} exceeded; "
+            f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} {what}; "
             f"retry in {_wait(decision.retry_after_ms)}",
             code=ErrorCode.rate_limited,
             retry_after_ms=decision.retry_after_ms,
         )
+
+    async def refund(self, identity: Identity, cost: int) -> None:
+        """Give ``cost`` requests back to the key's bucket (never past its burst): what a
+        request of several choices took for those it could not start."""
+        if cost > 0 and not identity.tier.unlimited:
+            await self.take(identity.key_id, identity.tier, cost=-cost)
 
 
 def _wait(ms: int) -> str:

@@ -122,7 +122,7 @@ class ClientRequest:
             self.channel.cancel(stream)
 
     async def submit(self, draft: "Draft", trace_id: str | None = None,
-                     before_enqueue: Callable[[], Awaitable[Any]] | None = None) -> int:
+                     before_enqueue: Callable[[], Awaitable[Any]] | None = None, *, charged: bool = False) -> int:
         """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
         a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
         gives back what admission took. ``trace_id``: the caller's (``traceparent``);
@@ -141,9 +141,10 @@ class ClientRequest:
             if shared is not None:
                 self.channel, self._shared, self._own_channel = shared, True, False
         ticket = await admission.admit(self.identity, draft,
-                                       request_id=self.hub.broker.keys.new_request_id(self._channel_id()))
+                                       request_id=self.hub.broker.keys.new_request_id(self._channel_id()),
+                                       charged=charged)
         try:
-            request = self.hub.validator.finish(ticket.request)
+            request = await self.hub.validator.finish_async(ticket.request)
             channel = await self._open_channel()
             try:
                 if before_enqueue is not None:

@@ -15,19 +15,20 @@ serving the request without it would be silently wrong (``check_unsupported``).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
-from streamfleet.shared.grammar import GrammarError, Grammars, grammar_of
+from streamfleet.shared.grammar import GrammarError, Grammars, build_grammar, check_constraint, depth_problem
 from streamfleet.gateway.tools import Tools, call_text, parse_tools, tools_prompt
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
@@ -99,8 +100,9 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 @dataclass(frozen=True, slots=True)
 class Draft:
     """A request that passed every rule that costs next to nothing (``Validator.check``);
-    tokenizing the prompt (``Validator.finish``) waits until the request is admitted, so a
-    refused request never costs a tokenizer pass.
+    the costly work (rendering a chat template, compiling and trying a constraint,
+    tokenizing the prompt: ``Validator.finish``) waits until the request is admitted, so a
+    refused request costs none of it (docs/security.md).
 
     ``explicit`` names the limits the client set itself (``max_tokens``, ``timeout``): a
     tier's ceiling refuses those, and lowers the gateway's defaults for the others."""
@@ -121,6 +123,11 @@ class Draft:
     #: one of the choices of a request (``n``): their shared id, and how many there are
     group: str = ""
     group_size: int = 1
+    #: a chat request's messages (checked, normalised), rendered by ``finish``
+    messages: tuple[dict[str, Any], ...] | None = None
+    #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
+    #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
+    constraint: tuple[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +298,8 @@ class Validator:
         self._template_sources: dict[Any, str | None] = {}  # (folder, tokenizer, engine.toml's) -> source
         self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
         self._grammar_problems: dict[tuple[Any, bytes], str | None] = {}  # recent grammars (digests) checked
+        self._limits = settings.grammar_limits()
+        self._trials: dict[tuple[Any, bytes], asyncio.Future] = {}  # grammars being tried now
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -343,36 +352,71 @@ class Validator:
             self._template_problems[key] = template_problem(self.tokenizer(spec))
         return self._template_problems[key]
 
-    def _constraint(self, p: dict[str, Any], spec: ModelSpec, ignore_eos: bool, tools: Tools | None) -> str:
-        """The llguidance grammar of the structured output ``p`` asks for, or of the call
-        its ``tool_choice`` forces ("" for none), checked against the model's tokenizer
-        (docs/structured-outputs.md, docs/tools.md)."""
+    def _constraint(self, p: dict[str, Any], ignore_eos: bool, tools: Tools | None) -> tuple[str, Any] | None:
+        """The constraint ``p`` asks for on the output, or the call its ``tool_choice``
+        forces (None for none), checked for what costs nothing: one constraint, its shape,
+        size and nesting (docs/structured-outputs.md, docs/tools.md). ``finish`` compiles it."""
+        depth = self.settings.grammar_max_depth
         try:
-            found = grammar_of(p)
+            found = check_constraint(p, depth)
             if tools is not None and tools.mode == "forced":
                 if found is not None:
-                    raise GrammarError(f"a forced tool call and '{found[1]}' both constrain the output; send one",
+                    raise GrammarError(f"a forced tool call and '{found[0]}' both constrain the output; send one",
                                        "tool_choice")
-                found = grammar_of({"guided_json": tools.call_schema()})[0], "tools"
+                try:
+                    found = "tools", check_constraint({"guided_json": tools.call_schema()}, depth)[1]
+                except GrammarError as exc:
+                    raise GrammarError(str(exc).replace("'guided_json'", "the tools' parameters"), "tools") from exc
         except GrammarError as exc:
             raise ValidationError(str(exc), code=ErrorCode.invalid_request, param=exc.param) from exc
-        if found is None:
-            return ""
-        grammar, param = found
-        if ignore_eos:
-            raise ValidationError(f"'ignore_eos' cannot be combined with '{param}': a constrained output ends "
+        if found is not None and ignore_eos:
+            raise ValidationError(f"'ignore_eos' cannot be combined with '{found[0]}': a constrained output ends "
                                   f"when its grammar is complete", code=ErrorCode.invalid_request, param="ignore_eos")
-        key = (spec.tokenizer_path, hashlib.blake2b(grammar.encode(), digest_size=16).digest())
-        if key not in self._grammar_problems:
-            grammars = self._grammars.get(spec.tokenizer_path)
-            if grammars is None:
-                tok = self.tokenizer(spec)
-                grammars = self._grammars[spec.tokenizer_path] = Grammars(tok, len(tok), list(spec.eos_token_ids))
-            if len(self._grammar_problems) >= 256:  # recent ones only: a client cannot grow it
-                self._grammar_problems.pop(next(iter(self._grammar_problems)))
-            self._grammar_problems[key] = grammars.problem(grammar)
-        problem = self._grammar_problems[key]
+        return found
+
+    def _grammars_of(self, spec: ModelSpec) -> Grammars:
+        grammars = self._grammars.get(spec.tokenizer_path)
+        if grammars is None:
+            tok = self.tokenizer(spec)
+            grammars = self._grammars[spec.tokenizer_path] = Grammars(tok, len(tok), list(spec.eos_token_ids),
+                                                                      self._limits)
+        return grammars
+
+    def _grammar_key(self, spec: ModelSpec, grammar: str) -> tuple[Any, bytes]:
+        return spec.tokenizer_path, hashlib.blake2b(grammar.encode(), digest_size=16).digest()
+
+    def _compile(self, draft: Draft, spec: ModelSpec) -> str | None:
+        """The llguidance grammar of an admitted draft's constraint (``verdict`` says
+        whether it can be enforced).
+
+        Raises:
+            ValidationError: the schema or grammar cannot be read.
+        """
+        param, value = draft.constraint
+        try:
+            return build_grammar("guided_json" if param == "tools" else param, value)
+        except GrammarError as exc:
+            raise ValidationError(str(exc).replace("'guided_json'", "the tools' parameters") if param == "tools" else str(exc),
+                                  code=ErrorCode.invalid_request, param=param) from exc
+
+    def verdict(self, spec: ModelSpec, grammar: str) -> str | None:
+        """Why ``grammar`` cannot constrain the model's output, or None: ``Grammars.trial``
+        (the grammar's own check, then its first tokens under the limits), run once per
+        grammar; the verdicts on the last 256 are kept, so a repeated schema costs nothing
+        and a client cannot grow the cache. Blocking: ``finish_async`` runs it in a thread."""
+        key = self._grammar_key(spec, grammar)
+        if key in self._grammar_problems:
+            return self._grammar_problems[key]
+        problem = self._grammars_of(spec).trial(grammar)
+        if len(self._grammar_problems) >= 256:
+            self._grammar_problems.pop(next(iter(self._grammar_problems)))
+        self._grammar_problems[key] = problem
+        return problem
+
+    def _checked_grammar(self, draft: Draft, spec: ModelSpec, grammar: str) -> str:
+        problem = self.verdict(spec, grammar)
         if problem is not None:
+            param = draft.constraint[0]
             raise ValidationError(f"'{param}' cannot constrain model {spec.name!r}: {problem}"[:500],
                                   code=ErrorCode.invalid_request, param=param)
         return grammar
@@ -395,6 +439,11 @@ class Validator:
             NotFoundError: unknown model.
         """
         s = self.settings
+        for name, value in p.items():  # before anything walks or serialises the JSON
+            if isinstance(value, (dict, list)) and depth_problem(value, s.grammar_max_depth) is not None:
+                raise ValidationError(f"'{name}' nests deeper than {s.grammar_max_depth} levels; the limit is "
+                                      f"{s.grammar_max_depth} (SF_GRAMMAR_MAX_DEPTH)", code=ErrorCode.invalid_request,
+                                      param=name)
         ignored = check_unsupported(p, s.refuse_unsupported)
         if ignored:
             log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
@@ -448,10 +497,16 @@ class Validator:
         if tools is not None and prompt is not None:
             raise ValidationError("'tools' need 'messages' (a chat request)", code=ErrorCode.invalid_request,
                                   param="tools")
+        msgs = None
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValidationError("'prompt' must be a string", code=ErrorCode.invalid_type, param="prompt")
             text = prompt
+            if not text:
+                raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
+            if len(text) > s.max_prompt_chars:
+                raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
+                                      code=ErrorCode.prompt_too_long, param="prompt")
         else:
             msgs = self._messages(messages)
             chars = sum(len(m["content"]) + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
@@ -463,30 +518,58 @@ class Validator:
             if problem is not None:
                 raise ValidationError(f"model {spec.name!r} cannot serve chat: {problem}; send a 'prompt' instead",
                                       code=ErrorCode.invalid_request, param="messages")
-            text = render_chat(msgs, self.tokenizer(spec), tools)
-        if not text:
-            raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
-        if len(text) > s.max_prompt_chars:
-            raise ValidationError(f"the prompt has {len(text)} characters; the limit is {s.max_prompt_chars}",
-                                  code=ErrorCode.prompt_too_long, param="prompt")
+            text = ""  # rendered by ``finish``, once admitted
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens),
-                                grammar=self._constraint(p, spec, ignore_eos, tools))
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
                      prompt_text=text, explicit=explicit, chat=messages is not None,
-                     tools=tools if tools is not None and tools.mode != "none" else None)
+                     tools=tools if tools is not None and tools.mode != "none" else None,
+                     messages=tuple(msgs) if msgs is not None else None,
+                     constraint=self._constraint(p, ignore_eos, tools))
 
-    def finish(self, draft: Draft) -> ValidRequest:
-        """Tokenize an admitted draft's prompt and check it fits the model's context.
+    async def finish_async(self, draft: Draft) -> ValidRequest:
+        """``finish``, with a new constraint's trial (``verdict``: tens of ms at worst, bounded
+        by the grammar limits) in a thread, off the event loop other clients share."""
+        if draft.constraint is not None and draft.audio is None:
+            spec = self.spec(draft.model)
+            grammar = self._compile(draft, spec)
+            key = self._grammar_key(spec, grammar)
+            if key not in self._grammar_problems:
+                self._grammars_of(spec)  # built once, on the loop (it caches tokenizers)
+                trial = self._trials.get(key)
+                if trial is None:  # the choices of one request (``n``) share one trial
+                    trial = self._trials[key] = asyncio.ensure_future(asyncio.to_thread(self.verdict, spec, grammar))
+                    trial.add_done_callback(lambda _: self._trials.pop(key, None))
+                await asyncio.shield(trial)
+            return self.finish(draft, grammar=grammar)
+        return self.finish(draft)
+
+    def finish(self, draft: Draft, *, grammar: str | None = None) -> ValidRequest:
+        """The costly part of validation, for an admitted draft: render its chat template,
+        compile and try its constraint (``grammar``: already compiled by the caller), then
+        tokenize its prompt and check it fits the model's context.
 
         Raises:
-            ValidationError: the prompt encodes to nothing, or leaves no room to generate.
+            ValidationError: a constraint that cannot be enforced; the prompt is too long,
+                encodes to nothing, or leaves no room to generate.
         """
         if draft.audio is not None:  # a speech request: its input is audio, sent separately
             return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
                                 params=draft.params, timeout_s=draft.timeout_s, prompt_text="", audio=draft.audio)
         spec = self.spec(draft.model)
-        ids = encode_prompt(self.tokenizer(spec), draft.prompt_text, special_tokens=not draft.chat)
+        params, text = draft.params, draft.prompt_text
+        if draft.constraint is not None:
+            grammar = self._checked_grammar(draft, spec, grammar or self._compile(draft, spec))
+            params = replace(params, grammar=grammar)
+        if draft.messages is not None:
+            text = render_chat(list(draft.messages), self.tokenizer(spec), draft.tools)
+            if not text:
+                raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="messages")
+            if len(text) > self.settings.max_prompt_chars:
+                raise ValidationError(f"the prompt has {len(text)} characters; the limit is "
+                                      f"{self.settings.max_prompt_chars}", code=ErrorCode.prompt_too_long,
+                                      param="messages")
+        ids = encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:
@@ -495,7 +578,7 @@ class Validator:
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
-                            params=draft.params, timeout_s=draft.timeout_s, prompt_text=draft.prompt_text,
+                            params=params, timeout_s=draft.timeout_s, prompt_text=text,
                             group=draft.group, group_size=draft.group_size)
 
     def _processing(self, p: dict[str, Any], spec: ModelSpec, max_tokens: int) -> dict[str, Any]:

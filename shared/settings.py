@@ -50,6 +50,22 @@ class CommonSettings(BaseSettings):
     #: API-key tier overrides as JSON, e.g. '{"free": {"requests_per_minute": 20}}'
     #: (fields and defaults: shared/tiers.py); empty = the default tiers
     tiers: str = ""
+    #: what one structured-output constraint may cost (docs/security.md, "Grammars"), the
+    #: same in gateways (which try each new grammar) and workers (which enforce it):
+    #: llguidance's lexer work to build a grammar's lexer, and per token; its lexer states
+    #: (about 1 KiB each); its parser items per token; its compiled size
+    grammar_lexer_fuel: int = 50_000
+    grammar_step_fuel: int = 50_000
+    grammar_lexer_states: int = 10_000
+    grammar_step_items: int = 50_000
+    grammar_size: int = 200_000
+    #: a token mask that takes longer than this ends its request (the batch goes on)
+    grammar_mask_budget_ms: float = 50.0
+    #: deepest nesting of a schema, a tool's parameters or any JSON a request carries
+    grammar_max_depth: int = 64
+    #: compiled grammars a worker keeps, sized by the memory they allocated (MB)
+    grammar_cache_mb: float = 64.0
+
 
     @model_validator(mode="after")
     def _cluster_from_url(self):
@@ -61,6 +77,15 @@ class CommonSettings(BaseSettings):
         from streamfleet.shared.redis import RedisTarget
 
         return RedisTarget.parse(self.redis_url, self.redis_cluster)
+
+    def grammar_limits(self):
+        """The ``SF_GRAMMAR_*`` settings as ``shared.grammar.GrammarLimits``."""
+        from streamfleet.shared.grammar import GrammarLimits
+
+        return GrammarLimits(lexer_fuel=self.grammar_lexer_fuel, step_fuel=self.grammar_step_fuel,
+                             step_items=self.grammar_step_items, lexer_states=self.grammar_lexer_states,
+                             grammar_size=self.grammar_size, mask_budget_ms=self.grammar_mask_budget_ms,
+                             max_depth=self.grammar_max_depth, cache_mb=self.grammar_cache_mb)
 
     def keys(self):
         """The key names of this fleet (prefix, cluster or not): ``shared.keys.Keys``."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
-from streamfleet.shared.grammar import Grammars
+from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
@@ -93,6 +93,13 @@ class _Prefix:
             prefixes.pop(group, None)
 
 
+def _without(seqs: list[Sequence], logits: np.ndarray | None, gone: dict[str, str]
+             ) -> tuple[list[Sequence], np.ndarray | None, list[int]]:
+    """An engine call's sequences and logits rows without the requests in ``gone``."""
+    keep = [i for i, q in enumerate(seqs) if q.request_id not in gone]
+    return [seqs[i] for i in keep], logits, keep
+
+
 class WorkerCore:
     """Continuous batching of one engine.
 
@@ -116,8 +123,10 @@ class WorkerCore:
         *,
         max_batch: int | None = None,
         clock: Callable[[], float] = time.time,
+        grammar_limits: GrammarLimits = DEFAULT_LIMITS,
     ) -> None:
         self.engine = engine
+        self.grammar_limits = grammar_limits
         self.tokenizer = tokenizer
         self._clock = clock
         limit = int(engine.max_batch)
@@ -338,16 +347,22 @@ class WorkerCore:
         # the constrained sequences' token masks are computed while the engine runs (both
         # leave the GIL): only what the engine call did not cover waits
         constrained = [seq for seq in (*prefill, *plan.decode) if seq.matcher is not None]
-        masks = self._mask_pool().submit(self._grammar().masks, [q.matcher for q in constrained]) \
+        masks = self._mask_pool().submit(self._grammar().step_masks, [q.matcher for q in constrained]) \
             if constrained else None
         calls = [self._engine_call(prefill, out, prefill=True),
                  self._engine_call(plan.decode, out, prefill=False)]
         allowed: dict[str, np.ndarray] = {}
         if masks is not None:
             t0 = time.perf_counter()
-            rows = masks.result()
+            rows, ended = masks.result()
             out.grammar_s += time.perf_counter() - t0
             allowed = {q.request_id: rows[i] for i, q in enumerate(constrained)}
+            if ended:  # a constraint that broke a limit ends its own request; the batch goes on
+                failed = {constrained[i].request_id: why for i, why in ended.items()}
+                for i, why in ended.items():
+                    self._constraint_broke(constrained[i], why, out)
+                calls = [(kept, None if logits is None else logits[keep])
+                         for kept, logits, keep in (_without(seqs, logits, failed) for seqs, logits in calls)]
         out.batch_size = len(prefill) + len(plan.decode)
         now = self._clock()
         for seqs, logits in calls:
@@ -369,8 +384,8 @@ class WorkerCore:
                     complete = False
                     if seq.matcher is not None and token not in self._eos:
                         if not seq.matcher.consume_token(token):
-                            self._fail(seq, ErrorCode.internal, "the output constraint refused a token it allowed: "
-                                       + seq.matcher.get_error()[:200], out)
+                            self._constraint_broke(seq, plain_error(seq.matcher.get_error(), self.grammar_limits),
+                                                   out)
                             continue
                         complete = seq.matcher.is_stopped()  # nothing can follow: the output is whole
                     self._advance(seq, token, entry, now, out, complete=complete)
@@ -411,7 +426,7 @@ class WorkerCore:
 
     def _grammar(self) -> Grammars:
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self._vocab_size, sorted(self._eos))
+            self._grammars = Grammars(self.tokenizer, self._vocab_size, sorted(self._eos), self.grammar_limits)
         return self._grammars
 
     def _start_matcher(self, seq: Sequence, out: StepOutput) -> bool:
@@ -422,12 +437,23 @@ class WorkerCore:
         try:
             seq.matcher = self._grammar().matcher(seq.task.params.grammar)
         except Exception as exc:  # a grammar the gateway let through but this worker cannot compile
-            self._fail(seq, ErrorCode.invalid_request, f"the output constraint does not compile: {exc}"[:300], out)
+            self._fail(seq, ErrorCode.invalid_request, f"the output constraint cannot be enforced: {exc}"[:300], out)
             return False
         if seq.generated and not seq.matcher.consume_tokens(list(seq.generated)):
             self._fail(seq, ErrorCode.internal, "the tokens generated before the takeover break the constraint", out)
             return False
         return True
+
+    def _constraint_broke(self, seq: Sequence, why: str, out: StepOutput) -> None:
+        """End ``seq`` whose constraint broke a limit (``invalid_request``: the request asked
+        for more than the fleet enforces, docs/security.md) or failed otherwise (a bug:
+        ``internal``); its grammar's compiled copy is dropped, the batch goes on."""
+        costly = why.startswith(COSTLY)
+        if costly:
+            self._grammar().forget(seq.task.params.grammar)
+        log.warning("output constraint failed; its request ends", request_id=seq.request_id, reason=why)
+        self._fail(seq, ErrorCode.invalid_request if costly else ErrorCode.internal,
+                   why if costly else f"the output constraint refused a token it allowed: {why}", out)
 
     def _token_table(self) -> TokenTable:
         if self._tokens is None:

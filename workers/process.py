@@ -142,7 +142,8 @@ class WorkerProcess:
         engine = load_engine(spec, self.settings.backend, **options)
         tokenizer = load_tokenizer(spec)
         max_batch = self.settings.max_batch or spec.max_batch
-        return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch))
+        return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch,
+                                                     grammar_limits=self.settings.grammar_limits()))
 
     async def _load_async(self, version: str | None) -> VersionedCore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._load, version)
