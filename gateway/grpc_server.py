@@ -451,7 +451,24 @@ class GrpcDoor:
             ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_S * 1000)),
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.so_reuseport", 0),
+            # calls past SF_GRPC_MAX_CONCURRENT_STREAMS wait in the client's queue, as HTTP/2's
+            # SETTINGS_MAX_CONCURRENT_STREAMS asks. grpc's overload protection refuses a new
+            # stream (RST_STREAM REFUSED_STREAM, the client's UNAVAILABLE) while it still counts
+            # streams whose calls have ended but whose handlers are not yet freed: 300 calls on
+            # one channel had ~40 reset. The handlers are bounded by ``maximum_concurrent_rpcs``
+            # below instead (docs/grpc.md, "Connections and draining")
+            ("grpc.http.overload_protection", 0),
+            # the edge before auth (docs/security.md): the call's metadata, the connections
+            # held, the time a connection may take to say its first HTTP/2 frames
+            ("grpc.max_metadata_size", s.grpc_max_metadata_bytes),
+            ("grpc.absolute_max_metadata_size", s.grpc_max_metadata_bytes),
         ]
+        if s.grpc_max_connections > 0:
+            options.append(("grpc.max_allowed_incoming_connections", s.grpc_max_connections))
+        if s.header_timeout_s > 0:
+            options.append(("grpc.server_handshake_timeout_ms", int(s.header_timeout_s * 1000)))
+        if s.grpc_max_connection_idle_s > 0:
+            options.append(("grpc.max_connection_idle_ms", int(s.grpc_max_connection_idle_s * 1000)))
         if s.grpc_max_connection_age_s > 0:
             options += [("grpc.max_connection_age_ms", int(s.grpc_max_connection_age_s * 1000)),
                         ("grpc.max_connection_age_grace_ms", int(s.grpc_max_connection_age_grace_s * 1000))]

@@ -20,6 +20,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.app import create_app, front
+from streamfleet.gateway.edge import edge_protocol
 from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
@@ -59,12 +60,21 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, config, server_state, app_state, _loop=None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.queue = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
+        #: the connection's place in the edge's counts (``gateway.edge.Ticket``), handed
+        #: over by the HTTP protocol at the upgrade and given back when the connection closes
+        self.edge_ticket = None
         if config.ws_per_message_deflate:
             self.conn = ServerProtocol(
                 extensions=[ServerPerMessageDeflateFactory(
                     server_max_window_bits=DEFLATE_WINDOW_BITS, client_max_window_bits=DEFLATE_WINDOW_BITS,
                     compress_settings={"memLevel": DEFLATE_MEM_LEVEL})],
                 max_size=config.ws_max_size, logger=self.conn.logger)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        ticket, self.edge_ticket = self.edge_ticket, None
+        if ticket is not None:
+            ticket.release()
 
     async def send(self, message) -> None:
         await super().send(message)
@@ -181,6 +191,9 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
         front(app),
         host=settings.host,
         port=settings.port,
+        # httptools, with the request head bounded and the connections counted (the edge
+        # before auth: gateway/edge.py, docs/security.md)
+        http=edge_protocol(settings),
         ws=LeanWebSocketProtocol,  # the `websockets` library's sans-I/O protocol
         ws_max_size=settings.max_frame_bytes * 4,
         ws_per_message_deflate=settings.ws_compression,
@@ -218,8 +231,12 @@ _SPARE_FDS = 256
 
 def _open_files(settings: GatewaySettings) -> None:
     """Raise the open-files soft limit to the hard one (a connection is a descriptor) and
-    log it; warn when it still cannot hold ``SF_MAX_CONNECTIONS``."""
-    limits = aio.raise_open_files_limit(settings.max_connections + _SPARE_FDS)
+    log it; warn when it still cannot hold ``SF_MAX_CONNECTIONS`` (or, where it is capped,
+    every connection the HTTP and gRPC ports may hold)."""
+    wanted = max(settings.max_connections, settings.max_open_connections) + _SPARE_FDS
+    if settings.max_open_connections and settings.grpc_port:
+        wanted += settings.grpc_max_connections
+    limits = aio.raise_open_files_limit(wanted)
     log.info("open files limit", soft=limits["soft"], hard=limits["hard"], raised_from=limits["before"])
     if limits["soft"] < settings.max_connections + _SPARE_FDS:
         log.warning("the open files limit is below SF_MAX_CONNECTIONS: connections past it will be refused by "
