@@ -22,13 +22,14 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway import demo, openai
+from streamfleet.gateway import demo, edge, openai
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.origin import OriginGuard, refused_origin
 from streamfleet.gateway.streams import ReplyChannel
 from streamfleet.gateway.validation import Validator
 from streamfleet.gateway.voice import SileroBatch, audio_stream
+from streamfleet.gateway.voiceslots import VoiceSlots, capacity_of
 from streamfleet.gateway.ws import websocket_stream
 
 __all__ = ["Hub", "create_app", "json_response"]
@@ -56,6 +57,8 @@ class Hub:
     admission: Admission
     #: the voice connections' Silero decisions, batched across connections
     silero: SileroBatch = field(default_factory=SileroBatch)
+    #: the fair sharing of speech decoder slots (docs/voice.md, "Fair slots"); None: off
+    voice_slots: VoiceSlots | None = None
     #: WebSocket connections open on this process
     connections: int = 0
     #: SIGTERM received: refuse new work, let streams finish
@@ -239,9 +242,14 @@ def front(app: FastAPI):
             if handler is not None:
                 scope["app"] = app
                 # the server's direct text-frame writer, where it has one (gateway.server)
-                frame_writer = getattr(getattr(send, "__self__", None), "send_text_frame", None)
+                server_protocol = getattr(send, "__self__", None)
+                frame_writer = getattr(server_protocol, "send_text_frame", None)
                 if frame_writer is not None:
                     scope["streamfleet.send_text_frame"] = frame_writer
+                # its place in the edge's counts (gateway/edge.py), for ``edge.authenticated``
+                ticket = getattr(server_protocol, "edge_ticket", None)
+                if ticket is not None:
+                    scope[edge.SCOPE_KEY] = ticket
                 try:
                     await handler(WebSocket(scope, receive, send))
                 except Exception:  # as the HTTP stack's last handler would, without a traceback per client
@@ -291,6 +299,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         await hub.broker.start()
         hub.admission.start()
+        if settings.voice_fair_slots:
+            async def speech_slots(model: str) -> int:
+                return capacity_of(await hub.broker.live_workers(model))
+
+            hub.voice_slots = VoiceSlots(hub.broker.redis, hub.broker.keys, speech_slots,
+                                         reserve=settings.voice_reserved_slots)
         # load tokenizers up front so the first request is not slow
         for name in hub.validator.model_names():
             try:
@@ -299,6 +313,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 pass
         log.info("gateway started", frozen_objects=aio.settle_heap())
         yield
+        if hub.voice_slots is not None:
+            await hub.voice_slots.stop()
         await hub.admission.stop()
         await hub.broker.stop()
 

@@ -13,10 +13,18 @@ rate, encoding or language the model cannot take), audio before ``start``, odd-l
 or oversized PCM, and frames over the connection's rate (a token bucket: an over-limit
 frame is dropped with ``rate_limited`` and the connection stays) are answered with the
 text protocol's ``error`` frames and codes.
+
+Audio is also accounted by its duration (docs/voice.md, "Limits"): a second token bucket
+holds seconds of audio, refilled at ``SF_AUDIO_MAX_REALTIME`` seconds per second of wall
+time, up to ``SF_AUDIO_REALTIME_BURST_S``. A frame that would take it below zero is
+dropped (never fed to the VAD, never queued) and the client hears of it at once with
+``rate_limited`` (``param: "audio"``); further drops within ``AUDIO_NOTICE_S`` are
+counted into the next such error rather than answered one by one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Union
@@ -28,13 +36,17 @@ from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.validation import check_lane
 
 __all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "ENCODINGS",
-           "MAX_FRAME_MS"]
+           "MAX_FRAME_MS", "AUDIO_NOTICE_S"]
 
 #: the PCM encodings accepted (little-endian signed 16-bit mono)
 ENCODINGS = ("pcm_s16le",)
 #: the longest audio frame accepted (the protocol asks for 10–100 ms frames)
 MAX_FRAME_MS = 100
 MAX_ID_CHARS = 128
+#: after an audio frame over the real-time limit is answered with ``rate_limited``, more
+#: frames dropped within this many seconds are not answered one by one: the next error
+#: (once this has passed and a frame is dropped again) counts them
+AUDIO_NOTICE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +84,8 @@ Output = Union[Send, Start, Audio, Stop]
 
 
 class TokenBucket:
-    """``rate`` frames a second on average, ``burst`` at once."""
+    """``rate`` tokens a second on average, ``burst`` at once: frames (a token each), or
+    seconds of audio (a frame costs its duration)."""
 
     def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
@@ -81,15 +94,16 @@ class TokenBucket:
         self.tokens = burst
         self.at = clock()
 
-    def take(self) -> int | None:
-        """Take a token: None when there was one, else the ms until there is."""
+    def take(self, cost: float = 1.0) -> int | None:
+        """Take ``cost`` tokens: None when there were that many, else the ms until there
+        are (nothing is taken then)."""
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
+        if self.tokens + 1e-9 >= cost:
+            self.tokens = max(0.0, self.tokens - cost)
             return None
-        return max(1, int((1 - self.tokens) / self.rate * 1000))
+        return max(1, math.ceil((cost - self.tokens) / self.rate * 1000 - 1e-6))
 
 
 class AudioProtocol:
@@ -98,14 +112,24 @@ class AudioProtocol:
     Args:
         validator: the gateway's ``Validator`` (models and their specs).
         settings: the gateway's settings (``max_frame_bytes``, ``default_asr_model``,
-            ``audio_frames_per_s``, ``audio_frames_burst``).
+            ``audio_frames_per_s``, ``audio_frames_burst``, ``audio_max_realtime``,
+            ``audio_realtime_burst_s``).
     """
 
     def __init__(self, validator: Any, settings: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.validator = validator
         self.settings = settings
+        self.clock = clock
         self.config: AudioConfig | None = None
         self.bucket = TokenBucket(settings.audio_frames_per_s, settings.audio_frames_burst, clock)
+        #: seconds of audio, refilled at ``audio_max_realtime`` per second (None: no limit).
+        #: One per connection, kept across its sessions: a ``stop`` and a new ``start`` do
+        #: not refill it
+        self.audio_bucket = (TokenBucket(settings.audio_max_realtime, settings.audio_realtime_burst_s, clock)
+                             if settings.audio_max_realtime > 0 else None)
+        self.dropped_frames = 0  # over the real-time limit since the last error said so
+        self.dropped_ms = 0.0
+        self._noticed_at = -math.inf  # when the last real-time error went out
 
     # -- frames --------------------------------------------------------------------------
     def _over_rate(self) -> list[Output]:
@@ -136,7 +160,39 @@ class AudioProtocol:
                                          code=ErrorCode.frame_too_large, param="audio").to_frame(cfg.client_id))]
         if not data:
             return []
+        refused = self._over_realtime(data, cfg)
+        if refused is not None:
+            return refused
         return [Audio(data)]
+
+    def _over_realtime(self, data: bytes, cfg: AudioConfig) -> list[Output] | None:
+        """Charge a frame's duration to the real-time bucket: None when it fits, else the
+        frame is dropped and the result is what the client gets for it: the
+        ``rate_limited`` error, or nothing when one went out within ``AUDIO_NOTICE_S``
+        (the next one counts this frame too)."""
+        bucket = self.audio_bucket
+        if bucket is None:
+            return None
+        ms = len(data) / cfg.bytes_per_ms
+        retry = bucket.take(ms / 1000)
+        if retry is None:
+            return None
+        self.dropped_frames += 1
+        self.dropped_ms += ms
+        now = self.clock()
+        if now - self._noticed_at < AUDIO_NOTICE_S:
+            return []
+        self._noticed_at = now
+        limit = self.settings.audio_max_realtime
+        frames, dropped_ms = self.dropped_frames, self.dropped_ms
+        self.dropped_frames, self.dropped_ms = 0, 0.0
+        what = "this frame" if frames == 1 else f"{frames} frames"
+        return [Send(RefusedError(
+            f"audio is arriving faster than {limit:g}x real time (at most {limit:g} s of audio per second, "
+            f"{self.settings.audio_realtime_burst_s:g} s ahead at once); {what} ({dropped_ms:.0f} ms of audio) "
+            f"dropped, not transcribed. Frames over the limit in the next {AUDIO_NOTICE_S:g} s are dropped "
+            f"too; send audio in real time", code=ErrorCode.rate_limited, param="audio",
+            retry_after_ms=retry).to_frame(cfg.client_id))]
 
     def receive_text(self, text: str) -> list[Output]:
         refused = self._over_rate()

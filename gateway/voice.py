@@ -11,7 +11,12 @@ travel, and ``RequestStream`` makes them exactly-once and in order.
 
 The connection itself — Origin, connection caps, the API key, revocation, idle and age
 limits, drain — is the text WebSocket's (``gateway.ws.WebSocketSession``); only what
-its frames mean differs.
+its frames mean differs, and what keeps it from being idle: a started session that
+sends no audio for ``SF_WS_IDLE_TIMEOUT_S`` is closed as a text one with no request is.
+
+Fairness (docs/voice.md, "Limits" and "Fair slots"): ``AudioProtocol`` drops audio that
+comes faster than ``SF_AUDIO_MAX_REALTIME``, and an utterance takes its tenant's turn
+for a decoder slot (``gateway.voiceslots.VoiceSlots``) before its task is enqueued.
 """
 
 from __future__ import annotations
@@ -104,6 +109,9 @@ class Utterance:
     def __init__(self, session: "VoiceSession", config: AudioConfig, index: int, start_ms: int,
                  previous: "Utterance | None") -> None:
         self.session = session
+        self.created = time.monotonic()  # its wait for a slot counts from here (high_load)
+        self.warned = False
+        self.grant: str | None = None  # its fair slot (gateway.voiceslots), until its final
         # finals go out in utterance order: another worker may finish a later utterance first
         self.previous = previous
         self.over = asyncio.Event()  # this utterance's final (or error) went out, or never will
@@ -140,9 +148,10 @@ class Utterance:
         writer = None
         try:
             try:
-                await self.req.submit(draft, trace_id=self.session.trace_id)
+                await self.req.submit(draft, trace_id=self.session.trace_id, before_enqueue=self._take_slot)
             except StreamfleetError as exc:
                 metrics.refusals.labels("voice", str(exc.code)).inc()
+                await self._release_slot()
                 await self._in_turn()
                 await self.session.emit(self.error_frame(exc))
                 return
@@ -152,7 +161,39 @@ class Utterance:
             self.over.set()
             if writer is not None:
                 writer.cancel()
+            await self._release_slot()
             await self.req.close()
+
+    async def _take_slot(self) -> None:
+        """Wait for the tenant's turn for a decoder slot (docs/voice.md, "Fair slots"):
+        admitted, not yet enqueued; the audio meanwhile waits here, in ``audio``."""
+        slots, s = self.session.hub.voice_slots, self.session.hub.settings
+        if slots is None:
+            return
+        identity = self.session.identity
+        cap = identity.tier.max_utterances if identity is not None else None
+        self.grant = await slots.acquire(self.config.model, self.session.tenant, cap, timeout_s=s.request_timeout_s,
+                                         warn_after_s=max(0.0, s.voice_slot_warning_s - self._waited()),
+                                         on_warn=self._warn)
+
+    async def _release_slot(self) -> None:
+        """Give the fair slot back (once): the worker is done with the utterance."""
+        grant, self.grant = self.grant, None
+        if grant is not None:
+            await self.session.hub.voice_slots.release(self.config.model, grant)
+
+    def _waited(self) -> float:
+        return time.monotonic() - self.created
+
+    async def _warn(self) -> None:
+        """The ``high_load`` warning, once per utterance."""
+        if self.warned:
+            return
+        self.warned = True
+        await self.session.emit(self.frame(
+            "warning", code="high_load", message=f"this utterance has waited "
+            f"{self.session.hub.settings.voice_slot_warning_s:g} s for a speech worker; it stays queued until its "
+            f"deadline"))
 
     async def _in_turn(self) -> None:
         """Wait until every earlier utterance of the connection has had its final or error."""
@@ -181,28 +222,24 @@ class Utterance:
 
     async def _transcript(self, warn_after_s: float) -> None:
         events = self.req.events("voice")
-        warned = False
-        started = time.monotonic()
         pending: asyncio.Future | None = None
         try:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(anext(events))
                 timeout = None
-                if not warned and not self.req.stream.started:
-                    timeout = max(0.0, started + warn_after_s - time.monotonic())
+                if not self.warned and not self.req.stream.started:
+                    timeout = max(0.0, warn_after_s - self._waited())
                 done, _ = await asyncio.wait({pending}, timeout=timeout)
                 if not done:
-                    warned = True
-                    await self.session.emit(self.frame(
-                        "warning", code="high_load", message=f"this utterance has waited {warn_after_s:g} s for a "
-                        f"speech worker; it stays queued until its deadline"))
+                    await self._warn()
                     continue
                 ev, pending = pending.result(), None
                 if isinstance(ev, Token):
                     if ev.text:
                         await self.session.emit(self.frame("partial", text=ev.text))
                 elif isinstance(ev, End):
+                    await self._release_slot()  # the worker is done: the next turn need not wait for ours
                     await self._in_turn()
                     await self.session.emit(self.frame(
                         "final", request_id=self.req.request_id, text=ev.text, start_ms=self.start_ms,
@@ -211,6 +248,7 @@ class Utterance:
                     self.req.delivered()
                     return
                 elif isinstance(ev, Failed):
+                    await self._release_slot()
                     await self._in_turn()
                     await self.session.emit(self.error_frame(ev.error))
                     self.req.delivered()
@@ -242,18 +280,41 @@ class VoiceSession(WebSocketSession):
 
     @property
     def busy(self) -> bool:
-        """Something is running: a session started, or utterances still transcribing."""
-        return self.config is not None or any(not u.task.done() for u in self.utterances)
+        """Something is running: a session started, or utterances still transcribing (a
+        drain waits for it)."""
+        return self.config is not None or self.in_flight
+
+    @property
+    def in_flight(self) -> bool:
+        """Utterances still transcribing: the connection is not idle. A started session
+        with none is idle unless audio keeps coming (``last_activity``)."""
+        return any(not u.task.done() for u in self.utterances)
+
+    def idle_reason(self, timeout_s: float) -> str:
+        if self.config is not None:
+            return f"idle: no audio for {timeout_s:g} s"
+        return super().idle_reason(timeout_s)
+
+    @property
+    def tenant(self) -> str:
+        """Whose turn an utterance takes for a slot (gateway.voiceslots): its API key, or
+        with auth off this connection."""
+        if self.identity is not None:
+            return f"key:{self.identity.key_id}"
+        return f"conn:{self.channel.connection_id}"
 
     async def _handle(self, outputs: list) -> None:
         for out in outputs:
             if isinstance(out, Send):
                 self.send(out.frame)
             elif isinstance(out, Start):
+                self.last_activity = time.monotonic()
                 self._start(out.config)
             elif isinstance(out, Audio):
+                self.last_activity = time.monotonic()  # audio, silent or not, is activity
                 await self._audio(out.pcm)
             elif isinstance(out, Stop):
+                self.last_activity = time.monotonic()
                 self._segment(self.segmenter.flush())
                 self._spawn(self._stopped(self.config, list(self.utterances)))
                 self.segmenter, self.config = None, None

@@ -21,6 +21,7 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
+from streamfleet.gateway import edge
 from streamfleet.gateway.admission import revoked_error
 from streamfleet.gateway.origin import origin_allowed
 from streamfleet.gateway.observe import trace_id_from
@@ -83,6 +84,9 @@ class WebSocketSession(Session):
         #: writes a JSON frame's bytes as one text frame (the server's direct writer,
         #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
         self.write = ws.scope.get("streamfleet.send_text_frame") or self._send_text
+        #: monotonic time of the client's last frame that counts as activity though no
+        #: request is in flight: the voice WebSocket's audio (gateway/voice.py). 0: none
+        self.last_activity = 0.0
 
     def send(self, frame: dict) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
@@ -114,6 +118,15 @@ class WebSocketSession(Session):
     def busy(self) -> bool:
         """Requests are in flight: the connection is not idle, and a drain waits for them."""
         return bool(self.proto.in_flight)
+
+    @property
+    def in_flight(self) -> bool:
+        """The connection is not idle (the voice WebSocket's is ``busy`` otherwise)."""
+        return self.busy
+
+    def idle_reason(self, timeout_s: float) -> str:
+        """The close reason of a connection closed for idleness."""
+        return f"idle: no request for {timeout_s:g} s"
 
     async def _send_loop(self) -> None:
         while True:
@@ -148,6 +161,7 @@ class WebSocketSession(Session):
             return
         if self.identity is not None:  # every log line of this connection names its key
             structlog.contextvars.bind_contextvars(key_id=self.identity.key_id)
+            edge.authenticated(self.ws.scope)  # off its address's count before auth (gateway/edge.py)
         self.trace_id = trace_id_from(self.ws.headers.get("traceparent"))
         try:
             await self.connect()
@@ -198,16 +212,16 @@ class WebSocketSession(Session):
                 if self.hub.draining and (not self.busy or self.hub.drain_expired):
                     close = (1001, "gateway shutting down; reconnect to another")
                     break
-                if self.busy:
+                if self.in_flight:
                     idle_since = now
                     deadline = age_limit if now < age_limit else hard_limit
                 else:
-                    deadline = min(idle_since + s.ws_idle_timeout_s, age_limit)
+                    deadline = min(max(idle_since, self.last_activity) + s.ws_idle_timeout_s, age_limit)
                 if now >= deadline:
                     if now >= age_limit:
                         close = (1001, "maximum connection age reached; please reconnect")
                     else:
-                        close = (1000, f"idle: no request for {s.ws_idle_timeout_s:g} s")
+                        close = (1000, self.idle_reason(s.ws_idle_timeout_s))
                     break
                 interrupt.armed = True
                 tick = loop.call_later(min(deadline - now, 1.0), interrupt)
@@ -229,7 +243,7 @@ class WebSocketSession(Session):
                     await self.receive_text(msg["text"])
                 elif msg.get("bytes") is not None:
                     await self.receive_bytes(msg["bytes"])
-                if self.busy:
+                if self.in_flight:
                     idle_since = time.monotonic()
         except (WebSocketDisconnect, RuntimeError):
             pass

@@ -122,6 +122,15 @@ class Keys:
     def workers(self, model: str) -> str:
         return f"{self.prefix}:workers:{model}"
 
+    def voice_slots(self, model: str) -> tuple[str, str, str]:
+        """The fair sharing of ``model``'s speech decoder slots (docs/voice.md, "Fair
+        slots"; ``gateway/voiceslots.py``), three keys on the slot of its lanes: sorted
+        sets ``tenant|utterance -> expiry ms`` of the slots granted and of the utterances
+        waiting for one, and a hash ``tenant|utterance -> "since_ms cap"`` of the waiting
+        ones' places in turn."""
+        base = f"{self.prefix}:{{{model}}}:voice"
+        return f"{base}:held", f"{base}:waiting", f"{base}:turns"
+
     def ratelimit(self, key_id: str) -> str:
         """Hash ``{tokens, ts}``: the token bucket of one API key."""
         return f"{self.prefix}:rl:{key_id}"

@@ -66,7 +66,6 @@ class CommonSettings(BaseSettings):
     #: compiled grammars a worker keeps, sized by the memory they allocated (MB)
     grammar_cache_mb: float = 64.0
 
-
     @model_validator(mode="after")
     def _cluster_from_url(self):
         self.redis_cluster = self.redis_target().cluster  # (a bad URL is refused here, by name)
@@ -128,6 +127,26 @@ class GatewaySettings(CommonSettings):
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds
     max_connections: int = 10_000
+    #: the edge before auth (docs/security.md, "The edge before auth"): most connections of
+    #: any kind open on the HTTP port of one gateway process (HTTP, SSE, WebSocket, and those
+    #: that have sent no request yet); past it a new one gets 503 and is closed (0 = no cap).
+    #: Keep it above ``max_connections``
+    max_open_connections: int = 12_000
+    #: most connections one client address may hold open on the HTTP port before they
+    #: authenticate; past it a new one gets 429 and is closed (0 = no cap). Behind a proxy
+    #: or load balancer every client has the proxy's address: leave it 0 there
+    max_connections_per_address: int = 0
+    #: longest request target (the URL in the request line); longer gets 414 and a close
+    max_request_line_bytes: int = 8192
+    #: largest request head (request line and header fields); past it, 431 and a close
+    #: before the rest is parsed
+    max_header_bytes: int = 32_768
+    #: most header fields in one request; more get 431 and a close
+    max_header_count: int = 100
+    #: a request head must arrive whole within this many seconds of the connection opening
+    #: (or of its first byte, on a kept-alive connection), else the connection is closed (408
+    #: when part of it came); also the gRPC port's handshake timeout. 0 = no limit
+    header_timeout_s: float = 10.0
     #: close a WebSocket with no request in flight after this many seconds
     ws_idle_timeout_s: float = 60.0
     #: close a WebSocket this old once it has nothing in flight (0 = never)
@@ -169,12 +188,27 @@ class GatewaySettings(CommonSettings):
     #: gateways; calls in flight get ``grpc_max_connection_age_grace_s`` more (0 = never)
     grpc_max_connection_age_s: float = 3600.0
     grpc_max_connection_age_grace_s: float = 60.0
+    #: most connections open on the gRPC port of one gateway process; past it a new one is
+    #: closed at once (0 = no cap)
+    grpc_max_connections: int = 1000
+    #: close a gRPC connection with no call open for this long (GOAWAY; a client reconnects
+    #: on its next call), so connections that never open a call are not held (0 = never)
+    grpc_max_connection_idle_s: float = 120.0
+    #: largest metadata (headers) a gRPC call may send; a larger one is refused
+    #: (RESOURCE_EXHAUSTED) before its handler runs
+    grpc_max_metadata_bytes: int = 16_384
     #: voice (``/v1/audio/stream``, docs/voice.md): the speech model a ``start`` frame gets
     #: when it names none
     default_asr_model: str = "asr-en"
     #: inbound frames a voice connection may send per second on average, and at once
     audio_frames_per_s: float = 150.0
     audio_frames_burst: float = 300.0
+    #: seconds of audio (the frames' durations) a voice connection may send per second of
+    #: wall time on average: 1.5 = half again real time. A frame over it is dropped, not
+    #: queued, with ``rate_limited`` (docs/voice.md, "Limits"); 0 = no limit
+    audio_max_realtime: float = 1.5
+    #: ... and how far ahead of that it may get at once, in seconds of audio (jitter)
+    audio_realtime_burst_s: float = 2.0
     #: voice activity detector: silero | webrtc | energy, or off (every frame is speech:
     #: an utterance lasts from the first audio to ``stop``, as for push-to-talk clients)
     vad: Literal["silero", "webrtc", "energy", "off"] = "silero"
@@ -188,6 +222,13 @@ class GatewaySettings(CommonSettings):
     max_utterance_s: float = 30.0
     #: an utterance that has waited this long for a worker slot gets a ``high_load`` warning
     voice_slot_warning_s: float = 3.0
+    #: share the speech workers' decoder slots fairly among tenants (API keys; connections
+    #: with auth off), across gateways in Redis: an utterance waits at its gateway until it
+    #: is its tenant's turn (docs/voice.md, "Fair slots"). False: utterances queue in the
+    #: lanes, first come, first served
+    voice_fair_slots: bool = True
+    #: slots a tenant at or over its fair share must leave free for other tenants
+    voice_reserved_slots: int = Field(1, ge=0)
     #: Prometheus ``/metrics`` on a listener of its own, never on the API port (0 = none).
     #: Off by default, like the worker's: several gateways on one host each need their own
     metrics_port: int = 0

@@ -3,7 +3,8 @@
 A tier names a token-bucket rate (requests per minute, refilled continuously, and a
 burst capacity), a cap on concurrent streams and one on open WebSockets (both counted
 across every gateway), ceilings on ``max_tokens`` and the queue ``timeout`` a request may
-ask for, and the highest priority lane it may use.
+ask for, the highest priority lane it may use, and a cap on the speech decoder slots its
+utterances may hold at once (docs/voice.md, "Fair slots").
 The defaults below can be changed, and tiers added, with a JSON object (setting
 ``tiers``, env ``SF_TIERS``)::
 
@@ -49,6 +50,9 @@ class Tier:
         max_tokens: the largest ``max_tokens`` a request may ask for (a request that names
             none gets the gateway's default, lowered to this); ``None`` = the gateway's limit.
         max_timeout_s: the same for the queue ``timeout``, in seconds.
+        max_utterances: speech decoder slots the key's utterances may hold at once, all
+            gateways together (a further cap, besides the fair share every key gets);
+            ``None`` = the fair share alone.
 
     Raises:
         ValueError: a field is out of range.
@@ -62,6 +66,7 @@ class Tier:
     max_connections: int | None = None
     max_tokens: int | None = None
     max_timeout_s: float | None = None
+    max_utterances: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -72,7 +77,7 @@ class Tier:
                 raise ValueError(f"tier {self.name}: requests_per_minute must be a number > 0 or null, got {rpm!r}")
             if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
                 raise ValueError(f"tier {self.name}: burst must be an integer >= 1, got {self.burst!r}")
-        for fname in ("max_streams", "max_connections", "max_tokens"):
+        for fname in ("max_streams", "max_connections", "max_tokens", "max_utterances"):
             v = getattr(self, fname)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"tier {self.name}: {fname} must be an integer >= 1 or null, got {v!r}")

@@ -141,8 +141,8 @@ def client(
 def transcribe(
     file: str = typer.Argument(..., help="a mono 16-bit PCM WAV file (16 kHz for the bundled asr-en)"),
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL"),
-    fast: bool = typer.Option(False, "--fast", help="send as fast as the connection's frame rate allows, not in "
-                              "real time"),
+    fast: bool = typer.Option(False, "--fast", help="send at 1.4x real time, just under the gateway's default "
+                              "real-time limit (SF_AUDIO_MAX_REALTIME)"),
     model: Optional[str] = typer.Option(None, help="speech model (default: the gateway's, asr-en)"),
     language: Optional[str] = typer.Option(None, help="the language spoken (checked against the model's)"),
     api_key: Optional[str] = typer.Option(None, envvar="SF_API_KEY", help="API key, when auth is on [SF_API_KEY]"),

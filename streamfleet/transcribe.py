@@ -1,6 +1,7 @@
 """`streamfleet transcribe FILE.wav`: stream a WAV file to the voice WebSocket
-(``/v1/audio/stream``, docs/voice.md) in real time, or as fast as the connection's frame
-rate allows, printing partials as they change and each utterance's final."""
+(``/v1/audio/stream``, docs/voice.md) in real time, or as fast as the gateway takes audio
+(``--fast``: just under its default real-time limit, ``SF_AUDIO_MAX_REALTIME``), printing
+partials as they change and each utterance's final."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ __all__ = ["transcribe", "read_wav"]
 
 #: audio per frame: 20 ms in real time; 100 ms (the most a frame may carry) with --fast
 FRAME_MS, FAST_FRAME_MS = 20, 100
-#: --fast stays under the gateway's default frame rate (150 a second)
-FAST_FRAMES_PER_S = 120
+#: --fast sends this many seconds of audio a second: under the gateway's default
+#: real-time limit (SF_AUDIO_MAX_REALTIME, 1.5; faster audio is dropped, docs/voice.md)
+FAST_REALTIME = 1.4
 
 
 class WavError(Exception):
@@ -64,7 +66,7 @@ async def transcribe(url: str, path: str, *, fast: bool = False, model: str | No
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     frame_ms = FAST_FRAME_MS if fast else FRAME_MS
     step = rate * 2 * frame_ms // 1000
-    pace = 1 / FAST_FRAMES_PER_S if fast else frame_ms / 1000
+    pace = frame_ms / 1000 / (FAST_REALTIME if fast else 1.0)
     failed = False
     try:
         async with websockets.connect(ws_url, max_size=None, additional_headers=headers) as ws:

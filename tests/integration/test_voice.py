@@ -14,12 +14,16 @@ import websockets
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
 from streamfleet.launcher import free_port
+from tests.integration.test_auth_limits import add_key
 from tests.integration.test_metrics import value
 
 pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
 
 CHUNK_MS = 20
 BYTES_PER_MS = 32
+#: the tests send recorded speech at up to 10x real time, to be quick: without the
+#: real-time limit (SF_AUDIO_MAX_REALTIME), which has tests of its own below
+FAST = {"audio_max_realtime": 0}
 
 
 class Voice:
@@ -33,8 +37,9 @@ class Voice:
         self.changed = asyncio.Event()
 
     @classmethod
-    async def connect(cls, gw, **start) -> "Voice":
-        v = cls(await websockets.connect(gw.ws.replace("/v1/stream", "/v1/audio/stream"), max_size=None))
+    async def connect(cls, gw, api_key: str | None = None, **start) -> "Voice":
+        url = gw.ws.replace("/v1/stream", "/v1/audio/stream") + (f"?api_key={api_key}" if api_key else "")
+        v = cls(await websockets.connect(url, max_size=None))
         if start is not None:
             await v.ws.send(orjson.dumps({"type": "start", "model": "asr-en", "sample_rate": 16000,
                                           "encoding": "pcm_s16le", **start}).decode())
@@ -88,7 +93,7 @@ class Voice:
 
 @pytest.fixture
 def voice_fleet(fleet):
-    gw = fleet.gateway()
+    gw = fleet.gateway(**FAST)
     port = free_port()
     worker = fleet.worker(model="asr-en", metrics_port=port)
     worker.metrics_port = port
@@ -195,6 +200,133 @@ async def test_inbound_frame_rate_is_limited_per_connection(voice_fleet):
     await v.close()
 
 
+async def test_audio_faster_than_real_time_is_dropped_with_an_error_at_once(fleet):
+    """SF_AUDIO_MAX_REALTIME (1.5, with 2 s ahead at once): a client sending 100 ms frames at
+    100 a second (10x real time, under the frame-count limit) gets a ``rate_limited`` error
+    (param ``audio``) as soon as it is over, one a second at most; what it sent over the
+    limit is neither queued nor transcribed; back at real time, it is served as before."""
+    gw = fleet.gateway()
+    port = free_port()
+    worker = fleet.worker(model="asr-en", metrics_port=port)
+    worker.metrics_port = port
+    v = await Voice.connect(gw)
+    await v.wait_for(lambda f: f["type"] == "started")
+    fast = b"".join(speech(s) + silence(1000) for s in (SENTENCES[2], SENTENCES[3], SENTENCES[4]))
+    step = 100 * BYTES_PER_MS
+    sent, sent_at = 0.0, []
+    t0 = time.monotonic()
+    for n, i in enumerate(range(0, len(fast), step), 1):
+        await v.ws.send(fast[i:i + step])
+        sent_at.append(time.monotonic())
+        await asyncio.sleep(max(0.0, t0 + n * 0.01 - time.monotonic()))
+    fast_s = len(fast) / (BYTES_PER_MS * 1000)
+    # the most the gateway may have taken: the burst, and 1.5 s a second since the first frame
+    allowed_s = 2.0 + 1.5 * (sent_at[-1] - sent_at[0] + 0.05)
+    assert fast_s > 2 * allowed_s
+    errors = v.of("error")
+    assert len(errors) == 1, errors  # one error for the lot (within a second)
+    err = errors[0]
+    assert (err["code"], err["status"], err["param"]) == ("rate_limited", 429, "audio") and err["retry_after_ms"] > 0
+    assert "1.5x real time" in err["message"], err
+    # the first frame over the limit, as the client reckons it (the gateway's clock can only
+    # put it later): the error came within 100 ms of sending it
+    over = next(k for k, at in enumerate(sent_at) if (k + 1) * 0.1 > 2.0 + 1.5 * (at - sent_at[0]))
+    answered_s = v.arrived[v.frames.index(err)] - sent_at[over]
+    assert answered_s < 0.1, f"the error came {answered_s * 1000:.0f} ms after the first frame over the limit"
+    # back to real time after a pause: the same connection is served, without an error
+    await asyncio.sleep(1.5)
+    await v.send_audio(silence(1200) + speech(SENTENCES[0]) + silence(1200), realtime=True)
+    await v.stop(timeout=60)
+    finals = v.of("final")
+    assert finals, v.frames
+    assert wer(SENTENCES[0], finals[-1]["text"]) <= 0.25, finals[-1]
+    assert len(v.of("error")) == 1, v.of("error")
+    # nothing over the limit was queued or decoded: every offset and the audio the worker
+    # decoded fit in what the limit let through
+    realtime_s = (2400 + len(speech(SENTENCES[0])) / BYTES_PER_MS) / 1000
+    assert max(f["end_ms"] for f in finals) / 1000 <= allowed_s + realtime_s + 0.1, finals
+    decoded = value(httpx.get(worker.metrics_url).text, "streamfleet_worker_audio_seconds_total", model="asr-en")
+    assert decoded <= allowed_s + realtime_s, (decoded, allowed_s, fast_s)
+    await v.close()
+
+
+async def test_a_started_session_that_sends_no_audio_is_closed_when_idle(fleet):
+    """Like a text WebSocket with no request, a started voice session that sends no audio
+    for SF_WS_IDLE_TIMEOUT_S is closed (1000, the reason says so); audio, even silence,
+    keeps it open."""
+    gw = fleet.gateway(ws_idle_timeout_s=1)
+    quiet, talking = await Voice.connect(gw), await Voice.connect(gw)
+    for v in (quiet, talking):
+        await v.wait_for(lambda f: f["type"] == "started")
+    t0 = time.monotonic()
+    feeding = asyncio.create_task(talking.send_audio(silence(2500), realtime=True))
+    await asyncio.wait_for(quiet.reader, 5)
+    assert 0.8 < time.monotonic() - t0 < 2.0
+    assert (quiet.ws.close_code, quiet.ws.close_reason) == (1000, "idle: no audio for 1 s")
+    await feeding
+    assert not talking.reader.done()  # 2.5 s of silence in real time: not idle
+    await talking.ws.send(orjson.dumps({"type": "ping"}).decode())  # a ping is no audio
+    t1 = time.monotonic()
+    await asyncio.wait_for(talking.reader, 5)
+    assert time.monotonic() - t1 < 1.5 and talking.ws.close_reason == "idle: no audio for 1 s"
+    assert not quiet.of("error") and not talking.of("error")
+
+
+#: a tier with no rate limit or stream cap: the keys below are limited by the fair slots alone
+VOICE_TIERS = '{"voice": {"requests_per_minute": null, "max_lane": "normal"}}'
+
+
+async def _final_latency(v: Voice, sentence: str) -> float:
+    """Say ``sentence`` in real time; seconds from the end of the speech to its final."""
+    before = len(v.of("final"))
+    await v.send_audio(silence(300) + speech(sentence), realtime=True)
+    spoken = time.monotonic()
+    trailing = asyncio.create_task(v.send_audio(silence(2000), realtime=True))
+    final = await v.wait_for(lambda f: f["type"] == "final" and f["utterance"] == before, timeout=60)
+    latency = v.arrived[v.frames.index(final)] - spoken
+    await trailing
+    assert wer(sentence, final["text"]) <= 0.25, final
+    return latency
+
+
+@pytest.mark.slow
+async def test_a_tenant_talking_on_several_sockets_does_not_starve_another(fleet, rds, key_prefix):
+    """Issue 36: "Voice slots are first come, first kept". One worker with two slots; key A
+    talks without pause on three sockets (utterances of about 30 s, back to back), and key
+    B then says a sentence. B's final comes about as soon after it stops speaking as when
+    it spoke alone: A holds one slot, its fair share of two (docs/voice.md, "Fair slots"),
+    and B takes the other at once. First come, first served, B's utterance waited behind
+    A's until one of them ended."""
+    gw = fleet.gateway(auth_enabled="true", tiers=VOICE_TIERS)
+    fleet.worker(model="asr-en")
+    key_a, key_b = add_key(fleet, "talker", "voice", VOICE_TIERS), add_key(fleet, "other", "voice", VOICE_TIERS)
+    b = await Voice.connect(gw, api_key=key_b)
+    await b.wait_for(lambda f: f["type"] == "started")
+    alone = await _final_latency(b, SENTENCES[2])
+
+    talk = silence(300) + b"".join(speech(s) + silence(250) for s in SENTENCES * 2)
+    a = [await Voice.connect(gw, api_key=key_a) for _ in range(3)]
+    talking = []
+    for v in a:
+        await v.wait_for(lambda f: f["type"] == "started")
+        talking.append(asyncio.create_task(v.send_audio(talk, realtime=True)))
+        await asyncio.sleep(0.2)
+    for v in a:
+        await v.wait_for(lambda f: f["type"] == "speech_started", timeout=10)
+    await asyncio.sleep(1.0)
+    held = rds.zrange(f"{key_prefix}:{{asr-en}}:voice:held", 0, -1)
+    assert len(held) == 1, held  # A's share of the two slots; the third socket's utterance waits
+    attacked = await _final_latency(b, SENTENCES[4])
+    for t in talking:
+        t.cancel()
+    # the goal is 1.5x; a shared 2-core machine adds a second of slack (first come, first
+    # served, B's final came 38 s after its speech here: SF_VOICE_FAIR_SLOTS=false)
+    assert attacked <= max(1.5 * alone, alone + 1.5), f"B's final: {attacked:.2f} s beside A, {alone:.2f} s alone"
+    assert not b.of("error") and not b.of("warning"), b.frames
+    for v in a + [b]:
+        await v.close()
+
+
 @pytest.mark.both_brokers
 async def test_a_worker_killed_mid_utterance_still_gives_each_final_once(fleet, rds, key_prefix):
     gw = fleet.gateway()
@@ -222,7 +354,7 @@ async def test_a_long_utterance_does_not_stall_its_worker(fleet, rds, key_prefix
     """A final pass over a long utterance takes seconds of CPU; the worker's heartbeat and
     event loop must go on meanwhile, or the other worker would take the utterance over
     (SF_WORKER_DEAD_AFTER_S is 1.5 s) and decode it twice."""
-    gw = fleet.gateway()
+    gw = fleet.gateway(**FAST)
     ports = [free_port(), free_port()]
     workers = [fleet.worker(model="asr-en", metrics_port=p) for p in ports]
     for w, p in zip(workers, ports):
@@ -248,12 +380,14 @@ async def test_a_long_utterance_does_not_stall_its_worker(fleet, rds, key_prefix
     await v.close()
 
 
-async def test_finals_come_in_utterance_order(voice_fleet):
+async def test_finals_come_in_utterance_order(fleet):
     """A long utterance's final pass outlasts the short one after it (on the worker's other
     slot): the worker finishes the short one first, and its final waits at the gateway, so
-    finals arrive in utterance order."""
-    worker = voice_fleet.extra["speech_worker"]
-    v = await Voice.connect(voice_fleet)
+    finals arrive in utterance order. (No reserved slot: a connection alone would
+    otherwise hold one of the worker's two slots at a time, docs/voice.md "Fair slots".)"""
+    gw = fleet.gateway(voice_reserved_slots=0, **FAST)
+    worker = fleet.worker(model="asr-en")
+    v = await Voice.connect(gw)
     await v.wait_for(lambda f: f["type"] == "started")
     sentences = SENTENCES[:4] * 2  # ~20 s of speech: a final pass of seconds on any machine
     long = b"".join(speech(s) + silence(250) for s in sentences)
@@ -333,7 +467,7 @@ async def test_redis_outage_ends_utterances_clearly_and_voice_resumes(own_redis,
     fleet = FleetFactory(own_redis.url, "sfvoice", tmp_path)
     restarted = None
     try:
-        gw = fleet.gateway()
+        gw = fleet.gateway(**FAST)
         fleet.worker(model="asr-en")
         v = await Voice.connect(gw)
         await v.wait_for(lambda f: f["type"] == "started")

@@ -10,6 +10,7 @@ from redis.crc import key_slot
 
 from streamfleet.gateway.broker import ENQUEUE_LUA
 from streamfleet.gateway.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
+from streamfleet.gateway.voiceslots import VOICE_SLOTS_LUA
 from streamfleet.shared.keys import TAG_LEN, Keys
 from streamfleet.shared.redis import RawBatch, RedisTarget, _route_key
 from streamfleet.shared.settings import CommonSettings
@@ -38,6 +39,7 @@ def test_a_models_channels_and_audio_live_on_its_lanes_slot() -> None:
     assert slot(keys.lane("tiny-gpt", "normal")) == slot(keys.dead("tiny-gpt")) == lane
     assert {slot(keys.wake("tiny-gpt")), slot(keys.cancel("tiny-gpt")), slot(keys.follow("tiny-gpt"))} == {lane}
     assert slot(keys.audio("a" * 32, "tiny-gpt")) == slot(keys.audio("b" * 32, "tiny-gpt")) == lane
+    assert {slot(k) for k in keys.voice_slots("tiny-gpt")} == {lane}  # one script touches all three
     assert keys.publish == b"SPUBLISH"
 
 
@@ -50,7 +52,7 @@ def test_single_server_names_are_unchanged() -> None:
     assert keys.publish == b"PUBLISH"
 
 
-@pytest.mark.parametrize("script", [ENQUEUE_LUA, TOKEN_BUCKET_LUA, STREAM_SLOTS_LUA, REQUEUE_LUA])
+@pytest.mark.parametrize("script", [ENQUEUE_LUA, TOKEN_BUCKET_LUA, STREAM_SLOTS_LUA, REQUEUE_LUA, VOICE_SLOTS_LUA])
 def test_every_lua_script_touches_only_declared_keys(script: str) -> None:
     """A script names no key of its own making: every command's key (or channel) is a
     KEYS[n], so the caller's hash tags decide the slot (checked below for the enqueue)."""
