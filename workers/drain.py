@@ -1,6 +1,11 @@
 """The drain: on SIGTERM a worker reads no new tasks, lets the requests it runs finish
 for up to ``drain_timeout_s``, then hands every unfinished one (and every held
 delivery) back to its lane so that another worker runs it.
+
+With Redis unreachable the hand-back gives up at the first failure, or when Redis has
+not answered within the time it is given: what it could not hand back stays pending in
+its lane, under this worker's name, and a live worker takes it over once Redis is back
+(docs/failures.md, "Graceful shutdown").
 """
 
 from __future__ import annotations
@@ -59,15 +64,28 @@ class Drain(Part):
             log.info("draining: no new tasks", in_flight=self.cores.active, drain_timeout_s=self.timeout_s)
         return self.deadline
 
-    async def hand_back(self) -> None:
-        """Give every unfinished task back to its lane so another worker runs it."""
+    async def hand_back(self, within_s: float) -> bool:
+        """Give every unfinished task back to its lane so another worker runs it, trying
+        for ``within_s`` at most. Returns whether Redis answered (False: what is left
+        stays pending in its lane for a live worker to take over)."""
         loop = asyncio.get_running_loop()
         tasks = await loop.run_in_executor(self.executor, self.cores.abandon_all)
         items = self.table.hand_back(tasks)
-        for lane, mid, raw in items:
-            try:
-                await self._requeue(keys=[self.lane_keys[lane]], args=[GROUP, mid, raw])
-            except BROKER_ERRORS as exc:  # it stays pending here and is reclaimed after the idle threshold
-                log.warning("hand-back failed", message_id=mid.decode(), error=str(exc))
-        if items:
-            log.info("handed back unfinished tasks", count=len(items))
+        done, error = 0, None
+        try:
+            async with asyncio.timeout(within_s):
+                for lane, mid, raw in items:
+                    await self._requeue(keys=[self.lane_keys[lane]], args=[GROUP, mid, raw])
+                    done += 1
+        except TimeoutError:
+            error = f"Redis did not answer within {within_s:.1f} s"
+        except BROKER_ERRORS as exc:  # Redis is gone: the others would fail the same way
+            error = str(exc) or type(exc).__name__
+        if done:
+            log.info("handed back unfinished tasks", count=done)
+        if error is not None:
+            left = items[done:]
+            log.warning("could not hand back unfinished tasks: Redis unreachable; they stay pending in their "
+                        "lanes and a live worker takes them over once Redis is back", count=len(left),
+                        message_ids=[mid.decode() for _, mid, _ in left[:16]], error=error)
+        return error is None

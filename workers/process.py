@@ -15,6 +15,9 @@ step per turn::
 
 On SIGTERM it reads no more and hands unfinished work back (``drain``). Acked tasks are
 deleted from the lane stream, so ``XLEN`` of a lane is its backlog: queued plus in flight.
+Whatever Redis does meanwhile (gone, or not answering), a worker told to stop exits
+within its drain's deadline plus ``STOP_GRACE_S`` twice, and at once when it runs
+nothing (``_bound_stop``): what it could not hand back stays pending in its lanes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ log = get_logger("worker")
 #: (``WorkerProcess._start_step``)
 STEP_HANDOFF_S = 0.002
 
+#: seconds a stopping worker gives Redis past what it waits for anyway: the main loop
+#: past the drain's deadline (or, running nothing, past one idle read's ``block_ms``)
+#: before it is cut short, then the hand-back and deregistration together
+#: (``WorkerProcess._bound_stop``, ``_finish``)
+STOP_GRACE_S = 1.0
+
 
 @dataclass(slots=True)
 class StepState:
@@ -77,6 +86,8 @@ class StepState:
     started_at: float = 0.0  # perf_counter() when it started
     unpublished: list = field(default_factory=list)  # (version, StepOutput) of the last finished step
     just_read: bool = False  # tasks were just read: the next step starts without another read
+    idle_read: bool = False  # the loop waits on an idle worker's blocking read (nothing to lose if cut)
+    redis_failed: bool = False  # the last turn failed on Redis (the loop is backing off)
 
 
 class WorkerProcess:
@@ -108,6 +119,7 @@ class WorkerProcess:
         self.audio: AudioFeed | None = None  # a speech model's audio input
         self._bg: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
+        self._cut_short = False  # the main loop was cancelled by _bound_stop
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._step_began = threading.Event()  # set by the engine thread as a step begins
         m = self.model
@@ -156,16 +168,32 @@ class WorkerProcess:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def _wait_for_redis(self) -> None:
+    async def _wait_for_redis(self) -> bool:
+        """Until Redis answers (True), or the worker is told to stop (False)."""
         backoff = 0.1
         while not self._stopping.is_set():
             try:
                 await self._ensure_groups()
-                return
+                return True
             except BROKER_ERRORS as exc:
                 log.warning("redis unreachable; retrying", error=str(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)
+                await self._back_off(backoff)
                 backoff = min(backoff * 2, 5.0)
+        return False
+
+    async def _back_off(self, seconds: float) -> None:
+        """Wait between tries at Redis: ``seconds``, cut short by the stop signal; a
+        stopping worker waits no longer than its drain's deadline."""
+        if self._stopping.is_set():
+            if getattr(self, "drain", None) is not None:  # (not yet before the parts are built)
+                seconds = min(seconds, max(self.drain.start() - time.monotonic(), 0.01))
+            await asyncio.sleep(seconds)
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+        except TimeoutError:
+            pass
 
     def _compose(self, speech: bool) -> None:
         """Build the parts around the connection, the cores and the in-flight table."""
@@ -192,7 +220,11 @@ class WorkerProcess:
         self.redis = connect(self.settings.redis_url, cluster=self.settings.redis_cluster,
                              socket_timeout=self.settings.redis_socket_timeout_s,
                              command_name=f"sf-worker-{self.worker_id}-commands")
-        await self._wait_for_redis()
+        if not await self._wait_for_redis():  # told to stop before Redis ever answered
+            log.info("worker stopped before Redis answered", worker_id=self.worker_id)
+            await self._close_redis()
+            self._executor.shutdown(wait=True)
+            return 0
         try:
             first = await self._load_async(await target_version(self.redis, self.keys, self.model))
         except NotFoundError:  # no such model folder: say which exist, in one line
@@ -225,22 +257,68 @@ class WorkerProcess:
                asyncio.create_task(self.reclaimer.run(), name="reclaim"),
                asyncio.create_task(self.reloader.run(), name="reload")]
         try:
-            await self._main_loop()
+            await self._serve()
         finally:
             for t in aux:
                 t.cancel()
             await asyncio.gather(*aux, return_exceptions=True)
-            await self.heartbeat.deregister()
-            await self.redis.aclose()
+            await self._close_redis()
             self._executor.shutdown(wait=True)
         log.info("worker stopped", worker_id=self.worker_id)
         return 0
 
-    async def _main_loop(self) -> None:
+    async def _close_redis(self) -> None:
+        try:
+            async with asyncio.timeout(STOP_GRACE_S):
+                await self.redis.aclose()
+        except (TimeoutError, *BROKER_ERRORS):
+            pass
+
+    async def _serve(self) -> None:
+        """The main loop until it stops (its drain is over, or ``_bound_stop`` cut it
+        short), then the last step's events and the hand-back (``_finish``)."""
+        st = StepState()
+        main = asyncio.create_task(self._main_loop(st), name="main")
+        bound = asyncio.create_task(self._bound_stop(main, st), name="stop-bound")
+        try:
+            await asyncio.wait({main, bound}, return_when=asyncio.FIRST_COMPLETED)
+            if not main.done():  # cut short: a moment to unwind (a publish it awaits is cancelled below)
+                await asyncio.wait({main}, timeout=STOP_GRACE_S / 2)
+            if main.done() and not main.cancelled() and main.exception() is not None:
+                raise main.exception()
+            await self._finish(st)
+        finally:
+            bound.cancel()
+            main.cancel()
+
+    async def _bound_stop(self, main: asyncio.Task, st: StepState) -> None:
+        """Bound a stopping worker's main loop whatever Redis does. Told to stop, the loop
+        gets until the drain's deadline (its clock starts now) plus ``STOP_GRACE_S``;
+        running nothing (no sequence, no step, no unsent events), until an idle read
+        that began before the signal has had ``block_ms`` plus ``STOP_GRACE_S`` to
+        answer. Past that Redis is not answering (a host gone without a reset, a paused
+        or partitioned server: each command would wait the socket timeout) and the loop
+        is cancelled where it waits."""
+        await self._stopping.wait()
+        told = time.monotonic()
+        deadline = self.drain.start()
+        idle_until = told + self.settings.block_ms / 1000 + STOP_GRACE_S
+        while not main.done():
+            now = time.monotonic()
+            idle = st.running is None and not st.unpublished and not self.publisher.unsent \
+                and not self.cores.has_work()
+            if now >= deadline + STOP_GRACE_S or (idle and (st.idle_read or st.redis_failed) and now >= idle_until):
+                log.warning("stopping: Redis does not answer in time; cutting the wait short",
+                            in_flight=self.cores.active, waited_s=round(now - told, 2))
+                self._cut_short = True
+                main.cancel()
+                return
+            await asyncio.wait({main}, timeout=0.05)
+
+    async def _main_loop(self, st: StepState) -> None:
         """Run steps until a drain is over. A Redis error backs off and resumes where the
         step stood (an engine step in flight is finished, unsent events go out first); a
         lane stream or group that vanished is recreated."""
-        st = StepState()
         backoff = 0.1
         regroup = False  # a lane's stream or group vanished: recreate them before the next step
         while True:
@@ -250,7 +328,7 @@ class WorkerProcess:
             # a step cut short by a Redis error is finished first, unless Redis stays away
             # past the drain's deadline: then the worker stops all the same (what it held
             # stays pending in the lanes, and a live worker reclaims it)
-            if stopping and (st.running is None or self.drain.overdue()) and await self._drained(st):
+            if stopping and (st.running is None or self.drain.overdue()) and self.drain.due():
                 return
             try:
                 if regroup:  # (here, so that Redis failing meanwhile backs off like any step)
@@ -258,10 +336,12 @@ class WorkerProcess:
                     regroup = False
                 await self._step(st, stopping)
                 backoff = 0.1
+                st.redis_failed = False
             except (*BROKER_ERRORS, ReadOnlyError) as exc:  # (READONLY: a primary turned replica)
                 metrics.redis_errors.labels("main_loop").inc()
                 log.warning("redis error in worker loop", error=str(exc))
-                await asyncio.sleep(backoff)
+                st.redis_failed = True
+                await self._back_off(backoff)
                 backoff = min(backoff * 2, 5.0)
             except ResponseError as exc:
                 # NOGROUP: a read found a lane's group gone (Redis restarted empty, the key
@@ -361,7 +441,11 @@ class WorkerProcess:
             await self.intake.admit(block=False, read=self.wake.should_read())
             await self._admit_while_computing(st.running)
         elif not self.cores.has_work():
-            await self.intake.admit(block=True)
+            st.idle_read = True  # (a stopping worker may cut this wait short: _bound_stop)
+            try:
+                await self.intake.admit(block=True)
+            finally:
+                st.idle_read = False
             st.just_read = True
 
     async def _admit_while_computing(self, running: asyncio.Future) -> None:
@@ -408,17 +492,30 @@ class WorkerProcess:
             await asyncio.get_running_loop().run_in_executor(self._executor, retired.core.engine.close)
             log.info("old model version freed", version=retired.version, now=self.cores.version)
 
-    async def _drained(self, st: StepState) -> bool:
-        """Whether the drain is over; once it is due, publish the last step and hand
-        back what is left."""
-        if not self.drain.due():
-            return False
-        try:
-            await self.publisher.publish_all(st.unpublished)
-        except BROKER_ERRORS as exc:
-            log.warning("could not publish the last step", error=str(exc))
-        await self.drain.hand_back()
-        return True
+    async def _finish(self, st: StepState) -> None:
+        """The drain is over: publish the last step, hand back what is left and
+        deregister, within what is left of the drain's deadline or ``STOP_GRACE_S``,
+        whichever is longer. Redis unreachable (the main loop cut short or backing off,
+        the hand-back failed), the worker stops all the same: what it holds stays pending
+        in its lanes, and its heartbeat entry expires."""
+        until = max(self.drain.start(), time.monotonic() + STOP_GRACE_S)
+        reachable = not (self._cut_short or st.redis_failed)
+        if reachable and (st.unpublished or self.publisher.unsent):
+            try:
+                async with asyncio.timeout(max(until - time.monotonic(), 0.01)):
+                    await self.publisher.publish_all(st.unpublished)
+            except (TimeoutError, *BROKER_ERRORS) as exc:
+                log.warning("could not publish the last step", error=str(exc) or type(exc).__name__)
+                reachable = False
+        # (Redis known unreachable: one short try, in case it is back)
+        within = max(until - time.monotonic(), 0.01)
+        reachable = await self.drain.hand_back(within if reachable else min(within, STOP_GRACE_S / 2)) and reachable
+        if reachable:
+            try:
+                async with asyncio.timeout(max(until - time.monotonic(), 0.01)):
+                    await self.heartbeat.deregister()
+            except TimeoutError:
+                pass
 
     # -- for the parts --------------------------------------------------------------------
     def _heartbeat(self) -> Heartbeat:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
 import redis
 
 from streamfleet.launcher import EmbeddedRedis
+from streamfleet.shared.schema import SamplingParams, Task
 from tests.integration.conftest import FleetFactory
 from tests.integration.wsclient import Client
 
@@ -89,6 +92,79 @@ async def test_worker_told_to_stop_while_redis_is_down_still_stops(own_redis, ti
         await c.close()
     finally:
         fleet.close()
+
+
+async def test_worker_told_to_stop_while_redis_does_not_answer_stops_within_its_drain_timeout(own_redis, tiny_spec,
+                                                                                                tmp_path):
+    """Issue 36, item 10 (the echo worker ignored SIGTERM for 110 s after Redis was lost):
+    with Redis not answering (paused, as a host gone without a reset or a partition looks),
+    each hand-back and the deregistration waited out the 10 s socket timeout in turn. Now
+    a worker running requests exits 0 within its drain timeout plus a short grace, an idle
+    one at once; the busy one logs what it could not hand back, and every task it held is
+    still in its lane when Redis answers again (pending for a live worker to take over)."""
+    busy_fleet = FleetFactory(own_redis.url, "sfhung", tmp_path)
+    idle_fleet = FleetFactory(own_redis.url, "sfhungidle", tmp_path)
+    rds = redis.Redis.from_url(own_redis.url)
+    paused = False
+    try:
+        # orphan_grace_s: nobody listens to these tasks' replies, and they must keep running
+        busy = busy_fleet.worker(backend="echo", echo_delay_ms=100, drain_timeout_s=1, orphan_grace_s=600,
+                                 wait=False)
+        idle = idle_fleet.worker(backend="echo", drain_timeout_s=1, wait=False)
+        busy_fleet.wait_worker(busy)
+        idle_fleet.wait_worker(idle)
+        lane = f"sfhung:{{tiny-gpt}}:tasks:normal"
+        for i in range(4):
+            task = Task(request_id=f"held-{i}", model="tiny-gpt", lane="normal", reply_to="nobody", client_id=str(i),
+                        prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200, ignore_eos=True, seed=i),
+                        created_at=time.time())
+            rds.xadd(lane, {"task": task.encode()})
+        deadline = time.monotonic() + 15
+        while rds.xpending(lane, "workers")["pending"] < 4 or "task admitted" not in busy.log(None):
+            assert time.monotonic() < deadline, busy.log()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # all four run
+
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)  # Redis stops answering
+        paused = True
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        busy.popen.terminate()
+        idle.popen.terminate()
+        waits = await asyncio.gather(*(asyncio.to_thread(_exit_time, w, t0, 20) for w in (busy, idle)))
+        (busy_code, busy_s), (idle_code, idle_s) = waits
+        # drain timeout (1 s) + at most 2 s of last tries at Redis, with slack for a busy
+        # machine; before the fix 10 s (the socket timeout) per task held, and per idle read
+        assert busy_code == 0 and busy_s < 1 + 2 + 2, (busy_s, busy.log())
+        assert idle_code == 0 and idle_s < 4.5, (idle_s, idle.log())
+        assert "could not hand back unfinished tasks" in busy.log(None), busy.log()
+
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+        paused = False
+        # nothing lost, nothing doubled: each task is either still pending under the stopped
+        # worker's name or was handed back (had Redis run a hand-back sent before the pause
+        # was given up on); acked tasks leave the lane, so it still holds all four
+        assert rds.xlen(lane) == 4
+        ids = sorted(Task.decode(fields[b"task"]).request_id for _, fields in rds.xrange(lane))
+        assert ids == [f"held-{i}" for i in range(4)]
+    finally:
+        if paused:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+        rds.close()
+        busy_fleet.close()
+        idle_fleet.close()
+
+
+def _exit_time(proc, t0: float, timeout: float) -> tuple[int | None, float]:
+    """A process's exit code and when it exited (seconds after ``t0``); killed, and
+    reported as ``timeout`` with no code, if it has not exited by then."""
+    try:
+        code = proc.popen.wait(timeout)
+    except Exception:
+        proc.popen.kill()
+        proc.popen.wait()
+        return None, timeout
+    return code, time.monotonic() - t0
 
 
 def _refuse_new_connections(rds, on: bool) -> None:
