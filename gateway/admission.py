@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from streamfleet.shared.errors import AuthError, ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
@@ -91,6 +91,8 @@ class Admission:
         self._held_connections: set[tuple[str, str]] = set()
         self._watcher: asyncio.Task | None = None
         self._handles = itertools.count(1)
+        #: key id -> monotonic time until which its bucket is known empty (``spent``)
+        self._spent: dict[str, float] = {}
 
     def start(self) -> None:
         """Bind to the broker's Redis client (after ``Broker.start``)."""
@@ -122,6 +124,46 @@ class Admission:
         return await self.store.verify(extract_key(authorization, api_key))
 
     # -- requests ---------------------------------------------------------------------
+    def spent(self, identity: Identity | None) -> None:
+        """Refuse at once, without a Redis round trip or reading the request, a key this
+        gateway saw run out of its rate limit, until its next request is due (the refusal's
+        ``retry_after_ms``): a flood of refused requests costs the gateway next to nothing
+        (docs/security.md). Other gateways only take tokens, so the bucket cannot refill
+        sooner (a refused request of several choices gives some back; it is then seen at
+        most ``retry_after_ms`` late).
+
+        Raises:
+            RefusedError: 429 ``rate_limited``, with the time left as its retry hint.
+        """
+        if identity is None or not self._spent:
+            return
+        until = self._spent.get(identity.key_id)
+        if until is None:
+            return
+        left = until - asyncio.get_running_loop().time()
+        if left <= 0:
+            del self._spent[identity.key_id]
+            return
+        tier = identity.tier
+        raise RefusedError(f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} exceeded; "
+                           f"retry in {max(1, int(left * 1000))} ms", code=ErrorCode.rate_limited,
+                           retry_after_ms=max(1, int(left * 1000)))
+
+    async def _take(self, identity: Identity) -> None:
+        """One request from the key's bucket (``RateLimiter.check``), remembering when it
+        is empty (``spent``)."""
+        self.spent(identity)
+        try:
+            await self.limiter.check(identity)
+        except RefusedError as exc:
+            if exc.code == ErrorCode.rate_limited and exc.retry_after_ms:
+                now = asyncio.get_running_loop().time()
+                if len(self._spent) >= 10_000:  # bounded: drop what has lapsed
+                    self._spent = {k: t for k, t in self._spent.items() if t > now}
+                if len(self._spent) < 10_000:
+                    self._spent[identity.key_id] = now + exc.retry_after_ms / 1000
+            raise
+
     async def admit(self, identity: Identity | None, draft, request_id: str | None = None, *,
                     charged: bool = False) -> Ticket:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
@@ -143,7 +185,7 @@ class Admission:
                             f"(highest allowed: {tier.max_lane})", code=ErrorCode.forbidden, param="priority")
         draft = self._within_ceilings(tier, draft)
         if not charged:
-            await self.limiter.check(identity)
+            await self._take(identity)
         held = await self.slots.acquire(identity.key_id, rid, tier.max_streams)
         return Ticket(rid, owner_of(identity), draft, identity.key_id, held)
 
@@ -186,12 +228,14 @@ class Admission:
         if tier.max_streams is not None and choices > tier.max_streams:
             raise ValidationError(f"{choices} choices need {choices} streams at once; the {tier.name} tier allows "
                                   f"{tier.max_streams}", code=ErrorCode.out_of_range, param=param)
+        self.spent(identity)
         await self.limiter.check(identity, cost=choices)
 
     async def refund(self, identity: Identity | None, choices: int) -> None:
         """A request of several choices was refused after ``charge``: it keeps the charge
         of one request (its checks cost the gateway work), the rest goes back."""
         if identity is not None and choices > 1:
+            self._spent.pop(identity.key_id, None)
             try:
                 await self.limiter.refund(identity, choices - 1)
             except StreamfleetError as exc:  # Redis away: the charge stays, as it would for a request
@@ -210,7 +254,7 @@ class Admission:
                 raise ValidationError("resuming needs the 'resume_token' of the request's 'accepted' frame",
                                       code=ErrorCode.missing_field, param="resume_token")
             return token_owner(resume_token)
-        await self.limiter.check(identity)
+        await self._take(identity)
         return owner_of(identity)
 
     async def release(self, ticket: Ticket | None) -> None:

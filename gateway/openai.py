@@ -308,6 +308,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         if identity is not None:  # every log line of this request names its key
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
             edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
+        admission.spent(identity)  # a key known out of its rate limit: 429 before reading the body
         raw = await _read_body(request, hub.settings.max_frame_bytes)
         if raw is None:
             # the client left before sending the whole body: nobody is there to answer, and

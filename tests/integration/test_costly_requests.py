@@ -96,6 +96,30 @@ async def test_admission_comes_before_the_grammar(tenants):
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
 
 
+async def test_a_key_out_of_its_rate_limit_is_refused_without_a_round_trip(tenants):
+    """Once a gateway saw a key's bucket empty, it refuses that key's requests until the
+    next one is due without asking Redis (or reading the body): the bucket in Redis is
+    not touched by the flood."""
+    from streamfleet.shared.redis import sync_client
+
+    gw, _, fleet = tenants
+    key = add_key(fleet, "flood", "scant", TIERS)
+    bucket = f"{fleet.prefix}:rl:{key.split('-')[1]}"
+    r = sync_client(fleet.redis_url)
+    async with httpx.AsyncClient(base_url=gw.http, timeout=60) as http:
+        for expect in (200, 200, 200, 429):
+            got = await http.post("/v1/completions", headers=_auth(key),
+                                  json={"model": "tiny-gpt", "prompt": "x", "max_tokens": 1})
+            assert got.status_code == expect, got.text
+        seen = r.hgetall(bucket)
+        for _ in range(20):
+            got = await http.post("/v1/completions", headers=_auth(key), content=b"{not even json")
+            assert got.status_code == 429 and got.json()["error"]["code"] == "rate_limited", got.text
+            assert int(got.headers["retry-after"]) >= 1
+    assert r.hgetall(bucket) == seen
+    r.close()
+
+
 async def test_a_refused_request_of_several_choices_takes_nothing(tenants):
     gw, _, fleet = tenants
     key = add_key(fleet, "choices", "scant", TIERS)  # 3 requests, then 1 a minute
