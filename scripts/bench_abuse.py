@@ -25,7 +25,7 @@ on the generated ``tiny-gpt`` model and, when a voice attack runs, a speech work
 Attacks (``--only`` takes one name or several, comma-separated):
 
   regex           ``guided_regex`` ``((a{50}){50}){50}`` (a new literal in front of each)
-  schema-pattern  the same as a JSON-schema ``pattern`` in ``response_format``
+  schema-pattern  the same as a JSON-schema ``pattern`` (anchored) in ``response_format``
   tool-pattern    the same inside a tool's ``parameters`` (``tool_choice: required``)
   deep-schema     a JSON schema nested 300 deep in ``response_format``
   grammar-memory  100 distinct hostile grammars (``bulk`` key, so that no rate limit hides
@@ -123,7 +123,10 @@ def hostile(i: int) -> str:
 
 
 def pattern_schema(regex: str) -> dict:
-    return {"type": "object", "properties": {"s": {"type": "string", "pattern": regex}}, "required": ["s"],
+    """A schema whose one string must match ``regex``, anchored: JSON Schema's ``pattern``
+    matches anywhere in the string, so an unanchored one is ``.*(regex).*``, which any
+    string meets and which costs nothing to enforce."""
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{regex}$"}}, "required": ["s"],
             "additionalProperties": False}
 
 
