@@ -213,18 +213,19 @@ def _wait(ms: int) -> str:
     return f"{ms} ms" if ms < 100 else f"{ms / 1000:.1f} s"
 
 
+def lua_now_ms(arg: int) -> str:
+    """The start of a script that reads the clock: ``now`` (ms) from ``ARGV[arg]`` when
+    given (tests), else Redis ``TIME`` (every gateway reads one clock), with effects
+    replication for the scripts that call ``TIME`` on Redis before 5.0."""
+    return ("if redis.replicate_commands then redis.replicate_commands() end\n"
+            f"local now\nif ARGV[{arg}] then\n  now = tonumber(ARGV[{arg}])\nelse\n"
+            "  local t = redis.call('TIME')\n"
+            "  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\nend\n")
+
+
 #: KEYS[1] slots zset; ARGV request_id, max_streams, ttl_ms, [now ms: tests only]
 #: -> {acquired 0|1, streams held (after)}
-STREAM_SLOTS_LUA = """
-if redis.replicate_commands then redis.replicate_commands() end
-local now
-if ARGV[4] then
-  now = tonumber(ARGV[4])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local ttl = tonumber(ARGV[3])
+STREAM_SLOTS_LUA = lua_now_ms(4) + """local ttl = tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then

@@ -45,6 +45,8 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 
+from streamfleet.gateway.ratelimit import lua_now_ms
+
 __all__ = ["SlotTable", "VoiceSlots", "Waiter", "capacity_of", "fair_share", "next_grants", "VOICE_SLOTS_LUA",
            "GRANT_TTL_S", "WAIT_TTL_S", "POLL_S"]
 
@@ -158,16 +160,7 @@ class SlotTable:
 #: KEYS[1] grants zset, KEYS[2] waiting zset (member -> expiry ms), KEYS[3] turns hash
 #: (member -> "since_ms cap"); ARGV member, cap (0 = none), capacity (0 = unknown: grant),
 #: reserve, grant ttl ms, wait ttl ms, [now ms: tests only] -> {granted 0|1, grants held}
-VOICE_SLOTS_LUA = """
-if redis.replicate_commands then redis.replicate_commands() end
-local now
-if ARGV[7] then
-  now = tonumber(ARGV[7])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local member, cap = ARGV[1], tonumber(ARGV[2])
+VOICE_SLOTS_LUA = lua_now_ms(7) + """local member, cap = ARGV[1], tonumber(ARGV[2])
 local capacity, reserve = tonumber(ARGV[3]), tonumber(ARGV[4])
 local held_ttl, wait_ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
