@@ -32,6 +32,7 @@ from typing import Any, Callable, Union
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
+from streamfleet.shared.modelrepo import kind_phrase
 from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.validation import check_lane
 
@@ -257,7 +258,7 @@ class AudioProtocol:
             raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
         spec = self.validator.spec(model)
         if spec.kind != "asr":
-            raise ValidationError(f"model {model!r} is a {spec.kind} model, not a speech model; use "
+            raise ValidationError(f"model {model!r} is {kind_phrase(spec.kind)}, not a speech model; use "
                                   f"/v1/stream for it", code=ErrorCode.invalid_request, param="model")
         rate = msg.get("sample_rate", spec.sample_rate)
         if not isinstance(rate, int) or isinstance(rate, bool):

@@ -33,8 +33,8 @@ from streamfleet.gateway.tools import Tools, call_text, parse_tools, tools_promp
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
-                                          load_tokenizer)
-from streamfleet.shared.schema import AudioInput, SamplingParams, Task
+                                          kind_phrase, load_tokenizer)
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane",
@@ -467,14 +467,14 @@ class Validator:
             raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
         spec = self.spec(model)
         if spec.kind != "text":
-            raise ValidationError(f"model {spec.name!r} is a {spec.kind} model, not a text model; stream audio to "
-                                  f"/v1/audio/stream for it", code=ErrorCode.invalid_request, param="model")
+            raise ValidationError(f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; stream "
+                                  f"audio to /v1/audio/stream for it", code=ErrorCode.invalid_request, param="model")
 
         lane = check_lane(p.get("priority"))
 
         explicit = frozenset(name for name in ("max_tokens", "timeout") if p.get(name) is not None)
         max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
-        temperature = self._float(p, "temperature", 1.0, 0.0, 2.0)
+        temperature = self._float(p, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0)
         top_p = self._float(p, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0.0:
             raise ValidationError("'top_p' must be greater than 0", code=ErrorCode.out_of_range, param="top_p")

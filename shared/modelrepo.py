@@ -60,8 +60,8 @@ from streamfleet.shared.errors import FatalError, NotFoundError
 from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
-           "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "POCKETSPHINX_LANGUAGE",
-           "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template", "chat_template_source"]
+           "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "kind_phrase",
+           "POCKETSPHINX_LANGUAGE", "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template", "chat_template_source"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,6 +69,12 @@ log = get_logger("models")
 
 #: what a model folder serves: text generation, or speech recognition (docs/voice.md)
 KINDS = ("text", "asr")
+_KIND_PHRASES = {"text": "a text model", "asr": "an ASR (speech recognition) model"}
+
+
+def kind_phrase(kind: str) -> str:
+    """``kind`` in a sentence: "a text model", "an ASR (speech recognition) model"."""
+    return _KIND_PHRASES.get(kind, f"a model of kind {kind!r}")
 #: the language of the model the pocketsphinx wheel bundles
 POCKETSPHINX_LANGUAGE = "en-US"
 

@@ -45,6 +45,7 @@ __all__ = [
     "AudioChunk",
     "FinishReason",
     "SamplingParams",
+    "DEFAULT_TEMPERATURE",
     "Task",
     "TokenEvent",
     "DoneEvent",
@@ -76,6 +77,11 @@ class FinishReason(StrEnum):
     cancelled = "cancelled"
 
 
+#: the temperature of a request that names none, on every door: the WebSocket, the OpenAI
+#: API and gRPC (OpenAI's default; docs/sampling.md)
+DEFAULT_TEMPERATURE = 1.0
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples. ``temperature == 0`` means greedy.
@@ -85,7 +91,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 64
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)

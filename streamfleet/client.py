@@ -21,6 +21,9 @@ from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
 #: the gateway's gRPC port unless SF_GRPC_PORT says otherwise
 GRPC_PORT = 50051
+#: the temperature these functions send unless told: greedy, as `streamfleet client` (its
+#: own default; a request that names none gets the gateway's, ``shared.schema.DEFAULT_TEMPERATURE``)
+CLIENT_TEMPERATURE = 0.0
 PRIORITIES = {"normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
 
 
@@ -80,7 +83,7 @@ def _summary(finish: str, n: int, t0: float, first: float | None, out: TextIO = 
     print(f"\n[{finish}] {n} tokens, TTFT {ttft:.0f} ms, {n / total:.1f} tokens/s", file=sys.stderr)
 
 
-async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
+async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = CLIENT_TEMPERATURE,
                      seed: int | None = None, priority: str = "normal", model: str | None = None,
                      out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """Stream one completion over the OpenAI-compatible SSE endpoint (chat completions
@@ -137,7 +140,7 @@ async def stream_sse(url: str, prompt: str, *, max_tokens: int = 64, temperature
     return 0
 
 
-async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
+async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature: float = CLIENT_TEMPERATURE,
                     seed: int | None = None, priority: str = "normal", model: str | None = None,
                     out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """Send one generate frame (``prompt`` as one user message with ``chat``) and print
@@ -182,7 +185,7 @@ async def stream_ws(url: str, prompt: str, *, max_tokens: int = 64, temperature:
     return 1
 
 
-async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.7,
+async def stream_grpc(target: str, prompt: str, *, max_tokens: int = 64, temperature: float = CLIENT_TEMPERATURE,
                       seed: int | None = None, priority: str = "normal", model: str | None = None,
                       out: TextIO = sys.stdout, chat: bool = False, api_key: str | None = None) -> int:
     """One ``Inference.Generate`` call to ``target`` (host:port); prints tokens as they

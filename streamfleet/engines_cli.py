@@ -7,8 +7,9 @@ run a build worker.
     streamfleet engines list                           what is built where (from Redis)
     streamfleet engines import ./exported --name mymodel   an Optimum export -> engines/mymodel
 
-Connection, key prefix and model repository come from ``--redis-url`` /
-``SF_REDIS_URL`` / ``REDIS_URL``, ``SF_KEY_PREFIX`` and ``SF_ENGINES_DIR``.
+Connection, key prefix and model repository come from ``--redis-url`` / ``--state`` /
+``SF_REDIS_URL`` / ``REDIS_URL`` (``streamfleet/local.py``), ``SF_KEY_PREFIX`` and
+``SF_ENGINES_DIR``.
 See docs/tensorrt.md.
 """
 
@@ -22,20 +23,21 @@ from typing import Any, Optional
 
 import typer
 
-from streamfleet.local import REDIS_FLAG_HELP
+from streamfleet.clihelp import App
+from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 
 __all__ = ["engines_app"]
 
-engines_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="Model folders: import an Optimum export; TensorRT plans: build (here or on a "
-                               "GPU build queue), list, run a build worker.")
+engines_app = App(no_args_is_help=True,
+                  help="Model folders: import an Optimum ONNX export or a GGUF file; TensorRT plans: build (here or "
+                       "on a GPU build queue), list, run a build worker.")
 
 
 
-def _settings(redis_url: Optional[str]) -> Any:
+def _settings(redis_url: Optional[str], state: Optional[str]) -> Any:
     from streamfleet.local import admin_settings
 
-    return admin_settings(redis_url)
+    return admin_settings(redis_url, state)
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -66,17 +68,18 @@ def _when(ts: Any) -> str:
 @engines_app.command("build")
 def build(
     model: str = typer.Argument(..., help="model folder under engines/"),
-    queue: Optional[str] = typer.Option(None, "--queue", help="enqueue on this GPU-architecture queue (e.g. sm90) "
-                                        "for `streamfleet engines worker` instead of building here"),
+    queue: Optional[str] = typer.Option(None, "--queue", metavar="QUEUE", help="enqueue on this GPU-architecture "
+                                        "queue (e.g. sm90) for `streamfleet engines worker` instead of building here"),
     force: bool = typer.Option(False, "--force", help="rebuild even when the plan exists"),
     wait: bool = typer.Option(False, "--wait", help="with --queue: wait for the build and print its record"),
-    timeout: float = typer.Option(3 * 3600, help="with --wait: seconds to wait"),
-    option: list[str] = typer.Option([], "--option",
+    timeout: float = typer.Option(3 * 3600, metavar="SECONDS", help="with --wait: seconds to wait"),
+    option: list[str] = typer.Option([], "--option", metavar="KEY=VALUE",
                                      help="KEY=VALUE overriding the tensorrt table of engine.toml (repeatable)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Build MODEL's TensorRT plan for this host's GPU, or queue the build for a GPU host."""
-    settings = _settings(redis_url)
+    settings = _settings(redis_url, state)
     options = _parse_options(option)
     if queue:
         raise typer.Exit(_enqueue(settings, queue, model, force, options, wait, timeout))
@@ -169,13 +172,14 @@ def list_(
     model: Optional[str] = typer.Argument(None, help="only this model"),
     as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
     local: bool = typer.Option(False, "--local", help="also list plan files on this host's disk"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Show built plans (host, TensorRT, GPU arch, when, how long) and the build queues."""
     from streamfleet.shared.redis import BROKER_ERRORS, connect
     from streamfleet.workers.enginebuild import list_plans, list_queues
 
-    settings = _settings(redis_url)
+    settings = _settings(redis_url, state)
 
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_socket_timeout_s)
@@ -241,11 +245,12 @@ def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
 
 @engines_app.command("worker")
 def worker(
-    queue: str = typer.Option(..., "--queue", help="the GPU-architecture queue to serve, e.g. sm90"),
+    queue: str = typer.Option(..., "--queue", metavar="QUEUE", help="the GPU-architecture queue to serve, e.g. sm90"),
     burst: bool = typer.Option(False, "--burst", help="exit once the queue is empty"),
     check_arch: bool = typer.Option(True, "--check-arch/--no-check-arch",
                                     help="refuse to serve an smNN queue that is not this GPU's architecture"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Run build jobs from QUEUE on this GPU host (arq worker; one build at a time)."""
     import re
@@ -254,7 +259,7 @@ def worker(
     from streamfleet.shared.logging import configure_logging
     from streamfleet.workers.enginebuild import make_worker, queue_key
 
-    settings = _settings(redis_url)
+    settings = _settings(redis_url, state)
     configure_logging(settings.log_level, settings.log_format, process="engine-builder")
     try:
         qkey = queue_key(settings.key_prefix, queue)
@@ -278,26 +283,25 @@ def worker(
     sys.exit(0)
 
 
-@engines_app.command("import")
+@engines_app.command("import", help=(
+    "Check an Optimum ONNX export and copy it into the model repository as a servable model folder, or build one "
+    "from a Llama GGUF file (graph, tokenizer, chat template); prints what it found (layout, KV heads and dtype, "
+    "position_ids, context and what capped it, EOS and BOS, where the chat template comes from)."))
 def import_(
     path: str = typer.Argument(..., help="a folder exported by `optimum-cli export onnx --task "
                                          "text-generation-with-past`, or a Llama GGUF file (FILE.gguf)"),
-    name: Optional[str] = typer.Option(None, "--name", help="model name (default: the folder's name)"),
-    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", help="model repository [SF_ENGINES_DIR, "
-                                                                          "default engines/]"),
+    name: Optional[str] = typer.Option(None, "--name", metavar="NAME", help="model name (default: the folder's name)"),
+    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
+                                              "[SF_ENGINES_DIR, default engines/]"),
     backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime | tensorrt"),
-    max_batch: int = typer.Option(16, "--max-batch", min=1, help="sequences one worker runs at once"),
-    max_context: Optional[int] = typer.Option(None, "--max-context", min=2,
+    max_batch: int = typer.Option(16, "--max-batch", min=1, metavar="N", help="sequences one worker runs at once"),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=2, metavar="TOKENS",
                                               help="prompt + completion tokens (default: the model's, at most 4096)"),
     check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
     force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
     weights: str = typer.Option("q4", "--weights", help="GGUF only: q4 (4-bit weights, fp32 activations) | fp32 "
                                 "(the reference path) | int8 | q4-int8act (lossy; docs/models.md)"),
 ) -> None:
-    """Check an Optimum ONNX export and copy it into the model repository as a servable
-    model folder, or build one from a Llama GGUF file (graph, tokenizer, chat template);
-    prints what it found (layout, KV heads and dtype, position_ids, context and what
-    capped it, EOS and BOS, where the chat template comes from)."""
     from pathlib import Path
 
     from streamfleet.shared.errors import FatalError

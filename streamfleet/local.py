@@ -2,32 +2,45 @@
 
 `serve` usually starts a private Redis on a random port. So that `streamfleet status`,
 `keys`, `reload` and `engines` in another shell find that fleet rather than whatever
-answers on 6379, `serve` writes a small record (``serve.json``: Redis URL, API URL, its
-pid) in a per-user runtime folder while it runs, and removes it when it stops.
+answers on 6379, each `serve` writes a small record of its own (``serve-PORT.json``,
+named by its gateway port: Redis URL, API URL, its pid) in a per-user state folder while
+it runs (or at ``serve --state PATH``), and removes it when it stops.
 
-A command's Redis is, in order: its ``--redis-url`` flag, ``SF_REDIS_URL`` or
-``REDIS_URL``, the record of a `serve` that is still running, else
-``redis://127.0.0.1:6379/0``. Every command says on stderr which one it uses and why.
+A command's Redis is, in order: its ``--redis-url`` flag; the record of its ``--state``
+flag; ``SF_REDIS_URL`` or ``REDIS_URL``; the record of the one `serve` still running in
+the state folder (with several, the command refuses and lists them); else
+``redis://127.0.0.1:6379/0``. A record whose `serve` has gone is stale: it is named,
+removed and not used. Every command says on stderr which Redis it uses and why.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-__all__ = ["ServeRecord", "record_path", "write_record", "clear_record", "read_record", "resolve_redis",
-           "admin_settings", "mask_url", "REDIS_FLAG_HELP"]
+__all__ = ["ServeRecord", "AdminRedisError", "Resolution", "state_dir", "record_path", "write_record",
+           "clear_record", "read_record", "serve_records", "resolve_redis", "admin_settings", "mask_url",
+           "REDIS_FLAG_HELP", "STATE_FLAG_HELP", "DEFAULT_REDIS_URL"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 #: the --redis-url help of every administrative command
-REDIS_FLAG_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the running `streamfleet serve`'s, "
-                   f"else {DEFAULT_REDIS_URL})")
+REDIS_FLAG_HELP = ("the fleet's Redis (default: SF_REDIS_URL / REDIS_URL, else the Redis of the one "
+                   f"`streamfleet serve` running, else {DEFAULT_REDIS_URL})")
+#: the --state help of every administrative command
+STATE_FLAG_HELP = ("use the Redis of the `streamfleet serve` that records itself in this file (its "
+                   "--state, or serve-PORT.json in SF_STATE_DIR); for several serves at once")
+
+
+class AdminRedisError(Exception):
+    """The command cannot tell which Redis to use (a stale or missing ``--state``
+    record, several running serves); the message says what to do."""
 
 
 def mask_url(url: str) -> str:
@@ -53,20 +66,32 @@ class ServeRecord:
     embedded: bool
 
 
-def record_path() -> Path:
-    """``$SF_STATE_DIR/serve.json``; by default in ``$XDG_RUNTIME_DIR`` (else the temporary
-    folder), in a folder of this user's own."""
+def state_dir() -> Path:
+    """``$SF_STATE_DIR``; by default a folder of this user's own in ``$XDG_RUNTIME_DIR``
+    (else the temporary folder)."""
     folder = os.environ.get("SF_STATE_DIR")
     if not folder:
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
         folder = os.path.join(base, f"streamfleet-{os.getuid()}")
-    return Path(folder) / "serve.json"
+    return Path(folder)
 
 
-def write_record(record: ServeRecord) -> Path:
-    path = record_path()
+def record_path(port: int) -> Path:
+    """Where the `serve` whose gateway listens on ``port`` records itself by default:
+    ``serve-PORT.json`` in the state folder, or ``serve-PORT-PID.json`` while another
+    running `serve` (on another address) holds that name."""
+    path = state_dir() / f"serve-{port}.json"
+    held = read_record(path)
+    if held is not None and held.pid != os.getpid() and _alive(held.pid):
+        return state_dir() / f"serve-{port}-{os.getpid()}.json"
+    return path
+
+
+def write_record(record: ServeRecord, path: Path) -> Path:
+    """Write ``record`` at ``path`` (readable by this user only), atomically."""
+    path = Path(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{record.pid}.tmp")
+    tmp = path.with_name(f".{path.name}.{record.pid}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(orjson.dumps({"redis_url": record.redis_url, "api_url": record.api_url, "pid": record.pid,
@@ -75,14 +100,18 @@ def write_record(record: ServeRecord) -> Path:
     return path
 
 
-def clear_record(pid: int) -> None:
-    """Remove the record if it is still the one ``pid`` wrote (a later `serve` may own it)."""
-    current = read_record(check_alive=False)
+def clear_record(pid: int, path: Path) -> None:
+    """Remove the record at ``path`` if it is still the one ``pid`` wrote."""
+    current = read_record(path)
     if current is not None and current.pid == pid:
-        try:
-            record_path().unlink()
-        except FileNotFoundError:
-            pass
+        _unlink(Path(path))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -95,41 +124,102 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_record(check_alive: bool = True) -> ServeRecord | None:
-    """The running `serve`'s record; None when there is none, it is unreadable, or (with
-    ``check_alive``) its process has gone."""
+def read_record(path: Path) -> ServeRecord | None:
+    """The record at ``path``, whether or not its `serve` still runs; None when there is
+    none or it is unreadable."""
     try:
-        d: Any = orjson.loads(record_path().read_bytes())
-        rec = ServeRecord(redis_url=str(d["redis_url"]), api_url=str(d.get("api_url", "")), pid=int(d["pid"]),
-                          embedded=bool(d.get("embedded", False)))
+        d: Any = orjson.loads(Path(path).read_bytes())
+        return ServeRecord(redis_url=str(d["redis_url"]), api_url=str(d.get("api_url", "")), pid=int(d["pid"]),
+                           embedded=bool(d.get("embedded", False)))
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
-    if check_alive and not _alive(rec.pid):
-        return None
-    return rec
 
 
-def resolve_redis(flag: str | None) -> tuple[str, str]:
-    """The Redis URL a command uses and where it came from (for the command to say)."""
+def serve_records() -> tuple[list[tuple[Path, ServeRecord]], list[tuple[Path, ServeRecord]]]:
+    """The records in the state folder: ``(live, stale)``, each ``(path, record)`` in
+    name order; stale: its `serve` is no longer running."""
+    live, stale = [], []
+    try:
+        paths = sorted(state_dir().glob("serve*.json"))
+    except OSError:
+        paths = []
+    for path in paths:
+        rec = read_record(path)
+        if rec is not None:
+            (live if _alive(rec.pid) else stale).append((path, rec))
+    return live, stale
+
+
+def _gone(path: Path, rec: ServeRecord) -> str:
+    what = f" ({rec.api_url})" if rec.api_url else ""
+    return f"{path} is stale: its `streamfleet serve`{what}, pid {rec.pid}, is no longer running"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """The Redis a command uses, where it came from, and notes to say first (stale
+    records removed)."""
+
+    url: str
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_redis(flag: str | None, state: str | None = None) -> Resolution:
+    """The Redis URL a command uses, and why (for the command to say).
+
+    Raises:
+        AdminRedisError: both flags given; the ``state`` record is missing or stale;
+            several `serve`s are running and neither a flag nor the environment picks one.
+    """
+    if flag and state:
+        raise AdminRedisError("give either --redis-url or --state, not both")
     if flag:
-        return flag, "--redis-url"
+        return Resolution(flag, "--redis-url")
+    if state:
+        path = Path(state)
+        rec = read_record(path)
+        if rec is None:
+            raise AdminRedisError(f"--state {path}: no `streamfleet serve` record there (is that serve running? "
+                                  f"It writes the file while it runs and removes it when it stops)")
+        if not _alive(rec.pid):
+            _unlink(path)
+            raise AdminRedisError(f"--state {_gone(path, rec)}; removed it. Start that serve again, or pass "
+                                  f"--redis-url")
+        return Resolution(rec.redis_url, f"the `streamfleet serve` of --state {path}, pid {rec.pid}")
     for name in ("SF_REDIS_URL", "REDIS_URL"):
         if os.environ.get(name):
-            return os.environ[name], name
-    rec = read_record()
-    if rec is not None:
-        return rec.redis_url, f"the running `streamfleet serve`, pid {rec.pid}"
-    return DEFAULT_REDIS_URL, "default; set SF_REDIS_URL or --redis-url for another"
+            return Resolution(os.environ[name], name)
+    live, stale = serve_records()
+    notes = []
+    for path, rec in stale:
+        _unlink(path)
+        notes.append(f"note: {_gone(path, rec)}; not used, and removed")
+    if len(live) > 1:
+        listed = "\n".join(f"  {path}: API {rec.api_url or '?'}, Redis {mask_url(rec.redis_url)}, pid {rec.pid}"
+                           for path, rec in live)
+        raise AdminRedisError(f"{len(live)} `streamfleet serve`s are running; name the one to use with "
+                              f"--state PATH (or --redis-url URL):\n{listed}")
+    if live:
+        path, rec = live[0]
+        return Resolution(rec.redis_url, f"the running `streamfleet serve`, pid {rec.pid}, recorded in {path}", notes)
+    return Resolution(DEFAULT_REDIS_URL, "the default: no `streamfleet serve` is running and neither SF_REDIS_URL "
+                                         "nor REDIS_URL is set; pass --redis-url for another", notes)
 
 
-def admin_settings(flag: str | None, *, quiet: bool = False) -> Any:
+def admin_settings(flag: str | None, state: str | None = None, *, quiet: bool = False) -> Any:
     """The command's ``CommonSettings`` with its Redis resolved (``resolve_redis``); says
-    on stderr which Redis that is, unless ``quiet``."""
-    import sys
-
+    on stderr which Redis that is, unless ``quiet``. A Redis it cannot tell ends the
+    command with exit status 2 and the reason."""
     from streamfleet.shared.settings import CommonSettings
 
-    url, source = resolve_redis(flag)
+    try:
+        found = resolve_redis(flag, state)
+    except AdminRedisError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if not quiet:
-        print(f"redis: {mask_url(url)} ({source})", file=sys.stderr, flush=True)
-    return CommonSettings(redis_url=url)
+        for note in found.notes:
+            print(note, file=sys.stderr)
+        print(f"redis: {mask_url(found.url)} ({found.source})", file=sys.stderr, flush=True)
+    return CommonSettings(redis_url=found.url)

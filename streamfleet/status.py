@@ -4,12 +4,17 @@ One snapshot is a handful of read-only commands per model (see ``docs/status.md`
 the ``redis-cli`` equivalent of every field):
 
 * lanes: ``XLEN`` (backlog: queued + in flight, since workers XDEL what they ack),
-  ``XINFO GROUPS`` (``pending`` = in flight, ``consumers``, ``lag`` = not yet read;
-  Redis < 7 has no ``lag``, so it is derived as ``XLEN - pending``), ``XPENDING``
+  ``XINFO GROUPS`` (``pending`` = in flight, ``lag`` = not yet read; Redis < 7 has no
+  ``lag``, so it is derived as ``XLEN - pending``), ``XPENDING``
   (the oldest delivery: its age since enqueue and its idle time) and ``XRANGE`` after
   the group's last-delivered id (the oldest task still waiting for a worker);
 * workers: ``HGETALL {prefix}:workers:{model}``; an entry whose heartbeat is older than
-  ``worker_ttl_s`` is marked stale (its worker is gone or hung);
+  ``worker_ttl_s`` is marked stale (its worker is gone or hung). A lane's consumers are
+  the live workers that read it (every live, not draining worker of the model reads all
+  its lanes), not ``XINFO GROUPS``' count: Redis adds a consumer to the group only when
+  a read first hands it an entry, so a worker that has not had a task yet (a speech
+  worker before the first utterance) is missing there, and one that has gone stays
+  until deleted. That count is kept as ``group_consumers``;
 * dead letters: ``XLEN`` and ``XREVRANGE … COUNT n`` of ``{prefix}:{model}:dead``;
 * gateways: ``PUBSUB CHANNELS {prefix}:gateway:*`` (each gateway holds one control
   subscription), and ``PUBSUB NUMSUB {prefix}:cancel`` (workers listening for cancels).
@@ -77,7 +82,10 @@ class LaneStatus:
     lag_source: str = "xinfo"
     #: delivered to a worker, not yet acked
     pending: int = 0
+    #: live workers reading the lane (every live, not draining worker of the model)
     consumers: int = 0
+    #: XINFO GROUPS' count: consumers Redis has handed an entry of the lane, live or gone
+    group_consumers: int = 0
     last_delivered_id: str | None = None
     oldest_pending: PendingEntry | None = None
     oldest_queued: QueuedEntry | None = None
@@ -199,7 +207,7 @@ def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
         st.lag, st.lag_source = st.length, "derived"
         return st
     st.pending = int(group.get("pending") or 0)
-    st.consumers = int(group.get("consumers") or 0)
+    st.group_consumers = int(group.get("consumers") or 0)
     st.last_delivered_id = _s(group.get("last-delivered-id") or "0-0")
     lag = group.get("lag")
     if lag is None:  # Redis < 7, or a lag Redis cannot compute: backlog minus in flight
@@ -274,9 +282,11 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
     out = []
     for name in names:
         m = ModelStatus(name=name, dead_key=keys.dead(name))
+        m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
+        readers = sum(1 for w in m.live_workers if not w.draining)
         for lane in LANES:
             m.lanes.append(_lane(r, lane, keys.lane(name, lane), now_ms))
-        m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
+            m.lanes[-1].consumers = readers
         m.dead_count, m.dead_latest = _dead(r, m.dead_key, now_ms, DEAD_SHOWN)
         out.append(m)
     head = f"{keys.prefix}:gateway:"
@@ -394,7 +404,7 @@ def render(st: FleetStatus) -> str:
         rows = []
         for lane in m.lanes:
             if not lane.exists:
-                rows.append([lane.lane, "0", "0", "0", "0", "-", "-", "(no stream yet)"])
+                rows.append([lane.lane, "0", "0", "0", str(lane.consumers), "-", "-", "(no stream yet)"])
                 continue
             op = lane.oldest_pending
             oq = lane.oldest_queued

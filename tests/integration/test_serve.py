@@ -89,12 +89,15 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         # transformers' advice that PyTorch is missing does not apply to a tokenizer-only fleet
         assert "PyTorch was not found" not in served
 
-        # another shell: with no Redis configured, `status` finds the fleet serve started and says so
+        # another shell: with no Redis configured, `status` finds the fleet serve started and says so;
+        # the record is this serve's own, named by its port
+        record = tmp_path / "state" / f"serve-{port}.json"
+        assert orjson.loads(record.read_bytes())["pid"] == proc.pid
         admin_env = {k: v for k, v in env.items() if k not in ("REDIS_URL", "SF_REDIS_URL")}
         st = subprocess.run([sys.executable, "-m", "streamfleet", "status", "--json", "--model", "tiny-gpt"],
                             env=admin_env, capture_output=True, text=True, timeout=60)
         assert st.returncode == 0, st.stderr
-        assert "(the running `streamfleet serve`, pid" in st.stderr and f"pid {proc.pid})" in st.stderr
+        assert f"(the running `streamfleet serve`, pid {proc.pid}, recorded in {record})" in st.stderr, st.stderr
         [model] = orjson.loads(st.stdout)["models"]
         assert model["name"] == "tiny-gpt" and model["live_workers"] == 1
         keys = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "list"], env=admin_env,
@@ -137,7 +140,7 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-        assert not (tmp_path / "state" / "serve.json").exists(), "serve removes its record when it stops"
+        assert not list((tmp_path / "state").glob("serve*.json")), "serve removes its record when it stops"
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [c.cmdline() for c in alive]
         with pytest.raises(httpx.HTTPError):
@@ -147,3 +150,80 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
             proc.kill()
         for c in _descendants(proc.pid):
             c.kill()
+
+
+def _start_serve(env: dict[str, str], log_path, *args: str) -> tuple[subprocess.Popen, int]:
+    """A `streamfleet serve` of the demo model alone (no voice, no gRPC), ready; and its port."""
+    port = free_port()
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port), "--model", "tiny-gpt",
+                             "--speech-model", "", "--grpc-port", "0", "--metrics-port", "0", *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(log_path.read_text())
+
+
+def test_two_serves_keep_their_own_records(tiny_spec, tmp_path):
+    """Two `serve`s under one user: each records itself (by port; the second also at
+    --state), a command with neither flag nor environment refuses to pick one and lists
+    both, --state picks either, and a serve that was killed leaves records that are named
+    as stale and not used."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
+    env.update(REDIS_URL="redis://127.0.0.1:1/0", SF_THREADS="1", SF_STATE_DIR=str(tmp_path / "state"),
+               SF_ENGINES_DIR=_engines_without_the_default_model(tiny_spec, tmp_path))
+    chosen = tmp_path / "second.json"
+    first, port = _start_serve(env, tmp_path / "first.log")
+    procs = [first]
+    try:
+        second, port2 = _start_serve(env, tmp_path / "second.log", "--state", str(chosen))
+        procs.append(second)
+        mine, theirs = tmp_path / "state" / f"serve-{port}.json", tmp_path / "state" / f"serve-{port2}.json"
+        records = {path: orjson.loads(path.read_bytes()) for path in (mine, theirs, chosen)}
+        assert [r["pid"] for r in records.values()] == [first.pid, second.pid, second.pid]
+        assert records[mine]["redis_url"] != records[theirs]["redis_url"], "each serve has its own Redis"
+
+        def status(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "streamfleet", "status", "--json", "--model", "tiny-gpt",
+                                   *args], env={k: v for k, v in env.items() if k != "REDIS_URL"},
+                                  capture_output=True, text=True, timeout=60)
+
+        refused = status()
+        assert refused.returncode == 2 and not refused.stdout, refused.stderr
+        assert "2 `streamfleet serve`s are running" in refused.stderr and "--state" in refused.stderr, refused.stderr
+        assert str(mine) in refused.stderr and str(theirs) in refused.stderr
+
+        for path, rec in records.items():
+            picked = status("--state", str(path))
+            assert picked.returncode == 0, picked.stderr
+            assert f"redis: {rec['redis_url']} (the `streamfleet serve` of --state {path}, pid {rec['pid']})" \
+                in picked.stderr
+            assert orjson.loads(picked.stdout)["redis_url"] == rec["redis_url"]
+
+        # the second is killed: its records stay behind, stale; commands say so and use the first
+        second.kill()
+        second.wait()
+        st = status()
+        assert st.returncode == 0, st.stderr
+        assert f"{theirs} is stale" in st.stderr and f"pid {second.pid}" in st.stderr
+        assert f"redis: {records[mine]['redis_url']} (the running `streamfleet serve`, pid {first.pid}" in st.stderr
+        assert not theirs.exists()
+        gone = status("--state", str(chosen))
+        assert gone.returncode == 2 and f"{chosen} is stale" in gone.stderr, gone.stderr
+
+        first.send_signal(signal.SIGINT)
+        assert first.wait(30) == 0
+        assert not mine.exists()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            for c in _descendants(proc.pid):
+                c.kill()

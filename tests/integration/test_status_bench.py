@@ -83,6 +83,35 @@ def test_status_marks_stale_workers_and_shows_backlog(fleet, rds, key_prefix):
     assert "STALE" in res.stdout
 
 
+def test_status_counts_the_workers_reading_each_lane(fleet, rds, key_prefix):
+    """A lane's consumers are its live workers, including a speech worker that has had no
+    utterance yet (Redis adds a group consumer only at its first delivery), and not a
+    worker that is gone (its consumer stays in the group: ``group_consumers``)."""
+    fleet.worker(model="asr-en")
+    fleet.worker(backend="echo")
+    ghost = f"{key_prefix}:{{ghost-model}}:tasks:high"
+    rds.xgroup_create(ghost, "workers", id="0", mkstream=True)
+    rds.xadd(ghost, {"task": "{}"})
+    rds.xreadgroup("workers", "w-gone", {ghost: ">"}, count=1)
+
+    res = sf(["status", "--json"], fleet.env())
+    assert res.returncode == 0, res.stderr
+    models = {m["name"]: m for m in json.loads(res.stdout)["models"]}
+    for name in ("asr-en", "tiny-gpt"):
+        assert models[name]["live_workers"] == 1
+        for lane in models[name]["lanes"]:
+            assert lane["consumers"] == 1, (name, lane)
+            assert lane["group_consumers"] == 0, (name, lane)  # neither has had a task yet
+    res = sf(["status", "--json", "--model", "ghost-model"], fleet.env())
+    [ghost_model] = json.loads(res.stdout)["models"]
+    high = next(x for x in ghost_model["lanes"] if x["lane"] == "high")
+    assert (high["consumers"], high["group_consumers"], high["pending"]) == (0, 1, 1)
+
+    text = sf(["status", "--model", "asr-en"], fleet.env()).stdout
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["high"], ["normal"])]
+    assert [row[4] for row in rows] == ["1", "1"], text
+
+
 def test_status_without_redis_fails_clearly(fleet):
     env = fleet.env()
     env["SF_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"

@@ -54,33 +54,34 @@ def test_port_check_sees_a_listener():
     assert port_free("127.0.0.1", port)
 
 
-def test_commands_find_the_running_serve_after_flag_and_environment(tmp_path, monkeypatch):
+def test_commands_find_the_running_serve_after_flags_and_environment(tmp_path, monkeypatch):
     import os
-    import subprocess
-    import sys
 
-    from streamfleet.local import ServeRecord, clear_record, read_record, resolve_redis, write_record
+    from streamfleet.local import ServeRecord, clear_record, record_path, resolve_redis, write_record
 
     monkeypatch.setenv("SF_STATE_DIR", str(tmp_path))
     monkeypatch.delenv("SF_REDIS_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)
-    assert resolve_redis(None)[0] == "redis://127.0.0.1:6379/0"
+    assert resolve_redis(None).url == "redis://127.0.0.1:6379/0"
 
-    write_record(ServeRecord("redis://127.0.0.1:5555/0", "http://127.0.0.1:8000", os.getpid(), True))
-    assert (tmp_path / "serve.json").stat().st_mode & 0o077 == 0, "the record is the user's own"
-    url, source = resolve_redis(None)
-    assert url == "redis://127.0.0.1:5555/0" and f"pid {os.getpid()}" in source
+    path = write_record(ServeRecord("redis://127.0.0.1:5555/0", "http://127.0.0.1:8000", os.getpid(), True),
+                        record_path(8000))
+    assert path == tmp_path / "serve-8000.json", "a serve's record is named by its gateway port"
+    assert path.stat().st_mode & 0o077 == 0, "the record is the user's own"
+    found = resolve_redis(None)
+    assert found.url == "redis://127.0.0.1:5555/0" and f"pid {os.getpid()}" in found.source
+    assert str(path) in found.source
     monkeypatch.setenv("REDIS_URL", "redis://r:1/0")
-    assert resolve_redis(None) == ("redis://r:1/0", "REDIS_URL")
+    assert (resolve_redis(None).url, resolve_redis(None).source) == ("redis://r:1/0", "REDIS_URL")
     monkeypatch.setenv("SF_REDIS_URL", "redis://s:1/0")
-    assert resolve_redis(None) == ("redis://s:1/0", "SF_REDIS_URL")
-    assert resolve_redis("redis://f:1/0") == ("redis://f:1/0", "--redis-url")
+    assert (resolve_redis(None).url, resolve_redis(None).source) == ("redis://s:1/0", "SF_REDIS_URL")
+    assert (resolve_redis("redis://f:1/0").url, resolve_redis("redis://f:1/0").source) == ("redis://f:1/0",
+                                                                                              "--redis-url")
+    # --state names the serve, before the environment
+    assert resolve_redis(None, str(path)).url == "redis://127.0.0.1:5555/0"
 
-    # a record whose serve has gone is ignored; only its writer removes it
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    write_record(ServeRecord("redis://127.0.0.1:6666/0", "", int(gone.stdout), True))
-    assert read_record() is None and read_record(check_alive=False).pid == int(gone.stdout)
-    clear_record(os.getpid())
-    assert (tmp_path / "serve.json").exists()
-    clear_record(int(gone.stdout))
-    assert not (tmp_path / "serve.json").exists()
+    # only its writer removes a record
+    clear_record(os.getpid() + 1, path)
+    assert path.exists()
+    clear_record(os.getpid(), path)
+    assert not path.exists()

@@ -1,0 +1,98 @@
+"""The Typer app of every `streamfleet` command, with help that reads as prose.
+
+Typer shows each value's Python type (``<str>``, ``<int>``, ``<bool>`` on flags and on
+``--help`` itself) and required arguments in braces (``{prompt}``). Here an option's
+value is shown by a name (``--redis-url URL``: its ``metavar``, else the last word of the
+option's name, upper case), a flag and ``--help`` by nothing, an argument by its upper-
+case name in the usage line (``PROMPT``, ``[MODEL]`` when optional).
+
+Help strings are written as whole sentences on one line each (click wraps them to the
+terminal); a command's summary is its docstring's first paragraph, also on one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+__all__ = ["App", "Command", "Group", "plain_params"]
+
+
+def _placeholder(param: Any) -> str:
+    longs = [o for o in param.opts if o.startswith("--")]
+    name = (longs[0] if longs else param.opts[0]).lstrip("-")
+    return name.rsplit("-", 1)[-1].upper()
+
+
+def _no_type(ctx: Any) -> None:
+    return None
+
+
+def plain_params(params: list[Any]) -> None:
+    """Give each parameter without a ``metavar`` one that names its value, and none to a
+    flag; an argument's type is not shown."""
+    for param in params:
+        if getattr(param, "param_type_name", "") == "argument":
+            if param.metavar is None:
+                param.metavar = (param.name or "").upper()
+            if hasattr(param, "display_type_rich"):
+                param.display_type_rich = _no_type  # (its name column already says what it is)
+            continue
+        if param.metavar is None:
+            param.metavar = "" if getattr(param, "is_flag", False) else _placeholder(param)
+
+
+def _usage(params: list[Any], ctx: Any, pieces: list[str]) -> list[str]:
+    """The usage line with arguments as ``NAME`` (``[NAME]`` when optional)."""
+    out = []
+    for param in params:
+        if getattr(param, "param_type_name", "") == "argument":
+            piece = param.metavar or (param.name or "").upper()
+            if param.nargs != 1:
+                piece += "..."
+            out.append(piece if param.required else f"[{piece}]")
+        else:
+            out.extend(param.get_usage_pieces(ctx))
+    return pieces + out
+
+
+class Command(TyperCommand):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        plain_params(self.params)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return _usage(self.get_params(ctx), ctx, [self.options_metavar] if self.options_metavar else [])
+
+
+class Group(TyperGroup):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        plain_params(self.params)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class App(typer.Typer):
+    """``typer.Typer`` whose groups and commands are ``Group`` and ``Command``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("cls", Group)
+        kwargs.setdefault("add_completion", False)
+        super().__init__(**kwargs)
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("cls", Command)
+        return super().command(*args, **kwargs)
