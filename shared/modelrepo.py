@@ -351,7 +351,14 @@ class ModelRepository:
                 if not vpath.is_file():
                     raise NotFoundError(f"model {name!r} has no version {version!r} "
                                         f"(expected {vpath.relative_to(self.root)})", param="model")
-                spec = dataclasses.replace(ModelSpec.from_toml(vpath), name=name)
+                # the folder names the version: an engine.toml that says otherwise would have
+                # a reload wait for a version no worker ever reports (docs/operations.md)
+                stated = tomllib.loads(vpath.read_text()).get("version")
+                if stated is not None and str(stated) != version:
+                    raise NotFoundError(f"{vpath.relative_to(self.root)} says version = {str(stated)!r} but its folder "
+                                        f"is version {version!r}; make them agree (or leave the line out)",
+                                        param="model")
+                spec = dataclasses.replace(ModelSpec.from_toml(vpath), name=name, version=version)
             self._specs[key] = spec
         return spec
 
