@@ -25,6 +25,7 @@ from streamfleet.shared.settings import GatewaySettings
 from streamfleet.gateway import demo, edge, openai
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
+from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.origin import OriginGuard, refused_origin
 from streamfleet.gateway.streams import ReplyChannel
 from streamfleet.gateway.validation import Validator
@@ -270,7 +271,7 @@ async def _stream_route(handler, allowed_origins: str, scope, receive, send) -> 
     """One POST to a generation door, as ``app`` would serve it."""
     refusal = refused_origin(scope, allowed_origins)
     if refusal is not None:
-        await openai.openai_error_response(refusal)(scope, receive, send)
+        await openai_error_response(refusal)(scope, receive, send)
         return
     request = Request(scope, receive)
     try:
@@ -279,7 +280,7 @@ async def _stream_route(handler, allowed_origins: str, scope, receive, send) -> 
         response = Response(status_code=499)
     except Exception:
         log.exception("unhandled error", path=scope["path"])
-        response = openai.openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
+        response = openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
     try:
         await response(scope, receive, send)
     except ClientDisconnect:
@@ -357,5 +358,5 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):
         log.exception("unhandled error", path=request.url.path)
-        return openai.openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
+        return openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
     return app

@@ -33,6 +33,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway import edge
+from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import TICK, End, Failed, Token
@@ -44,7 +45,7 @@ from streamfleet.shared.grammar import CONSTRAINTS
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
               "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice")
 
-__all__ = ["router", "openai_error_response", "SSE_HEADERS"]
+__all__ = ["router", "SSE_HEADERS"]
 
 log = get_logger("gateway.openai")
 router = APIRouter()
@@ -57,14 +58,6 @@ MAX_CHOICES = 16
 _MAX_HELD_CALL = 16384
 #: OpenAI has no "cancelled"; a cancelled HTTP request only happens when its client left
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
-
-
-def openai_error_response(exc: StreamfleetError) -> Response:
-    headers = {}
-    if exc.retry_after_ms is not None:
-        headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
-    return Response(orjson.dumps(exc.to_openai()), status_code=exc.status, media_type="application/json",
-                    headers=headers)
 
 
 def _payload(body: dict[str, Any], request: Request, chat: bool) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError
 
-from streamfleet.gateway.openai import openai_error_response
+from streamfleet.gateway.httperror import openai_error_response
 
 __all__ = ["refused_origin", "origin_allowed", "OriginGuard"]
 

@@ -27,7 +27,7 @@ HTTP request).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
 
@@ -36,18 +36,32 @@ from streamfleet.gateway.observe import observed
 from streamfleet.gateway.streams import ReplyChannel, RequestStream, StreamEvent
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.app import Hub
+    from streamfleet.gateway.admission import Admission
     from streamfleet.gateway.auth import Identity
-    from streamfleet.gateway.validation import Draft
+    from streamfleet.gateway.broker import Broker
+    from streamfleet.gateway.validation import Draft, Validator
 
-__all__ = ["ClientRequest"]
+__all__ = ["ClientRequest", "Hub"]
+
+
+class Hub(Protocol):
+    """What a request needs of its gateway process (``gateway.app.Hub`` is one): named
+    here, so that this module does not import the application that imports it."""
+
+    admission: "Admission"
+    validator: "Validator"
+    broker: "Broker"
+
+    async def check_workers(self, model: str) -> None: ...
+
+    async def shared_channel(self) -> ReplyChannel | None: ...
 
 
 class ClientRequest:
     """One request of one client, from admission to the slot it gives back.
 
     Args:
-        hub: the process's ``gateway.app.Hub`` (admission, validator, broker).
+        hub: the process's ``Hub`` (admission, validator, broker: ``gateway.app.Hub``).
         client_id: the id the client answers under (``"http"`` for an HTTP request).
         identity: the caller's API key identity (None with auth off).
         channel: the connection's open reply channel; None: a submit uses the process's

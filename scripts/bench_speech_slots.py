@@ -25,7 +25,7 @@ import psutil
 from scripts.flite import SENTENCES, flite_missing, silence, speech
 from scripts.procstats import cpu_s, family
 from streamfleet.shared.modelrepo import ModelRepository
-from streamfleet.workers.engines.speech import load_speech_engine
+from streamfleet.workers.engines.speech_loader import load_speech_engine
 
 TICK_MS = 20
 STEP = 16000 * TICK_MS // 1000 * 2

@@ -18,7 +18,8 @@ import pytest
 from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, words
 from streamfleet.shared.errors import ErrorCode, FatalError
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts, load_tokenizer
-from streamfleet.workers.engines.speech import NoFreeDecoder, SpeechDecoder, SpeechStateError, load_speech_engine
+from streamfleet.workers.engines.speech import NoFreeDecoder, SpeechDecoder, SpeechStateError
+from streamfleet.workers.engines.speech_loader import load_speech_engine
 from streamfleet.workers.engines.speech_process import DecoderProcessDied, ProcessSpeechEngine
 
 pytest.importorskip("pocketsphinx")

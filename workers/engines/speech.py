@@ -5,7 +5,7 @@ A ``SpeechEngine`` is loaded once per worker process. It creates all of its deco
 load time (for PocketSphinx each one loads the language model, about 0.4 s, which must
 never happen while a user waits) and lends them out, one per utterance in flight::
 
-    engine = load_speech_engine(spec)           # spec.kind == "asr"
+    engine = load_speech_engine(spec)           # workers/engines/speech_loader.py
     dec = engine.acquire()                      # at most engine.slots at once
     dec.begin()
     for chunk in chunks:                        # PCM16 mono, engine.sample_rate
@@ -36,7 +36,7 @@ from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.workers.engines import import_from_string
 
 __all__ = ["SAMPLE_RATE", "SPEECH_BACKENDS", "SpeechEngine", "SpeechDecoder", "SpeechStateError",
-           "NoFreeDecoder", "check_pcm", "load_speech_engine"]
+           "NoFreeDecoder", "check_pcm", "load_backend"]
 
 #: the sample rate every speech engine here takes (PCM16 little-endian, mono)
 SAMPLE_RATE = 16000
@@ -267,24 +267,15 @@ class SpeechEngine(ABC):
         """Free what the engine holds besides its decoders (a backend hook)."""
 
 
-def load_speech_engine(spec: ModelSpec, **options: Any) -> SpeechEngine:
-    """Load the speech engine ``spec.backend`` names, with ``options`` (keyword
-    arguments of that backend; they override engine.toml's).
-
-    ``processes`` (an option, else engine.toml's, default false) puts each decoder in a
-    child process of its own (``workers/engines/speech_process.py``): for backends that
-    hold the GIL while they decode, like PocketSphinx.
+def load_backend(spec: ModelSpec, **options: Any) -> SpeechEngine:
+    """Load the speech engine ``spec.backend`` names in this process, with ``options``
+    (keyword arguments of that backend; they override engine.toml's). The worker loads
+    through ``workers.engines.speech_loader.load_speech_engine``, which may put each
+    decoder in a child process instead; a child loads its one decoder with this.
 
     Raises:
         FatalError: not a speech model, unknown backend, or the backend cannot start.
     """
-    processes = options.pop("processes", spec.options.get("processes", False))
-    if not isinstance(processes, bool):
-        raise FatalError(f"speech model {spec.name!r}: processes must be true or false, got {processes!r}")
-    if processes and spec.kind == "asr":
-        from streamfleet.workers.engines.speech_process import ProcessSpeechEngine
-
-        return ProcessSpeechEngine(spec, **options)
     if spec.kind != "asr":
         raise FatalError(f"model {spec.name!r} is not a speech model (kind {spec.kind!r}, expected 'asr')")
     target = SPEECH_BACKENDS.get(spec.backend, spec.backend if ":" in spec.backend else None)

@@ -28,7 +28,7 @@ from typing import Any
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine
+from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine, load_backend
 
 __all__ = ["ProcessSpeechEngine", "DecoderProcessDied"]
 
@@ -45,10 +45,8 @@ class DecoderProcessDied(RuntimeError):
 def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> None:
     """A slot's child: load the backend with one decoder, then serve calls until the
     pipe closes (the worker exited: the child goes with it)."""
-    from streamfleet.workers.engines.speech import load_speech_engine
-
     try:
-        engine = load_speech_engine(spec, **options, slots=1, processes=False)
+        engine = load_backend(spec, **options, slots=1)
         decoder = engine.acquire()
     except BaseException as exc:  # noqa: BLE001 — reported to the parent, which stops
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
