@@ -136,7 +136,7 @@ class WorkerProcess:
         spec = repo.get(self.model, version)
         ensure_artifacts(spec)
         if spec.kind == "asr":  # a speech model: decoder slots fed by the AudioFeed
-            from streamfleet.workers.engines.speech import load_speech_engine
+            from streamfleet.workers.engines.speech_loader import load_speech_engine
             from streamfleet.workers.speechcore import SpeechCore
 
             engine = load_speech_engine(spec, **({"slots": self.settings.max_batch} if self.settings.max_batch else {}))
