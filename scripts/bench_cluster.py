@@ -38,6 +38,19 @@ from streamfleet.shared.redis import sync_client
 from scripts.bench_fleet import MODEL, wait_until, write_model
 
 
+def fleet_env(url: str, cluster: bool, engines: Path, delay_ms: float, **settings: object) -> dict[str, str]:
+    """The environment of the fleet's processes: the echo model of ``write_model`` on
+    the broker at ``url``; ``settings`` add or override ``SF_*`` settings by name
+    (``log_level="info"`` is ``SF_LOG_LEVEL=info``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
+    env.update(SF_REDIS_URL=url, SF_REDIS_CLUSTER=str(cluster).lower(), SF_LOG_LEVEL="warning",
+               SF_ENGINES_DIR=str(engines), SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL, SF_MODELS=MODEL,
+               SF_BACKEND="echo", SF_ECHO_DELAY_MS=str(delay_ms), SF_MAX_BATCH="256", SF_GRPC_PORT="0",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update({f"SF_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
 @dataclass
 class Broker:
     name: str
@@ -69,11 +82,7 @@ class Broker:
 
     def start(self, engines: Path, delay_ms: float) -> "Broker":
         self.server = (EmbeddedCluster(3, self.replicas) if self.cluster else EmbeddedRedis()).start()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
-        env.update(SF_REDIS_URL=self.url, SF_REDIS_CLUSTER=str(self.cluster).lower(), SF_LOG_LEVEL="warning",
-                   SF_ENGINES_DIR=str(engines), SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL, SF_MODELS=MODEL,
-                   SF_BACKEND="echo", SF_ECHO_DELAY_MS=str(delay_ms), SF_MAX_BATCH="256", SF_GRPC_PORT="0",
-                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        env = fleet_env(self.url, self.cluster, engines, delay_ms)
         self.fleet.start("worker", ["worker"], env)
         self.port = free_port()
         self.fleet.start("gateway", ["gateway", "--port", str(self.port)], env)

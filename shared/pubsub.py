@@ -467,6 +467,11 @@ def close_command_link(client) -> None:
 
 #: seconds of quiet after which a sharded subscriber socket is PINGed
 SHARD_PING_S = 5.0
+#: the longest wait between tries at re-subscribing channels whose shard failed: about
+#: the slot map's refresh (``shared.redis.REFRESH_EVERY_S``), so that the channels move
+#: to a new primary within moments of its election (a worker stops a request nobody has
+#: heard for ``SF_ORPHAN_GRACE_S``)
+RESUBSCRIBE_MAX_S = 0.25
 
 
 class ShardSubscriptions:
@@ -601,7 +606,9 @@ class ShardSubscriptions:
         self._kick.set()
 
     async def run(self) -> None:
-        """Resubscribe what lost its subscription, until cancelled."""
+        """Resubscribe what lost its subscription, until cancelled: tried again every
+        ``RESUBSCRIBE_MAX_S`` at most (a failover's new primary is served within a slot
+        map refresh), at once after a round that restored some (the others' may follow)."""
         backoff = 0.05
         while True:
             if not self._pending:
@@ -628,8 +635,10 @@ class ShardSubscriptions:
                 self._reported.update(late)
                 self.on_lost(late)
             if self._pending:
+                if restored:  # the slot map names new primaries: the rest may be theirs too
+                    backoff = 0.05
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                backoff = min(backoff * 2, RESUBSCRIBE_MAX_S)
 
     def close(self) -> None:
         for t in list(self._watchers):

@@ -18,7 +18,7 @@ from redis.exceptions import (AskError, ClusterDownError, MovedError, RedisClust
                               SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry  # (the asyncio clients' own: the sync one is converted, with a warning)
 
 __all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
            "Coalescer", "refresh_members", "slot_of"]
@@ -84,19 +84,36 @@ class RedisTarget:
 
 #: seconds between slot-map refreshes forced by failed nodes
 REFRESH_EVERY_S = 0.25
+#: seconds between the first tries at a node found unreachable (``FleetCluster.unreachable``),
+#: doubling up to ``PROBE_MAX_S``
+PROBE_FIRST_S = 0.05
+PROBE_MAX_S = 0.5
 
 
 class FleetCluster(RedisCluster):
     """``redis.asyncio.RedisCluster`` whose slot map is also used by the fleet's own
     batches and sharded subscriptions: a failed node marks it ``stale``, and ``ready``
-    reloads it at most every ``REFRESH_EVERY_S``."""
+    reloads it at most every ``REFRESH_EVERY_S``, in the background once a map is
+    loaded (a batch never waits for a refresh, which may try a dead node first).
 
-    __slots__ = ("refresh_due", "refreshed_at")
+    A node a ``RawBatch`` could not reach is *unreachable* (``unreachable``) until a
+    probe in the background connects to it again: meanwhile the batches that may go
+    without it (``partial``) fail its commands at once instead of trying it, so that a
+    dead primary costs the others nothing (a connection attempt to it waits out
+    redis-py's connect retries). Its slots' new primary, after a failover, is another
+    node and is tried as soon as the refreshed map names it."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.refresh_due = False
         self.refreshed_at = 0.0
+        self._refreshing: asyncio.Task | None = None
+        #: node name -> (the error it failed with, the probe that clears it)
+        self._unreachable: dict[str, tuple[Exception, asyncio.Task]] = {}
+        #: a node answered CLUSTERDOWN (a primary failed and ``cluster-require-full-coverage``
+        #: is on: every shard refuses key commands until its replica is elected) and none
+        #: has answered a key command since
+        self.down = False
 
     def stale(self, at_once: bool = False) -> None:
         """A node failed or redirected: reload the slot map before the next use
@@ -106,16 +123,83 @@ class FleetCluster(RedisCluster):
             self.refreshed_at = 0.0
 
     async def ready(self) -> None:
-        """Load the slot map (first use), or reload it when it was marked stale."""
-        if self._initialize:
-            await self.initialize()
-        elif self.refresh_due and time.monotonic() - self.refreshed_at >= REFRESH_EVERY_S:
+        """Load the slot map (first use), or reload it when it was marked stale (in the
+        background when there is a map to go on with)."""
+        if not self.nodes_manager.slots_cache:
+            if self._initialize:
+                await self.initialize()
+            elif self.refresh_due:
+                self.refresh_due = False
+                self.refreshed_at = time.monotonic()
+                await self._refresh()
+        # (redis-py asks for a refresh after its own commands failed, ``_initialize``, and
+        # paces it by its retry policy; a failover's new primary is looked for here at once)
+        elif (self.refresh_due or self._initialize) and time.monotonic() - self.refreshed_at >= REFRESH_EVERY_S:
             self.refresh_due = False
             self.refreshed_at = time.monotonic()
-            try:
-                await self.nodes_manager.initialize()
-            except BROKER_ERRORS:
-                self.refresh_due = True
+            self._in_background(self._refresh())
+
+    def _in_background(self, coro) -> None:
+        if self._refreshing is not None and not self._refreshing.done():
+            coro.close()  # one refresh at a time: the one under way answers this call too
+            return
+        self._refreshing = asyncio.ensure_future(coro)
+
+    async def _refresh(self) -> None:
+        try:
+            await self.nodes_manager.initialize()
+        except BROKER_ERRORS:
+            self.refresh_due = True
+
+    async def _determine_slot(self, command: str, *args) -> int:
+        """The slot of a command. ``XREAD``/``XREADGROUP`` (the gateway's log reads, an
+        idle worker's wait on its lanes) by their first stream, here: redis-py asks a
+        node for the keys of a command with movable keys (``COMMAND GETKEYS``) and always
+        the same one, so with that node dead every such read failed, whatever shard its
+        stream lives on, until the node came back."""
+        if isinstance(command, (str, bytes)) and command.upper() in (b"XREAD", b"XREADGROUP", "XREAD",
+                                                                     "XREADGROUP"):
+            key = _route_key((command, *args))
+            if key is not None:
+                return slot_of(key)
+        return await super()._determine_slot(command, *args)
+
+    def unreachable(self, name: str) -> Exception | None:
+        """The error a node failed with while it is unreachable, else None."""
+        entry = self._unreachable.get(name)
+        return entry[0] if entry is not None else None
+
+    def mark_unreachable(self, node: ClusterNode, error: Exception) -> None:
+        """``node`` could not be reached: skip it (``RawBatch``, ``partial``) until a probe
+        connects to it again, and reload the slot map meanwhile."""
+        self.stale()
+        if node.name not in self._unreachable:
+            self._unreachable[node.name] = (error, asyncio.ensure_future(self._probe(node)))
+
+    async def _probe(self, node: ClusterNode) -> None:
+        """Try to connect to ``node`` (TCP), sooner at first, until it accepts."""
+        delay = PROBE_FIRST_S
+        limit = min(float(self.connection_kwargs.get("socket_connect_timeout") or 1.0), 1.0)
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    async with asyncio.timeout(limit):
+                        _, writer = await asyncio.open_connection(node.host, node.port)
+                    writer.close()
+                    return
+                except (OSError, TimeoutError):
+                    delay = min(delay * 2, PROBE_MAX_S)
+                    self.stale()
+        finally:
+            self._unreachable.pop(node.name, None)
+
+    async def aclose(self) -> None:
+        for task in [self._refreshing, *(t for _, t in self._unreachable.values())]:
+            if task is not None:
+                task.cancel()
+        self._unreachable.clear()
+        await super().aclose()
 
 
 def slot_of(key: bytes | str) -> int:
@@ -185,7 +269,7 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
         max_connections=max_connections,
     )
     pool._sf_command_name = command_name
-    return FleetRedis(connection_pool=pool, auto_close_connection_pool=True)
+    return FleetRedis.from_pool(pool)  # the client closes the pool it owns
 
 
 def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0):
@@ -311,13 +395,25 @@ class RawBatch:
         self._after.append(tuple(after))
         return len(self._parts) - 1
 
+    def take(self, indices: list[int]) -> "RawBatch":
+        """A batch of the commands at ``indices`` (in that order), as they were queued
+        here, their ``after`` keys included: what a partial run left to send again."""
+        out = RawBatch()
+        out._parts = [self._parts[i] for i in indices]
+        out._args = [self._args[i] for i in indices]
+        out._after = [self._after[i] for i in indices]
+        return out
+
     async def execute(self, client: aioredis.Redis, *, partial: bool = False) -> list:
         """Run the batch; one result per command (error replies in place).
 
         Args:
             partial: on a cluster, a shard that cannot be reached puts its connection
                 error in place of its commands' results instead of raising (the
-                others' results are real: they ran).
+                others' results are real: they ran), and so does a command whose
+                ``after`` keys live on such a shard (it is not sent: what it must
+                follow did not run). A node found unreachable is not tried again until
+                it accepts connections (``FleetCluster.mark_unreachable``).
 
         Raises:
             BROKER_ERRORS: the server (or, without ``partial``, any shard) is unreachable.
@@ -357,52 +453,93 @@ class RawBatch:
         out: list = [None] * len(self._parts)
         slots = [slot_of(k) if (k := _route_key(a)) is not None else 0 for a in self._args]
         asking: dict[int, ClusterNode] = {}
+        failed: dict[int, Exception] = {}  # slot -> why its shard could not be reached (partial)
         todo = list(range(len(self._parts)))
         for attempt in range(MAX_REDIRECTS):
             node_of = {i: asking.get(i) or nodes.get_node_from_slot(slots[i]) for i in todo}
+            # while the cluster answers CLUSTERDOWN a command that must follow others waits
+            # for their replies even on their own shard: a shard refuses keys (a log entry)
+            # but takes sharded publishes then, and a publish must not overtake its log
+            apart = partial and getattr(client, "down", False)
             first, later = [], []
             for i in todo:
                 deps = self._after[i]
-                if deps and any(nodes.get_node_from_slot(slot_of(d)) is not node_of[i] for d in deps):
+                if not deps:
+                    first.append(i)
+                    continue
+                dep_slots = [slot_of(d) for d in deps]
+                if failed and (why := next((failed[d] for d in dep_slots if d in failed), None)) is not None:
+                    out[i] = why  # what it must follow did not run: nor does it
+                elif apart or any(nodes.get_node_from_slot(d) is not node_of[i] for d in dep_slots):
                     later.append(i)
                 else:
                     first.append(i)
-            retry = await self._round(client, first, node_of, asking, out, partial)
+            retry = await self._round(client, first, node_of, asking, out, partial, slots, failed)
             if retry:  # a redirected command goes before the commands that wait for it
                 retry += later
             elif later:
-                retry = await self._round(client, later, node_of, asking, out, partial)
+                if failed:  # (what they wait for may just have failed)
+                    waiting = later
+                    later = []
+                    for i in waiting:
+                        why = next((failed[s] for d in self._after[i] if (s := slot_of(d)) in failed), None)
+                        if why is None:
+                            later.append(i)
+                        else:
+                            out[i] = why
+                retry = await self._round(client, later, node_of, asking, out, partial, slots, failed)
             if not retry:
                 return out
             todo = sorted(set(retry))
             await asyncio.sleep(0.01 * (attempt + 1))
-        for i in todo:
-            out[i] = ResponseError(f"redirected more than {MAX_REDIRECTS} times")
+        for i in todo:  # (not run: a slot moving on and on, a shard refusing while it fails over)
+            out[i] = RedisClusterException(f"redirected more than {MAX_REDIRECTS} times")
         return out
 
     async def _round(self, client: "FleetCluster", group: list[int], node_of: dict[int, ClusterNode],
-                     asking: dict[int, ClusterNode], out: list, partial: bool) -> list[int]:
+                     asking: dict[int, ClusterNode], out: list, partial: bool, slots: list[int],
+                     failed: dict[int, Exception]) -> list[int]:
         """Send ``group`` side by side, one pipeline per node; fill ``out``; return the
-        commands to send again (redirected, or refused while a slot moves)."""
+        commands to send again (redirected, or refused while a slot moves). With
+        ``partial``, a node that cannot be reached (or is known unreachable) fills its
+        commands' places with the error, and their slots go to ``failed``."""
+        if not group:
+            return []
         nodes = client.nodes_manager
         by_node: dict[ClusterNode, list[int]] = defaultdict(list)
         for i in group:
             by_node[node_of[i]].append(i)
-        sent = await asyncio.gather(*(self._send_node(node, idxs, asking) for node, idxs in by_node.items()),
+        skip: dict[ClusterNode, Exception] = {}
+        if partial and isinstance(client, FleetCluster) and client._unreachable:
+            for node in by_node:
+                if (why := client.unreachable(node.name)) is not None:
+                    skip[node] = why
+            if skip:
+                client.stale()  # (its slots may have a new primary by now)
+        sending = [(node, idxs) for node, idxs in by_node.items() if node not in skip]
+        sent = await asyncio.gather(*(self._send_node(node, idxs, asking) for node, idxs in sending),
                                     return_exceptions=True)
         retry: list[int] = []
-        for (node, idxs), res in zip(by_node.items(), sent):
+        refused = answered = False  # CLUSTERDOWN seen; a key command answered otherwise
+        for (node, idxs), res in [*zip(sending, sent), *(((n, by_node[n]), why) for n, why in skip.items())]:
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
                     raise res
                 client.stale()
                 if not partial:
                     raise res
+                if node not in skip and isinstance(client, FleetCluster) and isinstance(res, BROKER_ERRORS):
+                    client.mark_unreachable(node, res)
                 for i in idxs:
                     out[i] = res
+                    failed[slots[i]] = res
                 continue
             for i, r in zip(idxs, res):
-                if isinstance(r, MovedError):
+                if not isinstance(r, ResponseError):  # (the common case: one check)
+                    out[i] = r
+                    if not answered and self._args[i][0] not in _PUBLISHES:  # (taken while refusing keys)
+                        answered = True
+                elif isinstance(r, MovedError):
                     await nodes.move_slot(r)
                     asking.pop(i, None)
                     retry.append(i)
@@ -410,10 +547,24 @@ class RawBatch:
                     asking[i] = nodes.get_node(host=r.host, port=r.port) or ClusterNode(
                         r.host, r.port, **nodes.connection_kwargs)
                     retry.append(i)
-                elif isinstance(r, (TryAgainError, ClusterDownError)):
+                elif isinstance(r, ClusterDownError):
+                    refused = True
+                    if partial:  # not run: kept by the caller, not retried here while others wait
+                        out[i] = r
+                        failed[slots[i]] = r
+                    else:
+                        retry.append(i)
+                elif isinstance(r, TryAgainError):
                     retry.append(i)
                 else:
                     out[i] = r
+                    if not answered and self._args[i][0] not in _PUBLISHES:  # (taken while refusing keys)
+                        answered = True
+        if isinstance(client, FleetCluster):
+            if refused:
+                client.down = True
+            elif answered:
+                client.down = False
         return retry
 
     async def _send_node(self, node: ClusterNode, idxs: list[int], asking: dict[int, ClusterNode]) -> list:
@@ -444,6 +595,7 @@ class RawBatch:
 
 
 _ASKING = pack(b"ASKING")
+_PUBLISHES = (b"SPUBLISH", b"PUBLISH", "SPUBLISH", "PUBLISH")
 
 
 class Coalescer:

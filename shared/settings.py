@@ -24,7 +24,8 @@ class CommonSettings(BaseSettings):
     #: (``redis://h1:7000,h2:7000``); a URL listing several hosts implies it
     redis_cluster: bool = False
     #: cluster: seconds a subscription or a batch waits for a failed primary's replica to
-    #: take over before the requests on that shard end with ``broker_unavailable``
+    #: take over before the requests on that shard end with ``broker_unavailable`` (a
+    #: worker cancels those whose events have not reached their shard for that long)
     redis_failover_s: float = 30.0
     #: prefix of every Redis key (README: "Redis keys")
     key_prefix: str = "sf"
@@ -251,7 +252,8 @@ class WorkerSettings(CommonSettings):
     #: how often a worker writes its heartbeat (sf:workers:{model})
     heartbeat_interval_s: float = 0.5
     #: a worker whose heartbeat has not changed for this long, as seen by a live worker
-    #: that kept reading it throughout, is dead: its deliveries are taken over at once
+    #: that kept reading it throughout, is dead: its deliveries are taken over at once (a
+    #: worker just started counts from the time the heartbeat was written: workers/reclaim.py)
     worker_dead_after_s: float = 1.5
     #: the worker's GET /healthz (metrics port) answers 503 when sequences are in flight
     #: and no step has finished for this long, or its event loop has not run for this long

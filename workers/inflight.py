@@ -67,6 +67,8 @@ class InFlightTable:
         self._looking_up: set[str] = set()  # follower look-ups in progress
         self._cancel_memory: dict[str, float] = {}
         self._follow_memory: dict[str, tuple[set[str], float]] = {}
+        #: called when a delivery is held (an idle worker's wait on its lanes ends for it)
+        self.on_hold = None
 
     # -- running requests ------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:
@@ -133,6 +135,8 @@ class InFlightTable:
     # -- held deliveries -------------------------------------------------------------------
     def hold(self, delivery: Delivery) -> None:
         self.held.append(delivery)
+        if self.on_hold is not None:
+            self.on_hold()
 
     def take_held(self, n: int) -> list[Delivery]:
         taken, self.held = self.held[:n], self.held[n:]

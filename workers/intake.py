@@ -15,12 +15,13 @@ import time
 from typing import Callable, Coroutine
 
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ReadOnlyError
 
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.pubsub import blocking_link
-from streamfleet.shared.redis import RawBatch
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Task, Wake, stream_entry_id
 
 from streamfleet.workers.context import Part, WorkerContext
@@ -122,27 +123,112 @@ class Intake(Part):
         self.spawn = spawn
         # each lane's admissions counter, looked up once (labels() is a lookup per call)
         self._admitted = {lane: metrics.admissions.labels(self.model, lane) for lane in LANES}
+        #: a Redis Cluster: a read that does not block may fail without stopping the worker
+        #: (its lanes' shard failing over, docs/cluster.md): the running sequences go on
+        self._tolerant = ctx.keys.cluster
+        #: monotonic time since when the lanes' shard could not be read (None: it can)
+        self.unreachable_since: float | None = None
+        self._idle_read: asyncio.Future | None = None  # an idle worker's blocking read, still out
+        self._held_wake = asyncio.Event()  # a delivery was held: an idle wait ends
+        table.on_hold = self._held_wake.set
 
-    async def admit(self, block: bool, read: bool = True) -> None:
+    async def admit(self, block: bool, read: bool = True, block_ms: int | None = None) -> None:
         """Start held tasks (read earlier, or reclaimed), then, with ``read``, read more;
-        ``block``: wait up to ``block_ms`` for a task when there is nothing else."""
+        ``block``: wait up to ``block_ms`` (default ``SF_BLOCK_MS``) for a task when there
+        is nothing else.
+
+        On a Redis Cluster a read that does not block and cannot reach the lanes' shard
+        reads nothing (the held tasks still start): the worker's other sequences, on
+        other shards, are not held up by it. A blocking read (an idle worker) raises.
+
+        Raises:
+            BROKER_ERRORS: Redis is unreachable (on a cluster: only a blocking read).
+            ResponseError: a lane refused the read (NOGROUP, UNBLOCKED).
+        """
+        if self._idle_read is not None and self._idle_read.done():
+            self._collect_idle_read(tolerant=not block)
         free = self.cores.free_slots
         entries = self.table.take_held(free)
         free -= len(entries)
         if free > 0 and read:
-            entries += await self._read(free, block and not entries)
+            blocking = block and not entries
+            if blocking:
+                entries += await self._wait_idle(free, block_ms)
+                entries += self.table.take_held(self.cores.free_slots - len(entries))
+            elif not self._tolerant:
+                entries += await self._read(free, False)
+            else:
+                try:
+                    entries += await self._read(free, False)
+                except (*BROKER_ERRORS, ReadOnlyError) as exc:
+                    self._unreachable(exc)
+                else:
+                    self._reachable()
         for delivery in entries:
             self._start(delivery)
 
-    async def _read(self, free: int, block: bool) -> list[Delivery]:
+    async def _wait_idle(self, free: int, block_ms: int | None) -> list[Delivery]:
+        """An idle worker's wait for a task: its blocking read, cut short when a delivery
+        is held meanwhile (the reclaim loop took over a dead worker's tasks), so that those
+        start at once instead of after ``block_ms``. A read cut short stays out, and what
+        it returns later is held (``_collect_idle_read``)."""
+        if self._idle_read is None:
+            self._idle_read = asyncio.ensure_future(self._read(free, True, block_ms))
+        self._held_wake.clear()  # (a hold from now on ends the wait; one before is in ``held``)
+        if self.table.held:
+            return []
+        waiter = asyncio.ensure_future(self._held_wake.wait())
+        try:
+            await asyncio.wait((self._idle_read, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self.close()  # (the worker stops: its read goes with it)
+            raise
+        finally:
+            waiter.cancel()
+        if not self._idle_read.done():
+            return []
+        read, self._idle_read = self._idle_read, None
+        return read.result()
+
+    def _collect_idle_read(self, tolerant: bool) -> None:
+        """What a blocking read cut short returned since: held, to start first."""
+        read, self._idle_read = self._idle_read, None
+        try:
+            got = read.result()
+        except (*BROKER_ERRORS, ReadOnlyError) as exc:
+            if not (tolerant and self._tolerant):
+                raise
+            self._unreachable(exc)
+            return
+        for delivery in got:
+            self.table.hold(delivery)
+
+    def close(self) -> None:
+        """Cancel a blocking read still out (the worker stops)."""
+        if self._idle_read is not None:
+            self._idle_read.cancel()
+            self._idle_read = None
+
+    def _unreachable(self, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+            metrics.redis_errors.labels("intake").inc()
+            log.warning("cannot read the lanes; running sequences go on", error=str(exc))
+
+    def _reachable(self) -> None:
+        if self.unreachable_since is not None:
+            log.info("lanes readable again", after_s=round(time.monotonic() - self.unreachable_since, 2))
+            self.unreachable_since = None
+
+    async def _read(self, free: int, block: bool, block_ms: int | None = None) -> list[Delivery]:
         self.wake.reading()
-        out = await self._read_lanes(free, block)
+        out = await self._read_lanes(free, block, block_ms)
         for d in out:
             self.wake.read(d.lane, d.message_id)
         self.wake.settle(short=len(out) < free)
         return out
 
-    async def _read_lanes(self, free: int, block: bool) -> list[Delivery]:
+    async def _read_lanes(self, free: int, block: bool, block_ms: int | None = None) -> list[Delivery]:
         asked = self.policy.split(free)
         got: dict[str, list] = {lane: [] for lane in LANES}
         lanes = {lane: asked[lane] for lane in LANES if asked.get(lane, 0) > 0}
@@ -163,7 +249,7 @@ class Intake(Part):
         out = [Delivery(lane, mid, f) for lane in LANES for mid, f in got[lane]]
         if not out and block:
             key_to_lane = {v.encode(): k for k, v in self.lane_keys.items()}
-            for key, items in await self._read_blocking():
+            for key, items in await self._read_blocking(block_ms):
                 lane = key_to_lane[key if isinstance(key, bytes) else key.encode()]
                 out.extend(Delivery(lane, mid, f) for mid, f in items)
             for extra in out[free:]:
@@ -171,7 +257,7 @@ class Intake(Part):
             out = out[:free]
         return out
 
-    async def _read_blocking(self) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
+    async def _read_blocking(self, block_ms: int | None = None) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
         """An idle worker's wait for a task on any lane (``XREADGROUP ... BLOCK``):
         ``[(stream, [(entry id, fields)])]``, empty when ``block_ms`` passed. On a single
         server it goes out on a socket of its own (``sf-worker-<id>-reads``), written and
@@ -184,7 +270,7 @@ class Intake(Part):
             ResponseError: a lane refused the read (NOGROUP).
             BROKER_ERRORS: Redis is unreachable.
         """
-        block_ms = self.settings.block_ms
+        block_ms = self.settings.block_ms if block_ms is None else block_ms
         if isinstance(self.redis, RedisCluster):
             res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
                                               count=1, block=block_ms)
@@ -210,7 +296,8 @@ class Intake(Part):
             batch.add(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", n, b"STREAMS",
                       self.lane_keys[lane], b">")
         out = {}
-        for lane, res in zip(counts, await batch.execute(self.redis)):
+        # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
+        for lane, res in zip(counts, await batch.execute(self.redis, partial=True)):
             if isinstance(res, Exception):
                 raise res
             # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}

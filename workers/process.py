@@ -77,6 +77,15 @@ STEP_HANDOFF_S = 0.002
 #: (``WorkerProcess._bound_stop``, ``_finish``)
 STOP_GRACE_S = 1.0
 
+#: seconds an idle worker waits between tries when events wait to go out to a shard
+#: that failed (a cluster primary failing over), instead of its blocking read
+PENDING_RETRY_S = 0.05
+
+#: the longest back-off of the main loop after a Redis error: on one server, and on a
+#: cluster (where only an idle worker's read backs off, and a failover is over in seconds)
+MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_CLUSTER_S = 1.0
+
 
 @dataclass(slots=True)
 class StepState:
@@ -259,6 +268,7 @@ class WorkerProcess:
         try:
             await self._serve()
         finally:
+            self.intake.close()
             for t in aux:
                 t.cancel()
             await asyncio.gather(*aux, return_exceptions=True)
@@ -305,7 +315,7 @@ class WorkerProcess:
         idle_until = told + self.settings.block_ms / 1000 + STOP_GRACE_S
         while not main.done():
             now = time.monotonic()
-            idle = st.running is None and not st.unpublished and not self.publisher.unsent \
+            idle = st.running is None and not st.unpublished and not self.publisher.pending \
                 and not self.cores.has_work()
             if now >= deadline + STOP_GRACE_S or (idle and (st.idle_read or st.redis_failed) and now >= idle_until):
                 log.warning("stopping: Redis does not answer in time; cutting the wait short",
@@ -318,8 +328,12 @@ class WorkerProcess:
     async def _main_loop(self, st: StepState) -> None:
         """Run steps until a drain is over. A Redis error backs off and resumes where the
         step stood (an engine step in flight is finished, unsent events go out first); a
-        lane stream or group that vanished is recreated."""
+        lane stream or group that vanished is recreated. On a Redis Cluster a shard that
+        fails does not get here (docs/cluster.md, "When a shard fails"): the publisher
+        keeps that shard's share of each step and the intake reads nothing from it, while
+        the steps go on; only an idle worker's read, with nothing running, backs off."""
         backoff = 0.1
+        max_backoff = MAX_BACKOFF_CLUSTER_S if self.keys.cluster else MAX_BACKOFF_S
         regroup = False  # a lane's stream or group vanished: recreate them before the next step
         while True:
             if st.running is None and not self.cores.has_work():
@@ -342,7 +356,7 @@ class WorkerProcess:
                 log.warning("redis error in worker loop", error=str(exc))
                 st.redis_failed = True
                 await self._back_off(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, max_backoff)
             except ResponseError as exc:
                 # NOGROUP: a read found a lane's group gone (Redis restarted empty, the key
                 # deleted); UNBLOCKED: the stream an idle worker waited on was deleted
@@ -427,7 +441,7 @@ class WorkerProcess:
 
     async def _publish_previous(self, st: StepState) -> None:
         """The last finished step's events, after any whose publish failed before."""
-        if st.unpublished or self.publisher.unsent:
+        if st.unpublished or self.publisher.pending:
             outs, st.unpublished = st.unpublished, []
             await self.publisher.publish_all(outs)
 
@@ -441,6 +455,11 @@ class WorkerProcess:
             await self.intake.admit(block=False, read=self.wake.should_read())
             await self._admit_while_computing(st.running)
         elif not self.cores.has_work():
+            if self.publisher.pending:  # a shard's events wait (failing over): back soon to send them
+                await self.intake.admit(block=False)
+                st.just_read = True
+                await self._back_off(PENDING_RETRY_S)
+                return
             st.idle_read = True  # (a stopping worker may cut this wait short: _bound_stop)
             try:
                 await self.intake.admit(block=True)
@@ -500,10 +519,13 @@ class WorkerProcess:
         in its lanes, and its heartbeat entry expires."""
         until = max(self.drain.start(), time.monotonic() + STOP_GRACE_S)
         reachable = not (self._cut_short or st.redis_failed)
-        if reachable and (st.unpublished or self.publisher.unsent):
+        if reachable and (st.unpublished or self.publisher.pending):
             try:
                 async with asyncio.timeout(max(until - time.monotonic(), 0.01)):
                     await self.publisher.publish_all(st.unpublished)
+                    while self.publisher.pending:  # (a cluster shard failing over: until it is back)
+                        await asyncio.sleep(PENDING_RETRY_S)
+                        await self.publisher.publish_all([])
             except (TimeoutError, *BROKER_ERRORS) as exc:
                 log.warning("could not publish the last step", error=str(exc) or type(exc).__name__)
                 reachable = False

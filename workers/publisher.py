@@ -3,6 +3,17 @@ its request log, publishes each connection's events and acks the finished tasks,
 that order (docs/architecture.md, "A request's path", step 5, and "Log before
 publish"). A batch that fails is kept and goes out first next time.
 
+On a Redis Cluster a step's batch reaches each shard on its own (docs/cluster.md, "When
+a shard fails"): what went to a shard that cannot be reached (a primary that died and
+whose replica is not yet elected) is kept, command by command, and goes out first next
+time, while the rest of the step — the events of connections on the other shards —
+goes out now. So a failing shard pauses only the streams whose channels live on it.
+An ack waits for its request's log entries, a follower's publish for the entries it
+announces (``RawBatch``, ``after``), across steps as within one. A request whose events
+have not reached its shard for ``SF_REDIS_FAILOVER_S`` is cancelled (its gateway ends
+the stream then, for the same reason), so what is kept stays bounded; what was kept still
+goes out, in order, if the shard comes back.
+
 The PUBLISH replies count a request's listeners: one that nobody hears is looked up in
 ``sf:attach:{id}`` (a client may have resumed it elsewhere) and cancelled once nobody
 has listened for ``orphan_grace_s``.
@@ -38,27 +49,45 @@ class Publisher(Part):
         self.table = table
         self.spawn = spawn
         self.unsent: list = []  # (version, StepOutput) whose publish failed: first out next time
+        # a cluster's commands that could not reach their shard: first out next time, and
+        # what to do once each publish or ack among them went out (index -> the set of
+        # the request ids a publish carries, or an ack's (request id, InFlight, outcome))
+        self._kept: RawBatch | None = None
+        self._kept_tags: dict[int, object] = {}
+        self._stuck: dict[str, float] = {}  # request id -> since when its events do not reach its shard
+        #: request id -> when its events reached its shard again after a failover: its
+        #: gateways re-subscribe on the new primary meanwhile (a longer orphan grace)
+        self._recovered: dict[str, float] = {}
+        self._sharded = ctx.keys.cluster
+
+    @property
+    def pending(self) -> bool:
+        """Events (or acks) wait to go out: a failed step, or a shard's share of one."""
+        return bool(self.unsent) or self._kept is not None
 
     async def publish_all(self, outs: list) -> None:
         """Publish steps (``(version, StepOutput)``) in order. A step whose batch failed
         (Redis stalled past the socket timeout, or down) stays queued and goes out first
         next time, so no event is ever skipped; repeating part of one is harmless
-        (gateways drop indices they have)."""
+        (gateways drop indices they have). On a cluster, only a failing shard's share
+        of a step stays queued (``publish_sharded``)."""
+        if self._sharded:
+            if not outs and self._kept is not None:
+                await self.publish_sharded(None)
+            for version, out in outs:
+                await self.publish_sharded(out, version)
+            return
         self.unsent.extend(outs)
         while self.unsent:
             version, out = self.unsent[0]
             await self.publish(out, version)
             self.unsent.pop(0)
 
-    async def publish(self, out, version: str = "") -> None:
-        """One batch for one step: log every event, PUBLISH each connection's events (the
-        request's own connection and any that resumed it elsewhere), XACK + XDEL finished
-        tasks. The log entries go first, so a gateway that sees a message can already find
-        it (and anything before it) in the log.
-
-        Raises:
-            BROKER_ERRORS: the batch did not get through; nothing was acknowledged.
-        """
+    def _build(self, batch: RawBatch, out, version: str, tags: dict | None = None):
+        """Append one step's commands to ``batch``: its log entries, each channel's
+        publish, the finished tasks' acks. Returns ``(channels, rids_by_channel, acked,
+        first_publish)``; with ``tags``, each publish's index maps to the set of the
+        request ids it carries there, and each ack's to ``(request id, InFlight, outcome)``."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         rids_by_channel: dict[str, set[str]] = defaultdict(set)
         for reply_to, ev in out.events:
@@ -69,7 +98,6 @@ class Publisher(Part):
                 rids_by_channel[ch].add(ev.request_id)
         channels = list(by_channel)
         acked = [(rid, fl) for rid in out.finished if (fl := self.table.get(rid)) is not None]
-        batch = RawBatch()
         self.log_events(batch, [ev for _, ev in out.events], out.token_ids)
         first_publish = len(batch)
         keys = self.keys
@@ -79,14 +107,33 @@ class Publisher(Part):
         # One server runs the batch in order: no list of keys to build per step.
         cluster = keys.cluster
         for ch in channels:
-            batch.add(keys.publish, keys.reply(ch), encode_events(by_channel[ch]),
-                      after=[keys.log(rid) for rid in rids_by_channel[ch]] if cluster else ())
-        for rid, fl in acked:
-            after = (keys.log(rid),) if cluster else ()
-            batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
-            batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
-        for _, fl in acked:
-            fl.acking = True
+            i = batch.add(keys.publish, keys.reply(ch), encode_events(by_channel[ch]),
+                          after=[keys.log(rid) for rid in rids_by_channel[ch]] if cluster else ())
+            if tags is not None:
+                tags[i] = rids_by_channel[ch]
+        if acked:
+            ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
+                    for _, ev in out.events if not isinstance(ev, TokenEvent)} if tags is not None else None
+            for rid, fl in acked:
+                after = (keys.log(rid),) if cluster else ()
+                i = batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
+                batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
+                fl.acking = True
+                if ends is not None:
+                    tags[i] = (rid, fl, ends.get(rid, "unknown"))
+        return channels, rids_by_channel, acked, first_publish
+
+    async def publish(self, out, version: str = "") -> None:
+        """One batch for one step: log every event, PUBLISH each connection's events (the
+        request's own connection and any that resumed it elsewhere), XACK + XDEL finished
+        tasks. The log entries go first, so a gateway that sees a message can already find
+        it (and anything before it) in the log.
+
+        Raises:
+            BROKER_ERRORS: the batch did not get through; nothing was acknowledged.
+        """
+        batch = RawBatch()
+        channels, rids_by_channel, acked, first_publish = self._build(batch, out, version)
         try:
             results = await batch.execute(self.redis)
         except BaseException:
@@ -100,11 +147,81 @@ class Publisher(Part):
         ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
                 for _, ev in out.events if not isinstance(ev, TokenEvent)}
         for rid, fl in acked:
-            self.table.finish(rid, fl)
-            outcome = ends.get(rid, "unknown")
-            metrics.finished.labels(self.model, outcome).inc()
-            log.info("task finished", request_id=rid, trace_id=fl.task.trace_id, outcome=outcome)
-        self._check_heard(channels, rids_by_channel, results[first_publish:first_publish + len(channels)])
+            self._finished(rid, fl, ends.get(rid, "unknown"))
+        self._check_heard(zip([rids_by_channel[ch] for ch in channels],
+                              results[first_publish:first_publish + len(channels)]))
+
+    def _finished(self, rid: str, fl, outcome: str) -> None:
+        self.table.finish(rid, fl)
+        metrics.finished.labels(self.model, outcome).inc()
+        log.info("task finished", request_id=rid, trace_id=fl.task.trace_id, outcome=outcome)
+
+    async def publish_sharded(self, out, version: str = "") -> None:
+        """One step on a Redis Cluster (``out`` None: only what was kept): the commands
+        kept from earlier steps first, then this step's, split per shard by the batch.
+        What reached its shard is done; what could not (its shard unreachable, or what it
+        must follow did not run) is kept, in order, for next time.
+
+        Raises:
+            BROKER_ERRORS: no shard could be tried at all (the slot map cannot be read);
+                everything is kept.
+        """
+        batch, tags = self._kept or RawBatch(), self._kept_tags
+        self._kept, self._kept_tags = None, {}
+        if out is not None:
+            self._build(batch, out, version, tags)
+        try:
+            results = await batch.execute(self.redis, partial=True)
+        except BaseException:
+            self._kept, self._kept_tags = batch, tags
+            raise
+        errors = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+        kept = [i for i in errors if isinstance(results[i], BROKER_ERRORS)]  # (its shard not reached)
+        if len(kept) < len(errors):
+            refused = [results[i] for i in errors if not isinstance(results[i], BROKER_ERRORS)]
+            metrics.redis_errors.labels("publish").inc()
+            log.warning("commands of a publish batch failed", failed=len(refused), first=str(refused[0]))
+        not_sent = set(kept)
+        answered: list[tuple[set[str], object]] = []  # (requests, receivers) of each publish that went out
+        stuck = self._stuck
+        now = time.monotonic()
+        for i, tag in tags.items():
+            if type(tag) is tuple:  # an ack: (request id, its InFlight, its outcome)
+                if i not in not_sent:
+                    if stuck:
+                        stuck.pop(tag[0], None)
+                    self._finished(*tag)
+            elif i in not_sent:  # a publish (the set of its request ids) kept for later
+                for rid in tag:
+                    stuck.setdefault(rid, now)
+            else:
+                if stuck:
+                    for rid in tag:
+                        if stuck.pop(rid, None) is not None:
+                            self._recovered[rid] = now
+                answered.append((tag, results[i]))
+        if kept:
+            metrics.redis_errors.labels("publish").inc()
+            self._kept = batch.take(kept)
+            self._kept_tags = {j: tags[i] for j, i in enumerate(kept) if i in tags}
+        if answered:
+            self._check_heard(answered)
+        if stuck:
+            self._give_up_stuck(now)
+
+    def _give_up_stuck(self, now: float) -> None:
+        """Cancel the requests whose events have not reached their shard for
+        ``redis_failover_s`` (their gateways end them with ``broker_unavailable`` then):
+        they stop generating into what is kept."""
+        limit = self.settings.redis_failover_s
+        for rid, since in list(self._stuck.items()):
+            if rid not in self.table:
+                self._stuck.pop(rid, None)  # (ended; its end may still be kept)
+            elif now - since >= limit:
+                self._stuck[rid] = float("inf")  # (once)
+                if self.cores.cancel(rid):
+                    log.warning("events of a request have not reached its shard; cancelling it", request_id=rid,
+                                stuck_s=round(now - since, 2))
 
     async def announce(self, task: Task, ev: Event) -> None:
         """Log and publish the one event that ends a request not running here (a task
@@ -143,7 +260,7 @@ class Publisher(Part):
                 if task is not None and task.slot:
                     batch.add(b"ZREM", self.keys.streams(task.slot), ev.request_id)
 
-    def _check_heard(self, channels: list[str], rids_by_channel: dict[str, set[str]], receivers: list) -> None:
+    def _check_heard(self, answered) -> None:
         """A request whose PUBLISHes reach nobody on any of its channels: its connection
         (or its whole gateway) is gone, or a gateway is re-subscribing after its pub/sub
         socket dropped (it then repairs the gap from the log). First see whether a client
@@ -151,19 +268,29 @@ class Publisher(Part):
         has listened for ``orphan_grace_s``."""
         heard: set[str] = set()
         unheard: set[str] = set()
-        for ch, n in zip(channels, receivers):
-            (heard if n and not isinstance(n, Exception) else unheard).update(rids_by_channel[ch])
+        for rids, n in answered:  # (the requests a publish carried, its reply: how many heard it)
+            if isinstance(n, BROKER_ERRORS):  # its shard not reached (cluster): no answer either way
+                continue
+            (heard if n and not isinstance(n, Exception) else unheard).update(rids)
         now = time.monotonic()
         grace = self.settings.orphan_grace_s
+        recovered = self._recovered
         for rid in heard:
             self.table.heard(rid)
+            if recovered:
+                recovered.pop(rid, None)
         for rid in unheard - heard:
             if rid not in self.table:
+                recovered.pop(rid, None)
                 continue
             since, first = self.table.unheard(rid, now)
             if first and self.table.begin_look_up(rid):  # maybe a resume this worker did not hear of
                 self.spawn(self._look_up_followers(rid))
+            # its shard just failed over: give its gateways twice the grace to re-subscribe
+            if (back := recovered.get(rid)) is not None and now - back < 2 * grace:
+                continue
             if now - since >= grace:
+                recovered.pop(rid, None)
                 self.table.heard(rid)
                 metrics.cancelled_no_listener.labels(self.model).inc()
                 log.info("nobody listening; cancelling", request_id=rid, unheard_s=round(now - since, 3))

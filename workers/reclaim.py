@@ -24,7 +24,7 @@ from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.schema import LogEntry, Task, TokenEvent
+from streamfleet.shared.schema import Heartbeat, LogEntry, Task, TokenEvent
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -46,34 +46,62 @@ class Takeover:
     held up every heartbeat alike never makes a live worker look dead. A worker seen
     for the first time (a consumer with no heartbeat entry at all) gets a clock from then.
 
+    At this worker's first look (it just started, say to replace a worker that died) an
+    entry's clock starts at the time its heartbeat says it was written: a worker whose
+    heartbeat is already older than ``dead_after_s`` is dead as soon as this worker has
+    seen the entry stand still for ``min_watch_s`` — not ``dead_after_s`` after this
+    worker's own start. The short watch is what keeps a live worker safe whatever the
+    clocks say (one whose clock runs behind, one whose beats a Redis stall just held
+    up): a live worker rewrites its entry every ``SF_HEARTBEAT_INTERVAL_S``, which
+    ``min_watch_s`` exceeds.
+
     Args:
         dead_after_s: silence after which a worker is dead.
+        min_watch_s: how long an entry must be seen standing still before the age its
+            heartbeat states counts (at most ``dead_after_s``; default: ``dead_after_s``,
+            that is the heartbeat's own age never shortens the wait).
     """
 
-    def __init__(self, dead_after_s: float) -> None:
+    def __init__(self, dead_after_s: float, min_watch_s: float | None = None) -> None:
         self.dead_after_s = dead_after_s
-        self._seen: dict[str, tuple[bytes, float]] = {}  # worker -> (heartbeat, when it last changed)
+        self.min_watch_s = dead_after_s if min_watch_s is None else min(max(min_watch_s, 0.0), dead_after_s)
+        # worker -> (heartbeat, when its clock started, since when this worker watched it unchanged)
+        self._seen: dict[str, tuple[bytes, float, float]] = {}
         self._last_look: float | None = None
 
-    def observe(self, heartbeats: dict[str, bytes], now: float) -> None:
-        """Record one read of the heartbeat hash (worker id -> entry) made at ``now``."""
-        if self._last_look is None or now - self._last_look > self.dead_after_s / 2:
-            self._seen = {w: (blob, now) for w, (blob, _) in self._seen.items()}
+    def observe(self, heartbeats: dict[str, bytes], now: float, wall: float | None = None) -> None:
+        """Record one read of the heartbeat hash (worker id -> entry) made at ``now``
+        (monotonic; ``wall``: the unix time of the read, by default now's)."""
+        first = self._last_look is None
+        if first or now - self._last_look > self.dead_after_s / 2:
+            self._seen = {w: (blob, now, now) for w, (blob, _, _) in self._seen.items()}
         self._last_look = now
+        if first and wall is None:
+            wall = time.time()
         for worker, blob in heartbeats.items():
             prev = self._seen.get(worker)
             if prev is None or prev[0] != blob:
-                self._seen[worker] = (blob, now)
+                start = now - self._age(blob, wall) if first and prev is None else now
+                self._seen[worker] = (blob, start, now)
         stale = now - 60 * self.dead_after_s
-        for worker in [w for w, (_, t) in self._seen.items() if t < stale and w not in heartbeats]:
+        for worker in [w for w, (_, t, _) in self._seen.items() if t < stale and w not in heartbeats]:
             del self._seen[worker]
+
+    def _age(self, blob: bytes, wall: float) -> float:
+        """How long ago the heartbeat says it was written (0 when it cannot say; at most
+        ``dead_after_s``)."""
+        try:
+            written = Heartbeat.decode(blob).heartbeat
+        except ValueError:
+            return 0.0
+        return min(max(wall - written, 0.0), self.dead_after_s)
 
     def dead(self, worker: str, now: float) -> bool:
         seen = self._seen.get(worker)
         if seen is None:
-            self._seen[worker] = (b"", now)
+            self._seen[worker] = (b"", now, now)
             return False
-        return now - seen[1] >= self.dead_after_s
+        return now - seen[1] >= self.dead_after_s and now - seen[2] >= self.min_watch_s
 
 
 class Reclaimer(Part):
@@ -84,21 +112,25 @@ class Reclaimer(Part):
         self.table = table
         self.dead_letters = dead_letters
         self.stopping = stopping
-        self.takeover = Takeover(ctx.settings.worker_dead_after_s)
+        # an entry seen standing still for one heartbeat interval and a look past it was
+        # not rewritten by a live worker: its heartbeat's own age counts from then
+        self.takeover = Takeover(ctx.settings.worker_dead_after_s,
+                                 ctx.settings.heartbeat_interval_s + ctx.settings.reclaim_interval_s)
 
     async def run(self) -> None:
+        """A round every ``reclaim_interval_s``, the first at once (a replacement worker's
+        first look at the heartbeats starts its watch of a dead worker's)."""
         while True:
+            if not self.stopping.is_set():
+                try:
+                    await self.refresh_own()
+                    await self.take_over_dead()
+                    await self.reclaim_idle()
+                except BROKER_ERRORS as exc:
+                    log.warning("reclaim failed", error=str(exc))
+                except ResponseError as exc:
+                    log.warning("reclaim failed", error=str(exc))
             await asyncio.sleep(self.settings.reclaim_interval_s)
-            if self.stopping.is_set():
-                continue
-            try:
-                await self.refresh_own()
-                await self.take_over_dead()
-                await self.reclaim_idle()
-            except BROKER_ERRORS as exc:
-                log.warning("reclaim failed", error=str(exc))
-            except ResponseError as exc:
-                log.warning("reclaim failed", error=str(exc))
 
     def _free(self) -> int:
         """Slots not yet promised to a held delivery."""
@@ -140,13 +172,13 @@ class Reclaimer(Part):
         as many as this worker has free slots for; the rest go to other workers or the
         next round."""
         s = self.settings
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.workers(self.model))
             for lane in LANES:
                 pipe.xinfo_consumers(self.lane_keys[lane], GROUP)
             heartbeats, *consumers = await pipe.execute()
-        self.takeover.observe({k.decode(): v for k, v in heartbeats.items()}, now)
+        self.takeover.observe({k.decode(): v for k, v in heartbeats.items()}, now, wall)
         min_idle = int(s.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
         for lane, infos in zip(LANES, consumers):
             for info in infos:
