@@ -58,7 +58,10 @@ def _usage(params: list[Any], ctx: Any, pieces: list[str]) -> list[str]:
     return pieces + out
 
 
-class Command(TyperCommand):
+class _Plain:
+    """What commands and groups both do: named values for their options (``plain_params``)
+    and no value shown for ``--help``."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         plain_params(self.params)
@@ -69,20 +72,14 @@ class Command(TyperCommand):
             option.metavar = ""
         return option
 
+
+class Command(_Plain, TyperCommand):
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return _usage(self.get_params(ctx), ctx, [self.options_metavar] if self.options_metavar else [])
 
 
-class Group(TyperGroup):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        plain_params(self.params)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
+class Group(_Plain, TyperGroup):
+    pass
 
 
 class App(typer.Typer):
