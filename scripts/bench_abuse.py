@@ -83,7 +83,7 @@ import websockets
 from scripts.bench_fleet import table
 from scripts.flite import SENTENCES, flite_missing, silence, speech
 from scripts.procstats import cpu_s, family, rss_mib, stop
-from streamfleet.launcher import EmbeddedRedis, free_port, spawn, wait_ready
+from streamfleet.launcher import EmbeddedRedis, free_port, spawn, stop_processes, wait_ready
 from streamfleet.shared.aio import raise_open_files_limit
 from streamfleet.shared.keys import Keys
 
@@ -251,15 +251,7 @@ class AbuseFleet:
         self.wait()
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs.values(), timeout=10.0)
         if self.redis is not None:
             self.redis.stop()
 

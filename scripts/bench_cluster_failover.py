@@ -62,7 +62,7 @@ import redis
 import websockets
 from redis.crc import key_slot
 
-from streamfleet.launcher import EmbeddedCluster, free_port, spawn
+from streamfleet.launcher import EmbeddedCluster, free_port, spawn, stop_processes
 from streamfleet.shared.keys import GROUP, TAG_LEN, Keys
 from streamfleet.shared.redis import sync_client
 
@@ -152,15 +152,7 @@ class FailoverBench:
             r.close()
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
         if self.cluster is not None:
             self.cluster.stop()
 

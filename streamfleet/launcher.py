@@ -25,8 +25,8 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "wait_ready",
-           "DEFAULT_MODEL", "FALLBACK_MODEL"]
+__all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "stop_processes",
+           "wait_ready", "DEFAULT_MODEL", "FALLBACK_MODEL"]
 
 #: what `streamfleet serve` serves unless told otherwise: a real instruct model whose
 #: weights come from the Python package index on first use (engines/smollm2-135m)
@@ -271,16 +271,24 @@ class EmbeddedCluster:
         proc.wait()
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values(), timeout=5.0)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stop_processes(procs, timeout: float = 15.0) -> None:
+    """SIGTERM every one of ``procs`` (``subprocess.Popen``) still running, wait for them all
+    within ``timeout`` seconds together, then SIGKILL those still running."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class Fleet:
@@ -295,16 +303,7 @@ class Fleet:
         return p
 
     def stop(self, timeout: float = 15.0) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes((p for _, p in self.procs), timeout)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs if p.poll() is not None]

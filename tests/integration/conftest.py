@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, free_port
+from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, free_port, stop_processes
 from streamfleet.shared.redis import sync_client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,15 +212,19 @@ class FleetFactory:
             r.close()
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.alive():
-                p.popen.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+        stop_processes(p.popen for p in self.procs)
+
+
+@pytest.fixture
+def own_cluster():
+    """A private 3x2 cluster (cluster-node-timeout 1 s) for a test that kills one of its
+    nodes, so that the session's cluster stays whole."""
+    try:
+        cluster = EmbeddedCluster(node_timeout_ms=1000).start()
+    except RuntimeError as exc:
+        pytest.skip(f"no local Redis Cluster: {exc}")
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

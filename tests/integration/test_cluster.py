@@ -145,17 +145,6 @@ def test_status_shows_each_shard_and_where_each_models_lanes_live(redis_cluster,
         fleet.close()
 
 
-@pytest.fixture
-def own_cluster():
-    """A private cluster for a test that kills one of its nodes."""
-    try:
-        cluster = EmbeddedCluster(node_timeout_ms=1000).start()
-    except RuntimeError as exc:
-        pytest.skip(f"no local Redis Cluster: {exc}")
-    yield cluster
-    cluster.stop()
-
-
 async def test_the_lanes_primary_killed_mid_stream_fails_over_without_restarting_anything(own_cluster, tiny_spec,
                                                                                          tmp_path):
     prefix = "sfo"

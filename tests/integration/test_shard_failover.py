@@ -29,22 +29,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from streamfleet.launcher import EmbeddedCluster
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, connect
 from tests.integration.wsclient import Client
 
 PROMPT = "Once upon a time there was a fleet"
-
-
-@pytest.fixture
-def own_cluster():
-    """A private 3x2 cluster (cluster-node-timeout 1 s) for a test that kills a node."""
-    try:
-        cluster = EmbeddedCluster(node_timeout_ms=1000).start()
-    except RuntimeError as exc:
-        pytest.skip(f"no local Redis Cluster: {exc}")
-    yield cluster
-    cluster.stop()
 
 
 def _tags_by_port(client) -> dict[int, str]:
