@@ -11,6 +11,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
@@ -154,11 +155,7 @@ class Broker:
         if self._shards is not None:
             self._shards.close()
         if self._reader:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+            await aio.cancel_and_wait(self._reader)
         if self._pubsub is not None:
             self._pubsub.close()
         if self.redis is not None:

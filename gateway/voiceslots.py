@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import anyio
 import redis.asyncio as aioredis
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, UnavailableError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
@@ -372,12 +373,7 @@ class VoiceSlots:
                 log.warning("could not refresh speech slots", count=len(held), error=str(exc))
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            try:
-                await self._refresher
-            except (asyncio.CancelledError, Exception):
-                pass
+        await aio.cancel_and_wait(self._refresher)
 
 
 def capacity_of(heartbeats) -> int:

@@ -13,9 +13,21 @@ import asyncio
 import gc
 from typing import Any, Callable, Coroutine
 
-__all__ = ["EVENT_LOOPS", "LightQueue", "loop_factory", "run", "settle_heap"]
+__all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+    """Stop a background task of a part that is closing: cancel it and wait until it has
+    unwound, whatever it ends with (its errors were its own to log)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
 
 
 def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
