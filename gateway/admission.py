@@ -31,12 +31,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
 from streamfleet.gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
-from streamfleet.gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots
+from streamfleet.gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 
 __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
 
@@ -105,12 +106,7 @@ class Admission:
             self._watcher = asyncio.create_task(self._watch(), name="admission-watch")
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            try:
-                await self._watcher
-            except (asyncio.CancelledError, Exception):
-                pass
+        await aio.cancel_and_wait(self._watcher)
 
     # -- who ------------------------------------------------------------------------
     async def authenticate(self, authorization: str | None, api_key: str | None = None) -> Identity | None:
@@ -144,10 +140,7 @@ class Admission:
         if left <= 0:
             del self._spent[identity.key_id]
             return
-        tier = identity.tier
-        raise RefusedError(f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} exceeded; "
-                           f"retry in {max(1, int(left * 1000))} ms", code=ErrorCode.rate_limited,
-                           retry_after_ms=max(1, int(left * 1000)))
+        raise rate_limited(identity.tier, max(1, int(left * 1000)))
 
     async def _take(self, identity: Identity) -> None:
         """One request from the key's bucket (``RateLimiter.check``), remembering when it

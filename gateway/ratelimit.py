@@ -39,8 +39,8 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
 
-__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "StreamSlots", "ConnectionSlots", "TOKEN_BUCKET_LUA",
-           "STREAM_SLOTS_LUA"]
+__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "rate_limited", "StreamSlots", "ConnectionSlots",
+           "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
 
 log = get_logger("gateway.ratelimit")
 
@@ -194,13 +194,8 @@ class RateLimiter:
         decision = await self.take(key_id, tier, cost=cost)
         if decision is None or decision.allowed:
             return
-        what = "exceeded" if cost == 1 else f"has not {cost} requests left for the {cost} choices"
-        raise RefusedError(
-            f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} {what}; "
-            f"retry in {_wait(decision.retry_after_ms)}",
-            code=ErrorCode.rate_limited,
-            retry_after_ms=decision.retry_after_ms,
-        )
+        raise rate_limited(tier, decision.retry_after_ms,
+                           "exceeded" if cost == 1 else f"has not {cost} requests left for the {cost} choices")
 
     async def refund(self, identity: Identity, cost: int) -> None:
         """Give ``cost`` requests back to the key's bucket (never past its burst): what a
@@ -211,6 +206,12 @@ class RateLimiter:
 
 def _wait(ms: int) -> str:
     return f"{ms} ms" if ms < 100 else f"{ms / 1000:.1f} s"
+
+
+def rate_limited(tier: Tier, retry_after_ms: int, what: str = "exceeded") -> RefusedError:
+    """The 429 ``rate_limited`` refusal of a key of ``tier``, due again in ``retry_after_ms``."""
+    return RefusedError(f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} {what}; "
+                        f"retry in {_wait(retry_after_ms)}", code=ErrorCode.rate_limited, retry_after_ms=retry_after_ms)
 
 
 def lua_now_ms(arg: int) -> str:
