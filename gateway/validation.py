@@ -403,15 +403,19 @@ class Validator:
         """Why ``grammar`` cannot constrain the model's output, or None: ``Grammars.trial``
         (the grammar's own check, then its first tokens under the limits), run once per
         grammar; the verdicts on the last 256 are kept, so a repeated schema costs nothing
-        and a client cannot grow the cache. Blocking: ``finish_async`` runs it in a thread."""
+        and a client cannot grow the cache. Blocking: ``finish_async`` runs the trial in a
+        thread."""
         key = self._grammar_key(spec, grammar)
+        if key not in self._grammar_problems:
+            self._remember(key, self._grammars_of(spec).trial(grammar))
+        return self._grammar_problems[key]
+
+    def _remember(self, key: tuple[Any, bytes], problem: str | None) -> None:
         if key in self._grammar_problems:
-            return self._grammar_problems[key]
-        problem = self._grammars_of(spec).trial(grammar)
+            return
         if len(self._grammar_problems) >= 256:
             self._grammar_problems.pop(next(iter(self._grammar_problems)))
         self._grammar_problems[key] = problem
-        return problem
 
     def _checked_grammar(self, draft: Draft, spec: ModelSpec, grammar: str) -> str:
         problem = self.verdict(spec, grammar)
@@ -535,12 +539,12 @@ class Validator:
             grammar = self._compile(draft, spec)
             key = self._grammar_key(spec, grammar)
             if key not in self._grammar_problems:
-                self._grammars_of(spec)  # built once, on the loop (it caches tokenizers)
+                grammars = self._grammars_of(spec)  # built once, on the loop (it caches tokenizers)
                 trial = self._trials.get(key)
                 if trial is None:  # the choices of one request (``n``) share one trial
-                    trial = self._trials[key] = asyncio.ensure_future(asyncio.to_thread(self.verdict, spec, grammar))
+                    trial = self._trials[key] = asyncio.ensure_future(asyncio.to_thread(grammars.trial, grammar))
                     trial.add_done_callback(lambda _: self._trials.pop(key, None))
-                await asyncio.shield(trial)
+                self._remember(key, await asyncio.shield(trial))  # the verdicts change on the loop only
             return self.finish(draft, grammar=grammar)
         return self.finish(draft)
 
