@@ -13,12 +13,14 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import ExponentialBackoff
-from redis.crc import key_slot
 from redis.exceptions import (AskError, ClusterDownError, MovedError, RedisClusterException, ResponseError,
                               SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry  # (the asyncio clients' own: the sync one is converted, with a warning)
+
+from streamfleet.shared.command_socket import close_command_link, command_link
+from streamfleet.shared.resp import pack, slot_of
 
 __all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
            "Coalescer", "refresh_members", "slot_of"]
@@ -202,10 +204,6 @@ class FleetCluster(RedisCluster):
         await super().aclose()
 
 
-def slot_of(key: bytes | str) -> int:
-    return key_slot(key.encode() if isinstance(key, str) else key)
-
-
 def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
     from redis.asyncio.connection import parse_url
 
@@ -223,11 +221,9 @@ def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
 
 class FleetRedis(aioredis.Redis):
     """redis-py's client, whose ``aclose`` also closes the pipelined socket ``RawBatch``
-    sends on (``shared.pubsub.CommandLink``)."""
+    sends on (``shared.command_socket.CommandLink``)."""
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        from streamfleet.shared.pubsub import close_command_link
-
         close_command_link(self)
         await super().aclose(close_connection_pool)
 
@@ -303,18 +299,6 @@ async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]],
         await pipe.execute()
 
 
-def pack(*args: bytes | str | int) -> bytes:
-    """One command in RESP."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-
-
 #: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails
 MAX_REDIRECTS = 5
 
@@ -362,7 +346,7 @@ class RawBatch:
     encoding, a command stack, response callbacks) as Redis takes to run it; a step of 64
     sequences is 128+ commands. Here each command is packed straight to RESP bytes, the
     batch is written in one call on the client's pipelined command socket
-    (``shared.pubsub.CommandLink``: not a pooled connection), and the replies are read
+    (``shared.command_socket.CommandLink``: not a pooled connection), and the replies are read
     back raw: error replies come back as ``ResponseError`` objects in place, never raised.
     A connection or timeout error retries the whole batch once on a fresh connection
     (every command the worker batches here is safe to repeat: gateways drop a
@@ -428,10 +412,8 @@ class RawBatch:
             return await self._run(client)
 
     async def _run(self, client: aioredis.Redis) -> list:
-        """On the client's pipelined command socket (``shared.pubsub.CommandLink``), not
+        """On the client's pipelined command socket (``shared.command_socket.CommandLink``), not
         a pooled connection: batches of concurrent callers go out back to back."""
-        from streamfleet.shared.pubsub import command_link  # (that module imports this one)
-
         link = command_link(client)
         conn = await link.connection()
         n = len(self._parts)

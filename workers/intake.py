@@ -20,7 +20,7 @@ from redis.exceptions import ReadOnlyError
 from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.pubsub import blocking_link
+from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Task, Wake, stream_entry_id
 

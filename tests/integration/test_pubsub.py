@@ -10,7 +10,7 @@ import redis
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
 
 from streamfleet.shared.pubsub import open_pubsub
-from streamfleet.shared.redis import pack
+from streamfleet.shared.resp import pack
 from streamfleet.launcher import free_port
 
 

@@ -35,7 +35,7 @@ async def test_results_in_order_with_errors_in_place(redis_server, key_prefix):
 
 
 async def _link_client_id(client) -> int:
-    """The CLIENT ID of the socket RawBatch sends on (shared.pubsub.CommandLink)."""
+    """The CLIENT ID of the socket RawBatch sends on (shared.command_socket.CommandLink)."""
     b = RawBatch()
     b.add(b"CLIENT", b"ID")
     (cid,) = await b.execute(client)
