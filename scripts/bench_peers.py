@@ -5,7 +5,7 @@ Three servers stream the same workload, ``--tokens`` tokens per request, over th
 two doors (OpenAI SSE and the WebSocket frames). ``--engine echo`` (the default) is the
 fleet's ``EchoEngine`` with a continuous-batching step of ``--delay-ms``: no model cost,
 so what shows is each server's own overhead. ``--engine bench-gpt`` is a real model
-(34 M parameters, ``engines/bench-gpt``, made by ``scripts/make_tiny_model.py --preset
+(34 M parameters, ``engines/bench-gpt``, made by ``shared/tinymodel.py --preset
 bench`` when missing) on ONNX Runtime, the same engine class in all three servers.
 
   one-process  ``scripts/peer_app.py`` under uvicorn: the batching loop in the server's
@@ -176,13 +176,13 @@ class Workload:
 
 def workload(engine: str, delay_ms: float) -> Workload:
     """``echo`` (in a temporary folder), or ``bench-gpt`` (``engines/bench-gpt``, made by
-    ``scripts/make_tiny_model.py --preset bench`` when missing)."""
+    ``shared/tinymodel.py --preset bench`` when missing)."""
     if engine == "echo":
         return Workload(write_model(Path(tempfile.mkdtemp(prefix="sf-bench-peers-"))), delay_ms=delay_ms)
     folder = REPO / "engines" / engine
     if not (folder / "model.onnx").exists():
         print(f"generating {engine} in {folder} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", "--out", str(folder), "--preset", "bench"],
+        subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(folder), "--preset", "bench"],
                        check=True)
     return Workload(folder.parent, model=engine, backend="onnxruntime")
 

@@ -12,7 +12,7 @@ step waited for them and spent applying them (waited ms, its p99), the computing
 constrained row, and the ratio to the unconstrained run.
 
     python -m scripts.bench_structured                       # the demo model (1,024 tokens)
-    python -m scripts.make_tiny_model --out /tmp/v16k --vocab-size 16000 --n-layer 1 --d-model 64
+    python -m streamfleet.shared.tinymodel --out /tmp/v16k --vocab-size 16000 --n-layer 1 --d-model 64
     python -m scripts.bench_structured --model-dir /tmp/v16k  # a 16k vocabulary
 """
 

@@ -11,7 +11,7 @@
     max_context = 256              # prompt + completion tokens
     eos_token_ids = [0]            # optional: overrides what the model folder declares
 
-    [build]                        # optional: how scripts/make_tiny_model.py makes the files
+    [build]                        # optional: how streamfleet.shared.tinymodel makes the files
     seed = 1234
     ...
 
@@ -481,7 +481,7 @@ def load_tokenizer(spec: ModelSpec) -> Any:
     _require_text(spec, "tokenizer")
     if not spec.tokenizer_path.exists():
         raise FatalError(
-            f"{spec.tokenizer_path} is missing; run `python -m scripts.make_tiny_model "
+            f"{spec.tokenizer_path} is missing; run `python -m streamfleet.shared.tinymodel "
             f"--model-dir {spec.path}` (or `streamfleet serve`, which does it for you)"
         )
     return _load_tokenizer_cached(str(spec.tokenizer_path), spec.chat_template)
@@ -491,16 +491,14 @@ def load_tokenizer(spec: ModelSpec) -> Any:
 GENERATOR_KEY = "streamfleet.generator"
 
 
-def generator_digest() -> str | None:
-    """What the project's model generator is now: a digest of ``scripts/make_tiny_model.py``
-    and the corpus it fits to (``scripts/corpus/``); None where they are not at hand (an
-    installed package, a container), so nothing can be regenerated there anyway."""
-    script = REPO_ROOT / "scripts" / "make_tiny_model.py"
-    if not script.is_file():
-        return None
-    h = hashlib.sha256(script.read_bytes())
-    corpus = REPO_ROOT / "scripts" / "corpus"
-    for path in sorted(corpus.rglob("*")) if corpus.is_dir() else []:
+def generator_digest() -> str:
+    """What the project's model generator is now: a digest of its module
+    (``shared/tinymodel.py``) and the corpus it fits to (``shared/corpus/``), both
+    installed with the package."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256((here / "tinymodel.py").read_bytes())
+    corpus = here / "corpus"
+    for path in sorted(corpus.rglob("*")):
         if path.is_file():
             h.update(path.relative_to(corpus).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:32]
@@ -516,7 +514,7 @@ def _made_by_this_generator(spec: ModelSpec) -> bool:
     """
     _require_text(spec, "generated ONNX graph")
     want = generator_digest()
-    return want is None or _stamped(spec.onnx_path, GENERATOR_KEY, want)
+    return _stamped(spec.onnx_path, GENERATOR_KEY, want)
 
 
 def _stamped(graph: Path, key: str, digest: str) -> bool:
@@ -603,8 +601,7 @@ def ensure_artifacts(spec: ModelSpec) -> None:
     elif not spec.build:
         raise FatalError(f"model {spec.name!r} lacks {spec.onnx} / {spec.tokenizer} and has no [build] table")
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.make_tiny_model", "--model-dir", str(spec.path)],
-        cwd=REPO_ROOT,
+        [sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(spec.path)],
         capture_output=True,
         text=True,
     )

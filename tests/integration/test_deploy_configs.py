@@ -187,7 +187,7 @@ def test_dockerfile_multi_stage(name):
         f"{name}: the runtime stage takes the virtualenv from the builder"
     # build tooling stays in the builder
     final_runs = " ".join(i.args for i in final if i.cmd == "RUN")
-    for tool in ("pip wheel", "build-essential", "pip install", "make_tiny_model"):
+    for tool in ("pip wheel", "build-essential", "pip install", "streamfleet.shared.tinymodel"):
         assert tool not in final_runs, f"{name}: {tool!r} belongs in the builder stage"
     builder_runs = " ".join(i.args for i in st[0] if i.cmd == "RUN")
     assert "pip wheel" in builder_runs, f"{name}: the builder builds the project's wheel"
@@ -216,7 +216,7 @@ def test_dockerfile_non_root_and_entrypoint(name):
 def test_dockerfile_demo_model_and_offline(name):
     st = stages(parse_dockerfile(REPO / name))
     builder_runs = " ".join(i.args for i in st[0] if i.cmd == "RUN")
-    assert "scripts.make_tiny_model --model-dir engines/tiny-gpt" in builder_runs, \
+    assert "streamfleet.shared.tinymodel --model-dir engines/tiny-gpt" in builder_runs, \
         f"{name}: tiny-gpt is generated at build time"
     assert "ensure_artifacts(ModelRepository('engines').get('smollm2-135m'))" in builder_runs, \
         f"{name}: the default model is fetched and imported at build time, never in a container"
@@ -288,13 +288,8 @@ def test_dockerfile_build_context(name):
                 py = sorted(p for p in (REPO / rel).rglob("*.py") if "__pycache__" not in p.parts)
                 for p in py:
                     assert not dockerignore_excludes(patterns, str(p.relative_to(REPO))), p
-    # the image generates tiny-gpt: the script and the corpus it fits the weights to
-    copied = {src.rstrip("/") for ins in parse_dockerfile(REPO / name) if ins.cmd == "COPY"
-              for src in copy_sources(ins)[0]}
-    if "scripts/make_tiny_model.py" in copied:
-        assert "scripts/corpus" in copied, f"{name}: make_tiny_model.py needs COPY scripts/corpus/"
     for out in (".venv", "tests/unit/test_core.py", "engines/tiny-gpt/model.onnx", "engines/tiny-gpt/tokenizer.json",
-                "engines/bench-gpt/engine.toml", ".git", "gateway/__pycache__/app.cpython-311.pyc", "docs/operations.md"):
+                "engines/bench-gpt/engine.toml", ".git", "scripts/bench_fleet.py", "gateway/__pycache__/app.cpython-311.pyc", "docs/operations.md"):
         assert dockerignore_excludes(patterns, out), f".dockerignore lets {out} into the build context"
 
 

@@ -117,3 +117,17 @@ def test_product_code_imports_no_uninstalled_folder():
 def test_the_circle_finder_finds_circles():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_product_code_runs_no_module_of_an_uninstalled_folder():
+    """``python -m scripts.x`` from product code is an import no ``import`` shows: it works in
+    a checkout and fails where the package is installed (issue 38: the demo model's
+    generator ran as ``scripts.make_tiny_model``)."""
+    bad = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.split(".")[0] in ("scripts", "tests") and "." in node.value \
+                    and " " not in node.value and "/" not in node.value:
+                bad.append(f"{name}: {node.value!r}")
+    assert not bad, bad

@@ -254,7 +254,7 @@ def _column_position_graph(tiny_spec, tmp_path) -> Path:
 
     model = onnx.load(str(tiny_spec.onnx_path))
     g = model.graph
-    # the query slots: Range(past, past + S) over cache columns (scripts/make_tiny_model.py)
+    # the query slots: Range(past, past + S) over cache columns (shared/tinymodel.py)
     at, rng = next((i, n) for i, n in enumerate(g.node) if n.op_type == "Range" and "zero_scalar" not in n.input[0])
     axes = helper.make_tensor("col_axes0", onnx.TensorProto.INT64, [1], [0])
     g.initializer.append(axes)

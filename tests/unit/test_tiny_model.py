@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: deterministic files, a valid graph, a round-tripping tokenizer."""
+"""shared/tinymodel.py: deterministic files, a valid graph, a round-tripping tokenizer."""
 
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ import pytest
 
 from streamfleet.shared.modelrepo import REPO_ROOT, load_tokenizer
 
-SCRIPT = REPO_ROOT / "scripts" / "make_tiny_model.py"
 SMALL = ["--seed", "7", "--vocab-size", "512", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
          "--max-context", "64", "--max-batch", "4"]
 
 
 def make(out: Path, *args: str) -> None:
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "-q", *args], check=True)
+    subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(out), "-q", *args], check=True)
 
 
 def test_same_seed_same_bytes(tmp_path):
@@ -34,7 +33,7 @@ def test_same_seed_same_bytes(tmp_path):
     assert toml["build"] == {"seed": 7, "vocab_size": 512, "n_layer": 1, "n_head": 2, "d_model": 32}
     # --model-dir rebuilds the same files from that engine.toml
     (tmp_path / "a" / "model.onnx").unlink()
-    subprocess.run([sys.executable, str(SCRIPT), "--model-dir", str(tmp_path / "a"), "-q"], check=True)
+    subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(tmp_path / "a"), "-q"], check=True)
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
@@ -115,7 +114,7 @@ def test_greedy_decoding_is_varied(tiny_spec):
 
 
 # ---------------------------------------------------------------------------------------
-# What the demo shows: tiny-gpt's weights are fitted to scripts/corpus/tiny.txt, so its
+# What the demo shows: tiny-gpt's weights are fitted to shared/corpus/tiny.txt, so its
 # text reads as English words (issue 15: random weights printed U+FFFD and control bytes)
 # ---------------------------------------------------------------------------------------
 
@@ -126,7 +125,7 @@ PUNCT = set(" .,;:!?'\"-\n")
 @pytest.fixture(scope="module")
 def fresh_tiny(tmp_path_factory):
     """tiny-gpt generated now from its engine.toml [build] (not a stale file in engines/)."""
-    from scripts.make_tiny_model import params_from_model_dir, write_model
+    from streamfleet.shared.tinymodel import params_from_model_dir, write_model
     from streamfleet.shared.modelrepo import ModelRepository
 
     params, _, _ = params_from_model_dir(REPO_ROOT / "engines" / "tiny-gpt")
@@ -170,7 +169,7 @@ def generate(spec, requests: list[tuple[str, float, int]], max_tokens: int = 48)
 
 
 def corpus_words() -> set[str]:
-    from scripts.make_tiny_model import load_corpus
+    from streamfleet.shared.tinymodel import load_corpus
 
     return {w for p in load_corpus() for w in re.findall(r"[a-z]+", p.lower())}
 
@@ -233,7 +232,7 @@ def test_context_moves_the_logits(fresh_tiny):
     ids = tok.encode(" the")
     assert len(ids) == 1
     follow = set()
-    from scripts.make_tiny_model import corpus_ids, load_corpus  # noqa: F401
+    from streamfleet.shared.tinymodel import corpus_ids, load_corpus  # noqa: F401
 
     stream = corpus_ids(fresh_tiny.tokenizer_path.read_text())
     follow = {stream[i + 1] for i in range(len(stream) - 1) if stream[i] == ids[0]}

@@ -213,7 +213,7 @@ class OnnxRuntimeEngine:
         import onnxruntime as ort  # lazily: the registry imports backends by name
 
         if not spec.onnx_path.exists():
-            raise FatalError(f"{spec.onnx_path} is missing; run `python -m scripts.make_tiny_model "
+            raise FatalError(f"{spec.onnx_path} is missing; run `python -m streamfleet.shared.tinymodel "
                              f"--model-dir {spec.path}`")
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

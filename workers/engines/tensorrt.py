@@ -229,7 +229,7 @@ class TensorRTEngine:
         trt = None
         if runner is None:
             if not spec.onnx_path.exists():
-                raise FatalError(f"{spec.onnx_path} is missing; run `python -m scripts.make_tiny_model "
+                raise FatalError(f"{spec.onnx_path} is missing; run `python -m streamfleet.shared.tinymodel "
                                  f"--model-dir {spec.path}`")
             trt = trt_build.import_tensorrt()  # first: the clearer message on a CPU machine
             mem = mem or cuda_mem.select(self._opts["cuda"])

@@ -271,7 +271,7 @@ def read_graph_info(onnx_path: Path, options: Mapping[str, Any] | None = None, *
     import onnx  # lazily: only plan computations need it
 
     if not onnx_path.exists():
-        raise FatalError(f"{onnx_path} is missing; run `python -m scripts.make_tiny_model "
+        raise FatalError(f"{onnx_path} is missing; run `python -m streamfleet.shared.tinymodel "
                          f"--model-dir {onnx_path.parent}`")
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
