@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any, AsyncIterator, NoReturn
+from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
 
 import anyio
 import grpc
@@ -46,6 +46,9 @@ from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.session import Session
 from streamfleet.gateway.streams import End, Failed
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.hub import Hub
 
 __all__ = ["SERVICE", "GrpcDoor", "GrpcListenError", "InferenceService", "status_code", "generate_payload",
            "server_frame", "generate_event"]
@@ -272,7 +275,7 @@ def _shutting_down() -> UnavailableError:
 class _StreamSession(Session):
     """One ``Stream`` call: a WebSocket connection's requests, over gRPC messages."""
 
-    def __init__(self, hub) -> None:
+    def __init__(self, hub: "Hub") -> None:
         super().__init__(hub, "grpc")
         self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
 
@@ -302,7 +305,7 @@ class _StreamSession(Session):
 class InferenceService(pb_grpc.InferenceServicer):
     """``streamfleet.v1.Inference`` over one gateway's ``Hub``."""
 
-    def __init__(self, hub) -> None:
+    def __init__(self, hub: "Hub") -> None:
         self.hub = hub
 
     async def _caller(self, md: dict[str, str]):
@@ -328,7 +331,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             identity = await self._caller(md)
             draft = _within_deadline(hub.validator.check(generate_payload(request, "grpc")), context)
-            req = ClientRequest(hub, "grpc", identity=identity)
+            req = hub.request("grpc", identity=identity)
             depth = await req.submit(draft, trace_id=trace_id_from(md.get("traceparent")))
         except StreamfleetError as exc:
             await self._refuse(context, exc)
@@ -342,7 +345,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             identity = await self._caller(md)
             rid, idx, token = resume_fields({"request_id": request.request_id, "from_index": request.from_index,
                                              "resume_token": request.resume_token or None})
-            req = ClientRequest(self.hub, "grpc", identity=identity)
+            req = self.hub.request("grpc", identity=identity)
             await req.resume(rid, idx, token)
         except StreamfleetError as exc:
             await self._refuse(context, exc)
@@ -437,7 +440,7 @@ class GrpcDoor:
         GrpcListenError: the port cannot be bound.
     """
 
-    def __init__(self, hub) -> None:
+    def __init__(self, hub: "Hub") -> None:
         s = hub.settings
         self.hub = hub
         max_message = s.max_frame_bytes

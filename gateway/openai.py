@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import orjson
@@ -40,6 +40,9 @@ from streamfleet.gateway.streams import TICK, End, Failed, Token
 from streamfleet.gateway.validation import MAX_SEED, MAX_TOP_LOGPROBS, UNSUPPORTED
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.shared.grammar import CONSTRAINTS
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.hub import Hub
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
@@ -289,7 +292,7 @@ def _last_event_id(request: Request) -> tuple[str, str | None, int] | None:
 
 
 async def _generate(request: Request, chat: bool) -> Response:
-    hub = request.app.state.hub
+    hub: Hub = request.app.state.hub
     admission = hub.admission
     identity = None
     try:
@@ -319,7 +322,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         stream_mode, include_usage = _stream_flags(body)
         n, best_of = _counts(body, chat, stream_mode)
         resume = _last_event_id(request)
-        req = ClientRequest(hub, "http", identity=identity)
+        req = hub.request("http", identity=identity)
         tools = None
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
@@ -399,7 +402,7 @@ async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
             await stop_events(pending, events)
 
 
-async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: str | None) -> list[ClientRequest]:
+async def _submit_choices(hub: "Hub", identity, draft, k: int, *, scored: bool, trace: str | None) -> list[ClientRequest]:
     """Submit the ``k`` completions of one request: one task each (admitted, rate limited
     and run as any request), seeds ``seed``, ``seed + 1``, …, so that the choices differ
     and the same request gives the same choices again. They carry one group id: the
@@ -408,7 +411,7 @@ async def _submit_choices(hub, identity, draft, k: int, *, scored: bool, trace: 
     token's log probability. A refusal takes back what was submitted."""
     params = draft.params
     await hub.admission.charge(identity, k, "best_of" if scored else "n")  # all or nothing: a refusal here takes nothing
-    reqs = [ClientRequest(hub, "http", identity=identity) for _ in range(k)]
+    reqs = [hub.request("http", identity=identity) for _ in range(k)]
     group = uuid.uuid4().hex
     drafts = [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
         params, seed=(params.seed + i) % (MAX_SEED + 1),
@@ -471,7 +474,7 @@ async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, An
                 await stop_events(task, it)
 
 
-async def _many(request: Request, hub, reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
+async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
                 include_usage: bool, tools: Tools | None, keep_logprobs: bool) -> Response:
     """The response of a request of several choices (``n``, ``best_of``): streamed, each
     chunk names its choice by ``index`` (no ``id:`` lines: such a stream is not
@@ -681,7 +684,7 @@ class _ChoiceStream:
         return out
 
 
-async def _sse_events(hub, req: ClientRequest, events: AsyncIterator, shape: _Shape,
+async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, shape: _Shape,
                       include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body of one choice. Keepalives come from the stream itself
     (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
@@ -754,7 +757,7 @@ async def chat_completions(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     """Models that have at least one live worker."""
-    hub = request.app.state.hub
+    hub: Hub = request.app.state.hub
     try:
         await hub.admission.authenticate(request.headers.get("authorization"))
     except StreamfleetError as exc:

@@ -4,7 +4,7 @@ A ``ClientRequest`` is what every adapter (``gateway/ws.py``, ``gateway/openai.p
 any later one) drives for one request; the lifecycle lives here once
 (docs/architecture.md, "A request's path")::
 
-    req = ClientRequest(hub, client_id, identity=identity, channel=channel)
+    req = hub.request(client_id, identity=identity, channel=channel)   # gateway.hub.Hub
     depth = await req.submit(draft)               # admit, tokenize, enqueue; or:
     await req.resume(request_id, from_index, resume_token)  # admit the resume, follow it
     async for ev in req.events(transport):        # the stream's events, observed
@@ -27,7 +27,7 @@ HTTP request).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
@@ -41,39 +41,39 @@ if TYPE_CHECKING:
     from streamfleet.gateway.broker import Broker
     from streamfleet.gateway.validation import Draft, Validator
 
-__all__ = ["ClientRequest", "Hub"]
-
-
-class Hub(Protocol):
-    """What a request needs of its gateway process (``gateway.app.Hub`` is one): named
-    here, so that this module does not import the application that imports it."""
-
-    admission: "Admission"
-    validator: "Validator"
-    broker: "Broker"
-
-    async def check_workers(self, model: str) -> None: ...
-
-    async def shared_channel(self) -> ReplyChannel | None: ...
+__all__ = ["ClientRequest"]
 
 
 class ClientRequest:
     """One request of one client, from admission to the slot it gives back.
 
+    Made by ``gateway.hub.Hub.request``, which hands it the process's collaborators.
+
     Args:
-        hub: the process's ``Hub`` (admission, validator, broker: ``gateway.app.Hub``).
         client_id: the id the client answers under (``"http"`` for an HTTP request).
         identity: the caller's API key identity (None with auth off).
         channel: the connection's open reply channel; None: a submit uses the process's
-            shared channel (``Hub.shared_channel``), a resume (or any request on a Redis
+            shared channel (``gateway.hub.Hub.shared_channel``), a resume (or any request on a Redis
             Cluster) opens its own.
         share: with ``channel``, submit on the process's shared channel all the same
             (where there is one); resumes stay on ``channel``.
+        admission: rate limits, stream slots, key watches (``gateway.admission``).
+        validator: finishes a checked request: template, grammar trial, tokenizing.
+        broker: the process's Redis side (request ids, cancels).
+        check_workers: refuses a model with no live worker (``Hub.check_workers``).
+        shared_channel: the process's shared reply channel, None where there is none
+            (``gateway.hub.Hub.shared_channel``).
     """
 
-    def __init__(self, hub: "Hub", client_id: str, *, identity: "Identity | None" = None,
-                 channel: ReplyChannel | None = None, share: bool = False) -> None:
-        self.hub = hub
+    def __init__(self, client_id: str, *, admission: "Admission", validator: "Validator", broker: "Broker",
+                 check_workers: Callable[[str], Awaitable[None]],
+                 shared_channel: Callable[[], Awaitable[ReplyChannel | None]],
+                 identity: "Identity | None" = None, channel: ReplyChannel | None = None, share: bool = False) -> None:
+        self.admission = admission
+        self.validator = validator
+        self.broker = broker
+        self._check_workers = check_workers
+        self._shared_channel = shared_channel
         self.client_id = client_id
         self.identity = identity
         self.channel = channel
@@ -84,7 +84,7 @@ class ClientRequest:
         self._resume_token: str | None = None
         self._own_channel = channel is None
         self._share = channel is None or share  # a submit goes on the process's shared channel, if any
-        self._shared = False  # on the process's shared channel (``Hub.shared_channel``)
+        self._shared = False  # on the process's shared channel (``gateway.hub.Hub.shared_channel``)
         self._left = False  # it left the shared channel (``close``)
         self._next_channel_id: str | None = None
         self._cancel_pending = False  # cancelled before the stream existed
@@ -94,7 +94,7 @@ class ClientRequest:
     # -- what it carries -------------------------------------------------------------
     @property
     def shared(self) -> bool:
-        """Submitted on the process's shared channel (``Hub.shared_channel``)."""
+        """Submitted on the process's shared channel (``gateway.hub.Hub.shared_channel``)."""
         return self._shared
 
     @property
@@ -112,7 +112,7 @@ class ClientRequest:
     # -- opening ----------------------------------------------------------------------
     async def _open_channel(self) -> ReplyChannel:
         if self.channel is None:
-            self.channel = await ReplyChannel(self.hub.broker, self._channel_id()).open()
+            self.channel = await ReplyChannel(self.broker, self._channel_id()).open()
         return self.channel
 
     def _channel_id(self) -> str:
@@ -148,17 +148,16 @@ class ClientRequest:
             StreamfleetError: refused (``Admission.admit``, ``Validator.finish``, the
                 channel or the enqueue).
         """
-        admission = self.hub.admission
-        await self.hub.check_workers(draft.model)
+        await self._check_workers(draft.model)
         if self._share and not self._shared:  # on the process's shared channel, where there is one
-            shared = await self.hub.shared_channel()
+            shared = await self._shared_channel()
             if shared is not None:
                 self.channel, self._shared, self._own_channel = shared, True, False
-        ticket = await admission.admit(self.identity, draft,
-                                       request_id=self.hub.broker.keys.new_request_id(self._channel_id()),
+        ticket = await self.admission.admit(self.identity, draft,
+                                       request_id=self.broker.keys.new_request_id(self._channel_id()),
                                        charged=charged)
         try:
-            request = await self.hub.validator.finish_async(ticket.request)
+            request = await self.validator.finish_async(ticket.request)
             channel = await self._open_channel()
             try:
                 if before_enqueue is not None:
@@ -169,7 +168,7 @@ class ClientRequest:
                 await self._close_own_channel()
                 raise
         except BaseException:
-            await admission.release(ticket)
+            await self.admission.release(ticket)
             raise
         self.ticket, self.model, self.lane = ticket, request.model, request.lane
         self._attach(stream)
@@ -183,7 +182,7 @@ class ClientRequest:
         Raises:
             StreamfleetError: refused, or no such request (``unknown_request``).
         """
-        owner = await self.hub.admission.admit_resume(self.identity, resume_token)
+        owner = await self.admission.admit_resume(self.identity, resume_token)
         channel = await self._open_channel()
         try:
             stream = await channel.resume(request_id, self.client_id, from_index, owner=owner)
@@ -210,10 +209,10 @@ class ClientRequest:
 
     def watch(self) -> None:
         """End the stream if the API key is revoked while it runs (``close`` stops it)."""
-        self._watch = self.hub.admission.watch(self.identity, self._key_revoked)
+        self._watch = self.admission.watch(self.identity, self._key_revoked)
 
     async def _key_revoked(self) -> None:  # end the stream: the key may not read it any more
-        await self.hub.broker.cancel(self.stream.request_id, self.stream.model, "key_revoked")
+        await self.broker.cancel(self.stream.request_id, self.stream.model, "key_revoked")
         self.stream.fail(revoked_error())
 
     def delivered(self) -> None:
@@ -230,7 +229,7 @@ class ClientRequest:
             return
         if self.stream is None or self.stream.finished:
             self._released = True
-            await self.hub.admission.release(self.ticket)
+            await self.admission.release(self.ticket)
 
     async def close(self, grace_s: float = 0.0, reason: str = "disconnect") -> None:
         """The adapter is done with the request: stop watching its key, close its own
@@ -238,7 +237,7 @@ class ClientRequest:
         request left running is cancelled, at once or after ``grace_s``), then
         ``release``."""
         with anyio.CancelScope(shield=True):
-            self.hub.admission.unwatch(self.identity, self._watch)
+            self.admission.unwatch(self.identity, self._watch)
             self._watch = None
             await self._close_own_channel(reason, grace_s)
             if self._shared and self.stream is not None and not self._left:

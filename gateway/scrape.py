@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.app import Hub, refresh_fleet_gauges
+from streamfleet.gateway.hub import Hub, refresh_fleet_gauges
 
 __all__ = ["MetricsListenError", "MetricsServer", "listen", "metrics_app"]
 

@@ -34,7 +34,7 @@ class Session:
     """The requests of one connection.
 
     Args:
-        hub: the process's ``gateway.app.Hub``.
+        hub: the process's ``gateway.hub.Hub``.
         transport: the metrics label ("ws", "grpc").
     """
 
@@ -114,7 +114,7 @@ class Session:
                     req.cancel()
 
     def _request(self, client_id: str) -> ClientRequest:
-        req = ClientRequest(self.hub, client_id, identity=self.identity, channel=self.channel, share=True)
+        req = self.hub.request(client_id, identity=self.identity, channel=self.channel, share=True)
         self.requests[client_id] = req
         return req
 

@@ -400,7 +400,7 @@ class ReplyChannel:
         broker: the process's ``gateway.broker.Broker``.
         connection_id: names the channel; fresh per connection (WebSocket, gRPC
             ``Stream``), per resumed HTTP or gRPC call, and per gateway process for the
-            requests it submits (``gateway.app.Hub.shared_channel``).
+            requests it submits (``gateway.hub.Hub.shared_channel``).
         shared: the process's shared channel. Its subscription outlives every request,
             so a worker's "nobody listening" check (docs/failures.md) never fires for a
             request whose stream the gateway ended by itself (a broker outage, a lost
@@ -649,7 +649,7 @@ class ReplyChannel:
         t.add_done_callback(_DETACHED.discard)
 
     async def leave(self, stream: RequestStream, reason: str = "disconnect", grace_s: float = 0.0) -> None:
-        """The client of one request on a channel many share (``gateway.app.Hub.shared_channel``)
+        """The client of one request on a channel many share (``gateway.hub.Hub.shared_channel``)
         is gone: for this request what ``close`` does for all of a connection's, and the
         channel stays subscribed. A request that ended is just forgotten."""
         if stream.finished:

@@ -34,7 +34,6 @@ from streamfleet.shared.schema import AudioChunk, AudioInput, SamplingParams
 from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.observe import stop_events
-from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, Token
 from streamfleet.gateway.vad import (AlwaysSpeech, Detector, Segmenter, SileroDetector, SpeechAudio,
                                      SpeechStarted, SpeechStopped, UtteranceEnd, make_detector)
@@ -120,7 +119,7 @@ class Utterance:
         self.start_ms = start_ms
         self.end_ms: int | None = None
         self.audio: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: the end
-        self.req = ClientRequest(session.hub, config.client_id, identity=session.identity, channel=session.channel)
+        self.req = session.hub.request(config.client_id, identity=session.identity, channel=session.channel)
         self.task = asyncio.create_task(self.run())
         session.track(self.task)  # cancelled with the connection's other tasks
 

@@ -15,7 +15,7 @@ from streamfleet.shared.schema import DoneEvent, TokenEvent, encode_events
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.admission import Admission
-from streamfleet.gateway.app import Hub
+from streamfleet.gateway.hub import Hub
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, Failed, ReplyChannel, Token
@@ -61,7 +61,7 @@ async def test_submit_carries_ticket_model_lane_and_slot_until_the_end(hub, rds)
     who = await identity(hub)
     keys = Keys(hub.settings.key_prefix)
     channel = await ReplyChannel(hub.broker).open()
-    req = ClientRequest(hub, "c1", identity=who, channel=channel)
+    req = hub.request("c1", identity=who, channel=channel)
     assert await req.submit(draft(hub)) == 1
     rid = req.request_id
     assert rid == req.ticket.request_id == req.stream.request_id and req.stream.client_id == "c1"
@@ -88,7 +88,7 @@ async def test_a_cancel_before_the_stream_exists_is_applied_once_it_does(hub, rd
     pubsub = rds.pubsub()
     await pubsub.subscribe(Keys(hub.settings.key_prefix).cancel("tiny-gpt"))
     channel = await ReplyChannel(hub.broker).open()
-    req = ClientRequest(hub, "c1", identity=who, channel=channel)
+    req = hub.request("c1", identity=who, channel=channel)
     req.cancel()
     assert req.stream is None
     await req.submit(draft(hub))
@@ -110,19 +110,19 @@ async def test_refusals_give_back_what_admission_took_and_leave_the_shared_chann
     keys = Keys(hub.settings.key_prefix)
     held = []
     for _ in range(2):  # fills the high lane (capacity 2, refused at 100%)
-        req = ClientRequest(hub, "http", identity=who)
+        req = hub.request("http", identity=who)
         await req.submit(draft(hub))
         held.append(req)
     shared = await hub.shared_channel()
     assert all(req.channel is shared for req in held) and set(shared.streams) == {r.request_id for r in held}
-    refused = ClientRequest(hub, "http", identity=who)
+    refused = hub.request("http", identity=who)
     with pytest.raises(RefusedError) as info:
         await refused.submit(draft(hub))
     assert info.value.code == ErrorCode.overloaded
     assert refused.ticket is None and refused.stream is None and len(shared.streams) == 2
     assert await rds.zcard(keys.streams(who.key_id)) == 2
 
-    too_long = ClientRequest(hub, "http", identity=who)
+    too_long = hub.request("http", identity=who)
     with pytest.raises(ValidationError) as info:  # tokenizing refused it
         await too_long.submit(draft(hub, prompt="hello " * 5000))
     assert info.value.code == ErrorCode.prompt_too_long and len(shared.streams) == 2
@@ -142,7 +142,7 @@ async def test_http_calls_share_one_subscribed_channel(hub, rds):
     keys = Keys(hub.settings.key_prefix)
     pubsub = rds.pubsub()
     await pubsub.subscribe(keys.cancel("tiny-gpt"))
-    a, b, c = (ClientRequest(hub, "http", identity=who) for _ in range(3))
+    a, b, c = (hub.request("http", identity=who) for _ in range(3))
     await a.submit(draft(hub))
     await b.submit(draft(hub, priority="normal"))
     channel = a.channel
@@ -183,11 +183,11 @@ async def test_http_calls_share_one_subscribed_channel(hub, rds):
 
 async def test_resume_follows_the_recorded_request_on_its_own_channel(hub, rds):
     who = await identity(hub)
-    first = ClientRequest(hub, "http", identity=who)
+    first = hub.request("http", identity=who)
     await first.submit(draft(hub))
     rid = first.request_id
 
-    again = ClientRequest(hub, "http", identity=who)
+    again = hub.request("http", identity=who)
     await again.resume(rid, 1, None)
     assert (again.request_id, again.model, again.lane, again.ticket) == (rid, "tiny-gpt", "", None)
     assert again.stream.resumed and again.stream.next_index == 1
@@ -203,7 +203,7 @@ async def test_resume_follows_the_recorded_request_on_its_own_channel(hub, rds):
     await first.close()
     assert await rds.zcard(Keys(hub.settings.key_prefix).streams(who.key_id)) == 0
 
-    stranger = ClientRequest(hub, "http", identity=await identity(hub, "other"))
+    stranger = hub.request("http", identity=await identity(hub, "other"))
     with pytest.raises(NotFoundError):  # another tenant's request is "not found"
         await stranger.resume(rid, 0, None)
     assert stranger.stream is None and stranger.channel.closed
@@ -211,7 +211,7 @@ async def test_resume_follows_the_recorded_request_on_its_own_channel(hub, rds):
 
 async def test_a_revoked_key_ends_a_watched_request(hub, rds):
     who = await identity(hub)
-    req = ClientRequest(hub, "http", identity=who)
+    req = hub.request("http", identity=who)
     await req.submit(draft(hub))
     req.watch()
     await hub.admission.store.revoke(who.key_id)
@@ -230,7 +230,7 @@ async def test_a_submit_cancelled_mid_enqueue_leaves_nothing_on_the_shared_chann
     await pubsub.subscribe(keys.cancel("tiny-gpt"))
     shared = await hub.shared_channel()
     before = set(shared.streams)
-    req = ClientRequest(hub, "http")  # auth off: admission takes no round trip, the enqueue is the first write
+    req = hub.request("http")  # auth off: admission takes no round trip, the enqueue is the first write
     await rds.execute_command("CLIENT", "PAUSE", 300, "WRITE")  # the enqueue waits in Redis
     task = asyncio.create_task(req.submit(draft(hub)))
     for _ in range(100):
