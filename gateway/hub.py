@@ -19,9 +19,9 @@ from streamfleet.shared.settings import GatewaySettings
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.requests import ClientRequest
+from streamfleet.gateway.silero import SileroBatch
 from streamfleet.gateway.streams import ReplyChannel
 from streamfleet.gateway.validation import Validator
-from streamfleet.gateway.voice import SileroBatch
 from streamfleet.gateway.voiceslots import VoiceSlots
 
 if TYPE_CHECKING:

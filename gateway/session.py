@@ -14,6 +14,7 @@ WebSocket's JSON objects, ``protocol.render``). An adapter supplies two writes:
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
@@ -24,6 +25,9 @@ from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Res
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.streams import End, ReplyChannel, Token
 from streamfleet.gateway.tools import Tools, parse_call
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.hub import Hub
 
 log = get_logger("gateway.session")
 
@@ -38,7 +42,7 @@ class Session:
         transport: the metrics label ("ws", "grpc").
     """
 
-    def __init__(self, hub, transport: str) -> None:
+    def __init__(self, hub: "Hub", transport: str) -> None:
         self.hub = hub
         self.transport = transport
         s = hub.settings

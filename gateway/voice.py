@@ -1,7 +1,7 @@
 """The voice WebSocket, ``GET /v1/audio/stream`` (docs/voice.md): audio in, transcripts out.
 
 A voice connection holds no inference slot while its client is silent. Every binary
-frame goes through the connection's voice activity detector (``gateway/vad.py``); only
+frame goes through the connection's voice activity segmenter (``gateway/vad.py``); only
 an utterance — speech onset, its pre-roll, the voiced audio, until enough silence —
 becomes work: one task on the speech model's lanes (same admission, lanes, priorities
 and deadlines as text, through ``gateway.requests.ClientRequest``), whose audio is
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from starlette.websockets import WebSocket
 
@@ -35,65 +36,18 @@ from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol
 from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.observe import stop_events
 from streamfleet.gateway.streams import End, Failed, Token
-from streamfleet.gateway.vad import (AlwaysSpeech, Detector, Segmenter, SileroDetector, SpeechAudio,
-                                     SpeechStarted, SpeechStopped, UtteranceEnd, make_detector)
+from streamfleet.gateway.silero import SileroDetector
+from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
+from streamfleet.gateway.vad_detectors import AlwaysSpeech, Detector, make_detector
 from streamfleet.gateway.validation import Draft
 from streamfleet.gateway.ws import WebSocketSession
 
-__all__ = ["audio_stream", "VoiceSession", "SileroBatch"]
+if TYPE_CHECKING:
+    from streamfleet.gateway.hub import Hub
+
+__all__ = ["audio_stream", "VoiceSession"]
 
 log = get_logger("gateway.voice")
-
-
-class SileroBatch:
-    """Silero decisions for every voice connection of this gateway, batched.
-
-    A connection that has read a frame asks for its decisions and waits; the batch runs
-    once the event loop has handled whatever else was ready, so every connection whose
-    audio arrived in the same loop turn is decided in one ``SileroDetector.decide_many``
-    call: a quarter to a half of the CPU of deciding frame by frame (docs/voice.md), and
-    no wait at all when the gateway is quiet (a batch of one runs at once). A connection
-    has at most one call waiting (its read loop awaits it), so a batch never holds one
-    detector twice, and at most ``max_streams`` connections go in one call.
-    """
-
-    def __init__(self, max_streams: int = 512) -> None:
-        self.max_streams = max_streams
-        self._waiting: list[tuple[SileroDetector, list[bytes], asyncio.Future]] = []
-        self._scheduled = False
-        self.batches = 0  # calls so far, and the streams they decided (for tests and benchmarks)
-        self.streams = 0
-
-    async def decide(self, detector: SileroDetector, frames: list[bytes]) -> list[bool]:
-        if not frames:
-            return []
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._waiting.append((detector, frames, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._run)
-        return await fut
-
-    def _run(self) -> None:
-        work, self._waiting = self._waiting[:self.max_streams], self._waiting[self.max_streams:]
-        if self._waiting:
-            asyncio.get_running_loop().call_soon(self._run)
-        else:
-            self._scheduled = False
-        work = [w for w in work if not w[2].done()]  # a connection that went away meanwhile
-        if not work:
-            return
-        try:
-            decisions = SileroDetector.decide_many([(d, frames) for d, frames, _ in work])
-        except Exception as exc:  # a bug, not bad input (frames() cut them): each waiter gets it
-            for *_, fut in work:
-                fut.set_exception(exc)
-            return
-        self.batches += 1
-        self.streams += len(work)
-        for (*_, fut), flags in zip(work, decisions):
-            fut.set_result(flags)
 
 
 def new_detector(kind: str) -> Detector:
@@ -259,7 +213,7 @@ class Utterance:
 class VoiceSession(WebSocketSession):
     """A voice WebSocket: the text WebSocket's connection handling, with audio frames."""
 
-    def __init__(self, ws: WebSocket, hub) -> None:
+    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
         super().__init__(ws, hub)
         self.transport = "voice"
         self.audio_proto = AudioProtocol(hub.validator, hub.settings)

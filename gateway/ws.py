@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 import structlog
@@ -26,6 +27,9 @@ from streamfleet.gateway.admission import revoked_error
 from streamfleet.gateway.origin import origin_allowed
 from streamfleet.gateway.observe import trace_id_from
 from streamfleet.gateway.session import Session
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.hub import Hub
 
 __all__ = ["websocket_stream"]
 
@@ -76,7 +80,7 @@ class _Interrupt:
 
 
 class WebSocketSession(Session):
-    def __init__(self, ws: WebSocket, hub) -> None:
+    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
         super().__init__(hub, "ws")
         self.ws = ws
         self.outbox = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)

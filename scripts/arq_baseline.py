@@ -31,7 +31,8 @@ import time
 import orjson
 
 
-from streamfleet.bench import BenchConfig, BenchResult, RequestRecord  # noqa: E402
+from streamfleet.bench_config import BenchConfig  # noqa: E402
+from streamfleet.bench_stats import BenchResult, RequestRecord  # noqa: E402
 
 __all__ = ["run_arq_bench", "worker_main", "QUEUE", "CHANNEL"]
 

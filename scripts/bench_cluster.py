@@ -31,7 +31,9 @@ from pathlib import Path
 import httpx
 import orjson
 
-from streamfleet.bench import BenchConfig, run_bench, summarize
+from streamfleet.bench import run_bench
+from streamfleet.bench_config import BenchConfig
+from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.redis import sync_client
 

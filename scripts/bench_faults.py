@@ -34,7 +34,7 @@ import websockets
 SCRIPTS = Path(__file__).resolve().parent
 
 from scripts.bench_fleet import MODEL, Stack, write_model  # noqa: E402
-from streamfleet.bench import percentile  # noqa: E402
+from streamfleet.bench_stats import percentile  # noqa: E402
 
 PROMPT = "Once upon a time there was a fleet"
 

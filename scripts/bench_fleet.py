@@ -50,7 +50,9 @@ SCRIPTS = Path(__file__).resolve().parent
 
 from streamfleet.shared import aio  # noqa: E402
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
-from streamfleet.bench import BenchConfig, BenchResult, run_bench, summarize  # noqa: E402
+from streamfleet.bench import run_bench  # noqa: E402
+from streamfleet.bench_config import BenchConfig  # noqa: E402
+from streamfleet.bench_stats import BenchResult, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
 from scripts.procstats import cpu_s, stop  # noqa: E402
 

@@ -31,7 +31,8 @@ import psutil
 import websockets
 
 
-from streamfleet.bench import BenchConfig, run_bench
+from streamfleet.bench import run_bench
+from streamfleet.bench_config import BenchConfig
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready
 
 

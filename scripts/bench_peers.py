@@ -91,7 +91,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-from streamfleet.bench import BenchConfig, _prepare, _Run, _SseClient, run_bench, summarize
+from streamfleet.bench import _prepare, _Run, run_bench
+from streamfleet.bench_clients import _SseClient
+from streamfleet.bench_config import BenchConfig
+from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, spawn
 
 from scripts.bench_fleet import MODEL, wait_until, write_model

@@ -51,7 +51,10 @@ import orjson
 import redis.asyncio as aioredis
 import websockets
 
-from streamfleet.bench import BenchConfig, RequestRecord, _SseClient, percentile, run_bench
+from streamfleet.bench import run_bench
+from streamfleet.bench_clients import _SseClient
+from streamfleet.bench_config import BenchConfig
+from streamfleet.bench_stats import RequestRecord, percentile
 from scripts.bench_fleet import MODEL, write_model
 from scripts.bench_peers import Workload, streamfleet
 from scripts.procstats import rss_mib

@@ -88,7 +88,7 @@ def gateway(
                                    "metrics_host": metrics_host, "grpc_port": grpc_port}.items() if v is not None}
     settings = _settings(GatewaySettings, overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
-    # the voice detectors' small matrix products (gateway/vad.py) run several times slower
+    # the voice detectors' small matrix products (gateway/silero.py) run several times slower
     # when BLAS spreads each over threads; set before numpy loads
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from streamfleet.gateway.server import run_gateway
@@ -234,7 +234,9 @@ def bench(
 
     from dataclasses import replace
 
-    from streamfleet.bench import BenchConfig, BenchError, run_bench, run_comparison, write_png
+    from streamfleet.bench import run_bench, run_comparison
+    from streamfleet.bench_config import BenchConfig, BenchError
+    from streamfleet.bench_stats import write_png
 
     cfg = BenchConfig(url=url, grpc_target=grpc_target, concurrency=concurrency, requests=requests,
                       duration=duration, rate=rate, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens,

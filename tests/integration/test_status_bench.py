@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from streamfleet.bench import percentile, summarize
+from streamfleet.bench_stats import percentile, summarize
 from streamfleet.launcher import free_port
 from streamfleet.status import mask_url
 

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
-from streamfleet.gateway.vad import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector, Segmenter,
-                                     SileroDetector, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd,
-                                     VadEvent, WebRtcDetector, make_detector, silero_model)
+from streamfleet.gateway.silero import SileroDetector, silero_model
+from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd, VadEvent
+from streamfleet.gateway.vad_detectors import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector,
+                                               WebRtcDetector, make_detector)
 
 KINDS = ["silero", "webrtc", "energy"]
 HANGOVER_MS = 200

@@ -10,8 +10,11 @@ import random
 import pytest
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
-from streamfleet.gateway.vad import AlwaysSpeech, Segmenter, SileroDetector
-from streamfleet.gateway.voice import SileroBatch, new_detector
+from streamfleet.gateway.silero import SileroDetector
+from streamfleet.gateway.vad import Segmenter
+from streamfleet.gateway.vad_detectors import AlwaysSpeech
+from streamfleet.gateway.silero import SileroBatch
+from streamfleet.gateway.voice import new_detector
 
 pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
 
