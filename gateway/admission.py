@@ -5,7 +5,7 @@ adapter, the rest by ``gateway.requests.ClientRequest``)::
 
     identity = await admission.authenticate(authorization_header, api_key_param)
     draft    = validator.check(payload)               # cheap rules only
-    ticket   = await admission.admit(identity, draft)  # lane, ceilings, rate, stream slot
+    ticket   = await admission.admit(identity, draft, request_id)  # lane, ceilings, rate, stream slot
     valid    = validator.finish(ticket.request)        # tokenize: only what was admitted
     ...                                                # enqueue with ticket.owner, ticket.slot
     await admission.release(ticket)                    # once the gateway saw the request end
@@ -27,9 +27,9 @@ import asyncio
 import hashlib
 import itertools
 import secrets
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
@@ -38,6 +38,11 @@ from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
 from streamfleet.gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
 from streamfleet.gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.broker import Broker
+    from streamfleet.gateway.validation import Draft
+    from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
 
@@ -64,7 +69,7 @@ class Ticket:
 
     request_id: str
     owner: str
-    request: object = None
+    request: "Draft"
     key_id: str | None = None
     holds_slot: bool = False
     #: with auth off: the secret that lets its client resume it (sent in ``accepted``)
@@ -77,7 +82,7 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, settings, broker) -> None:
+    def __init__(self, settings: "GatewaySettings", broker: "Broker") -> None:
         self.settings = settings
         self.broker = broker
         self.enabled = settings.auth_enabled
@@ -157,10 +162,12 @@ class Admission:
                     self._spent[identity.key_id] = now + exc.retry_after_ms / 1000
             raise
 
-    async def admit(self, identity: Identity | None, draft, request_id: str | None = None, *,
+    async def admit(self, identity: Identity | None, draft: "Draft", request_id: str, *,
                     charged: bool = False) -> Ticket:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
-        (a ``gateway.validation.Draft``), before its prompt is tokenized. ``charged``: the
+        (a ``gateway.validation.Draft``), before its prompt is tokenized. ``request_id``:
+        minted by ``shared.keys.Keys.new_request_id`` (its shard tag is the reply
+        channel's; there is no other way to make one). ``charged``: the
         rate limit was taken already (``charge``: the choices of one request).
 
         Raises:
@@ -168,7 +175,7 @@ class Admission:
             ValidationError: ``out_of_range`` — ``max_tokens`` or ``timeout`` above the tier's ceiling.
             RefusedError: ``rate_limited`` / ``too_many_requests`` (429, with a retry hint).
         """
-        rid = request_id or uuid.uuid4().hex
+        rid = request_id
         if identity is None:
             token = secrets.token_hex(16)
             return Ticket(rid, token_owner(token), draft, resume_token=token)

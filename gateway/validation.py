@@ -34,7 +34,8 @@ from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import DEFAULT_TEMPERATURE, AudioInput, SamplingParams, Task
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, MAX_SEED, MAX_TOP_LOGPROBS, RANGES, AudioInput, SamplingParams, \
+    Task
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane",
@@ -88,12 +89,9 @@ def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
     return False
 
 MAX_ID_CHARS = 128
-MAX_SEED = 2**63 - 1
 #: most entries of ``logit_bias`` (OpenAI's limit) and of ``stop_token_ids``
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 64
-#: most alternatives ``top_logprobs`` may ask for (OpenAI's limit)
-MAX_TOP_LOGPROBS = 20
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -145,11 +143,10 @@ class ValidRequest:
     group: str = ""
     group_size: int = 1
 
-    def to_task(self, reply_to: str, *, request_id: str | None = None, trace_id: str | None = None,
-                slot: str = "") -> Task:
+    def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None, slot: str = "") -> Task:
         now = time.time()
         return Task(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id,
             model=self.model,
             lane=self.lane,
             reply_to=reply_to,
@@ -478,12 +475,12 @@ class Validator:
 
         explicit = frozenset(name for name in ("max_tokens", "timeout") if p.get(name) is not None)
         max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
-        temperature = self._float(p, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0)
-        top_p = self._float(p, "top_p", 1.0, 0.0, 1.0)
+        temperature = self._float(p, "temperature", DEFAULT_TEMPERATURE, *RANGES["temperature"])
+        top_p = self._float(p, "top_p", 1.0, *RANGES["top_p"])
         if top_p == 0.0:
             raise ValidationError("'top_p' must be greater than 0", code=ErrorCode.out_of_range, param="top_p")
-        top_k = self._int(p, "top_k", 0, 0, 1_000_000)
-        seed = self._int(p, "seed", None, 0, MAX_SEED)
+        top_k = self._int(p, "top_k", 0, *RANGES["top_k"])
+        seed = self._int(p, "seed", None, *RANGES["seed"])
         if seed is None:
             seed = secrets.randbits(63)
         stop = self._stop(p.get("stop"))
@@ -589,10 +586,10 @@ class Validator:
         """The logits-processing and log-probability fields of ``SamplingParams``
         (docs/sampling.md)."""
         out: dict[str, Any] = {
-            "presence_penalty": self._float(p, "presence_penalty", 0.0, -2.0, 2.0),
-            "frequency_penalty": self._float(p, "frequency_penalty", 0.0, -2.0, 2.0),
-            "repetition_penalty": self._float(p, "repetition_penalty", 1.0, 0.01, 10.0),
-            "min_p": self._float(p, "min_p", 0.0, 0.0, 1.0),
+            "presence_penalty": self._float(p, "presence_penalty", 0.0, *RANGES["presence_penalty"]),
+            "frequency_penalty": self._float(p, "frequency_penalty", 0.0, *RANGES["frequency_penalty"]),
+            "repetition_penalty": self._float(p, "repetition_penalty", 1.0, *RANGES["repetition_penalty"]),
+            "min_p": self._float(p, "min_p", 0.0, *RANGES["min_p"]),
             "min_tokens": self._int(p, "min_tokens", 0, 0, max_tokens),
         }
         bias, stop_ids = p.get("logit_bias"), p.get("stop_token_ids")
@@ -610,8 +607,10 @@ class Validator:
                 if not 0 <= tid < vocab:
                     raise ValidationError(f"'logit_bias' key {key!r} is not a token id of model {spec.name!r} "
                                           f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="logit_bias")
-                if not _is_number(value) or not -100 <= value <= 100:
-                    raise ValidationError(f"'logit_bias' value for token {key} must be a number from -100 to 100",
+                low, high = RANGES["logit_bias"]
+                if not _is_number(value) or not low <= value <= high:
+                    raise ValidationError(f"'logit_bias' value for token {key} must be a number from {low:g} to "
+                                          f"{high:g}",
                                           code=ErrorCode.out_of_range, param="logit_bias")
                 pairs[tid] = pairs.get(tid, 0.0) + float(value)
             out["logit_bias"] = [[t, b] for t, b in pairs.items()]
@@ -631,7 +630,7 @@ class Validator:
         if logprobs is not None and not isinstance(logprobs, bool):
             raise ValidationError("'logprobs' must be true or false (a completion's integer 'logprobs' is "
                                   "'top_logprobs' here)", code=ErrorCode.invalid_type, param="logprobs")
-        top = self._int(p, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        top = self._int(p, "top_logprobs", None, *RANGES["logprobs"])
         if top is not None and not logprobs:
             raise ValidationError("'top_logprobs' needs 'logprobs': true", code=ErrorCode.invalid_request,
                                   param="top_logprobs")

@@ -34,6 +34,7 @@ reads on its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Union
@@ -61,6 +62,11 @@ __all__ = [
     "DeadLetter",
     "KeyRecord",
     "encode_event",
+    "DEFAULT_MAX_TOKENS",
+    "MAX_SEED",
+    "MAX_TOP_LOGPROBS",
+    "RANGES",
+    "sampling_problem",
     "encode_events",
     "decode_events",
     "event_from_dict",
@@ -80,6 +86,9 @@ class FinishReason(StrEnum):
 #: the temperature of a request that names none, on every door: the WebSocket, the OpenAI
 #: API and gRPC (OpenAI's default; docs/sampling.md)
 DEFAULT_TEMPERATURE = 1.0
+#: ``max_tokens`` of a request that names none, on every door (a tier's ceiling may lower
+#: it; ``SF_DEFAULT_MAX_TOKENS`` sets a gateway's)
+DEFAULT_MAX_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -90,7 +99,7 @@ class SamplingParams:
     the client gave none), so a redelivered task regenerates the same tokens.
     """
 
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
@@ -125,6 +134,74 @@ class SamplingParams:
         """Whether the logits go through a processor before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_p or self.min_tokens)
+
+
+#: the largest seed a request may name
+MAX_SEED = 2**63 - 1
+#: most alternatives ``top_logprobs`` may ask for (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+#: the inclusive range of each numeric sampling parameter (docs/sampling.md). The gateway
+#: refuses a value outside it, naming the parameter; a worker re-checks every task it
+#: takes against the same table (``sampling_problem``), never trusting the gateway's word
+RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),  # (the gateway also refuses 0: nothing could be drawn)
+    "top_k": (0, 1_000_000),
+    "seed": (0, MAX_SEED),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 10.0),
+    "min_p": (0.0, 1.0),
+    "logit_bias": (-100.0, 100.0),  # each bias
+    "logprobs": (0, MAX_TOP_LOGPROBS),  # the alternatives per token
+}
+
+
+def _number(v: object, name: str) -> bool:
+    lo, hi = RANGES[name]
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def _integer(v: object, name: str) -> bool:
+    lo, hi = RANGES[name]
+    return type(v) is int and lo <= v <= hi
+
+
+def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
+    """What is wrong with ``p`` for a model of ``vocab_size`` tokens by the rules every
+    request obeys (``RANGES``, token ids in the vocabulary), or None. A worker runs it
+    on every task it takes; the gateway's validation refused all of it already, by name."""
+
+    def token(t: object) -> bool:
+        return type(t) is int and 0 <= t < vocab_size
+
+    def in_range(name: str) -> str:
+        lo, hi = RANGES[name]
+        return f"{name} must be in [{lo:g}, {hi:g}]"
+
+    if not (type(p.max_tokens) is int and p.max_tokens >= 1):
+        return "max_tokens must be at least 1"
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if not _number(getattr(p, name), name):
+            return in_range(name)
+    for name in ("top_k", "seed"):
+        if not _integer(getattr(p, name), name):
+            return in_range(name)
+    if not (isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)):
+        return "stop must be a list of strings"
+    if not (type(p.min_tokens) is int and 0 <= p.min_tokens):
+        return "min_tokens must be an integer >= 0"
+    if not (isinstance(p.logit_bias, list) and all(
+            isinstance(e, list) and len(e) == 2 and token(e[0]) and _number(e[1], "logit_bias") for e in p.logit_bias)):
+        lo, hi = RANGES["logit_bias"]
+        return f"logit_bias must map token ids in [0, {vocab_size}) to numbers in [{lo:g}, {hi:g}]"
+    if not isinstance(p.grammar, str) or (p.grammar and p.ignore_eos):
+        return "grammar must be a string, and cannot be combined with ignore_eos"
+    if not (isinstance(p.stop_token_ids, list) and all(token(t) for t in p.stop_token_ids)):
+        return f"stop_token_ids must be token ids in [0, {vocab_size})"
+    if p.logprobs is not None and not _integer(p.logprobs, "logprobs"):
+        return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+    return None
 
 
 @dataclass(slots=True)

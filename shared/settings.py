@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from streamfleet.shared.schema import DEFAULT_MAX_TOKENS
+
 __all__ = ["CommonSettings", "GatewaySettings", "WorkerSettings"]
 
 
@@ -118,7 +120,7 @@ class GatewaySettings(CommonSettings):
     #: queued; within it (a worker rollout, a crash) requests queue in the lanes. 0: always
     #: queue (workers scaled to zero, woken by the lanes' backlog)
     no_worker_grace_s: float = 60.0
-    default_max_tokens: int = 64
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_stop_sequences: int = 4
     max_stop_chars: int = 64
     #: capacity of each lane (tasks queued + in flight); new work is refused with 429

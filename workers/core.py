@@ -19,7 +19,6 @@ Stream invariants, per request:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -32,11 +31,11 @@ import numpy as np
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent, sampling_problem
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
-from streamfleet.workers.logits import MAX_TOP_LOGPROBS, Logprobs, Penalties, TokenTable, process
+from streamfleet.workers.logits import Logprobs, Penalties, TokenTable, process
 from streamfleet.workers.sampling import Sampler
 
 __all__ = ["WorkerCore", "StepOutput"]
@@ -275,52 +274,11 @@ class WorkerCore:
         # in C, not a generator per id: a long prompt is thousands of them (bool is not int)
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
             return ErrorCode.invalid_request, f"prompt token ids must be integers in [0, {vocab})"
-        p = task.params
-        if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
-            return ErrorCode.invalid_request, "max_tokens must be at least 1"
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            return ErrorCode.invalid_request, "temperature must be a number >= 0"
-        if not (0.0 <= p.top_p <= 1.0):
-            return ErrorCode.invalid_request, "top_p must be in [0, 1]"
-        if not (isinstance(p.top_k, int) and p.top_k >= 0):
-            return ErrorCode.invalid_request, "top_k must be an integer >= 0"
-        if not all(isinstance(s, str) for s in p.stop):
-            return ErrorCode.invalid_request, "stop must be a list of strings"
-        problem = self._validate_processing(p)
+        problem = sampling_problem(task.params, vocab)
         if problem is not None:
             return ErrorCode.invalid_request, problem
         if task.deadline is not None and now > task.deadline:
             return ErrorCode.timeout, "the request's deadline passed before a worker could start it"
-        return None
-
-    def _validate_processing(self, p) -> str | None:
-        """What is wrong with the logits-processing parameters (the gateway checked them;
-        a worker never trusts a task it did not validate), or None."""
-        vocab = self._vocab_size
-
-        def token(t) -> bool:
-            return type(t) is int and 0 <= t < vocab
-
-        def number(v, lo, hi) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-
-        if not (number(p.presence_penalty, -2, 2) and number(p.frequency_penalty, -2, 2)):
-            return "presence_penalty and frequency_penalty must be in [-2, 2]"
-        if not (number(p.repetition_penalty, 0.01, 10)):
-            return "repetition_penalty must be in [0.01, 10]"
-        if not (number(p.min_p, 0, 1)):
-            return "min_p must be in [0, 1]"
-        if not (type(p.min_tokens) is int and 0 <= p.min_tokens):
-            return "min_tokens must be an integer >= 0"
-        if not (isinstance(p.logit_bias, list) and all(
-                isinstance(e, list) and len(e) == 2 and token(e[0]) and number(e[1], -100, 100) for e in p.logit_bias)):
-            return f"logit_bias must map token ids in [0, {vocab}) to numbers in [-100, 100]"
-        if not isinstance(p.grammar, str) or (p.grammar and p.ignore_eos):
-            return "grammar must be a string, and cannot be combined with ignore_eos"
-        if not (isinstance(p.stop_token_ids, list) and all(token(t) for t in p.stop_token_ids)):
-            return f"stop_token_ids must be token ids in [0, {vocab})"
-        if p.logprobs is not None and not (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
-            return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
         return None
 
     # -- the step ------------------------------------------------------------------

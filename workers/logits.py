@@ -29,10 +29,7 @@ import numpy as np
 
 from streamfleet.shared.schema import SamplingParams
 
-__all__ = ["Penalties", "process", "Logprobs", "TokenTable", "MAX_TOP_LOGPROBS"]
-
-#: the most alternatives ``top_logprobs`` may ask for (OpenAI's limit)
-MAX_TOP_LOGPROBS = 20
+__all__ = ["Penalties", "process", "Logprobs", "TokenTable"]
 
 
 class Penalties:
