@@ -9,18 +9,50 @@ extra engine in memory and no extra batch slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from streamfleet.shared.schema import Task
 
-from streamfleet.workers.core import StepOutput, WorkerCore
+from streamfleet.workers.core import StepOutput
 
-__all__ = ["VersionedCore", "CoreSet"]
+__all__ = ["Core", "VersionedCore", "CoreSet"]
+
+
+@runtime_checkable
+class Core(Protocol):
+    """What a worker process runs, step by step, for one model version: a text model's
+    ``workers.core.WorkerCore`` or a speech model's ``workers.speechcore.SpeechCore``
+    (which also has ``feed``, ``listening`` and ``ready`` for the audio reader,
+    ``workers/audio.py``). No I/O: the process owns Redis and the event loop."""
+
+    #: the engine it steps (closed by the process once a reload retires the core)
+    engine: Any
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    def has_work(self) -> bool: ...
+
+    def __contains__(self, request_id: object) -> bool: ...
+
+    def add(self, task: Task, replay: list[int] | None = None) -> None: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def abandon(self, request_id: str) -> bool: ...
+
+    def abandon_all(self) -> list[Task]: ...
+
+    def step(self) -> StepOutput: ...
 
 
 @dataclass
 class VersionedCore:
     version: str
-    core: WorkerCore
+    core: Core
 
 
 class CoreSet:

@@ -48,3 +48,19 @@ def test_reload_shares_slots_and_retires_old(tiny_spec):
     assert versions_done == {"a": "1", "b": "1", "c": "2"}
     assert cs.retiring is None and cs.free_slots == 4
     assert cs.cancel("zzz") is False
+
+
+def test_both_kinds_of_core_are_cores():
+    """``Core`` names what the process and ``CoreSet`` use; a text and a speech core
+    both have all of it (a method renamed on one kind fails here, not in a worker)."""
+    import inspect
+
+    from streamfleet.workers.coreset import Core
+    from streamfleet.workers.speechcore import SpeechCore
+
+    wanted = {n for n, _ in inspect.getmembers(Core) if not n.startswith("_")} | {"__contains__"}
+    wanted |= set(Core.__annotations__)
+    for kind in (WorkerCore, SpeechCore):
+        init = inspect.getsource(kind.__init__)
+        missing = [n for n in wanted if not hasattr(kind, n) and f"self.{n} =" not in init]
+        assert not missing, (kind.__name__, missing)

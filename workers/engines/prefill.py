@@ -12,9 +12,9 @@ PREFILL_PAD_SHARE = 0.25
 PREFILL_PAD_ROWS = 16
 
 
-def prefill_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def prefill_groups(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Indices grouped by similar length, longest first in each group; a group's
-    rows x longest length stays within ``max_tokens`` (one prompt always fits)."""
+    rows x longest length stays within ``token_budget`` (one prompt always fits)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     group: list[int] = []
@@ -23,7 +23,7 @@ def prefill_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
         if group:
             rows, width = len(group) + 1, lengths[group[0]]
             pad = rows * width - (real + lengths[i])
-            if rows * width <= max_tokens and pad <= max(PREFILL_PAD_SHARE * (real + lengths[i]),
+            if rows * width <= token_budget and pad <= max(PREFILL_PAD_SHARE * (real + lengths[i]),
                                                          PREFILL_PAD_ROWS * rows):
                 group.append(i)
                 real += lengths[i]
