@@ -54,10 +54,10 @@ def front(app: FastAPI):
     nothing they use (they check the Origin, read their bodies within their limits and
     answer every refusal themselves), yet cost on every request and every token:
 
-    * a WebSocket: about 12 KiB held per connection for as long as it stays open, a third
-      of an idle WebSocket's cost (docs/operations.md, "Idle connections");
+    * a WebSocket: memory held per connection for as long as it stays open
+      (docs/operations.md, "Idle connections");
     * an SSE stream: each token's ``send`` passes through every middleware's wrapper, and
-      routing and the exit stacks run per request (docs/status.md, "Beside the peers").
+      routing and the exit stacks run per request.
 
     The routes stay registered on ``app`` as well (in-process test clients, the OpenAPI
     document); what the stack would add is done here: the Origin check of

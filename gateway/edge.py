@@ -4,7 +4,7 @@ process holds for a client before it knows who the client is, bounded.
 * ``EdgeGuard``: the process's count of the connections on its HTTP port, in all and per
   client address until they authenticate; a connection past either cap is refused.
 * ``EdgeHttpToolsProtocol``: uvicorn's httptools protocol (the C parser, kept for its
-  speed: docs/status.md, "Beside the peers") with the request head bounded before it is
+  speed) with the request head bounded before it is
   parsed further: the request target's length, the head's bytes and header count, and the
   time the head may take to arrive.
 

@@ -86,8 +86,8 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
         unfragmented frame written straight to the socket when nothing else may stand
         between (the handshake done, the connection open, no close sent, no extension
         negotiated, the transport not paused): a token frame then skips the ASGI message,
-        the text's decode and encode and the sans-I/O frame object (docs/status.md,
-        "Beside the peers"). Otherwise, as ``send`` would.
+        the text's decode and encode and the sans-I/O frame object. Otherwise, as ``send``
+        would.
 
         Raises:
             ClientDisconnected: the client is gone.

@@ -24,11 +24,11 @@ class CommandConnection(asyncio.Protocol):
     for each other's replies, and each gets its replies, in order, from
     ``data_received``.
 
-    redis-py spends about 300 µs of Python on every batch it sends through a pooled
-    connection (taking the connection from the pool, a write that awaits ``drain``, a
-    read through a stream reader) — more than a Redis round trip, and paid twice on a
-    request's way to its first token (the enqueue, then the token's publish). Here a batch
-    is one ``transport.write`` and one future (docs/status.md, "Beside the peers").
+    redis-py spends more Python on every batch it sends through a pooled connection
+    (taking the connection from the pool, a write that awaits ``drain``, a read through a
+    stream reader) than a Redis round trip takes, and it is paid twice on a request's way
+    to its first token (the enqueue, then the token's publish). Here a batch is one
+    ``transport.write`` and one future (docs/benchmarks.md measures the whole path).
 
     Error replies come back in place, as the exceptions redis-py would raise for them
     (``ResponseError`` and its kinds: ``NoScriptError``, ``ReadOnlyError``...). A batch whose caller

@@ -319,9 +319,8 @@ def _route_key(args: tuple) -> bytes | str | None:
 async def _read_replies(conn, n: int) -> list:
     """``n`` replies from ``conn`` (an error reply as its ``ResponseError``), all within the
     connection's socket timeout. redis-py's ``read_response`` would arm and cancel a
-    timeout of its own for every reply — a timer per token in a step's publish batch,
-    once a tenth of a worker's CPU (docs/status.md, "Beside the peers") — so the batch is
-    read under one.
+    timeout of its own for every reply — a timer per token in a step's publish batch, a
+    large share of a worker's CPU — so the batch is read under one.
 
     Raises:
         redis.exceptions.TimeoutError: the replies did not all come within the timeout.

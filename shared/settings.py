@@ -173,8 +173,8 @@ class GatewaySettings(CommonSettings):
     #: SSE comment sent after this many seconds without an event
     sse_keepalive_s: float = 15.0
     #: negotiate per-message deflate when a client offers it (browsers do). Off: a token
-    #: frame is ~55 bytes, and compressing it (to ~13 with 512-byte windows) costs ~10 KiB of
-    #: zlib state per connection and ~2 µs per frame (docs/operations.md, "Idle connections")
+    #: frame is a few dozen bytes, and compressing it costs zlib state per connection and
+    #: CPU per frame (docs/operations.md, "Idle connections")
     ws_compression: bool = False
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0

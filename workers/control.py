@@ -6,8 +6,8 @@ Cluster the model's own sharded ``sf:cancel:{model}``, ``sf:follow:{model}`` and
 Cancels are queued for the main loop, which applies them between steps; follows go to
 the in-flight table; wakes to the intake's ``WakeState``. Each message is handled inside
 the socket's ``data_received`` (``shared.pubsub.PubSubConnection``, as the gateway's
-replies): a burst of 64 wakes at a step boundary took redis-py's ``get_message`` 2–4 ms,
-one coroutine and timeout per message. The connection is re-established with backoff
+replies), not redis-py's ``get_message``, which costs a coroutine and a timeout per
+message: a burst of wakes comes at every step boundary. The connection is re-established with backoff
 when it drops.
 """
 

@@ -49,8 +49,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # the Rust tokenizer's own decode when the wrapper would add nothing to it (no
-        # clean-up of spaces): the wrapper's argument handling cost a worker about 5 % of
-        # its CPU at two decodes per token (docs/status.md, "Beside the peers")
+        # clean-up of spaces): the wrapper's argument handling runs twice per token
         backend = getattr(tokenizer, "backend_tokenizer", None)
         raw = getattr(backend, "decode", None)
         self._raw_decode = raw if raw is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False \

@@ -263,7 +263,7 @@ class Intake(Part):
         server it goes out on a socket of its own (``sf-worker-<id>-reads``), written and
         read raw like the command socket's batches: the wake of an idle worker is on the
         way of every request that finds it idle, and redis-py's pooled connection and
-        reply callbacks cost a few hundred microseconds of it (docs/status.md). On a
+        reply callbacks would lengthen it. On a
         Redis Cluster redis-py routes it to the lanes' shard.
 
         Raises:

@@ -431,7 +431,7 @@ class WorkerProcess:
             # runs, so that it holds the GIL through the step's own Python up to the engine
             # call; only then does this loop build and send the last step's publish beside
             # it. Otherwise the engine thread waits for the GIL until that Python is done
-            # (about 0.5 ms a step at 64 sequences, the step's start delayed by as much).
+            # (the step's start delayed by as long).
             began.wait(STEP_HANDOFF_S)
 
     def _run_step(self):

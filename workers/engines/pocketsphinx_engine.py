@@ -7,9 +7,9 @@ Two passes, because one cannot give both partials and good finals:
   streaming decoder normalises the features with a *live* cepstral mean that starts
   from the acoustic model's prior (``cmninit``) and is not updated within an utterance
   shorter than 8 s, while the bundled model expects per-utterance (batch) means: its
-  finals have a 21% word error rate on the test sentences (docs/voice.md has the table).
+  finals are much less accurate (docs/voice.md has the word error rates).
 * The final pass: at ``finish``, the utterance's retained audio is decoded again, whole
-  (``process_raw(full_utt=True)``), so that the mean is the utterance's own: 2.4% WER.
+  (``process_raw(full_utt=True)``), so that the mean is the utterance's own.
 
 The final pass costs about twice what the (pruned) streaming pass does; it runs on one decoder
 shared by every slot (behind a lock: finishes are serialised, which costs nothing when
@@ -25,8 +25,8 @@ estimate and the cepstral mean go back to the model's initial values), so an
 utterance's text does not depend on what the decoder heard before.
 
 PocketSphinx holds the GIL while it decodes: a call in an executor thread keeps the
-event loop waiting for as long as it runs (a feed of 20 ms costs a few milliseconds;
-the final pass about a quarter of the utterance's duration).
+event loop waiting for as long as it runs (a feed far less than its audio's duration,
+the final pass a fraction of the utterance's: docs/voice.md).
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ class PocketSphinxEngine(SpeechEngine):
                                 "samprate": SAMPLE_RATE, "loglevel": "FATAL"}
         # With a final pass the streaming decoders give partials only: no fwdflat/bestpath
         # (they refine a final that is not used), and every other frame scored (ds) with at
-        # most 3000 HMMs a frame, which costs about 40% less and left the partials' WER as
-        # it was (docs/voice.md); the final pass keeps the model's settings, which those
-        # cuts made worse (2.4% -> 4.8% WER).
+        # most 3000 HMMs a frame, which costs much less and left the partials' WER as it
+        # was (docs/voice.md); the final pass keeps the model's settings, which those cuts
+        # made worse.
         streaming = base if not use_final else {**base, "fwdflat": False, "bestpath": False, "ds": 2,
                                                 "maxhmmpf": 3000}
         try:
