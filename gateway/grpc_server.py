@@ -45,7 +45,7 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.session import Session
-from streamfleet.gateway.streams import End, Failed
+from streamfleet.gateway.request_stream import End, Failed
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub

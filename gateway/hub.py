@@ -20,7 +20,7 @@ from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.silero import SileroBatch
-from streamfleet.gateway.streams import ReplyChannel
+from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.validation import Validator
 from streamfleet.gateway.voiceslots import VoiceSlots
 

@@ -8,7 +8,7 @@
 * ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
-``render`` turns the internal stream events (``gateway.streams``) into wire frames.
+``render`` turns the internal stream events (``gateway.request_stream``) into wire frames.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import orjson
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 
-from streamfleet.gateway.streams import End, Failed, StreamEvent, Token
+from streamfleet.gateway.request_stream import End, Failed, StreamEvent, Token
 
 __all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
            "resume_fields"]

@@ -18,7 +18,7 @@ the API key is revoked while it runs (a WebSocket watches its connection instead
 
 The request holds the admission ``Ticket`` (request id, owner, key id, stream slot,
 resume token), the model and lane, its reply channel and its ``RequestStream`` (the
-event model of ``gateway/streams.py``, which knows nothing of this lifecycle). A
+event model of ``gateway/request_stream.py``, which knows nothing of this lifecycle). A
 connection that carries many requests (the WebSocket) passes its ``ReplyChannel``;
 without one the request opens its own after admission and closes it in ``close`` (one
 HTTP request).
@@ -33,7 +33,8 @@ import anyio
 
 from streamfleet.gateway.admission import Ticket, revoked_error
 from streamfleet.gateway.observe import observed
-from streamfleet.gateway.streams import ReplyChannel, RequestStream, StreamEvent
+from streamfleet.gateway.reply_channel import ReplyChannel
+from streamfleet.gateway.request_stream import RequestStream, StreamEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission import Admission

@@ -22,8 +22,9 @@ from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
     render
+from streamfleet.gateway.reply_channel import ReplyChannel
+from streamfleet.gateway.request_stream import End, Token
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.streams import End, ReplyChannel, Token
 from streamfleet.gateway.tools import Tools, parse_call
 
 if TYPE_CHECKING:

@@ -34,8 +34,7 @@ from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import DEFAULT_TEMPERATURE, MAX_SEED, MAX_TOP_LOGPROBS, RANGES, AudioInput, SamplingParams, \
-    Task
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane",

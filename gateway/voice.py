@@ -35,7 +35,7 @@ from streamfleet.shared.schema import AudioChunk, AudioInput, SamplingParams
 from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.observe import stop_events
-from streamfleet.gateway.streams import End, Failed, Token
+from streamfleet.gateway.request_stream import End, Failed, Token
 from streamfleet.gateway.silero import SileroDetector
 from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
 from streamfleet.gateway.vad_detectors import AlwaysSpeech, Detector, make_detector

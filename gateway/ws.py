@@ -1,8 +1,8 @@
 """WebSocket adapter: forwards frames between the socket and the connection's
 ``gateway.session.Session`` (its protocol state and its requests, one
 ``gateway.requests.ClientRequest`` per request id, all answered on the connection's reply
-channel); decisions live in ``gateway.protocol``, ``gateway.requests`` and
-``gateway.streams``."""
+channel); decisions live in ``gateway.protocol``, ``gateway.requests``,
+``gateway.request_stream`` and ``gateway.reply_channel``."""
 
 from __future__ import annotations
 

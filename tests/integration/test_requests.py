@@ -18,7 +18,8 @@ from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.hub import Hub
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.streams import End, Failed, ReplyChannel, Token
+from streamfleet.gateway.reply_channel import ReplyChannel
+from streamfleet.gateway.request_stream import End, Failed, Token
 from streamfleet.gateway.validation import Validator
 
 

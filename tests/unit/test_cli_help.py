@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import re
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import typer
@@ -93,19 +92,18 @@ def validator(tiny_spec, tmp_path_factory):
 
 def test_every_door_applies_one_default_temperature(validator):
     """A request naming no temperature: the WebSocket frame, the OpenAI bodies (completions
-    and chat, mapped as gateway/openai.py maps them) and a gRPC GenerateRequest with the
+    and chat, mapped as gateway/openai_mapping.py maps them) and a gRPC GenerateRequest with the
     field unset all come out at ``DEFAULT_TEMPERATURE``; each still honours one it names."""
     from streamfleet.gateway.grpc_server import generate_payload
-    from streamfleet.gateway.openai import _payload
+    from streamfleet.gateway.openai_mapping import request_payload
     from streamfleet.shared.schema import DEFAULT_TEMPERATURE
     from streamfleet.v1 import inference_pb2 as pb
 
-    http = SimpleNamespace(headers={})
     doors = {
         "websocket": lambda extra: {"type": "generate", "id": "a", "prompt": "Once upon a time", **extra},
-        "openai completions": lambda extra: _payload({"prompt": "Once upon a time", **extra}, http, chat=False),
-        "openai chat": lambda extra: _payload({"messages": [{"role": "user", "content": "hi"}], **extra}, http,
-                                              chat=True),
+        "openai completions": lambda extra: request_payload({"prompt": "Once upon a time", **extra}, chat=False),
+        "openai chat": lambda extra: request_payload({"messages": [{"role": "user", "content": "hi"}], **extra},
+                                                     chat=True),
         "grpc": lambda extra: generate_payload(pb.GenerateRequest(prompt="Once upon a time", **extra), "grpc"),
     }
     defaults = {door: validator.generate(make({})).params.temperature for door, make in doors.items()}

@@ -8,7 +8,7 @@ import pytest
 from streamfleet.shared.errors import ValidationError
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Resume, Send, Submit, render
-from streamfleet.gateway.streams import End, Failed, Token
+from streamfleet.gateway.request_stream import End, Failed, Token
 
 
 class FakeValid:

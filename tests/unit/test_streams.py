@@ -9,7 +9,7 @@ import time
 from streamfleet.shared.errors import UnavailableError
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 
-from streamfleet.gateway.streams import TICK, End, Failed, RequestStream, Token
+from streamfleet.gateway.request_stream import TICK, End, Failed, RequestStream, Token
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:
@@ -84,7 +84,7 @@ async def test_resync_reads_the_log_for_missed_events():
 
 
 async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.streams.CATCH_UP_AFTER_S", 0.05)
+    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.05)
     log = [(b"1-0", tok(0)), (b"2-0", done(1))]
     s = make(log)
     s.feed(tok(0))  # the done message was lost
@@ -102,7 +102,7 @@ def log_reader(entries: list, calls: list, page: int | None = None):
 
 
 async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.streams.LOG_PAGE", 2)
+    monkeypatch.setattr("streamfleet.gateway.request_stream.LOG_PAGE", 2)
     entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)]
     calls = []
     s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, calls, page=2),
@@ -165,7 +165,7 @@ async def test_errors_and_local_decisions():
 
 
 async def test_queued_request_times_out_at_its_deadline(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.streams.CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr("streamfleet.gateway.request_stream.CANCEL_GRACE_S", 0.0)
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
     assert isinstance(evs[0], Failed) and evs[0].error.code == "timeout"
@@ -186,7 +186,7 @@ async def test_ticks_come_when_nothing_else_does_and_never_postpone_the_catch_up
     """``tick_s`` (the SSE keepalive): a stream silent that long yields TICK; ticks more
     frequent than the catch-up read do not hold the read off (the lost final event is
     still found in the log), and events delivered in between reset the tick."""
-    monkeypatch.setattr("streamfleet.gateway.streams.CATCH_UP_AFTER_S", 0.3)
+    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.3)
     log = [(b"1-0", tok(0)), (b"2-0", done(1))]
     s = make(log)
     s.tick_s = 0.05
@@ -229,7 +229,7 @@ async def test_a_shared_channel_remembers_what_it_ended_itself_within_bounds(mon
     """Only streams the gateway ended by itself are remembered (a worker's own end is
     not), on the shared channel only, at most ``LET_GO_REMEMBERED`` of them and each for
     ``LET_GO_REMEMBER_S``; an end arriving afterwards forgets the request."""
-    from streamfleet.gateway import streams as mod
+    from streamfleet.gateway import reply_channel as mod
 
     monkeypatch.setattr(mod, "LET_GO_REMEMBERED", 3)
     now = [1000.0]

@@ -1,0 +1,382 @@
+"""The OpenAI API's shapes, mapped to and from the fleet's, with no I/O: the HTTP adapter
+(``gateway/openai.py``) reads bodies and writes responses, this module says what they hold.
+
+Request side: an OpenAI body becomes the generate payload the WebSocket sends, which
+``Validator.check`` then validates, so that the same bad input gets the same error code
+on both doors. The parameters streamfleet does not implement (``UNSUPPORTED``) go along
+for the validator to refuse by name; the OpenAI-only ones (``n``, ``best_of``,
+``stream``, ``stream_options``, a completion's integer ``logprobs``) are checked here.
+
+Response side: a choice's tokens and end become ``chat.completion`` /
+``text_completion`` objects, or their streamed chunks (``chat.completion.chunk``, the
+role on the first, ``finish_reason`` on the last, the usage chunk of
+``stream_options.include_usage``), with ``logprobs`` in the chat API's shape or the
+completions API's, and tool calls as ``tool_calls`` (docs/tools.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from streamfleet.shared.errors import ErrorCode, ValidationError
+from streamfleet.shared.grammar import CONSTRAINTS
+from streamfleet.shared.schema import MAX_TOP_LOGPROBS
+
+from streamfleet.gateway.tools import CallStream, Tools, parse_call
+from streamfleet.gateway.validation import UNSUPPORTED
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.request_stream import End, Token
+
+__all__ = ["PROCESSING", "MAX_CHOICES", "MAX_HELD_CALL", "FINISH", "request_payload", "choice_counts",
+           "stream_flags", "finish_reason", "usage_of", "best_of_order", "could_be_call", "ResponseShape",
+           "ChoiceStream", "Gathered"]
+
+#: the sampling and log-probability parameters passed through to the validator as they are
+PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice")
+#: most choices (``n``, ``best_of``) one request may ask for
+MAX_CHOICES = 16
+#: with tool_choice "auto", streamed text that may be a tool call is held back up to this
+#: many characters (a call is decided at the end); past it, it is text
+MAX_HELD_CALL = 16384
+#: the fleet's finish reasons as OpenAI's; OpenAI has no "cancelled", and a cancelled HTTP
+#: request only happens when its client left
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+# -- request side ------------------------------------------------------------------------
+
+def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | None = None) -> dict[str, Any]:
+    """The generate payload of the WebSocket protocol for an OpenAI body (already known to
+    be an object). ``priority_header``: the request's ``X-Priority``, which wins over the
+    body's ``priority``.
+
+    Raises:
+        ValidationError: a missing ``messages`` / ``prompt``, a prompt list of other than
+            one string, a completion's ``logprobs`` not an integer in range.
+    """
+    p: dict[str, Any] = {"id": "http"}
+    # the parameters streamfleet does not implement go along, for the validator to refuse
+    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
+                 *PROCESSING, *UNSUPPORTED):
+        if name in body:
+            p[name] = body[name]
+    if not chat and body.get("logprobs") is not None:
+        # a completion's "logprobs": k is the chat API's logprobs + top_logprobs: k
+        k = body["logprobs"]
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValidationError("'logprobs' must be an integer (the number of alternatives per token)",
+                                  code=ErrorCode.invalid_type, param="logprobs")
+        p["logprobs"], p["top_logprobs"] = True, k
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValidationError(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}",
+                                  code=ErrorCode.out_of_range, param="logprobs")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        p["max_tokens"] = max_tokens
+    priority = priority_header or body.get("priority")
+    if priority is not None:
+        p["priority"] = priority
+    if chat:
+        if "messages" not in body:
+            raise ValidationError("'messages' is required", code=ErrorCode.missing_field, param="messages")
+        p["messages"] = body["messages"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise ValidationError("'prompt' must be a string or a list of exactly one string",
+                                      code=ErrorCode.invalid_type, param="prompt")
+            prompt = prompt[0]
+        if prompt is None:
+            raise ValidationError("'prompt' is required", code=ErrorCode.missing_field, param="prompt")
+        p["prompt"] = prompt
+    return p
+
+
+def choice_counts(body: dict[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
+    """``(n, best_of)``: the choices returned, and the completions generated for them
+    (``best_of`` >= ``n``, completions only: the ``n`` with the highest total log
+    probability are returned).
+
+    Raises:
+        ValidationError: naming ``n`` or ``best_of``: not an integer, out of
+            ``1..MAX_CHOICES`` (``best_of`` below ``n``), ``best_of`` on chat, or a
+            ``best_of`` above ``n`` streamed.
+    """
+    def count(name: str, default: int, lo: int) -> int:
+        v = body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValidationError(f"'{name}' must be an integer", code=ErrorCode.invalid_type, param=name)
+        if not lo <= v <= MAX_CHOICES:
+            raise ValidationError(f"'{name}' must be between {lo} and {MAX_CHOICES}, got {v}",
+                                  code=ErrorCode.out_of_range, param=name)
+        return v
+
+    n = count("n", 1, 1)
+    if chat and body.get("best_of") is not None:
+        raise ValidationError("'best_of' is a parameter of /v1/completions", code=ErrorCode.invalid_request,
+                              param="best_of")
+    best_of = count("best_of", n, n)
+    if best_of > n and stream:
+        raise ValidationError("'best_of' greater than 'n' cannot be streamed (the best are known at the end)",
+                              code=ErrorCode.invalid_request, param="best_of")
+    return n, best_of
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``(stream, stream_options.include_usage)``, each false when absent or null.
+
+    Raises:
+        ValidationError: ``invalid_type``, naming ``stream`` or ``stream_options``.
+    """
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ValidationError("'stream' must be a boolean", code=ErrorCode.invalid_type, param="stream")
+    # only null means absent: a falsy non-object ([], 0, "") is as wrong as a truthy one
+    opts = body.get("stream_options")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise ValidationError("'stream_options' must be an object", code=ErrorCode.invalid_type,
+                              param="stream_options")
+    include_usage = opts.get("include_usage")
+    if include_usage is None:
+        include_usage = False
+    if not isinstance(include_usage, bool):
+        raise ValidationError("'stream_options.include_usage' must be a boolean", code=ErrorCode.invalid_type,
+                              param="stream_options")
+    return stream, include_usage
+
+
+# -- response side -----------------------------------------------------------------------
+
+def finish_reason(reason: str) -> str:
+    """The fleet's finish reason as OpenAI's (``FINISH``; any other as it is)."""
+    return FINISH.get(reason, reason)
+
+
+def usage_of(ends: Sequence[End]) -> dict[str, int]:
+    """The ``usage`` of a request of one or several choices: the prompt once (every choice
+    has the same), the completion tokens of every choice."""
+    prompt = ends[0].prompt_tokens
+    completion = sum(e.completion_tokens for e in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int) -> list[int]:
+    """Which completions a request of ``n`` choices returns, in order, given each one's
+    tokens' log probabilities: all in order when there are ``n``; with ``best_of`` more,
+    the ``n`` with the highest total log probability, best first (ties in order)."""
+    order = list(range(len(logprobs)))
+    if len(order) > n:
+        order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in logprobs[i]))[:n]
+    return order
+
+
+def could_be_call(text: str) -> bool:
+    """Whether streamed text so far may still turn out to be a tool call (``auto``)."""
+    head = text.lstrip()
+    return len(text) < MAX_HELD_CALL and (head.startswith("{") or head.startswith("<tool_call>")
+                                          or "<tool_call>".startswith(head))
+
+
+def _top_chat(e: dict) -> dict:
+    return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+
+
+class ResponseShape:
+    """The response objects of one request on one endpoint (chat or completions): one id,
+    model and creation time on every object and chunk."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, tools: Tools | None = None,
+                 created: int | None = None) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self.tools = tools
+        self.call_id = f"call_{request_id[:24]}"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def call_id_of(self, index: int) -> str:
+        """The id of choice ``index``'s tool call."""
+        return self.call_id if index == 0 else f"{self.call_id}_{index}"
+
+    def call(self, text: str) -> tuple[str, str] | None:
+        """The tool call a finished completion holds, if any."""
+        return parse_call(text, self.tools.names) if self.tools is not None else None
+
+    def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
+        """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``)
+        in the chat API's shape or the completions API's; None when none were asked for."""
+        if not tokens:
+            return None
+        if self.chat:
+            return {"content": [{**_top_chat(e), "top_logprobs": [_top_chat(t) for t in e["top"]]}
+                                for _, e in tokens], "refusal": None}
+        return {"tokens": [e["token"] for _, e in tokens], "token_logprobs": [e["logprob"] for _, e in tokens],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for _, e in tokens],
+                "text_offset": [o for o, _ in tokens]}
+
+    def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
+              logprobs: list[tuple[int, dict]] | None = None, index: int = 0) -> dict:
+        """A streamed chunk of choice ``index``: ``role`` (chat) the first, announcing the
+        assistant; otherwise a piece of text, and ``finish`` on the last. ``usage_null``:
+        ``"usage": null``, as OpenAI sends on every chunk but the usage chunk when
+        ``include_usage`` is on."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+                delta["content"] = ""
+            elif text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish}
+        out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+               "choices": [choice]}
+        if usage_null:
+            out["usage"] = None
+        return out
+
+    def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict]] | None = None,
+                   usage_null: bool = False, index: int = 0) -> dict:
+        """A streamed chunk of the call: its name (``kind == "name"``, with the call's id
+        and type) or a piece of its arguments."""
+        if kind == "name":
+            call = {"index": 0, "id": self.call_id_of(index), "type": "function",
+                    "function": {"name": value, "arguments": ""}}
+        else:
+            call = {"index": 0, "function": {"arguments": value}}
+        out = self.chunk(None, None, usage_null=usage_null, logprobs=logprobs, index=index)
+        out["choices"][0]["delta"] = {"tool_calls": [call]}
+        return out
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage}
+
+    def choice_full(self, index: int, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        """One choice of a response that is not streamed: a chat message (a tool call's
+        content null and its ``tool_calls`` set, finishing ``tool_calls``) or a
+        completion's text."""
+        finish = finish_reason(end.finish_reason)
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            call = self.call(text)
+            if call is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": self.call_id_of(index), "type": "function",
+                     "function": {"name": call[0], "arguments": call[1]}}]}
+                finish = "tool_calls"
+            return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+
+    def full(self, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        """The response of one choice, not streamed."""
+        return self.full_many([self.choice_full(0, text, end, logprobs)], usage_of([end]))
+
+    def full_many(self, choices: list[dict], usage: dict[str, int]) -> dict:
+        """The response of ``choices`` (``choice_full``'s), not streamed."""
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage}
+
+
+class Gathered:
+    """One choice's text and log probabilities as its tokens come (a response not
+    streamed); each token's log probabilities with the text offset where it starts."""
+
+    __slots__ = ("parts", "logprobs", "offset")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[tuple[int, dict]] = []
+        self.offset = 0
+
+    def add(self, ev: Token) -> None:
+        if ev.logprobs is not None:
+            self.logprobs.append((self.offset, ev.logprobs))
+        self.parts.append(ev.text)
+        self.offset += len(ev.text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class ChoiceStream:
+    """The streamed chunks of one choice: its text as it comes (log probabilities of
+    tokens whose text is held back ride with the next text), a forced tool call as
+    ``tool_calls`` deltas, and with ``"auto"`` text that may be a call held until the end
+    decides (docs/tools.md). The role chunk that opens a chat stream is the adapter's
+    (``ResponseShape.chunk(role=True)``): it goes out before any token."""
+
+    def __init__(self, shape: ResponseShape, index: int, include_usage: bool) -> None:
+        self.shape, self.index, self.usage_null = shape, index, include_usage
+        self.held: list[tuple[int, dict]] = []
+        self.offset = 0
+        tools = shape.tools
+        self.calls = CallStream() if tools is not None and tools.mode == "forced" else None
+        self.maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
+
+    def _text(self, text: str | None, finish: str | None = None) -> dict:
+        out = self.shape.chunk(text, finish, usage_null=self.usage_null, logprobs=self.held, index=self.index)
+        self.held = []
+        return out
+
+    def _call(self, kind: str, value: str) -> dict:
+        out = self.shape.tool_chunk(kind, value, self.held, self.usage_null, index=self.index)
+        self.held = []
+        return out
+
+    def token(self, ev: Token) -> list[dict]:
+        """The chunks a token gives out now (none while its text is held)."""
+        if ev.logprobs is not None:
+            self.held.append((self.offset, ev.logprobs))
+        if not ev.text:
+            return []
+        self.offset += len(ev.text)
+        if self.calls is not None:
+            return [self._call(kind, value) for kind, value in self.calls.feed(ev.text)]
+        text = ev.text
+        if self.maybe_call is not None:
+            self.maybe_call.append(text)
+            text = "".join(self.maybe_call)
+            if could_be_call(text):
+                return []
+            self.maybe_call = None  # it is text after all: out it goes, and the rest as it comes
+        return [self._text(text)]
+
+    def end(self, ev: End) -> list[dict]:
+        """The last chunks: what was held, then the one with ``finish_reason``."""
+        finish = finish_reason(ev.finish_reason)
+        out = []
+        if self.calls is not None:
+            out += [self._call(kind, value) for kind, value in self.calls.finish(ev.finish_reason == "stop")]
+            if self.calls.name is not None and ev.finish_reason == "stop":
+                finish = "tool_calls"
+        elif self.maybe_call is not None:
+            call = self.shape.call("".join(self.maybe_call))
+            if call is not None:
+                out += [self._call("name", call[0]), self._call("arguments", call[1])]
+                finish = "tool_calls"
+            elif self.maybe_call:
+                out.append(self._text("".join(self.maybe_call)))
+        out.append(self._text(None if self.shape.chat else "", finish))
+        return out

@@ -1,0 +1,401 @@
+"""One request's events, as the gateway delivers them: each once, in order, then its end.
+
+A ``RequestStream`` is one request as seen by the gateway. Worker events reach it over
+pub/sub (at most once) and are also in the request's log ``sf:log:{request_id}``; the
+stream turns them into exactly-once, in-order ``StreamEvent``s, the one event model every
+protocol adapter consumes (``gateway/ws.py``, ``gateway/openai.py``, gRPC, voice) and only
+renders:
+
+* ``Token(index, text, logprobs)``   a piece of the completion
+* ``End(finish_reason, usage, …)``   the request finished (``cancelled`` after an interrupt)
+* ``Failed(error)``                  the request failed (a ``StreamfleetError``)
+* ``TICK``                           ``tick_s`` passed without an event (only when it is set)
+
+Indices already delivered are dropped (a redelivered task regenerates from index 0);
+a gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
+stream first replays the log from the client's index, then is followed live. Who feeds the
+stream, follows its request and cancels it is its reply channel
+(``gateway.reply_channel``); the stream knows only how to read its log. Each request's
+lifecycle around its stream (admission, submit or resume, cancel, the slot it gives back)
+is a ``gateway.requests.ClientRequest``.
+
+Gateway events and wire events. Workers publish ``shared.schema``'s ``TokenEvent``,
+``DoneEvent`` and ``ErrorEvent``: per message, at most once, possibly repeated or out of
+order. The gateway's events are per request and add, over the wire event each comes from:
+
+* ``Token``: order. The same ``index``, ``text`` and ``logprobs``, but delivered once and
+  right after ``index - 1``: never a token a redelivered task regenerated, never one past
+  a gap (held until the log fills it). No ``request_id``: the stream is the request.
+* ``End``: completeness, and the gateway's own ends. A ``DoneEvent`` is held back until
+  every token before its ``completion_tokens`` was delivered; its three timings become one
+  ``timing`` dict, rounded as clients are sent it, and ``usage`` is a property. An ``End``
+  may also come from no ``DoneEvent`` at all: ``end_cancelled`` ends the stream
+  ``cancelled`` (completion tokens: those delivered; no timing, no model version) when no
+  worker answered a cancel in time, or when its channel let a resumed request go.
+* ``Failed``: a typed error, and the gateway's own failures. An ``ErrorEvent``'s code and
+  message become the ``StreamfleetError`` of that code (``error_from_code``: its class and
+  HTTP status; an unknown code is ``internal``). ``fail`` ends a stream with an error no
+  worker sent: a deadline or stall ``timeout``, the broker lost or its log unreadable past
+  ``outage_grace_s``, events lost from the log (these three ``broker_unavailable``).
+* ``TICK`` has no wire counterpart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Union
+
+from streamfleet.shared import aio
+from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError, error_from_code
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+
+__all__ = ["Token", "End", "Failed", "StreamEvent", "TICK", "RequestStream", "LogReader"]
+
+log = get_logger("gateway.request_stream")
+
+#: seconds a worker is given to answer before the gateway decides itself: a queued
+#: request past its deadline fails with ``timeout`` this much later, and a cancel may go
+#: unanswered this long before the reply channel ends the request itself
+CANCEL_GRACE_S = 5.0
+#: seconds of silence from a running request before the stream checks its log
+CATCH_UP_AFTER_S = 2.0
+#: seconds between reads of a log that could not be read, while its shard fails over
+OUTAGE_RETRY_S = 0.5
+#: entries read from a log per XREAD
+LOG_PAGE = 1000
+
+#: ``await log_reader(after_entry_id, block_ms)``: the log's entries past an entry id
+LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    index: int
+    text: str
+    #: the token and its log probability, when the request asked (``TokenEvent.logprobs``)
+    logprobs: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timing: dict[str, float] = field(default_factory=dict)
+    model_version: str = ""
+    #: a speech request's final transcript
+    text: str = ""
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: StreamfleetError
+
+
+StreamEvent = Union[Token, End, Failed]
+
+#: queued to wake a waiting consumer (see ``RequestStream.resync``); never yielded
+_WAKE = object()
+#: queued by a stream's timer when the wait it was armed for may be over; never yielded
+_TIMER = object()
+
+
+class Tick:
+    """Yielded by a stream with ``tick_s`` set when that long passed without an event
+    (the SSE adapter sends a keepalive comment then)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TICK"
+
+
+TICK = Tick()
+
+
+class RequestStream:
+    """One request's events, in order, each index once, ending with ``End`` or ``Failed``.
+
+    Args:
+        request_id: the fleet-wide id.
+        client_id: the id the client chose.
+        prompt_tokens: for a locally decided ``End`` (0 when unknown, as for a resume).
+        deadline: unix time after which a request that has not started fails with ``timeout``.
+        log_reader: ``await log_reader(after_entry_id, block_ms)`` reads the request's log.
+        resumed: the stream continues a request submitted elsewhere (it replays the log
+            first, and its client does not own the generation's life).
+        next_index: first index the client still needs.
+        stall_timeout_s: a started request silent this long (log included) fails with ``timeout``.
+        outage_grace_s: how long a log that cannot be read is waited for before the request
+            fails with ``broker_unavailable`` (on a Redis Cluster, a shard failing over:
+            ``SF_REDIS_FAILOVER_S``; 0 on a single server, whose outage the pub/sub
+            connection reports at once).
+    """
+
+    def __init__(self, request_id: str, client_id: str, *, prompt_tokens: int = 0, deadline: float,
+                 log_reader: LogReader | None = None, resumed: bool = False, next_index: int = 0,
+                 stall_timeout_s: float = 60.0, outage_grace_s: float = 0.0) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.prompt_tokens = prompt_tokens
+        self.deadline = deadline
+        self.log_reader = log_reader
+        self.resumed = resumed
+        self.next_index = next_index
+        self.stall_timeout_s = stall_timeout_s
+        self.outage_grace_s = outage_grace_s
+        self._unreadable_since: float | None = None  # the log's first failed read of an outage
+        self.finished = False  # the final event is queued
+        self.cancel_requested = False
+        #: the gateway ended the stream itself (``fail``, ``end_cancelled``), not a worker's
+        #: ``done`` or ``error``: the worker may still be running the request
+        self.ended_here = False
+        self.started = False  # any event seen (tokens or end)
+        self.duplicates_dropped = 0
+        self.gaps_repaired = 0
+        self.gaps_skipped = 0
+        self.trace_id = ""
+        self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
+        self._queue = aio.LightQueue()  # StreamEvent, _WAKE or _TIMER; one consumer
+        self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
+        self._final: StreamEvent | None = None  # an end that arrived while a gap was open
+        self._log_pos = b"0-0"
+        self._resync = resumed  # a resume replays the log before anything else
+        self.created = time.monotonic()
+        self._last_event = self.created
+        #: yield ``TICK`` after this many seconds without an event (None: never). A tick is
+        #: checked in the wait the stream does anyway, so it costs nothing per token (no
+        #: task or timer of its own)
+        self.tick_s: float | None = None
+        self._yielded = self.created  # when the consumer last got something
+        self._wait_until: float | None = None  # the wait a tick interrupted, resumed after it
+        self._due: float | None = None  # when the consumer's current wait ends (None: not waiting)
+        self._timer: asyncio.TimerHandle | None = None  # armed for ``_timer_at``, or later
+        self._timer_at = 0.0
+
+    # -- feeding (synchronous: from the pub/sub reader or a log read) -------------------
+    def feed(self, ev: Event, from_log: bool = False) -> None:
+        """One event, from pub/sub or (``from_log``) the request's log. A token index seen
+        before is dropped; only pub/sub duplicates are counted (``duplicates_dropped``:
+        tokens a redelivered task regenerated), since a log read overlaps pub/sub by design."""
+        if self.finished:
+            return
+        self.started = True
+        self._last_event = time.monotonic()
+        if isinstance(ev, TokenEvent):
+            if ev.index < self.next_index or ev.index in self._ahead:
+                if not from_log:
+                    self.duplicates_dropped += 1
+            elif ev.index > self.next_index:
+                self._ahead[ev.index] = Token(ev.index, ev.text, ev.logprobs)
+            else:
+                self._deliver(Token(ev.index, ev.text, ev.logprobs))
+        elif isinstance(ev, DoneEvent):
+            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version,
+                      ev.text)
+            if self._ahead or self.next_index < ev.completion_tokens:
+                self._final = end  # tokens are missing before it
+            else:
+                self._end(end)
+        elif isinstance(ev, ErrorEvent):
+            self._end(Failed(error_from_code(ev.code, ev.message)))
+
+    def _deliver(self, tok: Token) -> None:
+        self._queue.put_nowait(tok)
+        self.next_index = tok.index + 1
+        while self.next_index in self._ahead:
+            t = self._ahead.pop(self.next_index)
+            self._queue.put_nowait(t)
+            self.next_index = t.index + 1
+        if self._final is not None and not self._ahead and isinstance(self._final, End) \
+                and self.next_index >= self._final.completion_tokens:
+            self._end(self._final)
+
+    def resync(self) -> None:
+        """Read the log before waiting again (pub/sub may have dropped events)."""
+        self._resync = True
+        self._queue.put_nowait(_WAKE)
+
+    @property
+    def gap_open(self) -> bool:
+        return bool(self._ahead) or self._final is not None
+
+    def _skip_gap(self) -> None:
+        """The log could not fill a gap (expired, or lost with a Redis restart): end the
+        request with an error rather than hand the client a stream with a hole in it."""
+        self.gaps_skipped += 1
+        log.warning("token gap could not be repaired", request_id=self.request_id, missing_from=self.next_index)
+        self.fail(UnavailableError("events of this request were lost by the message broker and could not be "
+                                   "recovered from its log", retry_after_ms=1000))
+
+    def fail(self, error: StreamfleetError) -> None:
+        """End the request with an error the gateway decided on."""
+        if not self.finished:
+            self.ended_here = True
+            self._end(Failed(error))
+
+    def end_cancelled(self) -> None:
+        if not self.finished:
+            self.ended_here = True
+            self._end(End("cancelled", self.prompt_tokens, self.next_index))
+
+    def _end(self, ev: StreamEvent) -> None:
+        self.finished = True
+        self._ahead.clear()
+        self._final = None
+        self._queue.put_nowait(ev)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def drop_pending(self) -> bool:
+        """Drop the events queued for a consumer that is gone (a closed connection's
+        stream kept running through its resume grace: only the log matters now).
+        Returns ``finished``."""
+        while not self._queue.empty():
+            if isinstance(self._queue.get_nowait(), (End, Failed)):
+                self.finished = True
+        return self.finished
+
+    # -- consuming -----------------------------------------------------------------------
+    async def _read_log(self) -> bool:
+        """Feed what the log holds past the last entry read (the log is read once over,
+        however many times a gap or silence sends the stream to it). Returns False when
+        the log could not be read and is waited for (``outage_grace_s``)."""
+        if self.log_reader is None:
+            return True
+        before = self.gap_open
+        while not self.finished:
+            try:
+                entries = await self.log_reader(self._log_pos, None)
+            except UnavailableError as exc:
+                now = time.monotonic()
+                if self._unreadable_since is None:
+                    self._unreadable_since = now
+                if now - self._unreadable_since < self.outage_grace_s:
+                    return False  # a shard failing over: its replica takes over within the grace
+                self.fail(exc)
+                return True
+            self._unreadable_since = None
+            for entry_id, ev in entries:
+                self._log_pos = entry_id
+                self.feed(ev, from_log=True)
+            if len(entries) < LOG_PAGE:
+                break
+        if before and not self.gap_open:
+            self.gaps_repaired += 1
+        return True
+
+    async def next(self) -> StreamEvent | Tick:
+        """The next event; ``Failed(timeout)`` when the deadline or stall limit passes;
+        ``TICK`` when ``tick_s`` passed without one."""
+        while True:
+            ev = await self._next()
+            if ev is not _WAKE and ev is not _TIMER:  # (a timer's mark that events overtook)
+                if ev is not TICK:
+                    self._wait_until = None  # an event ends the wait a tick interrupted
+                if self.tick_s is not None:
+                    self._yielded = time.monotonic()
+                return ev
+
+    async def _get(self, wait: float) -> StreamEvent | Tick | None:
+        """The next queued event within ``wait`` seconds (None: the wait passed), or
+        ``TICK`` first when one falls due sooner; the wait it interrupted goes on from where
+        it was at the next call.
+
+        Every token is waited for, yet hardly any wait runs out: rather than a timer armed
+        and cancelled per token (``asyncio.timeout``), the stream keeps one timer that,
+        when it fires early (the wait it was armed for was met, and a later one begun),
+        re-arms itself for the wait under way — one timer event per stream every few
+        seconds instead of two heap operations per token."""
+        now = time.monotonic()
+        if self._wait_until is None:
+            self._wait_until = now + wait
+        tick_at = self._yielded + self.tick_s if self.tick_s is not None else None
+        ticking = tick_at is not None and tick_at < self._wait_until
+        self._due = due = tick_at if ticking else self._wait_until
+        if self._timer is None or self._timer_at > due:
+            self._arm(due)
+        try:
+            while True:
+                ev = await self._queue.get()
+                if ev is not _TIMER:
+                    return ev
+                if time.monotonic() >= due:
+                    break
+                self._arm(due)  # a mark from a wait already over
+        finally:
+            self._due = None
+        if ticking:
+            return TICK
+        self._wait_until = None
+        return None
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None:  # nobody waits: the next wait arms it again
+            return
+        if time.monotonic() >= due:
+            self._queue.put_nowait(_TIMER)
+        else:  # the wait it was armed for was met; this one ends later
+            self._arm(due)
+
+    async def _next(self) -> StreamEvent:
+        if self._resync and not self.finished:
+            self._resync = False
+            await self._read_log()
+        while self._queue.empty():
+            if self.gap_open:
+                if not await self._read_log():  # wait for the broker (or a live event)
+                    try:
+                        async with asyncio.timeout(OUTAGE_RETRY_S):
+                            return await self._queue.get()
+                    except TimeoutError:
+                        continue
+                if self._queue.empty() and self.gap_open:
+                    self._skip_gap()
+                continue
+            if not self.started:
+                wait = max(0.0, self.deadline - time.time()) + CANCEL_GRACE_S
+                if self.resumed:  # events may reach only the log until the worker hears the follow
+                    wait = min(wait, CATCH_UP_AFTER_S)
+            else:
+                wait = min(CATCH_UP_AFTER_S, self.stall_timeout_s)
+            ev = await self._get(wait)
+            if ev is not None:
+                return ev
+            if not self.started:
+                if self.resumed:
+                    await self._read_log()
+                if self._queue.empty() and time.time() > self.deadline + CANCEL_GRACE_S:
+                    self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))
+            else:  # silence: pub/sub may have lost a message; the log has it
+                await self._read_log()
+                if self._queue.empty() and not self.gap_open and \
+                        time.monotonic() - self._last_event > self.stall_timeout_s:
+                    self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
+        return self._queue.get_nowait()
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            ev = await self.next()
+            yield ev
+            if isinstance(ev, (End, Failed)):
+                return
