@@ -1,13 +1,14 @@
 """Redis Cluster deployments: deploy/compose/cluster.yml (a docker compose override) and
 the kustomize component deploy/k8s/components/redis-cluster.
 
-Offline like test_deploy_configs.py and test_deploy_k8s_ops.py, whose helpers it uses:
+Offline like test_deploy_configs.py and test_deploy_k8s_ops.py (their shared helpers are
+tests/support/deploy.py):
 
 * the compose override is merged into docker-compose.yml the way Compose merges files
   (``!override`` replaces, mappings merge, ``volumes`` append) and the result checked
   against the Compose schema and for what cluster mode needs: six nodes, a one-shot
   init service, the fleet on a seed list of nodes of the file;
-* the component is rendered (``kubectl kustomize``, else the kustomize subset) and
+* the component is rendered (the real ``kubectl kustomize``; skipped without it) and
   checked: six nodes, the headless Service with the bus port, the env and KEDA patches,
   the NetworkPolicy flows between the nodes;
 * where redis-server >= 7 is installed, both files are run for real: six local
@@ -32,10 +33,12 @@ import pytest
 import yaml
 
 from streamfleet.shared.keys import Keys
-from tests.integration.test_deploy_configs import COMPOSE_FILE, COMPOSE_SCHEMA, REPO, interpolate
-from tests.integration.test_deploy_k8s_ops import (
+from tests.support.deploy import (
     COMPONENTS,
+    COMPOSE_FILE,
+    COMPOSE_SCHEMA,
     REDIS_SECRET,
+    REPO,
     TEST_PASSWORD,
     Peer,
     allowed,
@@ -44,7 +47,9 @@ from tests.integration.test_deploy_k8s_ops import (
     env_value,
     find,
     fleet_peers,
+    interpolate,
     k8s_env,
+    known_setting_env_names,
     pod,
     render,
     scaled_objects,
@@ -267,8 +272,6 @@ def test_compose_every_dependency_is_started(merged, profiles):
 
 
 def test_compose_cluster_settings_are_known(merged):
-    from tests.integration.test_deploy_configs import known_setting_env_names
-
     known = known_setting_env_names()
     for name, svc in merged["services"].items():
         for key in svc.get("environment", {}):
@@ -408,8 +411,6 @@ def test_k8s_fleet_env_points_at_the_cluster(cluster, base, monkeypatch):
         assert [e["name"] for e in before] == [e["name"] for e in after]
         changed = [a["name"] for a, b in zip(after, before, strict=True) if a != b]
         assert changed == ["SF_REDIS_URL"], f"{d['metadata']['name']}: {changed}"
-        from tests.integration.test_deploy_configs import known_setting_env_names
-
         if "SF_REDIS_CLUSTER" in known_setting_env_names():
             from streamfleet.shared.settings import CommonSettings
 

@@ -7,10 +7,10 @@ by a schema or structural check everywhere:
   when present (no daemon needed); always the Compose Specification JSON schema
   (``tests/data/compose-spec.json``, vendored from the check-jsonschema package) after
   variable interpolation, and the properties the fleet relies on.
-* deploy/k8s: rendered with ``kubectl kustomize`` when kubectl is installed, else with
-  the small kustomize subset below; every built-in kind validated against the
-  Kubernetes OpenAPI schemas bundled in ``kubernetes-validate`` (strict: unknown fields
-  fail); the KEDA ScaledObject (a CRD, no bundled schema) checked field by field.
+* deploy/k8s: rendered with ``kubectl kustomize`` (the kubectl of the dev extra; skipped
+  without one); every built-in kind validated against the Kubernetes OpenAPI schemas
+  bundled in ``kubernetes-validate`` (strict: unknown fields fail); the KEDA ScaledObject
+  (a CRD, no bundled schema) checked field by field.
 * deploy/nginx/nginx.conf: ``nginx -t`` when nginx is installed; the streaming
   directives and the gRPC server always.
 * Dockerfile, Dockerfile.gpu: parsed; multi-stage, non-root, ``streamfleet`` entrypoint,
@@ -35,17 +35,23 @@ import jsonschema
 import pytest
 import yaml
 
-from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
+from streamfleet.shared.settings import GatewaySettings, WorkerSettings
 from streamfleet.v1 import inference_pb2 as pb
-
-REPO = Path(__file__).resolve().parents[2]
-COMPOSE_FILE = REPO / "docker-compose.yml"
-NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
-K8S_BASE = REPO / "deploy" / "k8s"
-COMPOSE_SCHEMA = REPO / "tests" / "data" / "compose-spec.json"
-#: the oldest Kubernetes these manifests promise to work on; also checked against the
-#: newest schema kubernetes-validate bundles
-K8S_MIN_VERSION = "1.30.0"
+from tests.support.deploy import (
+    CLUSTER_SCOPED,
+    COMPOSE_FILE,
+    COMPOSE_SCHEMA,
+    K8S_BASE,
+    K8S_MIN_VERSION,
+    NGINX_CONF,
+    REPO,
+    find,
+    interpolate,
+    known_setting_env_names,
+    kubernetes_schema_versions,
+    kustomize,
+    run,
+)
 
 DRAIN_TIMEOUT_S = GatewaySettings.model_fields["drain_timeout_s"].default
 GRPC_PORT = GatewaySettings.model_fields["grpc_port"].default
@@ -57,22 +63,6 @@ pytestmark = pytest.mark.timeout(120)
 
 
 # --------------------------------------------------------------------------- helpers
-def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
-
-
-def known_setting_env_names() -> set[str]:
-    """Every environment variable the settings classes read (``SF_<FIELD>`` + aliases)."""
-    names: set[str] = set()
-    for cls in (CommonSettings, GatewaySettings, WorkerSettings):
-        for field_name, info in cls.model_fields.items():
-            names.add(f"SF_{field_name.upper()}")
-            alias = info.validation_alias
-            for choice in getattr(alias, "choices", ()) or ():
-                names.add(str(choice))
-    return names
-
-
 def duration_s(value) -> float:
     """Compose durations ("45s", "1m30s", "2m") in seconds."""
     if isinstance(value, (int, float)):
@@ -294,38 +284,6 @@ def test_dockerfile_build_context(name):
 
 
 # --------------------------------------------------------------------------- compose
-_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def interpolate(value, env: dict[str, str]):
-    """Compose variable interpolation: ``$VAR``, ``${VAR}``, ``${VAR:-default}``,
-    ``${VAR-default}``, ``${VAR:?err}``, ``${VAR:+alt}`` and ``$$``."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def sub(m: re.Match) -> str:
-        if m.group(1):
-            return "$"
-        name = m.group(2) or m.group(5)
-        op, arg = m.group(3), m.group(4) or ""
-        val = env.get(name)
-        if op in (":-", "-"):
-            if val is None or (op == ":-" and val == ""):
-                return arg
-        elif op in (":?", "?"):
-            if val is None or (op == ":?" and val == ""):
-                raise AssertionError(f"required variable {name}: {arg}")
-        elif op in (":+", "+"):
-            return arg if val not in (None, "") else ""
-        return val or ""
-
-    return _VAR.sub(sub, value)
-
-
 @pytest.fixture(scope="module")
 def compose_raw() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
@@ -342,11 +300,11 @@ def compose_cli() -> list[str] | None:
     """``docker compose`` (the plugin) or a Compose v2 ``docker-compose``; neither needs a
     daemon for ``config``."""
     if shutil.which("docker"):
-        p = _run(["docker", "compose", "version"])
+        p = run(["docker", "compose", "version"])
         if p.returncode == 0 and "version" in p.stdout.lower():
             return ["docker", "compose"]
     if shutil.which("docker-compose"):
-        p = _run(["docker-compose", "version"])
+        p = run(["docker-compose", "version"])
         if p.returncode == 0 and re.search(r"v2\.|version 2\.", p.stdout):
             return ["docker-compose"]
     return None
@@ -358,16 +316,16 @@ def test_compose_config_with_docker_compose():
         pytest.skip("no Docker Compose v2 here (checked against the Compose schema instead)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
     base = [*cli, "--project-directory", str(REPO), "-f", str(COMPOSE_FILE)]
-    p = _run([*base, "--profile", "cpu", "--profile", "gpu", "config", "-q"], env=env)
+    p = run([*base, "--profile", "cpu", "--profile", "gpu", "config", "-q"], env=env)
     assert p.returncode == 0, p.stderr
-    p = _run([*base, "--profile", "cpu", "--profile", "gpu", "config", "--services"], env=env)
+    p = run([*base, "--profile", "cpu", "--profile", "gpu", "config", "--services"], env=env)
     assert p.returncode == 0, p.stderr
     assert set(p.stdout.split()) == {"redis", "gateway", "nginx", "worker-cpu", "worker-gpu0", "worker-gpu1",
                                      "engine-builder"}
     # the default profile: the stateless tier only; --profile cpu adds the CPU worker alone
-    p = _run([*base, "config", "--services"], env=env)
+    p = run([*base, "config", "--services"], env=env)
     assert set(p.stdout.split()) == {"redis", "gateway", "nginx"}, p.stdout
-    p = _run([*base, "--profile", "cpu", "config", "--services"], env=env)
+    p = run([*base, "--profile", "cpu", "config", "--services"], env=env)
     assert set(p.stdout.split()) == {"redis", "gateway", "nginx", "worker-cpu"}, p.stdout
 
 
@@ -553,7 +511,7 @@ def test_nginx_grpc_server():
 
 
 def nginx_version(binary: str) -> tuple[int, ...]:
-    p = _run([binary, "-v"])
+    p = run([binary, "-v"])
     m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", p.stderr + p.stdout)
     assert m, p.stderr
     return tuple(int(x) for x in m.groups())
@@ -580,85 +538,15 @@ def test_nginx_conf_syntax(tmp_path):
     (tmp_path / "logs").mkdir()
     path = tmp_path / "nginx.conf"
     path.write_text(conf)
-    p = _run([binary, "-t", "-p", str(tmp_path), "-c", str(path), "-g", f"pid {tmp_path}/nginx.pid;"])
+    p = run([binary, "-t", "-p", str(tmp_path), "-c", str(path), "-g", f"pid {tmp_path}/nginx.pid;"])
     assert p.returncode == 0, p.stderr
 
 
 # --------------------------------------------------------------------------- Kubernetes
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass",
-                  "CustomResourceDefinition", "PriorityClass", "IngressClass"}
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    data = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        data[key.strip()] = value
-    return data
-
-
-def kustomize_lite(base: Path) -> list[dict]:
-    """The part of kustomize that deploy/k8s uses: resources (files and folders with
-    their own kustomization.yaml), configMapGenerator (envs, files, literals; no hash
-    suffix), namespace, labels (metadata only) and images."""
-    k = yaml.safe_load((base / "kustomization.yaml").read_text())
-    docs: list[dict] = []
-    for res in k.get("resources", []):
-        p = base / res
-        if p.is_dir():
-            docs.extend(kustomize_lite(p))
-        else:
-            docs.extend(d for d in yaml.safe_load_all(p.read_text()) if d)
-    for gen in k.get("configMapGenerator", []):
-        data: dict[str, str] = {}
-        for env in gen.get("envs", []):
-            data.update(_env_file(base / env))
-        for f in gen.get("files", []):
-            key, _, path = f.partition("=") if "=" in f else (Path(f).name, "", f)
-            data[key] = (base / path).read_text()
-        for lit in gen.get("literals", []):
-            key, _, value = lit.partition("=")
-            data[key] = value
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
-    ns = k.get("namespace")
-    for d in docs:
-        meta = d.setdefault("metadata", {})
-        if ns and d["kind"] not in CLUSTER_SCOPED:
-            meta["namespace"] = ns
-        if d["kind"] == "Namespace" and ns:
-            meta["name"] = ns
-        for entry in k.get("labels", []):
-            meta.setdefault("labels", {}).update(entry["pairs"])
-    images = {i["name"]: i for i in k.get("images", [])}
-    for d in docs:
-        pod = d.get("spec", {}).get("template", {}).get("spec", {})
-        for c in pod.get("containers", []) + pod.get("initContainers", []):
-            img = images.get(c["image"].split(":")[0])
-            if img:
-                c["image"] = f"{img.get('newName', img['name'])}:{img.get('newTag', 'latest')}"
-    return docs
-
-
-def kubectl_kustomize() -> list[dict] | None:
-    if not shutil.which("kubectl"):
-        return None
-    p = _run(["kubectl", "kustomize", str(K8S_BASE)])
-    assert p.returncode == 0, p.stderr
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def k8s_docs() -> list[dict]:
-    return kubectl_kustomize() or kustomize_lite(K8S_BASE)
-
-
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
+    """deploy/k8s as ``kubectl kustomize`` renders it (generated names hash-suffixed)."""
+    return kustomize(K8S_BASE)
 
 
 def config_data(docs: list[dict]) -> dict[str, str]:
@@ -669,32 +557,6 @@ def config_data(docs: list[dict]) -> dict[str, str]:
 
 def pod_spec(doc: dict) -> dict:
     return doc["spec"]["template"]["spec"]
-
-
-def test_kustomize_lite_agrees_with_kubectl():
-    """The fallback renderer sees the same objects as kubectl (names without the
-    generator's hash suffix)."""
-    real = kubectl_kustomize()
-    if real is None:
-        pytest.skip("kubectl is not installed")
-    lite = kustomize_lite(K8S_BASE)
-
-    def key(d):
-        name = d["metadata"]["name"]
-        if d["kind"] == "ConfigMap":
-            name = re.sub(r"-[a-z0-9]{10}$", "", name)
-        return d["kind"], name, d["metadata"].get("namespace")
-
-    assert sorted(map(key, real)) == sorted(map(key, lite))
-    real_cm = {key(d): d["data"] for d in real if d["kind"] == "ConfigMap"}
-    lite_cm = {key(d): d["data"] for d in lite if d["kind"] == "ConfigMap"}
-    assert real_cm == lite_cm
-
-
-def kubernetes_schema_versions() -> list[str]:
-    from kubernetes_validate.utils import latest_version
-
-    return sorted({K8S_MIN_VERSION, latest_version()})
 
 
 def test_k8s_manifests_match_kubernetes_schemas(k8s_docs):

@@ -14,11 +14,9 @@ or a stray pod does to the fleet.
 * Optional kustomize components (storage classes, scale-to-zero, Gateway API, ingress-nginx)
   rendered inside a throw-away overlay.
 
-Offline like test_deploy_configs.py: rendered with ``kubectl kustomize`` where kubectl is
-installed, else with the kustomize subset below (components, JSON 6902 patches, merged
-generators), which ``test_ops_lite_renderer_agrees_with_kubectl`` keeps honest; built-in
-kinds validated against kubernetes-validate's schemas, CRD kinds (KEDA, Gateway API)
-checked field by field.
+Offline like test_deploy_configs.py: rendered with the real ``kubectl kustomize``
+(tests/support/deploy.py; skipped without kubectl); built-in kinds validated against
+kubernetes-validate's schemas, CRD kinds (KEDA, Gateway API) checked field by field.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -38,21 +35,33 @@ import yaml
 
 from streamfleet.shared.keys import LANES, Keys
 from streamfleet.shared.settings import CommonSettings, WorkerSettings
-from tests.integration.test_deploy_configs import (
+from tests.support.deploy import (
     CLUSTER_SCOPED,
+    COMPONENTS,
     K8S_BASE,
-    _env_file,
+    REDIS_SECRET,
+    TEST_PASSWORD,
+    allowed,
+    build_cronjobs,
+    component_names,
+    config,
+    container,
+    containers,
+    env_value,
+    find,
+    fleet_peers,
+    k8s_env,
     known_setting_env_names,
     kubernetes_schema_versions,
+    pod,
+    render,
+    scaled_objects,
+    templates,
+    workloads,
 )
 
 pytestmark = pytest.mark.timeout(180)
 
-COMPONENTS = K8S_BASE / "components"
-#: the Secret every password comes from (created out of band, never in git)
-REDIS_SECRET = ("streamfleet-redis", "password")
-#: a URL-safe password, as `openssl rand -hex 32` makes
-TEST_PASSWORD = "3f9a0c1e5b7d2468ace013579bdf2468ace013579bdf2468ace013579bdf0a1b"
 GPU = "nvidia.com/gpu"
 #: storage classes known to give ReadWriteMany on each cloud
 RWX_CLASSES = {
@@ -61,178 +70,12 @@ RWX_CLASSES = {
     "azure-files": {"azurefile-csi", "azurefile-csi-premium", "azurefile", "azurefile-premium"},
 }
 GATEWAY_API = "gateway.networking.k8s.io/"
-HASH_SUFFIX = re.compile(r"\b(streamfleet-(?:redis-)?config)-[a-z0-9]{10}\b")
 
 
 # --------------------------------------------------------------------------- rendering
-def _ops(patch_text: str) -> list[dict]:
-    ops = yaml.safe_load(patch_text)
-    assert isinstance(ops, list), "JSON 6902 patches only (a list of operations)"
-    return ops
-
-
-def _pointer(path: str) -> list[str]:
-    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
-
-
-def json6902(doc: dict, ops: list[dict]) -> None:
-    for op in ops:
-        *parents, last = _pointer(op["path"])
-        node = doc
-        for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
-        if op["op"] in ("add", "replace"):
-            if isinstance(node, list):
-                if last == "-":
-                    node.append(op["value"])
-                elif op["op"] == "add":
-                    node.insert(int(last), op["value"])
-                else:
-                    node[int(last)] = op["value"]
-            else:
-                if op["op"] == "replace":
-                    assert last in node, f"replace of a missing {op['path']}"
-                node[last] = op["value"]
-        elif op["op"] == "remove":
-            del node[int(last) if isinstance(node, list) else last]
-        else:
-            raise AssertionError(f"unsupported patch op {op['op']}")
-
-
-def _targets(docs: list[dict], target: dict) -> list[dict]:
-    out = []
-    for d in docs:
-        if "kind" in target and d["kind"] != target["kind"]:
-            continue
-        if "name" in target and d["metadata"]["name"] != target["name"]:
-            continue
-        if "group" in target and d["apiVersion"].split("/")[0] != target["group"]:
-            continue
-        out.append(d)
-    assert out, f"patch target {target} matches nothing"
-    return out
-
-
-def _templates(doc: dict) -> list[dict]:
-    spec = doc.get("spec", {})
-    out = []
-    if "template" in spec:
-        out.append(spec["template"].get("spec", {}))
-    if "jobTemplate" in spec:
-        out.append(spec["jobTemplate"]["spec"]["template"].get("spec", {}))
-    return out
-
-
-def lite_build(root: Path) -> list[dict]:
-    """The part of kustomize that deploy/k8s and its components use: resources (files and
-    folders), components, configMapGenerator (create / merge, envs, files, literals; no
-    hash suffix), generatorOptions labels, JSON 6902 patches, namespace, labels (metadata
-    only) and images."""
-    k = yaml.safe_load((root / "kustomization.yaml").read_text())
-    docs: list[dict] = []
-    _layer(root, k, docs)
-    return docs
-
-
-def _layer(root: Path, k: dict, docs: list[dict]) -> None:
-    for res in k.get("resources", []):
-        p = (root / res).resolve()
-        if p.is_dir():
-            docs.extend(lite_build(p))
-        else:
-            docs.extend(d for d in yaml.safe_load_all(p.read_text()) if d)
-    for comp in k.get("components", []):
-        croot = (root / comp).resolve()
-        ck = yaml.safe_load((croot / "kustomization.yaml").read_text())
-        assert ck["kind"] == "Component", f"{comp} is not a kustomize Component"
-        _layer(croot, ck, docs)
-    gen_labels = k.get("generatorOptions", {}).get("labels", {})
-    for gen in k.get("configMapGenerator", []):
-        data: dict[str, str] = {}
-        for env in gen.get("envs", []):
-            data.update(_env_file(root / env))
-        for f in gen.get("files", []):
-            key, _, path = f.partition("=") if "=" in f else (Path(f).name, "", f)
-            data[key] = (root / path).read_text()
-        for lit in gen.get("literals", []):
-            key, _, value = lit.partition("=")
-            data[key] = value
-        behavior = gen.get("behavior", "create")
-        if behavior == "create":
-            labels = {**gen_labels, **gen.get("options", {}).get("labels", {})}
-            meta = {"name": gen["name"], **({"labels": dict(labels)} if labels else {})}
-            docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
-        else:
-            [cm] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == gen["name"]]
-            cm["data"] = {**cm["data"], **data} if behavior == "merge" else data
-    for patch in k.get("patches", []):
-        for d in _targets(docs, patch.get("target", {})):
-            json6902(d, _ops(patch["patch"]))
-    ns = k.get("namespace")
-    for d in docs:
-        meta = d.setdefault("metadata", {})
-        if ns and d["kind"] not in CLUSTER_SCOPED:
-            meta["namespace"] = ns
-        if ns and d["kind"] == "Namespace":
-            meta["name"] = ns
-        for entry in k.get("labels", []):
-            meta.setdefault("labels", {}).update(entry["pairs"])
-    images = {i["name"]: i for i in k.get("images", [])}
-    for d in docs:
-        for pod in _templates(d):
-            for c in pod.get("containers", []) + pod.get("initContainers", []):
-                img = images.get(c["image"].split(":")[0])
-                if img:
-                    c["image"] = f"{img.get('newName', img['name'])}:{img.get('newTag', 'latest')}"
-
-
-def kubectl_build(root: Path) -> list[dict] | None:
-    if not shutil.which("kubectl"):
-        return None
-    p = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
-
-
-def normalized(docs: list[dict]) -> list[dict]:
-    """Generated ConfigMaps without kustomize's hash suffix, in names and references."""
-    text = HASH_SUFFIX.sub(r"\1", yaml.safe_dump_all(docs))
-    return [d for d in yaml.safe_load_all(text) if d]
-
-
-def overlay_dir(base: Path, components: tuple[str, ...]) -> Path:
-    """A throw-away overlay (kustomize refuses an overlay inside the base's own folder):
-    the base plus components, by relative paths as an operator's overlay would have."""
-    name = "-".join(components) or "base"
-    root = base / name
-    root.mkdir(parents=True, exist_ok=True)
-    rel = os.path.relpath(K8S_BASE, root)
-    k = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [rel]}
-    if components:
-        k["components"] = [f"{rel}/components/{c}" for c in components]
-    (root / "kustomization.yaml").write_text(yaml.safe_dump(k))
-    return root
-
-
 @pytest.fixture(scope="module")
 def overlays_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("overlays")
-
-
-_CACHE: dict[tuple[str, ...], list[dict]] = {}
-
-
-def render(overlays_root: Path, *components: str) -> list[dict]:
-    if components not in _CACHE:
-        root = overlay_dir(overlays_root, components)
-        _CACHE[components] = normalized(kubectl_build(root) or lite_build(root))
-    return copy.deepcopy(_CACHE[components])
-
-
-def component_names() -> list[str]:
-    if not COMPONENTS.is_dir():
-        return []
-    return sorted(p.name for p in COMPONENTS.iterdir() if (p / "kustomization.yaml").exists())
 
 
 @pytest.fixture(scope="module")
@@ -240,74 +83,10 @@ def base(overlays_root) -> list[dict]:
     return render(overlays_root)
 
 
-# --------------------------------------------------------------------------- lookups
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
-
-
-def config(docs: list[dict]) -> dict[str, str]:
-    return find(docs, "ConfigMap", "streamfleet-config")["data"]
-
-
-def pod(doc: dict) -> dict:
-    [spec] = _templates(doc)
-    return spec
-
-
-def containers(doc: dict) -> list[dict]:
-    p = pod(doc)
-    return p.get("initContainers", []) + p["containers"]
-
-
-def container(doc: dict, name: str | None = None) -> dict:
-    cs = pod(doc)["containers"]
-    return cs[0] if name is None else next(c for c in cs if c["name"] == name)
-
-
-def workloads(docs: list[dict]) -> list[dict]:
-    return [d for d in docs if _templates(d)]
-
-
-def scaled_objects(docs: list[dict]) -> list[dict]:
-    return [d for d in docs if d["kind"] == "ScaledObject"]
-
-
 def worker_deployments(docs: list[dict]) -> list[dict]:
     """The Deployments a KEDA ScaledObject scales: the GPU workers, one per model."""
     return [find(docs, so["spec"]["scaleTargetRef"].get("kind", "Deployment"), so["spec"]["scaleTargetRef"]["name"])
             for so in scaled_objects(docs)]
-
-
-def env_value(c: dict, name: str) -> str | None:
-    return next((e.get("value") for e in c.get("env", []) if e["name"] == name), None)
-
-
-def build_cronjobs(docs: list[dict]) -> list[dict]:
-    return [d for d in docs if d["kind"] == "CronJob"
-            and d["metadata"]["labels"].get("app.kubernetes.io/component") == "engine-build"]
-
-
-def k8s_env(c: dict, docs: list[dict], secrets: dict[tuple[str, str], str]) -> dict[str, str]:
-    """The environment the kubelet gives a container: envFrom first, then env in order,
-    each value with ``$(VAR)`` replaced when VAR was defined before it (``$$`` escapes);
-    an undefined reference stays as written, exactly as Kubernetes does."""
-    env: dict[str, str] = {}
-    for src in c.get("envFrom", []):
-        env.update(find(docs, "ConfigMap", src["configMapRef"]["name"])["data"])
-
-    def expand(value: str) -> str:
-        return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
-                      lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
-
-    for e in c.get("env", []):
-        if "value" in e:
-            env[e["name"]] = expand(e["value"])
-        else:
-            ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = secrets[(ref["name"], ref["key"])]
-    return env
 
 
 # --------------------------------------------------------------------------- 1. replicas
@@ -705,92 +484,6 @@ def test_gateway_worker_and_redis_expose_a_metrics_port(base):
 
 
 # --------------------------------------------------------------------------- 10. NetworkPolicy
-@dataclass
-class Peer:
-    namespace: str
-    labels: dict[str, str]
-    ports: dict[str, int] = field(default_factory=dict)
-    ns_labels: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.ns_labels = {"kubernetes.io/metadata.name": self.namespace, **self.ns_labels}
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    for k, v in selector.get("matchLabels", {}).items():
-        if labels.get(k) != v:
-            return False
-    for e in selector.get("matchExpressions", []):
-        has, val = e["key"] in labels, labels.get(e["key"])
-        ok = {"In": has and val in e.get("values", []), "NotIn": not has or val not in e.get("values", []),
-              "Exists": has, "DoesNotExist": not has}[e["operator"]]
-        if not ok:
-            return False
-    return True
-
-
-def _peer_ok(peers: list[dict] | None, other: Peer, policy_ns: str) -> bool:
-    if peers is None:  # no from/to: every source or destination
-        return True
-    for p in peers:
-        if "ipBlock" in p:
-            continue  # pods only in this model
-        if "namespaceSelector" in p:
-            ns_ok = selects(p["namespaceSelector"], other.ns_labels)
-        else:
-            ns_ok = other.namespace == policy_ns
-        if ns_ok and ("podSelector" not in p or selects(p["podSelector"], other.labels)):
-            return True
-    return False
-
-
-def _port_ok(ports: list[dict] | None, port: int, protocol: str, target: Peer) -> bool:
-    if not ports:
-        return True
-    for p in ports:
-        if p.get("protocol", "TCP") != protocol:
-            continue
-        want = p.get("port")
-        if want is None or want == port or (isinstance(want, str) and target.ports.get(want) == port):
-            return True
-    return False
-
-
-def allowed(policies: list[dict], src: Peer, dst: Peer, port: int, protocol: str = "TCP") -> bool:
-    """NetworkPolicy semantics for one connection: the source's egress policies (if any
-    select it) and the destination's ingress policies (if any select it) must both admit it."""
-    def side(pod_: Peer, other: Peer, kind: str, key: str, rules_key: str) -> bool:
-        mine = [p for p in policies if p["metadata"]["namespace"] == pod_.namespace
-                and selects(p["spec"]["podSelector"], pod_.labels) and kind in p["spec"].get("policyTypes", [])]
-        if not mine:
-            return True
-        return any(_peer_ok(r.get(key), other, pol["metadata"]["namespace"]) and _port_ok(r.get("ports"), port, protocol, dst)
-                   for pol in mine for r in pol["spec"].get(rules_key, []))
-    return side(src, dst, "Egress", "to", "egress") and side(dst, src, "Ingress", "from", "ingress")
-
-
-def fleet_peers(docs: list[dict]) -> dict[str, Peer]:
-    ns = next(d for d in docs if d["kind"] == "Namespace")["metadata"]["name"]
-
-    def of(d: dict) -> Peer:
-        spec = d["spec"]["jobTemplate"]["spec"] if d["kind"] == "CronJob" else d["spec"]
-        ports = {p["name"]: p["containerPort"] for c in pod(d)["containers"] for p in c.get("ports", [])}
-        return Peer(ns, spec["template"]["metadata"]["labels"], ports)
-
-    return {
-        "gateway": of(find(docs, "Deployment", "streamfleet-gateway")),
-        "worker": of(find(docs, "Deployment", "streamfleet-worker")),
-        "redis": of(find(docs, "StatefulSet", "streamfleet-redis")),
-        "build": of(build_cronjobs(docs)[0]),
-        "debug": Peer(ns, {"run": "debug"}),
-        "ingress": Peer("ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"}),
-        "keda": Peer("keda", {"app": "keda-operator"}),
-        "prometheus": Peer("monitoring", {"app.kubernetes.io/name": "prometheus"}),
-        "dns": Peer("kube-system", {"k8s-app": "kube-dns"}),
-        "outside": Peer("default", {"app": "something"}),
-    }
-
-
 def test_network_policies_default_deny_with_the_needed_flows(base):
     policies = [d for d in base if d["kind"] == "NetworkPolicy"]
     p = fleet_peers(base)
@@ -915,23 +608,10 @@ def test_every_rendering_matches_the_schemas(overlays_root, components):
             except ValidationError as e:
                 path = ".".join(str(p) for p in e.path)
                 pytest.fail(f"{components}: {d['kind']}/{d['metadata']['name']} ({version}): {path}: {e.message}")
-        for c in (containers(d) if _templates(d) else []):
+        for c in (containers(d) if templates(d) else []):
             for e in c.get("env", []):
                 if e["name"].startswith("SF_"):
                     assert e["name"] in known, f"{d['metadata']['name']}: {e['name']} is not a setting"
         if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "streamfleet-config":
             for key in d["data"]:
                 assert not key.startswith("SF_") or key in known, key
-
-
-def test_ops_lite_renderer_agrees_with_kubectl(overlays_root):
-    """Where kubectl is missing the subset renderer stands in: it must see exactly what
-    kubectl renders, for the base and every component."""
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl is not installed")
-    for comps in [(), *((c,) for c in component_names())]:
-        root = overlay_dir(overlays_root, comps)
-        real = normalized(kubectl_build(root))
-        lite = normalized(lite_build(root))
-        key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-        assert sorted(real, key=key) == sorted(lite, key=key), comps

@@ -1,50 +1,57 @@
 """Monitoring files: deploy/k8s/monitoring (PodMonitors, PrometheusRule) and
-deploy/grafana/streamfleet.json.
+deploy/grafana/streamfleet.json, checked with Prometheus' own tools.
 
-Fast and offline. Every PromQL expression (recording rules, alerts, dashboard targets and
-template-variable queries) is parsed by the small PromQL parser below, which infers the
-labels each sub-expression carries, so that:
+* ``promtool check rules`` parses every recording rule and alert with Prometheus' PromQL
+  parser, and ``promtool test rules`` runs the alert unit tests of
+  tests/deploy/alerts.test.yml: every alert fires, with its labels and annotations, where
+  it should and stays quiet where it should not, on synthetic series whose names and label
+  sets are those the gateway and worker registries (``streamfleet.shared.metrics``) and
+  the exporters the rules read (``EXTERNAL``) expose.
+* Every dashboard target and template-variable query is parsed by promtool (the
+  expression of a throw-away recording rule, Grafana's variables substituted) and
+  evaluated by ``promtool test rules`` on one synthetic series of every kind the fleet
+  exposes: each returns data, carrying the labels its legend (or variable) names.
+* Every metric name in the rules and the dashboard exists: in the registries (the series
+  names prometheus_client exposes, suffixes included), among the rules' own recorded
+  series, or in ``EXTERNAL`` (redis_exporter, kube-state-metrics, Prometheus' ``up``). The
+  names are taken from the expressions with a small regex; promtool has parsed them.
 
-* every metric name exists: in the gateway and worker registries of
-  ``streamfleet.shared.metrics`` (the series names prometheus_client exposes, suffixes
-  included), among the rules' own recorded series, or in ``EXTERNAL`` (redis_exporter,
-  kube-state-metrics, Prometheus' ``up``);
-* every label named in a selector, ``by``/``without``, ``on``/``ignoring``,
-  ``group_left``/``group_right``, ``label_replace`` exists on the series it applies to, and
-  ``histogram_quantile`` keeps ``le``; alert annotations (``$labels.x``) and panel legends
-  (``{{x}}``) name only labels their expression yields.
-
-``promtool check rules`` (and ``promtool test rules`` on the alerts' behaviour) run where
-promtool is installed; the structural checks of the rules always run. The PodMonitors are
-checked against the base manifests (pod labels, the ``metrics`` port), the dashboard for
-its structure (unique ids, ``${datasource}``, layout, variables) and the monitoring
-kustomization for listing exactly the files beside it.
+The PodMonitors are checked against the base manifests (pod labels, the ``metrics``
+port), the dashboard for its structure (unique ids, ``${datasource}``, layout, variables)
+and the monitoring kustomization for listing exactly the files beside it. promtool comes
+with Debian's ``prometheus`` package (.ci/run installs it); its tests skip without it.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
-import shutil
-import subprocess
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-K8S_BASE = REPO / "deploy" / "k8s"
+from tests.support.deploy import K8S_BASE, REPO, kustomize, promtool, run
+
 MONITORING = K8S_BASE / "monitoring"
 DASHBOARD = REPO / "deploy" / "grafana" / "streamfleet.json"
 OPERATIONS_MD = REPO / "docs" / "operations.md"
+ALERT_TESTS = Path(__file__).with_name("alerts.test.yml")
 
 pytestmark = pytest.mark.timeout(120)
 
 #: labels the prometheus-operator gives every series it scrapes through a PodMonitor
 #: (job and instance from Prometheus; namespace, pod, container, endpoint from the operator)
 TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "endpoint"})
+#: the target labels of kube-state-metrics' own scrape (its namespace, pod and container
+#: labels are those of the pod a sample describes)
+KSM_TARGET_LABELS = frozenset({"job", "instance", "service", "endpoint"})
+#: the job label of each source's targets (podmonitors.yaml relabels job)
+JOBS = {"gateway": "streamfleet-gateway", "worker": "streamfleet-worker", "redis_exporter": "streamfleet-redis",
+        "kube-state-metrics": "kube-state-metrics"}
 
 #: metrics of other exporters the rules and the dashboard may use: name -> (source, labels
 #: of the metric itself; the scrape's target labels come on top)
@@ -72,19 +79,22 @@ EXTERNAL: dict[str, tuple[str, frozenset[str]]] = {
 
 
 # --------------------------------------------------------------------------- registries
-def registry_series() -> dict[str, frozenset[str]]:
-    """Every series name the gateway and worker registries expose, with its label names.
+@functools.cache
+def registry_samples() -> tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]:
+    """(registry, series name, labels) of every sample the gateway and worker registries
+    expose, histogram buckets with their real ``le`` bounds.
 
     The registries are the metric namespaces ``gateway`` and ``worker`` of
     ``streamfleet.shared.metrics``. A labelled metric exposes nothing until a child
-    exists, so each gets a probe child for the collection, removed right after.
+    exists, so each gets a probe child (label values ``probe0``, ``probe1``...) for the
+    collection, removed right after.
     """
     from prometheus_client.metrics import MetricWrapperBase
 
     from streamfleet.shared import metrics as sm
 
-    out: dict[str, set[str]] = {}
-    for namespace in (sm.gateway, sm.worker):
+    out = []
+    for registry, namespace in (("gateway", sm.gateway), ("worker", sm.worker)):
         for metric in vars(namespace).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
@@ -95,11 +105,24 @@ def registry_series() -> dict[str, frozenset[str]]:
             try:
                 for family in metric.collect():
                     for sample in family.samples:
-                        out.setdefault(sample.name, set()).update(sample.labels)
+                        out.append((registry, sample.name, tuple(sorted(sample.labels.items()))))
             finally:
                 if labelnames:
                     metric.remove(*probe)
+    return tuple(out)
+
+
+def registry_series() -> dict[str, frozenset[str]]:
+    """Every series name the gateway and worker registries expose, with its label names."""
+    out: dict[str, set[str]] = {}
+    for _, name, labels in registry_samples():
+        out.setdefault(name, set()).update(k for k, _ in labels)
     return {name: frozenset(labels) for name, labels in out.items()}
+
+
+def registry_of() -> dict[str, str]:
+    """Series name -> the registry (gateway or worker) that exposes it."""
+    return {name: registry for registry, name, _ in registry_samples()}
 
 
 def registry_families() -> dict[str, str]:
@@ -115,371 +138,25 @@ def registry_families() -> dict[str, str]:
 SERIES = registry_series()
 
 
-# --------------------------------------------------------------------------- PromQL
-class PromQLError(ValueError):
-    pass
-
-
-_TOKEN = re.compile(r"""
-    (?P<ws>\s+|\#[^\n]*)
-  | (?P<str>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|`[^`]*`)
-  | (?P<dur>(?:\d+(?:ms|s|m|h|d|w|y))+)(?![\w.])
-  | (?P<num>0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
-  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
-  | (?P<op>==|!=|>=|<=|=~|!~|[-+*/%^<>=(){}\[\],:@])
-""", re.X)
-
+# --------------------------------------------------------------------------- PromQL, by regex
 #: a Prometheus duration (units in this order, each at most once)
 DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
-
-AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-                "bottomk", "topk", "quantile", "limitk", "limit_ratio"}
-#: aggregations whose result keeps the input's labels (they select series, not combine them)
-SELECTING_AGGREGATIONS = {"topk", "bottomk", "limitk", "limit_ratio"}
-V, M, S, STR = "vector", "matrix", "scalar", "string"
-AGGREGATION_PARAM = {"count_values": STR, "bottomk": S, "topk": S, "quantile": S, "limitk": S, "limit_ratio": S}
-_OVER_TIME = ("avg", "min", "max", "sum", "count", "stddev", "stdvar", "last", "present")
-#: function -> (argument types, "?" marking optional ones, result type)
-FUNCTIONS: dict[str, tuple[list[str], str]] = {
-    **{f: ([V], V) for f in ("abs", "absent", "ceil", "exp", "floor", "ln", "log2", "log10", "sgn", "sort",
-                             "sort_desc", "sqrt", "timestamp")},
-    **{f: ([M], V) for f in ("absent_over_time", "changes", "delta", "deriv", "idelta", "increase", "irate",
-                             "rate", "resets")},
-    **{f"{a}_over_time": ([M], V) for a in _OVER_TIME},
-    **{f: ([V + "?"], V) for f in ("day_of_month", "day_of_week", "day_of_year", "days_in_month", "hour",
-                                   "minute", "month", "year")},
-    "quantile_over_time": ([S, M], V),
-    "clamp": ([V, S, S], V), "clamp_max": ([V, S], V), "clamp_min": ([V, S], V),
-    "round": ([V, S + "?"], V),
-    "histogram_quantile": ([S, V], V),
-    "holt_winters": ([M, S, S], V),
-    "predict_linear": ([M, S], V),
-    "label_replace": ([V, STR, STR, STR, STR], V),
-    "scalar": ([V], S), "vector": ([S], V), "time": ([], S),
-}
-_PRECEDENCE = [("or",), ("and", "unless"), ("==", "!=", "<=", "<", ">=", ">"), ("+", "-"),
-               ("*", "/", "%", "atan2"), ("^",)]
-_SET_OPS = {"and", "or", "unless"}
-_COMPARISONS = {"==", "!=", "<=", "<", ">=", ">"}
+#: words of PromQL that are no metric name where they stand outside a call
+_KEYWORDS = {"and", "or", "unless", "bool", "by", "without", "on", "ignoring", "group_left", "group_right",
+             "offset", "atan2", "inf", "nan", "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count",
+             "count_values", "bottomk", "topk", "quantile", "limitk", "limit_ratio"}
 
 
-@dataclass
-class Result:
-    type: str
-    labels: frozenset[str] | None  # None: unknown (an unknown metric, already reported)
-    selector: tuple[str, dict[str, str]] | None = None  # a plain instant selector: name, equality matchers
-
-
-@dataclass
-class Analysis:
-    expr: str
-    names: set[str] = field(default_factory=set)
-    errors: list[str] = field(default_factory=list)
-    type: str = ""
-    labels: frozenset[str] | None = None
-
-
-class PromQL:
-    """A recursive-descent parser for the PromQL the rules and dashboards use, which
-    checks names and labels as it goes (``series``: name -> label names)."""
-
-    def __init__(self, expr: str, series: dict[str, frozenset[str]]):
-        self.series = series
-        self.a = Analysis(expr)
-        self.toks: list[tuple[str, str]] = []
-        pos = 0
-        while pos < len(expr):
-            m = _TOKEN.match(expr, pos)
-            if not m:
-                raise PromQLError(f"unexpected character {expr[pos]!r} at {pos}: {expr!r}")
-            pos = m.end()
-            if m.lastgroup != "ws":
-                self.toks.append((m.lastgroup, m.group()))
-        self.i = 0
-
-    # ---- token helpers
-    def peek(self, k: int = 0) -> tuple[str, str]:
-        return self.toks[self.i + k] if self.i + k < len(self.toks) else ("eof", "")
-
-    def take(self, value: str | None = None, kind: str | None = None) -> str:
-        k, v = self.peek()
-        if (value is not None and v != value) or (kind is not None and k != kind):
-            raise PromQLError(f"expected {value or kind}, got {v or 'end'!r} in {self.a.expr!r}")
-        self.i += 1
-        return v
-
-    def at(self, *values: str) -> bool:
-        k, v = self.peek()
-        return k in ("op", "ident") and v in values
-
-    def err(self, msg: str) -> None:
-        self.a.errors.append(msg)
-
-    # ---- entry
-    def run(self) -> Analysis:
-        r = self.expr(0)
-        if self.peek()[0] != "eof":
-            raise PromQLError(f"trailing {self.peek()[1]!r} in {self.a.expr!r}")
-        self.a.type, self.a.labels = r.type, r.labels
-        return self.a
-
-    def label_list(self) -> list[str]:
-        self.take("(")
-        out = []
-        while not self.at(")"):
-            out.append(self.take(kind="ident"))
-            if not self.at(")"):
-                self.take(",")
-        self.take(")")
-        return out
-
-    def check_labels(self, labels: list[str], have: frozenset[str] | None, where: str) -> None:
-        if have is None:
-            return
-        for label in labels:
-            if label not in have:
-                self.err(f"{where}: label {label!r} is not on the series it applies to ({sorted(have)})")
-
-    # ---- binary operators, by precedence
-    def expr(self, level: int) -> Result:
-        if level == len(_PRECEDENCE):
-            return self.unary()
-        lhs = self.expr(level + 1)
-        while self.at(*_PRECEDENCE[level]):
-            op = self.take()
-            returns_bool = False
-            if self.at("bool"):
-                self.take()
-                returns_bool = True
-                if op not in _COMPARISONS:
-                    raise PromQLError(f"bool after {op!r} in {self.a.expr!r}")
-            on = ignoring = None
-            card, include = "one-to-one", []
-            if self.at("on", "ignoring"):
-                kw = self.take()
-                labels = self.label_list()
-                on, ignoring = (labels, None) if kw == "on" else (None, labels)
-            if self.at("group_left", "group_right"):
-                card = self.take()
-                if self.at("("):
-                    include = self.label_list()
-            # ^ is right-associative
-            rhs = self.expr(level) if op == "^" else self.expr(level + 1)
-            lhs = self.binary(op, lhs, rhs, returns_bool, on, ignoring, card, include)
-        return lhs
-
-    def binary(self, op, lhs: Result, rhs: Result, returns_bool, on, ignoring, card, include) -> Result:
-        where = f"{op!r}"
-        for side in (lhs, rhs):
-            if side.type not in (V, S):
-                raise PromQLError(f"{where}: operand is a {side.type} in {self.a.expr!r}")
-        if lhs.type == S and rhs.type == S:
-            if op in _SET_OPS or (op in _COMPARISONS and not returns_bool):
-                raise PromQLError(f"{where} between scalars needs bool in {self.a.expr!r}")
-            return Result(S, frozenset())
-        if lhs.type == S or rhs.type == S:
-            if op in _SET_OPS or on is not None or ignoring is not None or card != "one-to-one":
-                raise PromQLError(f"{where}: vector matching with a scalar in {self.a.expr!r}")
-            return Result(V, (rhs if lhs.type == S else lhs).labels)
-        matching = on if on is not None else ignoring or []
-        self.check_labels(matching, lhs.labels, f"{where} on/ignoring (left)")
-        self.check_labels(matching, rhs.labels, f"{where} on/ignoring (right)")
-        if op in _SET_OPS:
-            if card != "one-to-one":
-                raise PromQLError(f"{card} with {op!r} in {self.a.expr!r}")
-            if op == "or":
-                both = None if lhs.labels is None or rhs.labels is None else lhs.labels | rhs.labels
-                return Result(V, both)
-            return Result(V, lhs.labels)
-        if card == "group_left":
-            self.check_labels(include, rhs.labels, f"{where} group_left (right)")
-            return Result(V, None if lhs.labels is None else lhs.labels | set(include))
-        if card == "group_right":
-            self.check_labels(include, lhs.labels, f"{where} group_right (left)")
-            return Result(V, None if rhs.labels is None else rhs.labels | set(include))
-        if lhs.labels is None:
-            return Result(V, None)
-        if on is not None:  # one-to-one matching on(): only those labels remain
-            return Result(V, frozenset(on))
-        return Result(V, lhs.labels - set(ignoring or ()))
-
-    def unary(self) -> Result:
-        if self.at("-", "+"):
-            self.take()
-            r = self.unary()
-            if r.type not in (V, S):
-                raise PromQLError(f"unary minus on a {r.type} in {self.a.expr!r}")
-            return Result(r.type, r.labels)
-        return self.postfix(self.primary())
-
-    def postfix(self, r: Result) -> Result:
-        while True:
-            if self.at("["):
-                self.take()
-                rng = self.take(kind="dur")
-                if not DURATION.fullmatch(rng):
-                    raise PromQLError(f"bad duration {rng!r} in {self.a.expr!r}")
-                if self.at(":"):  # subquery
-                    self.take()
-                    if not self.at("]"):
-                        self.take(kind="dur")
-                    self.take("]")
-                    if r.type != V:
-                        raise PromQLError(f"subquery of a {r.type} in {self.a.expr!r}")
-                    r = Result(M, r.labels)
-                else:
-                    self.take("]")
-                    if r.selector is None:
-                        raise PromQLError(f"range of something not a selector in {self.a.expr!r}")
-                    r = Result(M, r.labels)
-            elif self.at("offset"):
-                self.take()
-                if self.at("-"):
-                    self.take()
-                self.take(kind="dur")
-                r = Result(r.type, r.labels, r.selector)
-            else:
-                return r
-
-    def primary(self) -> Result:
-        kind, value = self.peek()
-        if kind == "num":
-            self.take()
-            return Result(S, frozenset())
-        if kind == "str":
-            self.take()
-            return Result(STR, frozenset())
-        if value == "(" and kind == "op":
-            self.take()
-            r = self.expr(0)
-            self.take(")")
-            return Result(r.type, r.labels)
-        if value == "{" and kind == "op":
-            return self.selector(None)
-        if kind == "ident":
-            if value.lower() in ("inf", "nan"):
-                self.take()
-                return Result(S, frozenset())
-            if value in AGGREGATIONS and (self.peek(1)[1] in ("(", "by", "without")):
-                return self.aggregation()
-            if self.peek(1)[1] == "(":
-                return self.call()
-            return self.selector(self.take())
-        raise PromQLError(f"unexpected {value or 'end'!r} in {self.a.expr!r}")
-
-    def selector(self, name: str | None) -> Result:
-        matchers: list[tuple[str, str, str]] = []
-        if self.at("{"):
-            self.take()
-            while not self.at("}"):
-                label = self.take(kind="ident")
-                op = self.take()
-                if op not in ("=", "!=", "=~", "!~"):
-                    raise PromQLError(f"bad matcher operator {op!r} in {self.a.expr!r}")
-                matchers.append((label, op, self.take(kind="str")[1:-1]))
-                if not self.at("}"):
-                    self.take(",")
-            self.take("}")
-        if name is None:
-            name = next((v for lbl, op, v in matchers if lbl == "__name__" and op == "="), None)
-            if name is None:
-                raise PromQLError(f"selector without a metric name in {self.a.expr!r}")
-        self.a.names.add(name)
-        labels = self.series.get(name)
-        if labels is None:
-            self.err(f"unknown metric {name!r}")
-        else:
-            self.check_labels([lbl for lbl, _, _ in matchers if lbl != "__name__"], labels, f"selector {name}")
-        equal = {lbl: v for lbl, op, v in matchers if op == "=" and lbl != "__name__"}
-        return Result(V, labels, (name, equal))
-
-    def aggregation(self) -> Result:
-        op = self.take()
-        grouping, without = None, False
-
-        def modifier():
-            nonlocal grouping, without
-            if self.at("by", "without"):
-                without = self.take() == "without"
-                grouping = self.label_list()
-
-        modifier()
-        self.take("(")
-        counted_label = None
-        if AGGREGATION_PARAM.get(op) == STR:  # count_values("label", v)
-            counted_label = self.take(kind="str")[1:-1]
-            self.take(",")
-        elif op in AGGREGATION_PARAM:
-            param = self.expr(0)
-            self.take(",")
-            if param.type != AGGREGATION_PARAM[op]:
-                raise PromQLError(f"{op}: parameter is a {param.type} in {self.a.expr!r}")
-        inner = self.expr(0)
-        self.take(")")
-        if grouping is None:
-            modifier()
-        if inner.type != V:
-            raise PromQLError(f"{op} of a {inner.type} in {self.a.expr!r}")
-        self.check_labels(grouping or [], inner.labels, f"{op} {'without' if without else 'by'}")
-        if op in SELECTING_AGGREGATIONS:
-            return Result(V, inner.labels)
-        if inner.labels is None:
-            out = None
-        elif without:
-            out = inner.labels - set(grouping or ())
-        else:
-            out = frozenset(grouping or ())
-        if counted_label is not None and out is not None:
-            out = out | {counted_label}
-        return Result(V, out)
-
-    def call(self) -> Result:
-        name = self.take()
-        if name not in FUNCTIONS:
-            raise PromQLError(f"unknown function {name!r} in {self.a.expr!r}")
-        want, returns = FUNCTIONS[name]
-        self.take("(")
-        args: list[Result] = []
-        strings: list[str] = []
-        while not self.at(")"):
-            if self.peek()[0] == "str" and self.peek(1)[1] in (",", ")"):
-                strings.append(self.take()[1:-1])
-                args.append(Result(STR, frozenset()))
-            else:
-                args.append(self.expr(0))
-            if not self.at(")"):
-                self.take(",")
-        self.take(")")
-        required = [t for t in want if not t.endswith("?")]
-        if not len(required) <= len(args) <= len(want):
-            raise PromQLError(f"{name} takes {len(want)} arguments, got {len(args)} in {self.a.expr!r}")
-        for arg, t in zip(args, want, strict=False):  # optional arguments may be left out
-            if arg.type != t.rstrip("?"):
-                raise PromQLError(f"{name}: a {arg.type} where a {t.rstrip('?')} belongs in {self.a.expr!r}")
-        if returns == S:
-            return Result(S, frozenset())
-        vec = next((a for a in args if a.type in (V, M)), None)
-        if name == "vector" or vec is None:
-            return Result(V, frozenset())
-        labels = vec.labels
-        if name == "histogram_quantile":
-            if labels is not None and "le" not in labels:
-                self.err(f"histogram_quantile: its input has no 'le' label ({sorted(labels)})")
-            return Result(V, None if labels is None else labels - {"le"})
-        if name == "label_replace":
-            dst, _, src, _ = strings
-            if src:
-                self.check_labels([src], labels, "label_replace source")
-            return Result(V, None if labels is None else labels | {dst})
-        if name in ("absent", "absent_over_time"):
-            # absent() of a plain selector carries its equality matchers' labels
-            sel = args[0].selector
-            return Result(V, frozenset(sel[1]) if sel else frozenset())
-        return Result(V, labels)
-
-
-def analyze(expr: str, series: dict[str, frozenset[str]]) -> Analysis:
-    return PromQL(expr, series).run()
+def metric_names(expr: str) -> set[str]:
+    """The metric names an expression (already parsed by promtool) selects: what is left
+    of its identifiers once strings, label matchers, ranges, label lists, keywords and
+    function calls are taken out."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', expr)
+    s = re.sub(r"\{[^}]*\}", "{}", s)
+    s = re.sub(r"\[[^\]]*\]", "[]", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", s)
+    return {m.group(1) for m in re.finditer(r"(?<![\w:.])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()", s)
+            if m.group(1).lower() not in _KEYWORDS}
 
 
 # --------------------------------------------------------------------------- files
@@ -487,9 +164,15 @@ def load_yaml_docs(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def monitoring_docs() -> list[dict]:
+@functools.cache
+def _monitoring_docs() -> list[dict]:
     k = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
     return [d for res in k["resources"] for d in load_yaml_docs(MONITORING / res)]
+
+
+def monitoring_docs() -> list[dict]:
+    """The objects of deploy/k8s/monitoring's files (a fresh copy each call)."""
+    return copy.deepcopy(_monitoring_docs())
 
 
 def prometheus_rule() -> dict:
@@ -502,27 +185,30 @@ def all_rules() -> list[dict]:
     return [r for g in prometheus_rule()["spec"]["groups"] for r in g["rules"]]
 
 
+def alert_names() -> set[str]:
+    return {r["alert"] for r in all_rules() if "alert" in r}
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for r in all_rules() if "record" in r}
+
+
 def rule_id(rule: dict) -> str:
     return rule.get("alert") or rule.get("record")
 
 
+def known_names() -> set[str]:
+    """The registries' series, the external metrics and the rules' recorded series."""
+    return set(SERIES) | set(EXTERNAL) | recorded_names()
+
+
 @functools.cache
-def known_series() -> dict[str, frozenset[str]]:
-    """The code's registries with the target labels, the external metrics, and the rules'
-    recorded series with the labels their expressions yield (in rule order). Read only."""
-    series = {name: labels | TARGET_LABELS for name, labels in SERIES.items()}
-    for name, (source, labels) in EXTERNAL.items():
-        series[name] = labels | (frozenset({"job", "instance", "service", "endpoint"})
-                                 if source == "kube-state-metrics" else TARGET_LABELS)
-    for rule in all_rules():
-        if "record" in rule:
-            a = analyze(rule["expr"], series)
-            series[rule["record"]] = a.labels if a.labels is not None else frozenset()
-    return series
+def _dashboard_text() -> str:
+    return DASHBOARD.read_text()
 
 
 def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
+    return json.loads(_dashboard_text())
 
 
 def dashboard_panels(d: dict) -> list[dict]:
@@ -533,20 +219,56 @@ def dashboard_panels(d: dict) -> list[dict]:
     return out
 
 
+def template_variables() -> dict[str, dict]:
+    return {v["name"]: v for v in dashboard()["templating"]["list"]}
+
+
 #: Grafana's interval variables, as durations PromQL accepts
 GRAFANA_DURATIONS = {"$__rate_interval": "5m", "${__rate_interval}": "5m", "$__interval": "1m",
                      "${__interval}": "1m", "$__range": "1h", "${__range}": "1h"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+#: label values of the synthetic series, where one matters: the namespace the dashboard's
+#: $namespace stands for, and a gateway's pub/sub client name (the panels select
+#: name=~"sf-gateway-.+-pubsub")
+LABEL_VALUES = {"namespace": "sf", "name": "sf-gateway-a1-pubsub"}
 
 
 def grafana_promql(expr: str) -> str:
+    """The PromQL Grafana sends: interval variables as durations, a multi-value (or "All")
+    variable as the regex of every value, a single-value one as the synthetic series'
+    value of the label it is named after."""
     for var, dur in GRAFANA_DURATIONS.items():
         expr = expr.replace(var, dur)
-    return expr
+    variables = template_variables()
+
+    def sub(m: re.Match) -> str:
+        v = variables.get(m.group(1) or m.group(2))
+        if v is None:
+            return m.group(0)
+        return ".+" if v.get("multi") or v.get("includeAll") else LABEL_VALUES.get(v["name"], v["name"])
+
+    return _VARIABLE.sub(sub, expr)
 
 
 def dashboard_targets() -> list[tuple[str, dict]]:
     return [(f"{p['title']}/{t['refId']}", t) for p in dashboard_panels(dashboard()) for t in p.get("targets", [])]
+
+
+def legend_labels(target: dict) -> set[str]:
+    return set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+
+
+def variable_queries() -> list[tuple[str, str, str]]:
+    """(variable, selector, label) of every ``label_values(selector, label)`` variable."""
+    out = []
+    for v in template_variables().values():
+        if v["type"] != "query":
+            continue
+        q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", q)
+        assert m, f"${v['name']}: {q!r} is not label_values(selector, label)"
+        out.append((v["name"], m.group(1), m.group(2)))
+    return out
 
 
 def github_anchors(markdown: str) -> set[str]:
@@ -593,7 +315,112 @@ def all_exprs() -> list[tuple[str, str]]:
     """Every PromQL expression of the rules and the dashboard, with where it is."""
     out = [(f"rule {rule_id(r)}", r["expr"]) for r in all_rules()]
     out += [(f"panel {where}", grafana_promql(t["expr"])) for where, t in dashboard_targets()]
+    out += [(f"variable ${name}", grafana_promql(selector)) for name, selector, _ in variable_queries()]
     return out
+
+
+# --------------------------------------------------------------------------- promtool
+def write_rules(path: Path, groups: list[dict]) -> Path:
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    return path
+
+
+def rules_file(folder: Path) -> Path:
+    """The PrometheusRule's groups as the plain rules file alerts.test.yml names."""
+    rule_files = yaml.safe_load(ALERT_TESTS.read_text())["rule_files"]
+    return write_rules(folder / rule_files[0], copy.deepcopy(prometheus_rule()["spec"]["groups"]))
+
+
+def check_rules(path: Path):
+    return run([promtool(), "check", "rules", str(path)])
+
+
+def promtool_test(folder: Path, tests: dict | str, name: str = "streamfleet.test.yml"):
+    """``promtool test rules`` on ``tests`` (a document or its text), written to ``folder``."""
+    text = tests if isinstance(tests, str) else yaml.safe_dump(tests, sort_keys=False)
+    (folder / name).write_text(text)
+    return run([promtool(), "test", "rules", name], cwd=folder)
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration as promtool prints it ("1h30m", "25m", "0s") in seconds."""
+    units = {"y": 31536000, "w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    parts = re.findall(r"(\d+)(ms|[ywdhms])", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def failed_alert_tests(output: str) -> Counter:
+    """(alertname, seconds) of each failed alert_rule_test in promtool's output."""
+    return Counter((name, seconds(t)) for name, t in re.findall(r"alertname: (\w+), time: (\w+),", output))
+
+
+# --------------------------------------------------------------------------- synthetic series
+def _series(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items())) + "}"
+
+
+def synthetic_series(exprs: list[str]) -> list[dict]:
+    """promtool input series: every series the registries and EXTERNAL name, each label
+    set to one value (``LABEL_VALUES`` or ``<label>-a``; buckets with their real bounds)
+    plus variants with the values the equality matchers of ``exprs`` want (each alone,
+    and those of one expression together), under the target labels of its scrape;
+    increasing by 1 every 30 s."""
+    wanted = [dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', expr)) for expr in exprs]
+    single = [{k: v} for w in wanted for k, v in w.items()]
+
+    def target(job: str, port: int) -> dict[str, str]:
+        component = job.removeprefix("streamfleet-")
+        return {"job": job, "namespace": LABEL_VALUES["namespace"], "pod": f"{job}-0",
+                "instance": f"10.0.0.1:{port}", "container": component, "endpoint": "metrics"}
+
+    samples: list[tuple[str, dict[str, str], dict[str, str]]] = []  # name, own labels, target labels
+    for registry, name, labels in registry_samples():
+        own = {k: v if k == "le" else LABEL_VALUES.get(k, f"{k}-a") for k, v in labels}
+        samples.append((name, own, target(JOBS[registry], 9100)))
+    for name, (source, labels) in EXTERNAL.items():
+        own = {k: LABEL_VALUES.get(k, f"{k}-a") for k in labels}
+        if source == "prometheus":
+            samples += [(name, own, target(JOBS[c], 9100)) for c in ("gateway", "worker")]
+            samples.append((name, own, target(JOBS["redis_exporter"], 9121)))
+        elif source == "kube-state-metrics":
+            samples.append((name, own, {"job": JOBS[source], "instance": "10.0.9.1:8080", "service": source,
+                                        "endpoint": "http"}))
+        else:
+            samples.append((name, own, target(JOBS[source], 9121)))
+    out: dict[str, dict] = {}
+    for name, own, tgt in samples:
+        variants = [own] + [{**own, **{k: v for k, v in w.items() if k in own and k != "le"}} for w in single + wanted]
+        for labels in variants:
+            s = _series(name, {**tgt, **labels})
+            out[s] = {"series": s, "values": "0+1x40"}
+    return list(out.values())
+
+
+def evaluate(folder: Path, checks: list[tuple[str, str, set[str]]]) -> dict[str, str]:
+    """Each (where, PromQL, labels) check: the expression (the PromQL Grafana sends) is
+    parsed by ``promtool check rules`` as a recording rule's, then evaluated by ``promtool
+    test rules`` at 10m on the synthetic series. Returns where -> why for each that
+    returns no data or a series without one of the labels (non-empty)."""
+    rules = [{"record": f"dashboard:check_{i}", "expr": expr} for i, (_, expr, _) in enumerate(checks)]
+    path = write_rules(folder / "dashboard.rules.yml", [{"name": "dashboard", "rules": rules}])
+    p = check_rules(path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in p.stdout, p.stdout
+    expr_tests = []
+    for i, (_, _, labels) in enumerate(checks):
+        matchers = ", ".join(f'{label}!=""' for label in sorted(labels))
+        selector = f"dashboard:check_{i}" + (f"{{{matchers}}}" if matchers else "")
+        # 1 where the expression returns series and every one has the labels; nothing or
+        # 0 otherwise
+        expr_tests.append({"expr": f"count({selector}) == bool count(dashboard:check_{i})", "eval_time": "10m",
+                           "exp_samples": [{"labels": "{}", "value": 1}]})
+    p = promtool_test(folder, {"rule_files": [path.name], "evaluation_interval": "30s", "tests": [
+        {"interval": "30s", "input_series": synthetic_series([e for _, e, _ in checks]),
+         "promql_expr_test": expr_tests}]})
+    failed = {int(i) for i in re.findall(r'expr: "count\(dashboard:check_(\d+)\b', p.stdout + p.stderr)}
+    assert (p.returncode == 0) == (not failed), p.stdout + p.stderr
+    return {checks[i][0]: f"{checks[i][1]!r} returns no series with {sorted(checks[i][2])}" for i in sorted(failed)}
 
 
 # --------------------------------------------------------------------------- registries
@@ -616,115 +443,122 @@ def test_registry_series_follow_prometheus_client_naming():
     assert SERIES["streamfleet_queue_time_seconds_count"] == {"model", "lane"}
     assert SERIES["streamfleet_requests_total"] == {"model", "lane", "transport", "outcome", "code"}
     assert SERIES["streamfleet_active_connections"] == frozenset()
+    assert registry_of()["streamfleet_lane_lag"] == "gateway"
+    assert registry_of()["streamfleet_worker_slots"] == "worker"
     # the probe children are gone again
     from streamfleet.shared.metrics import gateway
 
     assert not [s for fam in gateway.requests.collect() for s in fam.samples if "probe0" in s.labels.values()]
 
 
-# --------------------------------------------------------------------------- (a), (b): names and labels
+# --------------------------------------------------------------------------- metric names
 @pytest.mark.parametrize("where,expr", all_exprs(), ids=[w for w, _ in all_exprs()])
-def test_metric_names_and_labels_exist(where, expr):
-    a = analyze(expr, known_series())
-    assert not a.errors, f"{where}: {a.errors}"
-    assert a.names, f"{where}: no metric in {expr!r}"
-    assert a.type in (V, S), f"{where}: evaluates to a {a.type}"
+def test_metric_names_exist(where, expr):
+    names = metric_names(expr)
+    assert names, f"{where}: no metric in {expr!r}"
+    unknown = names - known_names()
+    assert not unknown, f"{where}: unknown metrics {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("expr,names", [
+    ("sum by (model, lane) (rate(streamfleet_requests_total{model=~\"a|b\", lane!='x'}[5m] offset 1h))",
+     {"streamfleet_requests_total"}),
+    ("histogram_quantile(0.95,\n  sum by (le) (rate(streamfleet_queue_time_seconds_bucket[$__rate_interval])))",
+     {"streamfleet_queue_time_seconds_bucket"}),
+    ("namespace_model_lane:streamfleet_lane_lag:max > on (namespace, model) group_left (pod) "
+     "namespace_model:streamfleet_worker_slots:sum", {"namespace_model_lane:streamfleet_lane_lag:max",
+                                                      "namespace_model:streamfleet_worker_slots:sum"}),
+    ("absent(up{job=\"streamfleet-gateway\"} == 1) or vector(1e3) unless sum(x) by (y) > bool 2",
+     {"up", "x"}),
+    ("max_over_time(streamfleet_lane_depth[10m:1m]) * -Inf + NaN", {"streamfleet_lane_depth"}),
+])
+def test_metric_names_regex(expr, names):
+    assert metric_names(expr) == names
+
+
+@pytest.mark.parametrize("expr,unknown", [
+    ("rate(streamfleet_requests[5m])", "streamfleet_requests"),                       # a counter without _total
+    ("streamfleet_queue_time_seconds > 1", "streamfleet_queue_time_seconds"),         # a histogram
+    ("streamfleet_lane_depht", "streamfleet_lane_depht"),
+    ("sum by (model) (redis_memory_usage_bytes)", "redis_memory_usage_bytes"),
+])
+def test_metric_name_check_catches_mistakes(expr, unknown):
+    assert metric_names(expr) - known_names() == {unknown}
 
 
 def test_dashboard_uses_no_recorded_series():
-    """The dashboard works without the PrometheusRule: raw series only."""
-    series = {n: lb | TARGET_LABELS for n, lb in SERIES.items()}
-    series.update({n: lb | TARGET_LABELS for n, (_, lb) in EXTERNAL.items()})
+    """The dashboard works without the PrometheusRule: raw series only (and the
+    evaluation of test_dashboard_queries_return_their_labels has no rules but its own)."""
     for where, target in dashboard_targets():
-        a = analyze(grafana_promql(target["expr"]), series)
-        assert not a.errors, f"{where}: {a.errors}"
-
-
-def test_alert_annotations_and_legends_name_existing_labels():
-    series = known_series()
-    for rule in all_rules():
-        if "alert" not in rule:
-            continue
-        labels = analyze(rule["expr"], series).labels | set(rule.get("labels", {}))
-        for key, text in rule["annotations"].items():
-            for used in re.findall(r"\$labels\.(\w+)", text):
-                assert used in labels, f"{rule['alert']}.{key}: $labels.{used} not in {sorted(labels)}"
-    for where, target in dashboard_targets():
-        labels = analyze(grafana_promql(target["expr"]), series).labels
-        for used in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
-            assert used in labels, f"{where}: legend {{{{{used}}}}} not in {sorted(labels)}"
-
-
-def test_dashboard_variable_queries():
-    series = known_series()
-    variables = dashboard()["templating"]["list"]
-    queries = [v for v in variables if v["type"] == "query"]
-    assert {v["name"] for v in queries} >= {"model", "lane"}
-    for v in queries:
-        q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
-        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", q)
-        assert m, f"${v['name']}: {q!r} is not label_values(selector, label)"
-        a = analyze(grafana_promql(m.group(1)), series)
-        assert not a.errors, f"${v['name']}: {a.errors}"
-        assert m.group(2) in a.labels, f"${v['name']}: {m.group(2)!r} not on {m.group(1)}"
-        assert v["datasource"]["uid"] == "${datasource}"
+        used = metric_names(grafana_promql(target["expr"])) & recorded_names()
+        assert not used, f"{where}: reads recorded series {sorted(used)}"
 
 
 def test_job_names_match_pod_monitors():
     """Every job the rules and panels select is one a PodMonitor gives its targets."""
     jobs = set(pod_monitor_jobs())
-    assert jobs == {"streamfleet-gateway", "streamfleet-worker", "streamfleet-redis"}
+    assert jobs == {JOBS["gateway"], JOBS["worker"], JOBS["redis_exporter"]}
     for where, expr in all_exprs():
         for used in re.findall(r'\bjob\s*=~?\s*"([^"]*)"', expr):
             assert used in jobs, f"{where}: job {used!r} is no PodMonitor's"
 
 
-# --------------------------------------------------------------------------- (f): the checks can fail
-@pytest.mark.parametrize("expr,error", [
-    ("rate(streamfleet_requests[5m])", "unknown metric 'streamfleet_requests'"),            # counter w/o _total
-    ("streamfleet_queue_time_seconds > 1", "unknown metric 'streamfleet_queue_time_seconds'"),  # a histogram
-    ("streamfleet_lane_depht", "unknown metric 'streamfleet_lane_depht'"),
-    ("redis_memory_usage_bytes", "unknown metric 'redis_memory_usage_bytes'"),
-    ('streamfleet_lane_depth{modle="tiny-gpt"}', "label 'modle'"),
-    ("sum by (gpu) (streamfleet_worker_slots)", "label 'gpu'"),
-    ("sum by (model) (streamfleet_worker_slots) > on (lane) sum by (model) (streamfleet_worker_slots)",
-     "label 'lane'"),
-    ("histogram_quantile(0.9, sum by (model) (rate(streamfleet_worker_step_seconds_bucket[5m])))",
-     "no 'le' label"),
-    ('streamfleet_inter_token_latency_seconds_count{lane="high"}', "label 'lane'"),
-])
-def test_metric_check_catches_mistakes(expr, error):
-    a = analyze(expr, known_series())
-    assert any(error in e for e in a.errors), a.errors
+# --------------------------------------------------------------------------- dashboard queries
+def dashboard_checks() -> list[tuple[str, str, set[str]]]:
+    out = [(f"panel {where}", grafana_promql(t["expr"]), legend_labels(t)) for where, t in dashboard_targets()]
+    out += [(f"variable ${name}", grafana_promql(selector), {label}) for name, selector, label in variable_queries()]
+    return out
+
+
+def test_dashboard_queries_return_their_labels(tmp_path):
+    """Each panel's query and each variable's selector parses (promtool) and, on the
+    series the fleet exposes, returns data with every label its legend or variable names."""
+    assert {name for name, _, _ in variable_queries()} >= {"model", "lane"}
+    for v in template_variables().values():
+        if v["type"] == "query":
+            assert v["datasource"]["uid"] == "${datasource}", v["name"]
+    failed = evaluate(tmp_path, dashboard_checks())
+    assert not failed, "\n".join(f"{where}: {why}" for where, why in failed.items())
+
+
+def test_dashboard_query_check_catches_mistakes(tmp_path):
+    good = [("good", "sum by (model) (rate(streamfleet_requests_total[5m]))", {"model"}),
+            ("good variable", 'streamfleet_live_workers{namespace="sf"}', {"model"})]
+    bad = [
+        ("counter without _total", "sum(rate(streamfleet_requests[5m]))", set()),
+        ("misspelt label", 'streamfleet_lane_depth{modle="tiny-gpt"}', set()),
+        ("legend label aggregated away", "sum by (model) (streamfleet_worker_slots)", {"lane"}),
+        ("legend label that no series has", "sum by (gpu) (streamfleet_worker_slots)", {"gpu"}),
+        ("histogram_quantile without le",
+         "histogram_quantile(0.9, sum by (model) (rate(streamfleet_worker_step_seconds_bucket[5m])))", set()),
+        ("a label of another histogram", 'streamfleet_inter_token_latency_seconds_count{lane="high"}', set()),
+        ("a namespace the fleet is not in", 'streamfleet_live_workers{namespace="elsewhere"}', set()),
+    ]
+    assert set(evaluate(tmp_path, good + bad)) == {where for where, _, _ in bad}
+
+
+# --------------------------------------------------------------------------- promtool: parsing
+def test_promtool_check_rules(tmp_path):
+    path = rules_file(tmp_path)
+    p = check_rules(path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"SUCCESS: {len(all_rules())} rules found" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("expr", [
+    "sum(up",                                           # unbalanced
     "rate(streamfleet_requests_total)",                 # an instant vector where a range belongs
-    "sum(rate(streamfleet_requests_total[5m])",         # unbalanced
     "rated(streamfleet_requests_total[5m])",            # no such function
     "streamfleet_lane_depth{model=tiny}",               # unquoted matcher value
     "streamfleet_lane_depth[5x]",                       # not a duration
     "streamfleet_lane_depth and 1",                     # set operator with a scalar
+    "sum by (model) (streamfleet_lane_depth) > on (model) group_left (lane) 2",  # matching with a scalar
 ])
-def test_parser_rejects_malformed_promql(expr):
-    with pytest.raises(PromQLError):
-        analyze(expr, known_series())
-
-
-def test_parser_infers_labels():
-    s = known_series()
-    assert analyze("sum by (model) (rate(streamfleet_requests_total[5m]))", s).labels == {"model"}
-    assert analyze("histogram_quantile(0.9, sum by (le, lane) (rate(streamfleet_queue_time_seconds_bucket[5m])))",
-                   s).labels == {"lane"}
-    assert analyze("streamfleet_lane_lag > on (model) group_left () sum by (model) (streamfleet_worker_slots)",
-                   s).labels == SERIES["streamfleet_lane_lag"] | TARGET_LABELS
-    assert analyze("streamfleet_lane_lag > on (model, lane) streamfleet_lane_depth", s).labels == {"model", "lane"}
-    assert analyze('absent(up{job="streamfleet-gateway"})', s).labels == {"job"}
-    assert analyze('absent(up{job="streamfleet-gateway"} == 1)', s).labels == frozenset()
-    assert analyze("sum without (pod) (streamfleet_worker_slots)", s).labels == \
-        {"model"} | TARGET_LABELS - {"pod"}
-    assert analyze("2 * 3", s).type == S
-    assert analyze("1 + -streamfleet_active_connections offset 5m", s).labels == TARGET_LABELS
+def test_promtool_rejects_malformed_promql(tmp_path, expr):
+    """The parse is not vacuous: promtool fails a rule with a malformed expression."""
+    path = write_rules(tmp_path / "bad.rules.yml", [{"name": "x", "rules": [{"alert": "X", "expr": expr}]}])
+    p = check_rules(path)
+    assert p.returncode != 0, p.stdout
 
 
 # --------------------------------------------------------------------------- (c): the rules
@@ -738,8 +572,7 @@ def test_prometheus_rule_structure():
     groups = pr["spec"]["groups"]
     assert len({g["name"] for g in groups}) == len(groups), "group names are unique"
     anchors = github_anchors(OPERATIONS_MD.read_text())
-    series = known_series()
-    sources = {r["record"]: analyze(r["expr"], series).names for r in all_rules() if "record" in r}
+    sources = {r["record"]: metric_names(r["expr"]) for r in all_rules() if "record" in r}
     alerts, records = [], []
     for g in groups:
         assert g["rules"], g["name"]
@@ -770,7 +603,7 @@ def test_prometheus_rule_structure():
             assert anchor in anchors, f"{name}: no heading #{anchor} in docs/operations.md"
             # each alert's description names the metrics it reads (through recording rules
             # too) and, for another exporter's, that exporter
-            names = analyze(rule["expr"], series).names
+            names = metric_names(rule["expr"])
             raw = set().union(*(sources.get(n, {n}) for n in names)) - {"up"}
             assert not raw or any(n in ann["description"] for n in raw), \
                 f"{name}: the description names none of {sorted(raw)}"
@@ -788,211 +621,136 @@ def test_recorded_series_are_defined_before_use():
     defined: set[str] = set()
     recorded = {r["record"] for r in all_rules() if "record" in r}
     for rule in all_rules():
-        used = analyze(rule["expr"], known_series()).names & recorded
+        used = metric_names(rule["expr"]) & recorded
         if "record" in rule:
             assert used <= defined, f"{rule['record']} reads {used - defined} before it is recorded"
             defined.add(rule["record"])
     assert defined == recorded
 
 
-def rules_file(tmp_path: Path, strip_annotations: bool = False) -> Path:
-    groups = json.loads(json.dumps(prometheus_rule()["spec"]["groups"]))
-    if strip_annotations:
-        for g in groups:
-            for r in g["rules"]:
-                r.pop("annotations", None)
-    path = tmp_path / "streamfleet.rules.yaml"
-    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
-    return path
+# --------------------------------------------------------------------------- promtool: alerts
+def alert_tests() -> dict:
+    return yaml.safe_load(ALERT_TESTS.read_text())
 
 
-def test_promtool_check_rules(tmp_path):
-    if not shutil.which("promtool"):
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
-    path = rules_file(tmp_path)
-    p = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+def alert_cases() -> list[dict]:
+    """Every alert_rule_test of alerts.test.yml."""
+    return [t for group in alert_tests()["tests"] for t in group.get("alert_rule_test", [])]
+
+
+def test_alert_unit_tests(tmp_path):
+    """promtool test rules runs tests/deploy/alerts.test.yml against the PrometheusRule."""
+    rules_file(tmp_path)
+    p = promtool_test(tmp_path, ALERT_TESTS.read_text(), ALERT_TESTS.name)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"SUCCESS: {len(all_rules())} rules found" in p.stdout, p.stdout
-    # and promtool does fail on a broken rule
-    bad = tmp_path / "bad.rules.yaml"
-    bad.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [{"alert": "X", "expr": "sum(up"}]}]}))
-    assert subprocess.run(["promtool", "check", "rules", str(bad)], capture_output=True, timeout=60).returncode != 0
+    assert "SUCCESS" in p.stdout, p.stdout
 
 
-# The alerts' behaviour, on synthetic series (promtool test rules). Two gateways report the
-# same fleet gauges; sf = the namespace.
-GW = 'job="streamfleet-gateway", namespace="sf"'
-WK = 'job="streamfleet-worker", namespace="sf"'
-RD = 'job="streamfleet-redis", namespace="sf", instance="10.0.0.9:9121", pod="streamfleet-redis-0"'
-MIB = 1024 * 1024
-PROMTOOL_TESTS = [
-    {   # no live worker: every gateway says 0; one gateway's stale 1 does not hide it
-        "interval": "30s",
-        "input_series": [
-            {"series": f'streamfleet_live_workers{{{GW}, pod="gw-a", model="tiny-gpt"}}', "values": "1 1 0x20"},
-            {"series": f'streamfleet_live_workers{{{GW}, pod="gw-b", model="tiny-gpt"}}', "values": "1 1 0x20"},
-            {"series": f'streamfleet_live_workers{{{GW}, pod="gw-a", model="other"}}', "values": "0x20"},
-            {"series": f'streamfleet_live_workers{{{GW}, pod="gw-b", model="other"}}', "values": "1x20"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "2m", "alertname": "StreamfleetNoLiveWorker", "exp_alerts": []},
-            {"eval_time": "5m", "alertname": "StreamfleetNoLiveWorker", "exp_alerts": [
-                {"exp_labels": {"severity": "critical", "namespace": "sf", "model": "tiny-gpt"}}]},
-        ],
-    },
-    {   # the normal lane's lag grows, the high lane's stays level
-        "interval": "30s",
-        "input_series": [
-            {"series": f'streamfleet_lane_lag{{{GW}, pod="gw-a", model="tiny-gpt", lane="normal"}}',
-             "values": "0+3x60"},
-            {"series": f'streamfleet_lane_lag{{{GW}, pod="gw-b", model="tiny-gpt", lane="normal"}}',
-             "values": "0+3x60"},
-            {"series": f'streamfleet_lane_lag{{{GW}, pod="gw-a", model="tiny-gpt", lane="high"}}',
-             "values": "40x60"},
-            {"series": f'streamfleet_worker_slots{{{WK}, pod="w-1", model="tiny-gpt"}}', "values": "16x60"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "5m", "alertname": "StreamfleetLaneBacklogGrowing", "exp_alerts": []},
-            {"eval_time": "25m", "alertname": "StreamfleetLaneBacklogGrowing", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "model": "tiny-gpt", "lane": "normal"}}]},
-            {"eval_time": "25m", "alertname": "StreamfleetLaneBacklogHigh", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "model": "tiny-gpt", "lane": "high"}},
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "model": "tiny-gpt", "lane": "normal"}}]},
-        ],
-    },
-    {   # a worker dead-letters a task at 3m; the gateways' gauge follows
-        "interval": "30s",
-        "input_series": [
-            {"series": f'streamfleet_worker_dead_letters_total{{{WK}, pod="w-1", model="tiny-gpt"}}',
-             "values": "0x5 1x40"},
-            {"series": f'streamfleet_dead_letters{{{GW}, pod="gw-a", model="tiny-gpt"}}', "values": "0x5 1x40"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "2m", "alertname": "StreamfleetDeadLetters", "exp_alerts": []},
-            {"eval_time": "5m", "alertname": "StreamfleetDeadLetters", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "model": "tiny-gpt"}}]},
-            {"eval_time": "19m", "alertname": "StreamfleetDeadLetters", "exp_alerts": []},
-        ],
-    },
-    {   # two worker processes scraped, one fresh heartbeat; the worker metrics of a third are down
-        "interval": "30s",
-        "input_series": [
-            {"series": f'streamfleet_worker_slots{{{WK}, pod="w-1", model="tiny-gpt"}}', "values": "16x40"},
-            {"series": f'streamfleet_worker_slots{{{WK}, pod="w-2", model="tiny-gpt"}}', "values": "16x40"},
-            {"series": f'streamfleet_live_workers{{{GW}, pod="gw-a", model="tiny-gpt"}}', "values": "2 2 1x40"},
-            {"series": f'up{{{WK}, pod="w-3", instance="10.0.0.3:9100"}}', "values": "1 0x40"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "1m", "alertname": "StreamfleetWorkerHeartbeatStale", "exp_alerts": []},
-            {"eval_time": "5m", "alertname": "StreamfleetWorkerHeartbeatStale", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "model": "tiny-gpt"}}]},
-            {"eval_time": "5m", "alertname": "StreamfleetNoLiveWorker", "exp_alerts": []},
-            {"eval_time": "5m", "alertname": "StreamfleetWorkerMetricsDown", "exp_alerts": []},
-            {"eval_time": "15m", "alertname": "StreamfleetWorkerMetricsDown", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "job": "streamfleet-worker", "namespace": "sf", "pod": "w-3",
-                                "instance": "10.0.0.3:9100"}}]},
-        ],
-    },
-    {   # Redis at 90 % of maxmemory; one gateway subscriber 8 MiB behind, another 1 MiB;
-        # a subscriber disconnected at 4m; the exporter exports the client list
-        "interval": "30s",
-        "input_series": [
-            {"series": f"redis_up{{{RD}}}", "values": "1x40"},
-            {"series": f"redis_memory_used_bytes{{{RD}}}", "values": f"{int(0.9 * 2048 * MIB)}x40"},
-            {"series": f"redis_memory_max_bytes{{{RD}}}", "values": f"{2048 * MIB}x40"},
-            {"series": f'redis_config_client_output_buffer_limit_bytes{{{RD}, class="pubsub", limit="soft"}}',
-             "values": f"{16 * MIB}x40"},
-            {"series": f'redis_config_client_output_buffer_limit_bytes{{{RD}, class="pubsub", limit="hard"}}',
-             "values": f"{64 * MIB}x40"},
-            {"series": f'redis_connected_client_output_buffer_memory_usage_bytes{{{RD}, id="7", '
-                       f'name="sf-gateway-a1-pubsub"}}', "values": f"{8 * MIB}x40"},
-            {"series": f'redis_connected_client_output_buffer_memory_usage_bytes{{{RD}, id="8", '
-                       f'name="sf-gateway-b2-pubsub"}}', "values": f"{1 * MIB}x40"},
-            {"series": f'redis_connected_client_output_buffer_memory_usage_bytes{{{RD}, id="9", name=""}}',
-             "values": f"{32 * MIB}x40"},
-            {"series": f"redis_client_output_buffer_limit_disconnections_total{{{RD}}}", "values": "0x8 1x32"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "10m", "alertname": "StreamfleetRedisMemoryNearMax", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "job": "streamfleet-redis", "namespace": "sf",
-                                "instance": "10.0.0.9:9121", "pod": "streamfleet-redis-0"}}]},
-            {"eval_time": "10m", "alertname": "StreamfleetRedisMemoryCritical", "exp_alerts": []},
-            {"eval_time": "3m", "alertname": "StreamfleetPubSubOutputBufferGrowing", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "job": "streamfleet-redis", "namespace": "sf",
-                                "instance": "10.0.0.9:9121", "pod": "streamfleet-redis-0", "id": "7",
-                                "name": "sf-gateway-a1-pubsub"}}]},
-            {"eval_time": "6m", "alertname": "StreamfleetRedisOutputBufferDisconnects", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "job": "streamfleet-redis", "namespace": "sf",
-                                "instance": "10.0.0.9:9121", "pod": "streamfleet-redis-0"}}]},
-            {"eval_time": "20m", "alertname": "StreamfleetRedisClientListNotExported", "exp_alerts": []},
-            {"eval_time": "20m", "alertname": "StreamfleetRedisDown", "exp_alerts": []},
-        ],
-    },
-    {   # an exporter without the client list, Redis unreachable at 2m; no gateway target at all
-        "interval": "30s",
-        "input_series": [
-            {"series": f"redis_up{{{RD}}}", "values": "1x3 0x40"},
-            {"series": f'up{{{RD}}}', "values": "1x40"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "10m", "alertname": "StreamfleetRedisDown", "exp_alerts": [
-                {"exp_labels": {"severity": "critical", "job": "streamfleet-redis", "namespace": "sf",
-                                "instance": "10.0.0.9:9121", "pod": "streamfleet-redis-0"}}]},
-            {"eval_time": "10m", "alertname": "StreamfleetGatewayMetricsAbsent", "exp_alerts": [
-                {"exp_labels": {"severity": "critical"}}]},
-            {"eval_time": "10m", "alertname": "StreamfleetRedisExporterAbsent", "exp_alerts": []},
-        ],
-    },
-    {   # the exporter answers without the client list for 20 minutes
-        "interval": "30s",
-        "input_series": [{"series": f"redis_up{{{RD}}}", "values": "1x60"}],
-        "alert_rule_test": [
-            {"eval_time": "10m", "alertname": "StreamfleetRedisClientListNotExported", "exp_alerts": []},
-            {"eval_time": "20m", "alertname": "StreamfleetRedisClientListNotExported", "exp_alerts": [
-                {"exp_labels": {"severity": "info", "job": "streamfleet-redis", "namespace": "sf",
-                                "instance": "10.0.0.9:9121", "pod": "streamfleet-redis-0"}}]},
-        ],
-    },
-    {   # overload refusals on the SSE door, Redis errors on a worker, a crash-looping worker
-        "interval": "30s",
-        "input_series": [
-            {"series": f'streamfleet_refusals_total{{{GW}, pod="gw-a", transport="sse", code="overloaded"}}',
-             "values": "0+10x40"},
-            {"series": f'streamfleet_refusals_total{{{GW}, pod="gw-a", transport="ws", code="rate_limited"}}',
-             "values": "0+10x40"},
-            {"series": f'streamfleet_worker_redis_errors_total{{{WK}, pod="w-1", operation="main_loop"}}',
-             "values": "0+30x40"},
-            {"series": 'kube_pod_container_status_restarts_total{job="kube-state-metrics", namespace="sf", '
-                       'pod="streamfleet-worker-5d9-x", uid="u1", container="worker"}', "values": "0 1 2 3 4x30"},
-        ],
-        "alert_rule_test": [
-            {"eval_time": "10m", "alertname": "StreamfleetOverloadRefusals", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "transport": "sse"}}]},
-            {"eval_time": "10m", "alertname": "StreamfleetWorkerRedisErrors", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "namespace": "sf", "operation": "main_loop"}}]},
-            {"eval_time": "5m", "alertname": "StreamfleetWorkerRestarting", "exp_alerts": [
-                {"exp_labels": {"severity": "warning", "job": "kube-state-metrics", "namespace": "sf",
-                                "pod": "streamfleet-worker-5d9-x", "uid": "u1", "container": "worker"}}]},
-            {"eval_time": "10m", "alertname": "StreamfleetGatewayRedisErrors", "exp_alerts": []},
-        ],
-    },
-]
+def test_every_alert_fires_and_stays_quiet_in_a_test():
+    cases = alert_cases()
+    named = {c["alertname"] for c in cases}
+    assert named <= alert_names(), f"tests of unknown alerts {sorted(named - alert_names())}"
+    assert named == alert_names(), f"no test for {sorted(alert_names() - named)}"
+    for alert in sorted(alert_names()):
+        mine = [c for c in cases if c["alertname"] == alert]
+        firing = [c for c in mine if c.get("exp_alerts")]
+        assert firing, f"{alert}: no test in which it fires"
+        assert any(not c.get("exp_alerts") for c in mine), f"{alert}: no test in which it stays quiet"
+        for c in firing:
+            for exp in c["exp_alerts"]:
+                assert exp.get("exp_labels", {}).get("severity"), f"{alert} at {c['eval_time']}: its labels"
+                assert set(exp.get("exp_annotations", {})) == {"summary", "description", "runbook_url"}, \
+                    f"{alert} at {c['eval_time']}: its annotations"
+    # the healthy fleet: nothing fires
+    [first] = alert_tests()["tests"][:1]
+    assert {c["alertname"] for c in first["alert_rule_test"] if not c["exp_alerts"]} == alert_names()
 
 
-def test_promtool_alert_behaviour(tmp_path):
-    """The alerts fire (and stay quiet) as intended, fleet gauges counted once however
-    many gateways report them. Annotations are left out: check rules covers them."""
-    if not shutil.which("promtool"):
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
-    rules = rules_file(tmp_path, strip_annotations=True)
-    tests = tmp_path / "streamfleet.test.yaml"
-    tests.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "30s",
-                                     "tests": PROMTOOL_TESTS}, sort_keys=False))
-    p = subprocess.run(["promtool", "test", "rules", tests.name], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path)
-    assert p.returncode == 0, p.stdout + p.stderr
-    tested = {t["alertname"] for case in PROMTOOL_TESTS for t in case["alert_rule_test"]}
-    assert tested == {r["alert"] for r in all_rules() if "alert" in r}, "every alert has a promtool case"
+def test_alert_annotations_name_labels_the_alert_has():
+    """``$labels.x`` in an annotation renders empty where the alert has no label x: the
+    alert tests' expected labels (the alert's whole label set, as promtool compares it)
+    hold every label its annotations name."""
+    rules = {r["alert"]: r for r in all_rules() if "alert" in r}
+    for c in alert_cases():
+        rule = rules[c["alertname"]]
+        used = {u for text in rule["annotations"].values() for u in re.findall(r"\$labels\.(\w+)", text)}
+        for exp in c.get("exp_alerts") or []:
+            missing = used - set(exp["exp_labels"])
+            assert not missing, f"{c['alertname']}: annotations name {sorted(missing)}, not labels of the alert"
+
+
+_SERIES_NOTATION = re.compile(r"([a-zA-Z_:][\w:]*)\{(.*)\}")
+_LABEL_PAIR = re.compile(r'\s*(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
+
+
+def parse_series(notation: str) -> tuple[str, dict[str, str]]:
+    """``name{a="x", b="y"}`` (promtool's input series) -> (name, labels)."""
+    m = _SERIES_NOTATION.fullmatch(notation.strip())
+    assert m, f"not name{{labels}}: {notation}"
+    labels, pos, body = {}, 0, m.group(2)
+    while pos < len(body):
+        pair = _LABEL_PAIR.match(body, pos)
+        assert pair and pair.end() > pos, f"labels of {notation}"
+        labels[pair.group(1)] = json.loads(f'"{pair.group(2)}"')
+        pos = pair.end()
+    return m.group(1), labels
+
+
+def test_alert_test_series_are_real():
+    """The alert tests feed the series the fleet exposes: a registry's (its labels exactly,
+    under a scrape of that registry's job) or an exporter's of EXTERNAL; never a recorded
+    series (the rules compute those) nor an invented one."""
+    jobs = set(pod_monitor_jobs())
+    registry = registry_of()
+    for group in alert_tests()["tests"]:
+        for inp in group["input_series"]:
+            name, labels = parse_series(inp["series"])
+            where = inp["series"]
+            if name in SERIES:
+                own = SERIES[name]
+                assert set(labels) - TARGET_LABELS == own, f"{where}: the registry's labels {sorted(own)}"
+                assert labels.get("job") == JOBS[registry[name]], f"{where}: scraped as {JOBS[registry[name]]}"
+            elif name in EXTERNAL:
+                source, own = EXTERNAL[name]
+                targets = KSM_TARGET_LABELS if source == "kube-state-metrics" else TARGET_LABELS
+                assert set(labels) - targets == own, f"{where}: {source}'s labels {sorted(own)}"
+                assert labels.get("job") in ({JOBS[source]} if source in JOBS else jobs), f"{where}: job"
+            else:
+                pytest.fail(f"{where}: {name} is neither a registry's series nor in EXTERNAL")
+            assert labels.get("namespace") == "sf", f"{where}: in the fleet's namespace"
+
+
+def _mutated(mutate_firing, quiet_alert: dict | None = None) -> dict:
+    tests = alert_tests()
+    for c in (t for group in tests["tests"] for t in group.get("alert_rule_test", [])):
+        if c.get("exp_alerts"):
+            for exp in c["exp_alerts"]:
+                mutate_firing(exp)
+        elif quiet_alert is not None:
+            c["exp_alerts"] = [copy.deepcopy(quiet_alert)]
+    return tests
+
+
+def test_alert_unit_tests_can_fail(tmp_path):
+    """Every test of alerts.test.yml fails when its expectation is wrong: a firing alert's
+    labels, or its annotations, or an alert expected where none fires."""
+    rules_file(tmp_path)
+    cases = alert_cases()
+    firing = Counter((c["alertname"], seconds(c["eval_time"])) for c in cases if c.get("exp_alerts"))
+    quiet = Counter((c["alertname"], seconds(c["eval_time"])) for c in cases if not c.get("exp_alerts"))
+
+    def labels(exp):
+        exp["exp_labels"]["severity"] += "-mutated"
+
+    def annotations(exp):
+        exp["exp_annotations"]["summary"] += " (mutated)"
+
+    p = promtool_test(tmp_path, _mutated(labels, {"exp_labels": {"severity": "warning"}}), "labels.test.yml")
+    assert p.returncode != 0
+    assert failed_alert_tests(p.stdout + p.stderr) == firing + quiet, p.stdout + p.stderr
+    p = promtool_test(tmp_path, _mutated(annotations), "annotations.test.yml")
+    assert p.returncode != 0
+    assert failed_alert_tests(p.stdout + p.stderr) == firing, p.stdout + p.stderr
 
 
 # --------------------------------------------------------------------------- (d): the dashboard
@@ -1065,11 +823,7 @@ def test_monitoring_kustomization_lists_its_files():
 
 
 def test_monitoring_kustomization_renders():
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl is not installed")
-    p = subprocess.run(["kubectl", "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    docs = [d for d in yaml.safe_load_all(p.stdout) if d]
+    docs = kustomize(MONITORING)
     base_ns = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())["namespace"]
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted(
         (d["kind"], d["metadata"]["name"]) for d in monitoring_docs())
