@@ -11,6 +11,9 @@ understand, except the parameters of the OpenAI API (and vLLM's extensions) that
 streamfleet does not implement (``UNSUPPORTED``): asking for what they do (any value
 but the one that does nothing) is refused with 400 naming the parameter, because
 serving the request without it would be silently wrong (``check_unsupported``).
+
+The ``Validator`` composes the rules here with the model's text handling, which lives
+apart (gateway/chat_template.py: rendering a chat template, tokenizing the prompt).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import re
 import secrets
 import time
 import uuid
@@ -27,9 +29,10 @@ from typing import Any
 
 import orjson
 
+from streamfleet.gateway.chat_template import encode_prompt, render_chat, template_problem
+from streamfleet.gateway.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.grammar import GrammarError, Grammars, build_grammar, check_constraint, depth_problem
-from streamfleet.gateway.tools import Tools, call_text, parse_tools, tools_prompt
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
@@ -37,8 +40,7 @@ from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository
 from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Draft", "ValidRequest", "Validator", "DEFAULT_CHAT_TEMPLATE", "render_chat", "check_lane",
-           "UNSUPPORTED", "check_unsupported"]
+__all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported"]
 
 log = get_logger("gateway.validation")
 
@@ -160,103 +162,6 @@ class ValidRequest:
             group=self.group,
             group_size=self.group_size,
         )
-
-
-DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
-"""The fleet's generic chat format, for models whose ``engine.toml`` says
-``chat_template = "builtin"`` (the demo model): each message as
-``<|role|>\\ncontent\\n``, then ``<|assistant|>\\n`` to prompt the reply. A model with
-no chat template and no such line is served no chat requests (``Validator``): the fleet
-does not make up a format the model was never trained on."""
-
-
-def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids, with the special tokens the tokenizer's own post-processor
-    adds (a BOS for Llama-style tokenizers, none for GPT-2's): what the model was trained
-    to see. ``special_tokens=False`` for text a chat template rendered, which carries its
-    own. A ``PreTrainedTokenizerFast`` is asked through its Rust tokenizer directly: the
-    same ids at about half the cost of ``tokenizer.encode`` (which builds a
-    ``BatchEncoding`` per call), and this runs on the gateway's event loop."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and backend.truncation is None and backend.padding is None:
-        return backend.encode(text, add_special_tokens=special_tokens).ids
-    # a tokenizer.json that configures truncation or padding: let transformers switch them off
-    return tokenizer.encode(text, add_special_tokens=special_tokens)
-
-
-#: a special token spelled out in a chat template: <|im_start|>, <start_of_turn>, </s>, [INST]
-_TEMPLATE_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?[A-Za-z][\w.-]{0,39}>|\[/?[A-Z][A-Z_]{1,20}\]")
-
-
-def template_problem(tokenizer: Any) -> str | None:
-    """Why the tokenizer's chat template cannot be trusted, or None: a special token it
-    spells out (``<|im_start|>``…) that the tokenizer does not have as one token would be
-    split into pieces, and the model would see a conversation it was never trained on."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return None
-    missing = []
-    for text in dict.fromkeys(_TEMPLATE_TOKEN.findall(template)):
-        ids = encode_prompt(tokenizer, text, special_tokens=False)
-        if len(ids) != 1:
-            missing.append(text)
-    if missing:
-        return (f"its chat template uses {', '.join(missing)}, which the tokenizer does not have as single "
-                f"tokens")
-    return None
-
-
-#: a chat template that takes the offered tools (``tools``), and one that writes an assistant
-#: turn's earlier calls (``message.tool_calls``)
-_TAKES_TOOLS = re.compile(r"\btools\b")
-_TAKES_CALLS = re.compile(r"\btool_calls\b")
-
-
-def _template_text(template: Any) -> str:
-    """A tokenizer's chat template as one text (transformers allows several, by name)."""
-    return "\n".join(v for v in template.values() if isinstance(v, str)) if isinstance(template, dict) else template
-
-
-def _generic_tools(messages: list[dict[str, Any]], tools: Tools | None, offer: bool,
-                   calls: bool) -> list[dict[str, Any]]:
-    """The messages with the tools offered in the first system message (``offer``) and
-    earlier calls written into the assistant's turn (``calls``), as the fleet's generic
-    format writes them (gateway/tools.py), for a template that has no place for them."""
-    out = [{**m, "content": m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
-                                                   for c in m["tool_calls"])} if calls and m.get("tool_calls") else m
-           for m in messages]
-    if offer:
-        text = tools_prompt(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
-
-
-def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | None = None) -> str:
-    """The prompt of a conversation: the tokenizer's chat template (given the offered
-    tools, as templates that know tools take them), or the builtin format
-    (``DEFAULT_CHAT_TEMPLATE``; the caller checks the model chooses it), where the tools
-    are offered in a system message first and earlier calls are written as the model is
-    asked to write them (gateway/tools.py). A template that has no place for the tools
-    or for earlier calls (SmolLM2's) gets them the builtin format's way, in the messages:
-    it would drop them without a word."""
-    offered = tools is not None and tools.mode != "none"
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        text = _template_text(template)
-        takes_tools = bool(_TAKES_TOOLS.search(text))
-        extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} \
-            if offered and takes_tools else {}
-        messages = _generic_tools(messages, tools, offered and not takes_tools, not _TAKES_CALLS.search(text))
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-    parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] if offered else []
-    for m in messages:
-        content = m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
-                                         for c in m.get("tool_calls", ()))
-        parts.append(DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=content))
-    return "".join(parts) + "<|assistant|>\n"
 
 
 def check_lane(value: Any) -> str:
@@ -528,8 +433,8 @@ class Validator:
                      constraint=self._constraint(p, ignore_eos, tools))
 
     async def finish_async(self, draft: Draft) -> ValidRequest:
-        """``finish``, with a new constraint's trial (``verdict``: tens of ms at worst, bounded
-        by the grammar limits) in a thread, off the event loop other clients share."""
+        """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
+        limits, but not free) in a thread, off the event loop other clients share."""
         if draft.constraint is not None and draft.audio is None:
             spec = self.spec(draft.model)
             grammar = self._compile(draft, spec)

@@ -19,7 +19,7 @@ import sys
 
 from streamfleet.shared.errors import FatalError, NotFoundError  # noqa: E402
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
-from streamfleet.workers.engines import trt_build  # noqa: E402
+from streamfleet.workers.engines import trt_build, trt_plan  # noqa: E402
 
 
 def _options(pairs: list[str]) -> dict:
@@ -49,14 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = ModelRepository(args.engines_dir).get(args.model)
         ensure_artifacts(spec)
-        options = trt_build.tensorrt_options(spec, _options(args.option))
+        options = trt_plan.tensorrt_options(spec, _options(args.option))
         if args.dry_run:
             version = args.trt_version or trt_build.import_tensorrt().__version__
             if args.cc is None:
                 from streamfleet.workers.engines.cuda_mem import detect_compute_capability
 
                 args.cc = detect_compute_capability()
-            req = trt_build.plan_request(spec, version, args.cc, options)
+            req = trt_plan.plan_request(spec, version, args.cc, options)
             print(json.dumps({"path": str(req.path), "key": req.key, "exists": req.path.exists(),
                               "timing_cache": str(req.timing_cache_path), **req.key_material()}, indent=2))
             return 0

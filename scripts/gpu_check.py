@@ -40,7 +40,7 @@ from streamfleet.shared.errors import FatalError  # noqa: E402
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts  # noqa: E402
 from scripts.greedy import (Outcome, compare, greedy_alone, greedy_batched, greedy_staggered,  # noqa: E402
                               random_prompts)
-from streamfleet.workers.engines import trt_build  # noqa: E402
+from streamfleet.workers.engines import trt_build, trt_plan  # noqa: E402
 
 T0 = time.perf_counter()
 TEXTS = [
@@ -90,7 +90,7 @@ def ensure_models(engines_dir: Path | None) -> dict[str, ModelSpec]:
     bench = ModelRepository(engines_dir).get("bench-gpt")
     ensure_artifacts(bench)
     for spec in (tiny, bench):
-        info = trt_build.read_graph_info(spec.onnx_path)
+        info = trt_plan.read_graph_info(spec.onnx_path)
         say(f"model {spec.name}: {info.n_layer} layers, {info.kv_heads} kv heads x {info.head_dim}, vocab "
             f"{info.vocab_size}, {info.kv_dtype}; max_batch {spec.max_batch}, max_context {spec.max_context}; "
             f"weights {weight_bytes(spec.onnx_path) / 1e6:.1f} MB")
@@ -174,7 +174,7 @@ def weight_bytes(onnx_path: Path) -> int:
     return sum(int(np.prod(t.dims, dtype=np.int64)) * sizes.get(t.data_type, 4) for t in model.graph.initializer)
 
 
-def bandwidth_bound(weights: int, info: trt_build.GraphInfo, batch: int, context: float,
+def bandwidth_bound(weights: int, info: trt_plan.GraphInfo, batch: int, context: float,
                     bandwidth: float) -> tuple[float, float]:
     """(tokens/s bound, bytes per step) with bytes/step = weights + KV read."""
     es = {"float32": 4, "float16": 2, "bfloat16": 2}[info.kv_dtype]
@@ -185,7 +185,7 @@ def bandwidth_bound(weights: int, info: trt_build.GraphInfo, batch: int, context
 
 def throughput(spec: ModelSpec, engine: Any, label: str, batches: list[int], prompt_len: int, warmup: int,
                steps: int, bandwidth: float) -> None:
-    info = trt_build.read_graph_info(spec.onnx_path)
+    info = trt_plan.read_graph_info(spec.onnx_path)
     weights = weight_bytes(spec.onnx_path)
     es = {"float32": 4, "float16": 2, "bfloat16": 2}[info.kv_dtype]
     say(f"{spec.name} decode throughput ({label}); prompt {prompt_len} tokens, {warmup} warm-up steps, "

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.workers.engines import trt_build
+from streamfleet.workers.engines import trt_plan
 from streamfleet.workers.engines.cuda_mem import DeviceBuffer
 
 __all__ = ["HostMem", "OrtRunner", "emulated_engine", "fake_tensorrt"]
@@ -153,9 +153,9 @@ class OrtRunner:
         so.intra_op_num_threads = 1
         so.inter_op_num_threads = 1
         self._session = ort.InferenceSession(str(spec.onnx_path), so, providers=["CPUExecutionProvider"])
-        opts = trt_build.tensorrt_options(spec, options)
-        self.info = trt_build.read_graph_info(spec.onnx_path, opts)
-        self.profiles = {p.name: p for p in trt_build.profiles(spec, self.info, opts)}
+        opts = trt_plan.tensorrt_options(spec, options)
+        self.info = trt_plan.read_graph_info(spec.onnx_path, opts)
+        self.profiles = {p.name: p for p in trt_plan.profiles(spec, self.info, opts)}
         self.vocab_size = self.info.vocab_size
         self.dtypes = {t.name: _ORT_TYPES[t.type] for t in [*self._session.get_inputs(), *self._session.get_outputs()]}
         self._outputs = ["logits", *self.info.present_names]

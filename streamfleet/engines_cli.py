@@ -223,7 +223,7 @@ def list_(
 def _local_plans(settings: Any, model: Optional[str]) -> list[dict[str, Any]]:
     from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.modelrepo import ModelRepository
-    from streamfleet.workers.engines.trt_build import list_local_plans, tensorrt_options
+    from streamfleet.workers.engines.trt_plan import list_local_plans, tensorrt_options
 
     repo = ModelRepository(settings.engines_dir)
     out = []

@@ -215,7 +215,7 @@ def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: i
     """
     import onnx
 
-    from streamfleet.workers.engines.trt_build import graph_info_from_model
+    from streamfleet.workers.engines.trt_plan import graph_info_from_model
 
     source = Path(source)
     if not source.is_dir():

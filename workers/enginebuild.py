@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from arq.jobs import Job
     from arq.worker import Worker
 
-    from streamfleet.workers.engines.trt_build import BuildResult
+    from streamfleet.workers.engines.trt_plan import BuildResult
 
 __all__ = [
     "JOB_NAME",

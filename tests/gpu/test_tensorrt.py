@@ -63,7 +63,8 @@ def reference(tiny_spec):
 
 
 def test_plan_is_built_and_cached(tiny_spec, plan):
-    from streamfleet.workers.engines.trt_build import build_plan, read_sidecar
+    from streamfleet.workers.engines.trt_build import build_plan
+    from streamfleet.workers.engines.trt_plan import read_sidecar
 
     assert plan.path.exists() and plan.path.parent == tiny_spec.path / "plans"
     side = read_sidecar(plan.path)

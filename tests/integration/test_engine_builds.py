@@ -19,7 +19,7 @@ from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.schema import decode_plan_record
 from streamfleet.workers.enginebuild import (JOB_NAME, enqueue_build, list_plans, make_worker, plans_key, queue_key,
                                            validate_queue)
-from streamfleet.workers.engines import trt_build
+from streamfleet.workers.engines import trt_plan
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRT = "10.99.0.1"
@@ -38,12 +38,12 @@ def engines_dir(tiny_spec, tmp_path) -> Path:
 def fake_builder(calls: list):
     """Stands in for TensorRT: the real plan path and key, a fake plan file."""
 
-    def build(spec: ModelSpec, force: bool, options: dict) -> trt_build.BuildResult:
+    def build(spec: ModelSpec, force: bool, options: dict) -> trt_plan.BuildResult:
         calls.append((spec.name, force, dict(options)))
-        request = trt_build.plan_request(spec, FAKE_TRT, "90", options)
+        request = trt_plan.plan_request(spec, FAKE_TRT, "90", options)
         if request.path.exists() and not force:
-            return trt_build.BuildResult.from_sidecar(request)
-        return trt_build.write_plan(request, b"fake plan for " + spec.name.encode(), 0.25)
+            return trt_plan.BuildResult.from_sidecar(request)
+        return trt_plan.write_plan(request, b"fake plan for " + spec.name.encode(), 0.25)
 
     return build
 

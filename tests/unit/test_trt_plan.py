@@ -23,10 +23,10 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
 from scripts.trt_emulation import HostMem, OrtRunner, emulated_engine
 from scripts.greedy import greedy_alone, greedy_scenario
-from streamfleet.workers.engines import cuda_mem, load_engine, trt_build
+from streamfleet.workers.engines import cuda_mem, load_engine, trt_build, trt_plan
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
 from streamfleet.workers.engines.tensorrt import TensorRTEngine, prefill_groups
-from streamfleet.workers.engines.trt_build import DECODE, PREFILL
+from streamfleet.workers.engines.trt_plan import DECODE, PREFILL
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -36,7 +36,7 @@ STEPS = 16
 
 
 def test_graph_info_of_tiny_gpt(tiny_spec):
-    info = trt_build.read_graph_info(tiny_spec.onnx_path)
+    info = trt_plan.read_graph_info(tiny_spec.onnx_path)
     b = tiny_spec.build
     assert (info.n_layer, info.kv_heads, info.head_dim, info.vocab_size) == (
         b["n_layer"], b["n_head"], b["d_model"] // b["n_head"], b["vocab_size"])
@@ -47,8 +47,8 @@ def test_graph_info_of_tiny_gpt(tiny_spec):
 
 
 def test_profiles_of_tiny_gpt(tiny_spec):
-    info = trt_build.read_graph_info(tiny_spec.onnx_path)
-    prefill, decode = trt_build.profiles(tiny_spec, info)
+    info = trt_plan.read_graph_info(tiny_spec.onnx_path)
+    prefill, decode = trt_plan.profiles(tiny_spec, info)
     assert (prefill.name, decode.name) == (PREFILL, DECODE)
     B, C = tiny_spec.max_batch, tiny_spec.max_context  # 16, 256
     H, D = info.kv_heads, info.head_dim
@@ -68,13 +68,13 @@ def test_profiles_of_tiny_gpt(tiny_spec):
 
 
 def test_profile_options_move_opt_points(tiny_spec):
-    info = trt_build.read_graph_info(tiny_spec.onnx_path)
-    prefill, decode = trt_build.profiles(tiny_spec, info, {"opt_prefill_batch": 2, "opt_prefill_len": 30,
+    info = trt_plan.read_graph_info(tiny_spec.onnx_path)
+    prefill, decode = trt_plan.profiles(tiny_spec, info, {"opt_prefill_batch": 2, "opt_prefill_len": 30,
                                                            "opt_decode_batch": 4, "opt_decode_context": 999})
     assert prefill.shape("input_ids")[1] == (2, 30)
     assert decode.shape("attention_mask")[1] == (4, tiny_spec.max_context)  # clamped to max
     with pytest.raises(FatalError):
-        trt_build.profiles(dataclasses.replace(tiny_spec, max_context=1), info)
+        trt_plan.profiles(dataclasses.replace(tiny_spec, max_context=1), info)
 
 
 def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=True, kv_type=TensorProto.FLOAT16,
@@ -100,11 +100,11 @@ def _synthetic_graph(n_layer=3, heads=2, head_dim=16, vocab=77, positions=True, 
 
 
 def test_profiles_of_a_synthetic_graph(tmp_path):
-    info = trt_build.graph_info_from_model(_synthetic_graph())
+    info = trt_plan.graph_info_from_model(_synthetic_graph())
     assert (info.n_layer, info.kv_heads, info.head_dim, info.vocab_size) == (3, 2, 16, 77)
     assert (info.kv_dtype, info.index_dtype, info.has_position_ids) == ("float16", "int32", True)
     spec = ModelSpec(name="synth", path=tmp_path, max_batch=4, max_context=64)
-    prefill, decode = trt_build.profiles(spec, info)
+    prefill, decode = trt_plan.profiles(spec, info)
     assert set(prefill.names()) == {"input_ids", "attention_mask", "position_ids", *info.past_names}
     assert len(info.past_names) == 6
     assert decode.shape("past_key_values.2.value") == ((1, 2, 1, 16), (4, 2, 31, 16), (4, 2, 63, 16))
@@ -113,26 +113,26 @@ def test_profiles_of_a_synthetic_graph(tmp_path):
 
 def test_synthetic_graph_refusals():
     with pytest.raises(FatalError, match="num_key_value_heads"):
-        trt_build.graph_info_from_model(_synthetic_graph(heads_dim="heads"))
-    info = trt_build.graph_info_from_model(_synthetic_graph(heads_dim="heads"), options={"num_key_value_heads": 2})
+        trt_plan.graph_info_from_model(_synthetic_graph(heads_dim="heads"))
+    info = trt_plan.graph_info_from_model(_synthetic_graph(heads_dim="heads"), options={"num_key_value_heads": 2})
     assert info.kv_heads == 2
     with pytest.raises(FatalError, match="token_type_ids"):
-        trt_build.graph_info_from_model(_synthetic_graph(extra_input=True))
+        trt_plan.graph_info_from_model(_synthetic_graph(extra_input=True))
     # positions from cache columns would shift under padding: refused, naming the fix
     with pytest.raises(FatalError, match="no position_ids input.*onnxruntime"):
-        trt_build.graph_info_from_model(_synthetic_graph(positions=False))
+        trt_plan.graph_info_from_model(_synthetic_graph(positions=False))
     with pytest.raises(FatalError, match="merged decoder"):
-        trt_build.graph_info_from_model(_synthetic_graph(extra_input="use_cache_branch"))
+        trt_plan.graph_info_from_model(_synthetic_graph(extra_input="use_cache_branch"))
     with pytest.raises(FatalError, match="input_ids"):
-        trt_build.graph_info_from_model(_synthetic_graph(ids_type=TensorProto.FLOAT))
+        trt_plan.graph_info_from_model(_synthetic_graph(ids_type=TensorProto.FLOAT))
     g = _synthetic_graph()
     del g.graph.output[-1]
     with pytest.raises(FatalError, match="lacks outputs"):
-        trt_build.graph_info_from_model(g)
+        trt_plan.graph_info_from_model(g)
     g = _synthetic_graph()
     g.graph.input.pop(1)  # attention_mask
     with pytest.raises(FatalError, match="attention_mask"):
-        trt_build.graph_info_from_model(g)
+        trt_plan.graph_info_from_model(g)
 
 
 # -- keys, paths, cache invalidation ---------------------------------------------------
@@ -149,36 +149,36 @@ def model_copy(tiny_spec, tmp_path) -> ModelSpec:
 
 
 def test_plan_key_and_path(model_copy):
-    req = trt_build.plan_request(model_copy, "10.8.0.43", "90")
+    req = trt_plan.plan_request(model_copy, "10.8.0.43", "90")
     assert re.fullmatch(r"[0-9a-f]{64}", req.key)
     assert req.path == model_copy.path / "plans" / f"10.8-sm90-{req.key[:16]}.plan"
     assert req.sidecar_path == req.path.with_suffix(".json")
     assert req.timing_cache_path == model_copy.path / "plans" / "timing-sm90-trt10.8.cache"
-    assert req.key == trt_build.plan_key("10.8.0.43", "90", req.graph_sha256, req.profiles, req.build)
-    assert req.key == trt_build.plan_request(model_copy, "10.8.0.43", "90").key  # stable
+    assert req.key == trt_plan.plan_key("10.8.0.43", "90", req.graph_sha256, req.profiles, req.build)
+    assert req.key == trt_plan.plan_request(model_copy, "10.8.0.43", "90").key  # stable
     mat = req.key_material()
     assert mat["graph_sha256"] == req.graph_sha256 and mat["compute_capability"] == "90"
     json.dumps(mat)  # JSON-able, for the sidecar
 
 
 def test_key_changes_with_what_the_plan_depends_on(model_copy):
-    base = trt_build.plan_request(model_copy, "10.8.0.43", "90")
+    base = trt_plan.plan_request(model_copy, "10.8.0.43", "90")
     keys = {base.key}
 
     def differs(req):
         assert req.key not in keys and req.path != base.path
         keys.add(req.key)
 
-    differs(trt_build.plan_request(model_copy, "10.8.0.44", "90"))             # TensorRT patch release
-    differs(trt_build.plan_request(model_copy, "11.0.0.1", "90"))              # TensorRT major
-    differs(trt_build.plan_request(model_copy, "10.8.0.43", "89"))             # GPU architecture
-    differs(trt_build.plan_request(dataclasses.replace(model_copy, max_batch=8), "10.8.0.43", "90"))    # profile
-    differs(trt_build.plan_request(dataclasses.replace(model_copy, max_context=128), "10.8.0.43", "90"))
-    differs(trt_build.plan_request(model_copy, "10.8.0.43", "90", {"opt_decode_batch": 3}))            # opt point
-    differs(trt_build.plan_request(model_copy, "10.8.0.43", "90", {"tf32": True}))                     # builder
-    differs(trt_build.plan_request(model_copy, "10.8.0.43", "90", {"builder_optimization_level": 5}))
+    differs(trt_plan.plan_request(model_copy, "10.8.0.44", "90"))             # TensorRT patch release
+    differs(trt_plan.plan_request(model_copy, "11.0.0.1", "90"))              # TensorRT major
+    differs(trt_plan.plan_request(model_copy, "10.8.0.43", "89"))             # GPU architecture
+    differs(trt_plan.plan_request(dataclasses.replace(model_copy, max_batch=8), "10.8.0.43", "90"))    # profile
+    differs(trt_plan.plan_request(dataclasses.replace(model_copy, max_context=128), "10.8.0.43", "90"))
+    differs(trt_plan.plan_request(model_copy, "10.8.0.43", "90", {"opt_decode_batch": 3}))            # opt point
+    differs(trt_plan.plan_request(model_copy, "10.8.0.43", "90", {"tf32": True}))                     # builder
+    differs(trt_plan.plan_request(model_copy, "10.8.0.43", "90", {"builder_optimization_level": 5}))
     # runtime-only options do not
-    assert trt_build.plan_request(model_copy, "10.8.0.43", "90", {"build_if_missing": False, "cuda": "pycuda",
+    assert trt_plan.plan_request(model_copy, "10.8.0.43", "90", {"build_if_missing": False, "cuda": "pycuda",
                                                                   "max_prefill_tokens": 99}).key == base.key
     # the graph: any byte of it
     onnx_path = model_copy.onnx_path
@@ -188,7 +188,7 @@ def test_key_changes_with_what_the_plan_depends_on(model_copy):
     arr.flat[0] += 1.0
     w.CopyFrom(onnx.numpy_helper.from_array(arr, w.name))
     onnx.save(model, str(onnx_path))
-    differs(trt_build.plan_request(model_copy, "10.8.0.43", "90"))
+    differs(trt_plan.plan_request(model_copy, "10.8.0.43", "90"))
 
 
 def test_graph_hash_covers_external_data(model_copy, tmp_path):
@@ -197,48 +197,48 @@ def test_graph_hash_covers_external_data(model_copy, tmp_path):
     out.parent.mkdir()
     onnx.save(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data",
               size_threshold=0)
-    first = trt_build.graph_sha256(out)
+    first = trt_plan.graph_sha256(out)
     data = out.parent / "model.onnx.data"
     blob = bytearray(data.read_bytes())
     blob[-1] ^= 0xFF
     data.write_bytes(bytes(blob))
-    assert trt_build.graph_sha256(out) != first
+    assert trt_plan.graph_sha256(out) != first
 
 
 def test_options_merge_and_validation(model_copy):
     spec = dataclasses.replace(model_copy, options={"tensorrt": {"build_if_missing": False, "workspace_mb": 512,
                                                                  "cuda": "pycuda"}, "head_dim": 32})
-    opts = trt_build.tensorrt_options(spec, {"cuda": "cuda-python", "threads": 4, "workspace_mb": None})
+    opts = trt_plan.tensorrt_options(spec, {"cuda": "cuda-python", "threads": 4, "workspace_mb": None})
     assert opts["build_if_missing"] is False and opts["workspace_mb"] == 512
     assert opts["cuda"] == "cuda-python"          # keyword beats engine.toml
     assert opts["head_dim"] == 32                 # the top-level fallback, as for ONNX Runtime
     assert "threads" not in opts                  # other backends' options are ignored
-    assert trt_build.tensorrt_options(spec, {"build_if_missing": "1"})["build_if_missing"] is True
+    assert trt_plan.tensorrt_options(spec, {"build_if_missing": "1"})["build_if_missing"] is True
     with pytest.raises(FatalError, match="unknown"):
-        trt_build.tensorrt_options(dataclasses.replace(spec, options={"tensorrt": {"bulid_if_missing": True}}))
+        trt_plan.tensorrt_options(dataclasses.replace(spec, options={"tensorrt": {"bulid_if_missing": True}}))
     with pytest.raises(FatalError, match="build_if_missing"):
-        trt_build.tensorrt_options(dataclasses.replace(spec, options={"tensorrt": {"build_if_missing": "maybe"}}))
+        trt_plan.tensorrt_options(dataclasses.replace(spec, options={"tensorrt": {"build_if_missing": "maybe"}}))
 
 
 def test_sidecar_and_local_listing(model_copy):
-    req = trt_build.plan_request(model_copy, "10.8.0.43", "90")
-    res = trt_build.write_plan(req, b"not really a plan", 1.5)
+    req = trt_plan.plan_request(model_copy, "10.8.0.43", "90")
+    res = trt_plan.write_plan(req, b"not really a plan", 1.5)
     assert res.built and req.path.read_bytes() == b"not really a plan"
-    side = trt_build.read_sidecar(req.path)
+    side = trt_plan.read_sidecar(req.path)
     assert side["key"] == req.key and side["profiles"][0]["name"] == PREFILL and side["built"]["seconds"] == 1.5
-    again = trt_build.BuildResult.from_sidecar(req)
+    again = trt_plan.BuildResult.from_sidecar(req)
     assert not again.built and again.seconds == 1.5 and again.key == req.key
     rec = again.record(host="gpu-7")
     assert (rec["host"], rec["trt_version"], rec["cc"]) == ("gpu-7", "10.8.0.43", "90")
-    listed = trt_build.list_local_plans(model_copy)
+    listed = trt_plan.list_local_plans(model_copy)
     assert [p["key"] for p in listed] == [req.key] and listed[0]["bytes"] == len(b"not really a plan")
     assert not list(req.path.parent.glob(".*.tmp"))  # atomic writes leave nothing behind
 
 
 def test_trt_version_helpers():
-    assert trt_build.trt_major_minor("10.8.0.43") == "10.8"
-    assert trt_build.trt_major_minor("11.0") == "11.0"
-    assert trt_build.plan_filename("11.1.0.7", "100", "ab" * 32) == "11.1-sm100-abababababababab.plan"
+    assert trt_plan.trt_major_minor("10.8.0.43") == "10.8"
+    assert trt_plan.trt_major_minor("11.0") == "11.0"
+    assert trt_plan.plan_filename("11.1.0.7", "100", "ab" * 32) == "11.1-sm100-abababababababab.plan"
 
 
 def test_network_flags_per_version():
@@ -271,7 +271,8 @@ def test_cpu_imports_stay_free_of_gpu_packages():
     code = (
         "import sys\n"
         "import streamfleet.workers.engines, streamfleet.workers.process, streamfleet.workers.engines.tensorrt\n"
-        "import streamfleet.workers.engines.trt_build, streamfleet.workers.engines.cuda_mem\n"
+        "import streamfleet.workers.engines.trt_plan, streamfleet.workers.engines.trt_build\n"
+        "import streamfleet.workers.engines.cuda_mem\n"
         "import streamfleet.workers.enginebuild, streamfleet.cli, streamfleet.engines_cli\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'pycuda', 'cuda', 'arq'))\n"
         "print(bad)\n"
@@ -585,13 +586,13 @@ def fake_trt(monkeypatch):
 def test_build_plan_drives_the_builder(model_copy, fake_trt):
     trt, _ = fake_trt
     res = trt_build.build_plan(model_copy, compute_capability="90")
-    req = trt_build.plan_request(model_copy, trt.__version__, "90")
+    req = trt_plan.plan_request(model_copy, trt.__version__, "90")
     assert res.built and res.path == req.path and res.key == req.key
     assert trt.calls["network-flags-32"] == 1                    # 1 << STRONGLY_TYPED on 10.x
     plan = json.loads(res.path.read_bytes()[len(b"FAKEPLAN"):])
     assert plan["profiles"] == [{n: [list(x) for x in s] for n, s in p.shapes} for p in req.profiles]
     assert req.timing_cache_path.read_bytes() == b"timing:+"
-    assert trt_build.read_sidecar(res.path)["key"] == res.key
+    assert trt_plan.read_sidecar(res.path)["key"] == res.key
     assert not trt_build.build_plan(model_copy, compute_capability="90").built and trt.calls["build"] == 1
     assert trt_build.build_plan(model_copy, compute_capability="90", force=True).built
     assert req.timing_cache_path.read_bytes() == b"timing:++"  # the cache is fed back and grows

@@ -8,7 +8,8 @@ from streamfleet.shared.errors import NotFoundError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.validation import Validator, render_chat
+from streamfleet.gateway.chat_template import render_chat
+from streamfleet.gateway.validation import Validator
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
     """The gateway's fast path (the Rust tokenizer directly) gives exactly the ids of
     ``PreTrainedTokenizerFast.encode``, also for text that is not ASCII, and a tokenizer
     that configures truncation takes the slow path (which ignores it)."""
-    from streamfleet.gateway.validation import encode_prompt
+    from streamfleet.gateway.chat_template import encode_prompt
     from streamfleet.shared.modelrepo import load_tokenizer
 
     tok = load_tokenizer(tiny_spec)

@@ -1,10 +1,10 @@
 """TensorRT (GPU) backend for graphs in Optimum's ``text-generation-with-past`` layout.
 
-The same ONNX graph as the ONNX Runtime backend, built into a plan (``trt_build``) with
-two optimization profiles, each run by its own execution context: *prefill* (prompts
-from an empty past) and *decode* (one token onto a past). A missing plan is built on
-first start (option ``build_if_missing``, default on), else the engine refuses to start
-and says which command builds it.
+The same ONNX graph as the ONNX Runtime backend, built into a plan (what to build:
+``trt_plan``; the build: ``trt_build``) with two optimization profiles, each run by its
+own execution context: *prefill* (prompts from an empty past) and *decode* (one token
+onto a past). A missing plan is built on first start (option ``build_if_missing``,
+default on), else the engine refuses to start and says which command builds it.
 
 KV cache on the device. Two preallocated buffers per past input (layer x key/value),
 each ``[max_batch, kv_heads, max_context, head_dim]`` elements, hold the *slab*: the
@@ -38,11 +38,11 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.workers.engines import cuda_mem, trt_build
+from streamfleet.workers.engines import cuda_mem, trt_build, trt_plan
 from streamfleet.workers.engines.cuda_mem import CudaMem, DeviceBuffer, Stream
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
 from streamfleet.workers.engines.prefill import prefill_groups
-from streamfleet.workers.engines.trt_build import DECODE, PREFILL, GraphInfo
+from streamfleet.workers.engines.trt_plan import DECODE, PREFILL, GraphInfo
 
 __all__ = ["InvalidSequenceError", "Runner", "TensorRTEngine", "TrtRunner", "prefill_groups"]
 
@@ -134,8 +134,8 @@ class TrtRunner:
                 deserialize and may not be rebuilt; a failed build.
         """
         cc = cuda_mem.detect_compute_capability(mem)
-        info = trt_build.read_graph_info(spec.onnx_path, opts)
-        request = trt_build.plan_request(spec, trt.__version__, cc, opts, info=info)
+        info = trt_plan.read_graph_info(spec.onnx_path, opts)
+        request = trt_plan.plan_request(spec, trt.__version__, cc, opts, info=info)
         how = (f"build it with `streamfleet engines build {spec.name}` on this host, or "
                f"`streamfleet engines build {spec.name} --queue sm{cc}` for a build worker; "
                f"or let workers build it (SF_TRT_BUILD_IF_MISSING=1, engine.toml [tensorrt] build_if_missing)")
@@ -157,7 +157,7 @@ class TrtRunner:
             runtime, engine = cls._deserialize(trt, request.path)
             if engine is None:
                 raise FatalError(f"the freshly built plan {request.path} does not deserialize")
-        order = [p.get("name") for p in (trt_build.read_sidecar(request.path) or {}).get("profiles", [])]
+        order = [p.get("name") for p in (trt_plan.read_sidecar(request.path) or {}).get("profiles", [])]
         index = {name: order.index(name) if name in order else i for i, name in enumerate((PREFILL, DECODE))}
         log.info("TensorRT plan loaded", model=spec.name, path=str(request.path), trt=trt.__version__, cc=cc)
         return cls(trt, runtime, engine, info, index, stream)
@@ -206,7 +206,7 @@ class TensorRTEngine:
     Args:
         spec: the model folder (``onnx`` graph, ``max_batch``, ``max_context``; a
             ``[tensorrt]`` table in engine.toml for options).
-        options: override ``[tensorrt]`` (see ``trt_build.BUILD_DEFAULTS`` and
+        options: override ``[tensorrt]`` (see ``trt_plan.BUILD_DEFAULTS`` and
             ``RUNTIME_DEFAULTS``): ``build_if_missing``, ``cuda`` (auto | cuda-python |
             pycuda), ``max_prefill_tokens``, ``plans_dir``, builder settings; others are
             ignored. ``mem`` and ``runner`` replace the CUDA library and the plan (tests).
@@ -219,7 +219,7 @@ class TensorRTEngine:
     def __init__(self, spec: ModelSpec, *, mem: CudaMem | None = None, runner: Runner | None = None,
                  **options: Any) -> None:
         self.spec = spec
-        self._opts = trt_build.tensorrt_options(spec, options)
+        self._opts = trt_plan.tensorrt_options(spec, options)
         self._bufs: list[DeviceBuffer] = []
         self._closed = False
         self._owns_mem = mem is None
