@@ -12,21 +12,14 @@ import orjson
 import pytest
 import websockets
 
-from tests.integration.wsclient import Client
+from tests.support.keys import TIERS, add_key
+from tests.support.wsclient import Client
 
-TIERS = ('{"test": {"requests_per_minute": 1, "burst": 6, "max_streams": null, "max_lane": "normal"},'
-         ' "solo": {"requests_per_minute": 600, "burst": 50, "max_streams": 1, "max_lane": "high"}}')
-
-
-def add_key(fleet, name: str, tier: str, tiers: str = TIERS) -> str:
-    out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "add", name, "--tier", tier],
-                         env=fleet.env(tiers=tiers), capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+pytestmark = pytest.mark.slow  # gateways with keys and shared budgets started per test, both brokers
 
 
 async def test_keys_are_required_and_checked(fleet):
-    gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
+    gw = fleet.gateway(auth_enabled="true", tiers=TIERS, key_cache_s=1)  # the revocation below waits it out
     fleet.worker(backend="echo")
     key = add_key(fleet, "alice", "free")
     # HTTP: missing and wrong keys get 401 in OpenAI's shape
@@ -66,11 +59,11 @@ async def test_keys_are_required_and_checked(fleet):
         denied = await asyncio.to_thread(subprocess.run, cli + door + ["--api-key", "sf-000000000000-nope"],
                                          env=fleet.env(), capture_output=True, text=True, timeout=60)
         assert denied.returncode == 1 and "unauthorized" in denied.stderr.lower(), (transport, denied.stderr)
-    # revoked keys stop working (within the gateway's key cache TTL)
+    # revoked keys stop working (within the gateway's key cache TTL, key_cache_s=1 here)
     out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "revoke", "alice"], env=fleet.env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    await asyncio.sleep(5.5)
+    await asyncio.sleep(1.5)
     async with httpx.AsyncClient() as http:
         r = await http.post(gw.http + "/v1/completions", json={"prompt": "hi"},
                             headers={"Authorization": f"Bearer {key}"})

@@ -19,8 +19,10 @@ from redis.crc import key_slot
 
 from streamfleet.launcher import EmbeddedCluster
 from streamfleet.shared.keys import Keys
-from tests.integration.conftest import FleetFactory
-from tests.integration.wsclient import Client
+from tests.support.fleet import FleetFactory
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # cluster primaries killed, failovers
 
 
 def _port_of(client, slot: int) -> int:

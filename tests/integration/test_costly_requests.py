@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
 from tests.support.keys import add_key
 
 TIERS = ('{"victim": {"requests_per_minute": 6000, "burst": 100, "max_streams": null, "max_lane": "normal"},'

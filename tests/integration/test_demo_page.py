@@ -34,6 +34,8 @@ try:
 except ImportError:  # the browser tests skip (see the launch fixture)
     expect = None
 
+pytestmark = pytest.mark.slow  # a real headless Chromium
+
 DEMO_SCREENSHOT = Path("/tmp/streamfleet-demo.png")
 #: the echo engine's step time: 200 tokens take about 5 s, so Stop always lands mid-stream
 #: (tiny-gpt itself writes 200 tokens in well under a second on a CPU, too fast to stop reliably)

@@ -22,8 +22,8 @@ import websockets
 
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.integration.conftest import FleetFactory
-from tests.integration.test_auth_limits import add_key
+from tests.support.fleet import FleetFactory
+from tests.support.keys import add_key
 
 #: the HTTP/2 client preface and an empty SETTINGS frame: a connection that opens no call
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -197,6 +197,7 @@ def test_request_line_and_header_count_limits(edge):
     assert _status(response) == 401, response[:300]  # auth is on: the head was read whole
 
 
+@pytest.mark.slow
 def test_a_head_that_does_not_arrive_in_time_is_closed(edge):
     """SF_HEADER_TIMEOUT_S (1 s here): half a request line gets 408 and a close; a
     connection that sends nothing is closed; a kept-alive connection that drips its next
@@ -312,6 +313,7 @@ def grpc_capped(grpc_factory):
     return grpc_factory.gateway(grpc_max_connections=4, grpc_max_connection_idle_s=60.0, header_timeout_s=30.0)
 
 
+@pytest.mark.slow
 async def test_more_calls_than_the_stream_limit_on_one_channel_all_complete(grpc_edge):
     """300 concurrent calls on one channel against SF_GRPC_MAX_CONCURRENT_STREAMS (256):
     the client queues the rest until streams end. None is reset (issue 36, item 9: about 40
@@ -356,6 +358,7 @@ async def test_grpc_metadata_connections_handshake_and_idle_are_bounded(grpc_edg
 
 
 
+@pytest.mark.slow
 async def test_grpc_connections_past_the_cap_are_closed_at_once(grpc_capped):
     # SF_GRPC_MAX_CONNECTIONS (4): a fifth connection is closed at once, without a handshake
     held = [_connect(grpc_capped.grpc_port) for _ in range(4)]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.integration.wsclient import Client
+import pytest
+
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # a flood on one lane against a real worker
 
 
 async def test_normal_lane_gets_its_share_under_a_high_flood(fleet, rds, key_prefix):

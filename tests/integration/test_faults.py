@@ -12,7 +12,9 @@ import orjson
 import pytest
 import websockets
 
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # kills, drains and resumes: fresh processes each
 
 SLOW = dict(backend="echo", echo_delay_ms=30)
 RECLAIM = dict(claim_idle_ms=1000, reclaim_interval_s=0.2)

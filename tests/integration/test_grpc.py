@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from streamfleet.shared.schema import LogEntry, TokenEvent
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.integration.test_auth_limits import TIERS, add_key
-from tests.integration.wsclient import Client
+from tests.support.keys import TIERS, add_key
+from tests.support.wsclient import Client
 
 PROMPT = "Once upon a time"
 SERVICE = "streamfleet.v1.Inference"
@@ -97,6 +97,7 @@ def status_details(err: grpc.aio.AioRpcError) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_same_seed_same_text_over_websocket_sse_and_grpc(fleet):
     gw = fleet.gateway()
@@ -136,6 +137,7 @@ async def test_same_seed_same_text_over_websocket_sse_and_grpc(fleet):
     assert all(f.id == "s" for f in frames)
 
 
+@pytest.mark.slow
 async def test_many_requests_on_one_stream_call_with_cancel_and_bad_frames(fleet):
     gw = fleet.gateway(max_inflight_per_connection=40)
     fleet.worker(backend="echo", echo_delay_ms=5)
@@ -238,6 +240,7 @@ async def test_every_error_code_from_its_bad_input(fleet, rds, key_prefix):
     assert rds.xinfo_stream(lane)["entries-added"] == 2
 
 
+@pytest.mark.slow
 async def test_rate_limit_is_resource_exhausted_with_retry_info(fleet):
     tiers = '{"test": {"requests_per_minute": 1, "burst": 2, "max_streams": null, "max_lane": "normal"}}'
     gw = fleet.gateway(auth_enabled="true", tiers=tiers)
@@ -254,6 +257,7 @@ async def test_rate_limit_is_resource_exhausted_with_retry_info(fleet):
     assert 0 < retry <= 60_000 and status_details(codes[2].error)["retry_ms"] == retry
 
 
+@pytest.mark.slow
 async def test_a_revoked_key_ends_its_calls(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TIERS, key_cache_s=1)
     fleet.worker(backend="echo", echo_delay_ms=20)
@@ -283,6 +287,7 @@ async def _drain(call) -> None:
         pass
 
 
+@pytest.mark.slow
 async def test_cancelled_call_frees_the_worker_slot(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)
@@ -325,6 +330,7 @@ async def test_deadline_shorter_than_the_queue_wait(fleet, rds, key_prefix):
     assert not [e for e in events if isinstance(e, TokenEvent)], events
 
 
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_resume_on_another_gateway_after_the_first_dies(fleet):
     a, b = fleet.gateway(), fleet.gateway()
@@ -362,6 +368,7 @@ async def test_resume_on_another_gateway_after_the_first_dies(fleet):
     assert other.code == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.slow
 async def test_health_flips_to_not_serving_while_draining_and_reflection_lists_the_service(fleet):
     gw = fleet.gateway(drain_timeout_s=20)
     async with channel(gw) as ch:
@@ -408,8 +415,9 @@ async def test_health_flips_to_not_serving_while_draining_and_reflection_lists_t
     assert gw.popen.wait(20) == 0
 
 
+@pytest.mark.slow
 async def test_broker_outage_is_unavailable(own_redis, tiny_spec, tmp_path):
-    from tests.integration.conftest import FleetFactory
+    from tests.support.fleet import FleetFactory
 
     fleet = FleetFactory(own_redis.url, "sfgrpc", tmp_path)
     try:
@@ -424,6 +432,7 @@ async def test_broker_outage_is_unavailable(own_redis, tiny_spec, tmp_path):
         fleet.close()
 
 
+@pytest.mark.slow
 async def test_traceparent_names_the_request_in_gateway_and_worker_logs(fleet):
     gw = fleet.gateway()
     worker = fleet.worker(backend="echo")

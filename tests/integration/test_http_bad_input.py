@@ -19,9 +19,9 @@ import redis
 from websockets.sync.client import connect
 
 from streamfleet.launcher import EmbeddedRedis
-from tests.integration.conftest import FleetFactory
-from tests.integration.rawws import RawWebSocket
-from tests.integration.wsclient import Client
+from tests.support.fleet import FleetFactory
+from tests.support.rawws import RawWebSocket
+from tests.support.wsclient import Client
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -245,6 +245,7 @@ def test_frame_limit_counts_utf8_bytes(fleet):
     raw.close()
 
 
+@pytest.mark.slow
 async def test_readyz_waits_for_the_pubsub_connection(own_redis, tiny_spec, tmp_path):
     """Redis restarts: /readyz must not say ready before this gateway's pub/sub
     connection is back, since no WebSocket or HTTP request can get its events until then."""
@@ -305,6 +306,7 @@ async def test_readyz_waits_for_the_pubsub_connection(own_redis, tiny_spec, tmp_
             restarted.stop()
 
 
+@pytest.mark.slow
 async def test_readyz_is_503_while_pubsub_is_refused(own_redis, tiny_spec, tmp_path):
     """Redis up and answering, workers live, but this gateway's pub/sub connection cannot
     come back (here: an ACL that denies every channel, so SUBSCRIBE fails): not ready,
@@ -352,7 +354,7 @@ def test_gateway_raises_its_open_files_limit(fleet, tmp_path):
     import subprocess
     import sys
 
-    from tests.integration.conftest import REPO
+    from tests.support.fleet import REPO
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard <= 1024:

@@ -12,17 +12,11 @@ import orjson
 import pytest
 
 from streamfleet.launcher import free_port
-from tests.integration.wsclient import Client
+from tests.support.metrics import value
+from tests.support.wsclient import Client
 
 
-def value(text: str, name: str, **labels) -> float:
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {labels} not in metrics")
-
-
+@pytest.mark.slow
 async def test_metrics_and_trace_ids(fleet):
     gw = fleet.gateway()
     port = free_port()
@@ -119,13 +113,14 @@ def test_api_docs_on_request(fleet):
         assert r.status_code == 200 and "text/html" in r.headers["content-type"], path
 
 
+@pytest.mark.slow
 async def test_worker_healthz_sees_a_step_that_does_not_finish(fleet):
     """/metrics answers through a hang (its own thread); /healthz on the same port says
     503 once sequences are in flight and no step has finished for SF_WORKER_STALL_S."""
     import httpx as _httpx
 
     from streamfleet.launcher import free_port
-    from tests.integration.wsclient import Client
+    from tests.support.wsclient import Client
 
     gw = fleet.gateway()
     port = free_port()

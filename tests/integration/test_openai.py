@@ -12,20 +12,24 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
 
 
-@pytest.fixture
-def fleet_up(fleet):
+@pytest.fixture(scope="module")
+def fleet_up(module_fleets):
+    """A gateway and a tiny-gpt worker, shared by the module's tests that only send requests."""
+    fleet = module_fleets()
     gw = fleet.gateway()
     fleet.worker()
     return gw
 
 
-@pytest.fixture
-def slow_fleet(fleet):
+@pytest.fixture(scope="module")
+def slow_fleet(module_fleets):
     """A worker on the echo engine at 20 ms a step: generations last long enough to
-    observe them mid-way, whatever the machine's speed."""
+    observe them mid-way, whatever the machine's speed. Shared by the module's tests, each
+    of which leaves no request pending behind it; its lanes are under ``slow_fleet.prefix``."""
+    fleet = module_fleets()
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)
     return gw
@@ -82,6 +86,7 @@ async def test_sdk_async_streaming_with_priority_header(fleet_up):
     await client.close()
 
 
+@pytest.mark.slow
 def test_parameters_streamfleet_does_not_implement_are_refused_by_name(fleet, rds, key_prefix):
     """Never silently wrong: a request that asks for tools, stored completions or anything
     else streamfleet does not implement gets 400 naming the parameter, on the OpenAI door
@@ -169,8 +174,8 @@ async def test_same_bad_input_same_code_on_both_protocols(fleet_up):
     await c.close()
 
 
-def test_sse_headers_and_first_token_before_last_is_generated(slow_fleet, rds, key_prefix):
-    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+def test_sse_headers_and_first_token_before_last_is_generated(slow_fleet, rds):
+    lane = f"{slow_fleet.prefix}:{{tiny-gpt}}:tasks:normal"
     body = {"model": "tiny-gpt", "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
             "ignore_eos": True, "seed": 9}
     with httpx.stream("POST", slow_fleet.http + "/v1/completions", json=body, timeout=60) as r:
@@ -190,6 +195,7 @@ def test_sse_headers_and_first_token_before_last_is_generated(slow_fleet, rds, k
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert orjson.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    _wait_pending(rds, lane, 0, 10)  # acked: the module's next test sees only its own request
 
 
 def test_sse_keepalive_comment(fleet):
@@ -213,8 +219,8 @@ def _wait_pending(rds, lane: str, want: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_sse_disconnect_cancels_and_frees_the_slot(slow_fleet, rds, key_prefix):
-    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+def test_sse_disconnect_cancels_and_frees_the_slot(slow_fleet, rds):
+    lane = f"{slow_fleet.prefix}:{{tiny-gpt}}:tasks:normal"
     body = {"prompt": "Once upon a time", "max_tokens": 240, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", slow_fleet.http + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -225,8 +231,8 @@ def test_sse_disconnect_cancels_and_frees_the_slot(slow_fleet, rds, key_prefix):
     assert _wait_pending(rds, lane, 0, 5) < 2.0
 
 
-def test_unstreamed_disconnect_cancels_and_frees_the_slot(slow_fleet, rds, key_prefix):
-    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+def test_unstreamed_disconnect_cancels_and_frees_the_slot(slow_fleet, rds):
+    lane = f"{slow_fleet.prefix}:{{tiny-gpt}}:tasks:normal"
     body = orjson.dumps({"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True})
     sock = socket.create_connection(("127.0.0.1", slow_fleet.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

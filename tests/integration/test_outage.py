@@ -8,12 +8,15 @@ import signal
 import time
 
 import httpx
+import pytest
 import redis
 
 from streamfleet.launcher import EmbeddedRedis
 from streamfleet.shared.schema import SamplingParams, Task
-from tests.integration.conftest import FleetFactory
-from tests.integration.wsclient import Client
+from tests.support.fleet import FleetFactory
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # a Redis of its own stopped and restarted per test
 
 
 async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_spec, tmp_path):

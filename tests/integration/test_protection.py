@@ -5,15 +5,30 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+from types import SimpleNamespace
 
 import orjson
 import pytest
 import websockets
 
-from tests.integration.rawws import RawWebSocket
-from tests.integration.wsclient import Client
+from tests.support.rawws import RawWebSocket
+from tests.support.wsclient import Client
 
 
+@pytest.fixture(scope="module")
+def shared(module_fleets):
+    """Gateways that differ only in their origin and compression settings, with one echo
+    worker, shared by the module's tests that only connect and send requests: ``plain``
+    (defaults: same origin only), ``listed`` (SF_ALLOWED_ORIGINS=http://good.example),
+    ``star`` (``*``) and ``squeezed`` (SF_WS_COMPRESSION on)."""
+    fleet = module_fleets()
+    gws = SimpleNamespace(plain=fleet.gateway(), listed=fleet.gateway(allowed_origins="http://good.example"),
+                          star=fleet.gateway(allowed_origins="*"), squeezed=fleet.gateway(ws_compression="true"))
+    fleet.worker(backend="echo")
+    return gws
+
+
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_backpressure_refuses_at_threshold_and_accepted_work_completes(fleet, rds, key_prefix):
     # capacity 10 → refusals from a backlog of 8; offered: 30 = 3x the lane's capacity
@@ -34,6 +49,7 @@ async def test_backpressure_refuses_at_threshold_and_accepted_work_completes(fle
     assert rds.xlen(f"{key_prefix}:{{tiny-gpt}}:tasks:normal") == 0
 
 
+@pytest.mark.slow
 async def test_http_overload_is_429_with_retry_after(fleet):
     import httpx
 
@@ -50,6 +66,7 @@ async def test_http_overload_is_429_with_retry_after(fleet):
     assert codes.count(429) == 2  # threshold 80% of 2 → 1 accepted
 
 
+@pytest.mark.slow
 async def test_queue_deadline_expired_task_is_not_run(fleet):
     gw = fleet.gateway()
     c = await Client.connect(gw.ws)
@@ -91,6 +108,7 @@ async def test_idle_connection_is_closed(fleet):
     assert 0.4 < time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 async def test_connection_busy_is_not_idle_and_max_age_closes(fleet):
     gw = fleet.gateway(ws_idle_timeout_s=0.5, ws_max_age_s=2.5, ws_max_age_grace_s=5)
     fleet.worker(backend="echo", echo_delay_ms=50)
@@ -112,8 +130,8 @@ async def test_max_age_closes_with_1001(fleet):
     assert e.value.rcvd.code == 1001 and "age" in e.value.rcvd.reason
 
 
-async def test_origin_allowlist(fleet):
-    gw = fleet.gateway(allowed_origins="http://good.example")
+async def test_origin_allowlist(shared):
+    gw = shared.listed
     bad = await websockets.connect(gw.ws, origin="http://evil.example")
     assert orjson.loads(await bad.recv())["code"] == "forbidden"
     with pytest.raises(websockets.ConnectionClosed) as e:
@@ -144,26 +162,22 @@ async def _ws_origin_outcome(url: str, origin: str | None) -> str:
         await ws.close()
 
 
-async def test_websockets_same_origin_only_by_default(fleet):
+async def test_websockets_same_origin_only_by_default(shared):
     """SF_ALLOWED_ORIGINS empty: a browser page may open a WebSocket only to the gateway
     that served it; clients without an Origin header are not concerned."""
-    gw = fleet.gateway()
+    gw = shared.plain
     assert await _ws_origin_outcome(gw.ws, None) == "pong"
     assert await _ws_origin_outcome(gw.ws, f"http://127.0.0.1:{gw.port}") == "pong"
     for other in ("http://evil.example", f"http://127.0.0.1:{gw.port + 1}", f"https://127.0.0.1:{gw.port}",
                   f"http://localhost:{gw.port}", "null"):
         assert await _ws_origin_outcome(gw.ws, other) == "forbidden", other
-    star = fleet.gateway(allowed_origins="*")
-    assert await _ws_origin_outcome(star.ws, "http://evil.example") == "pong"
+    assert await _ws_origin_outcome(shared.star.ws, "http://evil.example") == "pong"
 
 
-async def test_http_posts_follow_the_origin_rule(fleet, rds, key_prefix):
+async def test_http_posts_follow_the_origin_rule(shared):
     import httpx
 
-    gw = fleet.gateway()
-    listed = fleet.gateway(allowed_origins="http://good.example")
-    star = fleet.gateway(allowed_origins="*")
-    fleet.worker(backend="echo")
+    gw, listed, star = shared.plain, shared.listed, shared.star
     body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True}
 
@@ -236,6 +250,7 @@ def test_frame_limits_and_invalid_utf8(fleet):
     raw.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
     """A client that never reads: the socket buffers fill, the gateway's writes block
     (backpressure, nothing piles up without bound in the socket layer), the keepalive
@@ -272,12 +287,11 @@ def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
     raw.close()
 
 
-async def test_per_message_deflate_is_declined_unless_enabled_then_small(fleet):
+async def test_per_message_deflate_is_declined_unless_enabled_then_small(shared):
     """Browsers offer per-message deflate; a gateway declines it by default (a token frame
     is ~55 bytes, the zlib state ~17 KiB per connection) and accepts it with 512-byte
     windows when SF_WS_COMPRESSION is on (docs/operations.md, "Idle connections")."""
-    plain, squeezed = fleet.gateway(), fleet.gateway(ws_compression="true")
-    fleet.worker(backend="echo")
+    plain, squeezed = shared.plain, shared.squeezed
     for gw, agreed in ((plain, False), (squeezed, True)):
         async with websockets.connect(gw.ws, compression="deflate") as ws:
             ext = ws.response.headers.get("Sec-WebSocket-Extensions") or ""
@@ -292,14 +306,12 @@ async def test_per_message_deflate_is_declined_unless_enabled_then_small(fleet):
             assert frames[-1]["type"] == "done" and sum(f["type"] == "token" for f in frames) == 24, frames[-1]
 
 
-def test_frames_written_straight_to_the_socket_are_whole_unmasked_text_frames(fleet):
+def test_frames_written_straight_to_the_socket_are_whole_unmasked_text_frames(shared):
     """A JSON frame goes straight to the socket (``LeanWebSocketProtocol.send_text_frame``,
     gateway/server.py): each is one final, unmasked text frame whose length takes the
     7-bit form below 126 bytes and the 16-bit form from 126 on (RFC 6455 §5.2), and
     carries one whole JSON document."""
-    gw = fleet.gateway()
-    fleet.worker(backend="echo")
-    raw = RawWebSocket("127.0.0.1", gw.port)
+    raw = RawWebSocket("127.0.0.1", shared.plain.port)
     raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "a", "prompt": "Once upon a time", "max_tokens": 8,
                                       "ignore_eos": True, "logprobs": True, "top_logprobs": 5}))
     raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "b", "prompt": "Once", "max_tokens": 8,

@@ -29,8 +29,10 @@ from streamfleet.shared.modelrepo import load_tokenizer
 from streamfleet.shared.redis import sync_client
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
 from tests.support.smollm2 import GGUF, MODEL, SPEC, private_repository
+
+pytestmark = pytest.mark.slow  # the real SmolLM2 model served
 
 if not GGUF.is_file():
     pytest.skip(f"{GGUF} is not cached (streamfleet serve fetches it)", allow_module_level=True)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # real architectures imported and served
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "archs"
 

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # a model reloaded under load
 
 
 @pytest.fixture

@@ -13,8 +13,10 @@ import pytest
 import websockets
 
 from streamfleet.launcher import EmbeddedRedis
-from tests.integration.conftest import FleetFactory
-from tests.integration.wsclient import Client
+from tests.support.fleet import FleetFactory
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # dead gateways, takeovers and Redis stalls: fresh processes each
 
 PROMPT = "Once upon a time there was a fleet"
 

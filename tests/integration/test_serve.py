@@ -17,6 +17,8 @@ import pytest
 from streamfleet.launcher import DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server, free_port, redis_server_version
 from streamfleet.shared.modelrepo import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # the whole streamfleet serve started as a user runs it
+
 
 def _descendants(pid: int) -> list[psutil.Process]:
     try:

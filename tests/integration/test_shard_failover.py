@@ -30,7 +30,9 @@ import redis
 from redis.crc import key_slot
 
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, connect
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
+
+pytestmark = pytest.mark.slow  # a cluster of its own with a shard killed per test
 
 PROMPT = "Once upon a time there was a fleet"
 

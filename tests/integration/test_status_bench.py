@@ -26,6 +26,7 @@ def sf(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_status_json_shows_lanes_worker_gateway_and_dead_letters(fleet, rds, key_prefix):
     worker = fleet.worker(backend="echo")
     gw = fleet.gateway()
@@ -83,6 +84,7 @@ def test_status_marks_stale_workers_and_shows_backlog(fleet, rds, key_prefix):
     assert "STALE" in res.stdout
 
 
+@pytest.mark.slow
 def test_status_counts_the_workers_reading_each_lane(fleet, rds, key_prefix):
     """A lane's consumers are its live workers, including a speech worker that has had no
     utterance yet (Redis adds a group consumer only at its first delivery), and not a
@@ -135,10 +137,18 @@ def check_bench_json(out: dict, transport: str, requests: int, max_tokens: int) 
     assert isinstance(out["sample"], str) and out["sample"], "the first request's text is shown"
 
 
-@pytest.mark.parametrize("transport", ["ws", "sse", "grpc"])
-def test_bench_json(fleet, transport):
+@pytest.fixture(scope="module")
+def bench_fleet(module_fleets):
+    """``(fleet, gateway)``: an echo worker and a gateway shared by the bench runs that only
+    send requests to them."""
+    fleet = module_fleets()
     fleet.worker(backend="echo")
-    gw = fleet.gateway()
+    return fleet, fleet.gateway()
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse", "grpc"])
+def test_bench_json(bench_fleet, transport):
+    fleet, gw = bench_fleet
     res = sf(["bench", "--url", gw.http, "--grpc-target", gw.grpc, "--transport", transport, "--requests", "20",
               "--concurrency", "4", "--max-tokens", "8", "--json"], fleet.env())
     assert res.returncode == 0, res.stderr + res.stdout
@@ -148,10 +158,9 @@ def test_bench_json(fleet, transport):
     assert out["config"].get("grpc_target") == (gw.grpc if transport == "grpc" else None)
 
 
-def test_bench_compares_transports(fleet):
+def test_bench_compares_transports(bench_fleet, tmp_path):
     """``--transport ws,sse,grpc``: the same load over each in turn, one table."""
-    fleet.worker(backend="echo")
-    gw = fleet.gateway()
+    fleet, gw = bench_fleet
     args = ["bench", "--url", gw.http, "--grpc-target", gw.grpc, "--transport", "sse,grpc,ws", "--requests", "12",
             "--concurrency", "3", "--max-tokens", "6"]
     res = sf([*args, "--json"], fleet.env())
@@ -169,7 +178,7 @@ def test_bench_compares_transports(fleet):
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
         assert row["ratios"]["tokens_per_s"] == pytest.approx(row["tokens_per_s"] / rows["ws"]["tokens_per_s"])
 
-    res = sf([*args, "--png", str(fleet.tmp / "cmp.png")], fleet.env())
+    res = sf([*args, "--png", str(tmp_path / "cmp.png")], fleet.env())
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == f"streamfleet bench: sse, grpc, ws -> {gw.http}, gRPC {gw.grpc}"
@@ -177,9 +186,10 @@ def test_bench_compares_transports(fleet):
     table = [ln.split() for ln in lines if ln.split()[:1] in (["ws"], ["sse"], ["grpc"])]
     assert [(row[0], row[1], row[2]) for row in table] == [("sse", "12", "0"), ("grpc", "12", "0"), ("ws", "12", "0")]
     assert table[2][-3:] == ["1.00", "1.00", "1.00"]
-    assert (fleet.tmp / "cmp.png").exists() or "matplotlib is not installed" in res.stderr
+    assert (tmp_path / "cmp.png").exists() or "matplotlib is not installed" in res.stderr
 
 
+@pytest.mark.slow
 def test_bench_grpc_api_key_and_error_codes(fleet):
     """Over gRPC the key goes as ``authorization`` metadata, and a refusal counts under the
     fleet's error code (the ``streamfleet-error-code`` trailer), as over SSE (a WebSocket
@@ -201,16 +211,15 @@ def test_bench_grpc_api_key_and_error_codes(fleet):
     assert [run["errors"] for run in out["runs"]] == [{"unauthorized": 4}, {"unauthorized": 4}]
 
 
-def test_bench_open_loop_mixed_lanes_text_report(fleet):
-    fleet.worker(backend="echo")
-    gw = fleet.gateway()
+def test_bench_open_loop_mixed_lanes_text_report(bench_fleet, tmp_path):
+    fleet, gw = bench_fleet
     res = sf(["bench", "--url", gw.ws, "--rate", "50", "--requests", "10", "--concurrency", "2", "--max-tokens",
-              "4", "--lane", "mixed", "--png", str(fleet.tmp / "lat.png")], fleet.env())
+              "4", "--lane", "mixed", "--png", str(tmp_path / "lat.png")], fleet.env())
     assert res.returncode == 0, res.stderr
     assert "10 ok, 0 failed" in res.stdout and "open loop at 50 req/s" in res.stdout
     assert "TTFT" in res.stdout and "errors    none" in res.stdout
     # the plot is written when matplotlib is there, else a message says why not
-    assert (fleet.tmp / "lat.png").exists() or "matplotlib is not installed" in res.stderr
+    assert (tmp_path / "lat.png").exists() or "matplotlib is not installed" in res.stderr
 
 
 def test_bench_unreachable_gateway_exits_nonzero(fleet):

@@ -11,9 +11,10 @@ import pytest
 import websockets
 
 from streamfleet.shared.schema import Wake
-from tests.integration.wsclient import Client
+from tests.support.wsclient import Client
 
 
+@pytest.mark.slow
 async def test_health_and_ready(fleet):
     """Readiness is the gateway's (and its Redis'): ready with no worker, listing the
     workers it sees. Requests queue for a worker within SF_NO_WORKER_GRACE_S and are
@@ -47,6 +48,7 @@ async def test_health_and_ready(fleet):
             assert [r.status_code for r in burst] == [200] * 12, [r.text for r in burst if r.status_code != 200]
 
 
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_one_request_streams_in_order(fleet, rds, key_prefix):
     gw = fleet.gateway()
@@ -73,10 +75,17 @@ async def test_one_request_streams_in_order(fleet, rds, key_prefix):
     await c.close()
 
 
-async def test_same_seed_same_text_and_chat_messages(fleet):
+@pytest.fixture(scope="module")
+def shared_gw(module_fleets):
+    """A gateway and a tiny-gpt worker shared by the module's tests that only send requests."""
+    fleet = module_fleets()
     gw = fleet.gateway()
     fleet.worker()
-    c = await Client.connect(gw.ws)
+    return gw
+
+
+async def test_same_seed_same_text_and_chat_messages(shared_gw):
+    c = await Client.connect(shared_gw.ws)
     a = await c.generate("a", "The fleet", max_tokens=24, temperature=0.9, top_p=0.9, seed=42)
     b = await c.generate("b", "The fleet", max_tokens=24, temperature=0.9, top_p=0.9, seed=42)
     assert a.text == b.text and len(a.tokens) == len(b.tokens)
@@ -139,10 +148,8 @@ async def test_invalid_frames_get_errors_and_nothing_is_enqueued(fleet, rds, key
         assert not rds.exists(f"{key_prefix}:{{tiny-gpt}}:tasks:{lane}")
 
 
-async def test_duplicate_in_flight_id_is_refused(fleet):
-    gw = fleet.gateway()
-    fleet.worker()
-    c = await Client.connect(gw.ws)
+async def test_duplicate_in_flight_id_is_refused(shared_gw):
+    c = await Client.connect(shared_gw.ws)
     fut = c.start("dup", "Once upon a time", max_tokens=60, temperature=0, ignore_eos=True)
     await asyncio.sleep(0)
     await c.send({"type": "generate", "id": "dup", "prompt": "again"})
@@ -153,6 +160,7 @@ async def test_duplicate_in_flight_id_is_refused(fleet):
     await c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     gw = fleet.gateway()
@@ -191,6 +199,7 @@ def _worker_sockets(rds, suffix: str) -> list[dict]:
             and cl["name"].endswith(suffix)]
 
 
+@pytest.mark.slow
 async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, rds):
     c = await _warm_fleet(fleet, 20)
 
@@ -217,6 +226,7 @@ async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, 
     await c.close()
 
 
+@pytest.mark.slow
 async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss(fleet, rds):
     """An idle worker blocks on its lanes on a socket named ``sf-worker-<id>-reads``
     (its batches keep ``-commands`` to themselves); killed mid-wait, it is opened again
@@ -244,6 +254,7 @@ async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss
     await c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.both_brokers
 async def test_32_clients_mixed_lanes_match_single_runs(fleet):
     gw = fleet.gateway()
@@ -282,6 +293,7 @@ async def test_32_clients_mixed_lanes_match_single_runs(fleet):
     assert n == 96
 
 
+@pytest.mark.slow
 async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefix):
     gw = fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)  # slow enough to cancel mid-way
@@ -300,6 +312,7 @@ async def test_requests_on_closed_connection_are_cancelled(fleet, rds, key_prefi
     assert rds.xpending(lane, "workers")["pending"] == 0
 
 
+@pytest.mark.slow
 async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds, key_prefix):
     """The gateway queues through EVALSHA; a Redis that lost its scripts (restart, SCRIPT
     FLUSH) gets the script again instead of refusing work. Every queued task is announced
@@ -324,6 +337,7 @@ async def test_enqueue_survives_a_script_flush_and_wakes_busy_workers(fleet, rds
     await c.close()
 
 
+@pytest.mark.slow
 async def test_connections_submit_on_their_process_shared_channel(fleet, rds, key_prefix):
     """The requests that WebSocket connections submit are answered on one channel per
     gateway process (docs/architecture.md, "Reply channels"): a worker's step reaches

@@ -11,14 +11,16 @@ import time
 
 import httpx
 import orjson
+import pytest
 import websockets
 
-from tests.integration.test_auth_limits import TIERS, add_key
-from tests.integration.wsclient import Client
+from tests.support.keys import TIERS, add_key
+from tests.support.wsclient import Client
 
 PROMPT = "Once upon a time there was a fleet"
 
 
+@pytest.mark.slow
 async def test_another_key_cannot_resume_replay_or_cancel_a_request(fleet):
     a_gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
     b_gw = fleet.gateway(auth_enabled="true", tiers=TIERS)
@@ -125,6 +127,7 @@ async def _closed(ws) -> tuple[list[dict], int]:
         return frames, exc.rcvd.code if exc.rcvd else None
 
 
+@pytest.mark.slow
 async def test_with_auth_off_only_the_resume_token_resumes(fleet):
     a_gw, b_gw = fleet.gateway(), fleet.gateway()
     fleet.worker(backend="echo", echo_delay_ms=20)
@@ -156,6 +159,7 @@ async def test_with_auth_off_only_the_resume_token_resumes(fleet):
         await c.close()
 
 
+@pytest.mark.slow
 async def test_resumes_are_charged_to_the_rate_limit(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
     fleet.worker(backend="echo")
@@ -175,6 +179,7 @@ async def test_resumes_are_charged_to_the_rate_limit(fleet):
     await c.close()
 
 
+@pytest.mark.slow
 async def test_a_stream_slot_is_held_until_the_request_really_ends(fleet, rds):
     gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS, ws_resume_grace_s=3)
     fleet.worker(backend="echo", echo_delay_ms=20)
@@ -221,6 +226,7 @@ async def test_a_stream_slot_is_held_until_the_request_really_ends(fleet, rds):
     await c.close()
 
 
+@pytest.mark.slow
 async def test_revoking_a_key_ends_its_open_connections_and_streams(fleet):
     a_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS, key_cache_s=1)
     b_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS, key_cache_s=1)
@@ -257,6 +263,7 @@ async def http_post(gw, key: str) -> httpx.Response:
                                headers={"Authorization": f"Bearer {key}"})
 
 
+@pytest.mark.slow
 async def test_revoking_a_key_ends_its_sse_stream(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS, key_cache_s=1)
     fleet.worker(backend="echo", echo_delay_ms=50)
@@ -278,6 +285,7 @@ async def test_revoking_a_key_ends_its_sse_stream(fleet):
     assert text.count("data: {") < 300  # ended well before its 400 tokens
 
 
+@pytest.mark.slow
 async def test_connections_per_key_are_capped_across_gateways(fleet):
     a_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
     b_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
@@ -302,6 +310,7 @@ async def test_connections_per_key_are_capped_across_gateways(fleet):
         await ws.close()
 
 
+@pytest.mark.slow
 async def test_the_rate_limit_is_charged_before_the_prompt_is_tokenized(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
     fleet.worker(backend="echo")
@@ -321,6 +330,7 @@ async def test_the_rate_limit_is_charged_before_the_prompt_is_tokenized(fleet):
     await c.close()
 
 
+@pytest.mark.slow
 async def test_tier_ceilings_on_max_tokens_and_timeout(fleet):
     gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS, default_max_tokens=64)
     fleet.worker(backend="echo")

@@ -14,10 +14,11 @@ import websockets
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
 from streamfleet.launcher import free_port
-from tests.integration.test_auth_limits import add_key
-from tests.integration.test_metrics import value
+from tests.support.keys import add_key
+from tests.support.metrics import value
 
-pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
+pytestmark = [pytest.mark.slow,  # speech synthesized by flite through the whole fleet
+              pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")]
 
 CHUNK_MS = 20
 BYTES_PER_MS = 32
@@ -462,7 +463,7 @@ async def test_a_gateway_that_dies_stops_its_utterances(fleet, rds, key_prefix):
 
 async def test_redis_outage_ends_utterances_clearly_and_voice_resumes(own_redis, tmp_path):
     from streamfleet.launcher import EmbeddedRedis
-    from tests.integration.conftest import FleetFactory
+    from tests.support.fleet import FleetFactory
 
     fleet = FleetFactory(own_redis.url, "sfvoice", tmp_path)
     restarted = None

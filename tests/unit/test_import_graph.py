@@ -131,3 +131,51 @@ def test_product_code_runs_no_module_of_an_uninstalled_folder():
                     and " " not in node.value and "/" not in node.value:
                 bad.append(f"{name}: {node.value!r}")
     assert not bad, bad
+
+
+def _test_imports_of(path: Path, text: str) -> list[str]:
+    """What one test-tree file imports from a test module or a conftest (issue 38: helpers
+    imported from one test file into another): shared helpers live in tests/support/."""
+    pkg = list(path.relative_to(REPO).parent.parts) if path.is_relative_to(REPO) else ["tests"]
+    bad = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            mods, names = [a.name for a in node.names], []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            mods, names = [mod], [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for m in mods + names:
+            parts = m.split(".")
+            if parts[0] == "tests" and any(p.startswith("test_") or p == "conftest" for p in parts[1:]):
+                bad.append(m)
+        for m in mods:  # `from test_core import ...` through pytest's rootdir on sys.path
+            if "." not in m and (m.startswith("test_") or m == "conftest"):
+                bad.append(m)
+    return sorted(set(bad))
+
+
+def test_no_test_file_imports_from_another_test_file():
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        found = _test_imports_of(path, path.read_text())
+        bad += [f"{path.relative_to(REPO)} imports {m}" for m in found]
+    assert not bad, "move shared test helpers to tests/support/: " + "; ".join(bad)
+
+
+def test_the_test_import_check_sees_each_form():
+    here = REPO / "tests" / "integration" / "test_x.py"
+    assert _test_imports_of(here, "from tests.unit.test_core import make_core") == ["tests.unit.test_core",
+                                                                                  "tests.unit.test_core.make_core"]
+    assert _test_imports_of(here, "import tests.deploy.test_deploy_configs") == ["tests.deploy.test_deploy_configs"]
+    assert _test_imports_of(here, "from tests.integration import test_metrics") == ["tests.integration.test_metrics"]
+    assert _test_imports_of(here, "from .test_auth_limits import TIERS") == ["tests.integration.test_auth_limits",
+                                                                           "tests.integration.test_auth_limits.TIERS"]
+    assert _test_imports_of(here, "from tests.integration.conftest import FleetFactory")
+    assert _test_imports_of(here, "from test_core import make_core") == ["test_core"]
+    assert _test_imports_of(here, "from tests.support.keys import add_key\nimport pytest") == []

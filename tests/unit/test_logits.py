@@ -10,7 +10,7 @@ import pytest
 
 from streamfleet.shared.schema import SamplingParams
 from streamfleet.workers.logits import Logprobs, Penalties, TokenTable, process
-from tests.unit.test_core import EOS, Log, make_core, task
+from tests.support.toy_core import EOS, Log, make_core, task
 
 VOCAB = 300
 

@@ -87,12 +87,14 @@ def corpus_wer(finals: list[str]) -> float:
 # -- recognition ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_ms", [20, 100])
 def test_wer_through_the_streaming_interface(streamed, chunk_ms):
     finals = [final for final, _ in streamed(chunk_ms)]
     assert corpus_wer(finals) <= 0.20, list(zip(SENTENCES, finals))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_ms", [20, 100])
 def test_partials_arrive_before_the_final_and_the_final_is_no_worse(streamed, chunk_ms):
     for sentence, (final, hyps) in zip(SENTENCES, streamed(chunk_ms)):
@@ -103,6 +105,7 @@ def test_partials_arrive_before_the_final_and_the_final_is_no_worse(streamed, ch
         assert wer(sentence, final) <= wer(sentence, hyps[-1]), (sentence, final, hyps[-1])
 
 
+@pytest.mark.slow
 def test_a_reused_decoder_gives_what_a_fresh_one_gives(streamed):
     """Every begin() starts from the model's initial state: neither the cepstral mean nor
     the noise estimate of earlier utterances (nor an aborted one) changes the text."""
@@ -195,6 +198,7 @@ def test_calls_out_of_order_are_refused(engine):
         engine.release(dec)
 
 
+@pytest.mark.slow
 def test_a_long_utterance_keeps_the_streaming_final():
     """Past final_pass_max_s the audio is no longer kept: the final comes from the
     streaming pass, and the decoder is fine for the next utterance."""
@@ -212,6 +216,7 @@ def test_a_long_utterance_keeps_the_streaming_final():
 # -- decoders in child processes (speech_process.py) -------------------------------------
 
 
+@pytest.mark.slow
 def test_decoders_run_in_child_processes_with_the_same_text(engine, streamed):
     """asr-en puts each decoder in a child process of its own; the text is exactly what
     the same backend gives in this process."""
@@ -228,6 +233,7 @@ def test_decoders_run_in_child_processes_with_the_same_text(engine, streamed):
         local.close()
 
 
+@pytest.mark.slow
 def test_a_decoder_process_that_dies_fails_its_utterance_and_comes_back():
     need_flite()
     eng = load_speech_engine(spec(), slots=1)
@@ -251,6 +257,7 @@ def test_a_decoder_process_that_dies_fails_its_utterance_and_comes_back():
     assert eng.pids == [None]  # close() stopped the child
 
 
+@pytest.mark.slow
 def test_calls_are_pipelined_and_an_aborted_utterance_leaves_nothing_behind(engine):
     """feed() does not wait for the child; hypothesis() and finish() wait for what was
     sent before them, and an abort drops the replies still to come."""
@@ -268,6 +275,7 @@ def test_calls_are_pipelined_and_an_aborted_utterance_leaves_nothing_behind(engi
         engine.release(dec)
 
 
+@pytest.mark.slow
 def test_a_long_backlog_of_feeds_never_blocks_the_pipe(engine):
     """A worker taking an utterance over feeds its whole retained audio in one step:
     thousands of feeds before the next hypothesis. Only hypothesis and finish answer, so

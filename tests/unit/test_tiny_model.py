@@ -23,6 +23,7 @@ def make(out: Path, *args: str) -> None:
     subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(out), "-q", *args], check=True)
 
 
+@pytest.mark.slow
 def test_same_seed_same_bytes(tmp_path):
     make(tmp_path / "a", *SMALL)
     make(tmp_path / "b", *SMALL)  # a separate process: another hash seed, same files
@@ -37,6 +38,7 @@ def test_same_seed_same_bytes(tmp_path):
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
+@pytest.mark.slow
 def test_other_seed_other_weights(tmp_path):
     make(tmp_path / "a", *SMALL)
     make(tmp_path / "c", *SMALL[:1], "8", *SMALL[2:])
@@ -174,6 +176,7 @@ def corpus_words() -> set[str]:
     return {w for p in load_corpus() for w in re.findall(r"[a-z]+", p.lower())}
 
 
+@pytest.mark.slow
 def test_demo_text_is_readable_english(fresh_tiny):
     requests = [(p, 0.0, 0) for p in PROMPTS] + [(p, t, s) for p in PROMPTS for t, s in ((1.0, 1), (1.0, 2), (0.8, 3))]
     texts, ids, finish = generate(fresh_tiny, requests)
@@ -201,6 +204,7 @@ def test_demo_text_is_readable_english(fresh_tiny):
     assert len({texts[i] for i in range(len(PROMPTS), len(texts))}) >= 8
 
 
+@pytest.mark.slow
 def test_demo_page_default_runs_on(fresh_tiny):
     """The demo page's defaults (prompt "Once upon a time", temperature 0.8) show a
     sentence or more, not a lone "." and EOS, for most seeds."""
@@ -209,6 +213,7 @@ def test_demo_page_default_runs_on(fresh_tiny):
     assert sum(n >= 5 for n in lengths) >= 8, texts
 
 
+@pytest.mark.slow
 def test_context_moves_the_logits(fresh_tiny):
     """Attention, positions and the blocks still change the logits of one same last token
     (so a wrong KV cache, mask or position shows), without swamping the fitted model."""
@@ -240,6 +245,7 @@ def test_context_moves_the_logits(fresh_tiny):
         assert set(np.argsort(-row)[:10].tolist()) <= follow
 
 
+@pytest.mark.slow
 def test_a_model_from_an_older_generator_is_made_again(tiny_spec, tmp_path):
     """A checkout updated to a new demo model must not keep serving the files an older
     generator left behind: the graph names its generator, and ensure_artifacts makes the
