@@ -597,14 +597,23 @@ def ensure_artifacts(spec: ModelSpec) -> None:
     if spec.artifacts_present():
         if not spec.build or _made_by_this_generator(spec):
             return
-        log.info("regenerating a model made by an older generator", model=spec.name, folder=str(spec.path))
     elif not spec.build:
         raise FatalError(f"model {spec.name!r} lacks {spec.onnx} / {spec.tokenizer} and has no [build] table")
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(spec.path)],
-        capture_output=True,
-        text=True,
-    )
+    import fcntl
+
+    # processes that start together (a gateway and its workers, parallel test sessions)
+    # wait for the one that generates, as for an import
+    with open(spec.path / ".import.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if spec.artifacts_present() and _made_by_this_generator(spec):  # another process did it meanwhile
+            return
+        if spec.artifacts_present():
+            log.info("regenerating a model made by an older generator", model=spec.name, folder=str(spec.path))
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(spec.path)],
+            capture_output=True,
+            text=True,
+        )
     if proc.returncode != 0 or not spec.artifacts_present():
         raise FatalError(f"building {spec.name} failed: {proc.stderr.strip()[-2000:]}")
 
