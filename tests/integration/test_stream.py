@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 
 import httpx
 import orjson
@@ -183,28 +184,29 @@ async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     await c.close()
 
 
-async def _warm_fleet(fleet, echo_delay_ms: float) -> Client:
-    """A gateway and an echo worker that served one request, and a client of them."""
+async def _warm_fleet(fleet, echo_delay_ms: float) -> tuple[Client, str]:
+    """A gateway and an echo worker that served one request, a client of them, and the
+    worker's id (other modules' fleets may have workers on the same Redis)."""
     gw = fleet.gateway()
-    fleet.worker(backend="echo", echo_delay_ms=echo_delay_ms)
+    worker_id = f"w{uuid.uuid4().hex[:12]}"
+    fleet.worker(backend="echo", echo_delay_ms=echo_delay_ms, worker_id=worker_id)
     c = await Client.connect(gw.ws)
     warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
     assert warm.end["type"] == "done", warm.end
-    return c
+    return c, worker_id
 
 
-def _worker_sockets(rds, suffix: str) -> list[dict]:
+def _worker_sockets(rds, worker_id: str, suffix: str) -> list[dict]:
     """The worker's sockets named ``sf-worker-<id><suffix>`` in ``CLIENT LIST``."""
-    return [cl for cl in rds.client_list() if cl.get("name", "").startswith("sf-worker-")
-            and cl["name"].endswith(suffix)]
+    return [cl for cl in rds.client_list() if cl.get("name", "") == f"sf-worker-{worker_id}{suffix}"]
 
 
 @pytest.mark.slow
 async def test_a_cancel_reaches_a_worker_whose_control_socket_was_killed(fleet, rds):
-    c = await _warm_fleet(fleet, 20)
+    c, worker_id = await _warm_fleet(fleet, 20)
 
     def control_sockets():
-        return _worker_sockets(rds, "-control")
+        return _worker_sockets(rds, worker_id, "-control")
 
     [victim] = control_sockets()  # the worker names its subscriber socket (cancels, follows, wakes)
     assert rds.client_kill_filter(_id=victim["id"]) == 1
@@ -231,10 +233,10 @@ async def test_an_idle_worker_waits_on_a_socket_of_its_own_and_survives_its_loss
     """An idle worker blocks on its lanes on a socket named ``sf-worker-<id>-reads``
     (its batches keep ``-commands`` to themselves); killed mid-wait, it is opened again
     and the next request is served."""
-    c = await _warm_fleet(fleet, 5)
+    c, worker_id = await _warm_fleet(fleet, 5)
 
     def reads_sockets():
-        return _worker_sockets(rds, "-reads")
+        return _worker_sockets(rds, worker_id, "-reads")
 
     for _ in range(200):  # idle again: blocked in XREADGROUP on that socket
         blocked = [cl for cl in reads_sockets() if cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")]
