@@ -13,14 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, UnavailableError
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
+from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.silero import SileroBatch
-from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.validation import Validator
 from streamfleet.gateway.voiceslots import VoiceSlots
 
@@ -32,13 +33,6 @@ __all__ = ["Hub", "refresh_fleet_gauges", "NO_WORKERS_RETRY_MS"]
 
 #: Retry-After of a request refused because its model has no live worker
 NO_WORKERS_RETRY_MS = 5000
-
-
-def _retrieve(fut: "asyncio.Future[None]") -> None:
-    """Take a background read's exception, so that a read no request waited for is not
-    reported as never retrieved (the requests that waited got it themselves)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 @dataclass
@@ -130,7 +124,7 @@ class Hub:
         read = self._worker_reads.get(model)
         if read is None and now - checked >= 1.0:  # one read a second, however many requests wait on it
             read = asyncio.ensure_future(self._read_live_workers(model))
-            read.add_done_callback(_retrieve)
+            read.add_done_callback(aio.mark_retrieved)
             self._worker_reads[model] = read
         if now - seen > grace and read is not None:
             try:

@@ -271,7 +271,7 @@ class VoiceSlots:
         read = self._capacity_reads.get(model)
         if read is None:
             read = asyncio.ensure_future(self._read(model))
-            read.add_done_callback(lambda f: f.cancelled() or f.exception())  # (a read nobody awaits any more)
+            read.add_done_callback(aio.mark_retrieved)  # (a read nobody awaits any more)
             self._capacity_reads[model] = read
         return await asyncio.shield(read)
 

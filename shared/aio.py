@@ -13,9 +13,17 @@ import asyncio
 import gc
 from typing import Any, Callable, Coroutine
 
-__all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "run", "settle_heap"]
+__all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def mark_retrieved(fut: asyncio.Future) -> None:
+    """A done callback for a shared future that several callers may await (a read or a
+    connection under way): its exception counts as retrieved, so that one no caller was
+    left to await is not reported as never retrieved (those that awaited got it)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def cancel_and_wait(task: "asyncio.Task | None") -> None:

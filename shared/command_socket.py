@@ -13,6 +13,7 @@ import hiredis
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
+from streamfleet.shared import aio
 from streamfleet.shared.resp import fail_all, open_socket, pack
 
 __all__ = ["CommandConnection", "CommandLink", "command_link", "blocking_link", "close_command_link"]
@@ -136,7 +137,7 @@ class CommandLink:
         opening = self._opening
         if opening is None or opening.done() or opening.get_loop() is not asyncio.get_running_loop():
             opening = self._opening = asyncio.ensure_future(self._open())
-            opening.add_done_callback(_retrieve)
+            opening.add_done_callback(aio.mark_retrieved)
         return await asyncio.shield(opening)
 
     async def _open(self) -> CommandConnection:
@@ -185,11 +186,6 @@ class CommandLink:
                 conn.close()
             except RuntimeError:  # its event loop is closed: the socket went with it
                 pass
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # read by its awaiters; marked retrieved for when none is left
 
 
 def command_link(client) -> CommandLink:
