@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import secrets
 import time
 import uuid
@@ -37,7 +36,7 @@ from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, Task
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, Task, is_number
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported"]
@@ -181,10 +180,6 @@ def check_lane(value: Any) -> str:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 class Validator:
@@ -512,7 +507,7 @@ class Validator:
                     raise ValidationError(f"'logit_bias' key {key!r} is not a token id of model {spec.name!r} "
                                           f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="logit_bias")
                 low, high = RANGES["logit_bias"]
-                if not _is_number(value) or not low <= value <= high:
+                if not is_number(value) or not low <= value <= high:
                     raise ValidationError(f"'logit_bias' value for token {key} must be a number from {low:g} to "
                                           f"{high:g}",
                                           code=ErrorCode.out_of_range, param="logit_bias")
@@ -561,7 +556,7 @@ class Validator:
         v = p.get(name)
         if v is None:
             return default
-        if not _is_number(v):
+        if not is_number(v):
             raise ValidationError(f"'{name}' must be a number", code=ErrorCode.invalid_type, param=name)
         if not lo <= v <= hi:
             raise ValidationError(f"'{name}' must be between {lo} and {hi}, got {v}",

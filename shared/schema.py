@@ -67,6 +67,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "RANGES",
     "sampling_problem",
+    "is_number",
     "encode_events",
     "decode_events",
     "event_from_dict",
@@ -157,9 +158,14 @@ RANGES: dict[str, tuple[float, float]] = {
 }
 
 
+def is_number(v: object) -> bool:
+    """A finite JSON number: an int or a float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _number(v: object, name: str) -> bool:
     lo, hi = RANGES[name]
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+    return is_number(v) and lo <= v <= hi
 
 
 def _integer(v: object, name: str) -> bool:
