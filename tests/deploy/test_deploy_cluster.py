@@ -295,16 +295,6 @@ def test_node_script_is_the_same_in_compose_and_k8s():
 
 # --------------------------------------------------------------------------- k8s: structure
 @pytest.fixture(scope="module")
-def overlays_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cluster-overlays")
-
-
-@pytest.fixture(scope="module")
-def base(overlays_root) -> list[dict]:
-    return render(overlays_root)
-
-
-@pytest.fixture(scope="module")
 def cluster(overlays_root) -> list[dict]:
     return render(overlays_root, COMPONENT)
 

@@ -73,16 +73,6 @@ GATEWAY_API = "gateway.networking.k8s.io/"
 
 
 # --------------------------------------------------------------------------- rendering
-@pytest.fixture(scope="module")
-def overlays_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("overlays")
-
-
-@pytest.fixture(scope="module")
-def base(overlays_root) -> list[dict]:
-    return render(overlays_root)
-
-
 def worker_deployments(docs: list[dict]) -> list[dict]:
     """The Deployments a KEDA ScaledObject scales: the GPU workers, one per model."""
     return [find(docs, so["spec"]["scaleTargetRef"].get("kind", "Deployment"), so["spec"]["scaleTargetRef"]["name"])
