@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.wsclient import Client
 from tests.support.keys import add_key
+from tests.support.grpcclient import aio_channel
 
 TIERS = ('{"victim": {"requests_per_minute": 6000, "burst": 100, "max_streams": null, "max_lane": "normal"},'
          ' "scant": {"requests_per_minute": 1, "burst": 3, "max_streams": null, "max_lane": "normal"}}')
@@ -160,7 +161,7 @@ async def test_nesting_past_the_limit_is_a_400_on_every_door(tenants):
     from streamfleet.v1 import inference_pb2 as pb
     from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(gw.grpc) as ch:
+    async with aio_channel(gw.grpc) as ch:
         stub = pb_grpc.InferenceStub(ch)
         with pytest.raises(grpc.RpcError) as e:
             async for _ in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=4, json_schema=json.dumps(deep)),

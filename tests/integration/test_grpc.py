@@ -21,6 +21,7 @@ from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.keys import TIERS, add_key
 from tests.support.wsclient import Client
+from tests.support.grpcclient import aio_channel, sync_channel
 
 PROMPT = "Once upon a time"
 SERVICE = "streamfleet.v1.Inference"
@@ -76,7 +77,7 @@ async def generate(stub, metadata=None, timeout=None, **fields) -> Call:
 
 
 def channel(gw) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(gw.grpc)
+    return aio_channel(gw.grpc)
 
 
 def status_details(err: grpc.aio.AioRpcError) -> dict:
@@ -387,7 +388,7 @@ async def test_health_flips_to_not_serving_while_draining_and_reflection_lists_t
         from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
         # reflection (a blocking client, as grpcurl-style tools use) lists and describes the service
-        sync = grpc.insecure_channel(gw.grpc)
+        sync = sync_channel(gw.grpc)
         db = ProtoReflectionDescriptorDatabase(sync)
         services = await asyncio.to_thread(lambda: list(db.get_services()))
         assert SERVICE in services and "grpc.health.v1.Health" in services

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 
-import grpc
 import httpx
 import jsonschema
 import openai
@@ -31,6 +30,7 @@ from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.wsclient import Client
 from tests.support.smollm2 import GGUF, MODEL, SPEC, private_repository
+from tests.support.grpcclient import aio_channel
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 model served
 
@@ -205,7 +205,7 @@ async def test_websocket_and_grpc_take_messages(gw):
     assert not any("\ufffd" in t["text"] for t in fr.tokens), fr.tokens
     await c.close()
 
-    async with grpc.aio.insecure_channel(gw.grpc) as ch:
+    async with aio_channel(gw.grpc) as ch:
         message = pb.ChatMessage(role="user", content=CAPITAL[0]["content"])
         req = pb.GenerateRequest(max_tokens=24, temperature=0, messages=[message])
         events = [ev async for ev in pb_grpc.InferenceStub(ch).Generate(req)]

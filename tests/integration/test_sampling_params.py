@@ -8,7 +8,6 @@ import asyncio
 import math
 from collections import Counter
 
-import grpc
 import openai
 import orjson
 import pytest
@@ -16,6 +15,7 @@ from websockets.sync.client import connect as ws_connect
 
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from tests.support.grpcclient import sync_channel
 
 PROMPT = "Once upon a time"
 
@@ -192,7 +192,7 @@ async def test_same_seed_same_tokens_alone_or_batched(gw):
 
 
 def test_grpc_carries_the_parameters_and_logprobs(gw):
-    with grpc.insecure_channel(gw.grpc) as ch:
+    with sync_channel(gw.grpc) as ch:
         stub = pb_grpc.InferenceStub(ch)
         events = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=6, temperature=0, seed=7,
                                                        ignore_eos=True, logprobs=True, top_logprobs=3,

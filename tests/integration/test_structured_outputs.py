@@ -15,6 +15,7 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from scripts.bench_structured import SCHEMA  # the benchmark's schema: what is measured is what is tested
+from tests.support.grpcclient import sync_channel
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -139,7 +140,7 @@ def test_grpc_takes_a_schema_and_refuses_a_bad_one(gw):
     from streamfleet.v1 import inference_pb2 as pb
     from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(gw.grpc) as ch:
+    with sync_channel(gw.grpc) as ch:
         stub = pb_grpc.InferenceStub(ch)
         events = list(stub.Generate(pb.GenerateRequest(prompt="JSON:", max_tokens=200, seed=4,
                                                        json_schema=json.dumps(SCHEMA)), timeout=60))

@@ -118,9 +118,21 @@ class FleetFactory:
 
     def gateway(self, wait: bool = True, **settings: object) -> Proc:
         """A gateway on a free port, its metrics and its gRPC on others (``metrics_port=0``,
-        ``grpc_port=0``: none)."""
-        settings.setdefault("metrics_port", free_port())
-        settings.setdefault("grpc_port", free_port())
+        ``grpc_port=0``: none).
+
+        The metrics and gRPC ports are picked here, so another process (a test running
+        beside this one) may take one before the gateway binds it: a gateway that could not
+        listen on a port picked here is started again on other ones."""
+        picked = [name for name in ("metrics_port", "grpc_port") if name not in settings]
+        for attempt in range(3):
+            try:
+                return self._gateway({**settings, **{name: free_port() for name in picked}})
+            except RuntimeError as exc:
+                if not picked or attempt == 2 or "cannot listen" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _gateway(self, settings: dict[str, object]) -> Proc:
         port_file = self.tmp / f"gw-{next(self._n)}.port"
         proc = self._spawn("gateway", ["gateway", "--port", "0", "--port-file", str(port_file)],
                            self.env(**settings))
