@@ -45,11 +45,34 @@ class Tools:
         return frozenset(f["name"] for f in self.functions)
 
     def call_schema(self) -> dict[str, Any]:
-        """The JSON schema a forced call's output meets."""
+        """The JSON schema a forced call's output meets.
+
+        Each tool's ``parameters`` is a schema document of its own, whose local references
+        (``#/$defs/Addr``, ``#``) point into itself. Wrapped in the call's shape it would no
+        longer be the root, so it goes under the root's ``$defs`` (``call_<name>``), the
+        call's ``arguments`` refer to it there, and its local references are re-rooted."""
         by_name = {f["name"]: f for f in self.functions}
-        shapes = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]["parameters"]},
+        defs = {f"call_{n}": _rerooted(by_name[n]["parameters"], f"#/$defs/call_{n}") for n in self.choices}
+        shapes = [{"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/call_{n}"}},
                    "required": ["name", "arguments"], "additionalProperties": False} for n in self.choices]
-        return shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+        root = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+        return {**root, "$defs": defs}
+
+
+#: keywords whose values are data, not schemas: a "$ref" inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rerooted(node: Any, base: str) -> Any:
+    """``node`` with every local ``$ref`` (``#`` and ``#/...``) moved under ``base``
+    (the request's fields were bounded to ``SF_GRAMMAR_MAX_DEPTH`` levels before anything
+    walks them, ``Validator.check``, so the recursion is bounded too)."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _DATA_KEYWORDS else _rerooted(v, base)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rerooted(x, base) for x in node]
+    return node
 
 
 def _bad(message: str, param: str, code: ErrorCode = ErrorCode.invalid_request) -> ValidationError:

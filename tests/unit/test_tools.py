@@ -29,3 +29,46 @@ def test_other_shapes_are_normalised_exactly_or_are_text():
     for text in ('{"name":"nope","arguments":{}}', "hello", '{"name":"register"}', '{"name":"register","arguments":[1]}',
                  '{"name":"register","arguments":{"a":1}} and more'):
         assert parse_call(text, NAMES) is None, text
+
+
+# the parameters of a Pydantic model that nests another (openai.pydantic_function_tool,
+# instructor's Mode.TOOLS): local references into the tool's own $defs, and one to its root
+PERSON = {
+    "type": "object", "title": "Person",
+    "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Addr"},
+                   "friends": {"type": "array", "items": {"$ref": "#"}},
+                   "tag": {"const": {"$ref": "#/not/a/reference"}}},
+    "required": ["name", "home"], "additionalProperties": False,
+    "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}, "next": {"$ref": "#/$defs/Addr"}},
+                       "required": ["city"], "additionalProperties": False}},
+}
+WEATHER = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Addr"}}, "required": ["where"],
+           "$defs": {"Addr": {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}}}
+
+
+def test_a_forced_call_keeps_each_tools_references_pointing_into_its_own_parameters():
+    import jsonschema
+
+    from streamfleet.gateway.tools import parse_tools
+    from streamfleet.shared.grammar import build_grammar
+
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "register", "parameters": PERSON}},
+                                   {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+                         "tool_choice": "required"})
+    schema = tools.call_schema()
+    assert build_grammar("guided_json", schema)  # llguidance resolves every pointer
+    ok = {"name": "register", "arguments": {"name": "Ada", "home": {"city": "Paris", "next": {"city": "Lyon"}},
+                                            "friends": [{"name": "Bo", "home": {"city": "Oslo"}}],
+                                            "tag": {"$ref": "#/not/a/reference"}}}
+    jsonschema.validate(ok, schema)
+    jsonschema.validate({"name": "get_weather", "arguments": {"where": {"zip": 75001}}}, schema)
+    for bad in ({"name": "register", "arguments": {"name": "Ada", "home": {"zip": 1}}},  # Addr of the other tool
+                {"name": "register", "arguments": {"name": "Ada", "home": {"city": "P"}, "friends": [{"name": "x"}]}},
+                {"name": "get_weather", "arguments": {"where": {"city": "Paris"}}}):
+        try:
+            jsonschema.validate(bad, schema)
+        except jsonschema.ValidationError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+    # the request's own schema is left as it was
+    assert PERSON["properties"]["home"] == {"$ref": "#/$defs/Addr"}
