@@ -17,7 +17,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
 from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord,
-                                       Task, decode_events, live_workers)
+                                       AnyTask, decode_events, live_workers)
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
@@ -290,7 +290,7 @@ class Broker:
         cap = self.settings.lane_capacity.get(lane, 0)
         return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
 
-    async def submit(self, task: Task, owner: str = "") -> int:
+    async def submit(self, task: AnyTask, owner: str = "") -> int:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
 
@@ -307,7 +307,7 @@ class Broker:
         now = time.time()
         deadline = task.deadline or (now + self.settings.request_timeout_s)
         record = RequestRecord(task.request_id, owner, task.model, task.reply_to, task.created_at, deadline,
-                               len(task.prompt_ids))
+                               task.prompt_tokens)
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
         wake = self.keys.wake(task.model)

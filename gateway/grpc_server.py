@@ -37,6 +37,7 @@ from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetErr
     UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import DoneEvent, ErrorEvent
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
@@ -45,7 +46,6 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.session import Session
-from streamfleet.gateway.request_stream import End, Failed
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -363,11 +363,11 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             yield generate_event(first)
             async for ev in events:
-                if isinstance(ev, Failed):
+                if isinstance(ev, ErrorEvent):
                     req.delivered()
-                    await abort(context, ev.error)
+                    await abort(context, ev.error())
                 yield generate_event(render("grpc", req.request_id, ev))
-                if isinstance(ev, End):
+                if isinstance(ev, DoneEvent):
                     req.delivered()
         finally:
             with anyio.CancelScope(shield=True):

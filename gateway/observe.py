@@ -10,8 +10,9 @@ from typing import AsyncIterator
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as m
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
-from streamfleet.gateway.request_stream import End, Failed, RequestStream, StreamEvent, Token
+from streamfleet.gateway.request_stream import RequestStream, Tick
 
 __all__ = ["observed", "stop_events", "trace_id_from"]
 
@@ -51,7 +52,7 @@ def _requests(model: str, lane: str, transport: str, outcome: str, code: str):
     return m.requests.labels(model, lane, transport, outcome, code)
 
 
-async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[StreamEvent]:
+async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[Event | Tick]:
     """Yield the stream's events, recording TTFT, inter-token latency, tokens and the outcome."""
     streams, ttft, itl, tokens, queue_time = _children(transport, model, lane)
     streams.inc()
@@ -61,7 +62,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
     try:
         async for ev in stream:
             now = time.monotonic()
-            if isinstance(ev, Token):
+            if isinstance(ev, TokenEvent):
                 if last is None:
                     if not stream.resumed:
                         ttft.observe(now - started)
@@ -69,12 +70,12 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
                     itl.observe(now - last)
                 last = now
                 tokens.inc()
-            elif isinstance(ev, End):
+            elif isinstance(ev, DoneEvent):
                 outcome = ev.finish_reason
-                if ev.timing.get("queue_ms") is not None and not stream.resumed:
-                    queue_time.observe(ev.timing["queue_ms"] / 1000)
-            elif isinstance(ev, Failed):
-                outcome, code = "error", str(ev.error.code)
+                if not stream.ended_here and not stream.resumed:  # a worker's end: it timed the queue
+                    queue_time.observe(ev.timing()["queue_ms"] / 1000)
+            elif isinstance(ev, ErrorEvent):
+                outcome, code = "error", str(ev.error().code)
             yield ev
     finally:
         streams.dec()

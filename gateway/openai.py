@@ -34,7 +34,7 @@ from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableEr
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import MAX_SEED
+from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, TokenEvent
 
 from streamfleet.gateway import edge
 from streamfleet.gateway.httperror import openai_error_response
@@ -42,7 +42,7 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.openai_mapping import (ChoiceStream, Gathered, ResponseShape, best_of_order,
                                                 choice_counts, request_payload, stream_flags, usage_of)
-from streamfleet.gateway.request_stream import TICK, End, Failed, Token
+from streamfleet.gateway.request_stream import TICK
 from streamfleet.gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
 
@@ -206,7 +206,7 @@ async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, An
     try:
         while left:
             i, ev = await queue.get()
-            if isinstance(ev, (End, Failed)):
+            if isinstance(ev, (DoneEvent, ErrorEvent)):
                 left -= 1
             yield i, ev
     finally:
@@ -238,7 +238,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
     if stream:
         async def chunks() -> AsyncIterator[bytes]:
             choices = [ChoiceStream(shape, i, include_usage) for i in range(len(reqs))]
-            ends: list[End] = []
+            ends: list[DoneEvent] = []
             ticks = _ticking(events, hub.settings.sse_keepalive_s)
             try:
                 if shape.chat:
@@ -250,16 +250,16 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
                         yield KEEPALIVE
                         continue
                     i, ev = item
-                    if isinstance(ev, Token):
+                    if isinstance(ev, TokenEvent):
                         for chunk in choices[i].token(ev):
                             yield sse_frame(chunk)
-                    elif isinstance(ev, End):
+                    elif isinstance(ev, DoneEvent):
                         for chunk in choices[i].end(ev):
                             yield sse_frame(chunk)
                         reqs[i].delivered()
                         ends.append(ev)
-                    elif isinstance(ev, Failed):
-                        yield sse_frame(ev.error.to_openai())
+                    elif isinstance(ev, ErrorEvent):
+                        yield sse_frame(ev.error().to_openai())
                         yield DONE
                         reqs[i].delivered()
                         return
@@ -276,16 +276,16 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     got = [Gathered() for _ in reqs]
-    ends: dict[int, End] = {}
+    ends: dict[int, DoneEvent] = {}
 
     async def consume():
         async for i, ev in events:
-            if isinstance(ev, Token):
+            if isinstance(ev, TokenEvent):
                 got[i].add(ev)
-            elif isinstance(ev, End):
+            elif isinstance(ev, DoneEvent):
                 ends[i] = ev
                 reqs[i].delivered()
-            elif isinstance(ev, Failed):
+            elif isinstance(ev, ErrorEvent):
                 reqs[i].delivered()
                 return ev
         return None
@@ -297,7 +297,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
     if failed is _DISCONNECTED:
         return Response(status_code=499)
     if failed is not None:
-        return openai_error_response(failed.error)
+        return openai_error_response(failed.error())
     order = best_of_order([g.logprobs for g in got], n)  # best_of: the n with the highest total log probability
     choices = [shape.choice_full(j, got[i].text, ends[i], got[i].logprobs if keep_logprobs else None)
                for j, i in enumerate(order)]
@@ -373,12 +373,12 @@ async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, sha
         async for ev in events:
             if ev is TICK:
                 yield KEEPALIVE
-            elif isinstance(ev, Token):
+            elif isinstance(ev, TokenEvent):
                 chunks = choice.token(ev)
                 if chunks:
                     eid = event_id(req.request_id, req.resume_token, ev.index)
                     yield b"".join(sse_frame(chunk, eid) for chunk in chunks)
-            elif isinstance(ev, End):
+            elif isinstance(ev, DoneEvent):
                 tail = [sse_frame(chunk) for chunk in choice.end(ev)]
                 if include_usage:
                     tail.append(sse_frame(shape.usage_chunk(usage_of([ev]))))
@@ -386,8 +386,8 @@ async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, sha
                 yield b"".join(tail)
                 req.delivered()
                 return
-            elif isinstance(ev, Failed):
-                yield sse_frame(ev.error.to_openai()) + DONE
+            elif isinstance(ev, ErrorEvent):
+                yield sse_frame(ev.error().to_openai()) + DONE
                 req.delivered()
                 return
     finally:
@@ -404,7 +404,7 @@ async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape
 
     async def consume():
         async for ev in events:
-            if isinstance(ev, Token):
+            if isinstance(ev, TokenEvent):
                 got.add(ev)
             else:
                 return ev
@@ -415,8 +415,8 @@ async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape
         await stop_events(None, events)
     if ev is _DISCONNECTED:
         return Response(status_code=499)
-    if isinstance(ev, Failed):
-        return openai_error_response(ev.error)
+    if isinstance(ev, ErrorEvent):
+        return openai_error_response(ev.error())
     return Response(orjson.dumps(shape.full(got.text, ev, got.logprobs)), media_type="application/json")
 
 

@@ -17,17 +17,14 @@ completions API's, and tool calls as ``tool_calls`` (docs/tools.md).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from streamfleet.shared.errors import ErrorCode, ValidationError
 from streamfleet.shared.grammar import CONSTRAINTS
-from streamfleet.shared.schema import MAX_TOP_LOGPROBS
+from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, TokenEvent
 
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.gateway.validation import UNSUPPORTED
-
-if TYPE_CHECKING:
-    from streamfleet.gateway.request_stream import End, Token
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_HELD_CALL", "FINISH", "request_payload", "choice_counts",
            "stream_flags", "finish_reason", "usage_of", "best_of_order", "could_be_call", "ResponseShape",
@@ -164,7 +161,7 @@ def finish_reason(reason: str) -> str:
     return FINISH.get(reason, reason)
 
 
-def usage_of(ends: Sequence[End]) -> dict[str, int]:
+def usage_of(ends: Sequence[DoneEvent]) -> dict[str, int]:
     """The ``usage`` of a request of one or several choices: the prompt once (every choice
     has the same), the completion tokens of every choice."""
     prompt = ends[0].prompt_tokens
@@ -271,7 +268,7 @@ class ResponseShape:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage}
 
-    def choice_full(self, index: int, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+    def choice_full(self, index: int, text: str, end: DoneEvent, logprobs: list[tuple[int, dict]] | None = None) -> dict:
         """One choice of a response that is not streamed: a chat message (a tool call's
         content null and its ``tool_calls`` set, finishing ``tool_calls``) or a
         completion's text."""
@@ -287,7 +284,7 @@ class ResponseShape:
             return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
-    def full(self, text: str, end: End, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+    def full(self, text: str, end: DoneEvent, logprobs: list[tuple[int, dict]] | None = None) -> dict:
         """The response of one choice, not streamed."""
         return self.full_many([self.choice_full(0, text, end, logprobs)], usage_of([end]))
 
@@ -309,7 +306,7 @@ class Gathered:
         self.logprobs: list[tuple[int, dict]] = []
         self.offset = 0
 
-    def add(self, ev: Token) -> None:
+    def add(self, ev: TokenEvent) -> None:
         if ev.logprobs is not None:
             self.logprobs.append((self.offset, ev.logprobs))
         self.parts.append(ev.text)
@@ -345,7 +342,7 @@ class ChoiceStream:
         self.held = []
         return out
 
-    def token(self, ev: Token) -> list[dict]:
+    def token(self, ev: TokenEvent) -> list[dict]:
         """The chunks a token gives out now (none while its text is held)."""
         if ev.logprobs is not None:
             self.held.append((self.offset, ev.logprobs))
@@ -363,7 +360,7 @@ class ChoiceStream:
             self.maybe_call = None  # it is text after all: out it goes, and the rest as it comes
         return [self._text(text)]
 
-    def end(self, ev: End) -> list[dict]:
+    def end(self, ev: DoneEvent) -> list[dict]:
         """The last chunks: what was held, then the one with ``finish_reason``."""
         finish = finish_reason(ev.finish_reason)
         out = []

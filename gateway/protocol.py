@@ -8,7 +8,8 @@
 * ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
-``render`` turns the internal stream events (``gateway.request_stream``) into wire frames.
+``render`` turns a request stream's events (``gateway.request_stream``: the wire's
+``TokenEvent``, ``DoneEvent``, ``ErrorEvent``) into the client's frames.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Any, Union
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
-
-from streamfleet.gateway.request_stream import End, Failed, StreamEvent, Token
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
 __all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
            "resume_fields"]
@@ -62,20 +62,21 @@ def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_tok
     return frame
 
 
-def render(client_id: str, request_id: str, ev: StreamEvent) -> dict[str, Any]:
-    """The wire frame of one stream event."""
-    if isinstance(ev, Token):
+def render(client_id: str, request_id: str, ev: Event) -> dict[str, Any]:
+    """The client's frame of one stream event. A ``done`` the gateway made itself (a
+    cancel no worker answered: ``DoneEvent.timed`` false) has an empty ``timing``."""
+    if isinstance(ev, TokenEvent):
         if ev.logprobs is not None:
             return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text, "logprobs": ev.logprobs}
         return {"type": "token", "id": client_id, "index": ev.index, "text": ev.text}
-    if isinstance(ev, End):
+    if isinstance(ev, DoneEvent):
         frame = {"type": "done", "id": client_id, "request_id": request_id, "finish_reason": ev.finish_reason,
-                 "usage": ev.usage, "timing": ev.timing}
+                 "usage": ev.usage(), "timing": ev.timing() if ev.timed else {}}
         if ev.model_version:
             frame["model_version"] = ev.model_version
         return frame
-    assert isinstance(ev, Failed)
-    return ev.error.to_frame(client_id)
+    assert isinstance(ev, ErrorEvent)
+    return ev.error().to_frame(client_id)
 
 
 def resume_fields(msg: dict[str, Any]) -> tuple[str, int, str | None]:

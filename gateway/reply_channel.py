@@ -166,7 +166,7 @@ class ReplyChannel:
             raise
         extra = {"prompt": request.prompt_text} if self.broker.settings.log_prompts else {}
         log.info("request accepted", request_id=rid, trace_id=task.trace_id, model=task.model, lane=task.lane,
-                 prompt_tokens=len(task.prompt_ids), queue_depth=depth, connection_id=self.connection_id, **extra)
+                 prompt_tokens=task.prompt_tokens, queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth
 
     async def resume(self, request_id: str, client_id: str, from_index: int, *, owner: str) -> RequestStream:

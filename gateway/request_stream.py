@@ -2,57 +2,41 @@
 
 A ``RequestStream`` is one request as seen by the gateway. Worker events reach it over
 pub/sub (at most once) and are also in the request's log ``sf:log:{request_id}``; the
-stream turns them into exactly-once, in-order ``StreamEvent``s, the one event model every
-protocol adapter consumes (``gateway/ws.py``, ``gateway/openai.py``, gRPC, voice) and only
-renders:
+stream delivers them exactly once and in order. There is one event vocabulary, the
+wire's (``shared.schema``), which every protocol adapter (``gateway/ws.py``,
+``gateway/openai.py``, gRPC, voice) consumes and only renders:
 
-* ``Token(index, text, logprobs)``   a piece of the completion
-* ``End(finish_reason, usage, …)``   the request finished (``cancelled`` after an interrupt)
-* ``Failed(error)``                  the request failed (a ``StreamfleetError``)
-* ``TICK``                           ``tick_s`` passed without an event (only when it is set)
+* ``TokenEvent(request_id, index, text, logprobs)``  a piece of the completion
+* ``DoneEvent(request_id, finish_reason, …)``        the request finished (``cancelled``
+                                                     after an interrupt)
+* ``ErrorEvent(request_id, code, message)``          the request failed (``ev.error()``:
+                                                     the typed ``StreamfleetError``)
+* ``TICK``                                           ``tick_s`` passed without an event (only
+                                                     when it is set): a keepalive marker, no event
 
-Indices already delivered are dropped (a redelivered task regenerates from index 0);
-a gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
-stream first replays the log from the client's index, then is followed live. Who feeds the
-stream, follows its request and cancels it is its reply channel
+The stream adds no event types of its own: what it adds is guarantees (exactly once, in
+order, complete; ``RequestStream`` lists them) and the ends the gateway decides itself.
+
+A gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
+stream first replays the log from the client's index, then is followed live. Who feeds
+the stream, follows its request and cancels it is its reply channel
 (``gateway.reply_channel``); the stream knows only how to read its log. Each request's
 lifecycle around its stream (admission, submit or resume, cancel, the slot it gives back)
 is a ``gateway.requests.ClientRequest``.
-
-Gateway events and wire events. Workers publish ``shared.schema``'s ``TokenEvent``,
-``DoneEvent`` and ``ErrorEvent``: per message, at most once, possibly repeated or out of
-order. The gateway's events are per request and add, over the wire event each comes from:
-
-* ``Token``: order. The same ``index``, ``text`` and ``logprobs``, but delivered once and
-  right after ``index - 1``: never a token a redelivered task regenerated, never one past
-  a gap (held until the log fills it). No ``request_id``: the stream is the request.
-* ``End``: completeness, and the gateway's own ends. A ``DoneEvent`` is held back until
-  every token before its ``completion_tokens`` was delivered; its three timings become one
-  ``timing`` dict, rounded as clients are sent it, and ``usage`` is a property. An ``End``
-  may also come from no ``DoneEvent`` at all: ``end_cancelled`` ends the stream
-  ``cancelled`` (completion tokens: those delivered; no timing, no model version) when no
-  worker answered a cancel in time, or when its channel let a resumed request go.
-* ``Failed``: a typed error, and the gateway's own failures. An ``ErrorEvent``'s code and
-  message become the ``StreamfleetError`` of that code (``error_from_code``: its class and
-  HTTP status; an unknown code is ``internal``). ``fail`` ends a stream with an error no
-  worker sent: a deadline or stall ``timeout``, the broker lost or its log unreadable past
-  ``outage_grace_s``, events lost from the log (these three ``broker_unavailable``).
-* ``TICK`` has no wire counterpart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Union
+from typing import Awaitable, Callable
 
 from streamfleet.shared import aio
-from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError, error_from_code
+from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
 
-__all__ = ["Token", "End", "Failed", "StreamEvent", "TICK", "RequestStream", "LogReader"]
+__all__ = ["TICK", "Tick", "RequestStream", "LogReader"]
 
 log = get_logger("gateway.request_stream")
 
@@ -70,36 +54,6 @@ LOG_PAGE = 1000
 #: ``await log_reader(after_entry_id, block_ms)``: the log's entries past an entry id
 LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
-
-@dataclass(frozen=True, slots=True)
-class Token:
-    index: int
-    text: str
-    #: the token and its log probability, when the request asked (``TokenEvent.logprobs``)
-    logprobs: dict | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class End:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    timing: dict[str, float] = field(default_factory=dict)
-    model_version: str = ""
-    #: a speech request's final transcript
-    text: str = ""
-
-    @property
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    error: StreamfleetError
-
-
-StreamEvent = Union[Token, End, Failed]
 
 #: queued to wake a waiting consumer (see ``RequestStream.resync``); never yielded
 _WAKE = object()
@@ -121,12 +75,33 @@ TICK = Tick()
 
 
 class RequestStream:
-    """One request's events, in order, each index once, ending with ``End`` or ``Failed``.
+    """One request's events, in order, each index once, ending with a ``DoneEvent`` or an
+    ``ErrorEvent``.
+
+    What it guarantees, over the wire events as workers publish them (per message, at most
+    once, possibly repeated or out of order):
+
+    * Tokens once, in order. Each ``TokenEvent`` is delivered right after ``index - 1``:
+      never a token a redelivered task regenerated (indices already delivered are
+      dropped; a redelivered task regenerates from index 0), never one past a gap (held
+      until the log fills it; a gap the log cannot fill fails the request).
+    * Completeness. A ``DoneEvent`` is held back until every token before its
+      ``completion_tokens`` was delivered.
+    * One end, then nothing: a ``DoneEvent`` or an ``ErrorEvent`` is the last event.
+    * The gateway's own ends. ``end_cancelled`` ends the stream with a ``DoneEvent`` no
+      worker sent: ``cancelled``, the completion tokens those delivered, no timings (all 0:
+      ``DoneEvent.timed`` is false) and no model version, when no worker answered a cancel
+      in time, or when its channel let a resumed request go. ``fail`` ends it with an
+      ``ErrorEvent`` no worker sent, carrying the ``StreamfleetError``'s code, message,
+      ``retry_after_ms`` and ``param`` (``ErrorEvent.error`` rebuilds it): a deadline or
+      stall ``timeout``, the broker lost or its log unreadable past ``outage_grace_s``,
+      events lost from the log (these three ``broker_unavailable``), or what an adapter
+      ends it with (a revoked key, an utterance's audio the broker refused).
 
     Args:
         request_id: the fleet-wide id.
         client_id: the id the client chose.
-        prompt_tokens: for a locally decided ``End`` (0 when unknown, as for a resume).
+        prompt_tokens: for a locally decided end (``end_cancelled``; 0 when unknown, as for a resume).
         deadline: unix time after which a request that has not started fails with ``timeout``.
         log_reader: ``await log_reader(after_entry_id, block_ms)`` reads the request's log.
         resumed: the stream continues a request submitted elsewhere (it replays the log
@@ -163,9 +138,9 @@ class RequestStream:
         self.gaps_skipped = 0
         self.trace_id = ""
         self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
-        self._queue = aio.LightQueue()  # StreamEvent, _WAKE or _TIMER; one consumer
-        self._ahead: dict[int, Token] = {}  # tokens past a gap, waiting for it to fill
-        self._final: StreamEvent | None = None  # an end that arrived while a gap was open
+        self._queue = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
+        self._ahead: dict[int, TokenEvent] = {}  # tokens past a gap, waiting for it to fill
+        self._final: DoneEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
         self._resync = resumed  # a resume replays the log before anything else
         self.created = time.monotonic()
@@ -194,28 +169,25 @@ class RequestStream:
                 if not from_log:
                     self.duplicates_dropped += 1
             elif ev.index > self.next_index:
-                self._ahead[ev.index] = Token(ev.index, ev.text, ev.logprobs)
+                self._ahead[ev.index] = ev
             else:
-                self._deliver(Token(ev.index, ev.text, ev.logprobs))
+                self._deliver(ev)
         elif isinstance(ev, DoneEvent):
-            end = End(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.timing(), ev.model_version,
-                      ev.text)
             if self._ahead or self.next_index < ev.completion_tokens:
-                self._final = end  # tokens are missing before it
+                self._final = ev  # tokens are missing before it
             else:
-                self._end(end)
+                self._end(ev)
         elif isinstance(ev, ErrorEvent):
-            self._end(Failed(error_from_code(ev.code, ev.message)))
+            self._end(ev)
 
-    def _deliver(self, tok: Token) -> None:
+    def _deliver(self, tok: TokenEvent) -> None:
         self._queue.put_nowait(tok)
         self.next_index = tok.index + 1
         while self.next_index in self._ahead:
             t = self._ahead.pop(self.next_index)
             self._queue.put_nowait(t)
             self.next_index = t.index + 1
-        if self._final is not None and not self._ahead and isinstance(self._final, End) \
-                and self.next_index >= self._final.completion_tokens:
+        if self._final is not None and not self._ahead and self.next_index >= self._final.completion_tokens:
             self._end(self._final)
 
     def resync(self) -> None:
@@ -236,17 +208,19 @@ class RequestStream:
                                    "recovered from its log", retry_after_ms=1000))
 
     def fail(self, error: StreamfleetError) -> None:
-        """End the request with an error the gateway decided on."""
+        """End the request with an error the gateway decided on: an ``ErrorEvent`` of its
+        code and message, with its retry hint and param (``ErrorEvent.error`` rebuilds it)."""
         if not self.finished:
             self.ended_here = True
-            self._end(Failed(error))
+            self._end(ErrorEvent(self.request_id, str(error.code), error.message,
+                                 retry_after_ms=error.retry_after_ms, param=error.param))
 
     def end_cancelled(self) -> None:
         if not self.finished:
             self.ended_here = True
-            self._end(End("cancelled", self.prompt_tokens, self.next_index))
+            self._end(DoneEvent(self.request_id, "cancelled", self.prompt_tokens, self.next_index))
 
-    def _end(self, ev: StreamEvent) -> None:
+    def _end(self, ev: DoneEvent | ErrorEvent) -> None:
         self.finished = True
         self._ahead.clear()
         self._final = None
@@ -260,7 +234,7 @@ class RequestStream:
         stream kept running through its resume grace: only the log matters now).
         Returns ``finished``."""
         while not self._queue.empty():
-            if isinstance(self._queue.get_nowait(), (End, Failed)):
+            if isinstance(self._queue.get_nowait(), (DoneEvent, ErrorEvent)):
                 self.finished = True
         return self.finished
 
@@ -293,8 +267,8 @@ class RequestStream:
             self.gaps_repaired += 1
         return True
 
-    async def next(self) -> StreamEvent | Tick:
-        """The next event; ``Failed(timeout)`` when the deadline or stall limit passes;
+    async def next(self) -> Event | Tick:
+        """The next event; an ``ErrorEvent`` (``timeout``) when the deadline or stall limit passes;
         ``TICK`` when ``tick_s`` passed without one."""
         while True:
             ev = await self._next()
@@ -305,7 +279,7 @@ class RequestStream:
                     self._yielded = time.monotonic()
                 return ev
 
-    async def _get(self, wait: float) -> StreamEvent | Tick | None:
+    async def _get(self, wait: float) -> Event | Tick | None:
         """The next queued event within ``wait`` seconds (None: the wait passed), or
         ``TICK`` first when one falls due sooner; the wait it interrupted goes on from where
         it was at the next call.
@@ -354,7 +328,7 @@ class RequestStream:
         else:  # the wait it was armed for was met; this one ends later
             self._arm(due)
 
-    async def _next(self) -> StreamEvent:
+    async def _next(self) -> Event:
         if self._resync and not self.finished:
             self._resync = False
             await self._read_log()
@@ -397,5 +371,5 @@ class RequestStream:
         while True:
             ev = await self.next()
             yield ev
-            if isinstance(ev, (End, Failed)):
+            if isinstance(ev, (DoneEvent, ErrorEvent)):
                 return

@@ -8,7 +8,7 @@ any later one) drives for one request; the lifecycle lives here once
     depth = await req.submit(draft)               # admit, tokenize, enqueue; or:
     await req.resume(request_id, from_index, resume_token)  # admit the resume, follow it
     async for ev in req.events(transport):        # the stream's events, observed
-        ...                                       # render Token / End / Failed
+        ...                                       # render TokenEvent / DoneEvent / ErrorEvent
     req.delivered()                               # the final event reached the client
     await req.close()                             # give back what the request holds
 
@@ -18,7 +18,8 @@ the API key is revoked while it runs (a WebSocket watches its connection instead
 
 The request holds the admission ``Ticket`` (request id, owner, key id, stream slot,
 resume token), the model and lane, its reply channel and its ``RequestStream`` (the
-event model of ``gateway/request_stream.py``, which knows nothing of this lifecycle). A
+wire's events, once and in order: ``gateway/request_stream.py``, which knows nothing of
+this lifecycle). A
 connection that carries many requests (the WebSocket) passes its ``ReplyChannel``;
 without one the request opens its own after admission and closes it in ``close`` (one
 HTTP request).
@@ -34,9 +35,11 @@ import anyio
 from streamfleet.gateway.admission import Ticket, revoked_error
 from streamfleet.gateway.observe import observed
 from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.request_stream import RequestStream, StreamEvent
+from streamfleet.gateway.request_stream import RequestStream, Tick
 
 if TYPE_CHECKING:
+    from streamfleet.shared.schema import Event
+
     from streamfleet.gateway.admission import Admission
     from streamfleet.gateway.auth import Identity
     from streamfleet.gateway.broker import Broker
@@ -195,7 +198,7 @@ class ClientRequest:
         self._attach(stream)
 
     # -- while it runs ------------------------------------------------------------------
-    def events(self, transport: str) -> AsyncIterator[StreamEvent]:
+    def events(self, transport: str) -> AsyncIterator[Event | Tick]:
         """The stream's events, with its metrics and its "request ended" log line
         (``gateway.observe.observed``); ``aclose`` it when stopping early."""
         return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import DoneEvent, TokenEvent
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
     render
 from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.request_stream import End, Token
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.tools import Tools, parse_call
 
@@ -169,9 +169,9 @@ class Session:
             async for ev in req.events(self.transport):
                 frame = render(cid, req.request_id, ev)
                 if text is not None:
-                    if isinstance(ev, Token):
+                    if isinstance(ev, TokenEvent):
                         text.append(ev.text)
-                    elif isinstance(ev, End):
+                    elif isinstance(ev, DoneEvent):
                         call = parse_call("".join(text), tools.names)
                         if call is not None and ev.finish_reason == "stop":
                             frame["finish_reason"] = "tool_calls"

@@ -36,7 +36,7 @@ from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, Task, is_number
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, SpeechTask, Task, is_number
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported"]
@@ -143,8 +143,14 @@ class ValidRequest:
     group: str = ""
     group_size: int = 1
 
-    def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None, slot: str = "") -> Task:
+    def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,
+                slot: str = "") -> Task | SpeechTask:
         now = time.time()
+        trace_id = trace_id or uuid.uuid4().hex[:16]
+        if self.audio is not None:
+            return SpeechTask(request_id=request_id, model=self.model, lane=self.lane, reply_to=reply_to,
+                              client_id=self.client_id, audio=self.audio, created_at=now,
+                              deadline=now + self.timeout_s, trace_id=trace_id, slot=slot)
         return Task(
             request_id=request_id,
             model=self.model,
@@ -155,9 +161,8 @@ class ValidRequest:
             params=self.params,
             created_at=now,
             deadline=now + self.timeout_s,
-            trace_id=trace_id or uuid.uuid4().hex[:16],
+            trace_id=trace_id,
             slot=slot,
-            audio=self.audio,
             group=self.group,
             group_size=self.group_size,
         )

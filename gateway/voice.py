@@ -30,12 +30,11 @@ from starlette.websockets import WebSocket
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import AudioChunk, AudioInput, SamplingParams
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TokenEvent
 
 from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocol import Send
 from streamfleet.gateway.observe import stop_events
-from streamfleet.gateway.request_stream import End, Failed, Token
 from streamfleet.gateway.silero import SileroDetector
 from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
 from streamfleet.gateway.vad_detectors import AlwaysSpeech, Detector, make_detector
@@ -188,10 +187,10 @@ class Utterance:
                     await self._warn()
                     continue
                 ev, pending = pending.result(), None
-                if isinstance(ev, Token):
+                if isinstance(ev, TokenEvent):
                     if ev.text:
                         await self.session.emit(self.frame("partial", text=ev.text))
-                elif isinstance(ev, End):
+                elif isinstance(ev, DoneEvent):
                     await self._release_slot()  # the worker is done: the next turn need not wait for ours
                     await self._in_turn()
                     await self.session.emit(self.frame(
@@ -200,10 +199,10 @@ class Utterance:
                         finish_reason=ev.finish_reason))
                     self.req.delivered()
                     return
-                elif isinstance(ev, Failed):
+                elif isinstance(ev, ErrorEvent):
                     await self._release_slot()
                     await self._in_turn()
-                    await self.session.emit(self.error_frame(ev.error))
+                    await self.session.emit(self.error_frame(ev.error()))
                     self.req.delivered()
                     return
         finally:

@@ -206,11 +206,13 @@ _CLASS_BY_STATUS = {400: ValidationError, 401: AuthError, 404: NotFoundError, 41
                     429: RefusedError, 503: UnavailableError}
 
 
-def error_from_code(code: str, message: str, *, retry_after_ms: int | None = None) -> RequestError:
-    """Rebuild a typed error from a code that crossed Redis (worker → gateway)."""
+def error_from_code(code: str, message: str, *, retry_after_ms: int | None = None,
+                    param: str | None = None) -> RequestError:
+    """Rebuild a typed error from a code that crossed Redis (worker → gateway) or rode an
+    ``ErrorEvent`` (``shared.schema.ErrorEvent.error``)."""
     try:
         ec = ErrorCode(code)
     except ValueError:
         ec = ErrorCode.internal
     cls = _CLASS_BY_STATUS.get(STATUS_BY_CODE.get(ec, 500), GenerationError)
-    return cls(message, code=ec, retry_after_ms=retry_after_ms)
+    return cls(message, code=ec, param=param, retry_after_ms=retry_after_ms)

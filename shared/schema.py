@@ -37,9 +37,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import orjson
+
+from streamfleet.shared.errors import RequestError, error_from_code
 
 __all__ = [
     "AudioInput",
@@ -48,6 +50,9 @@ __all__ = [
     "SamplingParams",
     "DEFAULT_TEMPERATURE",
     "Task",
+    "SpeechTask",
+    "AnyTask",
+    "decode_task",
     "TokenEvent",
     "DoneEvent",
     "ErrorEvent",
@@ -227,7 +232,7 @@ class AudioInput:
 
 @dataclass(slots=True)
 class Task:
-    """A validated inference request, as it sits in a lane stream."""
+    """A validated text-generation request, as it sits in a lane stream."""
 
     request_id: str
     model: str
@@ -242,29 +247,81 @@ class Task:
     #: the API key id whose stream slot (``sf:streams:{key_id}``) this request holds, ""
     #: for none: the worker gives the slot back when the request really ends
     slot: str = ""
-    #: a speech task: the utterance it transcribes (``prompt_ids`` is empty); None for text
-    audio: AudioInput | None = None
     #: the choices of one request (``n``): the first choice's request id and how many
     #: there are; a worker prefills their prompt once (``WorkerCore._prefill``)
     group: str = ""
     group_size: int = 1
+    #: not on the wire: a lane entry without ``kind`` is text
+    kind: ClassVar[str] = "text"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     def encode(self) -> bytes:
         return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Task":
-        """Parse a task; raises ``ValueError`` on anything malformed."""
-        try:
-            d = orjson.loads(raw)
-            params = SamplingParams(**d.pop("params"))
-            audio = d.pop("audio", None)
-            if audio is not None:
-                audio = AudioInput(**audio)
-            task = cls(params=params, audio=audio, **d)
-        except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"malformed task: {exc}") from exc
+        """Parse a text task; raises ``ValueError`` on anything malformed or not text."""
+        task = decode_task(raw)
+        if not isinstance(task, Task):
+            raise ValueError(f"malformed task: a {task.kind} task where a text task was expected")
         return task
+
+
+@dataclass(slots=True)
+class SpeechTask:
+    """A validated speech request, as it sits in a speech model's lane: one utterance of
+    a voice connection, whose audio arrives in ``sf:audio:{request_id}`` while the client
+    speaks (docs/voice.md). It has no prompt and no sampling parameters; its worker answers
+    with partial hypotheses and a final transcript."""
+
+    request_id: str
+    model: str
+    lane: str
+    reply_to: str  # connection id: events go to sf:reply:{reply_to}
+    client_id: str  # the id the client chose (for logs only)
+    audio: AudioInput
+    created_at: float  # unix seconds, set by the gateway
+    deadline: float | None = None  # unix seconds; expired tasks are not run
+    trace_id: str = ""
+    #: the API key id whose stream slot this utterance holds ("" for none), as for text
+    slot: str = ""
+    kind: str = "speech"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return 0
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
+
+
+#: what a lane holds: a text task, or a speech model's utterance
+AnyTask = Union[Task, SpeechTask]
+
+
+def decode_task(raw: bytes | str) -> AnyTask:
+    """Parse a lane entry's task by its ``kind`` (a task without one is text, or speech
+    when it carries ``audio``, as gateways before the speech type wrote them); raises
+    ``ValueError`` on anything malformed."""
+    try:
+        d = orjson.loads(raw)
+        if not isinstance(d, dict):
+            raise TypeError("not an object")
+        kind = d.pop("kind", None) or ("speech" if d.get("audio") is not None else "text")
+        if kind == "speech":
+            for legacy in ("prompt_ids", "params", "group", "group_size"):
+                d.pop(legacy, None)
+            return SpeechTask(audio=AudioInput(**d.pop("audio")), **d)
+        if kind != "text":
+            raise ValueError(f"malformed task: unknown kind {kind!r}")
+        if d.pop("audio", None) is not None:
+            raise TypeError("a text task with audio")
+        return Task(params=SamplingParams(**d.pop("params")), **d)
+    except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"malformed task: {exc}") from exc
 
 
 @dataclass(slots=True)
@@ -302,13 +359,29 @@ class DoneEvent:
             "total_ms": round(self.total_ms, 3),
         }
 
+    @property
+    def timed(self) -> bool:
+        """Whether it carries timings: a worker's end does; one the gateway made itself
+        (``RequestStream.end_cancelled``: a cancel no worker answered) has all three 0,
+        and clients are sent an empty ``timing``."""
+        return bool(self.queue_ms or self.ttft_ms or self.total_ms)
+
 
 @dataclass(slots=True)
 class ErrorEvent:
     request_id: str
     code: str
     message: str
+    #: the retry hint and the request field at fault of the ``StreamfleetError`` it stands
+    #: for (``error``): set on the failures the gateway decides itself
+    #: (``RequestStream.fail``); left off the wire when unset, as every worker's are
+    retry_after_ms: int | None = None
+    param: str | None = None
     type: str = "error"
+
+    def error(self) -> RequestError:
+        """The typed error of its code (class, HTTP status; an unknown code is ``internal``)."""
+        return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
 Event = Union[TokenEvent, DoneEvent, ErrorEvent]
@@ -323,9 +396,11 @@ def event_from_dict(d: dict[str, Any]) -> Event:
 
 def _wire(ev: Event) -> Event | dict[str, Any]:
     """A token without log probabilities leaves the field out (most tokens: bytes saved on
-    every publish and log entry)."""
+    every publish and log entry), an error its unset retry hint and param."""
     if type(ev) is TokenEvent and ev.logprobs is None:
         return {"request_id": ev.request_id, "index": ev.index, "text": ev.text, "type": "token"}
+    if type(ev) is ErrorEvent and ev.retry_after_ms is None and ev.param is None:
+        return {"request_id": ev.request_id, "code": ev.code, "message": ev.message, "type": "error"}
     return ev
 
 

@@ -31,7 +31,8 @@ import numpy as np
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent, sampling_problem
+from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent,
+                                       sampling_problem)
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
@@ -134,7 +135,7 @@ class WorkerCore:
         self._max_context = int(engine.max_context)
         self._vocab_size = int(engine.vocab_size)
         self._lock = threading.Lock()
-        self._rejected: list[tuple[Task, ErrorCode, str]] = []
+        self._rejected: list[tuple[AnyTask, ErrorCode, str]] = []
         self._tokens: TokenTable | None = None  # for log probabilities, built on first use
         self._grammars: Grammars | None = None  # for structured outputs, built on first use
         self._masker: ThreadPoolExecutor | None = None  # computes the masks while the engine runs
@@ -164,7 +165,7 @@ class WorkerCore:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._sched
 
-    def add(self, task: Task, replay: list[int] | None = None) -> None:
+    def add(self, task: AnyTask, replay: list[int] | None = None) -> None:
         """Admit a task; its first token comes out of the next ``step()``.
 
         ``replay``: token ids the request already generated elsewhere (indices 0..n-1,
@@ -174,7 +175,7 @@ class WorkerCore:
         fit (out of vocabulary, past ``max_tokens`` or the context) are ignored and the
         request is generated from its start.
 
-        A task that cannot run (empty or too long prompt, token ids out of range,
+        A task that cannot run (not text, empty or too long prompt, token ids out of range,
         invalid sampling parameters, deadline passed) does not take a slot and ends
         with an ErrorEvent in the next step's output.
 
@@ -243,7 +244,7 @@ class WorkerCore:
             self._sched.cancel(request_id)
             return True
 
-    def abandon_all(self) -> list[Task]:
+    def abandon_all(self) -> list[AnyTask]:
         """Drop every sequence without emitting anything and release their caches.
 
         For shutdown: the process leaves these tasks un-ACKed so another worker
@@ -260,7 +261,9 @@ class WorkerCore:
                 self._release(seq)
         return [s.task for s in seqs] + [t for t, _, _ in rejected]
 
-    def _validate(self, task: Task, now: float) -> tuple[ErrorCode, str] | None:
+    def _validate(self, task: AnyTask, now: float) -> tuple[ErrorCode, str] | None:
+        if not isinstance(task, Task):
+            return ErrorCode.invalid_request, f"model {task.model!r} generates text; this is a {task.kind} task"
         ids = task.prompt_ids
         if not ids:
             return ErrorCode.invalid_request, "the prompt is empty"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from streamfleet.shared.schema import Task
+from streamfleet.shared.schema import AnyTask
 
 from streamfleet.workers.core import StepOutput
 
@@ -38,13 +38,13 @@ class Core(Protocol):
 
     def __contains__(self, request_id: object) -> bool: ...
 
-    def add(self, task: Task, replay: list[int] | None = None) -> None: ...
+    def add(self, task: AnyTask, replay: list[int] | None = None) -> None: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
     def abandon(self, request_id: str) -> bool: ...
 
-    def abandon_all(self) -> list[Task]: ...
+    def abandon_all(self) -> list[AnyTask]: ...
 
     def step(self) -> StepOutput: ...
 
@@ -82,7 +82,7 @@ class CoreSet:
     def __contains__(self, request_id: object) -> bool:
         return any(request_id in c.core for c in self.all())
 
-    def add(self, task: Task, replay: list[int] | None = None) -> None:
+    def add(self, task: AnyTask, replay: list[int] | None = None) -> None:
         self.current.core.add(task, replay)
 
     def cancel(self, request_id: str) -> bool:
@@ -112,5 +112,5 @@ class CoreSet:
             return done
         return None
 
-    def abandon_all(self) -> list[Task]:
+    def abandon_all(self) -> list[AnyTask]:
         return [t for c in self.all() for t in c.core.abandon_all()]

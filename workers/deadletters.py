@@ -11,7 +11,7 @@ from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.schema import DeadLetter, ErrorEvent, Task
+from streamfleet.shared.schema import DeadLetter, ErrorEvent, decode_task
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.publisher import Publisher
@@ -50,7 +50,7 @@ class DeadLetters(Part):
         raw = fields.get(b"task", b"")
         reason = f"delivered {deliveries} times without finishing (max {self.settings.max_deliveries})"
         try:
-            task = Task.decode(raw)
+            task = decode_task(raw)
         except ValueError:
             task = None
         await self.send(lane, msg_id, raw, reason)

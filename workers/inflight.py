@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import Task
+from streamfleet.shared.schema import AnyTask
 
 __all__ = ["InFlight", "Delivery", "InFlightTable", "MEMORY_S", "MAX_FOLLOWERS"]
 
@@ -34,7 +34,7 @@ class InFlight:
 
     lane: str
     message_id: bytes
-    task: Task
+    task: AnyTask
     #: its ack is on its way (the publisher's batch): gone from the lane's pending list
     #: because it finished, not because another worker claimed it
     acking: bool = False
@@ -80,7 +80,7 @@ class InFlightTable:
     def get(self, request_id: str) -> InFlight | None:
         return self.running.get(request_id)
 
-    def admit(self, lane: str, message_id: bytes, task: Task) -> bool:
+    def admit(self, lane: str, message_id: bytes, task: AnyTask) -> bool:
         """``task`` starts running here; the follows remembered for it apply now. Returns
         whether a cancel was heard for it before it started (the caller cancels it)."""
         rid = task.request_id
@@ -110,7 +110,7 @@ class InFlightTable:
             del self.running[rid]
         return dropped
 
-    def hand_back(self, abandoned: list[Task]) -> list[tuple[str, bytes, bytes]]:
+    def hand_back(self, abandoned: list[AnyTask]) -> list[tuple[str, bytes, bytes]]:
         """Empty the table for a drain: ``(lane, message id, task)`` of each abandoned
         running request and each held delivery, to requeue."""
         items = [(fl.lane, fl.message_id, fl.task.encode()) for t in abandoned

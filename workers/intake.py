@@ -22,7 +22,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import Task, Wake, stream_entry_id
+from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -308,7 +308,7 @@ class Intake(Part):
     def _start(self, d: Delivery) -> None:
         raw = d.raw_task
         try:
-            task = Task.decode(raw)
+            task = decode_task(raw)
         except ValueError as exc:
             log.error("malformed task; dead-lettering", message_id=d.message_id.decode(), error=str(exc))
             self.spawn(self.dead_letters.send(d.lane, d.message_id, raw, f"malformed task: {exc}"))

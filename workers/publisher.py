@@ -30,7 +30,7 @@ from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import Attach, DoneEvent, Event, LogEntry, Task, TokenEvent, encode_events
+from streamfleet.shared.schema import Attach, DoneEvent, Event, AnyTask, LogEntry, TokenEvent, encode_events
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -223,7 +223,7 @@ class Publisher(Part):
                     log.warning("events of a request have not reached its shard; cancelling it", request_id=rid,
                                 stuck_s=round(now - since, 2))
 
-    async def announce(self, task: Task, ev: Event) -> None:
+    async def announce(self, task: AnyTask, ev: Event) -> None:
         """Log and publish the one event that ends a request not running here (a task
         given up on) to its connection and every follower.
 
@@ -238,11 +238,11 @@ class Publisher(Part):
         await batch.execute(self.redis)
 
     def log_events(self, batch: RawBatch, events: list[Event], token_ids: dict | None = None,
-                   tasks: dict[str, Task] | None = None) -> None:
+                   tasks: dict[str, AnyTask] | None = None) -> None:
         """Append events to their request logs (``sf:log:{request_id}``, one
         ``shared.schema.LogEntry`` each) in ``batch``; a token's entry also carries its id,
         for a takeover's replay. A request's end also gives back the API key's stream slot
-        it holds (README: "Tenants"), whatever became of its client."""
+        it holds (docs/security.md, "Tenants"), whatever became of its client."""
         s = self.settings
         maxlen, ttl = s.log_maxlen, int(s.log_ttl_s)
         ids = token_ids or {}

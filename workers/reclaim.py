@@ -24,7 +24,7 @@ from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.schema import Heartbeat, LogEntry, Task, TokenEvent
+from streamfleet.shared.schema import Heartbeat, LogEntry, TokenEvent, decode_task
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -228,7 +228,7 @@ class Reclaimer(Part):
             await self.dead_letters.give_up(lane, mid, fields, deliveries)
             return
         try:
-            task = Task.decode(fields.get(b"task") or b"")
+            task = decode_task(fields.get(b"task") or b"")
         except ValueError:
             task = None
         replay: list[int] = []

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Task, TokenEvent
+from streamfleet.shared.schema import AnyTask, DoneEvent, ErrorEvent, SpeechTask, TokenEvent
 
 from streamfleet.workers.core import StepOutput
 
@@ -47,7 +47,7 @@ FINISH_POLL_S = 0.05
 
 @dataclass(slots=True)
 class _Utterance:
-    task: Task
+    task: SpeechTask
     decoder: Any
     admitted_at: float
     inbox: list[bytes] = field(default_factory=list)
@@ -71,14 +71,14 @@ class SpeechCore:
 
     Args:
         engine: a ``workers.engines.speech.SpeechEngine`` (its decoder pool).
-        clock: unix seconds (``Task.created_at`` is on the same scale).
+        clock: unix seconds (``created_at`` of a task is on the same scale).
     """
 
     def __init__(self, engine: Any, *, clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
         self._clock = clock
         self._utts: dict[str, _Utterance] = {}
-        self._rejected: list[tuple[Task, ErrorCode, str]] = []
+        self._rejected: list[tuple[AnyTask, ErrorCode, str]] = []
         self._dropped: list[_Utterance] = []  # abandoned: their decoders go back in the next step
         self._lock = threading.Lock()
         self._pool = (ThreadPoolExecutor(max_workers=int(engine.slots), thread_name_prefix="speech-slot")
@@ -116,7 +116,7 @@ class SpeechCore:
                 or any(u.inbox or u.cancelled or u.partials == 0 or (u.ended and not u.final_pending)
                        for u in self._utts.values())
 
-    def add(self, task: Task, replay: list[int] | None = None) -> None:
+    def add(self, task: AnyTask, replay: list[int] | None = None) -> None:
         """Start an utterance (``replay`` is for text; an utterance restarts from its
         audio). A task that cannot be transcribed ends with an ErrorEvent next step.
 
@@ -137,9 +137,9 @@ class SpeechCore:
             decoder = self.engine.acquire()
             self._utts[task.request_id] = _Utterance(task, decoder, admitted_at=now, fed_at=now)
 
-    def _validate(self, task: Task, now: float) -> tuple[ErrorCode, str] | None:
-        if task.audio is None:
-            return ErrorCode.invalid_request, f"model {task.model!r} transcribes audio; this task has none"
+    def _validate(self, task: AnyTask, now: float) -> tuple[ErrorCode, str] | None:
+        if not isinstance(task, SpeechTask):
+            return ErrorCode.invalid_request, f"model {task.model!r} transcribes audio; this is a {task.kind} task"
         if task.audio.sample_rate != self.engine.sample_rate:
             return (ErrorCode.invalid_request, f"model {task.model!r} takes {self.engine.sample_rate} Hz audio, "
                     f"not {task.audio.sample_rate} Hz")
@@ -179,7 +179,7 @@ class SpeechCore:
             self._dropped.append(u)
         return True
 
-    def abandon_all(self) -> list[Task]:
+    def abandon_all(self) -> list[AnyTask]:
         """Drop every utterance (a drain). Like ``step``, it runs in the engine thread."""
         with self._lock:
             utts, self._utts = list(self._utts.values()), {}

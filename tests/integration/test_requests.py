@@ -11,15 +11,13 @@ import redis.asyncio as aioredis
 from streamfleet.shared.errors import ErrorCode, NotFoundError, RefusedError, ValidationError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.modelrepo import ModelRepository
-from streamfleet.shared.schema import DoneEvent, TokenEvent, encode_events
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent, encode_events
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.hub import Hub
 from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.request_stream import End, Failed, Token
 from streamfleet.gateway.validation import Validator
 
 
@@ -74,7 +72,7 @@ async def test_submit_carries_ticket_model_lane_and_slot_until_the_end(hub, rds)
 
     await publish(rds, hub, channel, TokenEvent(rid, 0, "a"), DoneEvent(rid, "stop", 2, 1))
     events = [ev async for ev in req.events("ws")]
-    assert isinstance(events[0], Token) and isinstance(events[-1], End) and events[-1].finish_reason == "stop"
+    assert isinstance(events[0], TokenEvent) and isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "stop"
     assert rid in channel.streams
     req.delivered()
     assert rid not in channel.streams
@@ -153,8 +151,8 @@ async def test_http_calls_share_one_subscribed_channel(hub, rds):
     await publish(rds, hub, channel, TokenEvent(a.request_id, 0, "x"), TokenEvent(b.request_id, 0, "y"),
                   DoneEvent(a.request_id, "stop", 2, 1))
     got = [ev async for ev in a.events("sse")]
-    assert [ev.text for ev in got if isinstance(ev, Token)] == ["x"] and isinstance(got[-1], End)
-    assert isinstance(await asyncio.wait_for(b.stream.next(), 5), Token)
+    assert [ev.text for ev in got if isinstance(ev, TokenEvent)] == ["x"] and isinstance(got[-1], DoneEvent)
+    assert isinstance(await asyncio.wait_for(b.stream.next(), 5), TokenEvent)
     a.delivered()
     await a.close()
     assert a.request_id not in channel.streams and b.request_id in channel.streams
@@ -194,13 +192,13 @@ async def test_resume_follows_the_recorded_request_on_its_own_channel(hub, rds):
     assert again.stream.resumed and again.stream.next_index == 1
     await publish(rds, hub, again.channel, TokenEvent(rid, 1, "b"), DoneEvent(rid, "stop", 2, 2))
     events = [ev async for ev in again.events("sse")]
-    assert [ev.index for ev in events if isinstance(ev, Token)] == [1] and isinstance(events[-1], End)
+    assert [ev.index for ev in events if isinstance(ev, TokenEvent)] == [1] and isinstance(events[-1], DoneEvent)
     again.delivered()
     await again.close(reason="http_disconnect")
     assert again.channel.closed
     await publish(rds, hub, first.channel, TokenEvent(rid, 0, "a"), TokenEvent(rid, 1, "b"),
                   DoneEvent(rid, "stop", 2, 2))
-    assert isinstance([ev async for ev in first.events("sse")][-1], End)
+    assert isinstance([ev async for ev in first.events("sse")][-1], DoneEvent)
     await first.close()
     assert await rds.zcard(Keys(hub.settings.key_prefix).streams(who.key_id)) == 0
 
@@ -217,7 +215,7 @@ async def test_a_revoked_key_ends_a_watched_request(hub, rds):
     req.watch()
     await hub.admission.store.revoke(who.key_id)
     ev = await asyncio.wait_for(req.stream.next(), 10)
-    assert isinstance(ev, Failed) and ev.error.status == 401
+    assert isinstance(ev, ErrorEvent) and ev.error().status == 401
     await req.close()
     assert await rds.zcard(Keys(hub.settings.key_prefix).streams(who.key_id)) == 0
 

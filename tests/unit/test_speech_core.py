@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.shared.schema import AudioInput, DoneEvent, ErrorEvent, SamplingParams, Task, TokenEvent
+from streamfleet.shared.schema import AudioInput, DoneEvent, ErrorEvent, SamplingParams, SpeechTask, Task, TokenEvent
 
 from streamfleet.workers.coreset import Core
 from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine
@@ -69,11 +69,15 @@ def make_core(slots: int = 2) -> tuple[SpeechCore, WordsEngine, Clock]:
 
 
 def utterance(rid: str, *, rate: int = RATE, encoding: str = "pcm_s16le", deadline: float | None = None,
-              audio: bool = True) -> Task:
+              audio: bool = True) -> SpeechTask | Task:
+    """An utterance's task; ``audio=False``: a text task sent to the speech model."""
     now = time.time()
-    return Task(request_id=rid, model="asr-test", lane="normal", reply_to="conn", client_id=rid, prompt_ids=[],
-                params=SamplingParams(), created_at=now, deadline=deadline if deadline is not None else now + 60,
-                audio=AudioInput(sample_rate=rate, encoding=encoding) if audio else None)
+    deadline = deadline if deadline is not None else now + 60
+    if not audio:
+        return Task(request_id=rid, model="asr-test", lane="normal", reply_to="conn", client_id=rid,
+                    prompt_ids=[1, 2], params=SamplingParams(), created_at=now, deadline=deadline)
+    return SpeechTask(request_id=rid, model="asr-test", lane="normal", reply_to="conn", client_id=rid,
+                      audio=AudioInput(sample_rate=rate, encoding=encoding), created_at=now, deadline=deadline)
 
 
 def events(out) -> list:
@@ -113,7 +117,7 @@ def test_cancel_ends_with_the_hypothesis_so_far():
 
 
 @pytest.mark.parametrize("task,code,words", [
-    (utterance("a", audio=False), "invalid_request", "has none"),
+    (utterance("a", audio=False), "invalid_request", "this is a text task"),
     (utterance("b", rate=8000), "invalid_request", "8000 Hz"),
     (utterance("c", encoding="opus"), "invalid_request", "'opus'"),
     (utterance("d", deadline=1.0), "timeout", "deadline"),

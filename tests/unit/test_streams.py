@@ -6,10 +6,10 @@ import asyncio
 import time
 
 
-from streamfleet.shared.errors import UnavailableError
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
+from streamfleet.shared.errors import UnavailableError, ValidationError
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent, decode_events, encode_event, encode_events
 
-from streamfleet.gateway.request_stream import TICK, End, Failed, RequestStream, Token
+from streamfleet.gateway.request_stream import TICK, RequestStream
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:
@@ -37,8 +37,8 @@ async def test_in_order_and_duplicates_dropped():
         s.feed(tok(i))
     s.feed(done(3))
     evs = await drain(s)
-    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2]
-    assert isinstance(evs[-1], End) and evs[-1].completion_tokens == 3
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [0, 1, 2]
+    assert isinstance(evs[-1], DoneEvent) and evs[-1].completion_tokens == 3
     assert s.duplicates_dropped == 2
 
 
@@ -50,9 +50,9 @@ async def test_gap_is_repaired_from_the_log():
     s.feed(tok(4))  # 2 and 3 were lost by pub/sub
     s.feed(done(5))
     evs = await drain(s)
-    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2, 3, 4]
-    assert [e.text for e in evs if isinstance(e, Token)] == ["t0", "t1", "t2", "t3", "t4"]
-    assert isinstance(evs[-1], End) and s.gaps_repaired == 1
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [0, 1, 2, 3, 4]
+    assert [e.text for e in evs if isinstance(e, TokenEvent)] == ["t0", "t1", "t2", "t3", "t4"]
+    assert isinstance(evs[-1], DoneEvent) and s.gaps_repaired == 1
 
 
 async def test_done_waits_for_missing_tokens():
@@ -60,7 +60,7 @@ async def test_done_waits_for_missing_tokens():
     s = make(log)
     s.feed(done(2))  # both tokens were lost; the end must not overtake them
     evs = await drain(s)
-    assert [type(e).__name__ for e in evs] == ["Token", "Token", "End"]
+    assert [type(e).__name__ for e in evs] == ["TokenEvent", "TokenEvent", "DoneEvent"]
 
 
 async def test_unrepairable_gap_fails_the_request_instead_of_a_hole():
@@ -69,8 +69,8 @@ async def test_unrepairable_gap_fails_the_request_instead_of_a_hole():
     s.feed(tok(2))
     s.feed(done(3))
     evs = await drain(s)
-    assert [e.index for e in evs if isinstance(e, Token)] == [0]  # never index 2 after 0
-    assert isinstance(evs[-1], Failed) and evs[-1].error.code == "broker_unavailable"
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [0]  # never index 2 after 0
+    assert isinstance(evs[-1], ErrorEvent) and evs[-1].code == "broker_unavailable"
     assert s.gaps_skipped == 1
 
 
@@ -80,7 +80,7 @@ async def test_resync_reads_the_log_for_missed_events():
     s.feed(tok(0))
     s.resync()  # the subscription was re-established: token 1 and the end were missed
     evs = await asyncio.wait_for(drain(s), 5)
-    assert [type(e).__name__ for e in evs] == ["Token", "Token", "End"]
+    assert [type(e).__name__ for e in evs] == ["TokenEvent", "TokenEvent", "DoneEvent"]
 
 
 async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
@@ -89,7 +89,7 @@ async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
     s = make(log)
     s.feed(tok(0))  # the done message was lost
     evs = await asyncio.wait_for(drain(s), 5)
-    assert isinstance(evs[-1], End)
+    assert isinstance(evs[-1], DoneEvent)
 
 
 def log_reader(entries: list, calls: list, page: int | None = None):
@@ -107,13 +107,13 @@ async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monke
     calls = []
     s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, calls, page=2),
                       resumed=True, next_index=4)
-    assert await asyncio.wait_for(s.next(), 5) == Token(4, "t4")
-    assert await asyncio.wait_for(s.next(), 5) == Token(5, "t5")
+    assert await asyncio.wait_for(s.next(), 5) == tok(4)
+    assert await asyncio.wait_for(s.next(), 5) == tok(5)
     s.feed(tok(6))  # live, from pub/sub
     s.feed(done(7))
     evs = await asyncio.wait_for(drain(s), 5)
-    assert [e.index for e in evs if isinstance(e, Token)] == [6]
-    assert isinstance(evs[-1], End)
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [6]
+    assert isinstance(evs[-1], DoneEvent)
     assert calls[:3] == [b"0-0", b"2-0", b"4-0"]  # one replay, page after page
 
 
@@ -128,7 +128,7 @@ async def test_log_reads_are_incremental_and_not_counted_as_duplicates():
     s.feed(tok(4))
     s.feed(done(5))
     evs = await asyncio.wait_for(drain(s), 5)
-    assert [e.index for e in evs if isinstance(e, Token)] == [0, 1, 2, 3, 4]
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [0, 1, 2, 3, 4]
     assert s.duplicates_dropped == 1  # only the redelivered token, not what the log repeated
     growing = entries[:4]  # the log as it stands at the first gap: indices 0..3
     reads = []
@@ -140,7 +140,7 @@ async def test_log_reads_are_incremental_and_not_counted_as_duplicates():
     growing.extend(entries[4:])
     s2.feed(done(5))  # index 4 is missing: the second read starts where the first ended
     evs = await asyncio.wait_for(drain(s2), 5)
-    assert [e.index for e in evs if isinstance(e, Token)] == [4]
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == [4]
     assert reads == [b"0-0", b"3-0"]
     assert s2.duplicates_dropped == 0
 
@@ -149,26 +149,74 @@ async def test_errors_and_local_decisions():
     s = make()
     s.feed(ErrorEvent("r", "engine_error", "boom"))
     evs = await drain(s)
-    assert isinstance(evs[0], Failed) and evs[0].error.code == "engine_error"
+    assert isinstance(evs[0], ErrorEvent) and evs[0].code == "engine_error"
 
     s = make()
     s.feed(tok(0))
     s.end_cancelled()
     evs = await drain(s)
-    assert isinstance(evs[-1], End) and evs[-1].finish_reason == "cancelled" and evs[-1].completion_tokens == 1
+    assert isinstance(evs[-1], DoneEvent) and evs[-1].finish_reason == "cancelled" and evs[-1].completion_tokens == 1
 
     s = make()
     s.fail(UnavailableError("down"))
     s.feed(tok(0))  # nothing after the end
     evs = await drain(s)
-    assert len(evs) == 1 and isinstance(evs[0], Failed)
+    assert len(evs) == 1 and isinstance(evs[0], ErrorEvent)
+
+
+async def test_the_stream_delivers_the_wire_events_themselves():
+    """One event vocabulary: what a worker published is what the adapters get (once, in
+    order), the worker's end with its timings and model version."""
+    s = make()
+    t0, end = tok(0), DoneEvent("r", "stop", 3, 1, queue_ms=1.25, ttft_ms=2.0, total_ms=3.0, model_version="v2")
+    s.feed(t0)
+    s.feed(end)
+    evs = await drain(s)
+    assert evs[0] is t0 and evs[-1] is end and end.timed
+    err = ErrorEvent("r", "no_such_code", "boom")
+    s = make()
+    s.feed(err)
+    [got] = await drain(s)
+    assert got is err and got.error().code == "internal" and got.error().status == 500  # an unknown code
+
+
+async def test_the_gateways_own_ends_are_wire_events_that_keep_what_the_error_carried():
+    s = make()
+    s.feed(tok(0))
+    s.feed(tok(1))
+    s.end_cancelled()
+    evs = await drain(s)
+    assert evs[-1] == DoneEvent("r", "cancelled", 3, 2) and not evs[-1].timed and evs[-1].model_version == ""
+    assert evs[-1].usage() == {"prompt_tokens": 3, "completion_tokens": 2} and s.ended_here
+
+    s = make()
+    s.fail(ValidationError("bad", code="out_of_range", param="top_p", retry_after_ms=250))
+    [ev] = await drain(s)
+    assert ev == ErrorEvent("r", "out_of_range", "bad", retry_after_ms=250, param="top_p")
+    err = ev.error()
+    assert (type(err), err.status, err.param, err.retry_after_ms) == (ValidationError, 400, "top_p", 250)
+
+    s = make([])  # a gap the log cannot fill: the retry hint of the gateway's own failure reaches the client
+    s.feed(tok(1))
+    [ev] = await drain(s)
+    assert isinstance(ev, ErrorEvent) and ev.code == "broker_unavailable" and ev.error().retry_after_ms == 1000
+    assert ev.error().to_frame("c")["retry_after_ms"] == 1000
+
+
+def test_an_error_events_retry_hint_and_param_are_on_the_wire_only_when_set():
+    """A worker's error encodes as it always did; one that carries them keeps them."""
+    plain = ErrorEvent("r", "engine_error", "boom")
+    assert encode_events([plain]) == b'[{"request_id":"r","code":"engine_error","message":"boom","type":"error"}]'
+    assert encode_event(plain) == b'{"request_id":"r","code":"engine_error","message":"boom","type":"error"}'
+    hinted = ErrorEvent("r", "broker_unavailable", "down", retry_after_ms=1000)
+    assert decode_events(encode_events([plain, hinted])) == [plain, hinted]
 
 
 async def test_queued_request_times_out_at_its_deadline(monkeypatch):
     monkeypatch.setattr("streamfleet.gateway.request_stream.CANCEL_GRACE_S", 0.0)
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
-    assert isinstance(evs[0], Failed) and evs[0].error.code == "timeout"
+    assert isinstance(evs[0], ErrorEvent) and evs[0].code == "timeout"
 
 
 async def test_drop_pending_discards_what_nobody_reads_and_tells_the_end():
@@ -193,7 +241,7 @@ async def test_ticks_come_when_nothing_else_does_and_never_postpone_the_catch_up
     s.feed(tok(0))  # the done message was lost: only the log has it
     t0 = time.monotonic()
     evs = await asyncio.wait_for(drain(s), 5)
-    assert isinstance(evs[0], Token) and isinstance(evs[-1], End)
+    assert isinstance(evs[0], TokenEvent) and isinstance(evs[-1], DoneEvent)
     ticks = [e for e in evs if e is TICK]
     assert 3 <= len(ticks) <= 8, evs  # about one per 0.05 s of the 0.3 s wait
     assert time.monotonic() - t0 < 1.0
@@ -221,7 +269,7 @@ async def test_a_busy_stream_keeps_one_timer_not_one_per_token(monkeypatch):
 
     loop.call_soon(feed_one)
     evs = await asyncio.wait_for(drain(s), 10)
-    assert [e.index for e in evs if isinstance(e, Token)] == list(range(200))
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == list(range(200))
     assert len(timers) <= 5, len(timers)  # wait_for's own, the first wait's, one re-arm when it shortens
 
 
