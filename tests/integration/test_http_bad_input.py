@@ -3,6 +3,23 @@ invalid or oversized WebSocket frames, and readiness while pub/sub is down. Each
 4xx (or a close code) and a quiet log, never a 500 or a traceback, and the gateway and
 its keep-alive connections carry on."""
 
+# Moved to unit tests (the decision is pure; what stays here is the door's own parsing, one
+# live case per stage, and what needs the process). Removed -> replaced by:
+# - test_malformed_body_is_4xx_with_an_openai_error, 40 of the 46 cases of stream flags,
+#   prompt, messages and other fields (and the 64-bit seed) -> tests/unit/
+#   test_openai_mapping.py::test_a_bad_body_is_a_4xx_openai_error_with_its_code (BAD_BODIES:
+#   all 46, the same bytes, X-Priority and codes, through stream_flags, choice_counts,
+#   request_payload and Validator.check in the door's order; 6 stay here, one per stage)
+# - test_malformed_body_is_4xx_with_an_openai_error, the 16 cases of a body that is not an
+#   object -> test_not_an_object_gets_the_same_code_on_every_transport (here: the same 8
+#   bodies on both endpoints, now checking the whole OpenAI error body) and
+#   tests/unit/test_protocol.py::test_json_that_is_not_an_object_is_an_invalid_frame
+# - test_frame_limit_counts_utf8_bytes (a gateway of its own) ->
+#   tests/unit/test_protocol.py::test_frame_limit_counts_utf8_bytes_not_characters and
+#   tests/unit/test_session.py::test_the_frame_limit_is_the_gateways_setting (the message's
+#   byte count, the same text in ASCII reaching validation); the setting reaching a live
+#   gateway: tests/integration/test_protection.py::test_frame_limits_and_invalid_utf8
+
 from __future__ import annotations
 
 import asyncio
@@ -33,66 +50,25 @@ def _j(v: object) -> bytes:
     return orjson.dumps(v)
 
 
-#: (endpoint, raw body, extra headers, expected code)
+#: (endpoint, raw body, extra headers, expected code): what the door itself decides (a body
+#: that is not JSON, a bad Last-Event-ID, in the door's order), and one live case of each
+#: stage the rest goes through (stream flags, choice counts, mapping, validation, the
+#: X-Priority header); every other bad body is in tests/unit/test_openai_mapping.py
+#: (BAD_BODIES), a body that is not an object in test_not_an_object_gets_the_same_code_...
 MALFORMED = [
-    *[(ep, body, {}, "invalid_frame") for ep in (COMPLETIONS, CHAT) for body in NOT_OBJECTS],
     # not JSON at all
     (COMPLETIONS, b"", {}, "invalid_json"),
     (COMPLETIONS, b"{", {}, "invalid_json"),
     (CHAT, b"\xff\xfe", {}, "invalid_json"),
     (COMPLETIONS, b'{"prompt": "\xc3\x28"}', {}, "invalid_json"),
     (COMPLETIONS, b"[" * 5000 + b"]" * 5000, {}, "invalid_json"),
-    (COMPLETIONS, b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", {}, "out_of_range"),
-    # stream flags
+    # one of each stage after the parse
     (COMPLETIONS, _j({"prompt": "x", "stream": "yes"}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stream": 1}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stream_options": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stream_options": "x"}), {}, "invalid_type"),
-    (CHAT, _j({"messages": [{"role": "user", "content": "x"}], "stream_options": 0}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}), {},
-     "invalid_type"),
-    # prompt
-    (COMPLETIONS, _j({}), {}, "missing_field"),
-    (COMPLETIONS, _j({"prompt": 5}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": [1]}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": ["a", "b"]}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": {"a": 1}}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": ""}), {}, "invalid_request"),
-    # messages
-    (CHAT, _j({}), {}, "missing_field"),
-    (CHAT, _j({"messages": None}), {}, "missing_field"),
-    (CHAT, _j({"messages": {"role": "user"}}), {}, "invalid_type"),
-    (CHAT, _j({"messages": "hi"}), {}, "invalid_type"),
-    (CHAT, _j({"messages": []}), {}, "invalid_type"),
-    (CHAT, _j({"messages": [1]}), {}, "invalid_type"),
-    (CHAT, _j({"messages": [{"role": ["user"], "content": "x"}]}), {}, "invalid_request"),
-    (CHAT, _j({"messages": [{"role": "user", "content": 5}]}), {}, "invalid_type"),
-    (CHAT, _j({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), {}, "invalid_type"),
-    (CHAT, _j({"messages": [{"role": "user", "content": [1]}]}), {}, "invalid_type"),
-    # other fields
-    (COMPLETIONS, _j({"prompt": "x", "model": 5}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "model": ["tiny-gpt"]}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "model": {"id": "tiny-gpt"}}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "unknown_model"),
-    (COMPLETIONS, _j({"prompt": "x", "model": "a\u0000b"}), {}, "unknown_model"),
     (COMPLETIONS, _j({"prompt": "x", "n": 17}), {}, "out_of_range"),
-    (COMPLETIONS, _j({"prompt": "x", "n": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "n": "1"}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "max_tokens": "5"}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "max_tokens": 1e308}), {}, "out_of_range"),
-    (CHAT, _j({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "temperature": "hot"}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "temperature": 1e308}), {}, "out_of_range"),
-    (COMPLETIONS, _j({"prompt": "x", "top_p": {}}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stop": [1]}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "stop": {"a": "b"}}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "priority": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "priority": {"lane": "high"}}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "priority": 5}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": ["a", "b"]}), {}, "invalid_type"),
+    (CHAT, _j({"messages": []}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "unknown_model"),
     (COMPLETIONS, _j({"prompt": "x"}), {"X-Priority": "urgent"}, "out_of_range"),
-    (COMPLETIONS, _j({"prompt": "x", "ignore_eos": "yes"}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "timeout": [1]}), {}, "invalid_type"),
     # a reconnecting SSE client (Last-Event-ID) with a bad body or header
     (COMPLETIONS, b"[]", {"Last-Event-ID": "abc:3"}, "invalid_frame"),
     (CHAT, b'"x"', {"Last-Event-ID": "abc:3"}, "invalid_frame"),
@@ -142,7 +118,8 @@ def test_not_an_object_gets_the_same_code_on_every_transport(edge):
             for path in (COMPLETIONS, CHAT):
                 r = http.post(path, content=body, headers={"Content-Type": "application/json"})
                 assert r.status_code == 400, (path, body, r.status_code, r.text)
-                assert r.json()["error"]["code"] == "invalid_frame"
+                _assert_openai_error(r, "invalid_frame")
+    assert edge.alive()
 
 
 def _local_port(r: httpx.Response) -> int:
@@ -226,23 +203,6 @@ def test_invalid_utf8_text_frame_closes_1007_quietly(fleet):
     assert httpx.get(gw.http + "/healthz", timeout=10).status_code == 200
     time.sleep(0.3)
     _assert_quiet(gw.log(None))
-
-
-def test_frame_limit_counts_utf8_bytes(fleet):
-    gw = fleet.gateway(max_frame_bytes=1000)
-    raw = RawWebSocket("127.0.0.1", gw.port)
-    frame = orjson.dumps({"type": "generate", "id": "euro", "prompt": "€" * 400})  # ~440 characters, 1240 bytes
-    assert len(frame.decode()) < 1000 < len(frame)
-    raw.send_frame(0x1, frame)
-    op, payload = raw.recv_frame()
-    msg = orjson.loads(payload)
-    assert op == 0x1 and msg["code"] == "frame_too_large", msg
-    assert str(len(frame)) in msg["message"]  # the size reported is in bytes
-    # the same characters as plain ASCII are under the limit and reach validation
-    raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": "ascii", "prompt": "e" * 400, "max_tokens": -1}))
-    msg = orjson.loads(raw.recv_frame()[1])
-    assert msg["code"] == "out_of_range" and msg["param"] == "max_tokens", msg
-    raw.close()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from uvicorn.server import ServerState
 from streamfleet.gateway.edge import (HEAD_TOO_LARGE, OVER_CAPACITY, SCOPE_KEY, TOO_MANY_FROM_ADDRESS, EdgeGuard,
                                       EdgeHttpToolsProtocol, EdgeLimits, Refusal, Ticket, authenticated)
 from streamfleet.shared.errors import ErrorCode
+from streamfleet.shared.settings import GatewaySettings
 
 
 # -- the guard ---------------------------------------------------------------------------
@@ -251,3 +252,60 @@ async def test_the_ticket_is_in_the_request_scope():
     authenticated(proto.scope)
     assert guard.pre_auth == {}
     await _settle(transport)
+
+
+# -- the default limits (SF_MAX_REQUEST_LINE_BYTES, SF_MAX_HEADER_COUNT, SF_MAX_HEADER_BYTES) --
+DEFAULTS = EdgeLimits.from_settings(GatewaySettings())
+
+
+def _get(path: str = "/healthz", extra: bytes = b"") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: gw\r\n" + extra + b"\r\n"
+
+
+def _pieces(data: bytes, size: int = 65536):
+    """``data`` as a socket hands it over: in reads of at most ``size`` bytes."""
+    return [data[i:i + size] for i in range(0, len(data), size)]
+
+
+def test_the_default_limits():
+    assert (DEFAULTS.max_request_line_bytes, DEFAULTS.max_header_bytes, DEFAULTS.max_header_count) \
+        == (8192, 32_768, 100)
+
+
+@pytest.mark.parametrize("head,status,what", [
+    (_get("/" + "a" * 9000), 414, b"target"),                                             # past 8 KiB of target
+    (_get(extra=b"".join(b"X-H%d: 1\r\n" % i for i in range(150))), 431, b"header fields"),  # past 100 fields
+    (_get(extra=b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 500) for i in range(80))), 431, b"head"),  # past 32 KiB
+], ids=["target", "count", "bytes"])
+async def test_a_head_past_a_default_limit_is_refused_and_closed(head, status, what):
+    proto, transport = _protocol(DEFAULTS)
+    for piece in _pieces(head, 4096):
+        proto.data_received(piece)
+    assert _statuses(transport.written) == [status] and transport.eof
+    response_head, _, body = transport.written.partition(b"\r\n\r\n")
+    assert b"connection: close" in response_head.lower()
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "invalid_request" and what in error["message"].encode()
+    if proto._linger is not None:
+        proto._linger.cancel()
+
+
+async def test_a_head_just_within_every_default_limit_is_served_and_kept_alive():
+    fits = _get("/healthz?" + "q" * 7000, extra=b"".join(b"X-H%d: %s\r\n" % (i, b"c" * 200) for i in range(98)))
+    proto, transport = _protocol(DEFAULTS)
+    for n in (1, 2):  # two requests on the one connection
+        for piece in _pieces(fits, 4096):
+            proto.data_received(piece)
+        await _settle(transport, n)
+        assert _statuses(transport.written) == [200] * n
+    assert not transport.closed and not transport.eof
+
+
+async def test_a_long_body_after_a_small_head_is_the_bodys_business():
+    body = orjson.dumps({"prompt": "x" * 200_000})
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    proto, transport = _protocol(DEFAULTS)
+    for piece in _pieces(request):
+        proto.data_received(piece)
+    await _settle(transport)
+    assert _statuses(transport.written) == [200] and str(len(body)).encode() in transport.written

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 
 from streamfleet.gateway.openai_mapping import (MAX_CHOICES, MAX_HELD_CALL, ChoiceStream, Gathered, ResponseShape,
                                                 best_of_order, choice_counts, could_be_call, finish_reason,
                                                 request_payload, stream_flags, usage_of)
-from streamfleet.gateway.request_stream import End, Token
 from streamfleet.gateway.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
 from streamfleet.gateway.validation import UNSUPPORTED, Validator, check_unsupported
-from streamfleet.shared.errors import ErrorCode, ValidationError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.schema import DoneEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -218,10 +219,113 @@ def test_stream_flags():
         assert (e.code, e.param) == (ErrorCode.invalid_type, param), body
 
 
+# -- a bad body, as the HTTP door reads it ------------------------------------------------
+# Each body below is a JSON object; the door (gateway/openai.py) reads its stream flags,
+# its choice counts, maps it to the payload and runs ``Validator.check``, in that order,
+# and answers the first refusal as the OpenAI error body. (Bodies that are not JSON, or
+# not an object, and a bad Last-Event-ID are the door's own: tests/integration/
+# test_http_bad_input.py.)
+
+def _j(v: object) -> bytes:
+    return orjson.dumps(v)
+
+
+#: (chat endpoint, raw body, X-Priority header, expected code)
+BAD_BODIES = [
+    # a JSON number past 64 bits (orjson reads it as a float)
+    (False, b'{"prompt": "x", "seed": 1' + b"0" * 40 + b"}", None, "out_of_range"),
+    # stream flags
+    (False, _j({"prompt": "x", "stream": "yes"}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stream": 1}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stream_options": []}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stream_options": "x"}), None, "invalid_type"),
+    (True, _j({"messages": [{"role": "user", "content": "x"}], "stream_options": 0}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}), None, "invalid_type"),
+    # prompt
+    (False, _j({}), None, "missing_field"),
+    (False, _j({"prompt": 5}), None, "invalid_type"),
+    (False, _j({"prompt": []}), None, "invalid_type"),
+    (False, _j({"prompt": [1]}), None, "invalid_type"),
+    (False, _j({"prompt": ["a", "b"]}), None, "invalid_type"),
+    (False, _j({"prompt": {"a": 1}}), None, "invalid_type"),
+    (False, _j({"prompt": ""}), None, "invalid_request"),
+    # messages
+    (True, _j({}), None, "missing_field"),
+    (True, _j({"messages": None}), None, "missing_field"),
+    (True, _j({"messages": {"role": "user"}}), None, "invalid_type"),
+    (True, _j({"messages": "hi"}), None, "invalid_type"),
+    (True, _j({"messages": []}), None, "invalid_type"),
+    (True, _j({"messages": [1]}), None, "invalid_type"),
+    (True, _j({"messages": [{"role": ["user"], "content": "x"}]}), None, "invalid_request"),
+    (True, _j({"messages": [{"role": "user", "content": 5}]}), None, "invalid_type"),
+    (True, _j({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), None, "invalid_type"),
+    (True, _j({"messages": [{"role": "user", "content": [1]}]}), None, "invalid_type"),
+    # other fields
+    (False, _j({"prompt": "x", "model": 5}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "model": ["tiny-gpt"]}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "model": {"id": "tiny-gpt"}}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "model": "../tiny-gpt"}), None, "unknown_model"),
+    (False, _j({"prompt": "x", "model": "a\u0000b"}), None, "unknown_model"),
+    (False, _j({"prompt": "x", "n": 17}), None, "out_of_range"),
+    (False, _j({"prompt": "x", "n": []}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "n": "1"}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "max_tokens": "5"}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "max_tokens": 1e308}), None, "out_of_range"),
+    (True, _j({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": []}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "temperature": "hot"}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "temperature": 1e308}), None, "out_of_range"),
+    (False, _j({"prompt": "x", "top_p": {}}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stop": [1]}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "stop": {"a": "b"}}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "priority": []}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "priority": {"lane": "high"}}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "priority": 5}), None, "invalid_type"),
+    (False, _j({"prompt": "x"}), "urgent", "out_of_range"),
+    (False, _j({"prompt": "x", "ignore_eos": "yes"}), None, "invalid_type"),
+    (False, _j({"prompt": "x", "timeout": [1]}), None, "invalid_type"),
+]
+
+
+def door_refusal(validator, raw: bytes, chat: bool, priority: str | None = None) -> StreamfleetError | None:
+    """The refusal the HTTP door's mapping and validation give a body that is a JSON
+    object, in the door's order; None when it passes them."""
+    body = orjson.loads(raw)  # the door's parser
+    assert isinstance(body, dict)
+    try:
+        stream, _ = stream_flags(body)
+        choice_counts(body, chat, stream)
+        validator.check(request_payload(body, chat, priority_header=priority))
+    except StreamfleetError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("chat,raw,priority,code", BAD_BODIES,
+                         ids=[f"{i}-{'chat' if c else 'cmpl'}-{b[:24]!r}"
+                              for i, (c, b, _p, _c) in enumerate(BAD_BODIES)])
+def test_a_bad_body_is_a_4xx_openai_error_with_its_code(validator, chat, raw, priority, code):
+    exc = door_refusal(validator, raw, chat, priority)
+    assert exc is not None, raw
+    assert str(exc.code) == code, (raw, exc.code, exc.message)
+    assert 400 <= exc.status < 500
+    body = exc.to_openai()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == code and isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+@pytest.mark.parametrize("chat,raw", [
+    (False, _j({"prompt": "x"})), (False, _j({"prompt": ["x"], "stream": True, "n": 2})),
+    (True, _j({"messages": [{"role": "user", "content": "x"}], "stream_options": None, "priority": "high"})),
+    (False, b'{"prompt": "x", "seed": 1' + b"0" * 17 + b"}"),
+])
+def test_the_same_door_passes_a_good_body(validator, chat, raw):
+    assert door_refusal(validator, raw, chat, priority="normal") is None
+
+
 # -- responses not streamed -------------------------------------------------------------
 
 def test_a_chat_completion_object():
-    out = shape().full("Hello there", End("stop", 5, 2))
+    out = shape().full("Hello there", DoneEvent("r", "stop", 5, 2))
     assert out == {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny-gpt",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there"},
                                 "logprobs": None, "finish_reason": "stop"}],
@@ -230,7 +334,7 @@ def test_a_chat_completion_object():
 
 
 def test_a_text_completion_object():
-    out = shape(chat=False).full(" upon a time", End("length", 4, 3))
+    out = shape(chat=False).full(" upon a time", DoneEvent("r", "length", 4, 3))
     assert out == {"id": "cmpl-abc123", "object": "text_completion", "created": 1700000000, "model": "tiny-gpt",
                    "choices": [{"index": 0, "text": " upon a time", "logprobs": None, "finish_reason": "length"}],
                    "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
@@ -247,13 +351,13 @@ def test_created_is_now_unless_given():
                                           ("content_filter", "content_filter")])
 def test_finish_reasons(fleet, openai):
     assert finish_reason(fleet) == openai
-    assert shape().full("x", End(fleet, 1, 1))["choices"][0]["finish_reason"] == openai
-    assert ChoiceStream(shape(), 0, False).end(End(fleet, 1, 1))[-1]["choices"][0]["finish_reason"] == openai
+    assert shape().full("x", DoneEvent("r", fleet, 1, 1))["choices"][0]["finish_reason"] == openai
+    assert ChoiceStream(shape(), 0, False).end(DoneEvent("r", fleet, 1, 1))[-1]["choices"][0]["finish_reason"] == openai
 
 
 def test_chat_logprobs_shape():
     tokens = [(0, lp("Hi", -0.25, [("Hi", -0.25), ("Hey", -1.5)])), (2, lp("!", -0.5, [("!", -0.5)]))]
-    out = shape().full("Hi!", End("stop", 1, 2), tokens)["choices"][0]["logprobs"]
+    out = shape().full("Hi!", DoneEvent("r", "stop", 1, 2), tokens)["choices"][0]["logprobs"]
     assert out == {"content": [
         {"token": "Hi", "logprob": -0.25, "bytes": [72, 105],
          "top_logprobs": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
@@ -264,7 +368,7 @@ def test_chat_logprobs_shape():
 
 def test_completion_logprobs_shape():
     tokens = [(0, lp(" up", -0.1, [(" up", -0.1), (" down", -2.0)])), (3, lp("on", -0.2))]
-    out = shape(chat=False).full(" upon", End("stop", 1, 2), tokens)["choices"][0]["logprobs"]
+    out = shape(chat=False).full(" upon", DoneEvent("r", "stop", 1, 2), tokens)["choices"][0]["logprobs"]
     assert out == {"tokens": [" up", "on"], "token_logprobs": [-0.1, -0.2],
                    "top_logprobs": [{" up": -0.1, " down": -2.0}, {}], "text_offset": [0, 3]}
 
@@ -277,23 +381,23 @@ def test_a_chat_tool_call_not_streamed():
     tools = Tools("auto", (GET["function"],), ("get_weather",))
     s = shape(tools=tools)
     text = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
-    choice = s.choice_full(0, text, End("stop", 3, 9))
+    choice = s.choice_full(0, text, DoneEvent("r", "stop", 3, 9))
     assert choice == {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
         "logprobs": None, "finish_reason": "tool_calls"}
     # each choice its own call id; a tagged call is read too
     tagged = s.choice_full(2, '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
-                           End("stop", 3, 9))
+                           DoneEvent("r", "stop", 3, 9))
     assert tagged["message"]["tool_calls"][0]["id"] == "call_abc123_2"
     assert json.loads(tagged["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
     # an unknown tool, or no tools offered: text
-    assert s.choice_full(0, '{"name":"other","arguments":{}}', End("stop", 1, 1))["message"]["content"] \
+    assert s.choice_full(0, '{"name":"other","arguments":{}}', DoneEvent("r", "stop", 1, 1))["message"]["content"] \
         == '{"name":"other","arguments":{}}'
-    assert shape().choice_full(0, text, End("stop", 1, 1))["finish_reason"] == "stop"
+    assert shape().choice_full(0, text, DoneEvent("r", "stop", 1, 1))["finish_reason"] == "stop"
 
 
 def test_several_choices_usage_and_best_of():
-    ends = [End("stop", 6, 3), End("length", 6, 4), End("stop", 6, 1)]
+    ends = [DoneEvent("r", "stop", 6, 3), DoneEvent("r", "length", 6, 4), DoneEvent("r", "stop", 6, 1)]
     assert usage_of(ends) == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
     s = shape(chat=False)
     out = s.full_many([s.choice_full(j, t, e) for j, (t, e) in enumerate(zip("abc", ends))], usage_of(ends))
@@ -307,10 +411,10 @@ def test_several_choices_usage_and_best_of():
 
 def test_gathered_keeps_offsets_of_each_tokens_logprobs():
     g = Gathered()
-    g.add(Token(0, "Hel", lp("Hel", -0.1)))
-    g.add(Token(1, "", lp("l", -0.2)))  # text held back by the worker
-    g.add(Token(2, "lo", None))
-    g.add(Token(3, "!", lp("!", -0.3)))
+    g.add(TokenEvent("r", 0, "Hel", lp("Hel", -0.1)))
+    g.add(TokenEvent("r", 1, "", lp("l", -0.2)))  # text held back by the worker
+    g.add(TokenEvent("r", 2, "lo", None))
+    g.add(TokenEvent("r", 3, "!", lp("!", -0.3)))
     assert g.text == "Hello!"
     assert [o for o, _ in g.logprobs] == [0, 3, 5]
 
@@ -324,7 +428,8 @@ def test_a_chat_stream_role_first_then_content_then_finish():
                      "model": "tiny-gpt", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]}
     c = ChoiceStream(s, 0, include_usage=False)
-    chunks = c.token(Token(0, "Hel")) + c.token(Token(1, "lo")) + c.end(End("stop", 2, 2))
+    chunks = c.token(TokenEvent("r", 0, "Hel")) + c.token(TokenEvent("r", 1, "lo")) \
+        + c.end(DoneEvent("r", "stop", 2, 2))
     assert [ch["choices"][0]["delta"] for ch in chunks] == [{"content": "Hel"}, {"content": "lo"}, {}]
     assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None, None, "stop"]
     assert all("role" not in ch["choices"][0]["delta"] for ch in chunks)
@@ -335,7 +440,8 @@ def test_a_chat_stream_role_first_then_content_then_finish():
 def test_a_completion_stream():
     s = shape(chat=False)
     c = ChoiceStream(s, 0, include_usage=False)
-    chunks = c.token(Token(0, " up")) + c.token(Token(1, "on")) + c.end(End("length", 1, 2))
+    chunks = c.token(TokenEvent("r", 0, " up")) + c.token(TokenEvent("r", 1, "on")) \
+        + c.end(DoneEvent("r", "length", 1, 2))
     assert [ch["object"] for ch in chunks] == ["text_completion"] * 3
     assert [(ch["choices"][0]["text"], ch["choices"][0]["finish_reason"]) for ch in chunks] \
         == [(" up", None), ("on", None), ("", "length")]
@@ -344,33 +450,34 @@ def test_a_completion_stream():
 def test_include_usage_nulls_every_chunk_and_ends_with_the_usage_chunk():
     s = shape()
     c = ChoiceStream(s, 0, include_usage=True)
-    chunks = [s.chunk(None, None, role=True, usage_null=True)] + c.token(Token(0, "Hi")) + c.end(End("stop", 4, 1))
+    chunks = [s.chunk(None, None, role=True, usage_null=True)] + c.token(TokenEvent("r", 0, "Hi")) \
+        + c.end(DoneEvent("r", "stop", 4, 1))
     assert all("usage" in ch and ch["usage"] is None for ch in chunks)
-    last = s.usage_chunk(usage_of([End("stop", 4, 1)]))
+    last = s.usage_chunk(usage_of([DoneEvent("r", "stop", 4, 1)]))
     assert last == {"id": "chatcmpl-abc123", "object": "chat.completion.chunk", "created": 1700000000,
                     "model": "tiny-gpt", "choices": [],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
-    assert shape(chat=False).usage_chunk(usage_of([End("stop", 4, 1)]))["object"] == "text_completion"
+    assert shape(chat=False).usage_chunk(usage_of([DoneEvent("r", "stop", 4, 1)]))["object"] == "text_completion"
 
 
 def test_streamed_logprobs_ride_with_the_next_text():
     s = shape()
     c = ChoiceStream(s, 0, include_usage=False)
-    assert c.token(Token(0, "", lp("\xe2", -0.1))) == []  # half a character: nothing to send yet
-    [chunk] = c.token(Token(1, "é", lp("\xa9", -0.2)))
+    assert c.token(TokenEvent("r", 0, "", lp("\xe2", -0.1))) == []  # half a character: nothing to send yet
+    [chunk] = c.token(TokenEvent("r", 1, "é", lp("\xa9", -0.2)))
     assert [e["logprob"] for e in chunk["choices"][0]["logprobs"]["content"]] == [-0.1, -0.2]
-    [chunk] = c.token(Token(2, "!", None))
+    [chunk] = c.token(TokenEvent("r", 2, "!", None))
     assert chunk["choices"][0]["logprobs"] is None
     c2 = ChoiceStream(shape(chat=False), 0, include_usage=False)
-    c2.token(Token(0, "ab", lp("ab", -0.1)))
-    [chunk] = c2.token(Token(1, "c", lp("c", -0.2)))
+    c2.token(TokenEvent("r", 0, "ab", lp("ab", -0.1)))
+    [chunk] = c2.token(TokenEvent("r", 1, "c", lp("c", -0.2)))
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]
 
 
 def test_several_choices_stream_under_their_index():
     s = shape()
     assert s.chunk(None, None, role=True, index=3)["choices"][0]["index"] == 3
-    [chunk] = ChoiceStream(s, 2, include_usage=False).token(Token(0, "x"))
+    [chunk] = ChoiceStream(s, 2, include_usage=False).token(TokenEvent("r", 0, "x"))
     assert chunk["choices"][0]["index"] == 2
 
 
@@ -378,8 +485,9 @@ def test_a_forced_call_streams_as_tool_call_deltas():
     tools = Tools("forced", (GET["function"],), ("get_weather",))
     c = ChoiceStream(shape(tools=tools), 1, include_usage=False)
     text = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
-    chunks = [ch for piece in (text[:10], text[10:30], text[30:44], text[44:]) for ch in c.token(Token(0, piece))]
-    chunks += c.end(End("stop", 3, 9))
+    chunks = [ch for piece in (text[:10], text[10:30], text[30:44], text[44:])
+              for ch in c.token(TokenEvent("r", 0, piece))]
+    chunks += c.end(DoneEvent("r", "stop", 3, 9))
     deltas = [ch["choices"][0]["delta"] for ch in chunks]
     assert deltas[0] == {"tool_calls": [{"index": 0, "id": "call_abc123_1", "type": "function",
                                          "function": {"name": "get_weather", "arguments": ""}}]}
@@ -393,17 +501,17 @@ def test_a_forced_call_streams_as_tool_call_deltas():
 def test_a_forced_call_cut_short_finishes_with_length():
     tools = Tools("forced", (GET["function"],), ("get_weather",))
     c = ChoiceStream(shape(tools=tools), 0, include_usage=False)
-    c.token(Token(0, '{"name":"get_weather","arguments":{"ci'))
-    assert c.end(End("length", 3, 9))[-1]["choices"][0]["finish_reason"] == "length"
+    c.token(TokenEvent("r", 0, '{"name":"get_weather","arguments":{"ci'))
+    assert c.end(DoneEvent("r", "length", 3, 9))[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_auto_holds_what_may_be_a_call_until_the_end():
     tools = Tools("auto", (GET["function"],), ("get_weather",))
     c = ChoiceStream(shape(tools=tools), 0, include_usage=False)
-    assert c.token(Token(0, "<tool_")) == []
-    assert c.token(Token(1, 'call>{"name": "get_weather", "arguments": {"city": "Oslo"}}')) == []
-    assert c.token(Token(2, "</tool_call>")) == []
-    chunks = c.end(End("stop", 3, 9))
+    assert c.token(TokenEvent("r", 0, "<tool_")) == []
+    assert c.token(TokenEvent("r", 1, 'call>{"name": "get_weather", "arguments": {"city": "Oslo"}}')) == []
+    assert c.token(TokenEvent("r", 2, "</tool_call>")) == []
+    chunks = c.end(DoneEvent("r", "stop", 3, 9))
     deltas = [ch["choices"][0]["delta"] for ch in chunks]
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
@@ -413,12 +521,12 @@ def test_auto_holds_what_may_be_a_call_until_the_end():
 def test_auto_lets_plain_text_go_at_once_and_held_text_that_was_no_call_at_the_end():
     tools = Tools("auto", (GET["function"],), ("get_weather",))
     c = ChoiceStream(shape(tools=tools), 0, include_usage=False)
-    [chunk] = c.token(Token(0, "Sunny"))
+    [chunk] = c.token(TokenEvent("r", 0, "Sunny"))
     assert chunk["choices"][0]["delta"] == {"content": "Sunny"}
     c = ChoiceStream(shape(tools=tools), 0, include_usage=False)
-    assert c.token(Token(0, "{")) == []
-    assert c.token(Token(1, '"a": 1}')) == []
-    chunks = c.end(End("stop", 1, 2))
+    assert c.token(TokenEvent("r", 0, "{")) == []
+    assert c.token(TokenEvent("r", 1, '"a": 1}')) == []
+    chunks = c.end(DoneEvent("r", "stop", 1, 2))
     assert [ch["choices"][0]["delta"] for ch in chunks] == [{"content": '{"a": 1}'}, {}]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 

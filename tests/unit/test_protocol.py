@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from streamfleet.shared.errors import ValidationError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.keys import LANES
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
+from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Resume, Send, Submit, render
-from streamfleet.gateway.request_stream import End, Failed, Token
+from streamfleet.gateway.validation import Validator
+from tests.support.fuzzframes import frames, plausible
 
 
 class FakeValid:
@@ -56,6 +63,17 @@ def test_bad_frames(raw, code):
     assert codes(proto().receive_text(raw)) == [code]
 
 
+#: valid JSON that is not an object (the HTTP door gives a body of these the same code)
+NOT_OBJECTS = ["[]", "0", "null", "true", '"x"', "1e308", '[{"prompt":"x"}]', '[{"messages":[]}]']
+
+
+@pytest.mark.parametrize("raw", NOT_OBJECTS)
+def test_json_that_is_not_an_object_is_an_invalid_frame(raw):
+    [out] = proto().receive_text(raw)
+    assert out.frame == {"type": "error", "id": None, "code": "invalid_frame", "status": 400,
+                         "message": "a frame must be a JSON object"}
+
+
 def test_limits():
     p = proto(max_inflight=2, max_frame_bytes=100)
     assert codes(p.receive_text("x" * 101)) == ["frame_too_large"]
@@ -86,10 +104,65 @@ def test_resume_action():
 
 
 def test_render():
-    assert render("a", "rid", Token(3, "hi")) == {"type": "token", "id": "a", "index": 3, "text": "hi"}
-    frame = render("a", "rid", End("stop", 2, 5, {"ttft_ms": 1.0}))
-    assert frame["type"] == "done" and frame["usage"] == {"prompt_tokens": 2, "completion_tokens": 5}
-    err = render("a", "rid", Failed(ValidationError("bad", code="out_of_range", param="top_p")))
+    assert render("a", "rid", TokenEvent("rid", 3, "hi")) == {"type": "token", "id": "a", "index": 3, "text": "hi"}
+    frame = render("a", "rid", DoneEvent("rid", "stop", 2, 5, ttft_ms=1.0004, total_ms=2.0, model_version="v3"))
+    assert frame == {"type": "done", "id": "a", "request_id": "rid", "finish_reason": "stop",
+                     "usage": {"prompt_tokens": 2, "completion_tokens": 5},
+                     "timing": {"queue_ms": 0.0, "ttft_ms": 1.0, "total_ms": 2.0}, "model_version": "v3"}
+    # the gateway's own end (a cancel no worker answered): no timing, no model version
+    assert render("a", "rid", DoneEvent("rid", "cancelled", 2, 1)) == {
+        "type": "done", "id": "a", "request_id": "rid", "finish_reason": "cancelled",
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1}, "timing": {}}
+    err = render("a", "rid", ErrorEvent("rid", "out_of_range", "bad", param="top_p"))
     assert err == {"type": "error", "id": "a", "code": "out_of_range", "status": 400, "message": "bad",
                    "param": "top_p"}
+    assert render("a", "rid", ErrorEvent("rid", "broker_unavailable", "down", retry_after_ms=1000)) == {
+        "type": "error", "id": "a", "code": "broker_unavailable", "status": 503, "message": "down",
+        "retry_after_ms": 1000}
     orjson.dumps(frame)
+
+
+@pytest.fixture(scope="module")
+def validator(tiny_spec):
+    return Validator(GatewaySettings(), ModelRepository(tiny_spec.path.parent))
+
+
+_CODES = {str(c) for c in ErrorCode}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(st.one_of(frames, plausible), min_size=1, max_size=8))
+def test_random_frames_each_get_one_valid_answer_and_only_valid_requests_become_tasks(validator, batch):
+    """Random frames, and frames near the valid ones, on one connection
+    (tests/support/fuzzframes.py), through the real validator: each gets exactly one
+    answer; an error is a well-formed frame with a known code and a 4xx/5xx status; a
+    submit is a request that finishes into a task within every range, or a 4xx refusal;
+    a resume or cancel names what it may."""
+    p = ConnectionProtocol(validator, max_inflight=1000)
+    s = validator.settings
+    for frame in batch:
+        outs = p.receive_bytes(frame) if isinstance(frame, bytes) else p.receive_text(frame)
+        assert len(outs) == 1, (frame, outs)
+        out = outs[0]
+        if isinstance(out, Send):
+            f = out.frame
+            orjson.dumps(f)
+            if f["type"] == "pong":
+                continue
+            assert f["type"] == "error" and f["code"] in _CODES, f
+            assert isinstance(f["message"], str) and f["message"] and 400 <= f["status"] < 600, f
+        elif isinstance(out, Submit):
+            assert out.request.client_id in p.in_flight
+            try:
+                task = validator.finish(out.request).to_task("conn", request_id="rid")
+            except StreamfleetError as exc:  # refused once admitted (the prompt's tokens)
+                assert 400 <= exc.status < 500 and str(exc.code) in _CODES, exc
+                continue
+            q = task.params
+            assert task.prompt_ids and len(task.prompt_ids) < 256
+            assert 1 <= q.max_tokens <= s.max_max_tokens and 0 <= q.temperature <= 2 and 0 < q.top_p <= 1
+            assert q.top_k >= 0 and task.lane in LANES and task.model == "tiny-gpt"
+        elif isinstance(out, Resume):
+            assert out.client_id in p.in_flight and out.request_id.isalnum() and 0 <= out.from_index <= 1_000_000
+        else:
+            assert isinstance(out, Cancel) and out.client_id in p.in_flight
