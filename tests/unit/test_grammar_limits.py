@@ -182,7 +182,8 @@ def test_the_worker_ends_only_the_sequence_whose_constraint_breaks_a_limit(tiny_
                 if isinstance(ev, (ErrorEvent, DoneEvent)):
                     ends[ev.request_id] = ev
         assert isinstance(ends["bad"], ErrorEvent) and ends["bad"].code == "invalid_request"
-        assert ends["bad"].message.startswith(COSTLY)
+        # a broken limit (the lexer's fuel), or on a loaded machine the wall-time budget first
+        assert COSTLY in ends["bad"].message
         assert isinstance(ends["good"], DoneEvent)
     finally:
         eng.close()
