@@ -1,6 +1,6 @@
 """Who may send what: API key authentication, the tier's lane and ceilings, its shared
-rate limit, its concurrent-stream and connection caps, and who owns a request (README:
-"Tenants"). One place the gateway calls, in this order (``authenticate`` by each
+rate limit, its concurrent-stream and connection caps, and who owns a request
+(docs/security.md, "Tenants"). One place the gateway calls, in this order (``authenticate`` by each
 adapter, the rest by ``gateway.requests.ClientRequest``)::
 
     identity = await admission.authenticate(authorization_header, api_key_param)

@@ -1,4 +1,4 @@
-"""Redis key names (README: "Redis keys"). Every key a process touches is built here.
+"""Redis key names (docs/operations.md, "Redis keys"). Every key a process touches is built here.
 
 Keys of one model share the hash tag ``{model}`` so that a multi-lane XREADGROUP
 is legal on Redis Cluster.

@@ -29,7 +29,7 @@ class CommonSettings(BaseSettings):
     #: take over before the requests on that shard end with ``broker_unavailable`` (a
     #: worker cancels those whose events have not reached their shard for that long)
     redis_failover_s: float = 30.0
-    #: prefix of every Redis key (README: "Redis keys")
+    #: prefix of every Redis key (docs/operations.md, "Redis keys")
     key_prefix: str = "sf"
     #: model repository folder (default: <repo>/engines)
     engines_dir: str | None = None

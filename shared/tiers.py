@@ -1,4 +1,5 @@
-"""API-key tiers as data: what each tier may do (README: "Admission control").
+"""API-key tiers as data: what each tier may do (docs/admission.md, "Tiers"; the
+defaults and every field: docs/configuration.md, "Tiers").
 
 A tier names a token-bucket rate (requests per minute, refilled continuously, and a
 burst capacity), a cap on concurrent streams and one on open WebSockets (both counted

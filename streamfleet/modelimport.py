@@ -1,7 +1,7 @@
 """``streamfleet engines import PATH``: turn a folder exported by
 ``optimum-cli export onnx --task text-generation-with-past`` into a model folder of the
 repository (``engines/<name>/``), after checking everything the fleet relies on, and say
-what was found (README: "Engines").
+what was found (docs/models.md, "Your own model: an ONNX export").
 
 Checked: the graph's layout (``past_key_values.N.key/value`` in, ``logits`` and
 ``present.N.*`` out, no input the engines cannot feed), its KV heads and head size

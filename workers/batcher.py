@@ -3,7 +3,7 @@
 Pure state, no engine and no I/O. A sequence is admitted into
 *waiting*, is prefilled by the next step and then *running*, and leaves the batch the
 moment it finishes or is cancelled, which frees its slot for the next admission
-(README: "Scheduling"). ``WorkerCore`` drives it; the model, sampling and text live there.
+(docs/scheduling.md, "Continuous batching"). ``WorkerCore`` drives it; the model, sampling and text live there.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``IncrementalDetokenizer`` turns token ids into text one token at a time without ever
 emitting broken UTF-8: byte-level BPE (and byte-fallback) tokenizers split one
 character over several tokens, and the client must only see whole characters
-(README: "WebSocket protocol"). ``StopMatcher`` finds stop strings that span tokens and holds back the text
+(docs/websocket.md, "Server → client"). ``StopMatcher`` finds stop strings that span tokens and holds back the text
 that might turn out to be the start of one, so a stop string never reaches the client.
 """
 

@@ -1,6 +1,6 @@
 """How a worker shares its free slots between priority lanes.
 
-README, "Scheduling": when both ``high`` and ``normal`` have backlog, ``normal`` still gets at
+docs/scheduling.md, "Lanes": when both ``high`` and ``normal`` have backlog, ``normal`` still gets at
 least its weight share (20% by default) of the slots a worker admits, so VIP traffic
 cannot starve it; when only one lane has work it gets everything.
 

@@ -44,7 +44,8 @@ Graphs without ``position_ids`` (Optimum's Gemma, Gemma 2/3, BLOOM, MPT… expor
 each token's position from its column in the cache, so padding or moving a sequence's
 cache would shift its positions and silently change its output. For those the engine
 never pads: a prefill runs each prompt alone, and a decode step runs the sequences in
-groups of equal length, each with its own cache (README: "Engines"). Merged decoders
+groups of equal length, each with its own cache (docs/models.md, "Your own model: an
+ONNX export"). Merged decoders
 (``decoder_model_merged.onnx``) get ``use_cache_branch``; any other input the engine
 does not know how to feed is refused at load, by name.
 """
