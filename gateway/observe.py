@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as m
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+from streamfleet.shared.schema import PROGRESS, DoneEvent, ErrorEvent, Event
 
 from streamfleet.gateway.request_stream import RequestStream, Tick
 
@@ -62,7 +62,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
     try:
         async for ev in stream:
             now = time.monotonic()
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, PROGRESS):
                 if last is None:
                     if not stream.resumed:
                         ttft.observe(now - started)

@@ -23,7 +23,7 @@ from typing import Any
 from streamfleet.gateway.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import Event, TokenEvent
+from streamfleet.shared.schema import ENDS, Event
 
 __all__ = ["ReplyChannel"]
 
@@ -93,7 +93,7 @@ class ReplyChannel:
         entry = self._let_go_ids.get(rid)
         if entry is None:
             return
-        if not isinstance(ev, TokenEvent):  # its end: the worker is done with it
+        if isinstance(ev, ENDS):  # its end: the worker is done with it
             del self._let_go_ids[rid]
             return
         now = time.monotonic()

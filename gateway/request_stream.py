@@ -7,6 +7,8 @@ wire's (``shared.schema``), which every protocol adapter (``gateway/ws.py``,
 ``gateway/openai.py``, gRPC, voice) consumes and only renders:
 
 * ``TokenEvent(request_id, index, text, logprobs)``  a piece of the completion
+* ``TranscriptEvent(request_id, index, text, final)`` a speech utterance's transcript so
+                                                     far (the voice door's requests)
 * ``DoneEvent(request_id, finish_reason, …)``        the request finished (``cancelled``
                                                      after an interrupt)
 * ``ErrorEvent(request_id, code, message)``          the request failed (``ev.error()``:
@@ -34,7 +36,7 @@ from typing import Awaitable, Callable
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+from streamfleet.shared.schema import PROGRESS, DoneEvent, ErrorEvent, Event, TokenEvent, TranscriptEvent
 
 __all__ = ["TICK", "Tick", "RequestStream", "LogReader"]
 
@@ -81,7 +83,8 @@ class RequestStream:
     What it guarantees, over the wire events as workers publish them (per message, at most
     once, possibly repeated or out of order):
 
-    * Tokens once, in order. Each ``TokenEvent`` is delivered right after ``index - 1``:
+    * Tokens once, in order. Each ``TokenEvent`` (a ``TranscriptEvent`` for speech, on the
+      same rules) is delivered right after ``index - 1``:
       never a token a redelivered task regenerated (indices already delivered are
       dropped; a redelivered task regenerates from index 0), never one past a gap (held
       until the log fills it; a gap the log cannot fill fails the request).
@@ -139,7 +142,7 @@ class RequestStream:
         self.trace_id = ""
         self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
         self._queue = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
-        self._ahead: dict[int, TokenEvent] = {}  # tokens past a gap, waiting for it to fill
+        self._ahead: dict[int, TokenEvent | TranscriptEvent] = {}  # tokens past a gap, waiting for it to fill
         self._final: DoneEvent | None = None  # an end that arrived while a gap was open
         self._log_pos = b"0-0"
         self._resync = resumed  # a resume replays the log before anything else
@@ -164,7 +167,7 @@ class RequestStream:
             return
         self.started = True
         self._last_event = time.monotonic()
-        if isinstance(ev, TokenEvent):
+        if isinstance(ev, PROGRESS):
             if ev.index < self.next_index or ev.index in self._ahead:
                 if not from_log:
                     self.duplicates_dropped += 1
@@ -180,7 +183,7 @@ class RequestStream:
         elif isinstance(ev, ErrorEvent):
             self._end(ev)
 
-    def _deliver(self, tok: TokenEvent) -> None:
+    def _deliver(self, tok: TokenEvent | TranscriptEvent) -> None:
         self._queue.put_nowait(tok)
         self.next_index = tok.index + 1
         while self.next_index in self._ahead:

@@ -3,11 +3,12 @@
 A voice connection holds no inference slot while its client is silent. Every binary
 frame goes through the connection's voice activity segmenter (``gateway/vad.py``); only
 an utterance — speech onset, its pre-roll, the voiced audio, until enough silence —
-becomes work: one task on the speech model's lanes (same admission, lanes, priorities
-and deadlines as text, through ``gateway.requests.ClientRequest``), whose audio is
-appended to ``sf:audio:{request_id}`` as the client speaks. The worker that takes it
-publishes partials and the final on the connection's reply channel, as text events
-travel, and ``RequestStream`` makes them exactly-once and in order.
+becomes work: one ``SpeechTask`` on the speech model's lanes (same admission, lanes,
+priorities and deadlines as text, through ``gateway.requests.ClientRequest``), whose audio
+is appended to ``sf:audio:{request_id}`` as the client speaks. The worker that takes it
+publishes ``TranscriptEvent``s (the partials, then the final) and the utterance's end on
+the connection's reply channel, the way text events travel, and ``RequestStream`` makes
+them exactly-once and in order.
 
 The connection itself — Origin, connection caps, the API key, revocation, idle and age
 limits, drain — is the text WebSocket's (``gateway.ws.WebSocketSession``); only what
@@ -30,7 +31,7 @@ from starlette.websockets import WebSocket
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TokenEvent
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TranscriptEvent
 
 from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocol import Send
@@ -175,6 +176,7 @@ class Utterance:
     async def _transcript(self, warn_after_s: float) -> None:
         events = self.req.events("voice")
         pending: asyncio.Future | None = None
+        transcript = ""  # the final one; none when the gateway ended the utterance itself
         try:
             while True:
                 if pending is None:
@@ -187,14 +189,16 @@ class Utterance:
                     await self._warn()
                     continue
                 ev, pending = pending.result(), None
-                if isinstance(ev, TokenEvent):
-                    if ev.text:
+                if isinstance(ev, TranscriptEvent):
+                    if ev.final:  # sent with the utterance's end, in its turn
+                        transcript = ev.text
+                    elif ev.text:
                         await self.session.emit(self.frame("partial", text=ev.text))
                 elif isinstance(ev, DoneEvent):
                     await self._release_slot()  # the worker is done: the next turn need not wait for ours
                     await self._in_turn()
                     await self.session.emit(self.frame(
-                        "final", request_id=self.req.request_id, text=ev.text, start_ms=self.start_ms,
+                        "final", request_id=self.req.request_id, text=transcript, start_ms=self.start_ms,
                         end_ms=self.end_ms if self.end_ms is not None else self.start_ms,
                         finish_reason=ev.finish_reason))
                     self.req.delivered()

@@ -56,6 +56,9 @@ __all__ = [
     "TokenEvent",
     "DoneEvent",
     "ErrorEvent",
+    "TranscriptEvent",
+    "PROGRESS",
+    "ENDS",
     "Event",
     "Cancel",
     "Follow",
@@ -336,6 +339,20 @@ class TokenEvent:
 
 
 @dataclass(slots=True)
+class TranscriptEvent:
+    """A speech utterance's transcript so far: each one replaces the one before, and the
+    ``final`` one, after the audio's end, is what the utterance said. Indexed from 0 like
+    a text request's tokens, so the gateway delivers each once and in order; the
+    utterance's ``DoneEvent`` counts them in ``completion_tokens``."""
+
+    request_id: str
+    index: int
+    text: str
+    final: bool = False
+    type: str = "transcript"
+
+
+@dataclass(slots=True)
 class DoneEvent:
     request_id: str
     finish_reason: str
@@ -345,8 +362,6 @@ class DoneEvent:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     model_version: str = ""
-    #: a speech task's final transcript ("" for text, whose text came as tokens)
-    text: str = ""
     type: str = "done"
 
     def usage(self) -> dict[str, int]:
@@ -384,9 +399,14 @@ class ErrorEvent:
         return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
-Event = Union[TokenEvent, DoneEvent, ErrorEvent]
+Event = Union[TokenEvent, TranscriptEvent, DoneEvent, ErrorEvent]
+#: the events that carry a request's output, indexed from 0 (delivered once each, in order)
+PROGRESS = (TokenEvent, TranscriptEvent)
+#: the events that end a request: exactly one, last
+ENDS = (DoneEvent, ErrorEvent)
 
-_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "done": DoneEvent, "error": ErrorEvent}
+_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "transcript": TranscriptEvent, "done": DoneEvent,
+                                  "error": ErrorEvent}
 
 
 def event_from_dict(d: dict[str, Any]) -> Event:

@@ -30,7 +30,7 @@ from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import Attach, DoneEvent, Event, AnyTask, LogEntry, TokenEvent, encode_events
+from streamfleet.shared.schema import ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, TokenEvent, encode_events
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -113,7 +113,7 @@ class Publisher(Part):
                 tags[i] = rids_by_channel[ch]
         if acked:
             ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
-                    for _, ev in out.events if not isinstance(ev, TokenEvent)} if tags is not None else None
+                    for _, ev in out.events if isinstance(ev, ENDS)} if tags is not None else None
             for rid, fl in acked:
                 after = (keys.log(rid),) if cluster else ()
                 i = batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
@@ -145,7 +145,7 @@ class Publisher(Part):
             metrics.redis_errors.labels("publish").inc()
             log.warning("commands of a publish batch failed", failed=len(failed), first=str(failed[0]))
         ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
-                for _, ev in out.events if not isinstance(ev, TokenEvent)}
+                for _, ev in out.events if isinstance(ev, ENDS)}
         for rid, fl in acked:
             self._finished(rid, fl, ends.get(rid, "unknown"))
         self._check_heard(zip([rids_by_channel[ch] for ch in channels],
@@ -250,9 +250,9 @@ class Publisher(Part):
             key = self.keys.log(ev.request_id)
             tid = ids.get((ev.request_id, ev.index)) if isinstance(ev, TokenEvent) else None
             batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", *LogEntry(ev, tid).fields())
-            if not isinstance(ev, TokenEvent) or ev.index % 64 == 0:
+            if isinstance(ev, ENDS) or ev.index % 64 == 0:
                 batch.add(b"EXPIRE", key, ttl)
-            if not isinstance(ev, TokenEvent):  # the request's record lives as long as its log
+            if isinstance(ev, ENDS):  # the request's record lives as long as its log
                 batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)
                 task = (tasks or {}).get(ev.request_id)
                 if task is None and (fl := self.table.get(ev.request_id)) is not None:

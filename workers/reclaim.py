@@ -24,7 +24,7 @@ from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.schema import Heartbeat, LogEntry, TokenEvent, decode_task
+from streamfleet.shared.schema import ENDS, Heartbeat, LogEntry, TokenEvent, decode_task
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -260,9 +260,10 @@ class Reclaimer(Part):
                 entry = LogEntry.decode(fields)
             except ValueError:
                 continue
-            if not isinstance(entry.event, TokenEvent):
+            if isinstance(entry.event, ENDS):
                 return True, []
-            if entry.token_id is None or not isinstance(entry.event.index, int):
+            if entry.token_id is None or not isinstance(entry.event, TokenEvent) or \
+                    not isinstance(entry.event.index, int):
                 continue
             by_index[entry.event.index] = entry.token_id
         replay = []

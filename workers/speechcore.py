@@ -8,10 +8,11 @@ text sequence has its prompt, an utterance has audio that is still arriving. The
 worker's ``AudioFeed`` (``workers/audio.py``) reads it from Redis and hands it over with
 ``feed``; ``step`` decodes what was fed and emits:
 
-* ``TokenEvent(index, text)`` — a partial: the utterance's hypothesis so far, each
+* ``TranscriptEvent(index, text)`` — a partial: the utterance's hypothesis so far, each
   time it changes (index 0, text "", when the utterance starts: the gateway stops
   counting its slot wait);
-* ``DoneEvent(text=…)`` — the final transcript, after the audio's end marker;
+* ``TranscriptEvent(index, text, final=True)`` then ``DoneEvent`` — the final transcript,
+  after the audio's end marker (or what was heard when the utterance is cancelled);
 * ``ErrorEvent`` — the task cannot be transcribed, or its audio stopped arriving.
 
 A redelivered utterance (another worker died) is decoded again from its first byte of
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import AnyTask, DoneEvent, ErrorEvent, SpeechTask, TokenEvent
+from streamfleet.shared.schema import AnyTask, DoneEvent, ErrorEvent, SpeechTask, TranscriptEvent
 
 from streamfleet.workers.core import StepOutput
 
@@ -296,7 +297,7 @@ class SpeechCore:
         self._fail(u, out, ErrorCode.engine_error, f"speech decoding failed: {exc}")
 
     def _partial(self, u: _Utterance, out: StepOutput, now: float, text: str) -> None:
-        out.events.append((u.task.reply_to, TokenEvent(u.task.request_id, u.partials, text)))
+        out.events.append((u.task.reply_to, TranscriptEvent(u.task.request_id, u.partials, text)))
         u.partials += 1
         u.hypothesis = text
         if u.first_partial_at is None:
@@ -305,12 +306,13 @@ class SpeechCore:
     def _end(self, u: _Utterance, out: StepOutput, now: float, reason: str, text: str) -> None:
         t = u.task
         created = t.created_at
-        # completion_tokens counts the partials sent, as a text request's counts its tokens:
-        # the gateway checks it has every index before it passes the end on
-        done = DoneEvent(t.request_id, reason, prompt_tokens=0, completion_tokens=u.partials,
+        out.events.append((t.reply_to, TranscriptEvent(t.request_id, u.partials, text, final=True)))
+        # completion_tokens counts the transcript events sent, as a text request's counts
+        # its tokens: the gateway checks it has every index before it passes the end on
+        done = DoneEvent(t.request_id, reason, prompt_tokens=0, completion_tokens=u.partials + 1,
                          queue_ms=max(0.0, (u.admitted_at - created) * 1000.0),
                          ttft_ms=max(0.0, ((u.first_partial_at or now) - created) * 1000.0),
-                         total_ms=max(0.0, (now - created) * 1000.0), text=text)
+                         total_ms=max(0.0, (now - created) * 1000.0))
         out.events.append((t.reply_to, done))
         out.finished.append(t.request_id)
         self._remove(u)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.shared.schema import AudioInput, DoneEvent, ErrorEvent, SamplingParams, SpeechTask, Task, TokenEvent
+from streamfleet.shared.schema import AudioInput, DoneEvent, ErrorEvent, SamplingParams, SpeechTask, Task, TranscriptEvent
 
 from streamfleet.workers.coreset import Core
 from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine
@@ -90,17 +90,18 @@ def test_partials_then_final():
     core.add(utterance("u1"))
     assert core.listening() == ["u1"] and core.ready()
     first = events(core.step())  # the start: partial 0, empty (the gateway stops its slot wait)
-    assert [(e.index, e.text) for e in first] == [(0, "")]
+    assert first == [TranscriptEvent("u1", 0, "")]
     assert not core.ready()
     assert events(core.step()) == []  # nothing fed, nothing changed: no event
     core.feed("u1", [CHUNK, CHUNK], ended=False)
-    assert [(e.index, e.text) for e in events(core.step())] == [(1, "w1 w2")]
+    assert events(core.step()) == [TranscriptEvent("u1", 1, "w1 w2")]
     core.feed("u1", [CHUNK], ended=True)
     assert core.listening() == []
     out = core.step()
-    (done,) = events(out)
-    assert isinstance(done, DoneEvent) and done.finish_reason == "stop" and done.text == "W1 W2 W3"
-    assert done.completion_tokens == 2 and out.finished == ["u1"]  # the gateway checks every index came
+    final, done = events(out)
+    assert final == TranscriptEvent("u1", 2, "W1 W2 W3", final=True)
+    assert isinstance(done, DoneEvent) and done.finish_reason == "stop"
+    assert done.completion_tokens == 3 and out.finished == ["u1"]  # the gateway checks every index came
     assert "u1" not in core and core.free_slots == 2 and engine.in_use == 0 and not core.has_work()
 
 
@@ -111,8 +112,8 @@ def test_cancel_ends_with_the_hypothesis_so_far():
     core.feed("u1", [CHUNK], ended=False)
     core.step()
     assert core.cancel("u1") and not core.cancel("nope")
-    (done,) = events(core.step())
-    assert done.finish_reason == "cancelled" and done.text == "w1"
+    final, done = events(core.step())
+    assert final == TranscriptEvent("u1", 2, "w1", final=True) and done.finish_reason == "cancelled"
     assert engine.in_use == 0
 
 
@@ -149,7 +150,7 @@ def test_a_broken_decoder_ends_its_utterance_only():
     core.feed("good", [CHUNK], ended=False)
     got = {e.request_id: e for e in events(core.step())}
     assert isinstance(got["bad"], ErrorEvent) and got["bad"].code == "engine_error" and "decoder broke" in got["bad"].message
-    assert isinstance(got["good"], TokenEvent) and got["good"].text == "w1"
+    assert got["good"] == TranscriptEvent("good", 1, "w1")
     assert "bad" not in core and "good" in core and engine.in_use == 1
 
 
