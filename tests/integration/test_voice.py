@@ -397,9 +397,15 @@ async def test_finals_come_in_utterance_order(fleet):
     finals = v.of("final")
     assert [f["utterance"] for f in finals] == [0, 1], v.frames
     assert wer(" ".join(sentences), finals[0]["text"]) <= 0.2 and wer(SENTENCES[4], finals[1]["text"]) <= 0.2
-    # the order was the gateway's doing: the worker finished the short one first
-    finished = [orjson.loads(line)["request_id"] for line in worker.log(tail=None).splitlines()
-                if line.startswith("{") and '"task finished"' in line]
+    # the order was the gateway's doing: the worker finished the short one first (it logs
+    # each just after publishing its end, so the log may lag the frames a little)
+    t0, ids = time.monotonic(), {finals[0]["request_id"], finals[1]["request_id"]}
+    while True:
+        finished = [orjson.loads(line)["request_id"] for line in worker.log(tail=None).splitlines()
+                    if line.startswith("{") and '"task finished"' in line]
+        if ids <= set(finished) or time.monotonic() - t0 > 10:
+            break
+        await asyncio.sleep(0.1)
     assert finished.index(finals[1]["request_id"]) < finished.index(finals[0]["request_id"]), finished
     await v.close()
 
