@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
@@ -436,24 +436,44 @@ async def models(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     try:
         await hub.admission.authenticate(request.headers.get("authorization"))
+        served = await hub.served_models()
+    except StreamfleetError as exc:  # a bad key, or Redis down: said in OpenAI's shape
+        return openai_error_response(exc)
+    data = [_model_object(hub, name, n) for name, n in served]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> Response:
+    """One model of ``/v1/models`` (the SDK's ``models.retrieve``); 404 ``model_not_found``
+    for one no live worker serves."""
+    hub: Hub = request.app.state.hub
+    try:
+        await hub.admission.authenticate(request.headers.get("authorization"))
+        served = dict(await hub.served_models())
     except StreamfleetError as exc:
         return openai_error_response(exc)
+    if model_id not in served:
+        shown = model_id if len(model_id) <= 64 else model_id[:64] + "…"
+        return openai_error_response(NotFoundError(f"the model {shown!r} does not exist or no worker serves it",
+                                                   param="model"))
+    return Response(orjson.dumps(_model_object(hub, model_id, served[model_id])), media_type="application/json")
+
+
+def _model_object(hub: "Hub", name: str, workers: int) -> dict:
+    """OpenAI's model object (``created``: when the model's folder was last written), and
+    beyond its fields: the live workers, what the model does ("text", or "asr": speech
+    recognition, served on /v1/audio/stream only), where its chat template comes from (a
+    file of its folder, "engine.toml", "builtin"; null: no chat requests), and whether a
+    request that names no model gets it ("default")."""
+    spec = hub.validator.spec(name)
     try:
-        served = await hub.served_models()
-    except StreamfleetError as exc:  # Redis down: say so in OpenAI's shape
-        return openai_error_response(exc)
-    # beyond OpenAI's fields: the live workers, what the model does ("text", or "asr":
-    # speech recognition, served on /v1/audio/stream only), and where its chat template
-    # comes from (a file of its folder, "engine.toml", "builtin"; null: no chat requests),
-    # and whether a request that names no model gets it ("default")
-    default = hub.validator.settings.default_model
-    data = []
-    for name, n in served:
-        spec = hub.validator.spec(name)
-        try:
-            template = hub.validator.chat_template(spec)
-        except StreamfleetError:  # an unreadable template file: chat requests say why
-            template = None
-        data.append({"id": name, "object": "model", "created": 0, "owned_by": "streamfleet", "workers": n,
-                     "kind": spec.kind, "chat_template": template, "default": name == default})
-    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+        template = hub.validator.chat_template(spec)
+    except StreamfleetError:  # an unreadable template file: chat requests say why
+        template = None
+    try:
+        created = int(spec.path.stat().st_mtime)
+    except OSError:
+        created = 0
+    return {"id": name, "object": "model", "created": created, "owned_by": "streamfleet", "workers": workers,
+            "kind": spec.kind, "chat_template": template, "default": name == hub.validator.settings.default_model}

@@ -151,6 +151,9 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     if not isinstance(include_usage, bool):
         raise ValidationError("'stream_options.include_usage' must be a boolean", code=ErrorCode.invalid_type,
                               param="stream_options")
+    if body.get("stream_options") is not None and not stream:  # OpenAI documents it for streams only
+        raise ValidationError("'stream_options' is only allowed when 'stream' is true",
+                              code=ErrorCode.invalid_request, param="stream_options")
     return stream, include_usage
 
 
@@ -184,6 +187,16 @@ def could_be_call(text: str) -> bool:
     head = text.lstrip()
     return len(text) < MAX_HELD_CALL and (head.startswith("{") or head.startswith("<tool_call>")
                                           or "<tool_call>".startswith(head))
+
+
+def _top_completion(e: dict) -> dict[str, float]:
+    """A completion token's ``top_logprobs``: the most likely tokens and, as OpenAI's
+    legacy API gives it, the sampled one among them (up to ``logprobs + 1`` entries),
+    most likely first."""
+    top = [(t["token"], t["logprob"]) for t in e["top"]]
+    if all(tok != e["token"] for tok, _ in top):
+        top.append((e["token"], e["logprob"]))
+    return dict(sorted(top, key=lambda t: -t[1]))
 
 
 def _top_chat(e: dict) -> dict:
@@ -224,7 +237,7 @@ class ResponseShape:
             return {"content": [{**_top_chat(e), "top_logprobs": [_top_chat(t) for t in e["top"]]}
                                 for _, e in tokens], "refusal": None}
         return {"tokens": [e["token"] for _, e in tokens], "token_logprobs": [e["logprob"] for _, e in tokens],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for _, e in tokens],
+                "top_logprobs": [_top_completion(e) for _, e in tokens],
                 "text_offset": [o for o, _ in tokens]}
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
@@ -237,7 +250,10 @@ class ResponseShape:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
-                delta["content"] = ""
+                # a reply that may be a tool call starts with no content, as OpenAI's does
+                # (text chunks give it one): the SDK's stream helper then ends with None
+                # for a call, as the reply not streamed has
+                delta["content"] = None if self.tools is not None and self.tools.mode != "none" else ""
             elif text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
@@ -276,6 +292,17 @@ class ResponseShape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             call = self.call(text)
+            if call is None and self.tools is not None and self.tools.mode == "forced":
+                # a forced call cut short (max_tokens): the call as far as it got, as the
+                # stream gives it (CallStream), never its raw text as content
+                message = {"role": "assistant", "content": None}
+                cut = CallStream()
+                pieces = cut.feed(text) + cut.finish(False)
+                if cut.name is not None:
+                    message["tool_calls"] = [{"id": self.call_id_of(index), "type": "function", "function": {
+                        "name": cut.name, "arguments": "".join(v for k, v in pieces if k == "arguments")}}]
+                return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
+                        "finish_reason": finish}
             if call is not None:
                 message = {"role": "assistant", "content": None, "tool_calls": [
                     {"id": self.call_id_of(index), "type": "function",

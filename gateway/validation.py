@@ -183,6 +183,12 @@ def check_lane(value: Any) -> str:
     return value
 
 
+def _listed(items: list, most: int = 20) -> str:
+    """``items`` for a message: each ``repr``, the first ``most`` of them and how many more."""
+    shown = ", ".join(repr(i) for i in items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -482,6 +488,14 @@ class Validator:
                 f"the prompt has {len(ids)} tokens; model {spec.name!r} has a context of {spec.max_context} "
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
+        if "max_tokens" in draft.explicit and len(ids) + params.max_tokens > spec.max_context:
+            # as OpenAI and vLLM answer: a completion cut short to fit would look finished
+            # ("length") and, constrained, would not parse. Left out, max_tokens fills the context
+            raise ValidationError(
+                f"model {spec.name!r} has a context of {spec.max_context} tokens; this request asks for "
+                f"{len(ids) + params.max_tokens}: {len(ids)} in the prompt and {params.max_tokens} for the "
+                f"completion (max_tokens). Ask for at most {spec.max_context - len(ids)}, or leave max_tokens out",
+                code=ErrorCode.prompt_too_long, param="max_tokens")
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
                             params=params, timeout_s=draft.timeout_s, prompt_text=text,
                             group=draft.group, group_size=draft.group_size)
@@ -506,17 +520,26 @@ class Validator:
                 raise ValidationError(f"'logit_bias' has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}",
                                       code=ErrorCode.out_of_range, param="logit_bias")
             pairs: dict[int, float] = {}
+            low, high = RANGES["logit_bias"]
+            bad_keys, bad_values = [], []
             for key, value in bias.items():
                 tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 else -1
                 if not 0 <= tid < vocab:
-                    raise ValidationError(f"'logit_bias' key {key!r} is not a token id of model {spec.name!r} "
-                                          f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="logit_bias")
-                low, high = RANGES["logit_bias"]
-                if not is_number(value) or not low <= value <= high:
-                    raise ValidationError(f"'logit_bias' value for token {key} must be a number from {low:g} to "
-                                          f"{high:g}",
-                                          code=ErrorCode.out_of_range, param="logit_bias")
-                pairs[tid] = pairs.get(tid, 0.0) + float(value)
+                    bad_keys.append(key)
+                elif not is_number(value) or not low <= value <= high:
+                    bad_values.append(key)
+                else:
+                    pairs[tid] = pairs.get(tid, 0.0) + float(value)
+            if bad_keys:  # every one named (at most MAX_LOGIT_BIAS), so one fix makes the request good
+                raise ValidationError(f"'logit_bias' keys {_listed(bad_keys)} are not token ids of model "
+                                      f"{spec.name!r}, whose vocabulary size is {vocab} (ids 0 to {vocab - 1})"
+                                      if len(bad_keys) > 1 else
+                                      f"'logit_bias' key {bad_keys[0]!r} is not a token id of model {spec.name!r}, "
+                                      f"whose vocabulary size is {vocab} (ids 0 to {vocab - 1})",
+                                      code=ErrorCode.out_of_range, param="logit_bias")
+            if bad_values:
+                raise ValidationError(f"'logit_bias' values for tokens {', '.join(bad_values)} must be numbers from "
+                                      f"{low:g} to {high:g}", code=ErrorCode.out_of_range, param="logit_bias")
             out["logit_bias"] = [[t, b] for t, b in pairs.items()]
         if stop_ids is not None:
             if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
@@ -527,8 +550,9 @@ class Validator:
                                       f"{MAX_STOP_TOKEN_IDS}", code=ErrorCode.out_of_range, param="stop_token_ids")
             bad = [t for t in stop_ids if not 0 <= t < vocab]
             if bad:
-                raise ValidationError(f"'stop_token_ids' holds {bad[0]}, not a token id of model {spec.name!r} "
-                                      f"(0 to {vocab - 1})", code=ErrorCode.out_of_range, param="stop_token_ids")
+                raise ValidationError(f"'stop_token_ids' holds {_listed(bad)}, not token ids of model {spec.name!r}, "
+                                      f"whose vocabulary size is {vocab} (ids 0 to {vocab - 1})",
+                                      code=ErrorCode.out_of_range, param="stop_token_ids")
             out["stop_token_ids"] = sorted(set(stop_ids))
         logprobs = p.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):

@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 __all__ = [
+    "OPENAI_CODE",
     "ErrorCode",
     "StreamfleetError",
     "RequestError",
@@ -96,6 +97,13 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
 }
 
 #: OpenAI error ``type`` for each status class
+#: the codes OpenAI has its own words for, as the OpenAI door says them (every other code
+#: is the same on every door)
+OPENAI_CODE: dict[str, str] = {
+    "unknown_model": "model_not_found",
+    "prompt_too_long": "context_length_exceeded",
+}
+
 _OPENAI_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -162,7 +170,7 @@ class StreamfleetError(Exception):
                 "message": self.message,
                 "type": _OPENAI_TYPE.get(self.status, "server_error"),
                 "param": self.param,
-                "code": str(self.code),
+                "code": OPENAI_CODE.get(str(self.code), str(self.code)),
             }
         }
 

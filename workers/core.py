@@ -276,7 +276,8 @@ class WorkerCore:
         vocab = self._vocab_size
         # in C, not a generator per id: a long prompt is thousands of them (bool is not int)
         if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab:
-            return ErrorCode.invalid_request, f"prompt token ids must be integers in [0, {vocab})"
+            return (ErrorCode.invalid_request,
+                    f"prompt token ids must be integers from 0 to {vocab - 1} (the vocabulary size is {vocab})")
         problem = sampling_problem(task.params, vocab)
         if problem is not None:
             return ErrorCode.invalid_request, problem

@@ -45,12 +45,12 @@ async def test_busy_worker_admits_new_work_at_once_and_without_a_wake(fleet, rds
     from streamfleet.shared.schema import SamplingParams, Task
 
     gw = fleet.gateway()
-    fleet.worker(backend="echo", echo_delay_ms=20, max_batch=8)
+    fleet.worker(backend="echo", echo_delay_ms=30, max_batch=8)  # 250 tokens: 7.5 s
     c = await Client.connect(gw.ws)
-    busy = c.start("busy", "keep going", max_tokens=400, ignore_eos=True)
+    busy = c.start("busy", "keep going", max_tokens=250, ignore_eos=True)
     while len(c.results["busy"].tokens) < 3:
         await asyncio.sleep(0.01)
-    # through the gateway: the first token of the new request comes within a few 20 ms steps
+    # through the gateway: the first token of the new request comes within a few 30 ms steps
     res = await c.generate("new", "hello", max_tokens=1, ignore_eos=True)
     assert res.end["type"] == "done" and res.end["timing"]["queue_ms"] < 400, res.end
 

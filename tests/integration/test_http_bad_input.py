@@ -67,7 +67,7 @@ MALFORMED = [
     (COMPLETIONS, _j({"prompt": "x", "n": 17}), {}, "out_of_range"),
     (COMPLETIONS, _j({"prompt": ["a", "b"]}), {}, "invalid_type"),
     (CHAT, _j({"messages": []}), {}, "invalid_type"),
-    (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "unknown_model"),
+    (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "model_not_found"),
     (COMPLETIONS, _j({"prompt": "x"}), {"X-Priority": "urgent"}, "out_of_range"),
     # a reconnecting SSE client (Last-Event-ID) with a bad body or header
     (COMPLETIONS, b"[]", {"Last-Event-ID": "abc:3"}, "invalid_frame"),

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
+from streamfleet.shared.errors import OPENAI_CODE
 from tests.support.wsclient import Client
 
 
@@ -42,7 +43,13 @@ def sdk(gw, cls=openai.OpenAI):
 def test_sdk_sync_completions_and_chat(fleet_up):
     client = sdk(fleet_up)
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny-gpt"]
+    assert [m.id for m in models.data] == ["tiny-gpt"] and models.data[0].created > 1_600_000_000
+    one = client.models.retrieve("tiny-gpt")  # GET /v1/models/{id}
+    assert (one.id, one.object, one.created, one.owned_by) == ("tiny-gpt", "model", models.data[0].created,
+                                                              "streamfleet")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
 
     c = client.completions.create(model="tiny-gpt", prompt="Once upon a time", max_tokens=12, temperature=0,
                                   seed=1, extra_body={"ignore_eos": True})
@@ -135,7 +142,15 @@ def test_sdk_errors(fleet_up):
     client = sdk(fleet_up)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x")
-    assert e.value.body["code"] == "unknown_model"
+    assert e.value.body["code"] == "model_not_found"  # OpenAI's word for it
+    with pytest.raises(openai.BadRequestError) as e:  # tiny-gpt's context is 256 tokens
+        client.chat.completions.create(model="tiny-gpt", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=250, response_format={"type": "json_object"})
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "max_tokens")
+    assert "has a context of 256 tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # for streams only, as OpenAI documents it
+        client.completions.create(model="tiny-gpt", prompt="x", stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-gpt", prompt="x", n=17)
     assert e.value.body["code"] == "out_of_range" and e.value.body["param"] == "n"
@@ -169,7 +184,9 @@ async def test_same_bad_input_same_code_on_both_protocols(fleet_up):
             await c.send({"type": "generate", "id": "x", **body})
             ws_err = await c.next_other()
             r = await http.post(fleet_up.http + "/v1/completions", json=body)
-            assert ws_err["code"] == code == r.json()["error"]["code"], (body, ws_err, r.text)
+            # the same code, in OpenAI's words on its door where it has its own
+            assert ws_err["code"] == code and r.json()["error"]["code"] == OPENAI_CODE.get(code, code), \
+                (body, ws_err, r.text)
             assert ws_err["status"] == r.status_code
     await c.close()
 

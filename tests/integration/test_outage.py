@@ -81,7 +81,7 @@ async def test_worker_told_to_stop_while_redis_is_down_still_stops(own_redis, ti
         gw = fleet.gateway()
         w = fleet.worker(backend="echo", echo_delay_ms=30, drain_timeout_s=1)
         c = await Client.connect(gw.ws)
-        c.start("r", "Once upon a time", max_tokens=500, ignore_eos=True)
+        c.start("r", "Once upon a time", max_tokens=240, ignore_eos=True)
         while len(c.results["r"].tokens) < 5:
             await asyncio.sleep(0.01)
         own_redis.proc.terminate()

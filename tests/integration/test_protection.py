@@ -269,12 +269,12 @@ def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
     import httpx
 
     gw = fleet.gateway(ws_ping_interval_s=0.5, ws_ping_timeout_s=0.5, ws_resume_grace_s=0.5)
-    fleet.worker(backend="echo", max_batch=16)
+    fleet.worker(backend="echo", echo_delay_ms=50, max_batch=16)  # 150 tokens: 7.5 s each
     raw = RawWebSocket("127.0.0.1", gw.port)
     raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     for i in range(8):
         raw.send_frame(0x1, orjson.dumps({"type": "generate", "id": f"r{i}", "prompt": "flood " * 50,
-                                          "max_tokens": 4000, "ignore_eos": True}))
+                                          "max_tokens": 150, "ignore_eos": True}))
     lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
 
     def gauge() -> float:

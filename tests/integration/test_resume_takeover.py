@@ -198,9 +198,9 @@ async def test_a_redis_stall_past_the_bound_fails_clearly_and_recovers(own_redis
     fleet = FleetFactory(own_redis.url, "sfstall2", tmp_path)
     try:
         gw = fleet.gateway(redis_socket_timeout_s=1.5)
-        fleet.worker(backend="echo", echo_delay_ms=20, redis_socket_timeout_s=1.5)
+        fleet.worker(backend="echo", echo_delay_ms=50, redis_socket_timeout_s=1.5)  # 240 tokens: 12 s
         c = await Client.connect(gw.ws)
-        fut = c.start("r", PROMPT, max_tokens=1000, ignore_eos=True)
+        fut = c.start("r", PROMPT, max_tokens=240, ignore_eos=True)
         while len(c.results["r"].tokens) < 10:
             await asyncio.sleep(0.005)
         t0 = time.monotonic()

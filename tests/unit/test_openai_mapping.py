@@ -16,7 +16,7 @@ from streamfleet.gateway.openai_mapping import (MAX_CHOICES, MAX_HELD_CALL, Choi
 from streamfleet.gateway.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
 from streamfleet.gateway.validation import UNSUPPORTED, Validator, check_unsupported
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.errors import OPENAI_CODE, ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
@@ -217,6 +217,10 @@ def test_stream_flags():
                         ({"stream_options": {"include_usage": "true"}}, "stream_options")):
         e = refused(stream_flags, body)
         assert (e.code, e.param) == (ErrorCode.invalid_type, param), body
+    # only for streams, as OpenAI documents it (and vLLM refuses it)
+    for body in ({"stream_options": {"include_usage": True}}, {"stream": False, "stream_options": {}}):
+        e = refused(stream_flags, body)
+        assert (e.code, e.param) == (ErrorCode.invalid_request, "stream_options") and "'stream' is true" in e.message
 
 
 # -- a bad body, as the HTTP door reads it ------------------------------------------------
@@ -310,7 +314,8 @@ def test_a_bad_body_is_a_4xx_openai_error_with_its_code(validator, chat, raw, pr
     assert 400 <= exc.status < 500
     body = exc.to_openai()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["code"] == code and isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert body["error"]["code"] == OPENAI_CODE.get(code, code)  # OpenAI's words where it has its own
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
 
 
 @pytest.mark.parametrize("chat,raw", [
@@ -367,10 +372,16 @@ def test_chat_logprobs_shape():
 
 
 def test_completion_logprobs_shape():
-    tokens = [(0, lp(" up", -0.1, [(" up", -0.1), (" down", -2.0)])), (3, lp("on", -0.2))]
-    out = shape(chat=False).full(" upon", DoneEvent("r", "stop", 1, 2), tokens)["choices"][0]["logprobs"]
-    assert out == {"tokens": [" up", "on"], "token_logprobs": [-0.1, -0.2],
-                   "top_logprobs": [{" up": -0.1, " down": -2.0}, {}], "text_offset": [0, 3]}
+    """The legacy API's top_logprobs hold the sampled token too (up to logprobs + 1
+    entries, most likely first): logprobs 0 gives the sampled token alone, and a sampled
+    token outside the top ones joins them."""
+    tokens = [(0, lp(" up", -0.1, [(" up", -0.1), (" down", -2.0)])), (3, lp("on", -0.2)),
+              (5, lp(" had", -2.5, [(" at", -2.18)]))]
+    out = shape(chat=False).full(" upon had", DoneEvent("r", "stop", 1, 3), tokens)["choices"][0]["logprobs"]
+    assert out == {"tokens": [" up", "on", " had"], "token_logprobs": [-0.1, -0.2, -2.5],
+                   "top_logprobs": [{" up": -0.1, " down": -2.0}, {"on": -0.2}, {" at": -2.18, " had": -2.5}],
+                   "text_offset": [0, 3, 5]}
+    assert list(out["top_logprobs"][2]) == [" at", " had"]
 
 
 def test_no_logprobs_asked_is_null():
@@ -437,6 +448,15 @@ def test_a_chat_stream_role_first_then_content_then_finish():
                for ch in chunks)
 
 
+@pytest.mark.parametrize("mode,content", [("forced", None), ("auto", None), ("none", "")])
+def test_a_reply_that_may_be_a_call_starts_with_no_content(mode, content):
+    """OpenAI opens such a stream with ``content: null``: the SDK's stream helper then
+    ends a call with None, as the reply not streamed has (text chunks still set it)."""
+    tools = Tools(mode, ({"name": "f", "description": "", "parameters": {"type": "object"}},), ("f",))
+    assert shape(tools=tools).chunk(None, None, role=True)["choices"][0]["delta"] == \
+        {"role": "assistant", "content": content}
+
+
 def test_a_completion_stream():
     s = shape(chat=False)
     c = ChoiceStream(s, 0, include_usage=False)
@@ -498,11 +518,28 @@ def test_a_forced_call_streams_as_tool_call_deltas():
     assert all(ch["choices"][0]["index"] == 1 for ch in chunks)
 
 
-def test_a_forced_call_cut_short_finishes_with_length():
+@pytest.mark.parametrize("text,name,args", [
+    ('{"name":"get_weather","arguments":{"ci', "get_weather", '{"ci'),
+    ('{"name":"get_weather","arguments":', "get_weather", ""),
+    ('{"name":"get_wea', None, None),  # cut before the name is whole: no call to report
+])
+def test_a_forced_call_cut_short_is_a_call_as_far_as_it_got_streamed_or_not(text, name, args):
+    """Streamed and not, the same: the call (its arguments as far as they got), no content,
+    ``finish_reason: length``; never the call's raw text as the message's content."""
     tools = Tools("forced", (GET["function"],), ("get_weather",))
     c = ChoiceStream(shape(tools=tools), 0, include_usage=False)
-    c.token(TokenEvent("r", 0, '{"name":"get_weather","arguments":{"ci'))
-    assert c.end(DoneEvent("r", "length", 3, 9))[-1]["choices"][0]["finish_reason"] == "length"
+    chunks = c.token(TokenEvent("r", 0, text)) + c.end(DoneEvent("r", "length", 3, 9))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    calls = [d["tool_calls"][0]["function"] for d in (ch["choices"][0]["delta"] for ch in chunks) if "tool_calls" in d]
+    assert all("content" not in ch["choices"][0]["delta"] for ch in chunks)
+    full = shape(tools=tools).full(text, DoneEvent("r", "length", 3, 9))["choices"][0]
+    assert full["finish_reason"] == "length" and full["message"]["content"] is None
+    if name is None:
+        assert calls == [] and "tool_calls" not in full["message"]
+    else:
+        assert calls[0]["name"] == name and "".join(f["arguments"] for f in calls) == args
+        assert full["message"]["tool_calls"] == [{"id": "call_abc123", "type": "function",
+                                                  "function": {"name": name, "arguments": args}}]
 
 
 def test_auto_holds_what_may_be_a_call_until_the_end():

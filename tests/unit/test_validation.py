@@ -153,3 +153,38 @@ def test_a_template_with_tools_takes_them_as_they_are():
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
     assert render_chat(history, tok, parse_tools({"tools": _WEATHER})) == \
         "[get_weather]user:hi;assistant:<call get_weather>;"
+
+
+def test_an_explicit_max_tokens_that_does_not_fit_the_context_is_refused(validator, tiny_spec):
+    """As OpenAI and vLLM answer: a completion cut to fit would look finished. Left out,
+    max_tokens is the gateway's default and the worker stops at the context's end."""
+    ctx = tiny_spec.max_context
+    prompt_tokens = len(validator.generate({"id": "a", "prompt": "Once upon a time"}).prompt_ids)
+    room = ctx - prompt_tokens
+    assert validator.generate({"id": "a", "prompt": "Once upon a time", "max_tokens": room}).params.max_tokens == room
+    with pytest.raises(ValidationError) as e:
+        validator.generate({"id": "a", "prompt": "Once upon a time", "max_tokens": room + 1})
+    assert (e.value.code, e.value.param) == ("prompt_too_long", "max_tokens")
+    assert e.value.message == (f"model 'tiny-gpt' has a context of {ctx} tokens; this request asks for {ctx + 1}: "
+                               f"{prompt_tokens} in the prompt and {room + 1} for the completion (max_tokens). "
+                               f"Ask for at most {room}, or leave max_tokens out")
+    long = validator.generate({"id": "a", "prompt": "Once upon a time " * 40})
+    assert len(long.prompt_ids) + long.params.max_tokens > ctx  # the default: no refusal
+
+
+def test_every_out_of_vocabulary_id_is_named_with_the_vocabulary_size(validator, tiny_spec):
+    from streamfleet.shared.modelrepo import load_tokenizer
+
+    vocab = len(load_tokenizer(tiny_spec))
+    with pytest.raises(ValidationError) as e:
+        validator.generate({"id": "a", "prompt": "hi", "logit_bias": {"5": 1, str(vocab): 2, "x": 1, "7": 3}})
+    assert e.value.param == "logit_bias" and e.value.message == (
+        f"'logit_bias' keys '{vocab}', 'x' are not token ids of model 'tiny-gpt', whose vocabulary size is "
+        f"{vocab} (ids 0 to {vocab - 1})")
+    with pytest.raises(ValidationError) as e:
+        validator.generate({"id": "a", "prompt": "hi", "logit_bias": {"5": 1, "6": 500, "7": -101}})
+    assert e.value.message == "'logit_bias' values for tokens 6, 7 must be numbers from -100 to 100"
+    with pytest.raises(ValidationError) as e:
+        validator.generate({"id": "a", "prompt": "hi", "stop_token_ids": [1, vocab, vocab + 5]})
+    assert e.value.message == (f"'stop_token_ids' holds {vocab}, {vocab + 5}, not token ids of model 'tiny-gpt', "
+                               f"whose vocabulary size is {vocab} (ids 0 to {vocab - 1})")
