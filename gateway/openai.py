@@ -40,8 +40,8 @@ from streamfleet.gateway import edge
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.openai_mapping import (ChoiceStream, Gathered, ResponseShape, best_of_order,
-                                                choice_counts, request_payload, stream_flags, usage_of)
+from streamfleet.gateway.openai_mapping import (ChoiceStream, Gathered, ResponseShape, best_of_order, choice_counts,
+                                                completion_prompts, request_payload, stream_flags, usage_of)
 from streamfleet.gateway.request_stream import TICK
 from streamfleet.gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
@@ -87,7 +87,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         n, best_of = choice_counts(body, chat, stream_mode)
         resume = parse_last_event_id(request.headers.get("last-event-id"))
         req = hub.request("http", identity=identity)
-        tools = None
+        tools, drafts = None, []
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
@@ -98,21 +98,23 @@ async def _generate(request: Request, chat: bool) -> Response:
             # the model is the recorded one, validated at submit: never the body's
             await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
-            payload = request_payload(body, chat, priority_header=request.headers.get("x-priority"))
-            draft = hub.validator.check(payload)
+            prompts = [None] if chat else completion_prompts(body)
+            drafts = [_checked(hub, body, chat, request.headers.get("x-priority"), prompt, i, len(prompts))
+                      for i, prompt in enumerate(prompts)]
+            draft = drafts[0]
             tools = draft.tools
             trace = trace_id_from(request.headers.get("traceparent"))
-            if best_of > 1:
-                reqs = await _submit_choices(hub, identity, draft, best_of, scored=best_of > n, trace=trace)
+            if best_of > 1 or len(drafts) > 1:
+                reqs = await _submit_choices(hub, identity, drafts, best_of, scored=best_of > n, trace=trace)
             else:
                 await req.submit(draft, trace_id=trace)
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
 
-    if best_of > 1:
+    if best_of > 1 or len(drafts) > 1:
         return await _many(request, hub, reqs, chat, n, stream_mode, include_usage, tools,
-                           keep_logprobs=draft.params.logprobs is not None)
+                           keep_logprobs=draft.params.logprobs is not None, prompts=len(drafts))
 
     req.watch()  # a revoked key ends the stream
     events = req.events("sse" if stream_mode else "http")
@@ -145,20 +147,37 @@ async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
             await stop_events(pending, events)
 
 
-async def _submit_choices(hub: "Hub", identity, draft, k: int, *, scored: bool, trace: str | None) -> list[ClientRequest]:
-    """Submit the ``k`` completions of one request: one task each (admitted, rate limited
-    and run as any request), seeds ``seed``, ``seed + 1``, …, so that the choices differ
-    and the same request gives the same choices again. They carry one group id: the
-    worker that starts the first prefills the prompt once for those it starts after it
-    (``WorkerCore._prefill``). ``scored``: ``best_of`` picks the best, which needs each
-    token's log probability. A refusal takes back what was submitted."""
-    params = draft.params
-    await hub.admission.charge(identity, k, "best_of" if scored else "n")  # all or nothing: a refusal here takes nothing
-    reqs = [hub.request("http", identity=identity) for _ in range(k)]
-    group = uuid.uuid4().hex
-    drafts = [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
-        params, seed=(params.seed + i) % (MAX_SEED + 1),
-        logprobs=0 if scored and params.logprobs is None else params.logprobs)) for i in range(k)]
+def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i: int, prompts: int):
+    """The draft of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
+    refusal of one of several prompts names which."""
+    try:
+        return hub.validator.check(request_payload(body if prompt is None else {**body, "prompt": prompt}, chat,
+                                                   priority_header=priority))
+    except ValidationError as exc:
+        if prompts == 1:
+            raise
+        raise ValidationError(f"prompt {i}: {exc.message}", code=exc.code, param=exc.param) from exc
+
+
+async def _submit_choices(hub: "Hub", identity, prompts: list, k: int, *, scored: bool,
+                          trace: str | None) -> list[ClientRequest]:
+    """Submit the ``k`` completions of each of a request's ``prompts`` (drafts), prompt by
+    prompt: one task each (admitted, rate limited and run as any request), seeds ``seed``,
+    ``seed + 1``, …, so that a prompt's choices differ and the same request gives the same
+    choices again. A prompt's completions carry one group id: the worker that starts the
+    first prefills the prompt once for those it starts after it (``WorkerCore._prefill``).
+    ``scored``: ``best_of`` picks the best, which needs each token's log probability. A
+    refusal takes back what was submitted."""
+    total = k * len(prompts)
+    # all or nothing: a refusal here takes nothing
+    await hub.admission.charge(identity, total, "prompt" if len(prompts) > 1 else "best_of" if scored else "n")
+    reqs = [hub.request("http", identity=identity) for _ in range(total)]
+    drafts = []
+    for draft in prompts:
+        params, group = draft.params, uuid.uuid4().hex
+        drafts += [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
+            params, seed=(params.seed + i) % (MAX_SEED + 1),
+            logprobs=0 if scored and params.logprobs is None else params.logprobs)) for i in range(k)]
     # admitted side by side, then enqueued in one loop turn (one pipeline of the gateway's
     # coalescer): a worker reads them together and prefills the prompt once
     gate = asyncio.Event()
@@ -166,7 +185,7 @@ async def _submit_choices(hub: "Hub", identity, draft, k: int, *, scored: bool, 
 
     async def together() -> None:
         state["arrived"] += 1
-        if state["arrived"] == k:
+        if state["arrived"] == total:
             gate.set()
             await asyncio.sleep(0)  # resume in the loop turn the others resume in
         await gate.wait()
@@ -184,7 +203,7 @@ async def _submit_choices(hub: "Hub", identity, draft, k: int, *, scored: bool, 
     results = await asyncio.gather(*(one(req, d) for req, d in zip(reqs, drafts)), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        await hub.admission.refund(identity, k)
+        await hub.admission.refund(identity, total)
         for req, r in zip(reqs, results):
             if not isinstance(r, BaseException):
                 await req.close(reason="refused")
@@ -218,12 +237,14 @@ async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, An
 
 
 async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
-                include_usage: bool, tools: Tools | None, keep_logprobs: bool) -> Response:
-    """The response of a request of several choices (``n``, ``best_of``): streamed, each
-    chunk names its choice by ``index`` (no ``id:`` lines: such a stream is not
-    resumable); not streamed, ``choices`` in order, or the ``n`` best of ``best_of``.
-    Usage: the prompt once, the completion tokens of every choice. A failed choice fails
-    the request, and the others are cancelled."""
+                include_usage: bool, tools: Tools | None, keep_logprobs: bool, prompts: int = 1) -> Response:
+    """The response of a request of several choices (``n``, ``best_of``, several
+    ``prompts``: ``reqs`` prompt by prompt, their choices numbered on, prompt ``p``'s
+    ``j``-th choice being ``p * n + j``, as OpenAI numbers them): streamed, each chunk
+    names its choice by ``index`` (no ``id:`` lines: such a stream is not resumable); not
+    streamed, ``choices`` in order, or each prompt's ``n`` best of ``best_of``. Usage: each
+    prompt once, the completion tokens of every choice. A failed choice fails the
+    request, and the others are cancelled."""
     for req in reqs:
         req.watch()
     shape = ResponseShape(chat, reqs[0].request_id, reqs[0].model, tools)
@@ -238,7 +259,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
     if stream:
         async def chunks() -> AsyncIterator[bytes]:
             choices = [ChoiceStream(shape, i, include_usage) for i in range(len(reqs))]
-            ends: list[DoneEvent] = []
+            ends: dict[int, DoneEvent] = {}
             ticks = _ticking(events, hub.settings.sse_keepalive_s)
             try:
                 if shape.chat:
@@ -257,7 +278,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
                         for chunk in choices[i].end(ev):
                             yield sse_frame(chunk)
                         reqs[i].delivered()
-                        ends.append(ev)
+                        ends[i] = ev
                     elif isinstance(ev, ErrorEvent):
                         yield sse_frame(ev.error().to_openai())
                         yield DONE
@@ -266,7 +287,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
                     if len(ends) == len(reqs):
                         break
                 if include_usage:
-                    yield sse_frame(shape.usage_chunk(usage_of(ends)))
+                    yield sse_frame(shape.usage_chunk(usage_of([ends[i] for i in sorted(ends)], prompts)))
                 yield DONE
             finally:
                 with anyio.CancelScope(shield=True):
@@ -298,10 +319,11 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
         return Response(status_code=499)
     if failed is not None:
         return openai_error_response(failed.error())
-    order = best_of_order([g.logprobs for g in got], n)  # best_of: the n with the highest total log probability
+    # best_of: each prompt's n with the highest total log probability
+    order = best_of_order([g.logprobs for g in got], n, prompts)
     choices = [shape.choice_full(j, got[i].text, ends[i], got[i].logprobs if keep_logprobs else None)
                for j, i in enumerate(order)]
-    return Response(orjson.dumps(shape.full_many(choices, usage_of(list(ends.values())))),
+    return Response(orjson.dumps(shape.full_many(choices, usage_of([ends[i] for i in sorted(ends)], prompts))),
                     media_type="application/json")
 
 

@@ -26,15 +26,17 @@ from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, TokenEvent
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.gateway.validation import UNSUPPORTED
 
-__all__ = ["PROCESSING", "MAX_CHOICES", "MAX_HELD_CALL", "FINISH", "request_payload", "choice_counts",
-           "stream_flags", "finish_reason", "usage_of", "best_of_order", "could_be_call", "ResponseShape",
-           "ChoiceStream", "Gathered"]
+__all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "request_payload",
+           "completion_prompts", "choice_counts", "stream_flags", "finish_reason", "usage_of", "best_of_order",
+           "could_be_call", "ResponseShape", "ChoiceStream", "Gathered"]
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
               "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice")
 #: most choices (``n``, ``best_of``) one request may ask for
 MAX_CHOICES = 16
+#: prompts of one completions request (each gets its choices, charged as a request each)
+MAX_PROMPTS = 64
 #: with tool_choice "auto", streamed text that may be a tool call is held back up to this
 #: many characters (a call is decided at the end); past it, it is text
 MAX_HELD_CALL = 16384
@@ -81,16 +83,39 @@ def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | 
             raise ValidationError("'messages' is required", code=ErrorCode.missing_field, param="messages")
         p["messages"] = body["messages"]
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise ValidationError("'prompt' must be a string or a list of exactly one string",
-                                      code=ErrorCode.invalid_type, param="prompt")
-            prompt = prompt[0]
-        if prompt is None:
-            raise ValidationError("'prompt' is required", code=ErrorCode.missing_field, param="prompt")
-        p["prompt"] = prompt
+        prompts = completion_prompts(body)
+        if len(prompts) != 1:  # the adapter sends each of several prompts on its own
+            raise ValidationError("one prompt here; several are served one request each",
+                                  code=ErrorCode.invalid_request, param="prompt")
+        p["prompt"] = prompts[0]
     return p
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completions body, as OpenAI takes them: a string, token ids, or a
+    list of either (one choice set per prompt, in order). Token ids go to the validator as
+    a list (checked against the model's vocabulary there).
+
+    Raises:
+        ValidationError: a missing prompt, an empty list, more than ``MAX_PROMPTS``, or a
+            list that mixes forms.
+    """
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ValidationError("'prompt' is required", code=ErrorCode.missing_field, param="prompt")
+    if not isinstance(prompt, list):
+        return [prompt]  # a string; anything else is the validator's to refuse by type
+    if not prompt:
+        raise ValidationError("'prompt' is an empty list", code=ErrorCode.invalid_request, param="prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]  # one prompt of token ids
+    if len(prompt) > MAX_PROMPTS:
+        raise ValidationError(f"'prompt' holds {len(prompt)} prompts; the limit is {MAX_PROMPTS} per request",
+                              code=ErrorCode.out_of_range, param="prompt")
+    if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
+        return list(prompt)
+    raise ValidationError("'prompt' must be a string, a list of strings, a list of token ids, or a list of lists "
+                          "of token ids", code=ErrorCode.invalid_type, param="prompt")
 
 
 def choice_counts(body: dict[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
@@ -164,22 +189,29 @@ def finish_reason(reason: str) -> str:
     return FINISH.get(reason, reason)
 
 
-def usage_of(ends: Sequence[DoneEvent]) -> dict[str, int]:
-    """The ``usage`` of a request of one or several choices: the prompt once (every choice
-    has the same), the completion tokens of every choice."""
-    prompt = ends[0].prompt_tokens
+def usage_of(ends: Sequence[DoneEvent], prompts: int = 1) -> dict[str, int]:
+    """The ``usage`` of a request of one or several choices, ``ends`` in choice order: each
+    prompt once (``prompts`` of them, each with an equal share of the choices, which
+    all have its prompt), the completion tokens of every choice."""
+    per = len(ends) // prompts
+    prompt = sum(ends[i * per].prompt_tokens for i in range(prompts))
     completion = sum(e.completion_tokens for e in ends)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int) -> list[int]:
-    """Which completions a request of ``n`` choices returns, in order, given each one's
-    tokens' log probabilities: all in order when there are ``n``; with ``best_of`` more,
-    the ``n`` with the highest total log probability, best first (ties in order)."""
-    order = list(range(len(logprobs)))
-    if len(order) > n:
-        order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in logprobs[i]))[:n]
-    return order
+def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int, prompts: int = 1) -> list[int]:
+    """Which completions a request of ``n`` choices per prompt returns, in order, given each
+    one's tokens' log probabilities (the completions of each prompt together, prompt by
+    prompt): all in order when there are ``n`` per prompt; with ``best_of`` more, each
+    prompt's ``n`` with the highest total log probability, best first (ties in order)."""
+    per = len(logprobs) // prompts
+    out = []
+    for first in range(0, len(logprobs), per):
+        order = list(range(first, first + per))
+        if per > n:
+            order = sorted(order, key=lambda i: -sum(e["logprob"] for _, e in logprobs[i]))[:n]
+        out += order
+    return out
 
 
 def could_be_call(text: str) -> bool:

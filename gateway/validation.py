@@ -123,6 +123,8 @@ class Draft:
     group_size: int = 1
     #: a chat request's messages (checked, normalised), rendered by ``finish``
     messages: tuple[dict[str, Any], ...] | None = None
+    #: a prompt given as token ids (checked against the vocabulary): nothing to tokenize
+    prompt_ids: tuple[int, ...] | None = None
     #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
     #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
     constraint: tuple[str, Any] | None = None
@@ -408,10 +410,14 @@ class Validator:
         if tools is not None and prompt is not None:
             raise ValidationError("'tools' need 'messages' (a chat request)", code=ErrorCode.invalid_request,
                                   param="tools")
-        msgs = None
-        if prompt is not None:
+        msgs, token_ids = None, None
+        if isinstance(prompt, list):  # token ids, as OpenAI's and vLLM's completions take them
+            token_ids = self._token_ids(prompt, spec)
+            text = ""
+        elif prompt is not None:
             if not isinstance(prompt, str):
-                raise ValidationError("'prompt' must be a string", code=ErrorCode.invalid_type, param="prompt")
+                raise ValidationError("'prompt' must be a string or a list of token ids", code=ErrorCode.invalid_type,
+                                      param="prompt")
             text = prompt
             if not text:
                 raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
@@ -433,7 +439,7 @@ class Validator:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
-                     prompt_text=text, explicit=explicit, chat=messages is not None,
+                     prompt_text=text, explicit=explicit, chat=messages is not None, prompt_ids=token_ids,
                      tools=tools if tools is not None and tools.mode != "none" else None,
                      messages=tuple(msgs) if msgs is not None else None,
                      constraint=self._constraint(p, ignore_eos, tools))
@@ -480,7 +486,8 @@ class Validator:
                 raise ValidationError(f"the prompt has {len(text)} characters; the limit is "
                                       f"{self.settings.max_prompt_chars}", code=ErrorCode.prompt_too_long,
                                       param="messages")
-        ids = encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
+        ids = draft.prompt_ids if draft.prompt_ids is not None else \
+            encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:
@@ -499,6 +506,26 @@ class Validator:
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
                             params=params, timeout_s=draft.timeout_s, prompt_text=text,
                             group=draft.group, group_size=draft.group_size)
+
+    def _token_ids(self, prompt: list, spec: ModelSpec) -> tuple[int, ...]:
+        """A prompt of token ids: integers of the model's vocabulary, at most its context
+        (the worker checks the same again)."""
+        if not prompt:
+            raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="prompt")
+        if len(prompt) >= spec.max_context:  # first: what follows walks at most a context's worth
+            raise ValidationError(f"the prompt has {len(prompt)} tokens; model {spec.name!r} has a context of "
+                                  f"{spec.max_context} and needs room for at least one completion token",
+                                  code=ErrorCode.prompt_too_long, param="prompt")
+        if not all(_is_int(t) for t in prompt):
+            raise ValidationError("'prompt' must be a string or a list of token ids (integers)",
+                                  code=ErrorCode.invalid_type, param="prompt")
+        vocab = len(self.tokenizer(spec))
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValidationError(f"'prompt' holds {_listed(bad)}, not token ids of model {spec.name!r}, whose "
+                                  f"vocabulary size is {vocab} (ids 0 to {vocab - 1})", code=ErrorCode.out_of_range,
+                                  param="prompt")
+        return tuple(int(t) for t in prompt)
 
     def _processing(self, p: dict[str, Any], spec: ModelSpec, max_tokens: int) -> dict[str, Any]:
         """The logits-processing and log-probability fields of ``SamplingParams``

@@ -257,3 +257,42 @@ def test_unstreamed_disconnect_cancels_and_frees_the_slot(slow_fleet, rds):
     _wait_pending(rds, lane, 1, 10)
     sock.close()
     assert _wait_pending(rds, lane, 0, 5) < 2.0
+
+
+def test_prompt_lists_and_token_id_prompts(fleet_up):
+    """As OpenAI serves them (LangChain's legacy OpenAI.batch sends such lists): one choice
+    set per prompt, prompt p's choice j at index p * n + j, each prompt counted once."""
+    client = sdk(fleet_up)
+    args = dict(model="tiny-gpt", max_tokens=5, temperature=0, seed=3, extra_body={"ignore_eos": True})
+    one = {p: client.completions.create(prompt=p, **args) for p in ("Once upon a time", "The cat")}
+    many = client.completions.create(prompt=["Once upon a time", "The cat"], n=2, **args)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices[:2]] == [one["Once upon a time"].choices[0].text] * 2
+    assert [c.text for c in many.choices[2:]] == [one["The cat"].choices[0].text] * 2
+    assert many.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in one.values())
+    assert many.usage.completion_tokens == 20
+    # token ids: the same prompt as its text gives the same completion
+    ids = httpx.post(fleet_up.http + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 1,
+                                                              "logprobs": 0}).json()
+    assert ids["usage"]["prompt_tokens"] == one["Once upon a time"].usage.prompt_tokens
+    from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
+
+    tok = load_tokenizer(ModelRepository().get("tiny-gpt"))
+    prompt_ids = tok.encode("Once upon a time")
+    by_ids = client.completions.create(prompt=prompt_ids, **args)
+    assert by_ids.choices[0].text == one["Once upon a time"].choices[0].text
+    both = client.completions.create(prompt=[prompt_ids, tok.encode("The cat")], **args)
+    assert [c.text for c in both.choices] == [one[p].choices[0].text for p in ("Once upon a time", "The cat")]
+    # streamed: each chunk names its choice
+    chunks = list(client.completions.create(prompt=["Once upon a time", "The cat"], stream=True, **args))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == {0: one["Once upon a time"].choices[0].text, 1: one["The cat"].choices[0].text}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=["fine", [10**9]], **args)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=["fine", ""], **args)
+    assert e.value.body["message"].startswith("prompt 1: ") and e.value.body["param"] == "prompt"

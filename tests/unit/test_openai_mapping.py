@@ -10,9 +10,9 @@ import json
 import orjson
 import pytest
 
-from streamfleet.gateway.openai_mapping import (MAX_CHOICES, MAX_HELD_CALL, ChoiceStream, Gathered, ResponseShape,
-                                                best_of_order, choice_counts, could_be_call, finish_reason,
-                                                request_payload, stream_flags, usage_of)
+from streamfleet.gateway.openai_mapping import (MAX_CHOICES, MAX_HELD_CALL, MAX_PROMPTS, ChoiceStream, Gathered,
+                                                ResponseShape, best_of_order, choice_counts, completion_prompts,
+                                                could_be_call, finish_reason, request_payload, stream_flags, usage_of)
 from streamfleet.gateway.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
 from streamfleet.gateway.validation import UNSUPPORTED, Validator, check_unsupported
@@ -68,11 +68,35 @@ def test_a_chat_body_maps_messages_and_max_completion_tokens_wins():
     assert "max_tokens" not in request_payload({"messages": CHAT}, chat=True)
 
 
-def test_the_prompt_may_be_a_list_of_one_string():
+def test_the_prompt_may_be_text_token_ids_or_a_list_of_either():
+    """As OpenAI takes them: one choice set per prompt, in order (the door sends each
+    prompt as a request of its own, request_payload one at a time)."""
+    assert completion_prompts({"prompt": "Once"}) == ["Once"]
+    assert completion_prompts({"prompt": ["a", "b"]}) == ["a", "b"]
+    assert completion_prompts({"prompt": [1, 2, 3]}) == [[1, 2, 3]]
+    assert completion_prompts({"prompt": [[1, 2], [3]]}) == [[1, 2], [3]]
     assert request_payload({"prompt": ["Once"]}, chat=False)["prompt"] == "Once"
-    for bad in (["a", "b"], [], [3]):
-        e = refused(request_payload, {"prompt": bad}, chat=False)
-        assert (e.code, e.param) == (ErrorCode.invalid_type, "prompt")
+    assert request_payload({"prompt": [[7, 8]]}, chat=False)["prompt"] == [7, 8]
+    for bad, code in ((["a", [1]], ErrorCode.invalid_type), ([1, "a"], ErrorCode.invalid_type),
+                      ([True, 2], ErrorCode.invalid_type), ([], ErrorCode.invalid_request),
+                      (["x"] * (MAX_PROMPTS + 1), ErrorCode.out_of_range)):
+        e = refused(completion_prompts, {"prompt": bad})
+        assert (e.code, e.param) == (code, "prompt"), bad
+    assert refused(request_payload, {"prompt": ["a", "b"]}, chat=False).code == ErrorCode.invalid_request
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary(validator, tiny_spec):
+    from streamfleet.shared.modelrepo import load_tokenizer
+
+    vocab = len(load_tokenizer(tiny_spec))
+    v = validator.generate(request_payload({"prompt": [5, 6, 7], "max_tokens": 2}, chat=False))
+    assert v.prompt_ids == (5, 6, 7) and v.prompt_text == ""
+    for prompt, code, words in (([5, vocab, -1], "out_of_range", f"holds {vocab}, -1, not token ids of model "
+                                 f"'tiny-gpt', whose vocabulary size is {vocab}"),
+                                ([5, 1.5], "invalid_type", "list of token ids"),
+                                ([1] * tiny_spec.max_context, "prompt_too_long", "needs room")):
+        e = refused(validator.check, {"id": "a", "prompt": prompt})
+        assert (e.code, e.param) == (code, "prompt") and words in e.message, e.message
 
 
 @pytest.mark.parametrize("chat,body,param", [(False, {}, "prompt"), (False, {"prompt": None}, "prompt"),
@@ -248,9 +272,9 @@ BAD_BODIES = [
     # prompt
     (False, _j({}), None, "missing_field"),
     (False, _j({"prompt": 5}), None, "invalid_type"),
-    (False, _j({"prompt": []}), None, "invalid_type"),
-    (False, _j({"prompt": [1]}), None, "invalid_type"),
-    (False, _j({"prompt": ["a", "b"]}), None, "invalid_type"),
+    (False, _j({"prompt": []}), None, "invalid_request"),
+    (False, _j({"prompt": [1, "a"]}), None, "invalid_type"),
+    (False, _j({"prompt": [10**9]}), None, "out_of_range"),
     (False, _j({"prompt": {"a": 1}}), None, "invalid_type"),
     (False, _j({"prompt": ""}), None, "invalid_request"),
     # messages
@@ -298,7 +322,9 @@ def door_refusal(validator, raw: bytes, chat: bool, priority: str | None = None)
     try:
         stream, _ = stream_flags(body)
         choice_counts(body, chat, stream)
-        validator.check(request_payload(body, chat, priority_header=priority))
+        for prompt in ([None] if chat else completion_prompts(body)):
+            validator.check(request_payload(body if prompt is None else {**body, "prompt": prompt}, chat,
+                                            priority_header=priority))
     except StreamfleetError as exc:
         return exc
     return None
@@ -418,6 +444,16 @@ def test_several_choices_usage_and_best_of():
     scores = [[(0, lp("a", -3.0))], [(0, lp("b", -0.5)), (1, lp("c", -0.25))], [(0, lp("d", -1.0))]]
     assert best_of_order(scores, 2) == [1, 2]  # totals -3, -0.75, -1: best first
     assert best_of_order(scores, 3) == [0, 1, 2]  # n == best_of: in order, no pick
+
+
+def test_several_prompts_count_each_prompt_once_and_pick_the_best_of_each():
+    ends = [DoneEvent("r", "stop", 6, 3), DoneEvent("r", "stop", 6, 4), DoneEvent("r", "stop", 2, 1),
+            DoneEvent("r", "stop", 2, 5)]
+    assert usage_of(ends, prompts=2) == {"prompt_tokens": 8, "completion_tokens": 13, "total_tokens": 21}
+    assert usage_of(ends, prompts=4)["prompt_tokens"] == 16
+    scores = [[(0, lp("a", -3.0))], [(0, lp("b", -0.5))], [(0, lp("c", -0.1))], [(0, lp("d", -2.0))]]
+    assert best_of_order(scores, 1, prompts=2) == [1, 2]  # each prompt's best, prompt by prompt
+    assert best_of_order(scores, 2, prompts=2) == [0, 1, 2, 3]
 
 
 def test_gathered_keeps_offsets_of_each_tokens_logprobs():
