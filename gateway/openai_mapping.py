@@ -26,7 +26,8 @@ from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, TokenEvent
 from streamfleet.gateway.tools import CallStream, Tools, parse_call
 from streamfleet.gateway.validation import UNSUPPORTED
 
-__all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "request_payload",
+__all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
+           "KNOWN_COMPLETIONS", "unknown_params", "request_payload",
            "completion_prompts", "choice_counts", "stream_flags", "finish_reason", "usage_of", "best_of_order",
            "could_be_call", "ResponseShape", "ChoiceStream", "Gathered"]
 
@@ -47,14 +48,42 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 # -- request side ------------------------------------------------------------------------
 
-def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | None = None) -> dict[str, Any]:
+#: every parameter of each endpoint this door knows: OpenAI's, vLLM's extras that streamfleet
+#: implements, and streamfleet's own (``timeout``, ``priority``). Those it does not
+#: implement (``UNSUPPORTED``) are among them, for the validator to refuse by name unless
+#: their value asks for nothing; ``user``, ``safety_identifier`` and ``metadata`` are
+#: accepted and change nothing (as OpenAI's own metadata, which without ``store`` it keeps
+#: nowhere). A parameter outside these is refused, as OpenAI refuses one it does not know
+#: (docs/openai.md, "Parameters")
+KNOWN_PARAMS = frozenset({
+    "model", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "logit_bias",
+    "presence_penalty", "frequency_penalty", "max_tokens", "user", "logprobs", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "timeout", "priority", *CONSTRAINTS,
+    *UNSUPPORTED,
+})
+KNOWN_CHAT = KNOWN_PARAMS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                             "parallel_tool_calls", "metadata", "safety_identifier"}
+KNOWN_COMPLETIONS = KNOWN_PARAMS | {"prompt", "best_of"}
+
+
+def unknown_params(body: dict[str, Any], chat: bool) -> list[str]:
+    """The parameters of ``body`` this endpoint does not know (``KNOWN_CHAT`` /
+    ``KNOWN_COMPLETIONS``), sorted."""
+    known = KNOWN_CHAT if chat else KNOWN_COMPLETIONS
+    return sorted(name for name in body if name not in known)
+
+
+def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | None = None,
+                    strict: bool = True) -> dict[str, Any]:
     """The generate payload of the WebSocket protocol for an OpenAI body (already known to
     be an object). ``priority_header``: the request's ``X-Priority``, which wins over the
-    body's ``priority``.
+    body's ``priority``. ``strict`` (``SF_REFUSE_UNSUPPORTED``): refuse a parameter the
+    endpoint does not know; otherwise it is left out (the caller logs it).
 
     Raises:
-        ValidationError: a missing ``messages`` / ``prompt``, a prompt list of other than
-            one string, a completion's ``logprobs`` not an integer in range.
+        ValidationError: an unknown parameter (``strict``), a missing ``messages`` /
+            ``prompt``, several prompts, a completion's ``logprobs`` not an integer in
+            range.
     """
     p: dict[str, Any] = {"id": "http"}
     # the parameters streamfleet does not implement go along, for the validator to refuse
@@ -88,6 +117,13 @@ def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | 
             raise ValidationError("one prompt here; several are served one request each",
                                   code=ErrorCode.invalid_request, param="prompt")
         p["prompt"] = prompts[0]
+    unknown = unknown_params(body, chat) if strict else []
+    if unknown:
+        shown = ", ".join(repr(u[:64]) for u in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
+                                                               else "")
+        raise ValidationError(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {shown} "
+                              f"(docs/openai.md lists the parameters of /v1/{'chat/' if chat else ''}completions)",
+                              code=ErrorCode.invalid_request, param=unknown[0][:64])
     return p
 
 

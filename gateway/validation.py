@@ -55,6 +55,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "store": (None, False),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "prompt_cache_key": (None,),
+    "prompt_cache_retention": (None,),
 }
 
 
@@ -381,7 +387,8 @@ class Validator:
         spec = self.spec(model)
         if spec.kind != "text":
             raise ValidationError(f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; stream "
-                                  f"audio to /v1/audio/stream for it", code=ErrorCode.invalid_request, param="model")
+                                  f"audio to /v1/audio/stream or post a file to /v1/audio/transcriptions for it",
+                                  code=ErrorCode.invalid_request, param="model")
 
         lane = check_lane(p.get("priority"))
 

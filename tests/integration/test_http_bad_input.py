@@ -65,7 +65,7 @@ MALFORMED = [
     # one of each stage after the parse
     (COMPLETIONS, _j({"prompt": "x", "stream": "yes"}), {}, "invalid_type"),
     (COMPLETIONS, _j({"prompt": "x", "n": 17}), {}, "out_of_range"),
-    (COMPLETIONS, _j({"prompt": ["a", "b"]}), {}, "invalid_type"),
+    (COMPLETIONS, _j({"prompt": ["a", 1]}), {}, "invalid_type"),
     (CHAT, _j({"messages": []}), {}, "invalid_type"),
     (COMPLETIONS, _j({"prompt": "x", "model": "../tiny-gpt"}), {}, "model_not_found"),
     (COMPLETIONS, _j({"prompt": "x"}), {"X-Priority": "urgent"}, "out_of_range"),

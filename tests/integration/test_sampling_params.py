@@ -90,10 +90,16 @@ def test_completion_logprobs_in_the_legacy_shape(gw):
     assert "".join(t for t in lp.tokens if t != "<|endoftext|>") == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # the 3 most likely, and the sampled token among them (greedy: it is the first)
         assert len(top) == 3 and max(top.values()) == pytest.approx(val, abs=1e-5) and top[tok] == val
-    # logprobs: 0 is the chosen token's alone
+    # logprobs: 0 is the sampled token's alone, as OpenAI gives it (up to logprobs + 1)
     zero = complete(client, logprobs=0, max_tokens=3).choices[0].logprobs
-    assert len(zero.token_logprobs) == 3 and zero.top_logprobs == [{}, {}, {}]
+    assert len(zero.token_logprobs) == 3
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
+    # sampled, the chosen token may lie outside the top k: it is there too
+    hot = complete(client, logprobs=1, max_tokens=20, temperature=1.5, seed=11).choices[0].logprobs
+    for tok, val, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs):
+        assert top[tok] == val and 1 <= len(top) <= 2
 
 
 def test_frequency_and_presence_penalties_change_the_greedy_choice_as_defined(gw):

@@ -241,9 +241,12 @@ async def test_v1_models_says_where_each_template_comes_from(tmp_path):
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(hub=hub)), headers={})
     body = orjson.loads((await models(request)).body)
     assert body["object"] == "list"
+    # created: when the model's folder was last written, as OpenAI's is when the model was made
+    created = {name: int((tmp_path / "engines" / name).stat().st_mtime) for name in ("plain", "templ")}
     assert body["data"] == [
-        {"id": "plain", "object": "model", "created": 0, "owned_by": "streamfleet", "workers": 1, "kind": "text",
-         "chat_template": None, "default": False},
-        {"id": "templ", "object": "model", "created": 0, "owned_by": "streamfleet", "workers": 2, "kind": "text",
-         "chat_template": "chat_template.jinja", "default": True},
+        {"id": "plain", "object": "model", "created": created["plain"], "owned_by": "streamfleet", "workers": 1,
+         "kind": "text", "chat_template": None, "default": False},
+        {"id": "templ", "object": "model", "created": created["templ"], "owned_by": "streamfleet", "workers": 2,
+         "kind": "text", "chat_template": "chat_template.jinja", "default": True},
     ]
+    assert min(created.values()) > 1_600_000_000

@@ -10,9 +10,11 @@ import json
 import orjson
 import pytest
 
-from streamfleet.gateway.openai_mapping import (MAX_CHOICES, MAX_HELD_CALL, MAX_PROMPTS, ChoiceStream, Gathered,
+from streamfleet.gateway.openai_mapping import (KNOWN_CHAT, KNOWN_COMPLETIONS, MAX_CHOICES, MAX_HELD_CALL,
+                                                MAX_PROMPTS, ChoiceStream, Gathered,
                                                 ResponseShape, best_of_order, choice_counts, completion_prompts,
-                                                could_be_call, finish_reason, request_payload, stream_flags, usage_of)
+                                                could_be_call, finish_reason, request_payload, stream_flags, unknown_params,
+                                                usage_of)
 from streamfleet.gateway.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
 from streamfleet.gateway.validation import UNSUPPORTED, Validator, check_unsupported
@@ -141,9 +143,28 @@ def test_unsupported_parameters_are_refused_naming_the_parameter(validator, name
         assert repr(name) in e.message and "not supported" in e.message
 
 
+def test_a_parameter_the_endpoint_does_not_know_is_refused_as_openai_refuses_it():
+    e = refused(request_payload, {"prompt": "x", "best_of": 1, "skip_special_tokens": False}, chat=False)
+    assert (e.code, e.param) == (ErrorCode.invalid_request, "skip_special_tokens")
+    assert e.message.startswith("unrecognized request argument supplied: 'skip_special_tokens'")
+    e = refused(request_payload, {"messages": CHAT, "best_of": 2, "echo_me": 1}, chat=True)  # best_of: completions'
+    assert e.param == "best_of" and "'best_of', 'echo_me'" in e.message
+    # lenient (SF_REFUSE_UNSUPPORTED=false): left out, for the door to log
+    assert "skip_special_tokens" not in request_payload({"prompt": "x", "skip_special_tokens": 1}, chat=False,
+                                                        strict=False)
+    assert unknown_params({"prompt": "x", "zz": 1, "aa": 2}, chat=False) == ["aa", "zz"]
+    # every parameter OpenAI's SDK sends for these endpoints is known to them
+    for name in ("user", "metadata", "safety_identifier", "parallel_tool_calls", "max_completion_tokens"):
+        assert name in KNOWN_CHAT
+    for name in ("best_of", "echo", "suffix", "user"):
+        assert name in KNOWN_COMPLETIONS
+
+
 def test_unsupported_parameters_sent_as_their_default_pass(validator):
     inert = {"echo": False, "suffix": "", "functions": [], "function_call": "none", "modalities": ["text"],
-             "store": False, "prediction": None}
+             "store": False, "prediction": None, "reasoning_effort": None, "verbosity": None,
+             "web_search_options": None, "service_tier": "auto", "prompt_cache_key": None,
+             "prompt_cache_retention": None}
     assert set(inert) == set(UNSUPPORTED) - {"audio"}
     p = request_payload({"prompt": "x", **inert}, chat=False)
     assert check_unsupported(p) == []
