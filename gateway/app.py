@@ -19,7 +19,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway import demo, edge, openai
+from streamfleet.gateway import demo, edge, openai, responses, transcriptions
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.httperror import openai_error_response
@@ -42,7 +42,8 @@ def json_response(data: object, status_code: int = 200, headers: dict[str, str] 
 #: the WebSocket doors, served by ``front`` without the HTTP stack in between
 WEBSOCKET_ROUTES = {"/v1/stream": websocket_stream, "/v1/audio/stream": audio_stream}
 #: the OpenAI generation doors (POST), served by ``front`` the same way
-STREAM_ROUTES = {"/v1/completions": openai.completions, "/v1/chat/completions": openai.chat_completions}
+STREAM_ROUTES = {"/v1/completions": openai.completions, "/v1/chat/completions": openai.chat_completions,
+                 "/v1/responses": responses.create, "/v1/audio/transcriptions": transcriptions.transcriptions}
 
 
 def front(app: FastAPI):
@@ -169,6 +170,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     for path, handler in WEBSOCKET_ROUTES.items():
         app.add_api_websocket_route(path, handler)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(transcriptions.router)
     app.include_router(demo.router)
 
     @app.exception_handler(StarletteHTTPException)

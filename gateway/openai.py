@@ -41,7 +41,8 @@ from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.openai_mapping import (ChoiceStream, Gathered, ResponseShape, best_of_order, choice_counts,
-                                                completion_prompts, request_payload, stream_flags, usage_of)
+                                                completion_prompts, request_payload, stream_flags, unknown_params,
+                                                usage_of)
 from streamfleet.gateway.request_stream import TICK
 from streamfleet.gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
@@ -150,9 +151,12 @@ async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
 def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i: int, prompts: int):
     """The draft of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
     refusal of one of several prompts names which."""
+    strict = hub.settings.refuse_unsupported
+    if not strict and i == 0 and (unknown := unknown_params(body, chat)):
+        log.warning("unknown parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=[u[:64] for u in unknown[:20]])
     try:
         return hub.validator.check(request_payload(body if prompt is None else {**body, "prompt": prompt}, chat,
-                                                   priority_header=priority))
+                                                   priority_header=priority, strict=strict))
     except ValidationError as exc:
         if prompts == 1:
             raise
@@ -485,7 +489,7 @@ async def model(request: Request, model_id: str) -> Response:
 def _model_object(hub: "Hub", name: str, workers: int) -> dict:
     """OpenAI's model object (``created``: when the model's folder was last written), and
     beyond its fields: the live workers, what the model does ("text", or "asr": speech
-    recognition, served on /v1/audio/stream only), where its chat template comes from (a
+    recognition, served on /v1/audio/stream and /v1/audio/transcriptions), where its chat template comes from (a
     file of its folder, "engine.toml", "builtin"; null: no chat requests), and whether a
     request that names no model gets it ("default")."""
     spec = hub.validator.spec(name)

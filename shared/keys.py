@@ -111,6 +111,13 @@ class Keys:
         while it still waits for a worker."""
         return self._tagged("req", request_id)
 
+    def response(self, response_id: str) -> str:
+        """String with TTL: a stored response of the Responses API
+        (``shared.schema.StoredResponse``, ``gateway/responses.py``), ``response_id`` as
+        the API names it (``resp_…``). One key per command, so no hash tag: on a cluster
+        the responses spread over the slots by their ids."""
+        return f"{self.prefix}:resp:{response_id}"
+
     def target_version(self, model: str) -> str:
         """String: the model version every worker should serve (set by `streamfleet reload`)."""
         return f"{self.prefix}:version:{model}"

@@ -12,6 +12,8 @@
                       by the enqueue script (``gateway/broker.py``) with the new entry's id
 * ``RequestRecord``   gateway → gateways, ``sf:req:{request_id}``: who owns a request
                       and where it runs, written before the task is queued
+* ``StoredResponse``  gateway → gateways, ``sf:resp:{response_id}``: a finished response
+                      of the Responses API, its owner and its conversation
 * ``LogEntry``        worker → gateways and workers, one entry of ``sf:log:{request_id}``:
                       an event (``encode_event``) and, for a token, its id
 * ``Attach``          gateway → workers, a member of ``sf:attach:{request_id}``: a
@@ -64,6 +66,7 @@ __all__ = [
     "Follow",
     "Wake",
     "RequestRecord",
+    "StoredResponse",
     "LogEntry",
     "Attach",
     "Heartbeat",
@@ -208,11 +211,12 @@ def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
     if not (isinstance(p.logit_bias, list) and all(
             isinstance(e, list) and len(e) == 2 and token(e[0]) and _number(e[1], "logit_bias") for e in p.logit_bias)):
         lo, hi = RANGES["logit_bias"]
-        return f"logit_bias must map token ids in [0, {vocab_size}) to numbers in [{lo:g}, {hi:g}]"
+        return (f"logit_bias must map token ids (from 0 to {vocab_size - 1}: the vocabulary size is {vocab_size}) "
+                f"to numbers from {lo:g} to {hi:g}")
     if not isinstance(p.grammar, str) or (p.grammar and p.ignore_eos):
         return "grammar must be a string, and cannot be combined with ignore_eos"
     if not (isinstance(p.stop_token_ids, list) and all(token(t) for t in p.stop_token_ids)):
-        return f"stop_token_ids must be token ids in [0, {vocab_size})"
+        return f"stop_token_ids must be token ids from 0 to {vocab_size - 1} (the vocabulary size is {vocab_size})"
     if p.logprobs is not None and not _integer(p.logprobs, "logprobs"):
         return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
     return None
@@ -538,6 +542,30 @@ class RequestRecord:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"malformed request record: {exc}") from exc
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """A finished response of the Responses API (``sf:resp:{response_id}``, with a TTL),
+    gateway → gateways: its ``owner`` (the tenant, as ``RequestRecord.owner``: the API
+    key's; "" with auth off), the response object as ``GET /v1/responses/{id}`` returns
+    it, and ``input``, the conversation's items before its output (without
+    ``instructions``, which a continuation does not carry over), which
+    ``previous_response_id`` continues from (``gateway/responses_mapping.py``)."""
+
+    owner: str
+    response: dict[str, Any]
+    input: list[dict[str, Any]]
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "StoredResponse":
+        try:
+            return cls(**orjson.loads(raw))
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"malformed stored response: {exc}") from exc
 
 
 def encode_event(ev: Event) -> bytes:

@@ -172,6 +172,13 @@ class GatewaySettings(CommonSettings):
     drain_timeout_s: float = 30.0
     #: SSE comment sent after this many seconds without an event
     sse_keepalive_s: float = 15.0
+    #: the Responses API (``/v1/responses``, docs/openai.md): seconds a stored response
+    #: (``store``, on by default) is kept for ``GET`` and ``previous_response_id``
+    responses_ttl_s: float = 604_800.0
+    #: largest stored response (its object and its conversation, encoded); a request whose
+    #: conversation is already larger is refused (400 naming ``input``), one whose output
+    #: takes it past is answered but not stored (``"store": false`` in the response)
+    responses_max_bytes: int = 1 << 20
     #: negotiate per-message deflate when a client offers it (browsers do). Off: a token
     #: frame is a few dozen bytes, and compressing it costs zlib state per connection and
     #: CPU per frame (docs/operations.md, "Idle connections")
@@ -232,6 +239,16 @@ class GatewaySettings(CommonSettings):
     voice_fair_slots: bool = True
     #: slots a tenant at or over its fair share must leave free for other tenants
     voice_reserved_slots: int = Field(1, ge=0)
+    #: ``POST /v1/audio/transcriptions`` (docs/openai.md, "Audio transcriptions"): the
+    #: largest audio file, in bytes (OpenAI's limit, 25 MiB); a larger upload is refused
+    #: with 413 at the byte that crosses it (or at once, by its Content-Length)
+    transcription_max_bytes: int = Field(26_214_400, ge=1)
+    #: the longest audio a transcription takes, in seconds (read from the file's header
+    #: before it is decoded)
+    transcription_max_duration_s: float = Field(1500.0, gt=0)
+    #: utterances of one file transcribed at once: each is a request of its own (a stream
+    #: slot of the key, a fair speech slot, a worker's decoder slot)
+    transcription_concurrency: int = Field(4, ge=1)
     #: Prometheus ``/metrics`` on a listener of its own, never on the API port (0 = none).
     #: Off by default, like the worker's: several gateways on one host each need their own
     metrics_port: int = 0
