@@ -422,6 +422,53 @@ class InferenceService(pb_grpc.InferenceServicer):
                 session.cancel_tasks()
                 await session.disconnect()
 
+    async def Transcribe(self, request: pb.TranscribeRequest, context: aio.ServicerContext):
+        """An audio file's transcript, a ``TranscriptSegment`` per utterance as each is
+        known, then ``TranscribeDone``: the HTTP door's transcription
+        (``gateway.transcriptions.open_transcription``: the same checks, admission, lanes
+        and speech workers), its failure the call's status. A call that ends early
+        cancels every utterance still running."""
+        # the HTTP door's audio decoders, imported on first use
+        from streamfleet.gateway.transcription_mapping import full_text
+        from streamfleet.gateway.transcriptions import open_transcription
+
+        hub = self.hub
+        md = _metadata(context)
+        job = None
+        try:
+            try:
+                identity = await self._caller(md)
+                hub.admission.spent(identity)  # a key known out of its rate limit: refused before decoding
+                if not request.file:
+                    raise ValidationError("'file' is empty: send the audio file's bytes", code=ErrorCode.missing_field,
+                                          param="file")
+                if request.priority not in _PRIORITY:
+                    raise ValidationError(f"'priority' {request.priority} is not a Priority value; use "
+                                          f"PRIORITY_NORMAL or PRIORITY_HIGH", code=ErrorCode.out_of_range,
+                                          param="priority")
+                job, audio, spec = await open_transcription(
+                    hub, identity, request.file, model=request.model or None, language=request.language or None,
+                    lane=_PRIORITY[request.priority] or "normal", trace_id=trace_id_from(md.get("traceparent")),
+                    log_fields={"door": "grpc"})
+                await job.first_submitted
+            except StreamfleetError as exc:
+                metrics.refusals.labels("grpc", str(exc.code)).inc()
+                await abort(context, exc)
+            segments = []
+            try:
+                async for seg in job.segments():
+                    segments.append(seg)
+                    yield pb.TranscribeEvent(segment=pb.TranscriptSegment(
+                        index=seg.id, start_ms=seg.start_ms, end_ms=seg.end_ms, text=seg.text))
+            except StreamfleetError as exc:
+                await abort(context, exc)
+            yield pb.TranscribeEvent(done=pb.TranscribeDone(text=full_text(segments), duration_s=audio.duration_s,
+                                                            language=spec.language))
+        finally:
+            if job is not None:
+                with anyio.CancelScope(shield=True):
+                    await job.close()
+
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:
             await self._identity(_metadata(context))

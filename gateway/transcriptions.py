@@ -53,7 +53,7 @@ from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.multipart_form import FormLimits, FormReader
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.sse import KEEPALIVE, SSE_HEADERS, sse_frame
-from streamfleet.gateway.transcription_mapping import (Segment, TranscriptionForm, check_form, delta_event,
+from streamfleet.gateway.transcription_mapping import (Segment, check_form, delta_event,
                                                        done_event, render)
 from streamfleet.gateway.vad import Segmenter, UtteranceEnd
 from streamfleet.gateway.validation import Draft, check_lane
@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from streamfleet.gateway.auth import Identity
     from streamfleet.gateway.hub import Hub
 
-__all__ = ["router", "transcriptions", "split_utterances", "DECODES_AT_ONCE"]
+__all__ = ["router", "transcriptions", "open_transcription", "split_utterances", "Transcription",
+           "DECODES_AT_ONCE"]
 
 log = get_logger("gateway.transcriptions")
 router = APIRouter()
@@ -79,11 +80,18 @@ APPEND_SECONDS = 1.0
 VAD_RATE = 16000
 
 
-def _decode_gate(request: Request) -> asyncio.Semaphore:
-    """The process's gate on concurrent decodes (one per app, made on first use)."""
-    gate = getattr(request.app.state, "transcription_decodes", None)
+#: the process's gate on concurrent decodes (``DECODES_AT_ONCE``), per event loop, made on
+#: first use (the HTTP and the gRPC doors share it)
+_decode_gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+
+def _decode_gate() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    gate = _decode_gates.get(loop)
     if gate is None:
-        gate = request.app.state.transcription_decodes = asyncio.Semaphore(DECODES_AT_ONCE)
+        for old in [lp for lp in _decode_gates if lp.is_closed()]:
+            del _decode_gates[old]
+        gate = _decode_gates[loop] = asyncio.Semaphore(DECODES_AT_ONCE)
     return gate
 
 
@@ -309,23 +317,57 @@ def _decode(data: bytes, sample_rate: int, max_seconds: float) -> DecodedAudio:
                               code=ErrorCode.invalid_request, param="file") from exc
 
 
-def _check_model(hub: "Hub", form: TranscriptionForm):
-    """The speech model the form names (default ``SF_DEFAULT_ASR_MODEL``) and the language
-    it transcribes.
+def _check_model(hub: "Hub", model: str | None, language: str | None):
+    """The speech model named (default ``SF_DEFAULT_ASR_MODEL``), which must transcribe
+    ``language`` when one is given.
 
     Raises:
         NotFoundError: no such model; ValidationError: not a speech model, or another language.
     """
-    name = form.model or hub.settings.default_asr_model
+    name = model or hub.settings.default_asr_model
     spec = hub.validator.spec(name)
     if spec.kind != "asr":
         raise ValidationError(f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a speech model; use "
                               f"/v1/completions or /v1/chat/completions for it", code=ErrorCode.invalid_request,
                               param="model")
-    if form.language is not None and not _same_language(form.language, spec.language):
-        raise ValidationError(f"model {spec.name!r} transcribes {spec.language}, not {form.language[:32]!r}",
+    if language is not None and not _same_language(language, spec.language):
+        raise ValidationError(f"model {spec.name!r} transcribes {spec.language}, not {language[:32]!r}",
                               code=ErrorCode.out_of_range, param="language")
     return spec
+
+
+async def open_transcription(hub: "Hub", identity: "Identity | None", data: bytes, *, model: str | None,
+                             language: str | None, lane: str, trace_id: str | None,
+                             log_fields: dict[str, Any] | None = None) -> tuple[Transcription, DecodedAudio, Any]:
+    """A file's transcription, started: the model checked, its live workers, one request of
+    the key's rate limit, the file decoded and segmented (in a thread, behind the
+    process's decode gate), its utterances submitted. Returns ``(job, audio, spec)``
+    once the first utterance is admitted and enqueued (the caller awaits
+    ``job.first_submitted`` to know), the caller closing the job.
+
+    Raises:
+        StreamfleetError: the model, the workers, the rate limit or the file refused it.
+    """
+    s = hub.settings
+    spec = _check_model(hub, model, language)
+    await hub.check_workers(spec.name)
+    # one request of the key's rate limit before the file is decoded; the first
+    # utterance is admitted on it, each further one takes its own
+    await hub.admission.charge(identity, 1, "file")
+    async with _decode_gate():
+        audio = await asyncio.to_thread(_decode, data, spec.sample_rate, s.transcription_max_duration_s)
+        spans = await asyncio.to_thread(
+            split_utterances, audio.pcm, audio.sample_rate, s.vad, hangover_ms=s.vad_hangover_ms,
+            preroll_ms=s.vad_preroll_ms, end_silence_ms=s.vad_end_silence_ms,
+            max_utterance_ms=int(s.max_utterance_s * 1000))
+    log.info("transcription", model=spec.name, format=audio.format, duration_s=round(audio.duration_s, 2),
+             source_rate=audio.source_rate, channels=audio.source_channels, utterances=len(spans),
+             **(log_fields or {}))
+    job = Transcription(hub, identity, model=spec.name, lane=lane, language=spec.language, audio=audio, spans=spans,
+                        # one trace for the file: every utterance's log lines, here and in the worker
+                        trace_id=trace_id or uuid.uuid4().hex[:16])
+    job.start()
+    return job, audio, spec
 
 
 async def transcriptions(request: Request) -> Response:
@@ -347,30 +389,16 @@ async def transcriptions(request: Request) -> Response:
             return Response(status_code=499)
         form = check_form(form_data.fields)
         lane = check_lane(form.priority or request.headers.get("x-priority"))
-        spec = _check_model(hub, form)
-        await hub.check_workers(spec.name)
-        # one request of the key's rate limit before the file is decoded; the first
-        # utterance is admitted on it, each further one takes its own
-        await hub.admission.charge(identity, 1, "file")
-        async with _decode_gate(request):
-            audio = await asyncio.to_thread(_decode, form_data.file, spec.sample_rate, s.transcription_max_duration_s)
-            form_data.file = None  # (the upload's bytes can go)
-            spans = await asyncio.to_thread(
-                split_utterances, audio.pcm, audio.sample_rate, s.vad, hangover_ms=s.vad_hangover_ms,
-                preroll_ms=s.vad_preroll_ms, end_silence_ms=s.vad_end_silence_ms,
-                max_utterance_ms=int(s.max_utterance_s * 1000))
-        log.info("transcription", model=spec.name, format=audio.format, duration_s=round(audio.duration_s, 2),
-                 source_rate=audio.source_rate, channels=audio.source_channels, utterances=len(spans),
-                 response_format=form.response_format, stream=form.stream)
-        job = Transcription(hub, identity, model=spec.name, lane=lane, language=spec.language, audio=audio,
-                            spans=spans,
-                            # one trace for the file: every utterance's log lines, here and in the worker
-                            trace_id=trace_id_from(request.headers.get("traceparent")) or uuid.uuid4().hex[:16])
+        data, form_data.file = form_data.file, None  # (the upload's bytes go with the decode)
+        job, audio, spec = await open_transcription(
+            hub, identity, data, model=form.model, language=form.language, lane=lane,
+            trace_id=trace_id_from(request.headers.get("traceparent")),
+            log_fields={"response_format": form.response_format, "stream": form.stream})
+        del data
     except StreamfleetError as exc:
         metrics.refusals.labels("transcription", str(exc.code)).inc()
         return openai_error_response(exc)
 
-    job.start()
     # the first utterance's admission decides the status: a refusal (rate limit, lane
     # full, stream cap) is an HTTP error, not a stream that starts and fails
     try:

@@ -236,3 +236,45 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class TranscribeRequest(_message.Message):
+    __slots__ = ("file", "model", "language", "priority")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    model: str
+    language: str
+    priority: Priority
+    def __init__(self, file: _Optional[bytes] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class TranscriptSegment(_message.Message):
+    __slots__ = ("index", "start_ms", "end_ms", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    start_ms: int
+    end_ms: int
+    text: str
+    def __init__(self, index: _Optional[int] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TranscribeDone(_message.Message):
+    __slots__ = ("text", "duration_s", "language")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    duration_s: float
+    language: str
+    def __init__(self, text: _Optional[str] = ..., duration_s: _Optional[float] = ..., language: _Optional[str] = ...) -> None: ...
+
+class TranscribeEvent(_message.Message):
+    __slots__ = ("segment", "done")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    segment: TranscriptSegment
+    done: TranscribeDone
+    def __init__(self, segment: _Optional[_Union[TranscriptSegment, _Mapping]] = ..., done: _Optional[_Union[TranscribeDone, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=streamfleet_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=streamfleet_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Transcribe = channel.unary_stream(
+                '/streamfleet.v1.Inference/Transcribe',
+                request_serializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.SerializeToString,
+                response_deserializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -91,6 +96,17 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transcribe(self, request, context):
+        """Transcribe an audio file (WAV, FLAC, MP3 or Ogg Vorbis) with a speech model, as
+        POST /v1/audio/transcriptions does: one Segment per utterance, in the file's order,
+        each as soon as it and those before it are transcribed, then TranscribeDone (status
+        OK) or an error status. The file rides in the request message, so it is at most the
+        gateway's message size (SF_MAX_FRAME_BYTES); the HTTP door takes larger files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +129,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=streamfleet_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=streamfleet_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Transcribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Transcribe,
+                    request_deserializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.FromString,
+                    response_serializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +244,33 @@ class Inference:
             '/streamfleet.v1.Inference/ListModels',
             streamfleet_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             streamfleet_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transcribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/streamfleet.v1.Inference/Transcribe',
+            streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.SerializeToString,
+            streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,6 +140,42 @@ def test_sdk_stream_sends_deltas_then_done(gw, speech_wav):
     assert wer(" ".join(REFS), events[-1].text) <= 0.2, events[-1].text
 
 
+async def test_grpc_transcribe_gives_the_http_doors_segments(gw, speech_wav):
+    """streamfleet.v1.Inference/Transcribe: the same decoding, utterances and workers as
+    the HTTP door, a TranscriptSegment per utterance, then TranscribeDone."""
+    import grpc
+
+    from streamfleet.v1 import inference_pb2 as pb
+    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from tests.support.grpcclient import aio_channel
+
+    path, spans = speech_wav
+    with open(path, "rb") as f:
+        verbose = sdk(gw).audio.transcriptions.create(model="asr-en", file=f, response_format="verbose_json")
+    async with aio_channel(gw.grpc) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        events = [ev async for ev in stub.Transcribe(pb.TranscribeRequest(file=path.read_bytes(), model="asr-en"),
+                                                     timeout=120)]
+        segments = [ev.segment for ev in events[:-1]]
+        assert all(ev.HasField("segment") for ev in events[:-1]) and events[-1].HasField("done")
+        assert [(s.index, s.text) for s in segments] == [(s.id, s.text) for s in verbose.segments]
+        assert [s.start_ms / 1000 for s in segments] == pytest.approx([s.start for s in verbose.segments], abs=0.001)
+        done = events[-1].done
+        assert done.text == verbose.text and done.language == "en-US"  # the model's, as engine.toml says it
+        assert done.duration_s == pytest.approx(spans[-1][1] + 1.0, abs=0.01)
+        for request, code, param in ((pb.TranscribeRequest(), grpc.StatusCode.INVALID_ARGUMENT, "file"),
+                                     (pb.TranscribeRequest(file=b"not audio at all" * 10),
+                                      grpc.StatusCode.INVALID_ARGUMENT, "file"),
+                                     (pb.TranscribeRequest(file=path.read_bytes(), model="tiny-gpt"),
+                                      grpc.StatusCode.INVALID_ARGUMENT, "model"),
+                                     (pb.TranscribeRequest(file=path.read_bytes(), model="nope"),
+                                      grpc.StatusCode.NOT_FOUND, "model")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [ev async for ev in stub.Transcribe(request, timeout=60)]
+            assert e.value.code() == code, (request.model, e.value.details())
+            assert dict(e.value.trailing_metadata()).get("streamfleet-error-param", param) == param
+
+
 def test_other_rates_channels_and_flac(gw):
     pcm, _ = clip(REFS[:1])
     up = np.frombuffer(resample_pcm16(pcm, 16000, 44100), dtype="<i2")
