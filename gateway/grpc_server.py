@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
 
 import anyio
 import grpc
+import orjson
 import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -46,6 +47,7 @@ from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.session import Session
+from streamfleet.gateway.voice import VoiceConnection
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -302,6 +304,81 @@ class _StreamSession(Session):
                     self.dispatch([out])
 
 
+def voice_start_frame(start: pb.VoiceStart) -> dict[str, Any]:
+    """The voice WebSocket's ``start`` frame of a ``VoiceStart``: set fields only, so an
+    unset one takes the default an absent JSON field takes.
+
+    Raises:
+        ValidationError: a priority value this gateway does not know.
+    """
+    frame: dict[str, Any] = {"type": "start"}
+    for name in ("id", "model", "sample_rate", "encoding", "language"):
+        value = getattr(start, name)
+        if value:
+            frame[name] = value
+    if start.priority not in _PRIORITY:
+        raise ValidationError(f"'priority' {start.priority} is not a Priority value; use PRIORITY_NORMAL or "
+                              f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
+    if _PRIORITY[start.priority] is not None:
+        frame["priority"] = _PRIORITY[start.priority]
+    return frame
+
+
+#: the voice frames' fields a ``VoiceEvent`` carries as they are
+_VOICE_FIELDS = ("text", "offset_ms", "start_ms", "end_ms", "finish_reason", "request_id", "utterances", "model",
+                 "sample_rate", "encoding", "vad")
+
+
+def voice_event(f: dict) -> pb.VoiceEvent:
+    """A voice WebSocket frame (``gateway/voice.py``, ``gateway/audio_protocol.py``) as a
+    ``VoiceEvent``: its type, id and utterance, the fields it has, an error's ``Error``."""
+    ev = pb.VoiceEvent(type=f["type"], id=f.get("id") or "", utterance=f.get("utterance", -1))
+    for name in _VOICE_FIELDS:
+        if f.get(name) is not None:
+            setattr(ev, name, f[name])
+    if f["type"] == "error":
+        ev.error.CopyFrom(_error(f))
+    elif f["type"] == "warning":
+        ev.code, ev.message = f.get("code", ""), f.get("message", "")
+    return ev
+
+
+class _ListenSession(VoiceConnection, Session):
+    """One ``Listen`` call: a voice WebSocket's session, over gRPC messages."""
+
+    def __init__(self, hub: "Hub") -> None:
+        Session.__init__(self, hub, "grpc")
+        self.init_voice(hub)
+        self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
+
+    def send(self, frame: dict) -> None:
+        if frame.get("type") == "pong":  # a WebSocket ping's answer: gRPC has its own keepalive
+            return
+        self.outbox.put_nowait(frame)
+
+    async def emit(self, frame: dict) -> None:
+        await self.outbox.put(frame)
+
+    async def read(self, frames: AsyncIterator[pb.VoiceClientFrame]) -> None:
+        """Read the client's frames, in order, until it half-closes the call."""
+        async for frame in frames:
+            kind = frame.WhichOneof("frame")
+            if kind == "audio":
+                await self.receive_bytes(frame.audio)
+            elif kind == "start":
+                try:
+                    start = voice_start_frame(frame.start)
+                except ValidationError as exc:
+                    await self.outbox.put(exc.to_frame(frame.start.id or None))
+                    continue
+                await self.receive_text(orjson.dumps(start).decode())
+            elif kind == "stop":
+                await self.receive_text('{"type":"stop"}')
+            else:
+                await self.outbox.put(ValidationError("a VoiceClientFrame needs one of start, audio or stop",
+                                                      code=ErrorCode.invalid_frame).to_frame(None))
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     """``streamfleet.v1.Inference`` over one gateway's ``Hub``."""
 
@@ -468,6 +545,59 @@ class InferenceService(pb_grpc.InferenceServicer):
             if job is not None:
                 with anyio.CancelScope(shield=True):
                     await job.close()
+
+    async def Listen(self, request_iterator: AsyncIterator[pb.VoiceClientFrame], context: aio.ServicerContext):
+        """The voice WebSocket over one call (docs/grpc.md, "Calls"): the same session
+        (``gateway.voice.VoiceConnection``), admission, limits and frames, as messages."""
+        hub = self.hub
+        md = _metadata(context)
+        session = _ListenSession(hub)
+        try:
+            session.identity = await self._caller(md)
+            full = session.at_capacity()
+            if full is not None:
+                raise full
+            await session.connect()
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        session.trace_id = trace_id_from(md.get("traceparent"))
+        reader: asyncio.Task | None = None
+        getter: asyncio.Future | None = None
+        try:
+            try:
+                await session.channel.open()
+            except StreamfleetError as exc:
+                await self._refuse(context, exc)
+            reader = asyncio.create_task(session.read(request_iterator))
+            while True:
+                if session.revoked.done():
+                    await abort(context, revoked_error())
+                # (its tasks: the utterances, and the ``stopped`` frame that waits for them)
+                idle = not session.tasks and session.outbox.empty()
+                if hub.draining and (idle or hub.drain_expired):
+                    await abort(context, _shutting_down())
+                if reader.done() and idle:
+                    if not reader.cancelled() and reader.exception() is not None:
+                        raise reader.exception()
+                    return  # the client half-closed and every utterance had its final: OK
+                if getter is None:
+                    getter = asyncio.ensure_future(session.outbox.get())
+                wait = {getter, session.revoked} | ({reader} if not reader.done() else set())
+                done, _ = await asyncio.wait(wait, timeout=STREAM_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    frame, getter = getter.result(), None
+                    yield voice_event(frame)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if reader is not None:
+                    reader.cancel()
+                if getter is not None:
+                    getter.cancel()
+                if session.segmenter is not None:  # the call ended mid-session: end the open utterance
+                    session.segmenter, session.config = None, None
+                await session.close_requests()
+                session.cancel_tasks()
+                await session.disconnect()
 
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:

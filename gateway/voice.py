@@ -45,7 +45,7 @@ from streamfleet.gateway.ws import WebSocketSession
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
 
-__all__ = ["audio_stream", "VoiceSession"]
+__all__ = ["audio_stream", "VoiceConnection", "VoiceSession"]
 
 log = get_logger("gateway.voice")
 
@@ -213,11 +213,17 @@ class Utterance:
             await stop_events(pending, events)
 
 
-class VoiceSession(WebSocketSession):
-    """A voice WebSocket: the text WebSocket's connection handling, with audio frames."""
+class VoiceConnection:
+    """What a voice connection's frames mean, whatever carries them (the voice WebSocket,
+    ``VoiceSession``; gRPC's ``Listen`` call, ``gateway.grpc_server``): a ``Session``
+    (``gateway.session``: ``hub``, ``identity``, ``channel``, ``send``, ``emit``,
+    ``_spawn``) mixes this in and calls ``init_voice`` in its constructor. Its frames come
+    in as the WebSocket's (``receive_text``: JSON, ``receive_bytes``: PCM) and go out as
+    its frames (dicts) through the session's ``send``/``emit``."""
 
-    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
-        super().__init__(ws, hub)
+    last_activity: float
+
+    def init_voice(self, hub: "Hub") -> None:
         self.transport = "voice"
         self.audio_proto = AudioProtocol(hub.validator, hub.settings)
         self.segmenter: Segmenter | None = None
@@ -225,6 +231,7 @@ class VoiceSession(WebSocketSession):
         self.current: Utterance | None = None
         self.utterances: list[Utterance] = []
         self.count = 0  # utterances of this connection so far
+        self.last_activity = 0.0
 
     # the read loop hands every frame here (gateway.ws.WebSocketSession._serve) and reads
     # the next one only once this one is handled: a connection's frames stay in order
@@ -322,6 +329,14 @@ class VoiceSession(WebSocketSession):
         """After ``stop``: once every utterance has its final, say so."""
         await asyncio.gather(*(u.task for u in utterances), return_exceptions=True)
         await self.emit({"type": "stopped", "id": config.client_id, "utterances": len(utterances)})
+
+
+class VoiceSession(VoiceConnection, WebSocketSession):
+    """A voice WebSocket: the text WebSocket's connection handling, with audio frames."""
+
+    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
+        WebSocketSession.__init__(self, ws, hub)
+        self.init_voice(hub)
 
 
 async def audio_stream(ws: WebSocket) -> None:

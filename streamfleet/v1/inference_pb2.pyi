@@ -278,3 +278,71 @@ class TranscribeEvent(_message.Message):
     segment: TranscriptSegment
     done: TranscribeDone
     def __init__(self, segment: _Optional[_Union[TranscriptSegment, _Mapping]] = ..., done: _Optional[_Union[TranscribeDone, _Mapping]] = ...) -> None: ...
+
+class VoiceStart(_message.Message):
+    __slots__ = ("id", "model", "sample_rate", "encoding", "language", "priority")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    model: str
+    sample_rate: int
+    encoding: str
+    language: str
+    priority: Priority
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[str] = ..., language: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class VoiceStop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VoiceClientFrame(_message.Message):
+    __slots__ = ("start", "audio", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: VoiceStart
+    audio: bytes
+    stop: VoiceStop
+    def __init__(self, start: _Optional[_Union[VoiceStart, _Mapping]] = ..., audio: _Optional[bytes] = ..., stop: _Optional[_Union[VoiceStop, _Mapping]] = ...) -> None: ...
+
+class VoiceEvent(_message.Message):
+    __slots__ = ("type", "id", "utterance", "text", "offset_ms", "start_ms", "end_ms", "finish_reason", "request_id", "utterances", "model", "sample_rate", "encoding", "vad", "code", "message", "error")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    VAD_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    id: str
+    utterance: int
+    text: str
+    offset_ms: int
+    start_ms: int
+    end_ms: int
+    finish_reason: str
+    request_id: str
+    utterances: int
+    model: str
+    sample_rate: int
+    encoding: str
+    vad: str
+    code: str
+    message: str
+    error: Error
+    def __init__(self, type: _Optional[str] = ..., id: _Optional[str] = ..., utterance: _Optional[int] = ..., text: _Optional[str] = ..., offset_ms: _Optional[int] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., utterances: _Optional[int] = ..., model: _Optional[str] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[str] = ..., vad: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

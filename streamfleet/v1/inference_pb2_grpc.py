@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.SerializeToString,
                 response_deserializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.FromString,
                 _registered_method=True)
+        self.Listen = channel.stream_stream(
+                '/streamfleet.v1.Inference/Listen',
+                request_serializer=streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.SerializeToString,
+                response_deserializer=streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -107,6 +112,19 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Listen(self, request_iterator, context):
+        """A voice session over one call: the voice WebSocket (/v1/audio/stream) as messages.
+        The client sends VoiceStart, then audio (16-bit little-endian PCM at the start's
+        sample rate, 10-100 ms a message), then VoiceStop (and may start again). The
+        gateway's voice activity detection cuts the audio into utterances, and the call
+        carries the voice WebSocket's frames as VoiceEvents: started, speech_started,
+        speech_stopped, partial, final, warning, stopped and error. The call ends with
+        status OK once the client half-closes it and every utterance has had its final.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +152,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Transcribe,
                     request_deserializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.FromString,
                     response_serializer=streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.SerializeToString,
+            ),
+            'Listen': grpc.stream_stream_rpc_method_handler(
+                    servicer.Listen,
+                    request_deserializer=streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.FromString,
+                    response_serializer=streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +294,33 @@ class Inference:
             '/streamfleet.v1.Inference/Transcribe',
             streamfleet_dot_v1_dot_inference__pb2.TranscribeRequest.SerializeToString,
             streamfleet_dot_v1_dot_inference__pb2.TranscribeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Listen(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/streamfleet.v1.Inference/Listen',
+            streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.SerializeToString,
+            streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.FromString,
             options,
             channel_credentials,
             insecure,

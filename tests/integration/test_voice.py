@@ -138,6 +138,48 @@ async def test_transcripts_are_accurate_with_partials_and_one_final_per_utteranc
     assert decoded == pytest.approx(sum(f["end_ms"] - f["start_ms"] for f in finals) / 1000, abs=0.05)
 
 
+async def test_grpc_listen_is_the_voice_websocket_as_messages(voice_fleet, rds, key_prefix):
+    """streamfleet.v1.Inference/Listen: VoiceStart, audio, VoiceStop in; the voice
+    WebSocket's frames out as VoiceEvents (the same session, VAD and workers); a bad start
+    is an error event and the call goes on; a half-close after the last final is OK."""
+    import grpc
+
+    from streamfleet.v1 import inference_pb2 as pb
+    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from tests.support.grpcclient import aio_channel
+
+    refs = list(SENTENCES[:2])
+    audio = silence(300) + b"".join(speech(r) + silence(1000) for r in refs)
+
+    async def frames():
+        yield pb.VoiceClientFrame(start=pb.VoiceStart(id="g", model="tiny-gpt"))  # not a speech model
+        yield pb.VoiceClientFrame(audio=b"\x00\x00" * 160)  # audio before a start
+        yield pb.VoiceClientFrame(start=pb.VoiceStart(id="g", model="asr-en", sample_rate=16000))
+        for i in range(0, len(audio), 100 * BYTES_PER_MS):
+            yield pb.VoiceClientFrame(audio=audio[i:i + 100 * BYTES_PER_MS])
+            await asyncio.sleep(0.01)
+        yield pb.VoiceClientFrame(stop=pb.VoiceStop())
+
+    async with aio_channel(voice_fleet.grpc) as ch:
+        call = pb_grpc.InferenceStub(ch).Listen(frames(), timeout=120)
+        events = [ev async for ev in call]
+        assert await call.code() == grpc.StatusCode.OK
+    kinds = [ev.type for ev in events]
+    errors = [ev for ev in events if ev.type == "error"]
+    assert [e.error.code for e in errors] == ["invalid_request", "invalid_frame"], errors
+    assert errors[0].error.param == "model" and errors[0].id == "g"
+    assert kinds.index("started") > 1 and kinds[-1] == "stopped" and events[-1].utterances == len(refs)
+    started = events[kinds.index("started")]
+    assert (started.model, started.sample_rate, started.encoding) == ("asr-en", 16000, "pcm_s16le")
+    finals = [ev for ev in events if ev.type == "final"]
+    assert [f.utterance for f in finals] == [0, 1] and all(f.request_id and f.end_ms > f.start_ms for f in finals)
+    words = sum(len(r.split()) for r in refs)
+    assert sum(wer(r, f.text) * len(r.split()) for r, f in zip(refs, finals)) / words <= 0.2, finals
+    assert {"speech_started", "speech_stopped", "partial"} <= set(kinds)
+    assert all(ev.utterance in (0, 1) for ev in events if ev.type == "partial")
+    assert rds.xinfo_stream(f"{key_prefix}:{{asr-en}}:tasks:normal")["entries-added"] == len(refs)
+
+
 async def test_silence_and_low_noise_create_no_task(voice_fleet, rds, key_prefix):
     v = await Voice.connect(voice_fleet)
     await v.wait_for(lambda f: f["type"] == "started")
