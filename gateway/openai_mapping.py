@@ -23,7 +23,7 @@ from streamfleet.shared.errors import ErrorCode, ValidationError
 from streamfleet.shared.grammar import CONSTRAINTS
 from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, TokenEvent
 
-from streamfleet.gateway.tools import CallStream, Tools, parse_call
+from streamfleet.gateway.tools import CallStream, Tools, call_id
 from streamfleet.gateway.validation import UNSUPPORTED
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
@@ -33,7 +33,8 @@ __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH"
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice")
+              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice",
+              "parallel_tool_calls")
 #: most choices (``n``, ``best_of``) one request may ask for
 MAX_CHOICES = 16
 #: prompts of one completions request (each gets its choices, charged as a request each)
@@ -251,10 +252,12 @@ def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int, prompt
 
 
 def could_be_call(text: str) -> bool:
-    """Whether streamed text so far may still turn out to be a tool call (``auto``)."""
+    """Whether streamed text so far may still turn out to be a tool call, or an array of
+    them (``auto``)."""
     head = text.lstrip()
     return len(text) < MAX_HELD_CALL and (head.startswith("{") or head.startswith("<tool_call>")
-                                          or "<tool_call>".startswith(head))
+                                          or "<tool_call>".startswith(head)
+                                          or head.startswith("[") and head[1:].lstrip()[:1] in ("", "{"))
 
 
 def _top_completion(e: dict) -> dict[str, float]:
@@ -282,19 +285,25 @@ class ResponseShape:
         self.model = model
         self.created = int(time.time()) if created is None else created
         self.tools = tools
-        self.call_id = f"call_{request_id[:24]}"
+        self.request_id = request_id
+        self.call_id = call_id(request_id)
 
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def call_id_of(self, index: int) -> str:
-        """The id of choice ``index``'s tool call."""
-        return self.call_id if index == 0 else f"{self.call_id}_{index}"
+    def call_id_of(self, index: int, k: int = 0) -> str:
+        """The id of choice ``index``'s tool call ``k`` (``tools.call_id``)."""
+        return call_id(self.request_id, index, k)
 
-    def call(self, text: str) -> tuple[str, str] | None:
-        """The tool call a finished completion holds, if any."""
-        return parse_call(text, self.tools.names) if self.tools is not None else None
+    def calls(self, text: str) -> list[tuple[str, str]] | None:
+        """The tool calls a finished completion holds (``Tools.calls``), if any."""
+        return self.tools.calls(text) if self.tools is not None else None
+
+    def tool_calls(self, index: int, calls: list[tuple[str, str]]) -> list[dict]:
+        """A message's ``tool_calls`` of choice ``index``: each call with its own id."""
+        return [{"id": self.call_id_of(index, k), "type": "function", "function": {"name": name, "arguments": args}}
+                for k, (name, args) in enumerate(calls)]
 
     def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
         """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``)
@@ -335,16 +344,17 @@ class ResponseShape:
         return out
 
     def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict]] | None = None,
-                   usage_null: bool = False, index: int = 0) -> dict:
-        """A streamed chunk of the call: its name (``kind == "name"``, with the call's id
-        and type) or a piece of its arguments."""
+                   usage_null: bool = False, index: int = 0, call: int = 0) -> dict:
+        """A streamed chunk of choice ``index``'s call number ``call`` (its ``index`` in
+        ``tool_calls``): its name (``kind == "name"``, with the call's id and type) or a
+        piece of its arguments."""
         if kind == "name":
-            call = {"index": 0, "id": self.call_id_of(index), "type": "function",
-                    "function": {"name": value, "arguments": ""}}
+            delta = {"index": call, "id": self.call_id_of(index, call), "type": "function",
+                     "function": {"name": value, "arguments": ""}}
         else:
-            call = {"index": 0, "function": {"arguments": value}}
+            delta = {"index": call, "function": {"arguments": value}}
         out = self.chunk(None, None, usage_null=usage_null, logprobs=logprobs, index=index)
-        out["choices"][0]["delta"] = {"tool_calls": [call]}
+        out["choices"][0]["delta"] = {"tool_calls": [delta]}
         return out
 
     def usage_chunk(self, usage: dict[str, int]) -> dict:
@@ -353,28 +363,25 @@ class ResponseShape:
                 "choices": [], "usage": usage}
 
     def choice_full(self, index: int, text: str, end: DoneEvent, logprobs: list[tuple[int, dict]] | None = None) -> dict:
-        """One choice of a response that is not streamed: a chat message (a tool call's
-        content null and its ``tool_calls`` set, finishing ``tool_calls``) or a
-        completion's text."""
+        """One choice of a response that is not streamed: a chat message (tool calls'
+        content null and its ``tool_calls`` set, every call with its own id, finishing
+        ``tool_calls``) or a completion's text."""
         finish = finish_reason(end.finish_reason)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            call = self.call(text)
-            if call is None and self.tools is not None and self.tools.mode == "forced":
-                # a forced call cut short (max_tokens): the call as far as it got, as the
-                # stream gives it (CallStream), never its raw text as content
+            calls = self.calls(text)
+            if calls is None and self.tools is not None and self.tools.mode == "forced":
+                # a forced call cut short (max_tokens): the calls as far as they got, as the
+                # stream gives them (CallStream), never the raw text as content
                 message = {"role": "assistant", "content": None}
                 cut = CallStream()
-                pieces = cut.feed(text) + cut.finish(False)
-                if cut.name is not None:
-                    message["tool_calls"] = [{"id": self.call_id_of(index), "type": "function", "function": {
-                        "name": cut.name, "arguments": "".join(v for k, v in pieces if k == "arguments")}}]
+                cut.feed(text)
+                if cut.calls:
+                    message["tool_calls"] = self.tool_calls(index, [(n, a) for n, a in cut.calls])
                 return {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
                         "finish_reason": finish}
-            if call is not None:
-                message = {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": self.call_id_of(index), "type": "function",
-                     "function": {"name": call[0], "arguments": call[1]}}]}
+            if calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": self.tool_calls(index, calls)}
                 finish = "tool_calls"
             return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
@@ -414,10 +421,11 @@ class Gathered:
 
 class ChoiceStream:
     """The streamed chunks of one choice: its text as it comes (log probabilities of
-    tokens whose text is held back ride with the next text), a forced tool call as
-    ``tool_calls`` deltas, and with ``"auto"`` text that may be a call held until the end
-    decides (docs/tools.md). The role chunk that opens a chat stream is the adapter's
-    (``ResponseShape.chunk(role=True)``): it goes out before any token."""
+    tokens whose text is held back ride with the next text), forced tool calls as
+    ``tool_calls`` deltas (each under its call's ``index``), and with ``"auto"`` text
+    that may be calls held until the end decides (docs/tools.md). The role chunk that
+    opens a chat stream is the adapter's (``ResponseShape.chunk(role=True)``): it goes
+    out before any token."""
 
     def __init__(self, shape: ResponseShape, index: int, include_usage: bool) -> None:
         self.shape, self.index, self.usage_null = shape, index, include_usage
@@ -425,6 +433,7 @@ class ChoiceStream:
         self.offset = 0
         tools = shape.tools
         self.calls = CallStream() if tools is not None and tools.mode == "forced" else None
+        self.call_count = 0  # the calls begun: a name delta starts the next
         self.maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
 
     def _text(self, text: str | None, finish: str | None = None) -> dict:
@@ -433,7 +442,10 @@ class ChoiceStream:
         return out
 
     def _call(self, kind: str, value: str) -> dict:
-        out = self.shape.tool_chunk(kind, value, self.held, self.usage_null, index=self.index)
+        if kind == "name":
+            self.call_count += 1
+        out = self.shape.tool_chunk(kind, value, self.held, self.usage_null, index=self.index,
+                                    call=self.call_count - 1)
         self.held = []
         return out
 
@@ -464,9 +476,10 @@ class ChoiceStream:
             if self.calls.name is not None and ev.finish_reason == "stop":
                 finish = "tool_calls"
         elif self.maybe_call is not None:
-            call = self.shape.call("".join(self.maybe_call))
-            if call is not None:
-                out += [self._call("name", call[0]), self._call("arguments", call[1])]
+            calls = self.shape.calls("".join(self.maybe_call))
+            if calls is not None:
+                for name, args in calls:
+                    out += [self._call("name", name), self._call("arguments", args)]
                 finish = "tool_calls"
             elif self.maybe_call:
                 out.append(self._text("".join(self.maybe_call)))

@@ -152,7 +152,7 @@ def parse_request(body: dict[str, Any], strict: bool = True) -> ResponsesRequest
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string", "instructions", ErrorCode.invalid_type)
-    parallel = _flag(body, "parallel_tool_calls", True)  # at most one call either way (docs/tools.md)
+    parallel = _flag(body, "parallel_tool_calls", True)  # several calls in one response (docs/tools.md)
     tools, echo_tools, strict = _tools(body.get("tools"))
     tool_choice, echo_choice = _tool_choice(body.get("tool_choice"))
     if strict and tools and echo_choice == "auto":
@@ -352,7 +352,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     """The chat completions body of a request whose conversation (the previous
     response's, then this request's input) is ``conversation``: ``instructions`` first
     as a system message; consecutive calls as one assistant message's ``tool_calls``,
-    call outputs as ``tool`` messages."""
+    call outputs as ``tool`` messages; ``parallel_tool_calls`` as it was sent."""
     messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
@@ -381,6 +381,8 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
         out["tools"] = req.tools
     if req.tool_choice is not None:
         out["tool_choice"] = req.tool_choice
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = req.echo["parallel_tool_calls"]
     if req.response_format is not None:
         out["response_format"] = req.response_format
     return out
@@ -427,7 +429,6 @@ class ResponseEvents:
                  created_at: float | None = None) -> None:
         self.request_id = shape.id.removeprefix("chatcmpl-")  # a chat shape's id: "chatcmpl-" and the request's
         self.choice = ChoiceStream(shape, 0, False)
-        self.call_id = shape.call_id_of(0)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being generated
@@ -506,10 +507,12 @@ class ResponseEvents:
         calls = delta.get("tool_calls")
         if calls:
             call = calls[0]
-            if "id" in call:  # the call's name: a new function_call item
+            if "id" in call:  # a call's name: a new function_call item (one per call, by its index)
                 self._close(out, "completed")
-                self._open = {"id": "fc_" + self.request_id, "type": "function_call", "status": "in_progress",
-                              "arguments": "", "call_id": self.call_id, "name": call["function"]["name"]}
+                k = call["index"]
+                self._open = {"id": "fc_" + self.request_id + (f"_{k}" if k else ""), "type": "function_call",
+                              "status": "in_progress", "arguments": "", "call_id": call["id"],
+                              "name": call["function"]["name"]}
                 out.append(self._event("response.output_item.added", output_index=len(self.output),
                                        item=dict(self._open)))
             else:

@@ -25,7 +25,7 @@ from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Res
     render
 from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.tools import Tools, parse_call
+from streamfleet.gateway.tools import Tools, call_id
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -154,8 +154,8 @@ class Session:
 
     async def _run(self, req: ClientRequest, opening, tools: Tools | None = None) -> None:
         """Open the request (submit or resume), then render its events until it ends. A
-        request that offered tools has its completion read for a call at the end: the
-        ``done`` frame then carries ``tool_calls`` and ``finish_reason: "tool_calls"``
+        request that offered tools has its completion read for calls at the end: the
+        ``done`` frame then carries ``tool_calls`` (every call) and ``finish_reason: "tool_calls"``
         (docs/tools.md)."""
         cid = req.client_id
         text: list[str] | None = [] if tools is not None else None
@@ -172,11 +172,12 @@ class Session:
                     if isinstance(ev, TokenEvent):
                         text.append(ev.text)
                     elif isinstance(ev, DoneEvent):
-                        call = parse_call("".join(text), tools.names)
-                        if call is not None and ev.finish_reason == "stop":
+                        calls = tools.calls("".join(text))
+                        if calls is not None and ev.finish_reason == "stop":
                             frame["finish_reason"] = "tool_calls"
-                            frame["tool_calls"] = [{"id": f"call_{req.request_id[:24]}", "type": "function",
-                                                    "function": {"name": call[0], "arguments": call[1]}}]
+                            frame["tool_calls"] = [{"id": call_id(req.request_id, 0, k), "type": "function",
+                                                    "function": {"name": name, "arguments": args}}
+                                                   for k, (name, args) in enumerate(calls)]
                 await self.emit(frame)
             req.delivered()
         except Exception:  # a bug or an unforeseen failure ends this request, not the connection

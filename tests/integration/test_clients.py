@@ -53,10 +53,12 @@ def test_parse_with_a_nested_pydantic_model(gw):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "Person"}}])
 def test_a_forced_pydantic_function_tool_with_nested_models(gw, tool_choice):
     """openai.pydantic_function_tool (as instructor's Mode.TOOLS sends it): strict
-    parameters with $defs, forced; the arguments parse into the model."""
+    parameters with $defs, forced; the arguments parse into the model. One call
+    (``parallel_tool_calls`` false): a Person takes much of tiny-gpt's context, and its
+    random weights would go on adding calls until the context is full."""
     r = sdk(gw).chat.completions.parse(model="tiny-gpt", messages=MESSAGES, max_tokens=150, temperature=0.7,
                                        seed=6, tools=[openai.pydantic_function_tool(Person)],
-                                       tool_choice=tool_choice)
+                                       tool_choice=tool_choice, parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -69,7 +71,7 @@ def test_a_streamed_forced_call_ends_with_no_content(gw):
     the reply not streamed."""
     with sdk(gw).chat.completions.stream(model="tiny-gpt", messages=MESSAGES, max_tokens=150, seed=7,
                                         tools=[openai.pydantic_function_tool(Person)],
-                                        tool_choice="required") as stream:
+                                        tool_choice="required", parallel_tool_calls=False) as stream:
         final = stream.get_final_completion()
     msg = final.choices[0].message
     assert msg.content is None and isinstance(msg.tool_calls[0].function.parsed_arguments, Person)

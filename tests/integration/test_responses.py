@@ -207,7 +207,8 @@ def test_the_sdks_stream_helper(alice):
 
 def test_streamed_calls_and_cut_short_streams(alice):
     events = list(alice.responses.create(model="tiny-gpt", input="Weather?", tools=[TOOL], tool_choice="required",
-                                         max_output_tokens=80, stream=True, extra_body={"seed": 2}))
+                                         parallel_tool_calls=False, max_output_tokens=80, stream=True,
+                                         extra_body={"seed": 2}))
     kinds = [e.type for e in events]
     assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",

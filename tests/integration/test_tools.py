@@ -39,8 +39,8 @@ def sdk(gw):
 
 
 def chat(client, **kw):
-    return client.chat.completions.create(model="tiny-gpt", messages=kw.pop("messages", ASK), max_tokens=120,
-                                          temperature=1.0, tools=TOOLS, **kw)
+    return client.chat.completions.create(model="tiny-gpt", messages=kw.pop("messages", ASK),
+                                          max_tokens=kw.pop("max_tokens", 120), temperature=1.0, tools=TOOLS, **kw)
 
 
 def test_a_forced_call_always_has_valid_arguments(gw):
@@ -54,8 +54,9 @@ def test_a_forced_call_always_has_valid_arguments(gw):
         assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     names = set()
-    for seed in range(12):  # "required": one of the tools, its own arguments
-        (call,) = chat(client, seed=seed, tool_choice="required").choices[0].message.tool_calls
+    for seed in range(12):  # "required", one call: one of the tools, its own arguments
+        r = chat(client, seed=seed, tool_choice="required", parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         names.add(call.function.name)
     assert names == {"get_weather", "set_alarm"}
@@ -63,8 +64,8 @@ def test_a_forced_call_always_has_valid_arguments(gw):
 
 def test_a_streamed_call_comes_as_deltas(gw):
     client = sdk(gw)
-    whole = chat(client, seed=5, tool_choice="required").choices[0].message.tool_calls[0]
-    chunks = list(chat(client, seed=5, tool_choice="required", stream=True))
+    whole = chat(client, seed=5, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    chunks = list(chat(client, seed=5, tool_choice="required", parallel_tool_calls=False, stream=True))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     first, rest = deltas[0], deltas[1:]
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
@@ -100,7 +101,7 @@ def test_auto_reads_a_call_out_of_the_text_and_none_never_calls(gw):
 
 def test_tool_results_go_back_in_the_history(gw):
     client = sdk(gw)
-    call = chat(client, seed=3, tool_choice="required").choices[0].message.tool_calls[0]
+    call = chat(client, seed=3, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                          "arguments": call.function.arguments}}]},
@@ -136,7 +137,7 @@ def test_tools_need_a_chat_and_the_websocket_reports_the_call(gw):
     assert e.value.body["param"] == "tools"
     with ws_connect(gw.ws) as ws:
         ws.send(orjson.dumps({"type": "generate", "id": "t", "messages": ASK, "max_tokens": 120, "seed": 4,
-                              "tools": TOOLS, "tool_choice": "required"}).decode())
+                              "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).decode())
         frames = []
         while not frames or frames[-1]["type"] not in ("done", "error"):
             frames.append(orjson.loads(ws.recv(timeout=60)))
@@ -147,3 +148,113 @@ def test_tools_need_a_chat_and_the_websocket_reports_the_call(gw):
     # the token frames carry the call's text as it was generated
     text = "".join(f["text"] for f in frames if f["type"] == "token")
     assert json.loads(text) == {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}
+
+
+
+#: two tools whose calls are short: an array of up to eight of them fits tiny-gpt's context
+LIGHTS = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+          "additionalProperties": False}
+PING = {"type": "object", "properties": {}, "additionalProperties": False}
+SHORT = [{"type": "function", "function": {"name": "lights", "parameters": LIGHTS}},
+         {"type": "function", "function": {"name": "ping", "parameters": PING}}]
+SHORT_SCHEMAS = {"lights": LIGHTS, "ping": PING}
+
+
+@pytest.fixture(scope="module")
+def close_array(tiny_spec):
+    """A ``logit_bias`` towards tiny-gpt's ``]``: its random weights would go on adding calls
+    until its context is full, cutting the last short (``finish_reason: "length"``)."""
+    from streamfleet.shared.modelrepo import load_tokenizer
+
+    (bracket,) = load_tokenizer(tiny_spec).encode("]")
+    return {str(bracket): 6}
+
+
+def test_required_with_parallel_calls_gives_every_call_of_the_constrained_array(gw, close_array):
+    """``parallel_tool_calls`` (the default) with "required": the output is an array of
+    calls, each of an offered tool with valid arguments, as the SDK reads it, streamed (raw
+    deltas and the stream helper) and not; ``parallel_tool_calls: false`` gives one call."""
+    client = sdk(gw)
+
+    def ask(**kw):
+        return client.chat.completions.create(model="tiny-gpt", messages=ASK, max_tokens=120, temperature=1.0,
+                                              tools=SHORT, tool_choice="required", logit_bias=close_array, **kw)
+
+    several = 0
+    for seed in range(6):
+        r = ask(seed=seed)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        calls = choice.message.tool_calls
+        assert 1 <= len(calls) <= 8 and len({c.id for c in calls}) == len(calls)
+        for c in calls:
+            assert c.type == "function" and c.id.startswith("call_")
+            jsonschema.validate(json.loads(c.function.arguments), SHORT_SCHEMAS[c.function.name])
+        several += len(calls) > 1
+        whole = [(c.function.name, c.function.arguments) for c in calls]
+        assert [c.id for c in calls[1:]] == [f"{calls[0].id}_0_{k}" for k in range(1, len(calls))]
+        # streamed: each call under its own index, its name first, then its arguments
+        chunks = list(ask(seed=seed, stream=True))
+        streamed: dict[int, list] = {}
+        for d in (d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])):
+            if d.id is not None:
+                assert d.index == len(streamed) and d.function.arguments == ""
+                streamed[d.index] = [d.id, d.function.name, ""]
+            else:
+                assert d.function.name is None
+                streamed[d.index][2] += d.function.arguments
+        assert [(name, args) for _, (_, name, args) in sorted(streamed.items())] == whole
+        assert len({i for i, _, _ in streamed.values()}) == len(whole)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        # the SDK's stream helper puts the same calls together
+        with client.chat.completions.stream(model="tiny-gpt", messages=ASK, max_tokens=120, temperature=1.0,
+                                            seed=seed, tools=SHORT, tool_choice="required",
+                                            logit_bias=close_array) as stream:
+            final = stream.get_final_completion()
+        msg = final.choices[0].message
+        assert msg.content is None and final.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == whole
+    assert several, "no reply made more than one call"
+    for seed in range(4):  # parallel_tool_calls false: exactly one call, streamed or not
+        r = ask(seed=seed, parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), SHORT_SCHEMAS[call.function.name])
+        chunks = list(ask(seed=seed, parallel_tool_calls=False, stream=True))
+        deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+        assert {d.index for d in deltas} == {0} and sum(d.id is not None for d in deltas) == 1
+
+
+def test_several_calls_and_their_results_go_back_in_the_history_and_the_websocket_reports_them(gw, close_array):
+    client = sdk(gw)
+    r = client.chat.completions.create(model="tiny-gpt", messages=ASK, max_tokens=120, seed=1, tools=SHORT,
+                                       tool_choice="required", logit_bias=close_array)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) > 1
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}] + [
+        {"role": "tool", "tool_call_id": c.id, "content": f"done {k}"} for k, c in enumerate(calls)]
+    one = ASK + [{"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "done 0"}]
+    many = client.chat.completions.create(model="tiny-gpt", messages=history, max_tokens=4, tools=SHORT,
+                                          tool_choice="none")
+    first = client.chat.completions.create(model="tiny-gpt", messages=one, max_tokens=4, tools=SHORT,
+                                           tool_choice="none")
+    assert many.usage.prompt_tokens > first.usage.prompt_tokens  # every call was written into the prompt
+    # the WebSocket's done frame has every call; its token frames, the array as generated
+    for parallel, count in ((True, len(calls)), (False, 1)):
+        with ws_connect(gw.ws) as ws:
+            ws.send(orjson.dumps({"type": "generate", "id": "t", "messages": ASK, "max_tokens": 120, "seed": 1,
+                                  "tools": SHORT, "tool_choice": "required", "logit_bias": close_array,
+                                  "parallel_tool_calls": parallel}).decode())
+            frames = []
+            while not frames or frames[-1]["type"] not in ("done", "error"):
+                frames.append(orjson.loads(ws.recv(timeout=60)))
+        done = frames[-1]
+        assert done["finish_reason"] == "tool_calls", done
+        assert len(done["tool_calls"]) == count and len({c["id"] for c in done["tool_calls"]}) == count
+        text = json.loads("".join(f["text"] for f in frames if f["type"] == "token"))
+        made = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                for c in done["tool_calls"]]
+        assert text == (made if parallel else made[0])
+        if parallel:
+            assert [c["function"]["arguments"] for c in done["tool_calls"]] == [c.function.arguments for c in calls]

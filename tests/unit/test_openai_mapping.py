@@ -625,6 +625,93 @@ def test_auto_lets_plain_text_go_at_once_and_held_text_that_was_no_call_at_the_e
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+TWO = '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"lookup","arguments":{"q":"x]}"}}]'
+TWO_CALLS = [("get_weather", '{"city":"Oslo"}'), ("lookup", '{"q":"x]}"}')]
+
+
+def test_parallel_tool_calls_reaches_the_tools_and_must_be_a_boolean(validator):
+    def tools(**extra):
+        return validator.check(request_payload({"messages": CHAT, "tools": [GET, LOOKUP], **extra}, chat=True)).tools
+
+    assert tools().parallel and tools(parallel_tool_calls=True).parallel
+    assert not tools(parallel_tool_calls=False).parallel
+    e = refused(tools, parallel_tool_calls="false")
+    assert (e.code, e.param, e.status) == (ErrorCode.invalid_type, "parallel_tool_calls", 400)
+    # a forced reply of several calls is an array constraint
+    assert validator.check(request_payload({"messages": CHAT, "tools": [GET, LOOKUP], "tool_choice": "required"},
+                                           chat=True)).constraint[1]["type"] == "array"
+
+
+def test_a_reply_of_several_calls_not_streamed_has_every_call_with_its_own_id():
+    tools = Tools("forced", (GET["function"], LOOKUP["function"]), ("get_weather", "lookup"))
+    s = shape(tools=tools)
+    choice = s.choice_full(0, TWO, DoneEvent("r", "stop", 3, 9))
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+        {"id": "call_abc123_0_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q":"x]}"}'}}]},
+        "logprobs": None, "finish_reason": "tool_calls"}
+    # another choice's calls: ids of their own, none another's
+    ids = [c["id"] for c in s.choice_full(1, TWO, DoneEvent("r", "stop", 3, 9))["message"]["tool_calls"]]
+    assert ids == ["call_abc123_1", "call_abc123_1_1"]
+    # several tagged calls ("auto"), or only the first without parallel_tool_calls
+    tagged = "".join(f'<tool_call>{{"name":"{n}","arguments":{a}}}</tool_call>\n' for n, a in TWO_CALLS)
+    auto = Tools("auto", tools.functions, tools.choices)
+    calls = shape(tools=auto).choice_full(0, tagged, DoneEvent("r", "stop", 3, 9))["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == TWO_CALLS
+    single = Tools("auto", tools.functions, tools.choices, parallel=False)
+    assert [c["function"]["name"] for c in shape(tools=single).choice_full(
+        0, tagged, DoneEvent("r", "stop", 3, 9))["message"]["tool_calls"]] == ["get_weather"]
+    # cut short by max_tokens: the calls as far as they got
+    cut = shape(tools=tools).choice_full(0, TWO[:TWO.index("x]") + 1], DoneEvent("r", "length", 3, 9))
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    assert [c["function"]["arguments"] for c in cut["message"]["tool_calls"]] == ['{"city":"Oslo"}', '{"q":"x']
+
+
+def _calls_of(chunks: list[dict]) -> dict[int, list]:
+    """``{index: [id, name, arguments]}`` of a stream's tool_calls deltas (each in a
+    chunk of its own)."""
+    out: dict[int, list] = {}
+    for ch in chunks:
+        for d in ch["choices"][0]["delta"].get("tool_calls", ()):
+            if "id" in d:
+                assert d["index"] not in out and d["function"]["arguments"] == "" and d["type"] == "function"
+                out[d["index"]] = [d["id"], d["function"]["name"], ""]
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                out[d["index"]][2] += d["function"]["arguments"]
+    return out
+
+
+@pytest.mark.parametrize("split", [1, 5, 13, len(TWO)])
+def test_a_forced_array_of_calls_streams_each_call_under_its_index(split):
+    tools = Tools("forced", (GET["function"], LOOKUP["function"]), ("get_weather", "lookup"))
+    c = ChoiceStream(shape(tools=tools), 2, include_usage=False)
+    chunks = [ch for i in range(0, len(TWO), split) for ch in c.token(TokenEvent("r", i, TWO[i:i + split]))]
+    chunks += c.end(DoneEvent("r", "stop", 3, 9))
+    assert _calls_of(chunks) == {0: ["call_abc123_2", "get_weather", '{"city":"Oslo"}'],
+                                 1: ["call_abc123_2_1", "lookup", '{"q":"x]}"}']}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(ch["choices"][0]["index"] == 2 for ch in chunks)
+    # the first call is whole before the second begins
+    first_of_second = next(i for i, ch in enumerate(chunks) if ch["choices"][0]["delta"].get("tool_calls", [{}])[0]
+                           .get("index") == 1)
+    assert _calls_of(chunks[:first_of_second])[0][2] == '{"city":"Oslo"}'
+
+
+def test_auto_streams_several_held_calls_at_the_end_or_only_the_first():
+    functions, names = (GET["function"], LOOKUP["function"]), ("get_weather", "lookup")
+    tagged = "".join(f'<tool_call>{{"name":"{n}","arguments":{a}}}</tool_call>\n' for n, a in TWO_CALLS)
+    for parallel, want in ((True, 2), (False, 1)):
+        for text in (TWO, tagged):
+            c = ChoiceStream(shape(tools=Tools("auto", functions, names, parallel)), 0, include_usage=False)
+            assert c.token(TokenEvent("r", 0, text[:7])) == [] and c.token(TokenEvent("r", 1, text[7:])) == []
+            chunks = c.end(DoneEvent("r", "stop", 3, 9))
+            calls = _calls_of(chunks)
+            assert [(n, a) for _, n, a in calls.values()] == TWO_CALLS[:want]
+            assert sorted(calls) == list(range(want)) and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert could_be_call("[") and could_be_call(" [ {") and not could_be_call("[1, 2]") and not could_be_call("[link]")
+
+
 def test_held_text_has_a_limit():
     assert could_be_call("  {") and could_be_call("<tool") and could_be_call("<tool_call>{")
     assert not could_be_call("Hello") and not could_be_call("{" + "x" * MAX_HELD_CALL)

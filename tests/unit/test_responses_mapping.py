@@ -250,8 +250,9 @@ def test_a_forced_call_streams_as_a_function_call_item():
     tools = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
              "tool_choice": "required"}
     out = _run(['{"name":"get_', 'weather","arguments":{"ci', 'ty":"Paris"}', "}"], "stop", tools)
+    # the arguments' closing brace is theirs (the JSON says so): out with its piece, not held
     assert _types(out) == ["response.created", "response.in_progress", "response.output_item.added",
-                           *["response.function_call_arguments.delta"] * 3,
+                           *["response.function_call_arguments.delta"] * 2,
                            "response.function_call_arguments.done", "response.output_item.done",
                            "response.completed"]
     deltas = [e["delta"] for e in out.events if e["type"] == "response.function_call_arguments.delta"]
@@ -262,7 +263,50 @@ def test_a_forced_call_streams_as_a_function_call_item():
                     "arguments": '{"city":"Paris"}', "call_id": "call_" + RID[:24], "name": "get_weather"}
     added = out.events[2]["item"]
     assert added["arguments"] == "" and added["status"] == "in_progress"
-    assert json.loads(out.events[6]["arguments"]) == {"city": "Paris"}
+    assert json.loads(out.events[5]["arguments"]) == {"city": "Paris"}
+
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def test_several_calls_stream_as_a_function_call_item_each():
+    tools = {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}, LOOKUP],
+             "tool_choice": "required"}
+    text = '[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"lookup","arguments":{"q":"}]"}}]'
+    out = _run([text[:30], text[30:60], text[60:]], "stop", tools)
+    _sdk_checks(out)
+    first, second = out.response["output"]
+    assert first == {"id": "fc_" + RID, "type": "function_call", "status": "completed",
+                     "arguments": '{"city":"Paris"}', "call_id": "call_" + RID[:24], "name": "get_weather"}
+    assert second == {"id": f"fc_{RID}_1", "type": "function_call", "status": "completed",
+                      "arguments": '{"q":"}]"}', "call_id": f"call_{RID[:24]}_0_1", "name": "lookup"}
+    # the call ids are the chat door's for the same completion
+    chat = ResponseShape(True, RID, "tiny-gpt", parse_tools(tools)).choice_full(0, text, DoneEvent(RID, "stop", 5, 3))
+    assert [c["id"] for c in chat["message"]["tool_calls"]] == [first["call_id"], second["call_id"]]
+    # each item's events under its own output_index, the first done before the second is added
+    added = [e for e in out.events if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["id"]) for e in added] == [(0, first["id"]), (1, second["id"])]
+    for item, index in ((first, 0), (second, 1)):
+        deltas = [e for e in out.events if e["type"] == "response.function_call_arguments.delta"
+                  and e["item_id"] == item["id"]]
+        assert "".join(e["delta"] for e in deltas) == item["arguments"]
+        assert {e["output_index"] for e in deltas} == {index}
+    kinds = _types(out)
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_item.added", 3)
+    # the conversation goes on from both calls: one assistant message with both
+    assert output_as_input(out.response) == [
+        {"type": "function_call", "call_id": first["call_id"], "name": "get_weather", "arguments": first["arguments"]},
+        {"type": "function_call", "call_id": second["call_id"], "name": "lookup", "arguments": second["arguments"]}]
+    history = chat_of({"input": "hi"}, output_as_input(out.response))["messages"]
+    assert [len(m.get("tool_calls", ())) for m in history] == [2]
+
+
+def test_parallel_tool_calls_reaches_the_chat_path(validator):
+    body = {"model": "tiny-gpt", "input": "weather?", "tools": [TOOL], "tool_choice": "required"}
+    assert validator.check(request_payload(chat_of(body), True)).tools.parallel
+    off = chat_of({**body, "parallel_tool_calls": False})
+    assert off["parallel_tool_calls"] is False
+    assert not validator.check(request_payload(off, True)).tools.parallel
 
 
 def test_auto_reads_a_call_back_out_of_the_text_or_gives_the_text():

@@ -496,6 +496,35 @@ async def test_a_request_that_offered_tools_has_its_completion_read_for_a_call(v
     assert "".join(f["text"] for f in conn.emitted if f["type"] == "token") == text
 
 
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+SEVERAL = ('[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"lookup","arguments":{"q":"x"}},'
+           '{"name":"get_weather","arguments":{"city":"Lima"}}]')
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+async def test_the_done_frame_has_every_call(validator, parallel):
+    """Several calls in one completion: all of them, each with its own id; only the
+    first with ``parallel_tool_calls: false``."""
+    conn = Conn(Hub(validator))
+    frame = {"type": "generate", "id": "t", "messages": [{"role": "user", "content": "Weather?"}],
+             "tools": [GET_WEATHER, LOOKUP]}
+    if parallel is not None:
+        frame["parallel_tool_calls"] = parallel
+    conn.text(frame)
+    await until(lambda: conn.emitted)
+    [req] = conn.hub.made
+    req.feed(token(0, SEVERAL[:40]), token(1, SEVERAL[40:]), done("stop", 9, 2))
+    await idle(conn)
+    last = conn.emitted[-1]
+    assert last["type"] == "done" and last["finish_reason"] == "tool_calls"
+    base = f"call_{req.request_id[:24]}"
+    want = [(base, "get_weather", '{"city":"Paris"}'), (f"{base}_0_1", "lookup", '{"q":"x"}'),
+            (f"{base}_0_2", "get_weather", '{"city":"Lima"}')]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in last["tool_calls"]] == \
+        (want if parallel is None else want[:1])
+    assert all(c["type"] == "function" for c in last["tool_calls"])
+
+
 async def test_without_tools_a_completion_that_looks_like_a_call_is_text(validator):
     conn = Conn(Hub(validator))
     conn.text(gen("a"))
