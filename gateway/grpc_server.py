@@ -46,7 +46,7 @@ from streamfleet.gateway.admission import revoked_error
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.session import Session
+from streamfleet.gateway.session import CallReader, Session
 from streamfleet.gateway.voice import VoiceConnection
 
 if TYPE_CHECKING:
@@ -149,7 +149,15 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
     if req.HasField("prompt"):
         p["prompt"] = req.prompt
     if req.messages:
-        p["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+        p["messages"] = [_message(m) for m in req.messages]
+    if req.tools:
+        p["tools"] = [_tool(t) for t in req.tools]
+    if req.tool_choice:
+        choice = req.tool_choice
+        p["tool_choice"] = choice if choice in ("none", "auto", "required") else \
+            {"type": "function", "function": {"name": choice}}
+    if req.HasField("parallel_tool_calls"):
+        p["parallel_tool_calls"] = req.parallel_tool_calls
     for name in _OPTIONAL:
         if req.HasField(name):
             p[name] = getattr(req, name)
@@ -179,6 +187,35 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
     if _PRIORITY[req.priority] is not None:
         p["priority"] = _PRIORITY[req.priority]
     return p
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool(t: pb.Tool) -> dict[str, Any]:
+    """A ``Tool`` as the OpenAI API's ``{"type": "function", "function": …}``, for the
+    validator (which checks the name, the schema's shape and depth).
+
+    Raises:
+        ValidationError: ``parameters`` that is not JSON text.
+    """
+    fn: dict[str, Any] = {"name": t.name}
+    if t.description:
+        fn["description"] = t.description
+    if t.parameters:
+        try:
+            fn["parameters"] = orjson.loads(t.parameters)
+        except orjson.JSONDecodeError as exc:
+            raise ValidationError(f"tool {t.name[:64]!r}: 'parameters' is not JSON text ({exc.msg})",
+                                  code=ErrorCode.invalid_type, param="tools") from exc
+    return {"type": "function", "function": fn}
 
 
 def client_message(frame: pb.ClientFrame) -> dict[str, Any]:
@@ -217,7 +254,9 @@ def _token(f: dict) -> pb.Token:
 
 def _done(f: dict) -> pb.Done:
     return pb.Done(request_id=f["request_id"], finish_reason=f["finish_reason"], usage=pb.Usage(**f["usage"]),
-                   timing=pb.Timing(**f["timing"]), model_version=f.get("model_version") or "")
+                   timing=pb.Timing(**f["timing"]), model_version=f.get("model_version") or "",
+                   tool_calls=[pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                               for c in f.get("tool_calls", ())])
 
 
 def _error(f: dict) -> pb.Error:
@@ -413,7 +452,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         except StreamfleetError as exc:
             await self._refuse(context, exc)
         first = accepted_frame("grpc", req.request_id, depth, req.resume_token)
-        async for event in self._events(req, context, first):
+        calls = CallReader(draft.tools, req) if draft.tools is not None else None
+        async for event in self._events(req, context, first, calls):
             yield event
 
     async def Resume(self, request: pb.ResumeRequest, context: aio.ServicerContext):
@@ -431,10 +471,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         async for event in self._events(req, context, first):
             yield event
 
-    async def _events(self, req: ClientRequest, context: aio.ServicerContext, first: dict):
-        """A submitted or resumed request's events; a failure ends the call with its status.
-        However the call ends, the request is given back (``ClientRequest.close``: one
-        still running is cancelled)."""
+    async def _events(self, req: ClientRequest, context: aio.ServicerContext, first: dict,
+                      calls: CallReader | None = None):
+        """A submitted or resumed request's events; a failure ends the call with its status
+        (``calls``: a request that offered tools has its completion read for calls, which
+        its ``Done`` carries). However the call ends, the request is given back
+        (``ClientRequest.close``: one still running is cancelled)."""
         req.watch()  # a revoked key ends the stream
         events = req.events("grpc")
         try:
@@ -443,7 +485,10 @@ class InferenceService(pb_grpc.InferenceServicer):
                 if isinstance(ev, ErrorEvent):
                     req.delivered()
                     await abort(context, ev.error())
-                yield generate_event(render("grpc", req.request_id, ev))
+                frame = render("grpc", req.request_id, ev)
+                if calls is not None:
+                    calls.read(ev, frame)
+                yield generate_event(frame)
                 if isinstance(ev, DoneEvent):
                     req.delivered()
         finally:

@@ -32,7 +32,30 @@ if TYPE_CHECKING:
 
 log = get_logger("gateway.session")
 
-__all__ = ["Session"]
+__all__ = ["Session", "CallReader"]
+
+
+class CallReader:
+    """Reads a request's completion for tool calls, for the doors that send frames (the
+    WebSocket, gRPC): its tokens' text as they pass, and at its end, when the completion
+    is calls, the ``done`` frame gets ``tool_calls`` (every call) and ``finish_reason:
+    "tool_calls"`` (docs/tools.md)."""
+
+    __slots__ = ("tools", "req", "text")
+
+    def __init__(self, tools: Tools, req: ClientRequest) -> None:
+        self.tools, self.req, self.text = tools, req, []  # (the request's id is known once it is opened)
+
+    def read(self, ev, frame: dict) -> None:
+        if isinstance(ev, TokenEvent):
+            self.text.append(ev.text)
+        elif isinstance(ev, DoneEvent) and ev.finish_reason == "stop":
+            calls = self.tools.calls("".join(self.text))
+            if calls is not None:
+                frame["finish_reason"] = "tool_calls"
+                frame["tool_calls"] = [{"id": call_id(self.req.request_id, 0, k), "type": "function",
+                                        "function": {"name": name, "arguments": args}}
+                                       for k, (name, args) in enumerate(calls)]
 
 
 class Session:
@@ -158,7 +181,7 @@ class Session:
         ``done`` frame then carries ``tool_calls`` (every call) and ``finish_reason: "tool_calls"``
         (docs/tools.md)."""
         cid = req.client_id
-        text: list[str] | None = [] if tools is not None else None
+        calls = CallReader(tools, req) if tools is not None else None
         try:
             try:
                 await opening
@@ -168,16 +191,8 @@ class Session:
                 return
             async for ev in req.events(self.transport):
                 frame = render(cid, req.request_id, ev)
-                if text is not None:
-                    if isinstance(ev, TokenEvent):
-                        text.append(ev.text)
-                    elif isinstance(ev, DoneEvent):
-                        calls = tools.calls("".join(text))
-                        if calls is not None and ev.finish_reason == "stop":
-                            frame["finish_reason"] = "tool_calls"
-                            frame["tool_calls"] = [{"id": call_id(req.request_id, 0, k), "type": "function",
-                                                    "function": {"name": name, "arguments": args}}
-                                                   for k, (name, args) in enumerate(calls)]
+                if calls is not None:
+                    calls.read(ev, frame)
                 await self.emit(frame)
             req.delivered()
         except Exception:  # a bug or an unforeseen failure ends this request, not the connection

@@ -258,3 +258,51 @@ def test_several_calls_and_their_results_go_back_in_the_history_and_the_websocke
         assert text == (made if parallel else made[0])
         if parallel:
             assert [c["function"]["arguments"] for c in done["tool_calls"]] == [c.function.arguments for c in calls]
+
+
+async def test_tools_on_grpc_generate_and_stream(gw):
+    """The gRPC door takes tools as the other doors do (a Tool's parameters as JSON text,
+    tool_choice a mode or a tool's name) and its Done carries the calls; the same request
+    gives the same calls as the OpenAI door."""
+    import grpc
+
+    from streamfleet.v1 import inference_pb2 as pb
+    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from tests.support.grpcclient import aio_channel
+
+    tools = [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                     parameters=orjson.dumps(t["function"]["parameters"]).decode()) for t in TOOLS]
+    messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in ASK]
+    ask = dict(messages=messages, tools=tools, max_tokens=120, temperature=1.0, seed=3)
+    ref = chat(sdk(gw), seed=3, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    async with aio_channel(gw.grpc) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        events = [ev async for ev in stub.Generate(pb.GenerateRequest(tool_choice="get_weather", **ask), timeout=60)]
+        done = events[-1].done
+        assert done.finish_reason == "tool_calls" and len(done.tool_calls) == 1
+        call = done.tool_calls[0]
+        assert (call.name, call.arguments) == (ref.choices[0].message.tool_calls[0].function.name,
+                                               ref.choices[0].message.tool_calls[0].function.arguments)
+        assert call.id == f"call_{done.request_id[:24]}"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+        # "required", one call, on a Stream call
+        stream = stub.Stream()
+        await stream.write(pb.ClientFrame(id="t", generate=pb.GenerateRequest(tool_choice="required",
+                                                                              parallel_tool_calls=False, **ask)))
+        await stream.done_writing()
+        frames = [f async for f in stream]
+        (call,) = frames[-1].done.tool_calls
+        assert frames[-1].done.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        # the call and its result given back: the next turn runs
+        history = messages + [pb.ChatMessage(role="assistant", tool_calls=[call]),
+                              pb.ChatMessage(role="tool", tool_call_id=call.id, content='{"temp": 21}')]
+        nxt = [ev async for ev in stub.Generate(pb.GenerateRequest(messages=history, tools=tools, tool_choice="none",
+                                                                   max_tokens=5), timeout=60)]
+        assert nxt[-1].done.finish_reason in ("stop", "length") and not nxt[-1].done.tool_calls
+        for bad, param in ((pb.Tool(name="f", parameters="{not json"), "tools"),
+                           (pb.Tool(name="bad name!", parameters="{}"), "tools")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [ev async for ev in stub.Generate(pb.GenerateRequest(messages=messages, tools=[bad]), timeout=60)]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(e.value.trailing_metadata())["streamfleet-error-param"] == param

@@ -25,7 +25,7 @@ def test_committed_descriptor_is_the_protos():
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
     assert committed == from_proto
-    assert len(committed.message_type) == 25 and committed.service[0].name == "Inference"
+    assert len(committed.message_type) == 27 and committed.service[0].name == "Inference"
 
 
 def _messages(types):
@@ -87,6 +87,36 @@ def test_messages_carry_the_websocket_frames_fields():
     assert acc.accepted.HasField("resumed_from") and acc.accepted.resumed_from == 5
     assert not server_frame({"type": "accepted", "id": "a", "request_id": "r1",
                              "queue_depth": 2}).accepted.HasField("resumed_from")
+    calls = generate_event({**done, "finish_reason": "tool_calls", "tool_calls": [
+        {"id": "call_r1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+        {"id": "call_r1_0_1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}).done
+    assert calls.finish_reason == "tool_calls"
+    assert [(c.id, c.name, c.arguments) for c in calls.tool_calls] == [("call_r1", "f", '{"a":1}'),
+                                                                       ("call_r1_0_1", "g", "{}")]
+
+
+def test_generate_requests_carry_tools_as_the_other_doors_take_them():
+    from streamfleet.gateway.grpc_server import generate_payload
+
+    req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi"),
+                                       pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="f",
+                                                                                                arguments="{}")]),
+                                       pb.ChatMessage(role="tool", tool_call_id="c1", content="42")],
+                             tools=[pb.Tool(name="f", description="d", parameters='{"type": "object"}'),
+                                    pb.Tool(name="g")],
+                             tool_choice="f", parallel_tool_calls=False)
+    p = generate_payload(req, "x")
+    assert p["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                            "parameters": {"type": "object"}}},
+                          {"type": "function", "function": {"name": "g"}}]
+    assert p["tool_choice"] == {"type": "function", "function": {"name": "f"}} and p["parallel_tool_calls"] is False
+    assert p["messages"][1]["tool_calls"] == [{"id": "c1", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]
+    assert p["messages"][2]["tool_call_id"] == "c1"
+    for mode in ("none", "auto", "required"):
+        assert generate_payload(pb.GenerateRequest(tool_choice=mode), None)["tool_choice"] == mode
+    assert "tool_choice" not in generate_payload(pb.GenerateRequest(), None)
+    assert "parallel_tool_calls" not in generate_payload(pb.GenerateRequest(), None)
 
 
 def test_status_codes():
