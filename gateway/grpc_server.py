@@ -497,9 +497,20 @@ class InferenceService(pb_grpc.InferenceServicer):
                 await req.close(reason="grpc_call_ended")
 
     async def Stream(self, request_iterator: AsyncIterator[pb.ClientFrame], context: aio.ServicerContext):
+        session = _StreamSession(self.hub)
+        # idle: every request ended (the client may have half-closed the call before)
+        async for message in self._serve(session, request_iterator, context, server_frame,
+                                         lambda: not session.proto.in_flight):
+            yield message
+
+    async def _serve(self, session, request_iterator, context: aio.ServicerContext, convert, idle):
+        """A call that is a session (``Stream``: a WebSocket's requests; ``Listen``: a voice
+        WebSocket's): the caller admitted as a connection, the client's messages read by
+        ``session.read``, the frames its outbox gets sent as ``convert`` makes them, until
+        the client half-closed the call and the session is ``idle`` (status OK), its key is
+        revoked, or the gateway drains."""
         hub = self.hub
         md = _metadata(context)
-        session = _StreamSession(hub)
         try:
             session.identity = await self._caller(md)
             full = session.at_capacity()
@@ -520,20 +531,20 @@ class InferenceService(pb_grpc.InferenceServicer):
             while True:
                 if session.revoked.done():
                     await abort(context, revoked_error())
-                idle = not session.proto.in_flight and session.outbox.empty()
-                if hub.draining and (idle or hub.drain_expired):
+                quiet = idle() and session.outbox.empty()
+                if hub.draining and (quiet or hub.drain_expired):
                     await abort(context, _shutting_down())
-                if reader.done() and idle:
+                if reader.done() and quiet:
                     if not reader.cancelled() and reader.exception() is not None:
                         raise reader.exception()
-                    return  # the client half-closed and every request ended: OK
+                    return  # the client half-closed and the session's work is over: OK
                 if getter is None:
                     getter = asyncio.ensure_future(session.outbox.get())
                 wait = {getter, session.revoked} | ({reader} if not reader.done() else set())
                 done, _ = await asyncio.wait(wait, timeout=STREAM_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     frame, getter = getter.result(), None
-                    yield server_frame(frame)
+                    yield convert(frame)
         finally:
             with anyio.CancelScope(shield=True):
                 if reader is not None:
@@ -594,55 +605,10 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Listen(self, request_iterator: AsyncIterator[pb.VoiceClientFrame], context: aio.ServicerContext):
         """The voice WebSocket over one call (docs/grpc.md, "Calls"): the same session
         (``gateway.voice.VoiceConnection``), admission, limits and frames, as messages."""
-        hub = self.hub
-        md = _metadata(context)
-        session = _ListenSession(hub)
-        try:
-            session.identity = await self._caller(md)
-            full = session.at_capacity()
-            if full is not None:
-                raise full
-            await session.connect()
-        except StreamfleetError as exc:
-            await self._refuse(context, exc)
-        session.trace_id = trace_id_from(md.get("traceparent"))
-        reader: asyncio.Task | None = None
-        getter: asyncio.Future | None = None
-        try:
-            try:
-                await session.channel.open()
-            except StreamfleetError as exc:
-                await self._refuse(context, exc)
-            reader = asyncio.create_task(session.read(request_iterator))
-            while True:
-                if session.revoked.done():
-                    await abort(context, revoked_error())
-                # (its tasks: the utterances, and the ``stopped`` frame that waits for them)
-                idle = not session.tasks and session.outbox.empty()
-                if hub.draining and (idle or hub.drain_expired):
-                    await abort(context, _shutting_down())
-                if reader.done() and idle:
-                    if not reader.cancelled() and reader.exception() is not None:
-                        raise reader.exception()
-                    return  # the client half-closed and every utterance had its final: OK
-                if getter is None:
-                    getter = asyncio.ensure_future(session.outbox.get())
-                wait = {getter, session.revoked} | ({reader} if not reader.done() else set())
-                done, _ = await asyncio.wait(wait, timeout=STREAM_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    frame, getter = getter.result(), None
-                    yield voice_event(frame)
-        finally:
-            with anyio.CancelScope(shield=True):
-                if reader is not None:
-                    reader.cancel()
-                if getter is not None:
-                    getter.cancel()
-                if session.segmenter is not None:  # the call ended mid-session: end the open utterance
-                    session.segmenter, session.config = None, None
-                await session.close_requests()
-                session.cancel_tasks()
-                await session.disconnect()
+        session = _ListenSession(self.hub)
+        # idle: no task left (the utterances, and the ``stopped`` frame that waits for them)
+        async for message in self._serve(session, request_iterator, context, voice_event, lambda: not session.tasks):
+            yield message
 
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:

@@ -28,7 +28,6 @@ import orjson
 import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
@@ -37,6 +36,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, TokenEvent
 
 from streamfleet.gateway import edge
+from streamfleet.gateway.httpbody import DISCONNECTED, read_body, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
@@ -70,7 +70,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
             edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
         admission.spent(identity)  # a key known out of its rate limit: 429 before reading the body
-        raw = await _read_body(request, hub.settings.max_frame_bytes)
+        raw = await read_body(request, hub.settings.max_frame_bytes)
         if raw is None:
             # the client left before sending the whole body: nobody is there to answer, and
             # it is the client's doing, not the gateway's (no traceback, no error log)
@@ -316,10 +316,10 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
         return None
 
     try:
-        failed = await _until_disconnect(request, consume())
+        failed = await until_disconnect(request, consume())
     finally:
         await close_all()
-    if failed is _DISCONNECTED:
+    if failed is DISCONNECTED:
         return Response(status_code=499)
     if failed is not None:
         return openai_error_response(failed.error())
@@ -329,61 +329,6 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
                for j, i in enumerate(order)]
     return Response(orjson.dumps(shape.full_many(choices, usage_of([ends[i] for i in sorted(ends)], prompts))),
                     media_type="application/json")
-
-
-_DISCONNECTED = object()
-
-
-async def _until_disconnect(request: Request, work) -> Any:
-    """``work``'s result, or ``_DISCONNECTED`` when the client leaves first (the work is
-    cancelled)."""
-    async def disconnected():
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return None
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            return _DISCONNECTED
-        return task.result()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:
-                pass
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The body, read at most ``limit`` bytes far: a declared or actual size past it is
-    ``frame_too_large`` (413) without reading (or keeping) the rest. None when the client
-    left mid-body.
-
-    Raises:
-        ValidationError: ``frame_too_large``.
-    """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ValidationError(f"body of {int(declared)} bytes exceeds the limit of {limit}",
-                              code=ErrorCode.frame_too_large)
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ValidationError(f"body of more than {limit} bytes exceeds the limit of {limit}",
-                                      code=ErrorCode.frame_too_large)
-            parts.append(chunk)
-    except ClientDisconnect:
-        return None
-    return b"".join(parts)
 
 
 async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, shape: ResponseShape,
@@ -436,10 +381,10 @@ async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape
                 return ev
 
     try:
-        ev = await _until_disconnect(request, consume())
+        ev = await until_disconnect(request, consume())
     finally:
         await stop_events(None, events)
-    if ev is _DISCONNECTED:
+    if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):
         return openai_error_response(ev.error())

@@ -38,9 +38,9 @@ from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, Tok
 
 from streamfleet.gateway import edge
 from streamfleet.gateway.admission import owner_of
+from streamfleet.gateway.httpbody import DISCONNECTED, read_body, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.openai import _DISCONNECTED, _read_body, _until_disconnect
 from streamfleet.gateway.openai_mapping import ResponseShape, request_payload
 from streamfleet.gateway.request_stream import TICK
 from streamfleet.gateway.requests import ClientRequest
@@ -133,7 +133,7 @@ async def create(request: Request) -> Response:
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
             edge.authenticated(request.scope)
         admission.spent(identity)
-        raw = await _read_body(request, hub.settings.max_frame_bytes)
+        raw = await read_body(request, hub.settings.max_frame_bytes)
         if raw is None:
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
@@ -229,10 +229,10 @@ async def _collect(request: Request, events: AsyncIterator, out: ResponseEvents,
                 return ev
 
     try:
-        ev = await _until_disconnect(request, consume())
+        ev = await until_disconnect(request, consume())
     finally:
         await stop_events(None, events)
-    if ev is _DISCONNECTED:
+    if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):
         return openai_error_response(ev.error())

@@ -49,6 +49,7 @@ from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEv
 from streamfleet.gateway import edge
 from streamfleet.gateway.audio_files import FORMATS, DecodedAudio, decode_audio
 from streamfleet.gateway.audio_protocol import _same_language
+from streamfleet.gateway.httpbody import DISCONNECTED, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.multipart_form import FormLimits, FormReader
 from streamfleet.gateway.observe import stop_events, trace_id_from
@@ -402,11 +403,11 @@ async def transcriptions(request: Request) -> Response:
     # the first utterance's admission decides the status: a refusal (rate limit, lane
     # full, stream cap) is an HTTP error, not a stream that starts and fails
     try:
-        first = await _until_disconnect(request, asyncio.shield(job.first_submitted))
+        first = await until_disconnect(request, asyncio.shield(job.first_submitted))
     except StreamfleetError as exc:
         await job.close()
         return openai_error_response(exc)
-    if first is _DISCONNECTED:
+    if first is DISCONNECTED:
         await job.close()
         return Response(status_code=499)
     if form.stream:
@@ -414,12 +415,12 @@ async def transcriptions(request: Request) -> Response:
         return StreamingResponse(_sse(hub, job), media_type="text/event-stream", headers=SSE_HEADERS,
                                  background=BackgroundTask(job.close))
     try:
-        result = await _until_disconnect(request, _gather(job))
+        result = await until_disconnect(request, _gather(job))
     except StreamfleetError as exc:
         return openai_error_response(exc)
     finally:
         await job.close()
-    if result is _DISCONNECTED:
+    if result is DISCONNECTED:
         return Response(status_code=499)
     body, media_type = render(form.response_format, result, duration_s=audio.duration_s, language=spec.language)
     return Response(body, media_type=media_type)
@@ -464,32 +465,6 @@ async def _sse(hub: "Hub", job: Transcription) -> AsyncIterator[bytes]:
                 await asyncio.gather(pending, return_exceptions=True)
             await segments.aclose()
             await job.close()
-
-
-_DISCONNECTED = object()
-
-
-async def _until_disconnect(request: Request, work) -> Any:
-    """``work``'s result, or ``_DISCONNECTED`` when the client leaves first (the work is
-    cancelled); the work's exception is raised."""
-    async def disconnected() -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            return _DISCONNECTED
-        return task.result()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 @router.post("/v1/audio/transcriptions")

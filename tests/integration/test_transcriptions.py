@@ -4,10 +4,8 @@ PocketSphinx (docs/openai.md, "Audio transcriptions")."""
 
 from __future__ import annotations
 
-import io
 import re
 import time
-import wave
 
 import httpx
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from scripts.flite import SENTENCES, flite_missing, silence, speech, wer
 from streamfleet.gateway.audio_files import resample_pcm16
 from streamfleet.shared.keys import Keys
-from tests.support.flac import flac_bytes
+from tests.support.audiofiles import flac_bytes, wav_bytes
 from tests.support.keys import TIERS, add_key
 
 pytestmark = [pytest.mark.slow,  # speech synthesized by flite, decoded by PocketSphinx in real processes
@@ -26,16 +24,6 @@ pytestmark = [pytest.mark.slow,  # speech synthesized by flite, decoded by Pocke
 MAX_BYTES = 1_000_000
 MAX_SECONDS = 60
 REFS = SENTENCES[:3]
-
-
-def wav_bytes(pcm: bytes, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return out.getvalue()
 
 
 def clip(refs=REFS, gap_ms: int = 1000) -> tuple[bytes, list[tuple[float, float]]]:

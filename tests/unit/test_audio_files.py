@@ -4,9 +4,7 @@ the transcript rendered as json, text, verbose_json, SRT and WebVTT."""
 
 from __future__ import annotations
 
-import io
 import struct
-import wave
 
 import httpx
 import numpy as np
@@ -19,17 +17,8 @@ from streamfleet.gateway.transcription_mapping import (Segment, check_form, delt
                                                        render, srt, timestamp, vtt)
 from streamfleet.gateway.transcriptions import split_utterances
 from streamfleet.shared.errors import ValidationError
-from tests.support.flac import flac_bytes
-
-
-def wav(pcm: bytes, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(pcm)
-    return out.getvalue()
+from tests.support.audiofiles import flac_bytes
+from tests.support.audiofiles import wav_bytes as wav  # (short: the tests build many)
 
 
 def tone(seconds: float, rate: int = 16000, hz: float = 440.0) -> bytes:

@@ -1,12 +1,25 @@
-"""A minimal FLAC writer for tests: mono 16-bit PCM in VERBATIM subframes (no compression,
-but a valid FLAC stream with its STREAMINFO and every frame's CRCs), so the transcription
-door's FLAC path is tested on a file made here rather than one committed or downloaded."""
+"""Audio files made in the tests: WAV (the standard library's writer), and FLAC from a
+minimal writer (mono 16-bit PCM in VERBATIM subframes: no compression, but a valid FLAC
+stream with its STREAMINFO and every frame's CRCs), so the transcription door's decoders
+are tested on files made here rather than ones committed or downloaded."""
 
 from __future__ import annotations
 
+import io
 import struct
+import wave
 
-__all__ = ["flac_bytes"]
+__all__ = ["flac_bytes", "wav_bytes"]
+
+
+def wav_bytes(pcm: bytes, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return out.getvalue()
 
 BLOCK = 4096
 

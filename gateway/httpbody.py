@@ -1,0 +1,66 @@
+"""The HTTP doors' two waits on their client (``gateway/openai.py``,
+``gateway/responses.py``, ``gateway/transcriptions.py``): a request's body, read no
+further than a limit, and work that ends when its client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from streamfleet.shared.errors import ErrorCode, ValidationError
+
+__all__ = ["DISCONNECTED", "read_body", "until_disconnect"]
+
+#: what ``until_disconnect`` returns when the client left before the work was done
+DISCONNECTED = object()
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The body, read at most ``limit`` bytes far: a declared or actual size past it is
+    ``frame_too_large`` (413) without reading (or keeping) the rest. None when the client
+    left mid-body.
+
+    Raises:
+        ValidationError: ``frame_too_large``.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ValidationError(f"body of {int(declared)} bytes exceeds the limit of {limit}",
+                              code=ErrorCode.frame_too_large)
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ValidationError(f"body of more than {limit} bytes exceeds the limit of {limit}",
+                                      code=ErrorCode.frame_too_large)
+            parts.append(chunk)
+    except ClientDisconnect:
+        return None
+    return b"".join(parts)
+
+
+async def until_disconnect(request: Request, work) -> Any:
+    """``work``'s result, or ``DISCONNECTED`` when the client leaves first (the work is
+    cancelled, and awaited); the work's exception is raised."""
+    async def disconnected() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            return DISCONNECTED
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
