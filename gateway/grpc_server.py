@@ -88,6 +88,18 @@ _BY_STATUS: dict[int, grpc.StatusCode] = {
 }
 
 _PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high"}
+
+
+def _lane(priority: int) -> str | None:
+    """The lane a ``Priority`` asks for (None: unspecified, the door's default).
+
+    Raises:
+        ValidationError: a value this gateway does not know.
+    """
+    if priority not in _PRIORITY:
+        raise ValidationError(f"'priority' {priority} is not a Priority value; use PRIORITY_NORMAL or "
+                              f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
+    return _PRIORITY[priority]
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "top_logprobs")
 
@@ -181,11 +193,9 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
         p["guided_choice"] = list(req.choice)
     if req.grammar:
         p["guided_grammar"] = req.grammar
-    if req.priority not in _PRIORITY:
-        raise ValidationError(f"'priority' {req.priority} is not a Priority value; use PRIORITY_NORMAL or "
-                              f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
-    if _PRIORITY[req.priority] is not None:
-        p["priority"] = _PRIORITY[req.priority]
+    lane = _lane(req.priority)
+    if lane is not None:
+        p["priority"] = lane
     return p
 
 
@@ -355,11 +365,9 @@ def voice_start_frame(start: pb.VoiceStart) -> dict[str, Any]:
         value = getattr(start, name)
         if value:
             frame[name] = value
-    if start.priority not in _PRIORITY:
-        raise ValidationError(f"'priority' {start.priority} is not a Priority value; use PRIORITY_NORMAL or "
-                              f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
-    if _PRIORITY[start.priority] is not None:
-        frame["priority"] = _PRIORITY[start.priority]
+    lane = _lane(start.priority)
+    if lane is not None:
+        frame["priority"] = lane
     return frame
 
 
@@ -575,13 +583,10 @@ class InferenceService(pb_grpc.InferenceServicer):
                 if not request.file:
                     raise ValidationError("'file' is empty: send the audio file's bytes", code=ErrorCode.missing_field,
                                           param="file")
-                if request.priority not in _PRIORITY:
-                    raise ValidationError(f"'priority' {request.priority} is not a Priority value; use "
-                                          f"PRIORITY_NORMAL or PRIORITY_HIGH", code=ErrorCode.out_of_range,
-                                          param="priority")
+                lane = _lane(request.priority) or "normal"
                 job, audio, spec = await open_transcription(
                     hub, identity, request.file, model=request.model or None, language=request.language or None,
-                    lane=_PRIORITY[request.priority] or "normal", trace_id=trace_id_from(md.get("traceparent")),
+                    lane=lane, trace_id=trace_id_from(md.get("traceparent")),
                     log_fields={"door": "grpc"})
                 await job.first_submitted
             except StreamfleetError as exc:

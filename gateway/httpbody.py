@@ -1,17 +1,20 @@
-"""The HTTP doors' two waits on their client (``gateway/openai.py``,
-``gateway/responses.py``, ``gateway/transcriptions.py``): a request's body, read no
-further than a limit, and work that ends when its client leaves."""
+"""The HTTP doors' waits on their client (``gateway/openai.py``, ``gateway/responses.py``,
+``gateway/transcriptions.py``): a request's body, read no further than a limit, work that
+ends when its client leaves, and a request not streamed read to its end."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
 from streamfleet.shared.errors import ErrorCode, ValidationError
+from streamfleet.shared.schema import TokenEvent
 
-__all__ = ["DISCONNECTED", "read_body", "until_disconnect"]
+from streamfleet.gateway.observe import stop_events
+
+__all__ = ["DISCONNECTED", "read_body", "until_disconnect", "read_to_end"]
 
 #: what ``until_disconnect`` returns when the client left before the work was done
 DISCONNECTED = object()
@@ -64,3 +67,20 @@ async def until_disconnect(request: Request, work) -> Any:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def read_to_end(request: Request, events: AsyncIterator, on_token: Callable[[TokenEvent], Any]) -> Any:
+    """A request not streamed: its events read, each token handed to ``on_token``, until
+    its end (the ``DoneEvent`` or ``ErrorEvent``, returned), or ``DISCONNECTED`` when the
+    client leaves first (the read is cancelled). The events are closed either way."""
+    async def consume():
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                on_token(ev)
+            else:
+                return ev
+
+    try:
+        return await until_disconnect(request, consume())
+    finally:
+        await stop_events(None, events)

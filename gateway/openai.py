@@ -36,7 +36,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, TokenEvent
 
 from streamfleet.gateway import edge
-from streamfleet.gateway.httpbody import DISCONNECTED, read_body, until_disconnect
+from streamfleet.gateway.httpbody import DISCONNECTED, read_body, read_to_end, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
@@ -372,18 +372,7 @@ async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, sha
 async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape) -> Response:
     """Non-streamed: gather the whole completion, cancelling if the client leaves."""
     got = Gathered()
-
-    async def consume():
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                got.add(ev)
-            else:
-                return ev
-
-    try:
-        ev = await until_disconnect(request, consume())
-    finally:
-        await stop_events(None, events)
+    ev = await read_to_end(request, events, got.add)
     if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):

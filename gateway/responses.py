@@ -38,7 +38,7 @@ from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, Tok
 
 from streamfleet.gateway import edge
 from streamfleet.gateway.admission import owner_of
-from streamfleet.gateway.httpbody import DISCONNECTED, read_body, until_disconnect
+from streamfleet.gateway.httpbody import DISCONNECTED, read_body, read_to_end
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.openai_mapping import ResponseShape, request_payload
@@ -221,17 +221,7 @@ async def _sse(hub: "Hub", req: ClientRequest, events: AsyncIterator, out: Respo
 
 async def _collect(request: Request, events: AsyncIterator, out: ResponseEvents, save) -> Response:
     """Not streamed: the whole response, cancelled if the client leaves."""
-    async def consume():
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                out.token(ev)
-            else:
-                return ev
-
-    try:
-        ev = await until_disconnect(request, consume())
-    finally:
-        await stop_events(None, events)
+    ev = await read_to_end(request, events, out.token)
     if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):
