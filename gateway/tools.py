@@ -25,7 +25,7 @@ from typing import Any
 
 from streamfleet.shared.errors import ErrorCode, ValidationError
 
-__all__ = ["Tools", "parse_tools", "tools_prompt", "parse_call", "parse_calls", "call_id", "CallStream", "MAX_TOOLS",
+__all__ = ["Tools", "parse_tools", "tools_prompt", "parse_calls", "call_id", "CallStream", "MAX_TOOLS",
            "MAX_CALLS"]
 
 #: OpenAI's rule for function names
@@ -153,7 +153,7 @@ def parse_tools(p: dict[str, Any]) -> Tools | None:
 def tools_prompt(tools: Tools) -> str:
     """The system text that offers the tools to a model whose chat template has no place
     for them: one line per tool (its name, parameters and description), then the format
-    ``parse_call`` reads back. Short, because such models are small."""
+    ``parse_calls`` reads back. Short, because such models are small."""
     lines = []
     for f in tools.functions:
         props = f["parameters"].get("properties")
@@ -178,20 +178,9 @@ def call_id(request_id: str, choice: int = 0, k: int = 0) -> str:
     return base if choice == 0 else f"{base}_{choice}"
 
 
-def parse_call(text: str, names: frozenset[str]) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` when the completion is one call of an offered tool.
-
-    The arguments are the model's own text where the call has the constrained shape
-    (what a stream gave out, byte for byte); otherwise they are re-serialised compactly
-    with the standard library, which keeps integers of any size exact (orjson would turn
-    one past 64 bits into a float)."""
-    m = _TAGGED.fullmatch(text)
-    return _one_call(m.group(1) if m else text.strip(), names)
-
-
 def parse_calls(text: str, names: frozenset[str]) -> list[tuple[str, str]] | None:
     """The calls of offered tools a completion is, in order (``[(name, arguments
-    JSON)]``, as ``parse_call`` reads each), or None when it is not calls: one call
+    JSON)]``, as ``_one_call`` reads each), or None when it is not calls: one call
     object (bare or inside ``<tool_call>…</tool_call>``), a JSON array of one or more
     call objects (bare or tagged), or several tagged calls with only whitespace between
     them."""
@@ -239,7 +228,12 @@ def _array_items(text: str) -> list[str] | None:
 
 
 def _one_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` of one call object's text (``parse_call``)."""
+    """``(name, arguments JSON)`` of one call object's text, of an offered tool, or None.
+
+    The arguments are the model's own text where the call has the constrained shape
+    (what a stream gave out, byte for byte); otherwise they are re-serialised compactly
+    with the standard library, which keeps integers of any size exact (orjson would turn
+    one past 64 bits into a float)."""
     if not body.startswith("{"):
         return None
     head = _CALL_HEAD.match(body)
