@@ -424,7 +424,7 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
-            f"    OpenAI API  {base}/v1  (completions, chat/completions, models)\n"
+            f"    OpenAI API  {base}/v1  (completions, chat/completions, responses, audio/transcriptions, models)\n"
             f"    gRPC        {grpc}\n"
             f"    voice       {voice}\n"
             f"    try         streamfleet client --url {base} {example}\n"
