@@ -93,8 +93,9 @@ def test_chat_with_the_chatml_template_ends_on_im_end(gw, tok):
     # that text as a raw completion prompt is the same request: the same tokens, the same answer
     raw = client.completions.create(model=MODEL, prompt=chatml, max_tokens=24, temperature=0)
     assert raw.usage.prompt_tokens == 37 and raw.choices[0].text == text and raw.choices[0].finish_reason == "stop"
-    # streamed, chunk by chunk, the same text; the largest max_tokens the 4096 context allows is taken
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4096, temperature=0,
+    # streamed, chunk by chunk, the same text, with the largest max_tokens the 4096 context
+    # leaves beside the 37-token prompt (a larger one is refused, naming the context)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4096 - 37, temperature=0,
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
