@@ -530,7 +530,7 @@ class LocalNodes:
     bind address made local."""
 
     def __init__(self, tmp: Path, bindir: Path, password: str | None = None):
-        from streamfleet.launcher import free_port
+        from tests.support.ports import free_port
 
         self.tmp = tmp
         self.bindir = bindir

@@ -802,7 +802,7 @@ def test_compose_redis_healthcheck_fails_unless_pong(compose_raw, tmp_path):
         pytest.skip("redis-cli/redis-server are not installed")
     test = compose_raw["services"]["redis"]["healthcheck"]["test"]
     assert test[0] == "CMD-SHELL"
-    from streamfleet.launcher import free_port
+    from tests.support.ports import free_port
 
     def check(port: int, command: str) -> int:
         shell = command.replace("$$", "$").replace("redis-cli", f"redis-cli -p {port}")

@@ -308,7 +308,7 @@ def redis_with_password(tmp_path):
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if not binary or not cli:
         pytest.skip("redis-server / redis-cli not installed (test_redis_probes_fail_unless_pong covers the logic)")
-    from streamfleet.launcher import free_port
+    from tests.support.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, free_port
+from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis
+from tests.support.ports import free_port
 from tests.support.fleet import Broker, FleetFactory, new_prefix
 
 

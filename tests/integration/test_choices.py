@@ -13,7 +13,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 from tests.support.metrics import value
 from tests.support.wsclient import Client
 
@@ -119,7 +119,7 @@ async def test_worker_healthz_sees_a_step_that_does_not_finish(fleet):
     503 once sequences are in flight and no step has finished for SF_WORKER_STALL_S."""
     import httpx as _httpx
 
-    from streamfleet.launcher import free_port
+    from tests.support.ports import free_port
     from tests.support.wsclient import Client
 
     gw = fleet.gateway()

@@ -11,7 +11,7 @@ from redis.exceptions import AuthenticationError, ConnectionError as RedisConnec
 
 from streamfleet.shared.pubsub import open_pubsub
 from streamfleet.shared.resp import pack
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 
 
 def test_pack_is_resp():

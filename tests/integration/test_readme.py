@@ -74,7 +74,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 from streamfleet.shared.modelrepo import REPO_ROOT, ModelSpec
 
 #: the pages whose blocks this test runs, in the order it runs them (see the docstring)

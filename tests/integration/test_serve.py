@@ -14,7 +14,8 @@ import orjson
 import psutil
 import pytest
 
-from streamfleet.launcher import DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server, free_port, redis_server_version
+from streamfleet.launcher import DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server, redis_server_version
+from tests.support.ports import free_port
 from streamfleet.shared.modelrepo import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # the whole streamfleet serve started as a user runs it

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from streamfleet.bench_stats import percentile, summarize
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 from streamfleet.status import mask_url
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
-from streamfleet.launcher import free_port
+from tests.support.ports import free_port
 from tests.support.keys import add_key
 from tests.support.metrics import value
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamfleet.launcher import free_port, stop_processes
+from streamfleet.launcher import stop_processes
+from tests.support.ports import free_port
 from streamfleet.shared.redis import sync_client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,11 @@ class Proc:
         return self.popen.returncode
 
 
+# What a gateway says when a port picked for it was taken before it could bind it
+# (gateway/scrape.py for metrics, gateway/grpc_server.py for gRPC).
+_PORT_RACE = ("cannot listen", "port is taken")
+
+
 class FleetFactory:
     def __init__(self, redis_url: str, prefix: str, tmp: Path, cluster: bool = False) -> None:
         self.redis_url = redis_url
@@ -128,7 +134,7 @@ class FleetFactory:
             try:
                 return self._gateway({**settings, **{name: free_port() for name in picked}})
             except RuntimeError as exc:
-                if not picked or attempt == 2 or "cannot listen" not in str(exc):
+                if not picked or attempt == 2 or not any(m in str(exc) for m in _PORT_RACE):
                     raise
         raise AssertionError("unreachable")
 
