@@ -13,6 +13,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
+from streamfleet.shared.keys import GROUP, affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
@@ -21,6 +22,8 @@ from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
+
+from streamfleet.gateway.prefixroute import PrefixRouter
 
 __all__ = ["Broker"]
 
@@ -48,15 +51,34 @@ class Listener(Protocol):
 #: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
 #: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
 #: all gateways together never push a lane past it.
-#: KEYS[1] lane stream; KEYS[2] the model's wake channel (declared: on a cluster it is
-#: published with SPUBLISH and shares the lane's slot); ARGV[1] threshold (0 = none);
-#: ARGV[2] task JSON; ARGV[3] the lane name; ARGV[4] PUBLISH or SPUBLISH. Publishes a
-#: ``shared.schema.Wake`` (``"<lane> <entry id>"``). Returns {1, depth after add} or {0, depth}.
+#: KEYS[1] the stream the task joins: the lane, or one worker's affinity stream of it
+#: (prefix-aware routing, docs/architecture.md); KEYS[2] the model's wake channel
+#: (declared: on a cluster it is published with SPUBLISH and shares the lane's slot);
+#: for an affinity stream KEYS[3] the model's set of affinity streams, which it joins
+#: (and its group is made, when the stream is new); the keys after those: the lane's
+#: other streams (the shared lane, the affinity streams), whose backlog counts with
+#: KEYS[1]'s. ARGV[1] threshold (0 = none); ARGV[2] task JSON; ARGV[3] the wake's
+#: source (the lane's name, or ``<lane>@<worker id>``); ARGV[4] PUBLISH or SPUBLISH;
+#: ARGV[5] "affinity" for an affinity stream, ARGV[6] then the consumer group.
+#: Publishes a ``shared.schema.Wake`` (``"<source> <entry id>"``). Returns {1, depth
+#: after add} or {0, depth}.
 ENQUEUE_LUA = """
+local affinity = ARGV[5] == 'affinity'
+local first = 3
+if affinity then first = 4 end
 local depth = redis.call('XLEN', KEYS[1])
+for i = first, #KEYS do
+  depth = depth + redis.call('XLEN', KEYS[i])
+end
 local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then
   return {0, depth}
+end
+if affinity then
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
+  end
+  redis.call('SADD', KEYS[3], KEYS[1])
 end
 local id = redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
 redis.call(ARGV[4], KEYS[2], ARGV[3] .. ' ' .. id)
@@ -100,6 +122,7 @@ class Broker:
                              command_name=f"sf-gateway-{self.gateway_id}-commands")
         self._enqueue = self.redis.register_script(ENQUEUE_LUA)
         self._coalescer = Coalescer(self.redis)
+        self.router = PrefixRouter(s, self.keys, self.redis, self._coalescer)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
         self.tail_redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s + 2,
                                   max_connections=512)
@@ -294,6 +317,11 @@ class Broker:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
 
+        A text task whose prompt's first blocks a live worker holds in its prefix cache
+        goes to that worker's affinity stream of the lane instead (``PrefixRouter``,
+        docs/architecture.md, "Prefix-aware routing"), under the same threshold: the
+        lane's backlog counts its affinity streams too.
+
         The request's record (``sf:req:{request_id}``: owner, reply channel, deadline)
         travels in the same round trip, ahead of the task, so the request can be resumed
         from the moment it is accepted, also while it waits for a worker.
@@ -302,7 +330,14 @@ class Broker:
             RefusedError: ``overloaded`` — the lane's backlog is at its threshold.
             UnavailableError: Redis is unreachable.
         """
-        lane_key = self.keys.lane(task.model, task.lane)
+        keys = self.keys
+        worker = await self.router.route(task) if self.router.applies(task) else None
+        if worker is None:
+            lane_key, source, extra = keys.lane(task.model, task.lane), task.lane, ()
+        else:
+            lane_key, source = keys.affinity(task.model, task.lane, worker), affinity_source(task.lane, worker)
+            extra = (keys.affinity_streams(task.model),)
+        counted = (*extra, *self.router.counted(task.model, task.lane, lane_key))
         threshold = self.lane_threshold(task.lane)
         now = time.time()
         deadline = task.deadline or (now + self.settings.request_timeout_s)
@@ -310,16 +345,18 @@ class Broker:
                                task.prompt_tokens)
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
-        wake = self.keys.wake(task.model)
-        args = (threshold, task.encode(), task.lane, self.keys.publish)
+        wake = keys.wake(task.model)
+        args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
+        script_keys = (lane_key, wake, *counted)
         try:
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
-            record_set = self._coalescer.send(b"SET", self.keys.request(task.request_id), record.encode(),
+            record_set = self._coalescer.send(b"SET", keys.request(task.request_id), record.encode(),
                                               b"PX", ttl_ms)
             try:
-                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, 2, lane_key, wake, *args)
+                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, len(script_keys), *script_keys,
+                                                       *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
-                ok, depth = await self._enqueue(keys=[lane_key, wake], args=list(args))
+                ok, depth = await self._enqueue(keys=list(script_keys), args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc

@@ -177,23 +177,35 @@ class Hub:
 async def refresh_fleet_gauges(hub: Hub) -> None:
     """Lane depth, in-flight, lag, live workers and dead letters, read from Redis when
     Prometheus scrapes the metrics port (gateway/scrape.py; a few commands per model, not
-    per token)."""
-    from streamfleet.shared.keys import GROUP
+    per token). A lane's figures count its affinity streams (prefix-aware routing: the
+    tasks gateways sent to one worker, docs/architecture.md) with its shared stream."""
+    from streamfleet.shared.keys import GROUP, split_source
     from streamfleet.shared.metrics import gateway as m
     from streamfleet.shared.redis import BROKER_ERRORS
 
     r, keys = hub.broker.redis, hub.broker.keys
     try:
         for model in hub.validator.model_names():
+            routed: dict[str, list[str]] = {}
+            for raw in await r.smembers(keys.affinity_streams(model)):
+                key = raw.decode() if isinstance(raw, bytes) else raw
+                source = keys.affinity_source_of(model, key)
+                if source is not None:
+                    routed.setdefault(split_source(source)[0], []).append(key)
             for lane, key in keys.lanes(model).items():
-                m.lane_depth.labels(model, lane).set(await r.xlen(key))
-                try:
-                    groups = await r.xinfo_groups(key)
-                except Exception:
-                    groups = []
-                g = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None)
-                m.lane_inflight.labels(model, lane).set(g.get("pending", 0) if g else 0)
-                m.lane_lag.labels(model, lane).set((g.get("lag") or 0) if g else 0)
+                depth = inflight = lag = 0
+                for stream in (key, *routed.get(lane, ())):
+                    depth += await r.xlen(stream)
+                    try:
+                        groups = await r.xinfo_groups(stream)
+                    except Exception:
+                        groups = []
+                    g = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None)
+                    inflight += g.get("pending", 0) if g else 0
+                    lag += (g.get("lag") or 0) if g else 0
+                m.lane_depth.labels(model, lane).set(depth)
+                m.lane_inflight.labels(model, lane).set(inflight)
+                m.lane_lag.labels(model, lane).set(lag)
             m.live_workers.labels(model).set(len(await hub.broker.live_workers(model)))
             m.dead_letters.labels(model).set(await r.xlen(keys.dead(model)))
     except BROKER_ERRORS:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "LANES", "TAG_LEN", "Keys"]
+__all__ = ["GROUP", "LANES", "TAG_LEN", "Keys", "LaneKeys", "affinity_source", "split_source"]
 
 #: characters of a connection id that tag its reply channel, and start its requests' ids
 TAG_LEN = 4
@@ -32,6 +32,37 @@ TAG_LEN = 4
 GROUP = "workers"
 #: lanes in priority order
 LANES: tuple[str, ...] = ("high", "normal")
+
+
+def affinity_source(lane: str, worker_id: str) -> str:
+    """The name a worker gives the tasks routed to it on ``lane`` (prefix-aware routing,
+    docs/architecture.md): ``"<lane>@<worker id>"``, where a shared lane's tasks are
+    named by the lane alone. Wakes, deliveries and acks carry it like a lane's name."""
+    return f"{lane}@{worker_id}"
+
+
+def split_source(source: str) -> tuple[str, str]:
+    """``(lane, worker id)`` of a source: the worker id is ``""`` for a shared lane."""
+    lane, _, worker = source.partition("@")
+    return lane, worker
+
+
+class LaneKeys(dict):
+    """Lane name -> its stream key, for one model (``Keys.lanes``), which also finds the
+    key of an affinity source (``"normal@w1"``, ``affinity_source``) without listing it:
+    iterating gives the shared lanes only."""
+
+    __slots__ = ("_keys", "_model")
+
+    def __init__(self, keys: "Keys", model: str) -> None:
+        super().__init__((lane, keys.lane(model, lane)) for lane in LANES)
+        self._keys, self._model = keys, model
+
+    def __missing__(self, source: str) -> str:
+        lane, worker = split_source(source)
+        if not worker or lane not in LANES:
+            raise KeyError(source)
+        return self._keys.affinity(self._model, lane, worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +92,39 @@ class Keys:
     def lane(self, model: str, lane: str) -> str:
         return f"{self.prefix}:{{{model}}}:tasks:{lane}"
 
-    def lanes(self, model: str) -> dict[str, str]:
-        return {lane: self.lane(model, lane) for lane in LANES}
+    def lanes(self, model: str) -> LaneKeys:
+        """Lane -> stream key (``LaneKeys``: an affinity source's key is found too)."""
+        return LaneKeys(self, model)
+
+    def affinity(self, model: str, lane: str, worker_id: str) -> str:
+        """Stream, group ``workers``: the tasks of ``lane`` a gateway sent to one worker for
+        the prompt prefix it holds (prefix-aware routing, docs/architecture.md). On the
+        lanes' slot: the enqueue script counts it with the lane's backlog."""
+        return f"{self.lane(model, lane)}:@{worker_id}"
+
+    def affinity_streams(self, model: str) -> str:
+        """Set: the key of every affinity stream of ``model`` (written by the enqueue
+        script that creates one), so workers find them after their owner is gone."""
+        return f"{self.prefix}:{{{model}}}:affinity"
+
+    def affinity_source_of(self, model: str, key: str | bytes) -> str | None:
+        """The source (``"normal@w1"``) of an affinity stream's key; None for another key."""
+        key = key.decode() if isinstance(key, bytes) else key
+        for lane in LANES:
+            head = f"{self.lane(model, lane)}:@"
+            if key.startswith(head) and len(key) > len(head):
+                return affinity_source(lane, key[len(head):])
+        return None
+
+    def prefix_advert(self, model: str, worker_id: str) -> str:
+        """Set with a TTL: the 8-byte names of the prefix-cache blocks one worker holds
+        (shared/prefixhash.py), rewritten with its heartbeat when they change; gateways
+        look a prompt's names up in it (SMISMEMBER)."""
+        return f"{self.prefix}:{{{model}}}:prefix:{worker_id}"
+
+    def stream(self, model: str, source: str) -> str:
+        """The stream key of a source: a lane, or an affinity stream (``"normal@w1"``)."""
+        return self.lanes(model)[source]
 
     def dead(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dead"

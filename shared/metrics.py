@@ -39,6 +39,9 @@ class gateway:  # noqa: N801 — a namespace
     lane_lag = Gauge("streamfleet_lane_lag", "Tasks not yet read by any worker (XINFO GROUPS lag)",
                      ["model", "lane"])
     live_workers = Gauge("streamfleet_live_workers", "Workers with a fresh heartbeat", ["model"])
+    prefix_routes = Counter("streamfleet_prefix_routes_total", "Text requests looked up for prefix-aware routing, "
+                            "by outcome: routed (to the worker holding the longest run of their prompt's "
+                            "blocks) or shared (no candidate held the first one)", ["model", "outcome"])
     dead_letters = Gauge("streamfleet_dead_letters", "Entries in the dead-letter stream", ["model"])
     duplicates = Counter("streamfleet_duplicate_tokens_dropped_total", "Token events dropped because their "
                          "index was already delivered (redelivered tasks)")
@@ -55,6 +58,16 @@ class worker:  # noqa: N801 — a namespace
                     "models)", ["model"])
     shared_prefills = Counter("streamfleet_worker_shared_prefills_total", "Sequences started from the cache of "
                               "another with the same prompt instead of a prefill of their own (n > 1)", ["model"])
+    prompt_tokens = Counter("streamfleet_worker_prompt_tokens_total", "Prompt tokens of the sequences started, "
+                            "by where their cache came from: computed (prefilled) or cached (the prefix cache "
+                            "had them)", ["model", "source"])
+    prefix_lookups = Counter("streamfleet_worker_prefix_cache_lookups_total", "Prompts looked up in the prefix "
+                             "cache, by result: hit (at least one block reused) or miss", ["model", "result"])
+    prefix_evicted = Counter("streamfleet_worker_prefix_cache_evicted_blocks_total", "Prefix cache blocks dropped "
+                             "to stay within SF_PREFIX_CACHE_MB", ["model"])
+    prefix_bytes = Gauge("streamfleet_worker_prefix_cache_bytes", "Bytes of KV blocks the prefix cache holds",
+                         ["model"])
+    prefix_blocks = Gauge("streamfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds", ["model"])
     grammar_mask = Histogram("streamfleet_worker_grammar_mask_seconds", "Time one step spent computing and "
                              "applying the token masks of its constrained sequences (structured outputs)", ["model"],
                              buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0))
@@ -68,6 +81,8 @@ class worker:  # noqa: N801 — a namespace
     slots = Gauge("streamfleet_worker_slots", "Batch capacity (max_batch)", ["model"])
     reclaimed = Counter("streamfleet_worker_reclaimed_tasks_total", "Tasks taken over from silent workers",
                         ["model"])
+    affinity_taken = Counter("streamfleet_worker_affinity_taken_total", "Tasks routed to another worker for its "
+                             "cached prefix that this one took after they waited SF_AFFINITY_WAIT_MS", ["model"])
     dead_letters = Counter("streamfleet_worker_dead_letters_total", "Tasks moved to the dead-letter stream",
                            ["model"])
     cancelled_no_listener = Counter("streamfleet_worker_no_listener_cancels_total", "Sequences stopped because "

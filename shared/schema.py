@@ -494,11 +494,18 @@ def stream_entry_id(entry: str) -> tuple[int, int]:
 @dataclass(frozen=True, slots=True)
 class Wake:
     """A task was added to ``lane`` as stream entry ``entry_id``: ``b"<lane> <ms>-<seq>"``.
-    Its producer is the enqueue script (``ENQUEUE_LUA``: ``ARGV[4] .. ' ' .. id``), which
-    must write exactly what ``encode`` writes."""
+    Its producer is the enqueue script (``ENQUEUE_LUA``: ``ARGV[3] .. ' ' .. id``), which
+    must write exactly what ``encode`` writes. A task sent to one worker's affinity
+    stream (prefix-aware routing) names that worker: ``lane`` is then its source,
+    ``"<lane>@<worker id>"`` (``shared.keys.affinity_source``)."""
 
     lane: str
     entry_id: tuple[int, int]
+
+    @property
+    def worker(self) -> str:
+        """The worker the task was sent to; "" for a shared lane's."""
+        return self.lane.partition("@")[2]
 
     def encode(self) -> bytes:
         return f"{self.lane} {self.entry_id[0]}-{self.entry_id[1]}".encode()
@@ -507,7 +514,7 @@ class Wake:
     def decode(cls, raw: bytes | str) -> "Wake":
         try:
             text = raw.decode() if isinstance(raw, bytes) else raw
-            lane, entry = text.split(" ", 1)
+            lane, entry = text.rsplit(" ", 1)
             return cls(lane, stream_entry_id(entry))
         except (UnicodeDecodeError, ValueError) as exc:
             raise ValueError(f"malformed wake message {raw!r}: {exc}") from exc
@@ -670,11 +677,19 @@ class Heartbeat:
     tokens_per_s: float = 0.0
     pid: int = 0
     host: str = ""
+    #: its prefix cache (workers/prefixcache.py): blocks held, their bytes, and the share
+    #: of the prompt tokens looked up that it had (0 to 1); absent without a cache
+    cache_blocks: int = 0
+    cache_bytes: int = 0
+    cache_hit_rate: float = 0.0
     worker_id: str = ""
 
     def encode(self) -> bytes:
         d = asdict(self)
         del d["worker_id"]
+        if not self.cache_blocks and not self.cache_bytes and not self.cache_hit_rate:
+            for name in ("cache_blocks", "cache_bytes", "cache_hit_rate"):
+                del d[name]
         return orjson.dumps(d)
 
     @classmethod
@@ -693,7 +708,9 @@ class Heartbeat:
                        max_batch=int(d.get("max_batch", 0)), version=str(d.get("version", "")),
                        reloading=bool(d.get("reloading", False)), draining=bool(d.get("draining", False)),
                        tokens_per_s=float(d.get("tokens_per_s", 0.0)), pid=int(d.get("pid", 0)),
-                       host=str(d.get("host", "")), worker_id=wid)
+                       host=str(d.get("host", "")), cache_blocks=int(d.get("cache_blocks", 0)),
+                       cache_bytes=int(d.get("cache_bytes", 0)), cache_hit_rate=float(d.get("cache_hit_rate", 0.0)),
+                       worker_id=wid)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from exc
 

@@ -68,6 +68,9 @@ class CommonSettings(BaseSettings):
     grammar_max_depth: int = 64
     #: compiled grammars a worker keeps, sized by the memory they allocated (MB)
     grammar_cache_mb: float = 64.0
+    #: tokens in one block of the prefix cache, which gateways and workers hash alike
+    #: (shared/prefixhash.py); the same in every process of a fleet
+    prefix_block_tokens: int = Field(64, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _cluster_from_url(self):
@@ -126,6 +129,9 @@ class GatewaySettings(CommonSettings):
     #: capacity of each lane (tasks queued + in flight); new work is refused with 429
     #: ``overloaded`` once a lane's backlog reaches ``overload_fraction`` of it (0 = no limit)
     lane_capacity: dict[str, int] = {"high": 1024, "normal": 1024}
+    #: send a request whose prompt's prefix a live worker holds in its prefix cache to
+    #: that worker (docs/architecture.md, "Prefix-aware routing"); off: shared lanes only
+    prefix_routing: bool = True
     overload_fraction: float = 0.8
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds
@@ -304,6 +310,16 @@ class WorkerSettings(CommonSettings):
     dead_maxlen: int = 10_000
     #: SIGTERM: finish in-flight work for this long, then hand the rest back
     drain_timeout_s: float = 30.0
+    #: memory for the KV blocks of earlier prompts, reused by later ones that start the
+    #: same way (docs/scheduling.md, "Prefix cache"); 0 = no prefix cache
+    prefix_cache_mb: float = Field(512.0, ge=0)
+    #: most tokens one step puts through the engine: the running sequences' decodes
+    #: first, then chunks of the prompts being prefilled (docs/scheduling.md, "Chunked
+    #: prefill"); 0 = no limit (a prompt is prefilled in one step)
+    max_step_tokens: int = Field(256, ge=0)
+    #: ms a request sent to one worker for its cached prefix (prefix-aware routing) waits
+    #: there before any idle worker of the model may take it
+    affinity_wait_ms: int = Field(250, ge=0)
     #: Prometheus metrics port (0 = none)
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"

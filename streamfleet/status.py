@@ -15,6 +15,10 @@ the ``redis-cli`` equivalent of every field):
   a read first hands it an entry, so a worker that has not had a task yet (a speech
   worker before the first utterance) is missing there, and one that has gone stays
   until deleted. That count is kept as ``group_consumers``;
+* affinity streams (prefix-aware routing: the tasks of a lane a gateway sent to one
+  worker, ``{prefix}:{model}:tasks:{lane}:@{worker}``, listed in the set
+  ``{prefix}:{model}:affinity``): read as the lanes and counted in their lane (backlog,
+  queued, in flight, the oldest of each), ``affinity_length`` of the backlog being theirs;
 * dead letters: ``XLEN`` and ``XREVRANGE … COUNT n`` of ``{prefix}:{model}:dead``;
 * gateways: ``PUBSUB CHANNELS {prefix}:gateway:*`` (each gateway holds one control
   subscription), and ``PUBSUB NUMSUB {prefix}:cancel`` (workers listening for cancels).
@@ -35,7 +39,7 @@ import orjson
 import redis
 
 from streamfleet.local import mask_url
-from streamfleet.shared.keys import GROUP, LANES, Keys
+from streamfleet.shared.keys import GROUP, LANES, Keys, split_source
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.redis import sync_client
 from streamfleet.shared.schema import DeadLetter, Heartbeat
@@ -91,6 +95,11 @@ class LaneStatus:
     oldest_queued: QueuedEntry | None = None
     #: the stream exists but the group "workers" does not (no worker ever started)
     no_group: bool = False
+    #: prefix-aware routing: the lane's affinity streams (one per worker gateways sent
+    #: tasks to), and the part of the figures above that is theirs: backlog, queued
+    affinity_streams: int = 0
+    affinity_length: int = 0
+    affinity_lag: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +114,10 @@ class WorkerStatus:
     draining: bool
     #: heartbeat older than worker_ttl_s, or unreadable
     stale: bool
+    #: its prefix cache: blocks, bytes, share of looked-up prompt tokens it had (None: no cache)
+    cache_blocks: int | None = None
+    cache_bytes: int | None = None
+    cache_hit_rate: float | None = None
 
 
 @dataclass(slots=True)
@@ -235,6 +248,27 @@ def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
     return st
 
 
+def _add_affinity(st: LaneStatus, aff: LaneStatus) -> None:
+    """Count one affinity stream of the lane (read like a lane) in the lane's figures."""
+    st.affinity_streams += 1
+    if not aff.exists:
+        return
+    st.exists = True
+    st.length += aff.length
+    st.affinity_length += aff.length
+    st.affinity_lag += aff.lag or 0
+    st.lag = (st.lag or 0) + (aff.lag or 0)
+    if aff.lag_source == "derived":
+        st.lag_source = "derived"
+    st.pending += aff.pending
+    if aff.oldest_pending is not None and (st.oldest_pending is None
+                                           or aff.oldest_pending.age_s > st.oldest_pending.age_s):
+        st.oldest_pending = aff.oldest_pending
+    if aff.oldest_queued is not None and (st.oldest_queued is None
+                                          or aff.oldest_queued.age_s > st.oldest_queued.age_s):
+        st.oldest_queued = aff.oldest_queued
+
+
 def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerStatus]:
     out = []
     for wid, blob in sorted(r.hgetall(key).items()):
@@ -246,7 +280,9 @@ def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerS
         age = hb.age(now)
         out.append(WorkerStatus(
             id=hb.worker_id, slots_used=hb.slots_used, max_batch=hb.max_batch, tokens_per_s=hb.tokens_per_s,
-            heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s))
+            heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s,
+            **({"cache_blocks": hb.cache_blocks, "cache_bytes": hb.cache_bytes, "cache_hit_rate": hb.cache_hit_rate}
+               if hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate else {})))
     return out
 
 
@@ -284,9 +320,15 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
         m = ModelStatus(name=name, dead_key=keys.dead(name))
         m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
         readers = sum(1 for w in m.live_workers if not w.draining)
+        routed = sorted(_s(k) for k in r.smembers(keys.affinity_streams(name)))
         for lane in LANES:
-            m.lanes.append(_lane(r, lane, keys.lane(name, lane), now_ms))
-            m.lanes[-1].consumers = readers
+            st = _lane(r, lane, keys.lane(name, lane), now_ms)
+            for key in routed:
+                source = keys.affinity_source_of(name, key)
+                if source is not None and split_source(source)[0] == lane:
+                    _add_affinity(st, _lane(r, lane, key, now_ms))
+            st.consumers = readers
+            m.lanes.append(st)
         m.dead_count, m.dead_latest = _dead(r, m.dead_key, now_ms, DEAD_SHOWN)
         out.append(m)
     head = f"{keys.prefix}:gateway:"
@@ -410,6 +452,9 @@ def render(st: FleetStatus) -> str:
             oq = lane.oldest_queued
             note = "no group 'workers' yet" if lane.no_group else ("lag derived: XLEN-pending"
                                                                     if lane.lag_source == "derived" else "")
+            if lane.affinity_length:
+                routed = f"{lane.affinity_length} routed ({lane.affinity_lag} queued)"
+                note = f"{note}; {routed}" if note else routed
             rows.append([lane.lane, str(lane.length), str(lane.lag if lane.lag is not None else "?"),
                          str(lane.pending), str(lane.consumers), _age(oq.age_s) if oq else "-",
                          f"{_age(op.age_s)} (idle {_age(op.idle_s)}, {op.consumer}, x{op.deliveries})" if op else "-",
@@ -424,9 +469,11 @@ def render(st: FleetStatus) -> str:
                 tps = f"{w.tokens_per_s:.1f}" if isinstance(w.tokens_per_s, (int, float)) else "?"
                 hb = f"{_age(w.heartbeat_age_s)} ago" if w.heartbeat_age_s is not None else "?"
                 state = "STALE" if w.stale else ("draining" if w.draining else "live")
-                rows.append([w.id, state, slots, tps, hb, str(w.pid or "?"), str(w.host or "?")])
-            lines += _table(["worker", "state", "slots", "tokens/s", "heartbeat", "pid", "host"], rows,
-                            right={2, 3, 4, 5})
+                cache = (f"{w.cache_blocks} blocks, {w.cache_bytes / 2**20:.0f} MiB, hit {w.cache_hit_rate:.0%}"
+                         if w.cache_blocks is not None else "-")
+                rows.append([w.id, state, slots, tps, cache, hb, str(w.pid or "?"), str(w.host or "?")])
+            lines += _table(["worker", "state", "slots", "tokens/s", "prefix cache", "heartbeat", "pid", "host"],
+                            rows, right={2, 3, 5, 6})
         else:
             lines.append("  workers: none registered")
         if m.dead_latest:

@@ -35,6 +35,9 @@ class Sequence:
     generated: list[int] = field(default_factory=list)  # sampled ids, EOS included
     emitted: int = 0  # TokenEvents produced so far (= next index)
     prefilled: bool = False  # the engine holds a cache for it (release it when it leaves)
+    #: prompt (+ replay) tokens the engine has still to be fed before its first token
+    #: is sampled (chunked prefill: some steps feed it a chunk); None: none left
+    pending: list[int] | None = None
     cancelled: bool = False
     #: leaves silently (no event, not acked): another worker took the task over
     abandoned: bool = False
@@ -56,6 +59,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.task.prompt_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt is in the engine and it has sampled: a decode step feeds it on."""
+        return self.prefilled and self.pending is None
 
     @property
     def last_token(self) -> int:

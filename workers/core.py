@@ -43,6 +43,10 @@ __all__ = ["WorkerCore", "StepOutput"]
 
 log = get_logger("worker.core")
 
+#: chunked prefill: the oldest prompt being fed moves by at least this many tokens a
+#: step, however many decodes fill ``max_step_tokens``
+_MIN_CHUNK = 16
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -60,6 +64,8 @@ class StepOutput:
         audio_s: seconds of audio decoded this step (a speech model's core).
         grammar_s: seconds this step spent on the token masks of constrained sequences.
         shared_prefills: sequences started from another one's prefill (same prompt).
+        prefill_tokens: prompt tokens the engine computed this step (chunks included).
+        cached_tokens: prompt tokens sequences started with from the prefix cache.
     """
 
     events: list[tuple[str, Event]] = field(default_factory=list)
@@ -70,6 +76,8 @@ class StepOutput:
     audio_s: float = 0.0
     grammar_s: float = 0.0
     shared_prefills: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class _Prefix:
@@ -114,6 +122,10 @@ class WorkerCore:
         max_batch: most sequences at once; defaults to, and is capped by,
             ``engine.max_batch``.
         clock: unix-seconds clock (``Task.created_at`` is on the same scale).
+        max_step_tokens: most tokens one step feeds the engine, where it can take a
+            prompt in chunks (``start``/``extend``): decodes first, then chunks of the
+            prompts being prefilled, oldest first (docs/scheduling.md, "Chunked
+            prefill"); 0: no limit.
     """
 
     def __init__(
@@ -124,8 +136,19 @@ class WorkerCore:
         max_batch: int | None = None,
         clock: Callable[[], float] = time.time,
         grammar_limits: GrammarLimits = DEFAULT_LIMITS,
+        max_step_tokens: int = 0,
     ) -> None:
         self.engine = engine
+        self.max_step_tokens = max(0, int(max_step_tokens))
+        #: the engine takes prompts in chunks (and from its prefix cache, when it has one)
+        self._chunked = callable(getattr(engine, "start", None)) and callable(getattr(engine, "extend", None))
+        #: started sequences whose prompt is still being fed, in start order
+        self._feeding: dict[str, Sequence] = {}
+        #: a sequence waiting for another one of this worker with the same prompt to
+        #: finish its prefill (then it forks that one's cache): follower id -> leader
+        self._leader_of: dict[str, Sequence] = {}
+        #: followers whose leader left before its prefill ended: started at the next step
+        self._orphans: list[Sequence] = []
         self.grammar_limits = grammar_limits
         self.tokenizer = tokenizer
         self._clock = clock
@@ -259,6 +282,9 @@ class WorkerCore:
         for seq in seqs:
             if seq.prefilled:
                 self._release(seq)
+        self._feeding.clear()
+        self._leader_of.clear()
+        self._orphans.clear()
         return [s.task for s in seqs] + [t for t, _, _ in rejected]
 
     def _validate(self, task: AnyTask, now: float) -> tuple[ErrorCode, str] | None:
@@ -302,17 +328,35 @@ class WorkerCore:
             if seq.abandoned:
                 if seq.prefilled:
                     self._release(seq)
+                self._forget(seq)
                 continue
             self._finish(seq, FinishReason.cancelled, out)
 
-        prefill = [seq for seq in plan.prefill if not seq.task.params.grammar or self._start_matcher(seq, out)]
+        new = [seq for seq in (*self._take_orphans(), *plan.prefill)
+               if not seq.task.params.grammar or self._start_matcher(seq, out)]
+        if self._chunked:
+            decode = [seq for seq in plan.decode if seq.decoding]
+            forked, forked_logits = self._start(new, out)
+            chunks = self._chunks(len(decode))
+            finishing = {id(seq) for seq, n in chunks if n == len(seq.pending)}
+            followers = [f for f, leader in self._leader_of.items() if id(leader) in finishing]
+            sampling = [*forked, *(seq for seq, n in chunks if id(seq) in finishing),
+                        *(seq for seq in new if seq.request_id in followers), *decode]
+            out.batch_size = len(chunks) + len(decode)
+        else:
+            decode, sampling = plan.decode, [*new, *plan.decode]
+            out.batch_size = len(new) + len(plan.decode)
         # the constrained sequences' token masks are computed while the engine runs (both
         # leave the GIL): only what the engine call did not cover waits
-        constrained = [seq for seq in (*prefill, *plan.decode) if seq.matcher is not None]
+        constrained = [seq for seq in sampling if seq.matcher is not None]
         masks = self._mask_pool().submit(self._grammar().step_masks, [q.matcher for q in constrained]) \
             if constrained else None
-        calls = [self._engine_call(prefill, out, prefill=True),
-                 self._engine_call(plan.decode, out, prefill=False)]
+        if self._chunked:
+            calls = [(forked, forked_logits), self._feed(chunks, out),
+                     self._engine_call(decode, out, prefill=False)]
+        else:
+            calls = [self._engine_call(new, out, prefill=True),
+                     self._engine_call(decode, out, prefill=False)]
         allowed: dict[str, np.ndarray] = {}
         if masks is not None:
             t0 = time.perf_counter()
@@ -325,7 +369,6 @@ class WorkerCore:
                     self._constraint_broke(constrained[i], why, out)
                 calls = [(kept, None if logits is None else logits[keep])
                          for kept, logits, keep in (_without(seqs, logits, failed) for seqs, logits in calls)]
-        out.batch_size = len(prefill) + len(plan.decode)
         now = self._clock()
         for seqs, logits in calls:
             if not seqs:
@@ -519,6 +562,195 @@ class WorkerCore:
         out.shared_prefills += len(leader_of) + len(earlier)
         return np.stack(rows) if rows else logits
 
+    # -- chunked prefill (engines with ``start``/``extend``) ---------------------------
+
+    def _key(self, seq: Sequence) -> tuple:
+        t = seq.task
+        return (t.group or "", tuple(t.prompt_ids))
+
+    def _take_orphans(self) -> list[Sequence]:
+        """Followers whose leader left before its prefill ended, still in the batch."""
+        if not self._orphans:
+            return []
+        orphans, self._orphans = self._orphans, []
+        return [s for s in orphans if not s.cancelled and s.request_id in self._sched]
+
+    def _start(self, new: list[Sequence], out: StepOutput) -> tuple[list[Sequence], np.ndarray]:
+        """Start the step's new sequences. A choice whose group's prompt is already
+        prefilled forks it and samples from its logits at once (returned); one whose
+        prompt another sequence of this worker is prefilling now waits for that one and
+        then forks it (``_leader_of``); the others are started in the engine, from the
+        longest prefix its prefix cache holds, and fed the rest in chunks."""
+        fork = getattr(self.engine, "fork", None)
+        forked: list[Sequence] = []
+        rows: list[np.ndarray] = []
+        leaders: list[Sequence] = []
+        prefilling = {self._key(q): q for q in reversed(self._feeding.values()) if not q.generated} \
+            if fork is not None else {}
+        for seq in new:
+            t = seq.task
+            if fork is not None and not seq.generated:
+                prefix = self._prefixes.get(t.group) if t.group else None
+                if prefix is not None and prefix.usable(t.prompt_ids):
+                    try:
+                        fork(prefix.seq.request_id, [seq.request_id], length=prefix.length)
+                    except Exception as exc:
+                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+                        continue
+                    seq.prefilled = True
+                    forked.append(seq)
+                    rows.append(prefix.logits)
+                    prefix.take(self._prefixes, t.group)
+                    out.shared_prefills += 1
+                    continue
+                leader = prefilling.setdefault(self._key(seq), seq)
+                if leader is not seq:
+                    self._leader_of[seq.request_id] = leader
+                    continue
+            leaders.append(seq)
+        live = leaders
+        while live:
+            try:
+                cached = self.engine.start([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
+            except SequenceError as exc:
+                failed = set(exc.seq_ids) & {s.request_id for s in live}
+                if not failed:
+                    self._fail_all(live, exc, "prefill", out)
+                    break
+                for seq in live:
+                    if seq.request_id in failed:
+                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+                live = [s for s in live if s.request_id not in failed]
+                continue
+            except Exception as exc:
+                self._fail_all(live, exc, "prefill", out)
+                break
+            for seq, n in zip(live, cached):
+                seq.prefilled = True
+                seq.pending = [*seq.task.prompt_ids, *seq.generated][int(n):]
+                self._feeding[seq.request_id] = seq
+                out.cached_tokens += int(n)
+            break
+        return forked, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
+
+    def _chunks(self, decodes: int) -> list[tuple[Sequence, int]]:
+        """How many tokens of each prompt being fed go through the engine this step:
+        within ``max_step_tokens`` less the step's decodes, oldest prompt first; the
+        oldest always moves by at least ``_MIN_CHUNK`` tokens, however many decodes."""
+        budget = self.max_step_tokens - decodes if self.max_step_tokens else None
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self._feeding.values():
+            need = len(seq.pending)
+            if budget is None:
+                chunks.append((seq, need))
+                continue
+            if budget <= 0:
+                if chunks:
+                    break
+                take = min(need, _MIN_CHUNK)
+            else:
+                take = min(need, budget)
+            # never a chunk of one token, nor one left for later: ONNX Runtime computes a
+            # one-token run with one-row kernels whose last bits differ from a prefill's,
+            # and a prompt must get the same bits however it is cut (docs/scheduling.md)
+            if take < need and need - take == 1:
+                take = take - 1 if take > 2 else need
+            if take == 1 and need > 1:
+                if chunks:
+                    break
+                take = min(need, 2)
+            chunks.append((seq, take))
+            budget -= take
+        return chunks
+
+    def _feed(self, chunks: list[tuple[Sequence, int]], out: StepOutput
+              ) -> tuple[list[Sequence], np.ndarray | None]:
+        """Feed this step's chunks; returns the sequences whose prompt is now all in
+        (they sample their first token), with the sequences that waited for them
+        (forked now) and the logits of each."""
+        live = list(chunks)
+        while live:
+            try:
+                logits = np.asarray(self.engine.extend([(s.request_id, s.pending[:n]) for s, n in live]))
+                if logits.ndim != 2 or logits.shape[0] != len(live):
+                    raise RuntimeError(f"engine extend returned logits of shape {logits.shape} for {len(live)} "
+                                       f"sequences")
+            except SequenceError as exc:
+                failed = set(exc.seq_ids) & {s.request_id for s, _ in live}
+                if not failed:
+                    self._fail_all([s for s, _ in live], exc, "prefill", out)
+                    return [], None
+                log.warning("engine failed for some sequences", call="prefill", request_ids=sorted(failed),
+                            error=str(exc))
+                for seq, _ in live:
+                    if seq.request_id in failed:
+                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+                live = [(s, n) for s, n in live if s.request_id not in failed]
+                continue
+            except Exception as exc:
+                self._fail_all([s for s, _ in live], exc, "prefill", out)
+                return [], None
+            done: list[Sequence] = []
+            rows: list[np.ndarray] = []
+            for i, (seq, n) in enumerate(live):
+                out.prefill_tokens += n
+                seq.pending = seq.pending[n:] or None
+                if seq.pending is None:
+                    del self._feeding[seq.request_id]
+                    done.append(seq)
+                    rows.append(logits[i])
+            for seq, row in list(zip(done, rows)):
+                self._prefilled(seq, row, done, rows, out)
+            return done, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
+        return [], None
+
+    def _prefilled(self, seq: Sequence, row: np.ndarray, done: list[Sequence], rows: list[np.ndarray],
+                   out: StepOutput) -> None:
+        """``seq``'s prompt is all in: keep it for its group's choices still to come, and
+        fork it for the sequences of this worker that waited for it (appended to
+        ``done``/``rows``: they sample from the same logits)."""
+        t = seq.task
+        if t.group and t.group_size > 1 and not seq.generated:
+            self._prefixes[t.group] = _Prefix(seq, len(t.prompt_ids), np.array(row), t.group_size - 1)
+        followers = [f for f, leader in self._leader_of.items() if leader is seq]
+        if not followers:
+            return
+        by_id = {s.request_id: s for s in self._sched.running}
+        for fid in followers:
+            del self._leader_of[fid]
+            follower = by_id.get(fid)
+            if follower is None or follower.cancelled:
+                continue
+            try:
+                self.engine.fork(seq.request_id, [fid])
+            except Exception as exc:
+                self._fail(follower, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+                continue
+            follower.prefilled = True
+            done.append(follower)
+            rows.append(row)
+            out.shared_prefills += 1
+            prefix = self._prefixes.get(t.group) if t.group else None
+            if prefix is not None and prefix.seq is seq:
+                prefix.take(self._prefixes, t.group)
+
+    def _forget(self, seq: Sequence) -> None:
+        """``seq`` left the batch: out of the chunked-prefill bookkeeping; the sequences
+        that waited for its prefill start on their own at the next step."""
+        rid = seq.request_id
+        self._feeding.pop(rid, None)
+        self._leader_of.pop(rid, None)
+        for fid in [f for f, leader in self._leader_of.items() if leader is seq]:
+            del self._leader_of[fid]
+            follower = self._sched.get(fid)
+            if follower is not None:
+                self._orphans.append(follower)
+
+    @property
+    def prefix_cache(self):
+        """The engine's prefix cache (``workers.prefixcache.PrefixCache``), None without."""
+        return getattr(self.engine, "prefix_cache", None)
+
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
         log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
         for seq in seqs:
@@ -612,6 +844,7 @@ class WorkerCore:
     def _remove(self, seq: Sequence, out: StepOutput, *, release: bool) -> None:
         if release:
             self._release(seq)
+        self._forget(seq)
         with self._lock:
             self._sched.finish(seq.request_id)
         out.finished.append(seq.request_id)

@@ -7,7 +7,7 @@ delivered more than ``max_deliveries`` times without finishing, whose client is 
 from __future__ import annotations
 
 
-from streamfleet.shared.keys import GROUP
+from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
@@ -29,7 +29,8 @@ class DeadLetters(Part):
     async def send(self, lane: str, msg_id: bytes, raw: bytes | None, reason: str) -> None:
         """Move one delivery from its lane to the dead letters (failures are logged)."""
         metrics.dead_letters.labels(self.model).inc()
-        letter = DeadLetter(raw or b"", reason, lane, self.worker_id)
+        # (``lane`` may be an affinity source, "normal@w1": the letter names the lane)
+        letter = DeadLetter(raw or b"", reason, split_source(lane)[0], self.worker_id)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self.keys.dead(self.model), letter.fields(), maxlen=self.settings.dead_maxlen,

@@ -1,6 +1,7 @@
 """The drain: on SIGTERM a worker reads no new tasks, lets the requests it runs finish
 for up to ``drain_timeout_s``, then hands every unfinished one (and every held
-delivery) back to its lane so that another worker runs it.
+delivery) back to its lane so that another worker runs it (a task routed to this worker
+for its cached prefix goes back to the shared lane).
 
 With Redis unreachable the hand-back gives up at the first failure, or when Redis has
 not answered within the time it is given: what it could not hand back stays pending in
@@ -15,7 +16,7 @@ import time
 from concurrent.futures import Executor
 
 
-from streamfleet.shared.keys import GROUP
+from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
 
@@ -28,11 +29,13 @@ __all__ = ["Drain", "REQUEUE_LUA"]
 log = get_logger("worker")
 
 #: Hand a task back to its lane (drain): re-add it at the tail and drop this worker's
-#: delivery, atomically. KEYS[1] lane; ARGV[1] group, ARGV[2] message id, ARGV[3] task.
+#: delivery, atomically. KEYS[1] lane; KEYS[2] the stream it was delivered from (the
+#: lane, or an affinity stream of it: its task goes back to the shared lane, where any
+#: worker takes it at once); ARGV[1] group, ARGV[2] message id, ARGV[3] task.
 REQUEUE_LUA = """
 redis.call('XADD', KEYS[1], '*', 'task', ARGV[3])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -74,8 +77,9 @@ class Drain(Part):
         done, error = 0, None
         try:
             async with asyncio.timeout(within_s):
-                for lane, mid, raw in items:
-                    await self._requeue(keys=[self.lane_keys[lane]], args=[GROUP, mid, raw])
+                for source, mid, raw in items:
+                    lane = split_source(source)[0]
+                    await self._requeue(keys=[self.lane_keys[lane], self.lane_keys[source]], args=[GROUP, mid, raw])
                     done += 1
         except TimeoutError:
             error = f"Redis did not answer within {within_s:.1f} s"

@@ -3,6 +3,8 @@
 readiness and other workers for takeover (docs/architecture.md, "Redis keys"). Every
 tenth of ``STREAM_SLOT_TTL_S`` it also extends the stream slots of the requests it runs,
 so a request that runs longer than the slot's lifetime keeps its key's slot to its end.
+With the heartbeat it advertises its prefix cache's blocks (``PrefixAdvert``), and on a
+clean stop removes its advert and its empty affinity streams with its entry.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.tiers import STREAM_SLOT_TTL_S
 
+from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable
+from streamfleet.workers.prefixadvert import PrefixAdvert
 
 __all__ = ["HeartbeatLoop", "TokenRate"]
 
@@ -54,10 +58,13 @@ class HeartbeatLoop(Part):
         beat: the worker's heartbeat as of now.
     """
 
-    def __init__(self, ctx: WorkerContext, table: InFlightTable, beat: Callable[[], Heartbeat]) -> None:
+    def __init__(self, ctx: WorkerContext, table: InFlightTable, beat: Callable[[], Heartbeat],
+                 advert: PrefixAdvert | None = None, affinity: Affinity | None = None) -> None:
         super().__init__(ctx)
         self.table = table
         self.beat = beat
+        self.advert = advert
+        self.affinity = affinity
 
     async def run(self) -> None:
         key = self.keys.workers(self.model)
@@ -69,11 +76,19 @@ class HeartbeatLoop(Part):
             hb = self.beat()
             metrics.slots_in_use.labels(self.model).set(hb.slots_used)
             metrics.slots.labels(self.model).set(hb.max_batch)
+            if self.advert is not None:  # (rewritten only when the cache changed)
+                try:
+                    await self.advert.write()
+                except Exception as exc:  # never the heartbeat's end: the next beat tries again
+                    log.warning("prefix advert failed", error=str(exc) or type(exc).__name__)
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.hset(key, self.worker_id, hb.encode())
                     pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
-                    await pipe.execute()
+                    advertised = self.advert is not None and self.advert.refresh(pipe)
+                    results = await pipe.execute()
+                if advertised:
+                    self.advert.refreshed(results[-1])
             except BROKER_ERRORS as exc:
                 log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -88,8 +103,13 @@ class HeartbeatLoop(Part):
             log.warning("could not refresh stream slots", count=len(held), error=str(exc))
 
     async def deregister(self) -> None:
-        """Remove this worker's entry (a clean stop)."""
+        """Remove this worker's entry, its prefix advert and its empty affinity streams (a
+        clean stop)."""
         try:
             await self.redis.hdel(self.keys.workers(self.model), self.worker_id)
+            if self.advert is not None:
+                await self.advert.remove()
+            if self.affinity is not None:
+                await self.affinity.retire_own()
         except BROKER_ERRORS:
             pass

@@ -6,6 +6,11 @@ reads only when a gateway announced an entry it has not read (``sf:wake:{model}`
 ``WakeState``) or ``READ_EVERY_S`` has passed; an idle one blocks on the read. Entries
 read beyond the free slots, and deliveries reclaimed from other workers, wait in the
 in-flight table as held and start first.
+
+Once gateways route tasks to this worker for the prompt prefixes its cache holds
+(prefix-aware routing, workers/affinity.py), each lane's share is read from the worker's
+affinity stream of that lane first, then from the lane; a wake for another worker's
+affinity stream goes to ``Affinity``, which may take the task if it waits too long there.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from typing import Callable, Coroutine
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ReadOnlyError
 
-from streamfleet.shared.keys import GROUP, LANES
+from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
 
+from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.deadletters import DeadLetters
@@ -43,7 +49,13 @@ class WakeState:
     any read so far, or ``READ_EVERY_S`` after the last read in case a wake was lost
     (say while the pub/sub connection was re-established)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        #: this worker's id: a wake naming another worker (its affinity stream) wakes nothing
+        self.worker_id = worker_id
+        #: called with a wake for another worker's affinity stream (``Affinity.on_wake``)
+        self.on_other: Callable[[Wake], None] | None = None
+        #: called with a wake for this worker's own affinity stream (``Affinity.activate``)
+        self.on_own: Callable[[], None] | None = None
         #: a gateway announced a task (sf:wake:{model}) newer than any read so far
         self.woken = False
         self.read_at = 0.0  # monotonic time of the last read
@@ -63,6 +75,14 @@ class WakeState:
             self._unreadable = True
             self._wake()
             return
+        worker = wake.worker
+        if worker:  # routed to one worker (its affinity stream, "<lane>@<worker id>")
+            if worker != self.worker_id:
+                if self.on_other is not None:
+                    self.on_other(wake)
+                return
+            if self.on_own is not None:
+                self.on_own()
         if wake.is_new(self.last_read):
             if wake.entry_id > self.announced.get(wake.lane, (0, 0)):
                 self.announced[wake.lane] = wake.entry_id
@@ -105,7 +125,8 @@ class WakeState:
                              for lane, entry in self.announced.items())
 
     def read(self, lane: str, message_id: bytes) -> None:
-        """The read returned ``message_id`` from ``lane``."""
+        """The read returned ``message_id`` from ``lane`` (a lane, or this worker's
+        affinity source of one)."""
         entry_id = stream_entry_id(message_id.decode())
         if entry_id > self.last_read.get(lane, (0, 0)):
             self.last_read[lane] = entry_id
@@ -113,8 +134,13 @@ class WakeState:
 
 class Intake(Part):
     def __init__(self, ctx: WorkerContext, policy: LanePolicy, cores: CoreSet, table: InFlightTable,
-                 wake: WakeState, dead_letters: DeadLetters, spawn: Callable[[Coroutine], None]) -> None:
+                 wake: WakeState, dead_letters: DeadLetters, spawn: Callable[[Coroutine], None],
+                 affinity: Affinity | None = None) -> None:
         super().__init__(ctx)
+        self.affinity = affinity
+        if affinity is not None:
+            affinity.on_active = self._read_own_beside
+            wake.on_own = self._own_wake
         self.policy = policy
         self.cores = cores
         self.table = table
@@ -129,6 +155,7 @@ class Intake(Part):
         #: monotonic time since when the lanes' shard could not be read (None: it can)
         self.unreachable_since: float | None = None
         self._idle_read: asyncio.Future | None = None  # an idle worker's blocking read, still out
+        self._idle_read_own = False  # ... and whether it waits on this worker's affinity streams too
         self._held_wake = asyncio.Event()  # a delivery was held: an idle wait ends
         table.on_hold = self._held_wake.set
 
@@ -173,6 +200,9 @@ class Intake(Part):
         start at once instead of after ``block_ms``. A read cut short stays out, and what
         it returns later is held (``_collect_idle_read``)."""
         if self._idle_read is None:
+            self._idle_read_own = self.affinity is not None and self.affinity.active
+            if self._idle_read_own:
+                await self.affinity.ready()
             self._idle_read = asyncio.ensure_future(self._read(free, True, block_ms))
         self._held_wake.clear()  # (a hold from now on ends the wait; one before is in ``held``)
         if self.table.held:
@@ -203,6 +233,21 @@ class Intake(Part):
         for delivery in got:
             self.table.hold(delivery)
 
+    def _own_wake(self) -> None:
+        """A gateway routed a task to this worker (a wake naming it): from now on its reads
+        take its affinity streams (``Affinity.activate``)."""
+        if self.affinity.active:
+            self._read_own_beside()
+        else:
+            self.affinity.activate()  # (calls _read_own_beside)
+
+    def _read_own_beside(self) -> None:
+        """An idle read under way that began before gateways routed tasks here covers the
+        lanes only: this worker's affinity streams are read at once beside it (what comes
+        is held, which ends the idle wait)."""
+        if self._idle_read is not None and not self._idle_read.done() and not self._idle_read_own:
+            self.affinity.spawn_read_own(self.spawn)
+
     def close(self) -> None:
         """Cancel a blocking read still out (the worker stops)."""
         if self._idle_read is not None:
@@ -229,6 +274,8 @@ class Intake(Part):
         return out
 
     async def _read_lanes(self, free: int, block: bool, block_ms: int | None = None) -> list[Delivery]:
+        """Each lane's share of ``free`` (``LanePolicy``), what a lane lacked given to the
+        lanes that had more; an idle worker (``block``) waits on them all."""
         asked = self.policy.split(free)
         got: dict[str, list] = {lane: [] for lane in LANES}
         lanes = {lane: asked[lane] for lane in LANES if asked.get(lane, 0) > 0}
@@ -246,18 +293,26 @@ class Intake(Part):
                 got[lane].extend(more)
                 n += len(more)
         self.policy.record({lane: len(v) for lane, v in got.items()}, asked)
-        out = [Delivery(lane, mid, f) for lane in LANES for mid, f in got[lane]]
+        out = [Delivery(source, mid, f) for lane in LANES for source, mid, f in got[lane]]
         if not out and block:
-            key_to_lane = {v.encode(): k for k, v in self.lane_keys.items()}
-            for key, items in await self._read_blocking(block_ms):
-                lane = key_to_lane[key if isinstance(key, bytes) else key.encode()]
-                out.extend(Delivery(lane, mid, f) for mid, f in items)
+            sources = self._sources()
+            for key, items in await self._read_blocking(block_ms, list(sources.values())):
+                source = sources[key if isinstance(key, bytes) else key.encode()]
+                out.extend(Delivery(source, mid, f) for mid, f in items)
             for extra in out[free:]:
                 self.table.hold(extra)
             out = out[:free]
         return out
 
-    async def _read_blocking(self, block_ms: int | None = None) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
+    def _sources(self) -> dict[bytes, str]:
+        """Stream key -> source of what an idle worker waits on: the lanes, and this
+        worker's affinity streams once gateways route tasks here."""
+        if self.affinity is not None:
+            return self.affinity.sources()
+        return {self.lane_keys[lane].encode(): lane for lane in LANES}
+
+    async def _read_blocking(self, block_ms: int | None = None, sources: list[str] | None = None,
+                             ) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
         """An idle worker's wait for a task on any lane (``XREADGROUP ... BLOCK``):
         ``[(stream, [(entry id, fields)])]``, empty when ``block_ms`` passed. On a single
         server it goes out on a socket of its own (``sf-worker-<id>-reads``), written and
@@ -271,26 +326,31 @@ class Intake(Part):
             BROKER_ERRORS: Redis is unreachable.
         """
         block_ms = self.settings.block_ms if block_ms is None else block_ms
+        streams = [self.lane_keys[source] for source in (sources or LANES)]
         if isinstance(self.redis, RedisCluster):
-            res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.lane_keys[lane]: ">" for lane in LANES},
+            res = await self.redis.xreadgroup(GROUP, self.worker_id, {key: ">" for key in streams},
                                               count=1, block=block_ms)
             return [(key, items) for key, items in res or ()]
         link = blocking_link(self.redis, f"sf-worker-{self.worker_id}-reads")
         res = await link.blocking(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", 1, b"BLOCK", block_ms,
-                                  b"STREAMS", *(self.lane_keys[lane] for lane in LANES), *(b">" for _ in LANES),
+                                  b"STREAMS", *streams, *(b">" for _ in streams),
                                   block_s=block_ms / 1000)
         return [(key, _entries(items)) for key, items in res or ()]
 
-    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[bytes, dict]]]:
-        """New entries of each lane (up to its count), without blocking: one
-        ``XREADGROUP`` per lane, all in one ``RawBatch`` on the worker's command socket
-        (their replies read raw: no redis-py pipeline and response callbacks for a
-        burst of tasks at a step boundary).
+    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict]]]:
+        """New entries of each lane (up to its count), without blocking, as ``(source,
+        entry id, fields)``: one ``XREADGROUP`` per lane, all in one ``RawBatch`` on the
+        worker's command socket (their replies read raw: no redis-py pipeline and
+        response callbacks for a burst of tasks at a step boundary). Once gateways route
+        tasks here, one script instead, which reads each lane's share from this worker's
+        affinity stream first (``Affinity.read``).
 
         Raises:
             ResponseError: a lane refused the read (NOGROUP: its stream or group vanished).
             BROKER_ERRORS: Redis is unreachable.
         """
+        if self.affinity is not None and self.affinity.active:
+            return await self.affinity.read(counts)
         batch = RawBatch()
         for lane, n in counts.items():
             batch.add(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", n, b"STREAMS",
@@ -302,7 +362,7 @@ class Intake(Part):
                 raise res
             # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}
             streams = res.values() if isinstance(res, dict) else (items for _key, items in res or ())
-            out[lane] = [entry for items in streams for entry in _entries(items)]
+            out[lane] = [(lane, mid, f) for items in streams for mid, f in _entries(items)]
         return out
 
     def _start(self, d: Delivery) -> None:
@@ -321,11 +381,12 @@ class Intake(Part):
             return
         cancelled = self.table.admit(d.lane, d.message_id, task)
         self.cores.add(task, d.replay)
-        self._admitted[d.lane].inc()
+        lane, routed_to = split_source(d.lane)
+        self._admitted[lane].inc()
         if cancelled:
             self.cores.cancel(task.request_id)
-        log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=d.lane,
-                 queue_ms=round((now - task.created_at) * 1000, 2))
+        log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
+                 queue_ms=round((now - task.created_at) * 1000, 2), **({"routed_to": routed_to} if routed_to else {}))
 
 
 def _entries(items) -> list[tuple[bytes, dict]]:

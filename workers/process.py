@@ -37,7 +37,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import FatalError, NotFoundError
-from streamfleet.shared.keys import GROUP
+from streamfleet.shared.keys import GROUP, LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
@@ -45,6 +45,7 @@ from streamfleet.shared.redis import BROKER_ERRORS, connect
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.settings import WorkerSettings
 
+from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.audio import AudioFeed
 from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.control import ControlChannel
@@ -58,6 +59,7 @@ from streamfleet.workers.heartbeat import HeartbeatLoop, TokenRate
 from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.intake import Intake, WakeState
 from streamfleet.workers.lanes import LanePolicy
+from streamfleet.workers.prefixadvert import PrefixAdvert
 from streamfleet.workers.publisher import Publisher
 from streamfleet.workers.reclaim import Reclaimer, Takeover
 from streamfleet.workers.reload import Reloader, target_version
@@ -109,6 +111,7 @@ class WorkerProcess:
     control: ControlChannel
     heartbeat: HeartbeatLoop
     drain: Drain
+    affinity: Affinity | None = None  # a text model's (prefix-aware routing)
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -119,7 +122,7 @@ class WorkerProcess:
         self.lane_keys = self.keys.lanes(self.model)
         self.policy = LanePolicy(settings.lane_weights)
         self.table = InFlightTable()
-        self.wake = WakeState()
+        self.wake = WakeState(self.worker_id)
         self.tokens = TokenRate()
         self.redis: aioredis.Redis | None = None
         self.cores: CoreSet | None = None
@@ -138,6 +141,10 @@ class WorkerProcess:
         self._m_shared = metrics.shared_prefills.labels(m)
         self._m_tokens = metrics.tokens.labels(m)
         self._m_audio = metrics.audio.labels(m)
+        self._m_computed = metrics.prompt_tokens.labels(m, "computed")
+        self._m_cached = metrics.prompt_tokens.labels(m, "cached")
+        #: the prefix cache whose counters the metrics last took, and those counters
+        self._cache_seen: tuple[object, int, int, int] = (None, 0, 0, 0)
 
     # -- start-up -------------------------------------------------------------------
     def _load(self, version: str | None = None) -> VersionedCore:
@@ -154,6 +161,9 @@ class WorkerProcess:
         backend = self.settings.backend or spec.backend
         if backend == "onnxruntime" and self.settings.threads:
             options["threads"] = self.settings.threads
+        if backend == "onnxruntime":
+            options["prefix_cache_mb"] = self.settings.prefix_cache_mb
+            options["prefix_block"] = self.settings.prefix_block_tokens
         if backend == "echo":
             options["delay_ms"] = self.settings.echo_delay_ms
             options["max_batch"] = self.settings.max_batch
@@ -164,18 +174,22 @@ class WorkerProcess:
         tokenizer = load_tokenizer(spec)
         max_batch = self.settings.max_batch or spec.max_batch
         return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch,
-                                                     grammar_limits=self.settings.grammar_limits()))
+                                                     grammar_limits=self.settings.grammar_limits(),
+                                                     max_step_tokens=self.settings.max_step_tokens))
 
     async def _load_async(self, version: str | None) -> VersionedCore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._load, version)
 
     async def _ensure_groups(self) -> None:
-        for key in self.lane_keys.values():
+        """The lanes' streams and group, and this worker's affinity streams once it has any."""
+        for lane in LANES:
             try:
-                await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
+                await self.redis.xgroup_create(self.lane_keys[lane], GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        if getattr(self, "affinity", None) is not None:
+            await self.affinity.ensure()
 
     async def _wait_for_redis(self) -> bool:
         """Until Redis answers (True), or the worker is told to stop (False)."""
@@ -208,13 +222,19 @@ class WorkerProcess:
         """Build the parts around the connection, the cores and the in-flight table."""
         ctx = WorkerContext(self.redis, self.settings, self.keys, self.worker_id, self.lane_keys)
         table = self.table
+        # prefix-aware routing (docs/architecture.md): text models only
+        self.affinity = None if speech else Affinity(ctx, self.cores, table, self._stopping)
+        if self.affinity is not None:  # (the intake hears this worker's own wakes: Intake._own_wake)
+            self.wake.on_other = self.affinity.on_wake
         self.publisher = Publisher(ctx, self.cores, table, self._spawn)
         self.dead_letters = DeadLetters(ctx, self.publisher)
-        self.intake = Intake(ctx, self.policy, self.cores, table, self.wake, self.dead_letters, self._spawn)
-        self.reclaimer = Reclaimer(ctx, self.cores, table, self.dead_letters, self._stopping)
+        self.intake = Intake(ctx, self.policy, self.cores, table, self.wake, self.dead_letters, self._spawn,
+                             affinity=self.affinity)
+        self.reclaimer = Reclaimer(ctx, self.cores, table, self.dead_letters, self._stopping, affinity=self.affinity)
         self.reloader = Reloader(ctx, self.cores, self._load_async, self._stopping)
         self.control = ControlChannel(ctx, table, self.wake)
-        self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat)
+        advert = None if speech else PrefixAdvert(ctx, self._prefix_cache)
+        self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat, advert=advert, affinity=self.affinity)
         self.drain = Drain(ctx, self.cores, table, self._executor)
         self.audio = AudioFeed(ctx, self.cores) if speech else None
 
@@ -265,6 +285,8 @@ class WorkerProcess:
                asyncio.create_task(self.control.run(), name="cancels"),
                asyncio.create_task(self.reclaimer.run(), name="reclaim"),
                asyncio.create_task(self.reloader.run(), name="reload")]
+        if self.affinity is not None:
+            aux.append(asyncio.create_task(self.affinity.run(), name="affinity"))
         try:
             await self._serve()
         finally:
@@ -502,7 +524,34 @@ class WorkerProcess:
                 self._m_grammar.observe(out.grammar_s)
             if out.shared_prefills:
                 self._m_shared.inc(out.shared_prefills)
+            if out.prefill_tokens:
+                self._m_computed.inc(out.prefill_tokens)
+            if out.cached_tokens:
+                self._m_cached.inc(out.cached_tokens)
             self.tokens.add(out.new_tokens)
+        self._cache_metrics()
+
+    def _prefix_cache(self):
+        """The current version's prefix cache (None: none)."""
+        return getattr(self.cores.current.core, "prefix_cache", None) if self.cores is not None else None
+
+    def _cache_metrics(self) -> None:
+        cache = self._prefix_cache()
+        if cache is None:
+            return
+        seen, lookups, hits, evicted = self._cache_seen
+        if seen is not cache:  # a new version's cache counts from zero
+            lookups = hits = evicted = 0
+        st, m = cache.stats, self.model
+        if st.hits > hits:
+            metrics.prefix_lookups.labels(m, "hit").inc(st.hits - hits)
+        if st.lookups - st.hits > lookups - hits:
+            metrics.prefix_lookups.labels(m, "miss").inc((st.lookups - st.hits) - (lookups - hits))
+        if st.evicted > evicted:
+            metrics.prefix_evicted.labels(m).inc(st.evicted - evicted)
+        metrics.prefix_bytes.labels(m).set(cache.bytes)
+        metrics.prefix_blocks.labels(m).set(len(cache))
+        self._cache_seen = (cache, st.lookups, st.hits, st.evicted)
 
     async def _free_retired(self) -> None:
         """Free the old engine once a reload's old core has finished its sequences."""
@@ -541,10 +590,16 @@ class WorkerProcess:
 
     # -- for the parts --------------------------------------------------------------------
     def _heartbeat(self) -> Heartbeat:
+        cache = self._prefix_cache()
+        st = cache.stats if cache is not None else None
         return Heartbeat(heartbeat=time.time(), slots_used=self.cores.active, max_batch=self.max_batch,
                          version=self.cores.version, reloading=self.reloader.reloading,
                          draining=self._stopping.is_set(), tokens_per_s=round(self.tokens.per_s(), 1),
-                         pid=os.getpid(), host=socket.gethostname())
+                         pid=os.getpid(), host=socket.gethostname(),
+                         cache_blocks=len(cache) if cache is not None else 0,
+                         cache_bytes=cache.bytes if cache is not None else 0,
+                         cache_hit_rate=round(st.cached_tokens / st.requested_tokens, 4)
+                         if st is not None and st.requested_tokens else 0.0)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)

@@ -6,7 +6,11 @@ Every ``reclaim_interval_s`` the reclaim loop
 * refreshes the idle time of this worker's own deliveries, and drops those another
   worker has claimed meanwhile;
 * claims the deliveries of workers whose heartbeat stood still (``Takeover``);
-* as a fallback, claims deliveries idle past ``claim_idle_ms`` (``XAUTOCLAIM``).
+* as a fallback, claims deliveries idle past ``claim_idle_ms`` (``XAUTOCLAIM``);
+* does the same for the affinity streams of prefix-aware routing (workers/affinity.py),
+  found in the model's registry ``sf:{model}:affinity``: when a worker is dead (at once
+  when one more is found, else every ``AFFINITY_SWEEP_S``) and every
+  ``claim_idle_ms / 2``, and retires the empty streams of dead workers.
 
 A claimed task continues from its request log (the token ids it generated replay
 instead of being generated again), is acked at once if its log shows it already ended,
@@ -20,12 +24,13 @@ import time
 
 from redis.exceptions import ResponseError
 
-from streamfleet.shared.keys import GROUP, LANES
+from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import ENDS, Heartbeat, LogEntry, TokenEvent, decode_task
 
+from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.deadletters import DeadLetters
@@ -34,6 +39,10 @@ from streamfleet.workers.inflight import Delivery, InFlightTable
 __all__ = ["Takeover", "Reclaimer"]
 
 log = get_logger("worker")
+
+#: seconds between two looks at the affinity streams while some worker is dead (a death
+#: found since the last look is looked at in the next round)
+AFFINITY_SWEEP_S = 1.0
 
 
 class Takeover:
@@ -106,12 +115,16 @@ class Takeover:
 
 class Reclaimer(Part):
     def __init__(self, ctx: WorkerContext, cores: CoreSet, table: InFlightTable, dead_letters: DeadLetters,
-                 stopping: asyncio.Event) -> None:
+                 stopping: asyncio.Event, affinity: Affinity | None = None) -> None:
         super().__init__(ctx)
         self.cores = cores
         self.table = table
         self.dead_letters = dead_letters
         self.stopping = stopping
+        self.affinity = affinity
+        self._dead_seen: frozenset[str] = frozenset()  # the dead workers at the last look at affinity streams
+        self._affinity_look = 0.0  # monotonic time of that look
+        self._affinity_idle_look = 0.0  # ... and of the last idle-claim look at them
         # an entry seen standing still for one heartbeat interval and a look past it was
         # not rewritten by a live worker: its heartbeat's own age counts from then
         self.takeover = Takeover(ctx.settings.worker_dead_after_s,
@@ -171,53 +184,117 @@ class Reclaimer(Part):
         """Claim the deliveries of workers that stopped heartbeating (see ``Takeover``),
         as many as this worker has free slots for; the rest go to other workers or the
         next round."""
-        s = self.settings
         now, wall = time.monotonic(), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.workers(self.model))
             for lane in LANES:
                 pipe.xinfo_consumers(self.lane_keys[lane], GROUP)
-            heartbeats, *consumers = await pipe.execute()
-        self.takeover.observe({k.decode(): v for k, v in heartbeats.items()}, now, wall)
-        min_idle = int(s.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
+            pipe.smembers(self.keys.affinity_streams(self.model))
+            heartbeats, *consumers, streams = await pipe.execute()
+        beats = {k.decode(): v for k, v in heartbeats.items()}
+        self.takeover.observe(beats, now, wall)
+        streams = {k.decode() if isinstance(k, bytes) else k for k in streams}
+        if self.affinity is not None:
+            self.affinity.seen(streams)
         for lane, infos in zip(LANES, consumers):
-            for info in infos:
-                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
-                if name == self.worker_id or not info.get("pending") or not self.takeover.dead(name, now):
-                    continue
-                free = self._free()
-                if free <= 0:
+            if not await self._take_over(lane, infos, now):
+                break  # no free slot left (a dead worker's empty affinity streams are still retired)
+        if streams:
+            await self._look_at_affinity(streams, beats, now)
+
+    async def _take_over(self, source: str, infos: list[dict], now: float) -> bool:
+        """Claim what the dead consumers among ``infos`` (``XINFO CONSUMERS`` of the stream
+        of ``source``: a lane, or an affinity stream) left pending, as free slots allow.
+        Returns False once this worker has no free slot left."""
+        min_idle = int(self.settings.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
+        for info in infos:
+            name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+            if name == self.worker_id or not info.get("pending") or not self.takeover.dead(name, now):
+                continue
+            free = self._free()
+            if free <= 0:
+                return False
+            key = self.lane_keys[source]
+            pending = await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info["pending"]),
+                                                      consumername=name)
+            if not pending:
+                continue
+            deliveries = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
+            claimed = await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, list(deliveries))
+            if claimed:
+                log.warning("took over the tasks of a dead worker", dead_worker=name, lane=source,
+                            count=len(claimed))
+            for mid, fields in claimed:
+                await self._adopt(source, mid, fields, deliveries.get(mid, 2), "dead worker")
+        return True
+
+    async def _look_at_affinity(self, streams: set[str], beats: dict[str, bytes], now: float) -> None:
+        """The affinity streams (``streams``: the registry) as the lanes are looked at:
+        what dead consumers left pending in them is taken over, deliveries idle past
+        ``claim_idle_ms`` are claimed, and the empty streams of dead workers retired.
+        Bounded: only while some worker is dead (at once when another dies, else every
+        ``AFFINITY_SWEEP_S``) or every ``claim_idle_ms / 2`` for the idle claims, and only
+        the streams that hold something are looked into (one ``XLEN`` each first)."""
+        owners = {key: split_source(src)[1] for key in streams
+                  if (src := self.keys.affinity_source_of(self.model, key)) is not None}
+        dead = frozenset(w for w in {*beats, *owners.values()} if w != self.worker_id and self.takeover.dead(w, now))
+        idle_due = now - self._affinity_idle_look >= self.settings.claim_idle_ms / 2000
+        if not idle_due and not (dead and (dead - self._dead_seen or now - self._affinity_look >= AFFINITY_SWEEP_S)):
+            self._dead_seen = dead
+            return
+        self._dead_seen, self._affinity_look = dead, now
+        if idle_due:
+            self._affinity_idle_look = now
+        keys = sorted(owners)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.xlen(key)
+            lengths = await pipe.execute(raise_on_error=False)
+        held = [k for k, n in zip(keys, lengths) if isinstance(n, int) and n > 0]
+        if self.affinity is not None:
+            for key, n in zip(keys, lengths):
+                if n == 0 and owners[key] in dead and await self.affinity.retire(key):
+                    log.info("retired the affinity stream of a dead worker", stream=key, worker=owners[key])
+        if not held or self._free() <= 0:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in held:
+                pipe.xinfo_consumers(key, GROUP)
+            consumers = await pipe.execute(raise_on_error=False)
+        for key, infos in zip(held, consumers):
+            source = self.keys.affinity_source_of(self.model, key)
+            if isinstance(infos, Exception) or source is None:
+                continue
+            if not await self._take_over(source, infos, now):
+                return
+        if idle_due:
+            for key in held:
+                if not await self._claim_idle(self.keys.affinity_source_of(self.model, key)):
                     return
-                key = self.lane_keys[lane]
-                pending = await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info["pending"]),
-                                                          consumername=name)
-                if not pending:
-                    continue
-                deliveries = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
-                claimed = await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, list(deliveries))
-                if claimed:
-                    log.warning("took over the tasks of a dead worker", dead_worker=name, lane=lane,
-                                count=len(claimed))
-                for mid, fields in claimed:
-                    await self._adopt(lane, mid, fields, deliveries.get(mid, 2), "dead worker")
 
     async def reclaim_idle(self) -> None:
         """Fallback: deliveries idle past ``claim_idle_ms`` (their holder stopped refreshing
         them, whatever its heartbeat says)."""
-        s = self.settings
         for lane in LANES:
-            free = self._free()
-            if free <= 0:
+            if not await self._claim_idle(lane):
                 return
-            key = self.lane_keys[lane]
-            res = await self.redis.xautoclaim(key, GROUP, self.worker_id, s.claim_idle_ms, "0-0", count=free)
-            entries = res[1] if res else []
-            for mid, fields in entries:
-                if fields is None:
-                    continue
-                info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
-                deliveries = info[0]["times_delivered"] if info else 1
-                await self._adopt(lane, mid, fields, deliveries, "silent worker")
+
+    async def _claim_idle(self, source: str) -> bool:
+        """Claim the deliveries of ``source``'s stream idle past ``claim_idle_ms``, as free
+        slots allow; False when this worker had no free slot."""
+        free = self._free()
+        if free <= 0:
+            return False
+        key = self.lane_keys[source]
+        res = await self.redis.xautoclaim(key, GROUP, self.worker_id, self.settings.claim_idle_ms, "0-0", count=free)
+        entries = res[1] if res else []
+        for mid, fields in entries:
+            if fields is None:
+                continue
+            info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
+            deliveries = info[0]["times_delivered"] if info else 1
+            await self._adopt(source, mid, fields, deliveries, "silent worker")
+        return True
 
     async def _adopt(self, lane: str, mid: bytes, fields: dict | None, deliveries: int, source: str) -> None:
         """A delivery this worker just claimed: hold it to run, ack it if it already ended,

@@ -310,3 +310,36 @@ async def test_takeover_after_a_worker_sigkill_continues_from_the_log_with_ident
     assert "took over the tasks of a dead worker" in log
     replayed = [int(m) for m in re.findall(r'"replay_tokens":(\d+)', log)]
     assert replayed and replayed[-1] >= 8, replayed  # continued from the log, not regenerated
+
+
+def test_prefix_cache_and_chunked_prefill_give_the_real_models_bits(engines):
+    """On the real 4-bit graph, a conversation's turns started from the prefix cache and
+    fed in chunks of 256 (a 1-token tail merged, as the worker core does) get every
+    logit bit for bit as a prefill in one piece without the cache (docs/scheduling.md)."""
+    import numpy as np
+
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+
+    spec = ModelRepository(engines).get(MODEL)
+    ref = OnnxRuntimeEngine(spec, threads=2)
+    on = OnnxRuntimeEngine(spec, threads=2, prefix_cache_mb=256, prefix_block=64)
+    rng = np.random.default_rng(3)
+    history = rng.integers(100, 40000, 700).tolist()
+    for turn in range(3):
+        history += rng.integers(100, 40000, 41).tolist()
+        want = ref.prefill([("r", history)])[0]
+        n = on.start([("o", history)])[0]
+        rest = history[n:]
+        cuts = list(range(0, len(rest), 256))
+        if len(rest) - cuts[-1] == 1 and len(cuts) > 1:
+            cuts.pop()
+        for a, b in zip(cuts, [*cuts[1:], len(rest)]):
+            got = on.extend([("o", rest[a:b])])[0]
+        assert np.array_equal(want, got), f"turn {turn}"
+        token = int(np.argmax(want))
+        assert np.array_equal(ref.decode([("r", token)]), on.decode([("o", token)]))
+        ref.release("r")
+        on.release("o")
+        history.append(token)
+    assert on.prefix_cache.stats.cached_tokens >= 2 * 704

@@ -11,10 +11,12 @@ from redis.crc import key_slot
 from streamfleet.gateway.broker import ENQUEUE_LUA
 from streamfleet.gateway.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
 from streamfleet.gateway.voiceslots import VOICE_SLOTS_LUA
-from streamfleet.shared.keys import TAG_LEN, Keys
+from streamfleet.shared.keys import TAG_LEN, Keys, affinity_source, split_source
 from streamfleet.shared.redis import RawBatch, RedisTarget, _route_key
 from streamfleet.shared.settings import CommonSettings
+from streamfleet.workers.affinity import READ_LUA, RETIRE_LUA, STEAL_LUA
 from streamfleet.workers.drain import REQUEUE_LUA
+from streamfleet.workers.prefixadvert import ADVERTISE_LUA
 
 
 def slot(key: str) -> int:
@@ -52,7 +54,18 @@ def test_single_server_names_are_unchanged() -> None:
     assert keys.publish == b"PUBLISH"
 
 
-@pytest.mark.parametrize("script", [ENQUEUE_LUA, TOKEN_BUCKET_LUA, STREAM_SLOTS_LUA, REQUEUE_LUA, VOICE_SLOTS_LUA])
+def _key_arg(args: list[str]) -> str:
+    """The argument of a ``redis.call`` that names its key: after the subcommand of
+    XGROUP and XINFO, after STREAMS for XREADGROUP, else the first."""
+    if args[0] in ("'XGROUP'", "'XINFO'"):
+        return args[2]
+    if args[0] == "'XREADGROUP'":
+        return args[args.index("'STREAMS'") + 1]
+    return args[1]
+
+
+@pytest.mark.parametrize("script", [ENQUEUE_LUA, TOKEN_BUCKET_LUA, STREAM_SLOTS_LUA, REQUEUE_LUA, VOICE_SLOTS_LUA,
+                                    READ_LUA, STEAL_LUA, RETIRE_LUA, ADVERTISE_LUA])
 def test_every_lua_script_touches_only_declared_keys(script: str) -> None:
     """A script names no key of its own making: every command's key (or channel) is a
     KEYS[n], so the caller's hash tags decide the slot (checked below for the enqueue)."""
@@ -60,7 +73,7 @@ def test_every_lua_script_touches_only_declared_keys(script: str) -> None:
         args = [a.strip() for a in call.split(",")]
         if args[0] in ("'TIME'",):  # no key
             continue
-        assert len(args) >= 2 and args[1].startswith("KEYS["), call
+        assert len(args) >= 2 and _key_arg(args).startswith("KEYS["), call
 
 
 def test_the_enqueue_scripts_keys_share_a_slot() -> None:
@@ -68,6 +81,23 @@ def test_the_enqueue_scripts_keys_share_a_slot() -> None:
     for model in ("tiny-gpt", "asr-en", "m{odd}name"):
         for lane in ("high", "normal"):
             assert slot(keys.lane(model, lane)) == slot(keys.wake(model))
+            # prefix-aware routing: a worker's affinity stream, the registry and the adverts
+            # go with the lane (the enqueue and the workers' scripts touch them together)
+            assert slot(keys.affinity(model, lane, "w1")) == slot(keys.affinity_streams(model)) == \
+                slot(keys.prefix_advert(model, "w1")) == slot(keys.lane(model, lane))
+
+
+def test_affinity_sources_name_their_streams() -> None:
+    keys = Keys("sf")
+    lanes = keys.lanes("m")
+    assert dict(lanes) == {"high": "sf:{m}:tasks:high", "normal": "sf:{m}:tasks:normal"}  # only the lanes listed
+    assert lanes[affinity_source("normal", "w-1@x")] == keys.affinity("m", "normal", "w-1@x") == \
+        "sf:{m}:tasks:normal:@w-1@x"
+    assert keys.affinity_source_of("m", keys.affinity("m", "high", "w2")) == "high@w2"
+    assert keys.affinity_source_of("m", keys.lane("m", "high")) is None
+    assert split_source("normal@w-1@x") == ("normal", "w-1@x") and split_source("high") == ("high", "")
+    with pytest.raises(KeyError):
+        lanes["bulk@w1"]
 
 
 def test_a_batch_routes_each_command_by_its_key() -> None:

@@ -47,13 +47,13 @@ def test_same_prompt_shares_one_prefill_and_each_draws_its_own(engine, tiny_spec
     core = WorkerCore(engine, load_tokenizer(tiny_spec), max_batch=8)
     alone = {f"a{i}": generate(core, task(f"a{i}", seed=i))[0][f"a{i}"] for i in range(4)}
     calls = []
-    real_prefill = engine.prefill
-    engine.prefill = lambda seqs: calls.append([s for s, _ in seqs]) or real_prefill(seqs)
+    real_start = engine.start  # the core starts sequences, then feeds them their prompt (extend)
+    engine.start = lambda seqs: calls.append([s for s, _ in seqs]) or real_start(seqs)
     try:
         texts, shared = generate(core, *(task(f"b{i}", seed=i) for i in range(4)),
                                  task("other", seed=9, prompt=[8, 9, 10]))
     finally:
-        del engine.prefill
+        del engine.start
     assert shared == 3 and calls == [["b0", "other"]]  # one prefill for the four, one for the other prompt
     assert [texts[f"b{i}"] for i in range(4)] == [alone[f"a{i}"] for i in range(4)]
     assert len(set(alone.values())) == 4  # different seeds, different completions

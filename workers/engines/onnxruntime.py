@@ -60,8 +60,10 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
+from streamfleet.shared.prefixhash import block_hashes
 from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers
 from streamfleet.workers.engines.prefill import prefill_groups
+from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill", "invariant_width"]
 
@@ -171,6 +173,11 @@ class _Seq:
     #: whole group at the next step; None when ``kv`` came from elsewhere
     src: list[np.ndarray] | None = None
     src_row: int = -1
+    #: the token ids fed so far (prompt, then decoded), for naming its whole blocks
+    ids: list[int] | None = None
+    #: names of its whole blocks so far (shared/prefixhash.py); the prefix cache holds
+    #: each unless it was evicted
+    names: list[bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -203,6 +210,9 @@ class OnnxRuntimeEngine:
         invariant_quantum: the padding granularity of that mode (fewer, wider groups when
             larger); None: ``invariant_quantum`` in ``engine.toml``, else 128. At or above
             ``max_context`` every decode step is one run at full width.
+        prefix_cache_mb: memory for the prefix cache (``PrefixCache``): the KV blocks of
+            earlier sequences, reused by new ones that start with the same tokens; 0: none.
+        prefix_block: tokens per block of that cache.
         options: ``providers`` (a list, default ``["CPUExecutionProvider"]``); others are ignored.
 
     Raises:
@@ -210,7 +220,8 @@ class OnnxRuntimeEngine:
     """
 
     def __init__(self, spec: ModelSpec, *, threads: int | None = None, batch_invariant: bool | None = None,
-                 invariant_quantum: int | None = None, **options: Any) -> None:
+                 invariant_quantum: int | None = None, prefix_cache_mb: float = 0.0, prefix_block: int = 64,
+                 **options: Any) -> None:
         import onnxruntime as ort  # lazily: the registry imports backends by name
 
         if not spec.onnx_path.exists():
@@ -243,6 +254,10 @@ class OnnxRuntimeEngine:
         self._read_layout()
         self._seqs: dict[str, _Seq] = {}
         self._slab: _Slab | None = None
+        #: the KV blocks of earlier sequences (None: no prefix cache)
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_mb > 0:
+            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), prefix_block, spec.name, spec.version)
         #: sequences get their solo logits bit for bit, whatever the batch (module
         #: docstring); false where asked, or where the graph's kernels compute a row
         #: differently beside other rows (``rows_independent``)
@@ -351,7 +366,8 @@ class OnnxRuntimeEngine:
     # -- the Engine interface ------------------------------------------------------------
 
     def prefill(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
-        """Start new sequences; see ``Engine.prefill``.
+        """Start new sequences; see ``Engine.prefill``. The same as ``start`` and then
+        ``extend`` with each prompt's part the prefix cache did not have.
 
         Raises:
             InvalidSequenceError: (a ``SequenceError`` and a ``ValueError``) naming the
@@ -359,34 +375,167 @@ class OnnxRuntimeEngine:
                 ``max_context`` or a token outside the vocabulary; nothing is started.
             ValueError: an id given twice, or more than ``max_batch`` live sequences.
         """
+        if not seqs:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        cached = self.start(seqs)
+        try:
+            return self.extend([(seq_id, prompt[n:]) for (seq_id, prompt), n in zip(seqs, cached)])
+        except BaseException:
+            for seq_id, _ in seqs:
+                self.release(seq_id)
+            raise
+
+    def start(self, seqs: list[tuple[str, list[int]]]) -> list[int]:
+        """Register new sequences, each with the longest run of its prompt's blocks the
+        prefix cache holds (copied into its own cache), and nothing else computed yet;
+        ``extend`` feeds them the rest. Returns the tokens each starts with (a multiple of
+        the block size, always less than its prompt: the last token's logits are computed).
+
+        Raises:
+            InvalidSequenceError, ValueError: as ``prefill``; nothing is started.
+        """
+        check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
+        cache = self.prefix_cache
+        out = []
+        for seq_id, prompt in seqs:
+            names, run = cache.lookup(prompt) if cache is not None else ([], [])
+            if run:
+                kv = [np.concatenate([blk[i] for blk in run], axis=1) for i in range(len(self._past_names))]
+            else:
+                kv = [np.zeros((self.kv_heads, 0, self.head_dim), dtype=self._kv_dtype) for _ in self._past_names]
+            n = len(run) * (cache.block if cache is not None else 0)
+            self._seqs[seq_id] = _Seq(length=n, kv=kv, ids=list(prompt[:n]), names=names[:len(run)])
+            out.append(n)
+        return out
+
+    def extend(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
+        """Feed several tokens to each of some live sequences (the next chunk of a prompt
+        being prefilled); returns the logits at each one's last new position.
+
+        Sequences of exactly equal length and chunk share a run (rows are computed
+        independently: the same bits as alone); a chunk's result does not depend on how
+        the prompt before it was cut into chunks or taken from the prefix cache (measured
+        bit for bit on both shipped graphs), except a chunk of one token after a past:
+        ONNX Runtime runs one row with kernels of its own, whose last bits differ (the
+        worker core never feeds a prompt such a chunk; the prefix cache always leaves two
+        tokens to compute). Sequences with nothing cached yet may share a padded run in
+        the slab mode, as a prefill of whole prompts always did.
+
+        Raises:
+            InvalidSequenceError: naming the unknown sequences, empty chunks, chunks that
+                would pass ``max_context`` and tokens outside the vocabulary (nothing runs).
+            ValueError: an id given twice.
+        """
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         if not seqs:
             return out
-        check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
-        lengths = [len(p) for _, p in seqs]
+        if len({seq_id for seq_id, _ in seqs}) != len(seqs):
+            raise ValueError("a sequence id appears twice in one extend call")
+        bad: dict[str, str] = {}
+        for seq_id, chunk in seqs:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                bad[seq_id] = "is not live"
+            elif not chunk:
+                bad[seq_id] = "was given no tokens"
+            elif seq.length + len(chunk) > self.max_context:
+                bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {self.max_context}"
+            elif min(chunk) < 0 or max(chunk) >= self.vocab_size:
+                bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
+        if bad:
+            raise InvalidSequenceError(_describe(bad), list(bad))
         unpadded = self.solo or self.batch_invariant
-        groups = self._equal_groups(lengths) if unpadded else self._prefill_groups(lengths)
+        fresh: list[int] = []
+        exact: dict[tuple[int, int], list[int]] = {}
+        for i, (seq_id, chunk) in enumerate(seqs):
+            seq = self._seqs[seq_id]
+            if seq.kv is None:  # in the slab: it takes its cache out
+                self._unslab(seq_id, seq)
+            if seq.length == 0 and not unpadded:
+                fresh.append(i)
+            else:
+                exact.setdefault((seq.length, len(chunk)), []).append(i)
+        groups = [g for g in exact.values()]
+        if fresh:
+            lengths = [len(seqs[i][1]) for i in fresh]
+            groups += [[fresh[j] for j in g] for g in self._prefill_groups(lengths)]
         for group in groups:
-            width = len(seqs[group[0]][1])
-            rows = len(group)
-            ids = np.zeros((rows, width), dtype=np.int64)
-            mask = np.zeros((rows, width), dtype=np.int64)
-            positions = np.zeros((rows, width), dtype=np.int64)
-            for r, i in enumerate(group):
-                prompt = seqs[i][1]
-                n = len(prompt)
-                ids[r, width - n:] = prompt
-                mask[r, width - n:] = 1
-                positions[r, width - n:] = np.arange(n)
-            logits, *presents = self._run(ids, mask, positions, [self._empty_past(rows)] * len(self._past_names))
-            out[group] = logits[:, -1, :]
-            for r, i in enumerate(group):
-                seq_id, prompt = seqs[i]
-                n = len(prompt)
-                # Views into this group's outputs; copied once when the sequence joins a slab.
-                self._seqs[seq_id] = _Seq(length=n, kv=[p[r, :, width - n:, :] for p in presents],
-                                          src=presents if unpadded else None, src_row=r)
+            self._extend_group(seqs, group, out, unpadded)
         return out
+
+    def _extend_group(self, seqs: list[tuple[str, list[int]]], group: list[int], out: np.ndarray,
+                      unpadded: bool) -> None:
+        """One run: the chunks of ``group`` (equal past lengths), left-padded to the longest."""
+        members = [self._seqs[seqs[i][0]] for i in group]
+        past_len = members[0].length
+        width = max(len(seqs[i][1]) for i in group)
+        rows = len(group)
+        ids = np.zeros((rows, width), dtype=np.int64)
+        mask = np.zeros((rows, past_len + width), dtype=np.int64)
+        positions = np.zeros((rows, width), dtype=np.int64)
+        mask[:, :past_len] = 1
+        for r, i in enumerate(group):
+            chunk = seqs[i][1]
+            n = len(chunk)
+            ids[r, width - n:] = chunk
+            mask[r, past_len + width - n:] = 1
+            positions[r, width - n:] = np.arange(past_len, past_len + n)
+        if past_len:
+            past = [np.stack([m.kv[k] for m in members]) for k in range(len(self._past_names))]
+        else:
+            past = [self._empty_past(rows)] * len(self._past_names)
+        logits, *presents = self._run(ids, mask, positions, past)
+        out[group] = logits[:, -1, :]
+        total = past_len + width
+        for r, (i, m) in enumerate(zip(group, members)):
+            chunk = seqs[i][1]
+            n = len(chunk)
+            # views into the run's outputs, its real slots at the right end (only a group
+            # with no past pads: chunks after a past share a run only when equally long)
+            m.kv = [p[r, :, total - past_len - n:, :] for p in presents]
+            m.length += n
+            m.src, m.src_row = (presents, r) if unpadded else (None, -1)
+            m.ids.extend(chunk)
+            self._keep_blocks(m)
+
+    def _keep_blocks(self, seq: _Seq) -> None:
+        """Name the sequence's blocks completed since the last call and give the prefix
+        cache a copy of those it does not hold."""
+        cache = self.prefix_cache
+        if cache is None or seq.ids is None:
+            return
+        block = cache.block
+        done = seq.length // block
+        if done <= len(seq.names):
+            return
+        cached = None
+        for k in range(len(seq.names), done):
+            chain = seq.names[-1] if seq.names else cache.seed
+            name = block_hashes(chain, seq.ids[k * block:(k + 1) * block], block)[0]
+            seq.names.append(name)
+            if cache.touch(name):
+                continue
+            if cached is None:
+                cached = self._cache_of(seq)
+            cache.put(name, [c[:, k * block:(k + 1) * block, :].copy() for c in cached])
+
+    @staticmethod
+    def _decoded(seq: _Seq, token: int) -> None:
+        """A decode step fed ``seq`` a token: from now on none of its blocks is kept. A
+        decode step computes a token's cache with other numerics than a prefill (a past
+        padded to another width: last bits differ), and a block in the prefix cache must
+        be exactly what a prefill computes, so that a prompt gets the same bits with the
+        cache on or off, whatever was cached before (docs/scheduling.md, "Prefix cache")."""
+        seq.ids = seq.names = None
+
+    def _unslab(self, seq_id: str, seq: _Seq) -> None:
+        """Give a sequence in the slab its own copy of its cache and free its row."""
+        seq.kv = [c.copy() for c in self._cache_of(seq)]
+        if self._slab is not None:
+            self._slab.rows[seq.row] = None
+            self._slab.mask[seq.row] = 0
+            self._slab.positions[seq.row] = 0
+        seq.row, seq.src, seq.src_row = -1, None, -1
 
     def decode(self, seqs: list[tuple[str, int]]) -> np.ndarray:
         """Feed one token to each live sequence, all in one run; see ``Engine.decode``.
@@ -419,8 +568,10 @@ class OnnxRuntimeEngine:
 
         slab.past, slab.mask = presents, mask
         slab.positions = slab.positions + active
-        for seq_id, _ in seqs:
-            self._seqs[seq_id].length += 1
+        for seq_id, token in seqs:
+            seq = self._seqs[seq_id]
+            seq.length += 1
+            self._decoded(seq, token)
         return np.ascontiguousarray(logits[order, -1, :], dtype=np.float32)
 
     def fork(self, src_id: str, dst_ids: list[str], length: int | None = None) -> None:
@@ -448,8 +599,11 @@ class OnnxRuntimeEngine:
             cache = src.kv
         else:
             cache = [c[:, :n, :].copy() for c in self._cache_of(src)]
+        block = self.prefix_cache.block if self.prefix_cache is not None else 1
         for d in dst_ids:
-            self._seqs[d] = _Seq(length=n, kv=list(cache))
+            self._seqs[d] = _Seq(length=n, kv=list(cache),
+                                 ids=None if src.ids is None else src.ids[:n],
+                                 names=None if src.names is None else src.names[:n // block])
 
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -492,10 +646,11 @@ class OnnxRuntimeEngine:
             mask = (np.arange(width + 1) >= (width - lengths)[:, None]).astype(np.int64)
             logits, *presents = self._run(ids, mask, lengths[:, None], self._grouped_past(members, width))
             out[group] = logits[:, -1, :]
-            for r, m in enumerate(members):
+            for r, (i, m) in enumerate(zip(group, members)):
                 m.length += 1
                 m.kv = [p[r, :, width + 1 - m.length:, :] for p in presents]
                 m.src, m.src_row = presents, r
+                self._decoded(m, seqs[i][1])
         return out
 
     def _grouped_past(self, members: list[_Seq], width: int) -> list[np.ndarray]:

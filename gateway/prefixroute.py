@@ -1,0 +1,237 @@
+"""Prefix-aware routing: send a text task to the live worker whose prefix cache holds the
+longest leading run of its prompt's KV blocks (docs/architecture.md, "Prefix-aware
+routing").
+
+Workers advertise the names of the blocks they hold (``sf:{model}:prefix:{worker_id}``,
+a set of the 8-byte names of shared/prefixhash.py). For a task whose prompt has at least
+one whole block, the gateway computes the prompt's chain once per worker version among
+the *candidates* (fresh heartbeat, not draining or reloading, a free slot, a non-empty
+advert), asks each candidate's set which of the first names it holds (one
+``SMISMEMBER`` each, all in one round trip on the coalescer), and picks the worker with
+the longest leading run of hits (ties: the fewest slots in use). No hit: the shared
+lane, as without routing.
+
+The pure choice (``leading_run``, ``candidates``, ``choose``, ``lookup_plan``) is apart
+from the I/O (``PrefixRouter``). What routing may cost is bounded: at most
+``MAX_ROUTE_BLOCKS`` names per worker and ``MAX_ROUTE_LOOKUPS`` per task, and no Redis
+round trip on a task's path when routing cannot apply (off, a prompt shorter than a
+block, no candidate): the live workers are read in the background, at most every
+``VIEW_TTL_S`` per model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from streamfleet.shared import aio
+from streamfleet.shared.keys import Keys, affinity_source
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.prefixhash import block_hashes, namespace
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer
+from streamfleet.shared.schema import AnyTask, Heartbeat, Task, live_workers
+from streamfleet.shared.settings import GatewaySettings
+
+__all__ = ["FleetView", "PrefixRouter", "candidates", "choose", "leading_run", "lookup_plan",
+           "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "VIEW_TTL_S"]
+
+log = get_logger("gateway.prefixroute")
+
+#: seconds a model's fleet view (live workers, advertisers, affinity streams) is used
+#: before the next task starts reading it again (in the background)
+VIEW_TTL_S = 0.5
+#: a worker whose heartbeat is older than this (or ``SF_WORKER_TTL_S``, if shorter) is no
+#: candidate: it may be stopped or dead, and its tasks would wait ``SF_AFFINITY_WAIT_MS``
+ROUTE_FRESH_S = 2.0
+#: most of a prompt's leading block names looked up in one worker's advert
+MAX_ROUTE_BLOCKS = 32
+#: most names looked up for one task, all candidates together
+MAX_ROUTE_LOOKUPS = 256
+#: most candidates looked up for one task (those with the fewest slots in use)
+MAX_CANDIDATES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """What a gateway knows of one model's workers, read in one go."""
+
+    #: monotonic time of the read
+    read_at: float
+    #: workers with a fresh heartbeat (``SF_WORKER_TTL_S``) at the read
+    workers: tuple[Heartbeat, ...] = ()
+    #: the workers among them whose advert set is not empty
+    advertisers: frozenset[str] = frozenset()
+    #: every affinity stream of the model (``sf:{model}:affinity``)
+    affinity: frozenset[str] = frozenset()
+
+
+def leading_run(hits: Iterable) -> int:
+    """How many of ``hits`` are true before the first false one (``SMISMEMBER``'s 1s and
+    0s): the blocks of a prompt's start that a worker holds. A block is usable only after
+    every block before it, so a hit after a miss counts for nothing."""
+    n = 0
+    for hit in hits:
+        if not hit:
+            break
+        n += 1
+    return n
+
+
+def candidates(workers: Iterable[Heartbeat], advertisers: Iterable[str], now: float, fresh_s: float,
+               limit: int = MAX_CANDIDATES) -> list[Heartbeat]:
+    """The workers a task may be routed to: heartbeat at most ``fresh_s`` old at ``now``
+    (unix seconds), neither draining nor reloading, a free slot (``slots_used <
+    max_batch``), and an advert that is not empty; at most ``limit`` of them, the least
+    busy first (ties by worker id, so that every gateway looks at the same ones)."""
+    adv = set(advertisers)
+    out = [hb for hb in workers
+           if hb.worker_id in adv and not hb.draining and not hb.reloading
+           and hb.slots_used < hb.max_batch and now - hb.heartbeat <= fresh_s]
+    out.sort(key=lambda hb: (hb.slots_used, hb.worker_id))
+    return out[:max(0, limit)]
+
+
+def lookup_plan(model: str, prompt_ids: Sequence[int], block: int, workers: Sequence[Heartbeat],
+                max_blocks: int = MAX_ROUTE_BLOCKS, max_lookups: int = MAX_ROUTE_LOOKUPS) -> dict[str, list[bytes]]:
+    """Worker id -> the leading block names of the prompt to look up in its advert: the
+    chain is computed once per version among ``workers`` (its seed is the model's name
+    and that version), at most ``max_blocks`` names per worker and about ``max_lookups``
+    in all (at least one per worker). Empty when the prompt has no whole block."""
+    if not workers or len(prompt_ids) < block:
+        return {}
+    per = max(1, min(max_blocks, max_lookups // len(workers)))
+    chains: dict[str, list[bytes]] = {}
+    plan = {}
+    for hb in workers:
+        chain = chains.get(hb.version)
+        if chain is None:
+            chain = chains[hb.version] = block_hashes(namespace(model, hb.version), prompt_ids, block, per)
+        if chain:
+            plan[hb.worker_id] = chain
+    return plan
+
+
+def choose(runs: Mapping[str, int], load: Mapping[str, int]) -> str | None:
+    """The worker with the longest run (``runs``: worker id -> leading blocks it holds),
+    ties to the fewest slots in use (``load``), then the lowest worker id; None when no
+    worker holds the prompt's first block."""
+    best, key = None, None
+    for wid, run in runs.items():
+        if run <= 0:
+            continue
+        k = (-run, load.get(wid, 0), wid)
+        if key is None or k < key:
+            best, key = wid, k
+    return best
+
+
+class PrefixRouter:
+    """The gateway's routing: a cached view of each model's workers, the look-up, the
+    choice. ``route`` never raises: any trouble means the shared lane."""
+
+    def __init__(self, settings: GatewaySettings, keys: Keys, redis: aioredis.Redis, coalescer: Coalescer) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.redis = redis
+        self.coalescer = coalescer
+        self.block = settings.prefix_block_tokens
+        self.fresh_s = min(settings.worker_ttl_s, ROUTE_FRESH_S)
+        self._views: dict[str, FleetView] = {}
+        self._reads: dict[str, asyncio.Future] = {}
+
+    # -- the view --------------------------------------------------------------------------
+    def view(self, model: str) -> FleetView | None:
+        """The model's last view (None before the first read); starts a read in the
+        background when it is older than ``VIEW_TTL_S`` (never waited for here)."""
+        view = self._views.get(model)
+        if (view is None or time.monotonic() - view.read_at >= VIEW_TTL_S) and model not in self._reads:
+            read = asyncio.ensure_future(self._read(model))
+            read.add_done_callback(aio.mark_retrieved)
+            self._reads[model] = read
+        return view
+
+    async def _read(self, model: str) -> None:
+        """The model's affinity streams, and with routing on its live workers and which of
+        them advertise: two round trips, off any task's path."""
+        started = time.monotonic()
+        routing = self.settings.prefix_routing
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.smembers(self.keys.affinity_streams(model))
+                if routing:
+                    pipe.hgetall(self.keys.workers(model))
+                streams, *rest = await pipe.execute()
+            live = live_workers(rest[0], self.settings.worker_ttl_s, time.time()) if routing else []
+            sizes: list = []
+            if live:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for hb in live:
+                        pipe.scard(self.keys.prefix_advert(model, hb.worker_id))
+                    sizes = await pipe.execute()
+            self._views[model] = FleetView(
+                started, tuple(live), frozenset(hb.worker_id for hb, n in zip(live, sizes) if n),
+                frozenset(s.decode() if isinstance(s, bytes) else s for s in streams))
+        except BROKER_ERRORS as exc:
+            log.debug("could not read the workers for routing", model=model, error=str(exc))
+        finally:
+            self._reads.pop(model, None)
+
+    def counted(self, model: str, lane: str, target: str) -> list[str]:
+        """The streams of ``lane`` besides ``target`` whose backlog counts toward the lane's
+        threshold: the shared lane (when ``target`` is an affinity stream) and every
+        affinity stream of the lane this gateway knows of, so that a model refuses work at
+        the same backlog whether its tasks were routed or not (by this gateway or another).
+        Known are the streams of the registry as last read (also with routing off) and
+        those of the workers that advertise (a stream is made when a first task is routed
+        to its worker, which every gateway sees advertise at about the same time)."""
+        view = self.view(model)
+        lane_key = self.keys.lane(model, lane)
+        head = lane_key + ":@"
+        out = [lane_key] if target != lane_key else []
+        if view is not None:
+            known = {s for s in view.affinity if s.startswith(head)}
+            known.update(self.keys.affinity(model, lane, w) for w in view.advertisers)
+            known.discard(target)
+            out += sorted(known)
+        return out
+
+    # -- routing ---------------------------------------------------------------------------
+    def applies(self, task: AnyTask) -> bool:
+        """Whether routing may apply to ``task`` at all (no I/O): on, a text task, a prompt
+        of at least one block."""
+        return self.settings.prefix_routing and isinstance(task, Task) and len(task.prompt_ids) >= self.block
+
+    async def route(self, task: AnyTask) -> str | None:
+        """The worker to send ``task`` to, or None for the shared lane. Looks Redis up
+        (one round trip) only when a candidate exists."""
+        if not self.applies(task):
+            return None
+        view = self.view(task.model)
+        if view is None:
+            return None
+        cands = candidates(view.workers, view.advertisers, time.time(), self.fresh_s)
+        plan = lookup_plan(task.model, task.prompt_ids, self.block, cands)
+        if not plan:
+            return None
+        sends = [(wid, self.coalescer.send(b"SMISMEMBER", self.keys.prefix_advert(task.model, wid), *names))
+                 for wid, names in plan.items()]
+        runs: dict[str, int] = {}
+        for wid, fut in sends:
+            try:
+                hits = await fut
+            except Exception as exc:  # Redis unreachable: the shared lane (whose enqueue reports it)
+                log.debug("prefix look-up failed", worker=wid, error=str(exc))
+                continue
+            if isinstance(hits, list):
+                runs[wid] = leading_run(hits)
+        chosen = choose(runs, {hb.worker_id: hb.slots_used for hb in cands})
+        metrics.prefix_routes.labels(task.model, "routed" if chosen else "shared").inc()
+        if chosen is not None:
+            log.debug("routed by prefix", request_id=task.request_id, worker=chosen, blocks=runs[chosen],
+                      source=affinity_source(task.lane, chosen))
+        return chosen

@@ -1,0 +1,67 @@
+"""Prefix-aware routing's choice, without I/O (gateway/prefixroute.py; docs/architecture.md,
+"Prefix-aware routing"): the longest leading run of a prompt's blocks wins, ties go to
+the least busy worker, and only live, free, advertising workers are candidates."""
+
+from __future__ import annotations
+
+from streamfleet.gateway.prefixroute import (MAX_ROUTE_BLOCKS, candidates, choose, leading_run, lookup_plan)
+from streamfleet.shared.prefixhash import block_hashes, namespace
+from streamfleet.shared.schema import Heartbeat, Wake
+
+NOW = 1_000_000.0
+
+
+def hb(wid: str, used: int = 0, max_batch: int = 8, age: float = 0.1, version: str = "1", **kw) -> Heartbeat:
+    return Heartbeat(NOW - age, slots_used=used, max_batch=max_batch, version=version, worker_id=wid, **kw)
+
+
+def test_the_leading_run_stops_at_the_first_miss() -> None:
+    assert leading_run([]) == 0
+    assert leading_run([0, 1, 1]) == 0  # a later block is no use without the first
+    assert leading_run([1, 1, 0, 1]) == 2
+    assert leading_run([1, 1, 1]) == 3
+    assert leading_run([True, False]) == 1
+
+
+def test_the_longest_run_wins_and_ties_go_to_the_least_busy() -> None:
+    assert choose({"a": 2, "b": 5, "c": 1}, {"a": 0, "b": 7, "c": 0}) == "b"  # longest, however busy
+    assert choose({"a": 3, "b": 3}, {"a": 4, "b": 2}) == "b"
+    assert choose({"a": 3, "b": 3}, {"a": 2, "b": 2}) == "a"  # then the lowest id: every gateway agrees
+    assert choose({"a": 0, "b": 0}, {}) is None  # nobody holds the first block: the shared lane
+    assert choose({}, {}) is None
+
+
+def test_candidates_are_fresh_free_serving_and_advertising() -> None:
+    workers = [hb("ok"), hb("stale", age=5.0), hb("full", used=8), hb("draining", draining=True),
+               hb("reloading", reloading=True), hb("silent"), hb("busy", used=3)]
+    got = candidates(workers, {"ok", "stale", "full", "draining", "reloading", "busy"}, NOW, fresh_s=2.0)
+    assert [w.worker_id for w in got] == ["ok", "busy"]  # least busy first
+    assert candidates(workers, set(), NOW, fresh_s=2.0) == []  # nobody advertises: no look-up at all
+    many = [hb(f"w{i:02d}", used=i % 4) for i in range(40)]
+    top = candidates(many, {w.worker_id for w in many}, NOW, fresh_s=2.0, limit=5)
+    assert [w.worker_id for w in top] == ["w00", "w04", "w08", "w12", "w16"]
+
+
+def test_the_chain_is_computed_per_version_and_bounded() -> None:
+    ids = list(range(100, 100 + 64 * 40))
+    workers = [hb("a", version="1"), hb("b", version="2"), hb("c", version="1")]
+    plan = lookup_plan("m", ids, 64, workers)
+    assert plan["a"] == plan["c"] == block_hashes(namespace("m", "1"), ids, 64, MAX_ROUTE_BLOCKS)
+    assert plan["b"] == block_hashes(namespace("m", "2"), ids, 64, MAX_ROUTE_BLOCKS)
+    assert plan["a"] != plan["b"]  # another version names its blocks otherwise
+    assert len(plan["a"]) == MAX_ROUTE_BLOCKS  # not the prompt's 40 blocks
+    # many candidates share the bound on names looked up, one block each at least
+    crowd = [hb(f"w{i}") for i in range(100)]
+    sizes = {len(v) for v in lookup_plan("m", ids, 64, crowd, max_lookups=256).values()}
+    assert sizes == {2}
+    assert {len(v) for v in lookup_plan("m", ids, 64, crowd, max_lookups=10).values()} == {1}
+    # shorter than a block: nothing to look up
+    assert lookup_plan("m", ids[:63], 64, workers) == {}
+    assert lookup_plan("m", ids, 64, []) == {}
+
+
+def test_a_wake_names_the_worker_a_task_was_routed_to() -> None:
+    routed = Wake.decode(b"normal@host-12-ab 1700000000000-3")
+    assert routed == Wake("normal@host-12-ab", (1700000000000, 3)) and routed.worker == "host-12-ab"
+    assert Wake.decode(routed.encode()) == routed
+    assert Wake.decode(b"high 5-0").worker == ""
