@@ -229,11 +229,15 @@ def finish_reason(reason: str) -> str:
 def usage_of(ends: Sequence[DoneEvent], prompts: int = 1) -> dict[str, int]:
     """The ``usage`` of a request of one or several choices, ``ends`` in choice order: each
     prompt once (``prompts`` of them, each with an equal share of the choices, which
-    all have its prompt), the completion tokens of every choice."""
+    all have its prompt), the completion tokens of every choice, and in
+    ``prompt_tokens_details.cached_tokens`` the prompt tokens the worker's prefix cache
+    had (docs/scheduling.md, "Prefix cache")."""
     per = len(ends) // prompts
     prompt = sum(ends[i * per].prompt_tokens for i in range(prompts))
+    cached = sum(ends[i * per].cached_tokens for i in range(prompts))
     completion = sum(e.completion_tokens for e in ends)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int, prompts: int = 1) -> list[int]:

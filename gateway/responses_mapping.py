@@ -403,7 +403,8 @@ def response_id_of(request_id: str) -> str:
 
 def usage(end: DoneEvent) -> dict[str, Any]:
     """A response's ``usage``."""
-    return {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": end.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": end.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": end.prompt_tokens + end.completion_tokens}
 

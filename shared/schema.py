@@ -367,9 +367,16 @@ class DoneEvent:
     total_ms: float = 0.0
     model_version: str = ""
     type: str = "done"
+    #: prompt tokens the worker's prefix cache had (not prefilled again); left off the
+    #: wire when 0
+    cached_tokens: int = 0
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        """The WebSocket ``done`` frame's usage: ``cached_tokens`` only when some were."""
+        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        if self.cached_tokens:
+            u["cached_tokens"] = self.cached_tokens
+        return u
 
     def timing(self) -> dict[str, float]:
         return {
@@ -420,11 +427,16 @@ def event_from_dict(d: dict[str, Any]) -> Event:
 
 def _wire(ev: Event) -> Event | dict[str, Any]:
     """A token without log probabilities leaves the field out (most tokens: bytes saved on
-    every publish and log entry), an error its unset retry hint and param."""
+    every publish and log entry), an error its unset retry hint and param, an end its
+    ``cached_tokens`` when 0."""
     if type(ev) is TokenEvent and ev.logprobs is None:
         return {"request_id": ev.request_id, "index": ev.index, "text": ev.text, "type": "token"}
     if type(ev) is ErrorEvent and ev.retry_after_ms is None and ev.param is None:
         return {"request_id": ev.request_id, "code": ev.code, "message": ev.message, "type": "error"}
+    if type(ev) is DoneEvent and not ev.cached_tokens:
+        return {"request_id": ev.request_id, "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
+                "completion_tokens": ev.completion_tokens, "queue_ms": ev.queue_ms, "ttft_ms": ev.ttft_ms,
+                "total_ms": ev.total_ms, "model_version": ev.model_version, "type": "done"}
     return ev
 
 

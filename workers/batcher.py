@@ -38,6 +38,8 @@ class Sequence:
     #: prompt (+ replay) tokens the engine has still to be fed before its first token
     #: is sampled (chunked prefill: some steps feed it a chunk); None: none left
     pending: list[int] | None = None
+    #: prompt tokens the engine's prefix cache had when it started
+    cached: int = 0
     cancelled: bool = False
     #: leaves silently (no event, not acked): another worker took the task over
     abandoned: bool = False

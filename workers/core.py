@@ -629,6 +629,7 @@ class WorkerCore:
                 seq.prefilled = True
                 seq.pending = [*seq.task.prompt_ids, *seq.generated][int(n):]
                 self._feeding[seq.request_id] = seq
+                seq.cached = min(int(n), len(seq.task.prompt_ids))
                 out.cached_tokens += int(n)
             break
         return forked, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
@@ -830,6 +831,7 @@ class WorkerCore:
             queue_ms=max(0.0, (seq.admitted_at - created) * 1000.0),
             ttft_ms=max(0.0, (seq.first_token_at - created) * 1000.0) if seq.first_token_at is not None else 0.0,
             total_ms=max(0.0, (now - created) * 1000.0),
+            cached_tokens=seq.cached,
         )
         out.events.append((seq.task.reply_to, done))
         self._remove(seq, out, release=seq.prefilled)

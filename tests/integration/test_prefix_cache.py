@@ -28,11 +28,13 @@ def counters(port: int) -> dict[str, float]:
     return out
 
 
-def complete(gw, prompt: list[int], **extra) -> str:
+def complete(gw, prompt: list[int], cached: list[int] | None = None, **extra) -> str:
     r = httpx.post(gw.http + "/v1/completions", json={"model": "tiny-gpt", "prompt": prompt, "max_tokens": 12,
                                                       "temperature": 1.0, "seed": 5, "ignore_eos": True, **extra},
                    timeout=60)
     assert r.status_code == 200, r.text
+    if cached is not None:  # what the SDK reads as usage.prompt_tokens_details.cached_tokens
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     return r.json()["choices"][0]["text"]
 
 
@@ -44,7 +46,9 @@ def test_a_shared_prefix_is_computed_once_and_changes_nothing(module_fleet):
     try:
         turns = [[*SYSTEM, 1, 2, 3], [*SYSTEM, 1, 2, 3, 40, 41, 42, 43, 44], [*SYSTEM, 9, 9]]
         before = counters(port)
-        with_cache = [complete(gw, p) for p in turns]
+        reported: list[int] = []
+        with_cache = [complete(gw, p, reported) for p in turns]
+        assert reported == [0, 96, 96]
         after = counters(port)
         computed = after.get("computed", 0) - before.get("computed", 0)
         cached = after.get("cached", 0) - before.get("cached", 0)

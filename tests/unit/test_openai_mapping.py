@@ -381,7 +381,8 @@ def test_a_chat_completion_object():
     assert out == {"id": "chatcmpl-abc123", "object": "chat.completion", "created": 1700000000, "model": "tiny-gpt",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there"},
                                 "logprobs": None, "finish_reason": "stop"}],
-                   "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}}
     json.dumps(out)  # plain JSON all through
 
 
@@ -389,7 +390,8 @@ def test_a_text_completion_object():
     out = shape(chat=False).full(" upon a time", DoneEvent("r", "length", 4, 3))
     assert out == {"id": "cmpl-abc123", "object": "text_completion", "created": 1700000000, "model": "tiny-gpt",
                    "choices": [{"index": 0, "text": " upon a time", "logprobs": None, "finish_reason": "length"}],
-                   "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+                   "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_created_is_now_unless_given():
@@ -456,7 +458,8 @@ def test_a_chat_tool_call_not_streamed():
 
 def test_several_choices_usage_and_best_of():
     ends = [DoneEvent("r", "stop", 6, 3), DoneEvent("r", "length", 6, 4), DoneEvent("r", "stop", 6, 1)]
-    assert usage_of(ends) == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    assert usage_of(ends) == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     s = shape(chat=False)
     out = s.full_many([s.choice_full(j, t, e) for j, (t, e) in enumerate(zip("abc", ends))], usage_of(ends))
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
@@ -470,7 +473,8 @@ def test_several_choices_usage_and_best_of():
 def test_several_prompts_count_each_prompt_once_and_pick_the_best_of_each():
     ends = [DoneEvent("r", "stop", 6, 3), DoneEvent("r", "stop", 6, 4), DoneEvent("r", "stop", 2, 1),
             DoneEvent("r", "stop", 2, 5)]
-    assert usage_of(ends, prompts=2) == {"prompt_tokens": 8, "completion_tokens": 13, "total_tokens": 21}
+    assert usage_of(ends, prompts=2) == {"prompt_tokens": 8, "completion_tokens": 13, "total_tokens": 21,
+                                         "prompt_tokens_details": {"cached_tokens": 0}}
     assert usage_of(ends, prompts=4)["prompt_tokens"] == 16
     scores = [[(0, lp("a", -3.0))], [(0, lp("b", -0.5))], [(0, lp("c", -0.1))], [(0, lp("d", -2.0))]]
     assert best_of_order(scores, 1, prompts=2) == [1, 2]  # each prompt's best, prompt by prompt
@@ -533,7 +537,8 @@ def test_include_usage_nulls_every_chunk_and_ends_with_the_usage_chunk():
     last = s.usage_chunk(usage_of([DoneEvent("r", "stop", 4, 1)]))
     assert last == {"id": "chatcmpl-abc123", "object": "chat.completion.chunk", "created": 1700000000,
                     "model": "tiny-gpt", "choices": [],
-                    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}}
     assert shape(chat=False).usage_chunk(usage_of([DoneEvent("r", "stop", 4, 1)]))["object"] == "text_completion"
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from streamfleet.shared.prefixhash import DIGEST_BYTES, block_hashes, namespace
+from streamfleet.shared.schema import DoneEvent, decode_events, encode_events
 from streamfleet.workers.prefixcache import PrefixCache
 
 
@@ -90,3 +91,13 @@ def test_a_zero_budget_keeps_nothing():
     cache = PrefixCache(0, 4, "m", "1")
     assert not cache.put(b"x" * 8, kv())
     assert len(cache) == 0
+
+
+def test_an_end_carries_its_cached_tokens_only_when_there_were_some():
+    plain = DoneEvent("r", "stop", 5, 3, queue_ms=1.0)
+    assert b"cached_tokens" not in encode_events([plain])  # the wire as before the cache
+    assert decode_events(encode_events([plain])) == [plain] and plain.usage() == {"prompt_tokens": 5,
+                                                                                  "completion_tokens": 3}
+    hit = DoneEvent("r", "stop", 100, 3, cached_tokens=64)
+    assert decode_events(encode_events([hit])) == [hit]
+    assert hit.usage() == {"prompt_tokens": 100, "completion_tokens": 3, "cached_tokens": 64}
