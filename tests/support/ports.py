@@ -31,10 +31,15 @@ def _ephemeral_low() -> int:
 
 
 def _slice() -> range:
+    """This process's slice: one per xdist worker of a run, and the run's slices shifted by
+    a number of its own, so that two runs side by side (a developer's and a helper's)
+    seldom share one."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    shift = int(run[:8], 16) if len(run) >= 8 and all(c in "0123456789abcdef" for c in run[:8]) else os.getpid()
     slices = max(1, (_ephemeral_low() - _FLOOR) // _SLICE)
-    start = _FLOOR + (index % slices) * _SLICE
+    start = _FLOOR + ((index + shift) % slices) * _SLICE
     return range(start, start + _SLICE)
 
 
