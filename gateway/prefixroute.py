@@ -37,7 +37,7 @@ from streamfleet.shared.redis import BROKER_ERRORS, Coalescer
 from streamfleet.shared.schema import AnyTask, Heartbeat, Task, live_workers
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["FleetView", "PrefixRouter", "candidates", "choose", "leading_run", "lookup_plan",
+__all__ = ["FleetView", "PrefixRouter", "candidates", "choose", "leading_run", "lookup_plan", "sample",
            "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "VIEW_TTL_S"]
 
 log = get_logger("gateway.prefixroute")
@@ -98,10 +98,16 @@ def candidates(workers: Iterable[Heartbeat], advertisers: Iterable[str], now: fl
 
 def lookup_plan(model: str, prompt_ids: Sequence[int], block: int, workers: Sequence[Heartbeat],
                 max_blocks: int = MAX_ROUTE_BLOCKS, max_lookups: int = MAX_ROUTE_LOOKUPS) -> dict[str, list[bytes]]:
-    """Worker id -> the leading block names of the prompt to look up in its advert: the
+    """Worker id -> the block names of the prompt to look up in its advert, in order: the
     chain is computed once per version among ``workers`` (its seed is the model's name
-    and that version), at most ``max_blocks`` names per worker and about ``max_lookups``
-    in all (at least one per worker). Empty when the prompt has no whole block."""
+    and that version; one hash a block, bounded by the context), and at most
+    ``max_blocks`` names per worker and about ``max_lookups`` in all (at least one per
+    worker) are looked up: all of them when the prompt has no more blocks, else that many
+    spread evenly from its first block to its last (``sample``), the same positions for
+    every worker. So a conversation longer than ``max_blocks`` blocks still goes to the
+    worker holding most of it, to within one spacing, where the first blocks alone (a
+    system prompt every worker holds) would tell the workers apart by nothing. Empty when
+    the prompt has no whole block."""
     if not workers or len(prompt_ids) < block:
         return {}
     per = max(1, min(max_blocks, max_lookups // len(workers)))
@@ -110,10 +116,23 @@ def lookup_plan(model: str, prompt_ids: Sequence[int], block: int, workers: Sequ
     for hb in workers:
         chain = chains.get(hb.version)
         if chain is None:
-            chain = chains[hb.version] = block_hashes(namespace(model, hb.version), prompt_ids, block, per)
+            chain = chains[hb.version] = sample(block_hashes(namespace(model, hb.version), prompt_ids, block), per)
         if chain:
             plan[hb.worker_id] = chain
     return plan
+
+
+def sample(names: Sequence[bytes], n: int) -> list[bytes]:
+    """``n`` of ``names`` spread evenly, first and last included, in order (all of them
+    when there are no more than ``n``). A worker's leading run over them is the sampled
+    positions it holds before the first it lacks: comparable between workers, as every
+    worker is asked the same positions."""
+    if len(names) <= n:
+        return list(names)
+    if n == 1:
+        return [names[0]]
+    last = len(names) - 1
+    return [names[round(j * last / (n - 1))] for j in range(n)]
 
 
 def choose(runs: Mapping[str, int], load: Mapping[str, int]) -> str | None:

@@ -4,7 +4,8 @@ the least busy worker, and only live, free, advertising workers are candidates."
 
 from __future__ import annotations
 
-from streamfleet.gateway.prefixroute import (MAX_ROUTE_BLOCKS, candidates, choose, leading_run, lookup_plan)
+from streamfleet.gateway.prefixroute import (MAX_ROUTE_BLOCKS, candidates, choose, leading_run, lookup_plan,
+                                             sample)
 from streamfleet.shared.prefixhash import block_hashes, namespace
 from streamfleet.shared.schema import Heartbeat, Wake
 
@@ -46,10 +47,16 @@ def test_the_chain_is_computed_per_version_and_bounded() -> None:
     ids = list(range(100, 100 + 64 * 40))
     workers = [hb("a", version="1"), hb("b", version="2"), hb("c", version="1")]
     plan = lookup_plan("m", ids, 64, workers)
-    assert plan["a"] == plan["c"] == block_hashes(namespace("m", "1"), ids, 64, MAX_ROUTE_BLOCKS)
-    assert plan["b"] == block_hashes(namespace("m", "2"), ids, 64, MAX_ROUTE_BLOCKS)
+    chain1, chain2 = block_hashes(namespace("m", "1"), ids, 64), block_hashes(namespace("m", "2"), ids, 64)
+    assert plan["a"] == plan["c"] == sample(chain1, MAX_ROUTE_BLOCKS)
+    assert plan["b"] == sample(chain2, MAX_ROUTE_BLOCKS)
     assert plan["a"] != plan["b"]  # another version names its blocks otherwise
-    assert len(plan["a"]) == MAX_ROUTE_BLOCKS  # not the prompt's 40 blocks
+    assert len(plan["a"]) == MAX_ROUTE_BLOCKS  # not the prompt's 40 blocks...
+    # ... but spread over all of them, first and last included, in order
+    assert plan["a"][0] == chain1[0] and plan["a"][-1] == chain1[-1]
+    assert [chain1.index(n) for n in plan["a"]] == sorted({chain1.index(n) for n in plan["a"]})
+    short = ids[:64 * 5]
+    assert lookup_plan("m", short, 64, workers)["a"] == chain1[:5]  # few blocks: every one
     # many candidates share the bound on names looked up, one block each at least
     crowd = [hb(f"w{i}") for i in range(100)]
     sizes = {len(v) for v in lookup_plan("m", ids, 64, crowd, max_lookups=256).values()}
@@ -65,3 +72,15 @@ def test_a_wake_names_the_worker_a_task_was_routed_to() -> None:
     assert routed == Wake("normal@host-12-ab", (1700000000000, 3)) and routed.worker == "host-12-ab"
     assert Wake.decode(routed.encode()) == routed
     assert Wake.decode(b"high 5-0").worker == ""
+
+
+def test_a_long_conversation_goes_to_the_worker_holding_most_of_it() -> None:
+    """Both workers hold a system prompt of 20 blocks; only one holds the 50 blocks of
+    history after it: sampled names beyond the first 32 blocks tell them apart."""
+    ids = list(range(100, 100 + 64 * 70))
+    chain = block_hashes(namespace("m", "1"), ids, 64)
+    plan = lookup_plan("m", ids, 64, [hb("a"), hb("b")])
+    held = {"a": set(chain[:20]), "b": set(chain)}
+    runs = {w: leading_run(n in held[w] for n in names) for w, names in plan.items()}
+    assert runs["b"] > runs["a"] > 0 and choose(runs, {"a": 0, "b": 3}) == "b"
+    assert sample(chain, 1) == [chain[0]] and sample(chain[:3], 8) == chain[:3]
