@@ -70,7 +70,7 @@ class CommonSettings(BaseSettings):
     grammar_cache_mb: float = 64.0
     #: tokens in one block of the prefix cache, which gateways and workers hash alike
     #: (shared/prefixhash.py); the same in every process of a fleet
-    prefix_block_tokens: int = Field(64, ge=1, le=4096)
+    prefix_block_tokens: int = Field(32, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _cluster_from_url(self):

@@ -220,7 +220,7 @@ class OnnxRuntimeEngine:
     """
 
     def __init__(self, spec: ModelSpec, *, threads: int | None = None, batch_invariant: bool | None = None,
-                 invariant_quantum: int | None = None, prefix_cache_mb: float = 0.0, prefix_block: int = 64,
+                 invariant_quantum: int | None = None, prefix_cache_mb: float = 0.0, prefix_block: int = 32,
                  **options: Any) -> None:
         import onnxruntime as ort  # lazily: the registry imports backends by name
 
