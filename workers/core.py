@@ -486,15 +486,7 @@ class WorkerCore:
                         f"engine {kind} returned logits of shape {logits.shape} for {len(live)} sequences"
                     )
             except SequenceError as exc:
-                failed = set(exc.seq_ids) & {s.request_id for s in live}
-                if not failed:
-                    self._fail_all(live, exc, kind, out)
-                    return [], None
-                log.warning("engine failed for some sequences", call=kind, request_ids=sorted(failed), error=str(exc))
-                for seq in live:
-                    if seq.request_id in failed:
-                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
-                live = [s for s in live if s.request_id not in failed]
+                live = self._without_failed(live, exc, kind, out)
                 continue
             except Exception as exc:
                 self._fail_all(live, exc, kind, out)
@@ -613,14 +605,7 @@ class WorkerCore:
             try:
                 cached = self.engine.start([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
             except SequenceError as exc:
-                failed = set(exc.seq_ids) & {s.request_id for s in live}
-                if not failed:
-                    self._fail_all(live, exc, "prefill", out)
-                    break
-                for seq in live:
-                    if seq.request_id in failed:
-                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
-                live = [s for s in live if s.request_id not in failed]
+                live = self._without_failed(live, exc, "prefill", out)
                 continue
             except Exception as exc:
                 self._fail_all(live, exc, "prefill", out)
@@ -677,16 +662,8 @@ class WorkerCore:
                     raise RuntimeError(f"engine extend returned logits of shape {logits.shape} for {len(live)} "
                                        f"sequences")
             except SequenceError as exc:
-                failed = set(exc.seq_ids) & {s.request_id for s, _ in live}
-                if not failed:
-                    self._fail_all([s for s, _ in live], exc, "prefill", out)
-                    return [], None
-                log.warning("engine failed for some sequences", call="prefill", request_ids=sorted(failed),
-                            error=str(exc))
-                for seq, _ in live:
-                    if seq.request_id in failed:
-                        self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
-                live = [(s, n) for s, n in live if s.request_id not in failed]
+                kept = {id(s) for s in self._without_failed([s for s, _ in live], exc, "prefill", out)}
+                live = [(s, n) for s, n in live if id(s) in kept]
                 continue
             except Exception as exc:
                 self._fail_all([s for s, _ in live], exc, "prefill", out)
@@ -751,6 +728,21 @@ class WorkerCore:
     def prefix_cache(self):
         """The engine's prefix cache (``workers.prefixcache.PrefixCache``), None without."""
         return getattr(self.engine, "prefix_cache", None)
+
+    def _without_failed(self, live: list[Sequence], exc: SequenceError, kind: str, out: StepOutput
+                        ) -> list[Sequence]:
+        """End the sequences of ``live`` an engine call's ``SequenceError`` names (the
+        engine left the others untouched) and return the others, to retry the call with;
+        an error naming none of them ends them all (returns [])."""
+        failed = set(exc.seq_ids) & {s.request_id for s in live}
+        if not failed:
+            self._fail_all(live, exc, kind, out)
+            return []
+        log.warning("engine failed for some sequences", call=kind, request_ids=sorted(failed), error=str(exc))
+        for seq in live:
+            if seq.request_id in failed:
+                self._fail(seq, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
+        return [s for s in live if s.request_id not in failed]
 
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
         log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
