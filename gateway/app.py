@@ -19,7 +19,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway import demo, edge, openai, responses, transcriptions
+from streamfleet.gateway import demo, edge, embeddings, openai, responses, transcriptions
 from streamfleet.gateway.admission import Admission
 from streamfleet.gateway.broker import Broker
 from streamfleet.gateway.httperror import openai_error_response
@@ -172,6 +172,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(transcriptions.router)
+    app.include_router(embeddings.router)
     app.include_router(demo.router)
 
     @app.exception_handler(StarletteHTTPException)

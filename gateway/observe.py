@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as m
-from streamfleet.shared.schema import PROGRESS, DoneEvent, ErrorEvent, Event
+from streamfleet.shared.schema import PROGRESS, DoneEvent, EmbeddingEvent, ErrorEvent, Event
 
 from streamfleet.gateway.request_stream import RequestStream, Tick
 
@@ -69,7 +69,8 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
                 else:
                     itl.observe(now - last)
                 last = now
-                tokens.inc()
+                if type(ev) is not EmbeddingEvent:  # an input's vector is no completion token
+                    tokens.inc()
             elif isinstance(ev, DoneEvent):
                 outcome = ev.finish_reason
                 if not stream.ended_here and not stream.resumed:  # a worker's end: it timed the queue

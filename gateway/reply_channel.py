@@ -149,7 +149,7 @@ class ReplyChannel:
         """
         rid = request_id or self.broker.keys.new_request_id(self.connection_id)
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
-        stream = RequestStream(rid, request.client_id, prompt_tokens=len(request.prompt_ids),
+        stream = RequestStream(rid, request.client_id, prompt_tokens=task.prompt_tokens,
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
                                stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s)
         stream.trace_id = task.trace_id

@@ -36,10 +36,12 @@ from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, AudioInput, SamplingParams, SpeechTask, Task, is_number
+from streamfleet.shared.schema import (DEFAULT_TEMPERATURE, RANGES, AudioInput, EmbedTask, SamplingParams, SpeechTask,
+                                       Task, is_number)
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported"]
+__all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported", "not_text_message",
+           "encode_texts"]
 
 log = get_logger("gateway.validation")
 
@@ -134,6 +136,9 @@ class Draft:
     #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
     #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
     constraint: tuple[str, Any] | None = None
+    #: an embeddings request (gateway/embeddings.py): its inputs, each a text (tokenized by
+    #: ``finish``) or token ids (checked already); no prompt
+    inputs: tuple[str | tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +155,17 @@ class ValidRequest:
     audio: AudioInput | None = None
     group: str = ""
     group_size: int = 1
+    #: an embeddings request's inputs, as token ids
+    inputs: tuple[tuple[int, ...], ...] | None = None
 
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,
-                slot: str = "") -> Task | SpeechTask:
+                slot: str = "") -> Task | SpeechTask | EmbedTask:
         now = time.time()
         trace_id = trace_id or uuid.uuid4().hex[:16]
+        if self.inputs is not None:
+            return EmbedTask(request_id=request_id, model=self.model, lane=self.lane, reply_to=reply_to,
+                             client_id=self.client_id, inputs=[list(ids) for ids in self.inputs], created_at=now,
+                             deadline=now + self.timeout_s, trace_id=trace_id, slot=slot)
         if self.audio is not None:
             return SpeechTask(request_id=request_id, model=self.model, lane=self.lane, reply_to=reply_to,
                               client_id=self.client_id, audio=self.audio, created_at=now,
@@ -174,6 +185,23 @@ class ValidRequest:
             group=self.group,
             group_size=self.group_size,
         )
+
+
+def not_text_message(spec: ModelSpec) -> str:
+    """Why a text endpoint (completions, chat, the WebSocket's generate) refuses ``spec``,
+    naming the model, its kind and where it is served."""
+    where = {"asr": "stream audio to /v1/audio/stream or post a file to /v1/audio/transcriptions for it",
+             "embedding": "post its inputs to /v1/embeddings"}.get(spec.kind, "it cannot generate text")
+    return f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; {where}"
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, special tokens included (``encode_prompt``'s, in one batch
+    call where the tokenizer allows it)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if texts and backend is not None and backend.truncation is None and backend.padding is None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
+    return [encode_prompt(tokenizer, t) for t in texts]
 
 
 def check_lane(value: Any) -> str:
@@ -386,9 +414,7 @@ class Validator:
             raise ValidationError("'model' must be a string", code=ErrorCode.invalid_type, param="model")
         spec = self.spec(model)
         if spec.kind != "text":
-            raise ValidationError(f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; stream "
-                                  f"audio to /v1/audio/stream or post a file to /v1/audio/transcriptions for it",
-                                  code=ErrorCode.invalid_request, param="model")
+            raise ValidationError(not_text_message(spec), code=ErrorCode.invalid_request, param="model")
 
         lane = check_lane(p.get("priority"))
 
@@ -453,7 +479,14 @@ class Validator:
 
     async def finish_async(self, draft: Draft) -> ValidRequest:
         """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
-        limits, but not free) in a thread, off the event loop other clients share."""
+        limits, but not free) in a thread, off the event loop other clients share; an
+        embeddings request's texts are tokenized in a thread too."""
+        if draft.inputs is not None:
+            if any(isinstance(i, str) for i in draft.inputs):
+                spec = self.spec(draft.model)
+                self.tokenizer(spec)  # loaded (and cached) on the loop, used in the thread
+                return await asyncio.to_thread(self.finish, draft)
+            return self.finish(draft)
         if draft.constraint is not None and draft.audio is None:
             spec = self.spec(draft.model)
             grammar = self._compile(draft, spec)
@@ -480,6 +513,11 @@ class Validator:
         if draft.audio is not None:  # a speech request: its input is audio, sent separately
             return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
                                 params=draft.params, timeout_s=draft.timeout_s, prompt_text="", audio=draft.audio)
+        if draft.inputs is not None:  # an embeddings request: its texts tokenized and checked
+            spec = self.spec(draft.model)
+            return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
+                                params=draft.params, timeout_s=draft.timeout_s, prompt_text="",
+                                inputs=self._embedding_inputs(draft.inputs, spec))
         spec = self.spec(draft.model)
         params, text = draft.params, draft.prompt_text
         if draft.constraint is not None:
@@ -513,6 +551,24 @@ class Validator:
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
                             params=params, timeout_s=draft.timeout_s, prompt_text=text,
                             group=draft.group, group_size=draft.group_size)
+
+    def _embedding_inputs(self, inputs: tuple, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
+        """An embeddings request's inputs as token ids: its texts tokenized (special tokens
+        included, as the model was trained), each within the model's ``max_context``
+        (nothing is truncated: docs/openai.md, "Embeddings")."""
+        texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
+        encoded = dict(zip((i for i, _ in texts), encode_texts(self.tokenizer(spec), [t for _, t in texts])))
+        out = []
+        for i, item in enumerate(inputs):
+            ids = tuple(encoded[i]) if i in encoded else item
+            if not ids:
+                raise ValidationError(f"input {i} encodes to no tokens", code=ErrorCode.invalid_request, param="input")
+            if len(ids) > spec.max_context:
+                raise ValidationError(f"input {i} has {len(ids)} tokens, over the limit of model {spec.name!r} "
+                                      f"({spec.max_context} tokens, special tokens included); it is not truncated",
+                                      code=ErrorCode.prompt_too_long, param="input")
+            out.append(ids)
+        return tuple(out)
 
     def _token_ids(self, prompt: list, spec: ModelSpec) -> tuple[int, ...]:
         """A prompt of token ids: integers of the model's vocabulary, at most its context

@@ -1,7 +1,9 @@
 """The wire schema: every payload that crosses Redis, encoded in one place.
 
 * ``Task``            gateway → worker, one entry (field ``task``) in a lane stream
+* ``EmbedTask``       gateway → worker, as ``Task``: an embedding model's inputs (token ids)
 * ``TokenEvent``,
+  ``EmbeddingEvent``,
   ``DoneEvent``,
   ``ErrorEvent``      worker → gateway, published on ``sf:reply:{connection_id}`` as a
                       JSON array (all events of one decode step for one connection)
@@ -36,6 +38,7 @@ reads on its own.
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -53,12 +56,14 @@ __all__ = [
     "DEFAULT_TEMPERATURE",
     "Task",
     "SpeechTask",
+    "EmbedTask",
     "AnyTask",
     "decode_task",
     "TokenEvent",
     "DoneEvent",
     "ErrorEvent",
     "TranscriptEvent",
+    "EmbeddingEvent",
     "PROGRESS",
     "ENDS",
     "Event",
@@ -305,8 +310,37 @@ class SpeechTask:
         return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
 
 
-#: what a lane holds: a text task, or a speech model's utterance
-AnyTask = Union[Task, SpeechTask]
+@dataclass(slots=True)
+class EmbedTask:
+    """A validated embeddings request (``POST /v1/embeddings``), as it sits in an embedding
+    model's lane: its inputs as token ids (special tokens included; the gateway tokenized
+    and checked them), embedded together by the worker's ``workers.embedcore.EmbeddingCore``,
+    which answers with one ``EmbeddingEvent`` per input and a ``DoneEvent``. No sampling:
+    a redelivered task is embedded again from its first input."""
+
+    request_id: str
+    model: str
+    lane: str
+    reply_to: str  # connection id: events go to sf:reply:{reply_to}
+    client_id: str  # the id the client chose (for logs only)
+    inputs: list[list[int]]
+    created_at: float  # unix seconds, set by the gateway
+    deadline: float | None = None  # unix seconds; expired tasks are not run
+    trace_id: str = ""
+    #: the API key id whose stream slot this request holds ("" for none), as for text
+    slot: str = ""
+    kind: str = "embed"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.inputs)
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
+
+
+#: what a lane holds: a text task, a speech model's utterance, or an embedding model's inputs
+AnyTask = Union[Task, SpeechTask, EmbedTask]
 
 
 def decode_task(raw: bytes | str) -> AnyTask:
@@ -318,6 +352,11 @@ def decode_task(raw: bytes | str) -> AnyTask:
         if not isinstance(d, dict):
             raise TypeError("not an object")
         kind = d.pop("kind", None) or ("speech" if d.get("audio") is not None else "text")
+        if kind == "embed":
+            inputs = d.get("inputs")
+            if not isinstance(inputs, list) or not all(isinstance(i, list) for i in inputs):
+                raise TypeError("an embed task's inputs must be lists of token ids")
+            return EmbedTask(**d)
         if kind == "speech":
             for legacy in ("prompt_ids", "params", "group", "group_size"):
                 d.pop(legacy, None)
@@ -354,6 +393,33 @@ class TranscriptEvent:
     text: str
     final: bool = False
     type: str = "transcript"
+
+
+@dataclass(slots=True)
+class EmbeddingEvent:
+    """One input's vector of an embeddings request: ``index`` is the input's (from 0, so
+    the gateway delivers each once and in order, as tokens), ``vector`` its float32 values,
+    little-endian, in base64 (a third of the bytes of JSON numbers, on pub/sub and in the
+    request log, and exact). The task's ``DoneEvent`` follows the last one, in the same
+    message (``workers.embedcore``)."""
+
+    request_id: str
+    index: int
+    vector: str
+    type: str = "embedding"
+
+    @staticmethod
+    def pack(values: Any) -> str:
+        """A float32 vector (anything ``numpy.asarray`` takes) as ``vector`` holds it."""
+        import numpy as np
+
+        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+    def values(self) -> Any:
+        """The vector as a numpy float32 array."""
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(self.vector), dtype="<f4")
 
 
 @dataclass(slots=True)
@@ -410,14 +476,14 @@ class ErrorEvent:
         return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
-Event = Union[TokenEvent, TranscriptEvent, DoneEvent, ErrorEvent]
+Event = Union[TokenEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
 #: the events that carry a request's output, indexed from 0 (delivered once each, in order)
-PROGRESS = (TokenEvent, TranscriptEvent)
+PROGRESS = (TokenEvent, TranscriptEvent, EmbeddingEvent)
 #: the events that end a request: exactly one, last
 ENDS = (DoneEvent, ErrorEvent)
 
-_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "transcript": TranscriptEvent, "done": DoneEvent,
-                                  "error": ErrorEvent}
+_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "transcript": TranscriptEvent, "embedding": EmbeddingEvent,
+                                  "done": DoneEvent, "error": ErrorEvent}
 
 
 def event_from_dict(d: dict[str, Any]) -> Event:

@@ -21,9 +21,10 @@ __all__ = ["Core", "VersionedCore", "CoreSet"]
 @runtime_checkable
 class Core(Protocol):
     """What a worker process runs, step by step, for one model version: a text model's
-    ``workers.core.WorkerCore`` or a speech model's ``workers.speechcore.SpeechCore``
-    (which also has ``feed``, ``listening`` and ``ready`` for the audio reader,
-    ``workers/audio.py``). No I/O: the process owns Redis and the event loop."""
+    ``workers.core.WorkerCore``, an embedding model's ``workers.embedcore.EmbeddingCore``
+    or a speech model's ``workers.speechcore.SpeechCore`` (which also has ``feed``,
+    ``listening`` and ``ready`` for the audio reader, ``workers/audio.py``). No I/O: the
+    process owns Redis and the event loop."""
 
     #: the engine it steps (closed by the process once a reload retires the core)
     engine: Any

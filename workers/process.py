@@ -129,6 +129,7 @@ class WorkerProcess:
         self.max_batch = 0
         self.overlap_io = True
         self.audio: AudioFeed | None = None  # a speech model's audio input
+        self._embedding = False  # an embedding model's worker (tokens_per_s counts input tokens)
         self._bg: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._cut_short = False  # the main loop was cancelled by _bound_stop
@@ -157,6 +158,12 @@ class WorkerProcess:
 
             engine = load_speech_engine(spec, **({"slots": self.settings.max_batch} if self.settings.max_batch else {}))
             return VersionedCore(spec.version, SpeechCore(engine))
+        if spec.kind == "embedding":  # an embedding model: whole tasks embedded together (workers/embedcore.py)
+            from streamfleet.workers.embedcore import EmbeddingCore
+            from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
+
+            engine = OnnxEmbeddingEngine(spec, threads=self.settings.threads or None)
+            return VersionedCore(spec.version, EmbeddingCore(engine, slots=self.settings.max_batch or None))
         options = {}
         backend = self.settings.backend or spec.backend
         if backend == "onnxruntime" and self.settings.threads:
@@ -218,12 +225,14 @@ class WorkerProcess:
         except TimeoutError:
             pass
 
-    def _compose(self, speech: bool) -> None:
-        """Build the parts around the connection, the cores and the in-flight table."""
+    def _compose(self, kind: str) -> None:
+        """Build the parts around the connection, the cores and the in-flight table, for a
+        model of ``kind`` (``ModelSpec.kind``)."""
         ctx = WorkerContext(self.redis, self.settings, self.keys, self.worker_id, self.lane_keys)
         table = self.table
+        text, speech = kind == "text", kind == "asr"
         # prefix-aware routing (docs/architecture.md): text models only
-        self.affinity = None if speech else Affinity(ctx, self.cores, table, self._stopping)
+        self.affinity = Affinity(ctx, self.cores, table, self._stopping) if text else None
         if self.affinity is not None:  # (the intake hears this worker's own wakes: Intake._own_wake)
             self.wake.on_other = self.affinity.on_wake
         self.publisher = Publisher(ctx, self.cores, table, self._spawn)
@@ -233,7 +242,7 @@ class WorkerProcess:
         self.reclaimer = Reclaimer(ctx, self.cores, table, self.dead_letters, self._stopping, affinity=self.affinity)
         self.reloader = Reloader(ctx, self.cores, self._load_async, self._stopping)
         self.control = ControlChannel(ctx, table, self.wake)
-        advert = None if speech else PrefixAdvert(ctx, self._prefix_cache)
+        advert = PrefixAdvert(ctx, self._prefix_cache) if text else None
         self.heartbeat = HeartbeatLoop(ctx, table, self._heartbeat, advert=advert, affinity=self.affinity)
         self.drain = Drain(ctx, self.cores, table, self._executor)
         self.audio = AudioFeed(ctx, self.cores) if speech else None
@@ -279,7 +288,8 @@ class WorkerProcess:
                      health=f"http://{self.settings.metrics_host}:{self.settings.metrics_port}/healthz")
         log.info("worker ready", worker_id=self.worker_id, model=self.model, max_batch=self.max_batch,
                  version=self.cores.version, frozen_objects=aio.settle_heap())
-        self._compose(speech=spec.kind == "asr")
+        self._compose(spec.kind)
+        self._embedding = spec.kind == "embedding"
         aux = [asyncio.create_task(self.liveness.tick(), name="liveness"),
                asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
                asyncio.create_task(self.control.run(), name="cancels"),
@@ -528,7 +538,8 @@ class WorkerProcess:
                 self._m_computed.inc(out.prefill_tokens)
             if out.cached_tokens:
                 self._m_cached.inc(out.cached_tokens)
-            self.tokens.add(out.new_tokens)
+            # an embedding model generates nothing: its rate is of the input tokens it embeds
+            self.tokens.add(out.prefill_tokens if self._embedding else out.new_tokens)
         self._cache_metrics()
 
     def _prefix_cache(self):

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["TinyBert", "write_tiny_bert", "write_safetensors", "numpy_embeddings", "zip_folder", "wheel_index",
-           "SPECIALS"]
+           "SPECIALS", "tiny_embedding_model"]
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _POOLING_KEYS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
@@ -259,3 +259,16 @@ def wheel_index(index: Path, package: str, version: str, members: dict[str, byte
     (folder / "index.html").write_text(f'<html><body><a href="{wheel.name}">{wheel.name}</a></body></html>')
     (index / "index.html").write_text(f'<html><body><a href="{package}/">{package}</a></body></html>')
     return hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+def tiny_embedding_model(engines: Path, name: str = "tiny-embed", **kw: Any):
+    """A tiny random BERT imported as the embedding model folder ``engines/name`` (kind
+    ``embedding``: 32 dimensions, a context of 48 tokens, as ``write_tiny_bert`` makes it),
+    its sentence-transformers source beside ``engines``. Returns its ``ModelSpec``."""
+    from streamfleet.shared.bertimport import import_sentence_transformers
+    from streamfleet.shared.modelrepo import ModelRepository
+
+    engines = Path(engines)
+    model = write_tiny_bert(engines.parent / f"{engines.name}-src" / name, **kw)
+    import_sentence_transformers(model.folder, engines, name)
+    return ModelRepository(engines).get(name)

@@ -185,6 +185,11 @@ class OnnxEmbeddingEngine:
             out[rows] = self._session.run(["embeddings"], {"input_ids": ids, "attention_mask": mask})[0]
         return out
 
+    def close(self) -> None:
+        """Free the graph's session (the worker closes a reload's old version's engine);
+        ``embed`` may not be called after."""
+        self._session = None
+
     def _runs(self, lengths: list[int]) -> list[list[int]]:
         """The inputs' indices in runs: by length, at most ``max_batch`` inputs and
         ``max_batch_tokens`` padded tokens a run (the longest input last in each)."""

@@ -1,0 +1,232 @@
+"""``POST /v1/embeddings`` through the lanes (gateway/embeddings.py, workers/embedcore.py;
+docs/openai.md, "Embeddings"): a fleet of one gateway and one embedding worker
+serving a tiny random BERT (tests/support/tinybert.py) beside tiny-gpt, from a private
+model repository. The official ``openai`` SDK (base64 by default, which it decodes
+itself, and ``float``) and LangChain's ``OpenAIEmbeddings`` get the vectors
+``OnnxEmbeddingEngine.embed`` gives in this process on the same folder, alone and
+batched; token-id inputs; usage; every limit refused with a 400 naming it; and the text
+endpoints refuse the embedding model by name."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import redis
+
+from streamfleet.shared.keys import GROUP, Keys
+from streamfleet.shared.modelrepo import load_tokenizer
+from streamfleet.shared.schema import DeadLetter, DoneEvent, EmbeddingEvent, EmbedTask, LogEntry
+from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
+from tests.support.tinybert import tiny_embedding_model
+
+MODEL = "tiny-embed"
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "streams and lanes and workers",
+         "hello world, again and again"]
+MAX_FRAME = 200_000
+
+
+@pytest.fixture(scope="module")
+def parts(module_fleets, tiny_spec, tmp_path_factory):
+    """The fleet (private engines dir: tiny-gpt and the tiny BERT), its gateway, and the
+    model's engine and tokenizer in this process."""
+    engines = tmp_path_factory.mktemp("embeddings") / "engines"
+    engines.mkdir()
+    shutil.copytree(tiny_spec.path, engines / tiny_spec.name, ignore=shutil.ignore_patterns("versions", "plans"))
+    spec = tiny_embedding_model(engines, MODEL)
+    fleet = module_fleets()
+    gw = fleet.gateway(engines_dir=engines, max_frame_bytes=MAX_FRAME)
+    fleet.worker(model=MODEL, engines_dir=engines)
+    return gw, OnnxEmbeddingEngine(spec, threads=1), load_tokenizer(spec), spec
+
+
+@pytest.fixture(scope="module")
+def gw(parts):
+    return parts[0]
+
+
+def sdk(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _cos(a, b) -> np.ndarray:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def _alone(engine, tok, texts) -> np.ndarray:
+    return np.stack([engine.embed([tok.encode(t)])[0] for t in texts])
+
+
+def test_the_sdk_gets_the_engines_vectors_in_base64_and_in_floats(parts):
+    gw, engine, tok, spec = parts
+    want = _alone(engine, tok, TEXTS)
+    for fmt in ("base64", "float"):  # the SDK asks for base64 itself when none is named, and decodes it
+        kw = {} if fmt == "base64" else {"encoding_format": "float"}
+        res = sdk(gw).embeddings.create(model=MODEL, input=TEXTS, **kw)
+        assert [d.index for d in res.data] == list(range(len(TEXTS))) and res.model == MODEL
+        got = np.array([d.embedding for d in res.data])
+        assert got.shape == (len(TEXTS), spec.dimensions)
+        assert _cos(got, want).min() >= 0.99999, fmt
+        tokens = sum(len(tok.encode(t)) for t in TEXTS)
+        assert (res.usage.prompt_tokens, res.usage.total_tokens) == (tokens, tokens)
+    one = sdk(gw).embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
+    assert len(one.data) == 1 and _cos(one.data[0].embedding, want[1]) >= 0.99999
+
+
+def test_base64_is_the_little_endian_float32_bytes(parts):
+    gw, engine, tok, _spec = parts
+    body = httpx.post(gw.http + "/v1/embeddings", json={"model": MODEL, "input": TEXTS[0],
+                                                        "encoding_format": "base64", "user": "u1"}, timeout=60).json()
+    import base64
+    got = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+    assert _cos(got, engine.embed([tok.encode(TEXTS[0])])[0]) >= 0.99999
+
+
+def test_token_id_inputs(parts):
+    gw, engine, tok, _spec = parts
+    ids = [tok.encode(t) for t in TEXTS[:3]]
+    many = sdk(gw).embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert _cos([d.embedding for d in many.data], engine.embed(ids)).min() >= 0.99999
+    assert many.usage.prompt_tokens == sum(map(len, ids))
+    one = sdk(gw).embeddings.create(model=MODEL, input=ids[1], encoding_format="float")
+    assert len(one.data) == 1 and _cos(one.data[0].embedding, engine.embed([ids[1]])[0]) >= 0.99999
+
+
+def test_requests_side_by_side_are_batched_and_each_gets_its_own(parts):
+    import concurrent.futures as cf
+
+    gw, engine, tok, _spec = parts
+    want = _alone(engine, tok, TEXTS)
+    client = sdk(gw)
+    with cf.ThreadPoolExecutor(len(TEXTS)) as pool:
+        results = list(pool.map(lambda t: client.embeddings.create(model=MODEL, input=[t, TEXTS[0]]), TEXTS))
+    for i, res in enumerate(results):
+        assert _cos(res.data[0].embedding, want[i]) >= 0.99999 and _cos(res.data[1].embedding, want[0]) >= 0.99999
+
+
+def _post(gw, body: dict | bytes):
+    if isinstance(body, bytes):
+        return httpx.post(gw.http + "/v1/embeddings", content=body, headers={"content-type": "application/json"},
+                          timeout=60)
+    return httpx.post(gw.http + "/v1/embeddings", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("body, status, words, param", [
+    ({"model": MODEL, "input": []}, 400, "'input' is empty", "input"),
+    ({"model": MODEL, "input": ""}, 400, "input 0 is an empty string", "input"),
+    ({"model": MODEL, "input": ["a", ""]}, 400, "input 1 is an empty string", "input"),
+    ({"model": MODEL, "input": [[5, 6], []]}, 400, "input 1 is an empty list", "input"),
+    ({"model": MODEL, "input": ["a"] * 2049}, 400, "holds 2049 inputs; the limit is 2048", "input"),
+    ({"model": MODEL, "input": [[5] * 10, [5] * 49]}, 400, "input 1 has 49 tokens, over the limit of model "
+                                                          "'tiny-embed' (48 tokens", "input"),
+    ({"model": MODEL, "input": ["a", "word " * 60]}, 400, "input 1 has 122 tokens, over the limit of model "
+                                                        "'tiny-embed' (48 tokens", "input"),
+    ({"model": MODEL, "input": [[5, 6], [5, 10**6]]}, 400, "input 1 holds token id 1000000, outside the "
+                                                         "vocabulary", "input"),
+    ({"model": MODEL, "input": [[5, -1]]}, 400, "input 0 holds token id -1", "input"),
+    ({"model": MODEL, "input": [["a"]]}, 400, "input 0 must be a list of token ids", "input"),
+    ({"model": MODEL, "input": 7}, 400, "'input' must be a string", "input"),
+    ({"model": MODEL}, 400, "'input' is required", "input"),
+    ({"input": "a"}, 400, "'model' is required", "model"),
+    ({"model": MODEL, "input": "a", "dimensions": 16}, 400, "'dimensions' must be 32 for model 'tiny-embed'",
+     "dimensions"),
+    ({"model": MODEL, "input": "a", "encoding_format": "int8"}, 400, "'encoding_format' must be", "encoding_format"),
+    ({"model": MODEL, "input": "a", "user": 5}, 400, "'user' must be a string", "user"),
+    ({"model": MODEL, "input": "a", "nonsense": 1}, 400, "unrecognized request argument supplied: 'nonsense'",
+     "nonsense"),
+    ({"model": "tiny-gpt", "input": "a"}, 400, "model 'tiny-gpt' is a text model, not an embedding model", "model"),
+    ({"model": "nope", "input": "a"}, 404, "nope", "model"),
+])
+def test_each_limit_is_refused_by_name(gw, body, status, words, param):
+    r = _post(gw, body)
+    err = r.json()["error"]
+    assert r.status_code == status and words in err["message"] and err["param"] == param, err
+
+
+def test_the_right_dimensions_are_accepted(parts):
+    gw, _engine, _tok, spec = parts
+    r = _post(gw, {"model": MODEL, "input": "a", "dimensions": spec.dimensions, "encoding_format": "float"})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == spec.dimensions
+
+
+def test_a_body_over_the_doors_limit_is_refused(gw):
+    r = _post(gw, b'{"model": "tiny-embed", "input": "' + b"a " * MAX_FRAME + b'"}')
+    assert r.status_code == 413 and f"exceeds the limit of {MAX_FRAME}" in r.json()["error"]["message"]
+
+
+def test_the_sdk_sees_a_refusal_as_a_bad_request(gw):
+    with pytest.raises(openai.BadRequestError, match="over the limit of model 'tiny-embed'"):
+        sdk(gw).embeddings.create(model=MODEL, input=["word " * 60])
+
+
+def test_text_endpoints_refuse_the_embedding_model_by_name(gw):
+    for call in (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]),
+                 lambda c: c.completions.create(model=MODEL, prompt="hi")):
+        with pytest.raises(openai.BadRequestError, match="model 'tiny-embed' is an embedding model, not a text "
+                                                         "model; post its inputs to /v1/embeddings"):
+            call(sdk(gw))
+
+
+def test_models_lists_the_embedding_model(gw):
+    models = {m["id"]: m for m in httpx.get(gw.http + "/v1/models", timeout=30).json()["data"]}
+    assert models[MODEL]["kind"] == "embedding" and models[MODEL]["workers"] == 1
+    assert models[MODEL]["chat_template"] is None
+
+
+def test_langchain(parts):
+    from langchain_openai import OpenAIEmbeddings
+
+    gw, engine, tok, _spec = parts
+    emb = OpenAIEmbeddings(model=MODEL, base_url=gw.http + "/v1", api_key="x", check_embedding_ctx_length=False)
+    docs = emb.embed_documents(TEXTS[:3])
+    assert _cos(docs, _alone(engine, tok, TEXTS[:3])).min() >= 0.99999
+    query = emb.embed_query(TEXTS[3])
+    assert _cos(query, _alone(engine, tok, TEXTS[3:4])[0]) >= 0.99999
+
+
+def _until(what, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_dead_consumers_task_is_taken_over_and_a_malformed_one_dead_lettered(module_fleets, parts, redis_server):
+    """The worker's parts serve embedding tasks as text ones: a task a consumer that died
+    took (it never acked it) is reclaimed (``SF_CLAIM_IDLE_MS``) and run, its events in the
+    request log (the vectors as the engine gives them), the lane emptied by the ack; a task
+    that cannot be read goes to the dead letters."""
+    _gw, engine, tok, spec = parts
+    fleet = module_fleets()
+    fleet.worker(model=MODEL, engines_dir=spec.path.parent, claim_idle_ms=300)
+    keys, r = Keys(fleet.prefix), redis.Redis.from_url(redis_server.url)
+    lane = keys.lane(MODEL, "normal")
+    ids = [tok.encode(t) for t in TEXTS[:2]]
+    task = EmbedTask("taken1", MODEL, "normal", "nobody", "c", ids, time.time(), deadline=time.time() + 60)
+    with r.pipeline(transaction=True) as pipe:  # taken by a consumer that never acks, before the worker sees it
+        pipe.xadd(lane, {"task": task.encode()})
+        pipe.xreadgroup(GROUP, "ghost", {lane: ">"}, count=1)
+        pipe.execute()
+
+    def ended():
+        events = [LogEntry.decode(f).event for _, f in r.xrange(keys.log("taken1"))]
+        return events if events and isinstance(events[-1], DoneEvent) else None
+
+    events = _until(ended)
+    vectors = np.stack([e.values() for e in events if isinstance(e, EmbeddingEvent)])
+    assert _cos(vectors, engine.embed(ids)).min() >= 0.99999
+    assert (events[-1].finish_reason, events[-1].prompt_tokens) == ("stop", sum(map(len, ids)))
+    _until(lambda: r.xlen(lane) == 0)
+    r.xadd(lane, {"task": b'{"kind": "embed", "request_id": "bad1", "inputs": [1, 2]}'})
+    dead = _until(lambda: [DeadLetter.decode(f) for _, f in r.xrange(keys.dead(MODEL))])
+    assert dead[0].request_id == "bad1" and "malformed task" in dead[0].reason
+    r.close()
