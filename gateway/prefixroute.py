@@ -16,7 +16,8 @@ from the I/O (``PrefixRouter``). What routing may cost is bounded: at most
 ``MAX_ROUTE_BLOCKS`` names per worker and ``MAX_ROUTE_LOOKUPS`` per task, and no Redis
 round trip on a task's path when routing cannot apply (off, a prompt shorter than a
 block, no candidate): the live workers are read in the background, at most every
-``VIEW_TTL_S`` per model.
+``VIEW_TTL_S`` per model, and waited for only by the first task after ``STALE_S``
+without one.
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ from streamfleet.shared.schema import AnyTask, Heartbeat, Task, live_workers
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["FleetView", "PrefixRouter", "candidates", "choose", "leading_run", "lookup_plan", "sample",
-           "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "VIEW_TTL_S"]
+           "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "STALE_S", "VIEW_TTL_S"]
 
 log = get_logger("gateway.prefixroute")
 
 #: seconds a model's fleet view (live workers, advertisers, affinity streams) is used
 #: before the next task starts reading it again (in the background)
 VIEW_TTL_S = 0.5
+#: a view older than this is read again on the task's path (the first task after a quiet
+#: spell waits one round trip for it) rather than routed on
+STALE_S = 1.0
 #: a worker whose heartbeat is older than this (or ``SF_WORKER_TTL_S``, if shorter) is no
 #: candidate: it may be stopped or dead, and its tasks would wait ``SF_AFFINITY_WAIT_MS``
 ROUTE_FRESH_S = 2.0
@@ -231,8 +235,19 @@ class PrefixRouter:
         if not self.applies(task):
             return None
         view = self.view(task.model)
-        if view is None:
-            return None
+        if view is None or time.monotonic() - view.read_at > STALE_S:
+            # the first task after a quiet spell: its heartbeats would all look stale and
+            # the adverts may have changed since, so it waits for the read just started
+            # (one round trip) instead of going to the shared lane on old news
+            read = self._reads.get(task.model)
+            if read is not None:
+                try:
+                    await asyncio.shield(read)
+                except Exception:  # (the read logs its own trouble)
+                    pass
+                view = self._views.get(task.model)
+            if view is None:
+                return None
         cands = candidates(view.workers, view.advertisers, time.time(), self.fresh_s)
         plan = lookup_plan(task.model, task.prompt_ids, self.block, cands)
         if not plan:

@@ -8,7 +8,8 @@ application's instructions) and its own growing history: each turn re-sends the 
 turns and the model's replies, as chat clients do. Run with the prefix cache off, on,
 and on two workers without and with prefix-aware routing. Per run: time to first token
 p50/p99 for each turn, prompt tokens computed vs requested (the workers' own counters),
-the cache's hit rate (tokens it had / tokens looked up) and completion tokens/s.
+the cache's hit rate (tokens it had / tokens looked up), completion tokens/s, and the
+routed tasks another worker took after they waited ``SF_AFFINITY_WAIT_MS`` ("taken").
 
 Part 2, a long prompt beside running streams: ``--streams`` requests decode (ignoring
 EOS); once they run, an uncached prompt of ``--long-tokens`` tokens arrives. Reported:
@@ -144,11 +145,14 @@ class Stack:
         total: dict[str, float] = {}
         pattern = re.compile(r'^(streamfleet_worker_(?:prompt_tokens_total|prefix_cache_lookups_total)'
                              r'\{[^}]*(?:source|result)="(\w+)"[^}]*\}) ([0-9.e+]+)$', re.M)
+        taken = re.compile(r'^streamfleet_worker_affinity_taken_total\{[^}]*\} ([0-9.e+]+)$', re.M)
         for port in self.metrics_ports:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             for m in pattern.finditer(text):
                 key = m.group(2)
                 total[key] = total.get(key, 0.0) + float(m.group(3))
+            for m in taken.finditer(text):
+                total["taken"] = total.get("taken", 0.0) + float(m.group(1))
         return total
 
 
@@ -186,6 +190,9 @@ async def conversations(stack: Stack, system: str, n: int, turns: int, max_token
         # the application's first request ever: from now on its system prompt is cached
         # (on the worker that served it; with two, routing sends the others there)
         await chat(client, stack.url, [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}], 4)
+        # a worker advertises its blocks with its next heartbeat (0.5 s) and a gateway reads
+        # the adverts at most every 0.5 s: the steady state of an application is measured
+        await asyncio.sleep(1.5)
         before = stack.counters()
 
         async def one(c: int) -> None:
@@ -204,11 +211,12 @@ async def conversations(stack: Stack, system: str, n: int, turns: int, max_token
         await asyncio.gather(*(one(c) for c in range(n)))
         wall = time.perf_counter() - t0
         after = stack.counters()
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("computed", "cached", "hit", "miss")}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("computed", "cached", "hit", "miss", "taken")}
     requested = d["computed"] + d["cached"]
     return {"ttft_p50": [statistics.median(x) for x in ttft], "ttft_p99": [pctl(x, 0.99) for x in ttft],
             "computed": d["computed"], "requested": requested,
             "hit_rate": d["cached"] / requested if requested else 0.0, "tokens_per_s": tokens / wall,
+            "taken_elsewhere": d["taken"],
             "wall_s": wall}
 
 
@@ -265,7 +273,7 @@ def main() -> int:
         runs = [("cache off, 1 worker", 1, {"SF_PREFIX_CACHE_MB": "0"}, {}),
                 ("cache on, 1 worker", 1, {}, {}),
                 ("cache on, 2 workers, no routing", 2, {}, {"SF_PREFIX_ROUTING": "false"}),
-                ("cache on, 2 workers, routing", 2, {}, {})]
+                ("cache on, 2 workers, routing", 2, {}, {"SF_PREFIX_ROUTING": "true"})]
         rows = []
         for name, workers, env, gw_env in runs:
             log(f"conversations: {name}")
@@ -277,12 +285,12 @@ def main() -> int:
         lines.append(f"\n{args.conversations} conversations x {args.turns} turns, system prompt "
                      f"{len(tokenizer.encode(system))} tokens, {args.max_tokens} tokens a reply (greedy)")
         head = "run".ljust(34) + "".join(f"TTFT t{t + 1} p50/p99 s".rjust(20) for t in range(args.turns)) + \
-            "  computed/requested  hit rate  tokens/s"
+            "  computed/requested  hit rate  tokens/s  taken"
         lines += [head, "-" * len(head)]
         for name, r in rows:
             cells = "".join(f"{f(r['ttft_p50'][t])}/{f(r['ttft_p99'][t])}".rjust(20) for t in range(args.turns))
             lines.append(name.ljust(34) + cells + f"  {int(r['computed']):>8}/{int(r['requested']):<9}"
-                         f"  {r['hit_rate']:>7.0%}  {r['tokens_per_s']:>8.1f}")
+                         f"  {r['hit_rate']:>7.0%}  {r['tokens_per_s']:>8.1f}  {int(r['taken_elsewhere']):>5}")
         on = results["cache on, 1 worker"]
         later = range(1, args.turns)
         speedup = statistics.median(off["ttft_p50"][t] / on["ttft_p50"][t] for t in later) if args.turns > 1 else 0

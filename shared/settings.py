@@ -130,8 +130,9 @@ class GatewaySettings(CommonSettings):
     #: ``overloaded`` once a lane's backlog reaches ``overload_fraction`` of it (0 = no limit)
     lane_capacity: dict[str, int] = {"high": 1024, "normal": 1024}
     #: send a request whose prompt's prefix a live worker holds in its prefix cache to
-    #: that worker (docs/architecture.md, "Prefix-aware routing"); off: shared lanes only
-    prefix_routing: bool = True
+    #: that worker (docs/architecture.md, "Prefix-aware routing"); off (the default, until
+    #: the choice weighs load: docs/architecture.md says why): shared lanes only
+    prefix_routing: bool = False
     overload_fraction: float = 0.8
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds

@@ -66,7 +66,7 @@ async def test_a_routed_task_joins_its_workers_affinity_stream_and_counts_in_its
     keys = Keys(key_prefix)
     r = aioredis.Redis.from_url(redis_server.url)
     gw = GatewaySettings(redis_url=redis_server.url, key_prefix=key_prefix, prefix_block_tokens=BLOCK,
-                         lane_capacity={"high": 0, "normal": 4}, overload_fraction=1.0)
+                         prefix_routing=True, lane_capacity={"high": 0, "normal": 4}, overload_fraction=1.0)
     broker = Broker(gw)
     off = Broker(gw.model_copy(update={"prefix_routing": False}))
     await broker.start()
@@ -249,7 +249,7 @@ def cached(module_fleets):
     blocks), and a second gateway with routing off: requests only."""
     f = module_fleets()
     workers = {name: f.worker(worker_id=name, prefix_block_tokens=BLOCK) for name in ("wA", "wB")}
-    gw = f.gateway(prefix_block_tokens=BLOCK)
+    gw = f.gateway(prefix_block_tokens=BLOCK, prefix_routing="true")
     gw_off = f.gateway(prefix_block_tokens=BLOCK, prefix_routing="false")
     return f, gw, gw_off, workers
 
@@ -323,7 +323,7 @@ async def echo_fleet(fleet, rds) -> tuple[Proc, dict[str, Proc]]:
     settings = dict(backend="echo", echo_delay_ms=25, prefix_block_tokens=BLOCK)
     workers = {name: fleet.worker(worker_id=name, **settings) for name in ("wA", "wB")}
     advertise(rds, fleet.prefix, "wA", prompt_names(PREFIX, BLOCK))
-    gw = fleet.gateway(prefix_block_tokens=BLOCK)
+    gw = fleet.gateway(prefix_block_tokens=BLOCK, prefix_routing="true")
     await generate(gw.ws, [ids(2 * BLOCK, 5)], max_tokens=2)  # (a request the gateway reads its view for)
     await asyncio.sleep(0.3)
     return gw, workers
