@@ -45,7 +45,7 @@ from streamfleet.gateway.validation import Draft, check_lane
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
 
-__all__ = ["router", "check_body", "MAX_INPUTS", "EmbeddingsBody"]
+__all__ = ["router", "check_body", "submit", "EmbedCall", "MAX_INPUTS", "EmbeddingsBody"]
 
 log = get_logger("gateway.embeddings")
 router = APIRouter()
@@ -217,43 +217,79 @@ async def embeddings(request: Request) -> Response:
         if not isinstance(body, dict):
             raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         checked = check_body(hub, body, request.headers.get("x-priority"))
-        draft = Draft(client_id="embeddings", model=checked.spec.name, lane=checked.lane,
-                      params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=checked.timeout_s,
-                      prompt_text="", inputs=checked.inputs)
-        req = hub.request("http", identity=identity)
-        await req.submit(draft, trace_id=trace_id_from(request.headers.get("traceparent")))
+        call = await submit(hub, "http", identity, checked, trace_id_from(request.headers.get("traceparent")))
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()
         return openai_error_response(exc)
-
-    req.watch()  # a revoked key ends the stream
-    n = len(checked.inputs)
-    vectors: list[str | None] = [None] * n
-    events = req.events("http")
-
-    async def consume() -> Any:
-        async for ev in events:
-            if isinstance(ev, EmbeddingEvent):
-                if 0 <= ev.index < n:
-                    vectors[ev.index] = ev.vector
-            elif isinstance(ev, (DoneEvent, ErrorEvent)):
-                req.delivered()
-                return ev
-        return None
-
     try:
-        try:
-            end = await until_disconnect(request, consume())
-        finally:
-            await stop_events(None, events)
-    finally:
-        await req.close(reason="http_disconnect")
+        vectors, end = await call.result(lambda consume: until_disconnect(request, consume))
+    except StreamfleetError as exc:
+        return openai_error_response(exc)
     if end is DISCONNECTED:
         return Response(status_code=499)
-    if isinstance(end, ErrorEvent):
-        return openai_error_response(end.error())
-    if not isinstance(end, DoneEvent) or end.finish_reason != "stop" or any(v is None for v in vectors):
-        reason = end.finish_reason if isinstance(end, DoneEvent) else "no end"
-        return openai_error_response(StreamfleetError(f"the embeddings request ended ({reason}) without all of its "
-                                                      f"vectors", code=ErrorCode.internal))
     return Response(render(checked.spec.name, vectors, end, checked.encoding), media_type="application/json")
+
+
+async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None
+                 ) -> "EmbedCall":
+    """Admit and enqueue a checked body (tokenizing its texts after admission): the
+    embedding request's path shared by the HTTP and gRPC doors.
+
+    Raises:
+        StreamfleetError: refused (admission, tokenizing, the lane's backpressure).
+    """
+    draft = Draft(client_id="embeddings", model=checked.spec.name, lane=checked.lane,
+                  params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=checked.timeout_s,
+                  prompt_text="", inputs=checked.inputs)
+    req = hub.request(door, identity=identity)
+    await req.submit(draft, trace_id=trace_id)
+    return EmbedCall(req, door, len(checked.inputs))
+
+
+class EmbedCall:
+    """A submitted embeddings request: ``result`` waits for its vectors and its end."""
+
+    def __init__(self, req: Any, door: str, n: int) -> None:
+        self.req, self.door, self.n = req, door, n
+
+    async def result(self, guard=None) -> tuple[list[str], Any]:
+        """The vectors (base64 float32, in input order) and the ``DoneEvent``; ``guard``
+        wraps the wait (the HTTP door's ``until_disconnect``: then the end may be
+        ``DISCONNECTED``). The request is closed whatever happens (cancelled if it has
+        not ended).
+
+        Raises:
+            StreamfleetError: the request failed (the worker's error), or ended without
+                all of its vectors (``internal``).
+        """
+        req = self.req
+        req.watch()  # a revoked key ends the stream
+        vectors: list[str | None] = [None] * self.n
+        events = req.events(self.door)
+
+        async def consume() -> Any:
+            async for ev in events:
+                if isinstance(ev, EmbeddingEvent):
+                    if 0 <= ev.index < self.n:
+                        vectors[ev.index] = ev.vector
+                elif isinstance(ev, (DoneEvent, ErrorEvent)):
+                    req.delivered()
+                    return ev
+            return None
+
+        try:
+            try:
+                end = await (guard(consume()) if guard is not None else consume())
+            finally:
+                await stop_events(None, events)
+        finally:
+            await req.close(reason=f"{self.door}_disconnect")
+        if end is DISCONNECTED:
+            return [], end
+        if isinstance(end, ErrorEvent):
+            raise end.error()
+        if not isinstance(end, DoneEvent) or end.finish_reason != "stop" or any(v is None for v in vectors):
+            reason = end.finish_reason if isinstance(end, DoneEvent) else "no end"
+            raise StreamfleetError(f"the embeddings request ended ({reason}) without all of its vectors",
+                                   code=ErrorCode.internal)
+        return vectors, end

@@ -38,7 +38,7 @@ from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetErr
     UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import DoneEvent, ErrorEvent
+from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
@@ -614,6 +614,38 @@ class InferenceService(pb_grpc.InferenceServicer):
         # idle: no task left (the utterances, and the ``stopped`` frame that waits for them)
         async for message in self._serve(session, request_iterator, context, voice_event, lambda: not session.tasks):
             yield message
+
+    async def Embed(self, request: pb.EmbedRequest, context: aio.ServicerContext) -> pb.EmbedResponse:
+        """An embedding model's vectors: the HTTP door's ``/v1/embeddings`` (its checks,
+        limits, admission and lanes: ``gateway.embeddings``), its failure the call's status."""
+        from streamfleet.gateway.embeddings import check_body, submit
+
+        md = _metadata(context)
+        try:
+            identity = await self._caller(md)
+            self.hub.admission.spent(identity)  # a key known out of its rate limit: refused first
+            if request.texts and request.token_ids:
+                raise ValidationError("send 'texts' or 'token_ids', not both", code=ErrorCode.invalid_request,
+                                      param="input")
+            body: dict[str, Any] = {"model": request.model or None,
+                                    "input": list(request.texts) or [list(t.ids) for t in request.token_ids]
+                                    or None}
+            if request.timeout_s:
+                body["timeout"] = request.timeout_s
+            checked = check_body(self.hub, body)
+            checked.lane = _lane(request.priority) or checked.lane
+            call = await submit(self.hub, "grpc", identity, checked, trace_id_from(md.get("traceparent")))
+        except StreamfleetError as exc:
+            await self._refuse(context, exc)
+        try:
+            vectors, end = await call.result()
+        except StreamfleetError as exc:
+            await abort(context, exc)
+        return pb.EmbedResponse(
+            model=checked.spec.name,
+            embeddings=[pb.Embedding(values=EmbeddingEvent(request_id="", index=i, vector=v).values().tolist())
+                        for i, v in enumerate(vectors)],
+            usage=pb.Usage(prompt_tokens=end.prompt_tokens))
 
     async def ListModels(self, request: pb.ListModelsRequest, context: aio.ServicerContext) -> pb.ListModelsResponse:
         try:

@@ -380,3 +380,39 @@ class VoiceEvent(_message.Message):
     message: str
     error: Error
     def __init__(self, type: _Optional[str] = ..., id: _Optional[str] = ..., utterance: _Optional[int] = ..., text: _Optional[str] = ..., offset_ms: _Optional[int] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., utterances: _Optional[int] = ..., model: _Optional[str] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[str] = ..., vad: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "texts", "token_ids", "priority", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    priority: Priority
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("model", "embeddings", "usage")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, model: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class InferenceStub:
                 request_serializer=streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.SerializeToString,
                 response_deserializer=streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/streamfleet.v1.Inference/Embed',
+                request_serializer=streamfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=streamfleet_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -125,6 +130,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Vectors of texts (or of token-id lists) from an embedding model, as POST
+        /v1/embeddings gives them: the same checks, limits, admission and lanes; one vector
+        per input, in the inputs' order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +171,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Listen,
                     request_deserializer=streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.FromString,
                     response_serializer=streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=streamfleet_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=streamfleet_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +340,33 @@ class Inference:
             '/streamfleet.v1.Inference/Listen',
             streamfleet_dot_v1_dot_inference__pb2.VoiceClientFrame.SerializeToString,
             streamfleet_dot_v1_dot_inference__pb2.VoiceEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamfleet.v1.Inference/Embed',
+            streamfleet_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            streamfleet_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

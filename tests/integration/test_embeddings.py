@@ -230,3 +230,38 @@ def test_a_dead_consumers_task_is_taken_over_and_a_malformed_one_dead_lettered(m
     dead = _until(lambda: [DeadLetter.decode(f) for _, f in r.xrange(keys.dead(MODEL))])
     assert dead[0].request_id == "bad1" and "malformed task" in dead[0].reason
     r.close()
+
+
+def test_grpc_embed_gives_the_same_vectors_and_refuses_by_name(parts):
+    """``Inference.Embed``: the HTTP door's checks, admission and lanes over gRPC."""
+    import grpc
+
+    from streamfleet.v1 import inference_pb2 as pb
+    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from tests.support.grpcclient import sync_channel
+
+    gw, engine, tok, spec = parts
+    channel = sync_channel(gw.grpc)
+    try:
+        stub = pb_grpc.InferenceStub(channel)
+        res = stub.Embed(pb.EmbedRequest(model=MODEL, texts=TEXTS), timeout=60)
+        got = np.array([list(e.values) for e in res.embeddings])
+        assert res.model == MODEL and got.shape == (len(TEXTS), spec.dimensions)
+        assert _cos(got, _alone(engine, tok, TEXTS)).min() >= 0.99999
+        assert res.usage.prompt_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+        ids = [tok.encode(t) for t in TEXTS[:2]]
+        by_ids = stub.Embed(pb.EmbedRequest(model=MODEL, token_ids=[pb.TokenIds(ids=i) for i in ids],
+                                            priority=pb.PRIORITY_HIGH), timeout=60)
+        assert _cos([list(e.values) for e in by_ids.embeddings], engine.embed(ids)).min() >= 0.99999
+        for req, words in ((pb.EmbedRequest(model=MODEL), "'input' is required"),
+                           (pb.EmbedRequest(texts=["x"]), "'model' is required"),
+                           (pb.EmbedRequest(model="tiny-gpt", texts=["x"]), "not an embedding model"),
+                           (pb.EmbedRequest(model=MODEL, texts=["x"], token_ids=[pb.TokenIds(ids=[1])]), "not both"),
+                           (pb.EmbedRequest(model=MODEL, texts=[""]), "input 0 is an empty string"),
+                           (pb.EmbedRequest(model=MODEL, token_ids=[pb.TokenIds(ids=[1] * (spec.max_context + 1))]),
+                            "over the limit")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Embed(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details(), req
+    finally:
+        channel.close()

@@ -394,7 +394,7 @@ async def test_health_flips_to_not_serving_while_draining_and_reflection_lists_t
         assert SERVICE in services and "grpc.health.v1.Health" in services
         proto = await asyncio.to_thread(db.FindFileContainingSymbol, SERVICE)
         assert [m.name for m in proto.service[0].method] == ["Generate", "Stream", "Resume", "ListModels", "Transcribe",
-                                                             "Listen"]
+                                                             "Listen", "Embed"]
         sync.close()
 
         stub = pb_grpc.InferenceStub(ch)

@@ -25,7 +25,7 @@ def test_committed_descriptor_is_the_protos():
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
     assert committed == from_proto
-    assert len(committed.message_type) == 27 and committed.service[0].name == "Inference"
+    assert len(committed.message_type) == 31 and committed.service[0].name == "Inference"
 
 
 def _messages(types):
@@ -54,12 +54,13 @@ def test_generated_files_are_byte_for_byte_current():
 def test_stub_and_servicer_cover_every_method():
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     methods = [m.name for m in service.methods]
-    assert methods == ["Generate", "Stream", "Resume", "ListModels", "Transcribe", "Listen"]
+    assert methods == ["Generate", "Stream", "Resume", "ListModels", "Transcribe", "Listen", "Embed"]
     for name in methods:
         assert callable(getattr(pb_grpc.InferenceServicer, name))
     streaming = {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
     assert streaming == {"Generate": (False, True), "Stream": (True, True), "Resume": (False, True),
-                         "ListModels": (False, False), "Transcribe": (False, True), "Listen": (True, True)}
+                         "ListModels": (False, False), "Transcribe": (False, True), "Listen": (True, True),
+                         "Embed": (False, False)}
 
 
 def test_messages_carry_the_websocket_frames_fields():
