@@ -561,7 +561,18 @@ class WorkerCore:
         return (t.group or "", tuple(t.prompt_ids))
 
     def _take_orphans(self) -> list[Sequence]:
-        """Followers whose leader left before its prefill ended, still in the batch."""
+        """Followers whose leader left before its prefill ended, still in the batch; and,
+        as a safety net, any follower whose leader is no longer being fed (it forks its
+        followers the moment its prompt is all in, so none should be left waiting on it:
+        one that is would wait for ever)."""
+        for fid, leader in list(self._leader_of.items()):
+            if leader.request_id not in self._feeding:
+                del self._leader_of[fid]
+                follower = self._sched.get(fid)
+                if follower is not None:
+                    log.warning("a sequence waited on a prefill that is over; it starts on its own",
+                                request_id=fid, leader=leader.request_id)
+                    self._orphans.append(follower)
         if not self._orphans:
             return []
         orphans, self._orphans = self._orphans, []

@@ -218,3 +218,26 @@ def test_a_takeover_replay_reads_the_cache_and_gives_the_same_text(tiny_spec, to
     texts = run(core, trace=trace)
     assert sum(o.cached_tokens for o in trace) == 80  # the prompt's 5 whole blocks
     assert whole["x"].endswith(texts["x"]) and len(texts["x"]) < len(whole["x"])
+
+
+def test_no_sequence_waits_on_a_prefill_that_is_over(tiny_spec, tokenizer):
+    """The safety net: a follower left registered on a leader that is no longer fed (here
+    forced by hand) starts on its own at the next step instead of waiting for ever."""
+    prompt = RNG.integers(3, 500, 60).tolist()
+    want = run(WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1), tokenizer), task("f", prompt, 5))
+    core = WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1), tokenizer, max_step_tokens=16)
+    core.add(task("l", prompt, 5))
+    core.add(task("f", prompt, 5))
+    core.step()
+    assert core._leader_of  # f waits for l's chunks
+    import copy
+
+    ghost = copy.copy(core._sched.get("l"))  # as if f waited on a sequence whose prefill is over
+    ghost.task = task("ghost", prompt, 5)
+    core._leader_of["f"] = ghost
+    texts: dict[str, str] = {}
+    while core.has_work():
+        for _, ev in core.step().events:
+            if isinstance(ev, TokenEvent):
+                texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
+    assert texts["f"] == want["f"] and not core._leader_of
