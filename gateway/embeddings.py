@@ -26,18 +26,16 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
-import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, SamplingParams
 
-from streamfleet.gateway import edge
-from streamfleet.gateway.httpbody import DISCONNECTED, read_body, until_disconnect
+from streamfleet.gateway.httpbody import DISCONNECTED, open_json, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.validation import Draft, check_lane
@@ -197,25 +195,10 @@ def render(model: str, vectors: list[str], done: DoneEvent, encoding: str) -> by
 async def embeddings(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     try:
-        if hub.draining:
-            raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
-                                   code=ErrorCode.shutting_down)
-        # who is asking, before a byte of the body is read (as on the other endpoints)
-        identity = await hub.admission.authenticate(request.headers.get("authorization"))
-        if identity is not None:
-            structlog.contextvars.bind_contextvars(key_id=identity.key_id)
-            edge.authenticated(request.scope)
-        hub.admission.spent(identity)  # a key known out of its rate limit: 429 before reading the body
-        raw = await read_body(request, hub.settings.max_frame_bytes)
-        if raw is None:
+        identity, body = await open_json(request, hub)
+        if body is None:
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
-        if not isinstance(body, dict):
-            raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         checked = check_body(hub, body, request.headers.get("x-priority"))
         call = await submit(hub, "http", identity, checked, trace_id_from(request.headers.get("traceparent")))
     except StreamfleetError as exc:

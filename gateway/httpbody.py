@@ -9,12 +9,16 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from streamfleet.shared.errors import ErrorCode, ValidationError
+import orjson
+import structlog
+
+from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
 from streamfleet.shared.schema import TokenEvent
 
+from streamfleet.gateway import edge
 from streamfleet.gateway.observe import stop_events
 
-__all__ = ["DISCONNECTED", "read_body", "until_disconnect", "read_to_end"]
+__all__ = ["DISCONNECTED", "read_body", "open_json", "until_disconnect", "read_to_end"]
 
 #: what ``until_disconnect`` returns when the client left before the work was done
 DISCONNECTED = object()
@@ -44,6 +48,38 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     except ClientDisconnect:
         return None
     return b"".join(parts)
+
+
+async def open_json(request: Request, hub: Any) -> tuple[Any, dict | None]:
+    """The opening every JSON door of the OpenAI API shares, cheapest first: refused while
+    the gateway drains; who is asking (its key's identity, None with auth off) before a
+    byte of the body is read, so an unauthenticated body costs nothing; a key known out of
+    its rate limit refused (429) before the body; then the body, read no further than
+    ``SF_MAX_FRAME_BYTES``, parsed, and an object. Returns the identity and the body, or
+    the identity and None when the client left mid-body (answer 499: nobody is there).
+
+    Raises:
+        StreamfleetError: draining, auth, rate limit, size, bad JSON, not an object.
+    """
+    if hub.draining:
+        raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0, code=ErrorCode.shutting_down)
+    identity = await hub.admission.authenticate(request.headers.get("authorization"))
+    if identity is not None:  # every log line of this request names its key
+        structlog.contextvars.bind_contextvars(key_id=identity.key_id)
+        edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
+    hub.admission.spent(identity)
+    raw = await read_body(request, hub.settings.max_frame_bytes)
+    if raw is None:  # the client's doing, not the gateway's: no traceback, no error log
+        return identity, None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
+    # before anything reads a field: valid JSON that is not an object gets the code the
+    # WebSocket gives the same frame
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
+    return identity, body
 
 
 async def until_disconnect(request: Request, work) -> Any:

@@ -25,18 +25,16 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import orjson
-import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, TokenEvent
 
-from streamfleet.gateway import edge
-from streamfleet.gateway.httpbody import DISCONNECTED, read_body, read_to_end, until_disconnect
+from streamfleet.gateway.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
@@ -58,32 +56,12 @@ router = APIRouter()
 
 async def _generate(request: Request, chat: bool) -> Response:
     hub: Hub = request.app.state.hub
-    admission = hub.admission
     identity = None
     try:
-        if hub.draining:
-            raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
-                                   code=ErrorCode.shutting_down)
-        # who is asking, before a byte of the body is read: an unauthenticated body costs nothing
-        identity = await admission.authenticate(request.headers.get("authorization"))
-        if identity is not None:  # every log line of this request names its key
-            structlog.contextvars.bind_contextvars(key_id=identity.key_id)
-            edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
-        admission.spent(identity)  # a key known out of its rate limit: 429 before reading the body
-        raw = await read_body(request, hub.settings.max_frame_bytes)
-        if raw is None:
-            # the client left before sending the whole body: nobody is there to answer, and
-            # it is the client's doing, not the gateway's (no traceback, no error log)
+        identity, body = await open_json(request, hub)
+        if body is None:
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
-        # before anything reads a field (the stream flags, the resume path): valid JSON that
-        # is not an object gets the code the WebSocket gives the same frame
-        if not isinstance(body, dict):
-            raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         stream_mode, include_usage = stream_flags(body)
         n, best_of = choice_counts(body, chat, stream_mode)
         resume = parse_last_event_id(request.headers.get("last-event-id"))

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import orjson
-import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -36,9 +35,8 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, TokenEvent
 
-from streamfleet.gateway import edge
 from streamfleet.gateway.admission import owner_of
-from streamfleet.gateway.httpbody import DISCONNECTED, read_body, read_to_end
+from streamfleet.gateway.httpbody import DISCONNECTED, open_json, read_to_end
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.openai_mapping import ResponseShape, request_payload
@@ -122,27 +120,12 @@ async def _save(hub: "Hub", stored: StoredResponse) -> None:
 async def create(request: Request) -> Response:
     """``POST /v1/responses``."""
     hub: Hub = request.app.state.hub
-    admission = hub.admission
     chat_path = False  # from here on an error names a chat completions field (``renamed``)
     try:
-        if hub.draining:
-            raise UnavailableError("this gateway is shutting down; retry", retry_after_ms=0,
-                                   code=ErrorCode.shutting_down)
-        identity = await admission.authenticate(request.headers.get("authorization"))
-        if identity is not None:
-            structlog.contextvars.bind_contextvars(key_id=identity.key_id)
-            edge.authenticated(request.scope)
-        admission.spent(identity)
-        raw = await read_body(request, hub.settings.max_frame_bytes)
-        if raw is None:
+        identity, body = await open_json(request, hub)
+        if body is None:
             log.debug("client left mid-body", path=request.url.path)
             return Response(status_code=499)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise ValidationError(f"the body is not valid JSON: {exc.msg}", code=ErrorCode.invalid_json) from exc
-        if not isinstance(body, dict):
-            raise ValidationError("the request body must be a JSON object", code=ErrorCode.invalid_frame)
         req = parse_request(body, hub.settings.refuse_unsupported)
         if req.ignored:
             log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=list(req.ignored))

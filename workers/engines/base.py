@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
 
-__all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers"]
+__all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers", "ort_session"]
 
 
 class SequenceError(Exception):
@@ -110,3 +110,27 @@ def count_past_layers(input_names: Iterable[str], where: object) -> int:
     if not n_layer or sorted(layers) != list(range(n_layer)) or any(v != {"key", "value"} for v in layers.values()):
         raise FatalError(f"{where} is not a text-generation-with-past graph (past_key_values.N.key/value)")
     return n_layer
+
+
+def ort_session(spec: ModelSpec, threads: int | None, options: dict) -> Any:
+    """An ONNX Runtime session on ``spec``'s graph, as every ONNX Runtime engine opens it:
+    all graph optimisations, sequential execution, ``threads`` intra-op threads (None:
+    the runtime's default, all cores) and one inter-op thread, ``options["providers"]``
+    (default ``["CPUExecutionProvider"]``).
+
+    Raises:
+        FatalError: the graph cannot be loaded (the runtime's reason named).
+    """
+    import onnxruntime as ort  # lazily: a CPU machine's engines only
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if threads is not None:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    providers = list(options.get("providers") or ["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(str(spec.onnx_path), so, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise FatalError(f"cannot load {spec.onnx_path}: {exc}") from exc

@@ -44,6 +44,7 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec, onnx_metadata
+from streamfleet.workers.engines.base import ort_session
 
 __all__ = ["OnnxEmbeddingEngine"]
 
@@ -73,8 +74,6 @@ class OnnxEmbeddingEngine:
 
     def __init__(self, spec: ModelSpec, threads: int | None = None, *, max_batch_tokens: int | None = None,
                  **options: Any) -> None:
-        import onnxruntime as ort  # lazily: the registry imports backends by name
-
         if spec.kind != "embedding":
             raise FatalError(f"model {spec.name!r} is not an embedding model (kind {spec.kind!r})")
         if not spec.onnx_path.exists():
@@ -106,17 +105,7 @@ class OnnxEmbeddingEngine:
             raise FatalError(f"{spec.path / 'engine.toml'}: max_context {self.max_context} exceeds the graph's "
                              f"{positions} positions")
 
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if threads is not None:
-            so.intra_op_num_threads = int(threads)
-            so.inter_op_num_threads = 1
-        providers = list(options.get("providers") or ["CPUExecutionProvider"])
-        try:
-            self._session = ort.InferenceSession(str(spec.onnx_path), so, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise FatalError(f"cannot load {spec.onnx_path}: {exc}") from exc
+        self._session = ort_session(spec, threads, options)
         inputs = {i.name for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
         if inputs != {"input_ids", "attention_mask"} or "embeddings" not in outputs:

@@ -61,7 +61,7 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers
+from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers, ort_session
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.prefixcache import PrefixCache
 
@@ -222,22 +222,10 @@ class OnnxRuntimeEngine:
     def __init__(self, spec: ModelSpec, *, threads: int | None = None, batch_invariant: bool | None = None,
                  invariant_quantum: int | None = None, prefix_cache_mb: float = 0.0, prefix_block: int = 32,
                  **options: Any) -> None:
-        import onnxruntime as ort  # lazily: the registry imports backends by name
-
         if not spec.onnx_path.exists():
             raise FatalError(f"{spec.onnx_path} is missing; run `python -m streamfleet.shared.tinymodel "
                              f"--model-dir {spec.path}`")
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if threads is not None:
-            so.intra_op_num_threads = int(threads)
-            so.inter_op_num_threads = 1
-        providers = list(options.get("providers") or ["CPUExecutionProvider"])
-        try:
-            self._session = ort.InferenceSession(str(spec.onnx_path), so, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise FatalError(f"cannot load {spec.onnx_path}: {exc}") from exc
+        self._session = ort_session(spec, threads, options)
 
         self.spec = spec
         self.max_batch = spec.max_batch
