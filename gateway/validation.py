@@ -100,6 +100,11 @@ MAX_ID_CHARS = 128
 #: most entries of ``logit_bias`` (OpenAI's limit) and of ``stop_token_ids``
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 64
+#: an embeddings request whose texts hold at most this many characters in all is tokenized
+#: on the event loop (tens of microseconds); a larger one in a thread. A thread for every
+#: short text would cost more than it saves: the loop and the thread pass the GIL back and
+#: forth, and each of the loop's system calls may then wait out a switch interval.
+INLINE_TOKENIZE_CHARS = 4096
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -480,9 +485,10 @@ class Validator:
     async def finish_async(self, draft: Draft) -> ValidRequest:
         """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
         limits, but not free) in a thread, off the event loop other clients share; an
-        embeddings request's texts are tokenized in a thread too."""
+        embeddings request's texts are tokenized in a thread too, unless they are short
+        (``INLINE_TOKENIZE_CHARS``)."""
         if draft.inputs is not None:
-            if any(isinstance(i, str) for i in draft.inputs):
+            if sum(len(i) for i in draft.inputs if isinstance(i, str)) > INLINE_TOKENIZE_CHARS:
                 spec = self.spec(draft.model)
                 self.tokenizer(spec)  # loaded (and cached) on the loop, used in the thread
                 return await asyncio.to_thread(self.finish, draft)

@@ -1,7 +1,8 @@
 """Embeddings served by a fleet, measured on the real model (all-MiniLM-L6-v2, ``minilm-l6-v2``):
 a private Redis, one gateway and real ONNX Runtime workers, requests over HTTP
-``POST /v1/embeddings`` (httpx async, ``encoding_format: "base64"``), one text a request
-as RAG clients send them.
+``POST /v1/embeddings`` (a minimal keep-alive HTTP/1.1 client on asyncio streams, one
+connection a client, ``encoding_format: "base64"``), one text a request as a RAG query
+sends it (``--per-request N``: N texts a request, as an indexing job sends its chunks).
 
 Part 1, throughput and latency: texts/s and latency p50/p99 at concurrency ``--concurrency``
 (default 1, 16, 64 clients, each sending its next request when its last one is answered)
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import random
@@ -51,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 import redis
 
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
@@ -173,56 +176,103 @@ class Window:
     def __init__(self, warmup: float, seconds: float) -> None:
         self.start = time.perf_counter() + warmup
         self.end = self.start + seconds
-        self.latencies: list[float] = []
+        self.latencies: list[float] = []  # a request's
+        self.texts = 0
 
-    def record(self, sent: float, done: float) -> None:
+    def record(self, sent: float, done: float, texts: int = 1) -> None:
         if self.start <= done <= self.end:
             self.latencies.append(done - sent)
+            self.texts += texts
 
     def over(self) -> bool:
         return time.perf_counter() >= self.end
 
     def result(self) -> dict:
         lat = self.latencies
-        return {"texts": len(lat), "texts_per_s": len(lat) / (self.end - self.start),
+        return {"texts": self.texts, "texts_per_s": self.texts / (self.end - self.start),
                 "p50_ms": 1000 * statistics.median(lat) if lat else float("nan"),
                 "p99_ms": 1000 * pctl(lat, 0.99)}
 
 
-async def embed_request(client: httpx.AsyncClient, url: str, text: str, dimensions: int) -> None:
-    resp = await client.post(f"{url}/v1/embeddings",
-                             json={"model": EMBED_MODEL, "input": text, "encoding_format": "base64"})
-    if resp.status_code != 200:
-        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-    data = resp.json()["data"]
-    if len(data) != 1 or len(base64.b64decode(data[0]["embedding"])) != 4 * dimensions:
-        raise RuntimeError(f"unexpected response: {resp.text[:300]}")
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection that posts JSON and reads a ``Content-Length``
+    reply, written on asyncio streams: the load's own CPU per request is a small fraction
+    of httpx's, which on a small machine would otherwise take the cores from the fleet it
+    measures (at c = 64 an httpx client took most of a core and became the bottleneck)."""
+
+    def __init__(self, url: str) -> None:
+        u = httpx.URL(url)
+        self.host, self.port = u.host, u.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port,
+                                                                len(body), body))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = next((int(v) for k, _, v in (ln.partition(b":") for ln in lines[1:])
+                       if k.strip().lower() == b"content-length"), None)
+        if length is None:
+            raise RuntimeError(f"HTTP {status} without a Content-Length: {head[:300]!r}")
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+
+
+async def embed_request(conn: RawConnection, texts: str | list[str], dimensions: int) -> None:
+    status, body = await conn.post("/v1/embeddings", orjson.dumps(
+        {"model": EMBED_MODEL, "input": texts, "encoding_format": "base64"}))
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {body[:300]!r}")
+    data = orjson.loads(body)["data"]
+    n = 1 if isinstance(texts, str) else len(texts)
+    if len(data) != n or any(len(base64.b64decode(d["embedding"])) != 4 * dimensions for d in data):
+        raise RuntimeError(f"unexpected response: {body[:300]!r}")
+
+
+def request_texts(texts: list[str], i: int, per: int) -> str | list[str]:
+    """The ``i``-th request's input: one text (``per`` 1), or a list of ``per``."""
+    if per == 1:
+        return texts[i % len(texts)]
+    return [texts[(i * per + j) % len(texts)] for j in range(per)]
 
 
 async def fleet_clients(url: str, texts: list[str], c: int, window: Window, dimensions: int,
-                        stop: asyncio.Event | None = None) -> None:
-    """``c`` clients, each sending one text a request, the next when its last is answered,
-    until the window is over (or ``stop`` is set)."""
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        async def one(k: int) -> None:
-            i = k
+                        stop: asyncio.Event | None = None, per: int = 1) -> None:
+    """``c`` clients, each on its own keep-alive connection, sending ``per`` texts a
+    request, the next when its last is answered, until the window is over (or ``stop``
+    is set)."""
+    async def one(k: int) -> None:
+        conn = RawConnection(url)
+        i = k
+        try:
             while not window.over() and not (stop is not None and stop.is_set()):
                 sent = time.perf_counter()
-                await embed_request(client, url, texts[i % len(texts)], dimensions)
-                window.record(sent, time.perf_counter())
+                await embed_request(conn, request_texts(texts, i, per), dimensions)
+                window.record(sent, time.perf_counter(), per)
                 i += c
+        finally:
+            await conn.close()
 
-        await asyncio.gather(*(one(k) for k in range(c)))
+    await asyncio.gather(*(one(k) for k in range(c)))
 
 
-async def one_process(engine, tokenizer, texts: list[str], c: int, window: Window) -> float:
-    """The same clients against a batcher in this process: up to ``max_batch`` waiting texts
-    within ``max_batch_tokens`` (whole, in the order they came; a longer one alone), one
-    ``engine.embed`` call a batch in a thread, as the worker's EmbeddingCore does. Returns
-    the mean batch."""
+async def one_process(engine, tokenizer, texts: list[str], c: int, window: Window, per: int = 1) -> float:
+    """The same clients against a batcher in this process: whole requests (``per`` texts
+    each) up to ``max_batch`` waiting texts within ``max_batch_tokens``, in the order they
+    came (a larger one alone), one ``engine.embed`` call a batch in a thread, as the
+    worker's EmbeddingCore does. Returns the mean batch (texts)."""
     ids = [tokenizer.encode(t) for t in texts]
-    waiting: list[tuple[list[int], asyncio.Future]] = []
+    waiting: list[tuple[list[list[int]], asyncio.Future]] = []
     wake = asyncio.Event()
     sizes: list[int] = []
     loop = asyncio.get_running_loop()
@@ -238,27 +288,29 @@ async def one_process(engine, tokenizer, texts: list[str], c: int, window: Windo
                 continue
             batch, rest, n, tokens = [], [], 0, 0
             for item in waiting:
-                k = len(item[0])
-                if batch and (n + 1 > engine.max_batch or tokens + k > engine.max_batch_tokens):
+                m, k = len(item[0]), sum(len(x) for x in item[0])
+                if batch and (n + m > engine.max_batch or tokens + k > engine.max_batch_tokens):
                     rest.append(item)
                     continue
                 batch.append(item)
-                n, tokens = n + 1, tokens + k
+                n, tokens = n + m, tokens + k
             waiting[:] = rest
-            sizes.append(len(batch))
-            vectors = await asyncio.to_thread(engine.embed, [b[0] for b in batch])
-            for (_, fut), v in zip(batch, vectors):
-                fut.set_result(v)
+            sizes.append(n)
+            vectors = await asyncio.to_thread(engine.embed, [x for b in batch for x in b[0]])
+            row = 0
+            for group, fut in batch:
+                fut.set_result(vectors[row:row + len(group)])
+                row += len(group)
 
     async def one(k: int) -> None:
         i = k
         while not window.over():
             sent = time.perf_counter()
             fut = loop.create_future()
-            waiting.append((ids[i % len(ids)], fut))
+            waiting.append(([ids[(i * per + j) % len(ids)] for j in range(per)], fut))
             wake.set()
             await fut
-            window.record(sent, time.perf_counter())
+            window.record(sent, time.perf_counter(), per)
             i += c
 
     task = asyncio.create_task(batcher())
@@ -279,7 +331,7 @@ def throughput(args, tokenizer, cores: int) -> tuple[dict, list[str]]:
         for c in args.concurrency:
             log(f"one process: {n} tokens, c={c}")
             w = Window(WARMUP_S, args.seconds)
-            mean_batch = asyncio.run(one_process(engine, tokenizer, texts[n], c, w))
+            mean_batch = asyncio.run(one_process(engine, tokenizer, texts[n], c, w, args.per_request))
             results[f"oneprocess {n} c{c}"] = w.result() | {"mean_batch": mean_batch}
     engine.close()
     with Stack([(EMBED_MODEL, cores)], EMBED_MODEL) as stack:
@@ -288,7 +340,7 @@ def throughput(args, tokenizer, cores: int) -> tuple[dict, list[str]]:
                 log(f"streamfleet: {n} tokens, c={c}")
                 w = Window(WARMUP_S, args.seconds)
                 s0, n0 = stack.batch_counters(EMBED_MODEL)
-                asyncio.run(fleet_clients(stack.url, texts[n], c, w, spec.dimensions))
+                asyncio.run(fleet_clients(stack.url, texts[n], c, w, spec.dimensions, per=args.per_request))
                 s1, n1 = stack.batch_counters(EMBED_MODEL)
                 results[f"streamfleet {n} c{c}"] = w.result() | {"mean_batch": (s1 - s0) / (n1 - n0) if n1 > n0
                                                                  else 0.0}
@@ -298,7 +350,8 @@ def throughput(args, tokenizer, cores: int) -> tuple[dict, list[str]]:
             ratio = s["texts_per_s"] / o["texts_per_s"] if o["texts_per_s"] else float("nan")
             results[f"ratio {n} c{c}"] = ratio
             rows.append((n, c, o, s, ratio))
-    lines = [f"\nthroughput: one text a request, {cores} threads (the worker's SF_THREADS, the loop's threads=), "
+    per = "one text" if args.per_request == 1 else f"{args.per_request} texts"
+    lines = [f"\nthroughput: {per} a request, {cores} threads (the worker's SF_THREADS, the loop's threads=), "
              f"{args.seconds:g} s a run after {WARMUP_S:g} s warm-up, max_batch {spec.max_batch}, "
              f"max_batch_tokens {spec.options.get('max_batch_tokens', 2048)}"]
     head = ("tokens".rjust(6) + "c".rjust(5) + "one process texts/s".rjust(21) + "p50/p99 ms".rjust(16)
@@ -344,7 +397,9 @@ async def beside_chat(stack: Stack, texts: list[str], streams: int, max_tokens: 
     tokens = 0
     async with httpx.AsyncClient(timeout=600) as client:
         await chat_stream(client, stack.url, "warm up", 4)
-        await embed_request(client, stack.url, texts[0], dimensions)
+        warm = RawConnection(stack.url)
+        await embed_request(warm, texts[0], dimensions)
+        await warm.close()
         stop = asyncio.Event()
         fw = Window(0.0, 1e9)  # the flood runs until stop is set
         flood_task = (asyncio.create_task(fleet_clients(stack.url, texts, flood, fw, dimensions, stop))
@@ -362,7 +417,7 @@ async def beside_chat(stack: Stack, texts: list[str], streams: int, max_tokens: 
                 i += streams
 
         await asyncio.gather(*(one(k) for k in range(streams)))
-        flood_texts = len(fw.latencies)
+        flood_texts = fw.texts
         flood_s = time.perf_counter() - fw.start
         if flood_task is not None:
             stop.set()
@@ -407,6 +462,8 @@ def main() -> int:
                     f"{WARMUP_S:g} s warm-up)")
     ap.add_argument("--concurrency", type=ints, default=[1, 16, 64], help="clients, comma-separated (1,16,64)")
     ap.add_argument("--lengths", type=ints, default=[32, 256], help="tokens a text, comma-separated (32,256)")
+    ap.add_argument("--per-request", type=int, default=1, help="texts a request (1: as a RAG query sends them; "
+                    "more: as an indexing job sends its chunks)")
     ap.add_argument("--chat-streams", type=int, default=4)
     ap.add_argument("--chat-tokens", type=int, default=64)
     ap.add_argument("--flood", type=int, default=16, help="embedding clients beside the chat streams")
