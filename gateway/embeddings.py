@@ -18,6 +18,10 @@ The response is OpenAI's: ``{"object": "list", "data": [{"object": "embedding", 
 list of floats, or with ``encoding_format: "base64"`` the float32 values' little-endian
 bytes in base64 (what the worker sent, passed on as it is). Errors are OpenAI's body, as
 on the other endpoints (``gateway/httperror.py``).
+
+The gRPC ``Embed`` call (``gateway/grpc_server.py``) and the WebSocket's ``embed`` frame
+(``gateway/protocol.py``, ``gateway/session.py``) take the same path: ``check_body``,
+``submit``, ``EmbedCall``.
 """
 
 from __future__ import annotations
@@ -213,40 +217,50 @@ async def embeddings(request: Request) -> Response:
     return Response(render(checked.spec.name, vectors, end, checked.encoding), media_type="application/json")
 
 
-async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None
-                 ) -> "EmbedCall":
+async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None,
+                 req: Any = None) -> "EmbedCall":
     """Admit and enqueue a checked body (tokenizing its texts after admission): the
-    embedding request's path shared by the HTTP and gRPC doors.
+    embedding request's path shared by the HTTP, gRPC and WebSocket doors. ``req``: the
+    ``ClientRequest`` to submit it as (a connection's, under the client's id: the
+    WebSocket's ``embed`` frame, ``gateway.session``); None for a request of its own.
 
     Raises:
         StreamfleetError: refused (admission, tokenizing, the lane's backpressure).
     """
-    draft = Draft(client_id="embeddings", model=checked.spec.name, lane=checked.lane,
+    own = req is None
+    if own:
+        req = hub.request(door, identity=identity)
+    draft = Draft(client_id="embeddings" if own else req.client_id, model=checked.spec.name, lane=checked.lane,
                   params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=checked.timeout_s,
                   prompt_text="", inputs=checked.inputs)
-    req = hub.request(door, identity=identity)
-    await req.submit(draft, trace_id=trace_id)
-    return EmbedCall(req, door, len(checked.inputs))
+    depth = await req.submit(draft, trace_id=trace_id)
+    return EmbedCall(req, door, len(checked.inputs), depth=depth, watch=own)
 
 
 class EmbedCall:
-    """A submitted embeddings request: ``result`` waits for its vectors and its end."""
+    """A submitted embeddings request: ``result`` waits for its vectors and its end.
+    ``depth``: the lane's depth at the enqueue (the WebSocket's ``accepted`` frame);
+    ``watch``: ``result`` ends the request if the API key is revoked meanwhile (a
+    connection's request is not watched: its connection is)."""
 
-    def __init__(self, req: Any, door: str, n: int) -> None:
-        self.req, self.door, self.n = req, door, n
+    def __init__(self, req: Any, door: str, n: int, *, depth: int = 0, watch: bool = True) -> None:
+        self.req, self.door, self.n, self.depth, self.watch = req, door, n, depth, watch
 
-    async def result(self, guard=None) -> tuple[list[str], Any]:
+    async def result(self, guard=None, *, cancelled_ok: bool = False) -> tuple[list[str], Any]:
         """The vectors (base64 float32, in input order) and the ``DoneEvent``; ``guard``
         wraps the wait (the HTTP door's ``until_disconnect``: then the end may be
         ``DISCONNECTED``). The request is closed whatever happens (cancelled if it has
-        not ended).
+        not ended). ``cancelled_ok``: a request cancelled before all of its vectors came
+        (the WebSocket's ``cancel`` frame) returns no vectors and its ``DoneEvent``
+        (``finish_reason`` ``"cancelled"``) rather than failing.
 
         Raises:
             StreamfleetError: the request failed (the worker's error), or ended without
                 all of its vectors (``internal``).
         """
         req = self.req
-        req.watch()  # a revoked key ends the stream
+        if self.watch:
+            req.watch()  # a revoked key ends the stream
         vectors: list[str | None] = [None] * self.n
         events = req.events(self.door)
 
@@ -271,6 +285,8 @@ class EmbedCall:
             return [], end
         if isinstance(end, ErrorEvent):
             raise end.error()
+        if cancelled_ok and isinstance(end, DoneEvent) and end.finish_reason == "cancelled":
+            return [], end
         if not isinstance(end, DoneEvent) or end.finish_reason != "stop" or any(v is None for v in vectors):
             reason = end.finish_reason if isinstance(end, DoneEvent) else "no end"
             raise StreamfleetError(f"the embeddings request ended ({reason}) without all of its vectors",

@@ -5,25 +5,34 @@
 
 * ``Send(frame)``        write a JSON frame to the client
 * ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``Draft``)
+* ``Embed(client_id, body)``  admit, tokenize and enqueue an embeddings request (its
+  body passed the HTTP door's cheap checks: ``gateway.embeddings.check_body``)
 * ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
 ``render`` turns a request stream's events (``gateway.request_stream``: the wire's
-``TokenEvent``, ``DoneEvent``, ``ErrorEvent``) into the client's frames.
+``TokenEvent``, ``DoneEvent``, ``ErrorEvent``) into the client's frames;
+``embeddings_frame`` an embeddings request's vectors into its one answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, TokenEvent
+from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
 
-__all__ = ["Send", "Submit", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
-           "resume_fields"]
+from streamfleet.gateway.validation import MAX_ID_CHARS
+
+__all__ = ["Send", "Submit", "Embed", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
+           "embeddings_frame", "resume_fields", "EMBED_FRAME_FIELDS"]
+
+#: the fields of an ``embed`` frame that are the frame's own, not the embeddings body's
+#: (the rest goes to ``gateway.embeddings.check_body`` as an HTTP body would)
+EMBED_FRAME_FIELDS = ("type", "id")
 
 
 @dataclass(slots=True)
@@ -34,6 +43,12 @@ class Send:
 @dataclass(slots=True)
 class Submit:
     request: Any  # gateway.validation.Draft
+
+
+@dataclass(slots=True)
+class Embed:
+    client_id: str
+    body: Any  # gateway.embeddings.EmbeddingsBody
 
 
 @dataclass(slots=True)
@@ -51,7 +66,7 @@ class Resume:
     token: str | None = None
 
 
-Output = Union[Send, Submit, Cancel, Resume]
+Output = Union[Send, Submit, Embed, Cancel, Resume]
 
 
 def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_token: str | None = None,
@@ -77,6 +92,25 @@ def render(client_id: str, request_id: str, ev: Event) -> dict[str, Any]:
         return frame
     assert isinstance(ev, ErrorEvent)
     return ev.error().to_frame(client_id)
+
+
+def embeddings_frame(client_id: str, request_id: str, model: str, vectors: list[str], done: DoneEvent,
+                     encoding: str) -> dict[str, Any]:
+    """An embeddings request's one answer (docs/websocket.md, "Embeddings"): the vectors
+    (base64 float32, as the worker sent them) in input order, as lists of numbers or,
+    with ``encoding`` ``"base64"``, as they are; the usage and timing of its ``done``."""
+    if encoding == "base64":
+        data = [{"index": i, "embedding": v} for i, v in enumerate(vectors)]
+    else:  # each float32 as the shortest decimal that reads back as its double (as the HTTP door prints it)
+        data = [{"index": i, "embedding": EmbeddingEvent(request_id, i, v).values().astype("float64").tolist()}
+                for i, v in enumerate(vectors)]
+    frame = {"type": "embeddings", "id": client_id, "request_id": request_id, "model": model, "data": data,
+             "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
+             "timing": {"queue_ms": round(done.queue_ms, 3), "total_ms": round(done.total_ms, 3)}
+             if done.timed else {}}
+    if done.model_version:
+        frame["model_version"] = done.model_version
+    return frame
 
 
 def resume_fields(msg: dict[str, Any]) -> tuple[str, int, str | None]:
@@ -113,10 +147,15 @@ class ConnectionProtocol:
         validator: a ``gateway.validation.Validator``.
         max_inflight: most concurrent requests on this connection.
         max_frame_bytes: largest text frame accepted.
+        check_embed: the cheap checks of an embeddings body
+            (``gateway.embeddings.check_body`` with the process's hub), for ``embed``
+            frames; None: they are refused (``unknown_type``).
     """
 
-    def __init__(self, validator: Any, *, max_inflight: int = 64, max_frame_bytes: int = 1 << 20) -> None:
+    def __init__(self, validator: Any, *, max_inflight: int = 64, max_frame_bytes: int = 1 << 20,
+                 check_embed: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.validator = validator
+        self.check_embed = check_embed
         self.max_inflight = max_inflight
         self.max_frame_bytes = max_frame_bytes
         #: client ids of the requests in flight (a dict as an ordered set: an empty set
@@ -157,6 +196,8 @@ class ConnectionProtocol:
         cid = msg.get("id") if isinstance(msg.get("id"), str) else None
         if kind == "generate":
             return self._generate(msg, cid)
+        if kind == "embed" and self.check_embed is not None:
+            return self._embed(msg, cid)
         if kind == "cancel":
             return self._cancel(cid)
         if kind == "ping":
@@ -167,7 +208,8 @@ class ConnectionProtocol:
             return [Send(ValidationError("field 'type' must be a string", code=ErrorCode.invalid_frame,
                                          param="type").to_frame(cid))]
         shown = kind if len(kind) <= 32 else kind[:32] + "…"
-        return [Send(ValidationError(f"unknown frame type {shown!r}; expected generate, cancel, resume or ping",
+        return [Send(ValidationError(f"unknown frame type {shown!r}; expected generate, "
+                                     f"{'embed, ' if self.check_embed is not None else ''}cancel, resume or ping",
                                      code=ErrorCode.unknown_type, param="type").to_frame(cid))]
 
     def _admissible(self, cid: str | None) -> list[Output]:
@@ -203,6 +245,25 @@ class ConnectionProtocol:
             return [Send(exc.to_frame(cid))]
         self.in_flight[valid.client_id] = None
         return [Submit(valid)]
+
+    def _embed(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
+        """An ``embed`` frame: the connection's limits as for ``generate``, its ``id`` as a
+        generate frame's, the rest exactly an HTTP embeddings body (``check_embed``)."""
+        refused = self._admissible(cid)
+        if refused:
+            return refused
+        try:
+            client_id = msg.get("id")
+            if client_id is None:
+                raise ValidationError("field 'id' is required", code=ErrorCode.missing_field, param="id")
+            if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_CHARS:
+                raise ValidationError(f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters",
+                                      code=ErrorCode.invalid_type, param="id")
+            body = self.check_embed({k: v for k, v in msg.items() if k not in EMBED_FRAME_FIELDS})
+        except StreamfleetError as exc:
+            return [Send(exc.to_frame(cid))]
+        self.in_flight[client_id] = None
+        return [Embed(client_id, body)]
 
     def _cancel(self, cid: str | None) -> list[Output]:
         if cid is None:

@@ -18,12 +18,12 @@ import asyncio
 import hmac
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from streamfleet.gateway.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import ENDS, Event
+from streamfleet.shared.schema import ENDS, Event, RequestRecord
 
 __all__ = ["ReplyChannel"]
 
@@ -169,7 +169,8 @@ class ReplyChannel:
                  prompt_tokens=task.prompt_tokens, queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth
 
-    async def resume(self, request_id: str, client_id: str, from_index: int, *, owner: str) -> RequestStream:
+    async def resume(self, request_id: str, client_id: str, from_index: int, *, owner: str,
+                     check: Callable[[RequestRecord], None] | None = None) -> RequestStream:
         """Follow a request started on any connection of any gateway, from ``from_index``:
         the log is replayed from there, then the request is followed live. Works from the
         moment the request was accepted, also while it still waits for a worker.
@@ -178,15 +179,21 @@ class ReplyChannel:
             owner: the request must belong to it (else it is "not found"): the API key's
                 owner, or with auth off the one its resume token names
                 (``gateway.admission``).
+            check: called with the owner's request record before anything is followed;
+                raises to refuse the resume (``ClientRequest.resume``: an embeddings
+                request cannot be resumed).
 
         Raises:
             NotFoundError: no such request (unknown id, another tenant's, or expired).
             UnavailableError: Redis is unreachable.
+            StreamfleetError: what ``check`` raised.
         """
         record = await self.broker.read_request(request_id)
         if record is None or not record.owner or not hmac.compare_digest(record.owner.encode(), owner.encode()):
             raise NotFoundError(f"no request {request_id!r} to resume (unknown, or its log expired)",
                                 code=ErrorCode.unknown_request, param="request_id")
+        if check is not None:
+            check(record)
         stream = RequestStream(request_id, client_id, prompt_tokens=record.prompt_tokens, deadline=record.deadline,
                                log_reader=self._reader(request_id, replay=True), resumed=True, next_index=from_index,
                                stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s)

@@ -32,13 +32,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+
 from streamfleet.gateway.admission import Ticket, revoked_error
 from streamfleet.gateway.observe import observed
 from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.request_stream import RequestStream, Tick
 
 if TYPE_CHECKING:
-    from streamfleet.shared.schema import Event
+    from streamfleet.shared.schema import Event, RequestRecord
 
     from streamfleet.gateway.admission import Admission
     from streamfleet.gateway.auth import Identity
@@ -189,13 +191,31 @@ class ClientRequest:
         owner = await self.admission.admit_resume(self.identity, resume_token)
         channel = await self._open_channel()
         try:
-            stream = await channel.resume(request_id, self.client_id, from_index, owner=owner)
+            stream = await channel.resume(request_id, self.client_id, from_index, owner=owner,
+                                          check=self._resumable)
         except BaseException:
             await self._close_own_channel()
             raise
         self._resume_token = resume_token
         self.model = stream.model
         self._attach(stream)
+
+    def _resumable(self, record: "RequestRecord") -> None:
+        """Refuses to resume an embeddings request (its vectors are one answer, in the
+        encoding its request asked for, which the record does not keep): checked once the
+        request is known to be the caller's, before anything is followed.
+
+        Raises:
+            ValidationError: ``invalid_request`` naming ``request_id``.
+        """
+        try:
+            kind = self.validator.spec(record.model).kind
+        except StreamfleetError:  # a model no longer served: the resume follows what the log holds
+            return
+        if kind == "embedding":
+            raise ValidationError(f"request {record.request_id!r} is an embeddings request of model "
+                                  f"{record.model!r}: its vectors come in one answer and cannot be resumed; "
+                                  f"send the request again", code=ErrorCode.invalid_request, param="request_id")
 
     # -- while it runs ------------------------------------------------------------------
     def events(self, transport: str) -> AsyncIterator[Event | Tick]:

@@ -5,7 +5,9 @@ A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protoco
 into requests (``gateway.requests.ClientRequest``, one per client id: submits answered
 on the process's shared channel, resumes on the session's own; docs/architecture.md,
 "Reply channels") and each request's events into protocol frames (the
-WebSocket's JSON objects, ``protocol.render``). An adapter supplies two writes:
+WebSocket's JSON objects, ``protocol.render``); an ``embed`` frame's request
+(``gateway.embeddings``: the HTTP door's checks and submit) is answered with one
+``embeddings`` frame (``protocol.embeddings_frame``). An adapter supplies two writes:
 
 * ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
 * ``emit(frame)``   a request's frame, from that request's own task, in order
@@ -21,8 +23,9 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 
-from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Output, Resume, Send, Submit, accepted_frame, \
-    render
+from streamfleet.gateway.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
+from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Embed, Output, Resume, Send, Submit, \
+    accepted_frame, embeddings_frame, render
 from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.requests import ClientRequest
 from streamfleet.gateway.tools import Tools, call_id
@@ -71,7 +74,7 @@ class Session:
         self.transport = transport
         s = hub.settings
         self.proto = ConnectionProtocol(hub.validator, max_inflight=s.max_inflight_per_connection,
-                                        max_frame_bytes=s.max_frame_bytes)
+                                        max_frame_bytes=s.max_frame_bytes, check_embed=self._check_embed)
         self.channel = ReplyChannel(hub.broker)
         #: client id -> the request in flight under it (from its submit or resume frame on)
         self.requests: dict[str, ClientRequest] = {}
@@ -118,6 +121,10 @@ class Session:
         if not self.revoked.done():
             self.revoked.set_result(None)
 
+    def _check_embed(self, body: dict) -> EmbeddingsBody:
+        """An ``embed`` frame's body, checked as the HTTP door checks one (``check_body``)."""
+        return check_body(self.hub, body)
+
     # -- the adapter's writes ----------------------------------------------------------
     def send(self, frame: dict) -> None:
         raise NotImplementedError
@@ -133,6 +140,9 @@ class Session:
             elif isinstance(out, Submit):
                 req = self._request(out.request.client_id)
                 self._spawn(self._run(req, self._submit(req, out.request), out.request.tools))
+            elif isinstance(out, Embed):
+                req = self._request(out.client_id)
+                self._spawn(self._run_embed(req, out.body))
             elif isinstance(out, Resume):
                 req = self._request(out.client_id)
                 self._spawn(self._run(req, self._resume(req, out)))
@@ -162,10 +172,13 @@ class Session:
         t = asyncio.create_task(coro)
         self.track(t)
 
-    async def _submit(self, req: ClientRequest, draft) -> None:
+    def _check_draining(self) -> None:
         if self.hub.draining:
             raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
+
+    async def _submit(self, req: ClientRequest, draft) -> None:
+        self._check_draining()
         depth = await req.submit(draft, trace_id=self.trace_id)
         await self.emit(accepted_frame(req.client_id, req.request_id, depth, req.resume_token))
 
@@ -199,10 +212,43 @@ class Session:
             log.exception("request failed", request_id=req.request_id)
             await self.emit(StreamfleetError("the request failed inside the gateway; retry it").to_frame(cid))
         finally:
-            self.requests.pop(cid, None)
-            self.proto.finished(cid)
-            # the stream slot goes back only if the request ended (ClientRequest.release)
-            await req.close()
+            await self._ended(req)
+
+    async def _run_embed(self, req: ClientRequest, body: EmbeddingsBody) -> None:
+        """An ``embed`` frame's request: submitted as the HTTP door submits one
+        (``gateway.embeddings.submit``, under the client's id on this connection), then
+        ``accepted``, then one ``embeddings`` frame with every vector (or an ``error``;
+        a ``cancel`` before the vectors came: ``done`` with ``finish_reason`` ``"cancelled"``)."""
+        cid = req.client_id
+        try:
+            try:
+                self._check_draining()
+                call = await submit_embeddings(self.hub, self.transport, self.identity, body, self.trace_id, req=req)
+            except StreamfleetError as exc:
+                metrics.refusals.labels(self.transport, str(exc.code)).inc()
+                await self.emit(exc.to_frame(cid))
+                return
+            await self.emit(accepted_frame(cid, req.request_id, call.depth, req.resume_token))
+            try:
+                vectors, end = await call.result(cancelled_ok=True)
+            except StreamfleetError as exc:
+                await self.emit(exc.to_frame(cid))
+                return
+            if end.finish_reason == "cancelled":
+                await self.emit(render(cid, req.request_id, end))
+            else:
+                await self.emit(embeddings_frame(cid, req.request_id, body.spec.name, vectors, end, body.encoding))
+        except Exception:  # a bug or an unforeseen failure ends this request, not the connection
+            log.exception("request failed", request_id=req.request_id)
+            await self.emit(StreamfleetError("the request failed inside the gateway; retry it").to_frame(cid))
+        finally:
+            await self._ended(req)
+
+    async def _ended(self, req: ClientRequest) -> None:
+        self.requests.pop(req.client_id, None)
+        self.proto.finished(req.client_id)
+        # the stream slot goes back only if the request ended (ClientRequest.release)
+        await req.close()
 
     def track(self, task: asyncio.Task) -> None:
         """Hold a task of this connection until it ends (``cancel_tasks`` stops them all)."""

@@ -196,7 +196,8 @@ def not_text_message(spec: ModelSpec) -> str:
     """Why a text endpoint (completions, chat, the WebSocket's generate) refuses ``spec``,
     naming the model, its kind and where it is served."""
     where = {"asr": "stream audio to /v1/audio/stream or post a file to /v1/audio/transcriptions for it",
-             "embedding": "post its inputs to /v1/embeddings"}.get(spec.kind, "it cannot generate text")
+             "embedding": "post its inputs to /v1/embeddings (or send a WebSocket embed frame, or call gRPC "
+                           "Embed)"}.get(spec.kind, "it cannot generate text")
     return f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; {where}"
 
 

@@ -5,10 +5,13 @@ model repository. The official ``openai`` SDK (base64 by default, which it decod
 itself, and ``float``) and LangChain's ``OpenAIEmbeddings`` get the vectors
 ``OnnxEmbeddingEngine.embed`` gives in this process on the same folder, alone and
 batched; token-id inputs; usage; every limit refused with a 400 naming it; and the text
-endpoints refuse the embedding model by name."""
+endpoints refuse the embedding model by name. The WebSocket's ``embed`` frame gets the same
+vectors in one ``embeddings`` frame, the same refusals as ``error`` frames, and can be
+cancelled (not resumed) by its own connection only."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 
@@ -23,6 +26,7 @@ from streamfleet.shared.modelrepo import load_tokenizer
 from streamfleet.shared.schema import DeadLetter, DoneEvent, EmbeddingEvent, EmbedTask, LogEntry
 from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 from tests.support.tinybert import tiny_embedding_model
+from tests.support.wsclient import Client
 
 MODEL = "tiny-embed"
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "streams and lanes and workers",
@@ -265,3 +269,152 @@ def test_grpc_embed_gives_the_same_vectors_and_refuses_by_name(parts):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details(), req
     finally:
         channel.close()
+
+
+# -- the WebSocket's ``embed`` frame (docs/websocket.md, "Embeddings") ----------------------------
+def _ws_vectors(frame: dict) -> np.ndarray:
+    assert frame["type"] == "embeddings", frame
+    assert [d["index"] for d in frame["data"]] == list(range(len(frame["data"])))
+    return np.array([d["embedding"] for d in frame["data"]])
+
+
+async def test_ws_embed_a_string_and_a_list_get_the_http_doors_vectors(parts):
+    """Accepted, then one ``embeddings`` frame: the vectors the HTTP door gives, exactly,
+    and the engine's own; usage as the HTTP door counts it."""
+    gw, engine, tok, spec = parts
+    http = httpx.post(gw.http + "/v1/embeddings", json={"model": MODEL, "input": TEXTS, "encoding_format": "float"},
+                      timeout=60).json()
+    c = await Client.connect(gw.ws)
+    try:
+        res = await c.embed("one", TEXTS[1], MODEL)
+        assert res.accepted["request_id"] == res.end["request_id"] and res.accepted["queue_depth"] >= 0
+        assert (res.end["id"], res.end["model"]) == ("one", MODEL) and res.tokens == []
+        assert _cos(_ws_vectors(res.end), _alone(engine, tok, TEXTS[1:2])).min() >= 0.99999
+        tokens = len(tok.encode(TEXTS[1]))
+        assert res.end["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+        assert set(res.end["timing"]) == {"queue_ms", "total_ms"}
+        many = await c.embed("many", TEXTS, MODEL, encoding_format="float", priority="high", user="u1")
+        got = _ws_vectors(many.end)
+        assert got.shape == (len(TEXTS), spec.dimensions)
+        assert got.tolist() == [d["embedding"] for d in http["data"]]  # the HTTP door's numbers, exactly
+        assert many.end["usage"] == http["usage"]
+    finally:
+        await c.close()
+
+
+async def test_ws_embed_base64_and_token_ids(parts):
+    import base64
+
+    gw, engine, tok, _spec = parts
+    ids = [tok.encode(t) for t in TEXTS[:3]]
+    c = await Client.connect(gw.ws)
+    try:
+        b64 = await c.embed("b", TEXTS[:2], MODEL, encoding_format="base64")
+        got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in b64.end["data"]])
+        assert _cos(got, _alone(engine, tok, TEXTS[:2])).min() >= 0.99999
+        many, one = await asyncio.gather(c.embed("ids", ids, MODEL), c.embed("id", ids[1], MODEL))
+        assert _cos(_ws_vectors(many.end), engine.embed(ids)).min() >= 0.99999
+        assert many.end["usage"]["prompt_tokens"] == sum(map(len, ids))
+        assert len(one.end["data"]) == 1 and _cos(_ws_vectors(one.end)[0], engine.embed([ids[1]])[0]) >= 0.99999
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("fields, code, words, param", [
+    ({"input": []}, "invalid_request", "'input' is empty", "input"),
+    ({"input": ["a", ""]}, "invalid_request", "input 1 is an empty string", "input"),
+    ({"input": ["a"] * 2049}, "invalid_request", "holds 2049 inputs; the limit is 2048", "input"),
+    ({"input": [[5] * 10, [5] * 49]}, "prompt_too_long", "input 1 has 49 tokens, over the limit of model "
+                                                         "'tiny-embed' (48 tokens", "input"),
+    # over the context once tokenized (after admission, as on the HTTP door)
+    ({"input": ["a", "word " * 60]}, "prompt_too_long", "input 1 has 122 tokens, over the limit of model "
+                                                        "'tiny-embed' (48 tokens", "input"),
+    ({"input": "a", "model": "tiny-gpt"}, "invalid_request", "model 'tiny-gpt' is a text model, not an embedding "
+                                                             "model", "model"),
+    ({"input": "a", "dimensions": 16}, "invalid_request", "'dimensions' must be 32", "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "out_of_range", "'encoding_format' must be", "encoding_format"),
+])
+async def test_ws_a_bad_embed_is_an_error_frame_naming_the_parameter(gw, fields, code, words, param):
+    c = await Client.connect(gw.ws)
+    try:
+        res = await c.embed("bad", fields.pop("input"), fields.pop("model", MODEL), **fields)
+        assert res.accepted is None, res.accepted
+        err = res.end
+        assert (err["type"], err["id"], err["code"], err["status"], err["param"]) == ("error", "bad", code, 400,
+                                                                                      param), err
+        assert words in err["message"], err
+        ok = await c.embed("bad", "the id is free again and the connection open", MODEL)
+        assert ok.end["type"] == "embeddings"
+    finally:
+        await c.close()
+
+
+async def test_ws_a_generate_frame_refuses_the_embedding_model(gw):
+    c = await Client.connect(gw.ws)
+    try:
+        res = await c.generate("g", "hi", model=MODEL)
+        assert (res.end["type"], res.end["code"], res.end["param"]) == ("error", "invalid_request", "model")
+        assert "model 'tiny-embed' is an embedding model, not a text model" in res.end["message"]
+    finally:
+        await c.close()
+
+
+async def test_ws_an_id_is_reused_after_its_reply_and_taken_while_in_flight(parts):
+    gw, engine, tok, _spec = parts
+    c = await Client.connect(gw.ws)
+    try:
+        first = await c.embed("x", TEXTS[0], MODEL)
+        again = await c.embed("x", TEXTS[2], MODEL)  # the reply freed the id
+        assert first.end["request_id"] != again.end["request_id"]
+        assert _cos(_ws_vectors(again.end)[0], _alone(engine, tok, TEXTS[2:3])[0]) >= 0.99999
+        # 16 requests under 16 ids at once, each answered under its own
+        results = await asyncio.gather(*(c.embed(f"p{i}", TEXTS[i % len(TEXTS)], MODEL) for i in range(16)))
+        for i, res in enumerate(results):
+            assert _cos(_ws_vectors(res.end)[0], _alone(engine, tok, [TEXTS[i % len(TEXTS)]])[0]) >= 0.99999
+    finally:
+        await c.close()
+
+
+@pytest.fixture(scope="module")
+def idle_gw(module_fleets, parts):
+    """A gateway on the same models with no embedding worker behind it (and no check for
+    one): an embeddings request waits in its lane until it is cancelled."""
+    spec = parts[3]
+    return module_fleets().gateway(engines_dir=spec.path.parent, no_worker_grace_s=0)
+
+
+async def test_ws_a_cancel_before_the_vectors_ends_it_and_only_its_connection_may(idle_gw):
+    """A request waiting for a worker: another connection cannot cancel it (its ids are
+    its own) nor resume it with the wrong token; with the right one the resume is refused
+    by name (an embeddings request is not resumable); its own connection's ``cancel``
+    ends it with ``done`` (``cancelled``), and the id is free again."""
+    c, other = await Client.connect(idle_gw.ws), await Client.connect(idle_gw.ws)
+    try:
+        pending = c.start_embed("e", ["a", "b"], MODEL)
+        deadline = time.monotonic() + 30
+        while c.results["e"].accepted is None:
+            assert time.monotonic() < deadline and not pending.done(), c.results["e"]
+            await asyncio.sleep(0.02)
+        accepted = c.results["e"].accepted
+        rid, token = accepted["request_id"], accepted["resume_token"]
+        await other.send({"type": "cancel", "id": "e"})
+        err = await other.next_other()
+        assert (err["type"], err["code"], err["id"]) == ("error", "unknown_id", "e")
+        stranger = await asyncio.wait_for(other.resume("s", rid, 0, resume_token="0" * len(token)), 30)
+        assert (stranger.end["code"], stranger.end["param"]) == ("unknown_request", "request_id"), stranger.end
+        refused = await asyncio.wait_for(other.resume("r", rid, 0, resume_token=token), 30)
+        assert (refused.end["code"], refused.end["status"], refused.end["param"]) == ("invalid_request", 400,
+                                                                                      "request_id")
+        assert "embeddings request" in refused.end["message"] and "cannot be resumed" in refused.end["message"]
+        assert not pending.done()
+        await c.send({"type": "cancel", "id": "e"})
+        res = await asyncio.wait_for(pending, 30)
+        assert (res.end["type"], res.end["finish_reason"], res.end["request_id"]) == ("done", "cancelled", rid)
+        again = c.start_embed("e", "x", MODEL)  # the id is free again (and waits as the first did)
+        deadline = time.monotonic() + 30
+        while c.results["e"].accepted is None:
+            assert time.monotonic() < deadline and not again.done(), c.results["e"]
+            await asyncio.sleep(0.02)
+    finally:
+        await c.close()
+        await other.close()

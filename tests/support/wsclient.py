@@ -63,7 +63,7 @@ class Client:
                         Client.tokens[msg["request_id"]] = msg["resume_token"]
                 elif kind == "token":
                     res.tokens.append(msg)
-                elif kind in ("done", "error"):
+                elif kind in ("done", "error", "embeddings"):  # (an embed's answer is its end)
                     res.end = msg
                     self.end_order.append(rid)
                     fut = self.waiters.pop(rid, None)
@@ -90,6 +90,18 @@ class Client:
         frame = {"type": "generate", "id": id, "prompt": prompt, **fields}
         asyncio.ensure_future(self.send(frame))
         return fut
+
+    def start_embed(self, id: str, input, model: str, **fields) -> asyncio.Future:
+        """Send an ``embed`` frame; the future is its ``Result``, whose ``end`` is the
+        ``embeddings`` frame (or ``error``, or ``done`` when cancelled)."""
+        self.results[id] = Result(id)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[id] = fut
+        asyncio.ensure_future(self.send({"type": "embed", "id": id, "model": model, "input": input, **fields}))
+        return fut
+
+    async def embed(self, id: str, input, model: str, timeout: float = 60, **fields) -> Result:
+        return await asyncio.wait_for(self.start_embed(id, input, model, **fields), timeout)
 
     def resume(self, id: str, request_id: str, from_index: int, resume_token=KNOWN) -> asyncio.Future:
         """Resume ``request_id``; by default with the resume token its ``accepted`` frame
