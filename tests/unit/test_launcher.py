@@ -85,3 +85,10 @@ def test_commands_find_the_running_serve_after_flags_and_environment(tmp_path, m
     assert path.exists()
     clear_record(os.getpid(), path)
     assert not path.exists()
+
+
+def test_the_embedding_worker_gets_half_the_cores():
+    from streamfleet.launcher import embedding_threads
+
+    assert [embedding_threads(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 1, 4, 8]
+    assert embedding_threads() >= 1  # this machine's share

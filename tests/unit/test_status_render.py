@@ -1,0 +1,46 @@
+"""`streamfleet status`'s text report (streamfleet/status.py ``render``) for models of each
+kind: what a worker's figures mean depends on it (docs/status.md)."""
+
+from __future__ import annotations
+
+from streamfleet.status import FleetStatus, LaneStatus, ModelStatus, WorkerStatus
+
+
+def _model(name: str, kind: str | None, tokens_per_s: float, max_batch: int) -> ModelStatus:
+    lanes = [LaneStatus(lane=lane, key=f"sf:{{{name}}}:tasks:{lane}", exists=True, lag=0, consumers=1)
+             for lane in ("high", "normal")]
+    worker = WorkerStatus(id=f"w-{name}", slots_used=1, max_batch=max_batch, tokens_per_s=tokens_per_s,
+                          heartbeat_age_s=0.5, pid=42, host="vm", draining=False, stale=False)
+    return ModelStatus(name=name, kind=kind, lanes=lanes, workers=[worker])
+
+
+def _workers_table(text: str, name: str) -> tuple[list[str], list[str]]:
+    """The header and the row of ``name``'s worker table."""
+    lines = text.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith(f"w-{name} "))
+    return lines[row - 2].split("  "), lines[row].split()
+
+
+def test_each_kind_shows_what_its_workers_report():
+    st = FleetStatus(redis_url="redis://127.0.0.1:6379/0", key_prefix="sf", time=0.0, redis_version="7.2",
+                     gateways=[], cancel_listeners=0, worker_ttl_s=10.0,
+                     models=[_model("chat", "text", 630.0, 16), _model("vectors", "embedding", 1234.5, 64),
+                             _model("speech", "asr", 0.0, 2), _model("ghost", None, 7.0, 8)])
+    text = __import__("streamfleet.status", fromlist=["render"]).render(st)
+    assert "model chat: backlog" in text and "model ghost: backlog" in text
+    assert "model vectors (embedding): backlog" in text and "model speech (asr): backlog" in text
+
+    def headers(name):
+        return [h.strip() for h in _workers_table(text, name)[0] if h.strip()]
+
+    # a text model (or one the repository lacks): generated tokens/s and the prefix cache
+    for name in ("chat", "ghost"):
+        assert headers(name) == ["worker", "state", "slots", "tokens/s", "prefix cache", "heartbeat", "pid", "host"]
+    assert _workers_table(text, "chat")[1][:4] == ["w-chat", "live", "1/16", "630.0"]
+    # an embedding model: the input tokens it embeds, no prefix cache
+    assert headers("vectors") == ["worker", "state", "slots", "input tokens/s", "heartbeat", "pid", "host"]
+    assert _workers_table(text, "vectors")[1][:4] == ["w-vectors", "live", "1/64", "1234.5"]
+    # a speech model: no rate at all (it reports none)
+    assert headers("speech") == ["worker", "state", "slots", "heartbeat", "pid", "host"]
+    assert _workers_table(text, "speech")[1][:3] == ["w-speech", "live", "1/2"]
+    assert st.to_dict()["models"][1]["kind"] == "embedding"
