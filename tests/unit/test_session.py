@@ -1,22 +1,20 @@
 """The requests of one connection (gateway/session.py), without processes or Redis.
 
 The code under test is the real ``Session`` with its real ``ConnectionProtocol`` and the
-real ``Validator`` (on the tiny-gpt folder). What stands in, written here, is what the
-session hands work to: the hub's ``request`` (a ``ScriptedRequest`` per client id, whose
-submit, resume and events the test drives), its admission (connection slots and the key
-watch), the connection's reply channel (what ``close_requests`` closes), and the
+real ``Validator`` (on the tiny-gpt folder). What stands in (tests/support/sessionstub.py)
+is what the session hands work to: the hub's ``request`` (a ``ScriptedRequest`` per client
+id, whose submit, resume and events the test drives), its admission (connection slots and
+the key watch), the connection's reply channel (what ``close_requests`` closes), and the
 adapter's two writes (``send`` and ``emit``, recorded).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from types import SimpleNamespace
 
 import orjson
 import pytest
-from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
@@ -24,8 +22,8 @@ from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.session import Session
 from streamfleet.gateway.validation import Validator
+from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -37,9 +35,6 @@ def validator(tiny_spec):
 
 
 # -- the stream events a request yields (``gateway.request_stream``: the wire's) --------------
-FINAL = (DoneEvent, ErrorEvent)
-
-
 def token(index: int, text: str, logprobs: dict | None = None) -> TokenEvent:
     return TokenEvent("rid", index, text, logprobs)
 
@@ -52,177 +47,8 @@ def failed(error: StreamfleetError) -> ErrorEvent:
     return ErrorEvent("rid", str(error.code), error.message, retry_after_ms=error.retry_after_ms, param=error.param)
 
 
-# -- stand-ins -----------------------------------------------------------------------------
-_ids = itertools.count()
-
-
-class ScriptedRequest:
-    """Stands in for ``gateway.requests.ClientRequest``: records what the session asks of
-    it; the test decides how its submit or resume goes (``refuse``, ``hold``) and feeds its
-    events (``feed``)."""
-
-    def __init__(self, hub: "Hub", client_id: str, identity, channel, share: bool) -> None:
-        self.hub = hub
-        self.client_id = client_id
-        self.identity, self.channel, self.share = identity, channel, share
-        self.request_id: str | None = None
-        self.resume_token: str | None = None
-        self.shared = share
-        self.submitted = None  # (draft, trace_id)
-        self.resumed = None  # (request_id, from_index, token)
-        self.cancels: list[str] = []
-        self.closes: list[tuple[float, str]] = []
-        self.delivered_calls = 0
-        self.transport: str | None = None
-        self.refuse: BaseException | None = hub.refuse  # raised by submit/resume
-        self.hold = asyncio.Event()  # submit/resume waits on it (set: no wait)
-        if not hub.hold:
-            self.hold.set()
-        self.fail_close: BaseException | None = None
-        self._events: asyncio.Queue = asyncio.Queue()
-
-    async def submit(self, draft, trace_id=None) -> int:
-        self.submitted = (draft, trace_id)
-        await self.hold.wait()
-        if self.refuse is not None:
-            raise self.refuse
-        self.request_id = f"rid{next(_ids)}"
-        self.resume_token = "tok-" + self.client_id
-        return 7  # the lane's depth
-
-    async def resume(self, request_id, from_index, token) -> None:
-        self.resumed = (request_id, from_index, token)
-        await self.hold.wait()
-        if self.refuse is not None:
-            raise self.refuse
-        self.request_id = request_id
-
-    def feed(self, *events) -> None:
-        for ev in events:
-            self._events.put_nowait(ev)
-
-    async def events(self, transport):
-        self.transport = transport
-        while True:
-            ev = await self._events.get()
-            if isinstance(ev, BaseException):
-                raise ev
-            yield ev
-            if isinstance(ev, FINAL):
-                return
-
-    def cancel(self, reason: str = "client") -> None:
-        self.cancels.append(reason)
-
-    def delivered(self) -> None:
-        self.delivered_calls += 1
-
-    async def close(self, grace_s: float = 0.0, reason: str = "disconnect") -> None:
-        self.closes.append((grace_s, reason))
-        if self.fail_close is not None:
-            raise self.fail_close
-
-
-class Admission:
-    """Stands in for ``gateway.admission.Admission``'s connection side."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.refuse_connect: StreamfleetError | None = None
-        self.watchers: dict[int, object] = {}
-
-    async def connect(self, identity, connection_id) -> None:
-        if self.refuse_connect is not None:
-            raise self.refuse_connect
-        self.calls.append(("connect", identity, connection_id))
-
-    def watch(self, identity, callback) -> int:
-        n = len(self.watchers) + 1
-        self.watchers[n] = callback
-        return n
-
-    def unwatch(self, identity, watch) -> None:
-        self.calls.append(("unwatch", identity, watch))
-        self.watchers.pop(watch, None)
-
-    async def disconnect(self, identity, connection_id) -> None:
-        self.calls.append(("disconnect", identity, connection_id))
-
-
-class Channel:
-    """Stands in for the connection's ``ReplyChannel``: what ``close_requests`` closes."""
-
-    def __init__(self, connection_id: str) -> None:
-        self.connection_id = connection_id
-        self.closes: list[tuple[str, float]] = []
-
-    async def close(self, reason: str = "disconnect", grace_s: float = 0.0) -> None:
-        self.closes.append((reason, grace_s))
-
-
-class Hub:
-    """Stands in for ``gateway.hub.Hub``: real settings and validator; ``request`` makes
-    ``ScriptedRequest``s and remembers them."""
-
-    def __init__(self, validator: Validator, **settings) -> None:
-        self.settings = GatewaySettings(**settings)
-        self.validator = validator
-        self.broker = None  # only handed to the session's ReplyChannel, which ``Conn`` replaces
-        self.admission = Admission()
-        self.connections = 0
-        self.draining = False
-        self.refuse: BaseException | None = None  # what the next requests' submit/resume raise
-        self.hold = False  # the next requests' submit/resume wait for their ``hold``
-        self.made: list[ScriptedRequest] = []
-
-    def request(self, client_id, *, identity=None, channel=None, share=False) -> ScriptedRequest:
-        req = ScriptedRequest(self, client_id, identity, channel, share)
-        self.made.append(req)
-        return req
-
-
-class Conn(Session):
-    """The adapter: its two writes, recorded (``send``: frames decided while reading;
-    ``emit``: a request's frames). ``text`` reads one client frame as the WebSocket does."""
-
-    def __init__(self, hub: Hub, transport: str = "ws") -> None:
-        super().__init__(hub, transport)
-        self.channel = Channel(self.channel.connection_id)
-        self.sent: list[dict] = []
-        self.emitted: list[dict] = []
-
-    def send(self, frame: dict) -> None:
-        self.sent.append(frame)
-
-    async def emit(self, frame: dict) -> None:
-        orjson.dumps(frame)  # every frame must be writable as JSON
-        self.emitted.append(frame)
-
-    def text(self, frame: dict | str) -> None:
-        self.dispatch(self.proto.receive_text(frame if isinstance(frame, str) else orjson.dumps(frame).decode()))
-
-    def of(self, cid: str) -> list[dict]:
-        return [f for f in self.emitted if f.get("id") == cid]
-
-
-async def until(cond, timeout: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
-
-
-async def idle(conn: Conn) -> None:
-    """Every request task of the connection has ended."""
-    await until(lambda: not conn.tasks)
-
-
 def gen(cid: str, **kw) -> dict:
     return {"type": "generate", "id": cid, "prompt": "Once upon a time", "max_tokens": 4, **kw}
-
-
-def refusals(transport: str, code: str) -> float:
-    return REGISTRY.get_sample_value("streamfleet_refusals_total", {"transport": transport, "code": code}) or 0.0
 
 
 # -- one request's life ----------------------------------------------------------------------

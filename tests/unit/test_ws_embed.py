@@ -6,15 +6,14 @@ The frame is read by the real ``ConnectionProtocol`` with the HTTP door's real c
 random BERT): what it accepts, what it refuses and how (the ``error`` frame naming the
 parameter), the connection's limits it shares with ``generate``. The real ``Session``
 then submits it through the HTTP door's ``submit`` and reads it with its ``EmbedCall``;
-what stands in is the request (``ScriptedRequest``: its submit and events are the
-test's) and the adapter's writes. Last, an embeddings request cannot be resumed
-(``ClientRequest``'s check, run by ``ReplyChannel.resume`` before anything is followed).
+what stands in (tests/support/sessionstub.py) is the request (``ScriptedRequest``: its
+submit and events are the test's) and the adapter's writes. Last, an embeddings request
+cannot be resumed (``ClientRequest``'s check, run by ``ReplyChannel.resume`` before
+anything is followed).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import shutil
 from functools import partial
@@ -25,7 +24,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
@@ -36,8 +34,8 @@ from streamfleet.gateway.embeddings import MAX_INPUTS, EmbeddingsBody, check_bod
 from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
 from streamfleet.gateway.reply_channel import ReplyChannel
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.session import Session
 from streamfleet.gateway.validation import MAX_ID_CHARS, Validator
+from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 from tests.support.tinybert import tiny_embedding_model
 
 MODEL = "tiny-embed"  # 32 dimensions, a context of 48 tokens (tests/support/tinybert.py)
@@ -213,102 +211,6 @@ def test_the_embeddings_frame():
 
 
 # -- through the session ----------------------------------------------------------------------
-_ids = itertools.count()
-
-
-class ScriptedRequest:
-    """Stands in for ``gateway.requests.ClientRequest``: records what it is asked; the test
-    feeds its events (``feed``) and decides its submit (``hub.refuse``)."""
-
-    def __init__(self, hub, client_id, identity, channel, share) -> None:
-        self.client_id, self.identity, self.channel, self.share = client_id, identity, channel, share
-        self.request_id = self.resume_token = None
-        self.refuse = hub.refuse
-        self.submitted = None
-        self.cancels: list[str] = []
-        self.closes: list[tuple[float, str]] = []
-        self.watched = False
-        self.delivered_calls = 0
-        self.transport = None
-        self._events: asyncio.Queue = asyncio.Queue()
-
-    async def submit(self, draft, trace_id=None) -> int:
-        self.submitted = (draft, trace_id)
-        if self.refuse is not None:
-            raise self.refuse
-        self.request_id = f"rid{next(_ids)}"
-        self.resume_token = "tok-" + self.client_id
-        return 3
-
-    def feed(self, *events) -> None:
-        for ev in events:
-            self._events.put_nowait(ev)
-
-    async def events(self, transport):
-        self.transport = transport
-        while True:
-            ev = await self._events.get()
-            yield ev
-            if isinstance(ev, (DoneEvent, ErrorEvent)):
-                return
-
-    def watch(self) -> None:
-        self.watched = True
-
-    def cancel(self, reason: str = "client") -> None:
-        self.cancels.append(reason)
-
-    def delivered(self) -> None:
-        self.delivered_calls += 1
-
-    async def close(self, grace_s: float = 0.0, reason: str = "disconnect") -> None:
-        self.closes.append((grace_s, reason))
-
-
-class Hub:
-    """Stands in for ``gateway.hub.Hub``: real settings and validator; ``request`` makes
-    ``ScriptedRequest``s."""
-
-    def __init__(self, validator) -> None:
-        self.settings = GatewaySettings(default_model="tiny-gpt")
-        self.validator = validator
-        self.broker = None
-        self.draining = False
-        self.refuse: BaseException | None = None
-        self.made: list[ScriptedRequest] = []
-
-    def request(self, client_id, *, identity=None, channel=None, share=False) -> ScriptedRequest:
-        req = ScriptedRequest(self, client_id, identity, channel, share)
-        self.made.append(req)
-        return req
-
-
-class Conn(Session):
-    """The adapter: its two writes, recorded."""
-
-    def __init__(self, hub: Hub) -> None:
-        super().__init__(hub, "ws")
-        self.sent: list[dict] = []
-        self.emitted: list[dict] = []
-
-    def send(self, frame: dict) -> None:
-        self.sent.append(frame)
-
-    async def emit(self, frame: dict) -> None:
-        orjson.loads(orjson.dumps(frame))  # every frame must be writable as JSON
-        self.emitted.append(frame)
-
-    def text(self, frame: dict) -> None:
-        self.dispatch(self.proto.receive_text(orjson.dumps(frame).decode()))
-
-
-async def until(cond, timeout: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
-
-
 def vector(i: int) -> str:
     return EmbeddingEvent.pack(np.arange(4, dtype="<f4") + i)
 
@@ -323,11 +225,11 @@ async def test_an_embed_is_accepted_then_answered_with_one_embeddings_frame(vali
     await until(lambda: conn.emitted)
     draft, trace = req.submitted
     assert (draft.client_id, draft.model, draft.inputs, trace) == ("e", MODEL, ("hello world", (5, 6)), "trace-1")
-    assert conn.emitted == [{"type": "accepted", "id": "e", "request_id": req.request_id, "queue_depth": 3,
+    assert conn.emitted == [{"type": "accepted", "id": "e", "request_id": req.request_id, "queue_depth": 7,
                              "resume_token": "tok-e"}]
     req.feed(EmbeddingEvent("rid", 1, vector(1)), EmbeddingEvent("rid", 0, vector(0)),
              DoneEvent("rid", "stop", 7, 0, queue_ms=1.0, ttft_ms=2.0, total_ms=2.0))
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     assert conn.emitted[1] == {"type": "embeddings", "id": "e", "request_id": req.request_id, "model": MODEL,
                                "data": [{"index": 0, "embedding": [0.0, 1.0, 2.0, 3.0]},
                                         {"index": 1, "embedding": [1.0, 2.0, 3.0, 4.0]}],
@@ -343,7 +245,7 @@ async def test_base64_is_passed_on_as_the_worker_sent_it(validator):
     conn.text({"type": "embed", "id": "e", "model": MODEL, "input": "a", "encoding_format": "base64"})
     await until(lambda: conn.emitted)
     conn.hub.made[0].feed(EmbeddingEvent("rid", 0, vector(2)), DoneEvent("rid", "stop", 3, 0))
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     assert conn.emitted[-1]["data"] == [{"index": 0, "embedding": vector(2)}]
 
 
@@ -355,7 +257,7 @@ async def test_a_cancel_before_the_vectors_ends_it_with_done_cancelled(validator
     conn.text({"type": "cancel", "id": "e"})
     assert req.cancels == ["client"]
     req.feed(EmbeddingEvent("rid", 0, vector(0)), DoneEvent("rid", "cancelled", 2, 0))
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     assert conn.emitted[1] == {"type": "done", "id": "e", "request_id": req.request_id, "finish_reason": "cancelled",
                                "usage": {"prompt_tokens": 2, "completion_tokens": 0}, "timing": {}}
     assert conn.proto.in_flight == {}
@@ -366,7 +268,7 @@ async def test_a_workers_error_is_the_error_frame(validator):
     conn.text({"type": "embed", "id": "e", "model": MODEL, "input": "a"})
     await until(lambda: conn.emitted)
     conn.hub.made[0].feed(ErrorEvent("rid", "prompt_too_long", "input 0 has 60 tokens", param="input"))
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     err = conn.emitted[-1]
     assert (err["type"], err["id"], err["code"], err["param"]) == ("error", "e", "prompt_too_long", "input")
 
@@ -376,24 +278,20 @@ async def test_an_end_without_every_vector_is_an_internal_error(validator):
     conn.text({"type": "embed", "id": "e", "model": MODEL, "input": ["a", "b"]})
     await until(lambda: conn.emitted)
     conn.hub.made[0].feed(EmbeddingEvent("rid", 0, vector(0)), DoneEvent("rid", "stop", 2, 0))
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     assert (conn.emitted[-1]["type"], conn.emitted[-1]["code"]) == ("error", "internal")
-
-
-def refusals(code: str) -> float:
-    return REGISTRY.get_sample_value("streamfleet_refusals_total", {"transport": "ws", "code": code}) or 0.0
 
 
 async def test_a_refused_submit_is_an_error_frame_and_frees_the_id(validator):
     hub = Hub(validator)
     hub.refuse = RefusedError("rate limited", code=ErrorCode.rate_limited, retry_after_ms=250)
     conn = Conn(hub)
-    before = refusals("rate_limited")
+    before = refusals("ws", "rate_limited")
     conn.text({"type": "embed", "id": "e", "model": MODEL, "input": "a"})
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     assert conn.emitted == [{"type": "error", "id": "e", "code": "rate_limited", "status": 429,
                              "message": "rate limited", "retry_after_ms": 250}]
-    assert refusals("rate_limited") == before + 1 and conn.proto.in_flight == {} and hub.made[0].closes
+    assert refusals("ws", "rate_limited") == before + 1 and conn.proto.in_flight == {} and hub.made[0].closes
 
 
 async def test_a_draining_gateway_refuses_an_embed_without_submitting_it(validator):
@@ -401,7 +299,7 @@ async def test_a_draining_gateway_refuses_an_embed_without_submitting_it(validat
     hub.draining = True
     conn = Conn(hub)
     conn.text({"type": "embed", "id": "e", "model": MODEL, "input": "a"})
-    await until(lambda: not conn.tasks)
+    await idle(conn)
     [req] = hub.made
     assert req.submitted is None and conn.emitted[0]["code"] == "shutting_down"
 
