@@ -348,6 +348,7 @@ class Broker:
         wake = keys.wake(task.model)
         args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
         script_keys = (lane_key, wake, *counted)
+        ok = False
         try:
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
             record_set = self._coalescer.send(b"SET", keys.request(task.request_id), record.encode(),
@@ -363,6 +364,8 @@ class Broker:
         finally:
             if record_set.done() and not record_set.cancelled():
                 record_set.exception()  # a failure shows in the enqueue's own result
+            if worker is not None:  # the next routing choices count it in the stream's length
+                self.router.enqueued(worker, task, bool(ok))
         if not ok:
             raise RefusedError(
                 f"the {task.lane} lane of {task.model} is overloaded ({depth} requests queued or running, "

@@ -1,15 +1,21 @@
-"""Prefix-aware routing: send a text task to the live worker whose prefix cache holds the
-longest leading run of its prompt's KV blocks (docs/architecture.md, "Prefix-aware
-routing").
+"""Prefix-aware routing: send a text task to the live worker where it would start soonest,
+weighing the prompt tokens each worker's prefix cache holds against the work each one
+already has (docs/architecture.md, "Prefix-aware routing").
 
 Workers advertise the names of the blocks they hold (``sf:{model}:prefix:{worker_id}``,
 a set of the 8-byte names of shared/prefixhash.py). For a task whose prompt has at least
 one whole block, the gateway computes the prompt's chain once per worker version among
 the *candidates* (fresh heartbeat, not draining or reloading, a free slot, a non-empty
-advert), asks each candidate's set which of the first names it holds (one
-``SMISMEMBER`` each, all in one round trip on the coalescer), and picks the worker with
-the longest leading run of hits (ties: the fewest slots in use). No hit: the shared
-lane, as without routing.
+advert) and, in one round trip on the coalescer, asks each candidate's set which of the
+names it holds (``SMISMEMBER``) and how many tasks its affinity stream of the lane holds
+(``XLEN``: routed there, waiting or running). Each candidate's cost is the prompt tokens
+it would prefill (the prompt less the leading run it holds) plus ``SF_ROUTE_TASK_TOKENS``
+for each task ahead of this one there: the larger of its heartbeat's slots in use and
+that stream's length, plus the tasks this gateway routed there that neither had counted
+yet (``Ledger``: a burst of tasks in one loop turn sees the same heartbeats and lengths,
+and would otherwise all go to one worker). The cheapest wins (ties: the lowest id, so
+gateways agree); if it holds none of the prompt, or nobody does, the shared lane, as
+without routing (any idle worker starts it soonest).
 
 The pure choice (``leading_run``, ``candidates``, ``choose``, ``lookup_plan``) is apart
 from the I/O (``PrefixRouter``). What routing may cost is bounded: at most
@@ -38,7 +44,8 @@ from streamfleet.shared.redis import BROKER_ERRORS, Coalescer
 from streamfleet.shared.schema import AnyTask, Heartbeat, Task, live_workers
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["FleetView", "PrefixRouter", "candidates", "choose", "leading_run", "lookup_plan", "sample",
+__all__ = ["FleetView", "Ledger", "PrefixRouter", "candidates", "choose", "held_tokens", "leading_run",
+           "lookup_plan", "sample", "sample_positions", "serving", "work_ahead", "LEDGER_S",
            "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "STALE_S", "VIEW_TTL_S"]
 
 log = get_logger("gateway.prefixroute")
@@ -58,6 +65,11 @@ MAX_ROUTE_BLOCKS = 32
 MAX_ROUTE_LOOKUPS = 256
 #: most candidates looked up for one task (those with the fewest slots in use)
 MAX_CANDIDATES = 32
+#: most workers that hold nothing costed for one task (the least busy)
+MAX_COLD = 4
+#: seconds a routed task stays in this gateway's ``Ledger`` after its enqueue (by then any
+#: look-up sent since counts it in the affinity stream's length)
+LEDGER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +98,23 @@ def leading_run(hits: Iterable) -> int:
     return n
 
 
+def serving(workers: Iterable[Heartbeat], now: float, fresh_s: float) -> list[Heartbeat]:
+    """The workers that would start a task soon: heartbeat at most ``fresh_s`` old at
+    ``now`` (unix seconds), neither draining nor reloading, a free slot (``slots_used <
+    max_batch``); the least busy first (ties by worker id, so every gateway sees the same
+    order)."""
+    out = [hb for hb in workers
+           if not hb.draining and not hb.reloading and hb.slots_used < hb.max_batch and now - hb.heartbeat <= fresh_s]
+    out.sort(key=lambda hb: (hb.slots_used, hb.worker_id))
+    return out
+
+
 def candidates(workers: Iterable[Heartbeat], advertisers: Iterable[str], now: float, fresh_s: float,
                limit: int = MAX_CANDIDATES) -> list[Heartbeat]:
-    """The workers a task may be routed to: heartbeat at most ``fresh_s`` old at ``now``
-    (unix seconds), neither draining nor reloading, a free slot (``slots_used <
-    max_batch``), and an advert that is not empty; at most ``limit`` of them, the least
-    busy first (ties by worker id, so that every gateway looks at the same ones)."""
+    """The workers a task may be routed to: ``serving`` ones whose advert is not empty; at
+    most ``limit`` of them, the least busy first."""
     adv = set(advertisers)
-    out = [hb for hb in workers
-           if hb.worker_id in adv and not hb.draining and not hb.reloading
-           and hb.slots_used < hb.max_batch and now - hb.heartbeat <= fresh_s]
-    out.sort(key=lambda hb: (hb.slots_used, hb.worker_id))
-    return out[:max(0, limit)]
+    return [hb for hb in serving(workers, now, fresh_s) if hb.worker_id in adv][:max(0, limit)]
 
 
 def lookup_plan(model: str, prompt_ids: Sequence[int], block: int, workers: Sequence[Heartbeat],
@@ -126,31 +143,100 @@ def lookup_plan(model: str, prompt_ids: Sequence[int], block: int, workers: Sequ
     return plan
 
 
+def sample_positions(count: int, n: int) -> list[int]:
+    """The block positions ``sample`` takes of ``count`` blocks: ``n`` spread evenly, first
+    and last included (all of them when there are no more than ``n``)."""
+    if count <= n:
+        return list(range(count))
+    if n <= 1:
+        return [0]
+    last = count - 1
+    return [round(j * last / (n - 1)) for j in range(n)]
+
+
 def sample(names: Sequence[bytes], n: int) -> list[bytes]:
     """``n`` of ``names`` spread evenly, first and last included, in order (all of them
     when there are no more than ``n``). A worker's leading run over them is the sampled
     positions it holds before the first it lacks: comparable between workers, as every
     worker is asked the same positions."""
-    if len(names) <= n:
-        return list(names)
-    if n == 1:
-        return [names[0]]
-    last = len(names) - 1
-    return [names[round(j * last / (n - 1))] for j in range(n)]
+    return [names[i] for i in sample_positions(len(names), n)]
 
 
-def choose(runs: Mapping[str, int], load: Mapping[str, int]) -> str | None:
-    """The worker with the longest run (``runs``: worker id -> leading blocks it holds),
-    ties to the fewest slots in use (``load``), then the lowest worker id; None when no
-    worker holds the prompt's first block."""
+def held_tokens(run: int, count: int, n: int, block: int) -> int:
+    """The prompt tokens a worker holds, as far as a leading ``run`` over the ``n`` sampled
+    positions of ``count`` blocks tells: the blocks up to the last position in the run."""
+    if run <= 0:
+        return 0
+    positions = sample_positions(count, n)
+    return (positions[min(run, len(positions)) - 1] + 1) * block
+
+
+def work_ahead(hb: Heartbeat, routed: int) -> int:
+    """The tasks ahead of a new one at a worker: those routed to it (``routed``, its
+    affinity stream's length as just read: waiting or running) and those it took from the
+    shared lanes (its heartbeat's ``shared_used``, up to a heartbeat old); from a worker
+    whose heartbeat does not say, the larger of its slots in use and ``routed``. (Its
+    ``slots_used`` alone lags: a burst that just ended there would still count.)"""
+    if hb.shared_used >= 0:
+        return routed + hb.shared_used
+    return max(hb.slots_used, routed)
+
+
+def choose(held: Mapping[str, int], backlog: Mapping[str, float], prompt_tokens: int,
+           task_tokens: int) -> str | None:
+    """The worker where a task of ``prompt_tokens`` would start soonest: the least cost,
+    the prompt tokens it would prefill (``prompt_tokens`` less ``held``, the tokens of the
+    prompt's start it holds) plus ``task_tokens`` for each task ahead there (``backlog``);
+    ties to the lowest worker id, so that every gateway agrees. The cheapest may hold none
+    of it (a holder's backlog outweighs the prefill it saves): it is sent there all the
+    same, so that the next task of a burst counts it. None (the shared lane) when nobody
+    holds any of the prompt, or nobody was asked."""
+    if not any(got > 0 for got in held.values()):
+        return None
     best, key = None, None
-    for wid, run in runs.items():
-        if run <= 0:
-            continue
-        k = (-run, load.get(wid, 0), wid)
+    for wid, got in held.items():
+        k = (prompt_tokens - got + task_tokens * backlog.get(wid, 0), wid)
         if key is None or k < key:
             best, key = wid, k
     return best
+
+
+class Ledger:
+    """The tasks this gateway routed to each worker lately, for the choice of the next:
+    one counts toward a worker's backlog from its choice until a look-up sent after its
+    enqueue returned (which sees it in the affinity stream's length), and is forgotten
+    ``LEDGER_S`` after that enqueue (or at once, when the enqueue failed)."""
+
+    def __init__(self) -> None:
+        self._routed: dict[str, dict[str, float | None]] = {}  # worker -> request id -> enqueued at
+
+    def chosen(self, worker: str, request_id: str) -> None:
+        self._routed.setdefault(worker, {})[request_id] = None
+
+    def enqueued(self, worker: str, request_id: str, ok: bool, now: float) -> None:
+        routed = self._routed.get(worker)
+        if routed is None or request_id not in routed:
+            return
+        if ok:
+            routed[request_id] = now
+        else:
+            del routed[request_id]
+
+    def uncounted(self, worker: str, sent_at: float, now: float) -> int:
+        """Tasks routed to ``worker`` that a look-up sent at ``sent_at`` did not see: still
+        being enqueued, or enqueued after it was sent."""
+        routed = self._routed.get(worker)
+        if not routed:
+            return 0
+        n = 0
+        for rid, at in list(routed.items()):
+            if at is None or at > sent_at:
+                n += 1
+            if at is not None and now - at > LEDGER_S:
+                del routed[rid]
+        if not routed:
+            del self._routed[worker]
+        return n
 
 
 class PrefixRouter:
@@ -166,6 +252,7 @@ class PrefixRouter:
         self.fresh_s = min(settings.worker_ttl_s, ROUTE_FRESH_S)
         self._views: dict[str, FleetView] = {}
         self._reads: dict[str, asyncio.Future] = {}
+        self.ledger = Ledger()
 
     # -- the view --------------------------------------------------------------------------
     def view(self, model: str) -> FleetView | None:
@@ -231,7 +318,8 @@ class PrefixRouter:
 
     async def route(self, task: AnyTask) -> str | None:
         """The worker to send ``task`` to, or None for the shared lane. Looks Redis up
-        (one round trip) only when a candidate exists."""
+        (one round trip) only when a candidate exists. A task routed here is reported
+        back with ``enqueued`` once its enqueue returned."""
         if not self.applies(task):
             return None
         view = self.view(task.model)
@@ -248,24 +336,46 @@ class PrefixRouter:
                 view = self._views.get(task.model)
             if view is None:
                 return None
-        cands = candidates(view.workers, view.advertisers, time.time(), self.fresh_s)
+        now_s = time.time()
+        cands = candidates(view.workers, view.advertisers, now_s, self.fresh_s)
         plan = lookup_plan(task.model, task.prompt_ids, self.block, cands)
         if not plan:
             return None
-        sends = [(wid, self.coalescer.send(b"SMISMEMBER", self.keys.prefix_advert(task.model, wid), *names))
-                 for wid, names in plan.items()]
-        runs: dict[str, int] = {}
-        for wid, fut in sends:
+        # the least busy serving workers that hold nothing are costed too: one of them may
+        # start the task sooner, cold, than a busy holder would
+        live = {hb.worker_id: hb for hb in cands if hb.worker_id in plan}
+        cold = [hb for hb in serving(view.workers, now_s, self.fresh_s) if hb.worker_id not in view.advertisers]
+        live.update((hb.worker_id, hb) for hb in cold[:MAX_COLD])
+        sent_at = time.monotonic()
+        sends = [(wid, self.coalescer.send(b"SMISMEMBER", self.keys.prefix_advert(task.model, wid), *plan[wid])
+                  if wid in plan else None, self.coalescer.send(b"XLEN", self.keys.affinity(task.model, task.lane, wid)))
+                 for wid in live]
+        count = len(task.prompt_ids) // self.block
+        per = len(next(iter(plan.values())))  # (the same for every worker: ``lookup_plan``)
+        held: dict[str, int] = {}
+        backlog: dict[str, int] = {}
+        for wid, hits_fut, len_fut in sends:
             try:
-                hits = await fut
+                hits = await hits_fut if hits_fut is not None else []
+                queued = await len_fut
             except Exception as exc:  # Redis unreachable: the shared lane (whose enqueue reports it)
                 log.debug("prefix look-up failed", worker=wid, error=str(exc))
                 continue
-            if isinstance(hits, list):
-                runs[wid] = leading_run(hits)
-        chosen = choose(runs, {hb.worker_id: hb.slots_used for hb in cands})
+            if isinstance(hits, list) and isinstance(queued, int):
+                held[wid] = held_tokens(leading_run(hits), count, per, self.block)
+                backlog[wid] = work_ahead(live[wid], queued)
+        now = time.monotonic()
+        for wid in backlog:
+            backlog[wid] += self.ledger.uncounted(wid, sent_at, now)
+        chosen = choose(held, backlog, len(task.prompt_ids), self.settings.route_task_tokens)
         metrics.prefix_routes.labels(task.model, "routed" if chosen else "shared").inc()
         if chosen is not None:
-            log.debug("routed by prefix", request_id=task.request_id, worker=chosen, blocks=runs[chosen],
-                      source=affinity_source(task.lane, chosen))
+            self.ledger.chosen(chosen, task.request_id)
+            backlog.setdefault(chosen, 0)
+            log.debug("routed by prefix", request_id=task.request_id, worker=chosen, held_tokens=held[chosen],
+                      backlog=backlog[chosen], source=affinity_source(task.lane, chosen))
         return chosen
+
+    def enqueued(self, worker: str, task: AnyTask, ok: bool) -> None:
+        """``task``'s enqueue to ``worker``'s affinity stream returned (``ok``: it is there)."""
+        self.ledger.enqueued(worker, task.request_id, ok, time.monotonic())

@@ -47,6 +47,7 @@ from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 MODEL = "smollm2-135m"
+RUNS = ("off", "on", "shared", "routing")
 WORDS = ("policy", "customer", "refund", "shipping", "warranty", "account", "invoice", "order", "delivery",
          "return", "support", "product", "service", "billing", "address", "payment", "discount", "tracking",
          "exchange", "receipt", "subscription", "cancel", "upgrade", "priority", "escalate", "verify", "identity")
@@ -260,6 +261,11 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--step-tokens", type=int, help="SF_MAX_STEP_TOKENS of the chunked run (default: the "
                     "setting's default)")
+    ap.add_argument("--runs", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=list(RUNS),
+                    help=f"the conversation runs, comma-separated, of {','.join(RUNS)} (cache off on one worker, "
+                         "on on one, on two workers through the shared lanes, on two with routing; default all)")
+    ap.add_argument("--affinity-wait-ms", type=int, help="the workers' SF_AFFINITY_WAIT_MS in the routing run "
+                    "(default: the setting's default)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
 
@@ -270,10 +276,12 @@ def main() -> int:
     lines = [f"bench_prefix: {MODEL}, {os.cpu_count()} cores"]
     if args.part in ("all", "prefix"):
         system = system_prompt(tokenizer, args.system_tokens)
+        wait = {"SF_AFFINITY_WAIT_MS": str(args.affinity_wait_ms)} if args.affinity_wait_ms is not None else {}
         runs = [("cache off, 1 worker", 1, {"SF_PREFIX_CACHE_MB": "0"}, {}),
                 ("cache on, 1 worker", 1, {}, {}),
                 ("cache on, 2 workers, no routing", 2, {}, {"SF_PREFIX_ROUTING": "false"}),
-                ("cache on, 2 workers, routing", 2, {}, {"SF_PREFIX_ROUTING": "true"})]
+                ("cache on, 2 workers, routing", 2, wait, {"SF_PREFIX_ROUTING": "true"})]
+        runs = [r for r, key in zip(runs, RUNS) if key in args.runs]
         rows = []
         for name, workers, env, gw_env in runs:
             log(f"conversations: {name}")
@@ -281,7 +289,7 @@ def main() -> int:
                 r = asyncio.run(conversations(stack, system, args.conversations, args.turns, args.max_tokens))
             results[name] = r
             rows.append((name, r))
-        off = results["cache off, 1 worker"]
+        off = results.get("cache off, 1 worker")
         lines.append(f"\n{args.conversations} conversations x {args.turns} turns, system prompt "
                      f"{len(tokenizer.encode(system))} tokens, {args.max_tokens} tokens a reply (greedy)")
         head = "run".ljust(34) + "".join(f"TTFT t{t + 1} p50/p99 s".rjust(20) for t in range(args.turns)) + \
@@ -291,17 +299,21 @@ def main() -> int:
             cells = "".join(f"{f(r['ttft_p50'][t])}/{f(r['ttft_p99'][t])}".rjust(20) for t in range(args.turns))
             lines.append(name.ljust(34) + cells + f"  {int(r['computed']):>8}/{int(r['requested']):<9}"
                          f"  {r['hit_rate']:>7.0%}  {r['tokens_per_s']:>8.1f}  {int(r['taken_elsewhere']):>5}")
-        on = results["cache on, 1 worker"]
-        later = range(1, args.turns)
-        speedup = statistics.median(off["ttft_p50"][t] / on["ttft_p50"][t] for t in later) if args.turns > 1 else 0
-        first = off["ttft_p50"][0] / on["ttft_p50"][0]
-        routed = results["cache on, 2 workers, routing"]["hit_rate"]
-        spread = results["cache on, 2 workers, no routing"]["hit_rate"]
-        lines.append(f"cached turns (2..{args.turns}): TTFT p50 {speedup:.1f}x lower with the cache (goal >= 5x); "
-                     f"turn 1 (only the system prompt cached): {first:.1f}x")
-        lines.append(f"two workers: hit rate {routed:.0%} with routing, {spread:.0%} without, one worker "
-                     f"{on['hit_rate']:.0%} (goal: routing within 5 points of one worker)")
-        results["summary_prefix"] = {"cached_turn_ttft_speedup": speedup, "first_turn_speedup": first}
+        on = results.get("cache on, 1 worker")
+        if off and on:
+            later = range(1, args.turns)
+            speedup = statistics.median(off["ttft_p50"][t] / on["ttft_p50"][t] for t in later) if args.turns > 1 \
+                else 0
+            first = off["ttft_p50"][0] / on["ttft_p50"][0]
+            lines.append(f"cached turns (2..{args.turns}): TTFT p50 {speedup:.1f}x lower with the cache (goal >= 5x); "
+                         f"turn 1 (only the system prompt cached): {first:.1f}x")
+            results["summary_prefix"] = {"cached_turn_ttft_speedup": speedup, "first_turn_speedup": first}
+        routed = results.get("cache on, 2 workers, routing", {}).get("hit_rate")
+        spread = results.get("cache on, 2 workers, no routing", {}).get("hit_rate")
+        if routed is not None and spread is not None:
+            one = f"{on['hit_rate']:.0%}" if on else "not run"
+            lines.append(f"two workers: hit rate {routed:.0%} with routing, {spread:.0%} without, one worker "
+                         f"{one} (goal: routing within 5 points of one worker)")
     if args.part in ("all", "chunked"):
         rows = []
         chunked = f"chunked (SF_MAX_STEP_TOKENS {args.step_tokens or 'default'})"

@@ -760,6 +760,12 @@ class Heartbeat:
     cache_blocks: int = 0
     cache_bytes: int = 0
     cache_hit_rate: float = 0.0
+    #: the longest of its recent engine steps (ms; 0 before the first): how long a task
+    #: routed to it may wait for its next read (workers/affinity.py)
+    step_ms: float = 0.0
+    #: of ``slots_used``, the tasks it took from the shared lanes (the rest came from its
+    #: affinity streams, whose length a gateway reads fresh: routing's load); -1: not said
+    shared_used: int = -1
     worker_id: str = ""
 
     def encode(self) -> bytes:
@@ -768,6 +774,10 @@ class Heartbeat:
         if not self.cache_blocks and not self.cache_bytes and not self.cache_hit_rate:
             for name in ("cache_blocks", "cache_bytes", "cache_hit_rate"):
                 del d[name]
+        if not self.step_ms:
+            del d["step_ms"]
+        if self.shared_used < 0:
+            del d["shared_used"]
         return orjson.dumps(d)
 
     @classmethod
@@ -788,6 +798,7 @@ class Heartbeat:
                        tokens_per_s=float(d.get("tokens_per_s", 0.0)), pid=int(d.get("pid", 0)),
                        host=str(d.get("host", "")), cache_blocks=int(d.get("cache_blocks", 0)),
                        cache_bytes=int(d.get("cache_bytes", 0)), cache_hit_rate=float(d.get("cache_hit_rate", 0.0)),
+                       step_ms=float(d.get("step_ms", 0.0)), shared_used=int(d.get("shared_used", -1)),
                        worker_id=wid)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from exc

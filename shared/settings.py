@@ -130,9 +130,12 @@ class GatewaySettings(CommonSettings):
     #: ``overloaded`` once a lane's backlog reaches ``overload_fraction`` of it (0 = no limit)
     lane_capacity: dict[str, int] = {"high": 1024, "normal": 1024}
     #: send a request whose prompt's prefix a live worker holds in its prefix cache to
-    #: that worker (docs/architecture.md, "Prefix-aware routing"); off (the default, until
-    #: the choice weighs load: docs/architecture.md says why): shared lanes only
+    #: the worker where it would start soonest (docs/architecture.md, "Prefix-aware
+    #: routing"); off (the default for now: that page says why): shared lanes only
     prefix_routing: bool = False
+    #: what one task waiting or running at a worker weighs in the routing choice, in prompt
+    #: tokens to prefill (about a step's work: SF_MAX_STEP_TOKENS' default)
+    route_task_tokens: int = Field(256, ge=0, le=1_000_000)
     overload_fraction: float = 0.8
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds

@@ -12,9 +12,12 @@ This module is the worker's side:
   script (``READ_LUA``), so the lane weights and priorities stay as they were;
 * **the others' streams** (``run``): nothing waits on a busy, stopped or dead worker
   because of affinity. A worker with free slots takes the entries of other workers'
-  affinity streams that have waited ``SF_AFFINITY_WAIT_MS`` undelivered (``STEAL_LUA``
+  affinity streams that have waited undelivered past their worker's bound (``STEAL_LUA``
   looks at the next undelivered entry of each stream, after the group's last-delivered
-  id, and reads those that are overdue, atomically). It looks when a wake for another
+  id, and reads those that are overdue, atomically). The bound (``wait_of``) is
+  ``SF_AFFINITY_WAIT_MS``, or twice the longest of that worker's recent steps when longer (its
+  heartbeat's ``step_ms``: a busy worker reads between steps, and a task taken from it
+  is prefilled cold), at most ``WAIT_CAP`` times ``SF_AFFINITY_WAIT_MS``. It looks when a wake for another
   worker's stream comes due, and every ``SWEEP_S`` over the whole registry (a lost
   wake); never while it has no free slot;
 * **cleaning up** (``retire``): an affinity stream that is empty and whose worker is
@@ -40,7 +43,7 @@ from streamfleet.shared.keys import GROUP, LANES, affinity_source, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import Wake
+from streamfleet.shared.schema import Heartbeat, Wake
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -54,6 +57,13 @@ log = get_logger("worker")
 SWEEP_S = 1.0
 #: seconds between two checks of a due stream while this worker has no free slot (no I/O)
 BUSY_RETRY_S = 0.05
+#: a routed task waits for its worker this many times the longest of the worker's recent
+#: steps (when that is longer than ``SF_AFFINITY_WAIT_MS``): the step under way, and a margin
+STEP_WAITS = 2.0
+#: ... but never more than this many times ``SF_AFFINITY_WAIT_MS``
+WAIT_CAP = 4.0
+#: seconds the other workers' step times (their heartbeats) are used before read again
+STEPS_TTL_S = 0.5
 
 #: Read each lane's share: this worker's affinity stream of the lane first, then the
 #: shared lane for what is left. KEYS[2i-1] the affinity stream of lane i, KEYS[2i] lane
@@ -80,18 +90,19 @@ return out
 """
 
 #: Take the overdue entries of other workers' affinity streams. KEYS: the streams, in the
-#: order to look at them; ARGV[1] group, ARGV[2] consumer, ARGV[3] the wait (ms) after
-#: which an undelivered entry may be taken, ARGV[4] the most entries to take. For each
-#: stream: the entries after the group's last-delivered id whose id (its ms, Redis's
-#: clock) is at least the wait old are read with XREADGROUP (exactly those: the script is
-#: atomic). Returns, per stream, {entries taken, ms until its next undelivered entry is
-#: overdue (0: now, this call took its fill) or -1 (none waits)}.
+#: order to look at them; ARGV[1] group, ARGV[2] consumer, ARGV[3] the most entries to
+#: take, ARGV[3 + i] the wait (ms) after which an undelivered entry of KEYS[i] may be
+#: taken. For each stream: the entries after the group's last-delivered id whose id (its
+#: ms, Redis's clock) is at least the wait old are read with XREADGROUP (exactly those:
+#: the script is atomic). Returns, per stream, {entries taken, ms until its next
+#: undelivered entry is overdue (0: now, this call took its fill) or -1 (none waits)}.
 STEAL_LUA = """
 local t = redis.call('TIME')
-local cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[3])
-local left = tonumber(ARGV[4])
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local left = tonumber(ARGV[3])
 local out = {}
 for i = 1, #KEYS do
+  local cutoff = now - tonumber(ARGV[3 + i])
   local taken, wait = {}, -1
   if redis.call('XLEN', KEYS[i]) > 0 then
     local last = nil
@@ -164,6 +175,8 @@ class Affinity(Part):
         #: affinity stream yet)
         self.on_active: Callable[[], None] | None = None
         self.wait_ms = self.settings.affinity_wait_ms
+        self._steps: dict[str, float] = {}  # another worker -> its heartbeat's step_ms
+        self._steps_read_at = -math.inf
         #: every affinity stream of the model, as the last reclaim round read the registry
         self.streams: set[str] = set()
         self._due: dict[str, float] = {}  # another worker's stream -> monotonic time an entry is overdue
@@ -301,8 +314,41 @@ class Affinity(Part):
             return
         key = self.keys.affinity(self.model, lane, worker)
         if key not in self._due:
-            self._due[key] = time.monotonic() + self.wait_ms / 1000
+            self._due[key] = time.monotonic() + self.wait_of(worker) / 1000
             self._kick.set()
+
+    def _owner(self, key: str) -> str:
+        """The worker an affinity stream's key belongs to ("" for another key)."""
+        source = self.keys.affinity_source_of(self.model, key)
+        return split_source(source)[1] if source else ""
+
+    def wait_of(self, worker: str) -> int:
+        """How long (ms) a task routed to ``worker`` waits for it before this worker may
+        take it: ``SF_AFFINITY_WAIT_MS``, or ``STEP_WAITS`` times its longest recent step when longer
+        (as its last heartbeat read said), at most ``WAIT_CAP`` times the setting."""
+        step = self._steps.get(worker, 0.0)
+        return int(min(max(self.wait_ms, STEP_WAITS * step), WAIT_CAP * self.wait_ms))
+
+    async def _read_steps(self) -> None:
+        """The other workers' recent step times, from their heartbeats (at most every
+        ``STEPS_TTL_S``; on failure the last ones read are kept)."""
+        now = time.monotonic()
+        if now - self._steps_read_at < STEPS_TTL_S:
+            return
+        self._steps_read_at = now
+        try:
+            raw = await self.redis.hgetall(self.keys.workers(self.model))
+        except BROKER_ERRORS as exc:
+            log.debug("could not read the workers' heartbeats", error=str(exc))
+            return
+        steps = {}
+        for field, blob in (raw or {}).items():
+            try:
+                hb = Heartbeat.decode(blob, field)
+            except ValueError:
+                continue
+            steps[hb.worker_id] = hb.step_ms
+        self._steps = steps
 
     def _free(self) -> int:
         return self.cores.free_slots - len(self.table.held)
@@ -354,13 +400,15 @@ class Affinity(Part):
         """One look at ``streams`` (high lanes first): hold what is overdue, up to ``free``,
         and note when the next entry of each comes due."""
         order = sorted(streams, key=lambda k: (0 if ":tasks:high:@" in k else 1, k))
+        await self._read_steps()
+        waits = [self.wait_of(self._owner(k)) for k in order]
         try:
-            res = await self._steal(keys=order, args=[GROUP, self.worker_id, self.wait_ms, free])
+            res = await self._steal(keys=order, args=[GROUP, self.worker_id, free, *waits])
         except (*BROKER_ERRORS, ResponseError) as exc:
             log.warning("could not look at other workers' affinity streams", error=str(exc))
             return
         now = time.monotonic()
-        for key, (taken, wait) in zip(order, res):
+        for key, waited, (taken, wait) in zip(order, waits, res):
             source = self.keys.affinity_source_of(self.model, key)
             wait = int(wait)
             if wait >= 0:
@@ -371,7 +419,7 @@ class Affinity(Part):
                 continue
             for mid, fields in _entries(taken):
                 log.info("took a task routed to another worker", stream=key, message_id=mid.decode(),
-                         waited_past_ms=self.wait_ms)
+                         waited_past_ms=waited)
                 metrics.affinity_taken.labels(self.model).inc()
                 self.table.hold(Delivery(source, mid, fields))
 

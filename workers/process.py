@@ -23,6 +23,7 @@ nothing (``_bound_stop``): what it could not hand back stays pending in its lane
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import socket
@@ -72,6 +73,8 @@ log = get_logger("worker")
 #: seconds the loop waits at most for the engine thread to take up a step it was handed
 #: (``WorkerProcess._start_step``)
 STEP_HANDOFF_S = 0.002
+#: the heartbeat's ``step_ms`` is the longest of this many recent steps
+STEP_WINDOW = 16
 
 #: seconds a stopping worker gives Redis past what it waits for anyway: the main loop
 #: past the drain's deadline (or, running nothing, past one idle read's ``block_ms``)
@@ -137,6 +140,7 @@ class WorkerProcess:
         self._step_began = threading.Event()  # set by the engine thread as a step begins
         m = self.model
         self._m_step = metrics.step_time.labels(m)
+        self._steps_ms: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)  # for the heartbeat
         self._m_batch = metrics.batch_size.labels(m)
         self._m_grammar = metrics.grammar_mask.labels(m)
         self._m_shared = metrics.shared_prefills.labels(m)
@@ -521,7 +525,9 @@ class WorkerProcess:
         outs = await st.running
         st.running = None
         st.unpublished += outs
-        self._m_step.observe(time.perf_counter() - st.started_at)
+        took = time.perf_counter() - st.started_at
+        self._m_step.observe(took)
+        self._steps_ms.append(took * 1000.0)
         self.liveness.stepped(self.cores.active)
         for _version, out in outs:
             if out.batch_size:
@@ -610,7 +616,9 @@ class WorkerProcess:
                          cache_blocks=len(cache) if cache is not None else 0,
                          cache_bytes=cache.bytes if cache is not None else 0,
                          cache_hit_rate=round(st.cached_tokens / st.requested_tokens, 4)
-                         if st is not None and st.requested_tokens else 0.0)
+                         if st is not None and st.requested_tokens else 0.0,
+                         step_ms=round(max(self._steps_ms, default=0.0), 1),
+                         shared_used=sum(1 for fl in self.table.running.values() if "@" not in fl.lane))
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)

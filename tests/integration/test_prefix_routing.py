@@ -74,7 +74,7 @@ async def test_a_routed_task_joins_its_workers_affinity_stream_and_counts_in_its
     pubsub = r.pubsub()
     await pubsub.subscribe(keys.wake(MODEL))
     try:
-        for wid, used in (("wA", 3), ("wB", 0)):  # wB is idler, but holds nothing
+        for wid, used in (("wA", 0), ("wB", 0)):  # wB holds nothing
             await r.hset(keys.workers(MODEL), wid, Heartbeat(time.time() + 30, slots_used=used, max_batch=8,
                                                              version="1").encode())
         await r.sadd(keys.prefix_advert(MODEL, "wA"), *prompt_names(PREFIX[:4 * BLOCK], BLOCK))
@@ -246,10 +246,12 @@ def collect_status(url: str, prefix: str):
 @pytest.fixture(scope="module")
 def cached(module_fleets):
     """A gateway and two tiny-gpt workers (ONNX Runtime, with prefix caches of 16-token
-    blocks), and a second gateway with routing off: requests only."""
+    blocks), and a second gateway with routing off: requests only. A task ahead at a worker
+    weighs one block in the routing choice (``SF_ROUTE_TASK_TOKENS``; the default, a step's
+    work, would outweigh these tiny prompts' whole prefill and spread them)."""
     f = module_fleets()
     workers = {name: f.worker(worker_id=name, prefix_block_tokens=BLOCK) for name in ("wA", "wB")}
-    gw = f.gateway(prefix_block_tokens=BLOCK, prefix_routing="true")
+    gw = f.gateway(prefix_block_tokens=BLOCK, prefix_routing="true", route_task_tokens=BLOCK)
     gw_off = f.gateway(prefix_block_tokens=BLOCK, prefix_routing="false")
     return f, gw, gw_off, workers
 
@@ -319,11 +321,11 @@ async def test_with_routing_off_everything_goes_through_the_shared_lanes(cached)
 
 async def echo_fleet(fleet, rds) -> tuple[Proc, dict[str, Proc]]:
     """A gateway and two echo workers (25 ms a step), ``wA`` advertising ``PREFIX``, and
-    the gateway's view of them read."""
+    the gateway's view of them read. A task ahead weighs one block (as in ``cached``)."""
     settings = dict(backend="echo", echo_delay_ms=25, prefix_block_tokens=BLOCK)
     workers = {name: fleet.worker(worker_id=name, **settings) for name in ("wA", "wB")}
     advertise(rds, fleet.prefix, "wA", prompt_names(PREFIX, BLOCK))
-    gw = fleet.gateway(prefix_block_tokens=BLOCK, prefix_routing="true")
+    gw = fleet.gateway(prefix_block_tokens=BLOCK, prefix_routing="true", route_task_tokens=BLOCK)
     await generate(gw.ws, [ids(2 * BLOCK, 5)], max_tokens=2)  # (a request the gateway reads its view for)
     await asyncio.sleep(0.3)
     return gw, workers

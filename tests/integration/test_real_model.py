@@ -295,7 +295,9 @@ async def test_takeover_after_a_worker_sigkill_continues_from_the_log_with_ident
     rds = sync_client(module_fleet.redis_url)
     try:
         prefix = module_fleet.prefix
-        pending = rds.xpending_range(f"{prefix}:{{{MODEL}}}:tasks:normal", "workers", "-", "+", 10)
+        # the shared lane, or the affinity stream of the worker holding the prompt (routing)
+        lanes = sorted(rds.scan_iter(match=f"{prefix}:{{{MODEL}}}:tasks:normal*", _type="stream"))
+        pending = [p for lane in lanes for p in rds.xpending_range(lane, "workers", "-", "+", 10)]
         info = orjson.loads(rds.hget(f"{prefix}:workers:{MODEL}", pending[0]["consumer"]))
     finally:
         rds.close()

@@ -71,3 +71,22 @@ def test_the_registry_turns_affinity_reads_on_when_a_wake_was_missed() -> None:
     affinity.seen({keys.affinity("tiny-gpt", "normal", "w2"), keys.affinity("tiny-gpt", "normal", "w1")})
     assert affinity.active
     assert affinity._others() == [keys.affinity("tiny-gpt", "normal", "w2")]
+
+
+async def test_a_busy_workers_tasks_wait_for_its_step_but_never_long() -> None:
+    """A worker reads its stream between steps: its tasks wait two of its recent steps
+    (its heartbeat's ``step_ms``) when that is longer than ``SF_AFFINITY_WAIT_MS``, at most
+    four times the setting; a worker stopped between steps still loses its tasks soon."""
+    wake, affinity, _ = make(wait_ms=250)
+    affinity._steps = {"fast": 20.0, "slow": 400.0, "stuck": 60_000.0}
+    assert affinity.wait_of("fast") == 250
+    assert affinity.wait_of("slow") == 800
+    assert affinity.wait_of("stuck") == 1000  # (the cap)
+    assert affinity.wait_of("unknown") == 250
+    assert affinity._owner(Keys().affinity("tiny-gpt", "high", "slow")) == "slow"
+    t0 = time.monotonic()
+    wake.on_wake(Wake("normal@slow", (5, 0)).encode())
+    assert 0.7 < affinity._due[Keys().affinity("tiny-gpt", "normal", "slow")] - t0 < 0.9
+    _, at_once, _ = make(wait_ms=0)  # 0: any idle worker takes it at once, however slow its worker
+    at_once._steps = {"slow": 400.0}
+    assert at_once.wait_of("slow") == 0

@@ -1,11 +1,13 @@
 """Prefix-aware routing's choice, without I/O (gateway/prefixroute.py; docs/architecture.md,
-"Prefix-aware routing"): the longest leading run of a prompt's blocks wins, ties go to
-the least busy worker, and only live, free, advertising workers are candidates."""
+"Prefix-aware routing"): the worker where a task would start soonest wins (the prompt
+tokens it would prefill, plus a step's work for each task ahead there), a burst routed in
+one loop turn is spread by the gateway's own ledger, and only live, free, advertising
+workers are candidates."""
 
 from __future__ import annotations
 
-from streamfleet.gateway.prefixroute import (MAX_ROUTE_BLOCKS, candidates, choose, leading_run, lookup_plan,
-                                             sample)
+from streamfleet.gateway.prefixroute import (LEDGER_S, MAX_ROUTE_BLOCKS, Ledger, candidates, choose, held_tokens,
+                                             leading_run, lookup_plan, sample, sample_positions)
 from streamfleet.shared.prefixhash import block_hashes, namespace
 from streamfleet.shared.schema import Heartbeat, Wake
 
@@ -24,12 +26,40 @@ def test_the_leading_run_stops_at_the_first_miss() -> None:
     assert leading_run([True, False]) == 1
 
 
-def test_the_longest_run_wins_and_ties_go_to_the_least_busy() -> None:
-    assert choose({"a": 2, "b": 5, "c": 1}, {"a": 0, "b": 7, "c": 0}) == "b"  # longest, however busy
-    assert choose({"a": 3, "b": 3}, {"a": 4, "b": 2}) == "b"
-    assert choose({"a": 3, "b": 3}, {"a": 2, "b": 2}) == "a"  # then the lowest id: every gateway agrees
-    assert choose({"a": 0, "b": 0}, {}) is None  # nobody holds the first block: the shared lane
-    assert choose({}, {}) is None
+def test_the_worker_where_the_task_starts_soonest_wins() -> None:
+    # the prompt tokens to prefill, plus 256 for each task ahead
+    assert choose({"a": 64, "b": 960, "c": 32}, {"a": 0, "b": 0, "c": 0}, 1000, 256) == "b"  # holds most
+    assert choose({"a": 64, "b": 960}, {"a": 0, "b": 7}, 1000, 256) == "a"  # ... but 7 tasks ahead cost more
+    assert choose({"a": 960, "b": 960}, {"a": 4, "b": 2}, 1000, 256) == "b"  # equal holds: the less busy
+    assert choose({"a": 960, "b": 960}, {"a": 2, "b": 2}, 1000, 256) == "a"  # then the lowest id: gateways agree
+    assert choose({"a": 0, "b": 0}, {}, 1000, 256) is None  # nobody holds the first block: the shared lane
+    assert choose({"a": 0, "b": 960}, {"a": 0, "b": 9}, 1000, 256) == "a"  # a cold worker, when the holder is busy
+    assert choose({}, {}, 1000, 256) is None
+    assert choose({"a": 64, "b": 960}, {"a": 0, "b": 7}, 1000, 0) == "b"  # no weight on load: the longest run
+
+
+def test_a_sampled_run_tells_the_tokens_held() -> None:
+    assert sample_positions(5, 32) == [0, 1, 2, 3, 4]
+    assert sample_positions(100, 3) == [0, 50, 99] and sample_positions(100, 1) == [0]
+    assert held_tokens(0, 100, 3, 32) == 0
+    assert held_tokens(2, 100, 3, 32) == 51 * 32  # up to block 50
+    assert held_tokens(3, 100, 3, 32) == 100 * 32
+    assert held_tokens(4, 5, 32, 32) == 4 * 32
+
+
+def test_the_ledger_counts_a_routed_task_until_a_look_up_can_see_it() -> None:
+    ledger = Ledger()
+    ledger.chosen("a", "r1")
+    ledger.chosen("a", "r2")
+    assert ledger.uncounted("a", sent_at=10.0, now=10.0) == 2  # being enqueued: no length counts them yet
+    assert ledger.uncounted("b", sent_at=10.0, now=10.0) == 0
+    ledger.enqueued("a", "r1", ok=True, now=10.5)
+    ledger.enqueued("a", "r2", ok=False, now=10.5)  # refused (overloaded): never there
+    assert ledger.uncounted("a", sent_at=10.2, now=10.6) == 1  # sent before r1 was in: it missed r1
+    assert ledger.uncounted("a", sent_at=10.6, now=10.7) == 0  # sent after: XLEN counted it
+    ledger.enqueued("a", "unknown", ok=True, now=11.0)  # (not routed by this ledger: nothing)
+    assert ledger.uncounted("a", sent_at=0.0, now=10.5 + LEDGER_S + 0.1) == 1  # counted once more, then
+    assert ledger.uncounted("a", sent_at=0.0, now=20.0) == 0  # forgotten
 
 
 def test_candidates_are_fresh_free_serving_and_advertising() -> None:
@@ -82,5 +112,19 @@ def test_a_long_conversation_goes_to_the_worker_holding_most_of_it() -> None:
     plan = lookup_plan("m", ids, 64, [hb("a"), hb("b")])
     held = {"a": set(chain[:20]), "b": set(chain)}
     runs = {w: leading_run(n in held[w] for n in names) for w, names in plan.items()}
-    assert runs["b"] > runs["a"] > 0 and choose(runs, {"a": 0, "b": 3}) == "b"
+    assert runs["b"] > runs["a"] > 0
+    per = len(plan["a"])
+    held_by = {w: held_tokens(r, len(chain), per, 64) for w, r in runs.items()}
+    assert held_by["a"] <= 20 * 64 < 64 * 60 <= held_by["b"]
+    assert choose(held_by, {"a": 0, "b": 3}, len(ids), 256) == "b"  # 50 blocks to prefill outweigh 3 tasks
     assert sample(chain, 1) == [chain[0]] and sample(chain[:3], 8) == chain[:3]
+
+
+def test_the_work_ahead_is_the_routed_tasks_read_fresh_and_the_shared_ones() -> None:
+    from streamfleet.gateway.prefixroute import work_ahead
+
+    # 4 slots in use by the last heartbeat, but the stream (read just now) holds 1:
+    # three routed tasks ended since; one task came from the shared lanes
+    assert work_ahead(hb("a", used=4, shared_used=1), routed=1) == 2
+    assert work_ahead(hb("a", used=4), routed=1) == 4  # a heartbeat that does not say: the larger
+    assert work_ahead(hb("a", used=0), routed=3) == 3
