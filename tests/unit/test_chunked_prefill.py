@@ -6,6 +6,7 @@ long prompt goes in chunk by chunk (docs/scheduling.md, "Prefix cache", "Chunked
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -88,10 +89,11 @@ def test_extend_refuses_by_name(tiny_spec):
     assert e.extend([("a", [1, 2, 3])]).shape == (1, e.vocab_size)
 
 
-def task(rid: str, prompt: list[int], max_tokens: int = 12, **params) -> Task:
+def task(rid: str, prompt: list[int], max_tokens: int = 12, temperature: float = 1.0, **params) -> Task:
+    # (the seed from the id, the same in every process: ``hash`` of a str is salted per process)
     return Task(request_id=rid, model="tiny-gpt", lane="normal", reply_to="c", client_id=rid, prompt_ids=list(prompt),
-                params=SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=hash(rid) % 1000, ignore_eos=True,
-                                      **params),
+                params=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=zlib.crc32(rid.encode()) % 1000,
+                                      ignore_eos=True, **params),
                 created_at=time.time())
 
 
@@ -202,11 +204,14 @@ def test_a_choice_whose_leader_is_cancelled_mid_prompt_starts_on_its_own(tiny_sp
 
 
 def test_a_takeover_replay_reads_the_cache_and_gives_the_same_text(tiny_spec, tokenizer):
+    """Greedy: a replay prefills the tokens the dead worker decoded, whose cache then
+    differs from theirs in the last bits, so a *sampled* token after it may, rarely,
+    differ (docs/failures.md); the greedy text is the same."""
     prompt = [*SYSTEM, 4, 4]
-    whole = run(WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1), tokenizer), task("x", prompt, 12))
+    whole = run(WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1), tokenizer), task("x", prompt, 12, 0.0))
     engine = OnnxRuntimeEngine(tiny_spec, threads=1, prefix_cache_mb=16, prefix_block=16)
     core = WorkerCore(engine, tokenizer, max_step_tokens=24)
-    core.add(task("x", prompt, 12))
+    core.add(task("x", prompt, 12, 0.0))
     ids: list[int] = []
     for _ in range(20):  # run until 5 tokens are out, then "die"
         ids += [tid for (rid, _), tid in sorted(core.step().token_ids.items())]
@@ -214,7 +219,7 @@ def test_a_takeover_replay_reads_the_cache_and_gives_the_same_text(tiny_spec, to
             break
     core.abandon_all()
     trace: list = []
-    core.add(task("x", prompt, 12), replay=ids[:5])
+    core.add(task("x", prompt, 12, 0.0), replay=ids[:5])
     texts = run(core, trace=trace)
     assert sum(o.cached_tokens for o in trace) == 80  # the prompt's 5 whole blocks
     assert whole["x"].endswith(texts["x"]) and len(texts["x"]) < len(whole["x"])
