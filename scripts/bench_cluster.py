@@ -37,7 +37,8 @@ from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.redis import sync_client
 
-from scripts.bench_fleet import MODEL, wait_until, write_model
+from scripts.bench_fleet import MODEL, write_model
+from scripts.fleetstack import wait_until
 
 
 def fleet_env(url: str, cluster: bool, engines: Path, delay_ms: float, **settings: object) -> dict[str, str]:

@@ -67,7 +67,8 @@ from streamfleet.shared.keys import GROUP, TAG_LEN, Keys
 from streamfleet.shared.redis import sync_client
 
 from scripts.bench_cluster import fleet_env
-from scripts.bench_fleet import MODEL, wait_until, write_model
+from scripts.bench_fleet import MODEL, write_model
+from scripts.fleetstack import wait_until
 
 SCENARIOS = ("shard-kill", "lanes-kill", "shard-kill-full-coverage", "worker-kills")
 PROMPT = "Once upon a time there was a fleet of workers"

@@ -50,14 +50,13 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import orjson
-import redis
 
-from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+
+from scripts.fleetstack import ModelStack, threads
 
 EMBED_MODEL = "minilm-l6-v2"
 CHAT_MODEL = "smollm2-135m"
@@ -97,74 +96,12 @@ def make_texts(tokenizer, n_tokens: int, count: int, seed: int) -> list[str]:
 
 
 # -- the fleet ------------------------------------------------------------------------------
-@dataclass
-class Stack:
-    """A private Redis, one gateway and one worker per (model, threads) in ``workers``."""
-
-    workers: list[tuple[str, int]]
-    default_model: str
-    redis: EmbeddedRedis | None = None
-    fleet: Fleet = field(default_factory=Fleet)
-    port: int = 0
-    metrics_ports: dict[str, int] = field(default_factory=dict)
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
-        env.update(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_DEFAULT_MODEL=self.default_model,
-                   SF_GRPC_PORT="0", SF_METRICS_PORT="0", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env.update(extra)
-        return env
-
-    def __enter__(self) -> "Stack":
-        self.redis = EmbeddedRedis().start()
-        try:
-            for model, threads in self.workers:
-                self.metrics_ports[model] = port = free_port()
-                self.fleet.start(f"worker {model}", ["worker"],
-                                 self.env(SF_MODEL=model, SF_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-                                          SF_METRICS_PORT=str(port)))
-            self.port = free_port()
-            self.fleet.start("gateway", ["gateway", "--port", str(self.port)], self.env(SF_MODEL=self.default_model))
-            r = redis.Redis.from_url(self.redis.url)
-            try:
-                for model, _ in self.workers:
-                    self._wait(lambda: r.hlen(f"sf:workers:{model}") >= 1, 180, f"worker {model}")
-            finally:
-                r.close()
-            self._wait(lambda: httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200, 60, "gateway")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _wait(self, check, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.fleet.dead():
-                raise RuntimeError(f"{what}: {', '.join(self.fleet.dead())} exited")
-            try:
-                if check():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"timed out waiting for {what}")
-
-    def __exit__(self, *exc) -> None:
-        self.fleet.stop()
-        if self.redis is not None:
-            self.redis.stop()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def batch_counters(self, model: str) -> tuple[float, float]:
-        """The worker's ``streamfleet_worker_batch_size`` histogram: (sum, count) of its steps."""
-        text = httpx.get(f"http://127.0.0.1:{self.metrics_ports[model]}/metrics", timeout=5).text
-        got = {m.group(1): float(m.group(2)) for m in
-               re.finditer(r'^streamfleet_worker_batch_size_(sum|count)\{[^}]*\} ([0-9.e+]+)$', text, re.M)}
-        return got.get("sum", 0.0), got.get("count", 0.0)
+def batch_counters(stack: ModelStack, model: str) -> tuple[float, float]:
+    """The worker's ``streamfleet_worker_batch_size`` histogram: (sum, count) of its steps."""
+    [text] = stack.metrics(model)
+    got = {m.group(1): float(m.group(2)) for m in
+           re.finditer(r'^streamfleet_worker_batch_size_(sum|count)\{[^}]*\} ([0-9.e+]+)$', text, re.M)}
+    return got.get("sum", 0.0), got.get("count", 0.0)
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -334,14 +271,14 @@ def throughput(args, tokenizer, cores: int) -> tuple[dict, list[str]]:
             mean_batch = asyncio.run(one_process(engine, tokenizer, texts[n], c, w, args.per_request))
             results[f"oneprocess {n} c{c}"] = w.result() | {"mean_batch": mean_batch}
     engine.close()
-    with Stack([(EMBED_MODEL, cores)], EMBED_MODEL) as stack:
+    with ModelStack([(EMBED_MODEL, threads(cores))], EMBED_MODEL) as stack:
         for n in args.lengths:
             for c in args.concurrency:
                 log(f"streamfleet: {n} tokens, c={c}")
                 w = Window(WARMUP_S, args.seconds)
-                s0, n0 = stack.batch_counters(EMBED_MODEL)
+                s0, n0 = batch_counters(stack, EMBED_MODEL)
                 asyncio.run(fleet_clients(stack.url, texts[n], c, w, spec.dimensions, per=args.per_request))
-                s1, n1 = stack.batch_counters(EMBED_MODEL)
+                s1, n1 = batch_counters(stack, EMBED_MODEL)
                 results[f"streamfleet {n} c{c}"] = w.result() | {"mean_batch": (s1 - s0) / (n1 - n0) if n1 > n0
                                                                  else 0.0}
     for n in args.lengths:
@@ -391,7 +328,7 @@ async def chat_stream(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return arrivals
 
 
-async def beside_chat(stack: Stack, texts: list[str], streams: int, max_tokens: int, flood: int,
+async def beside_chat(stack: ModelStack, texts: list[str], streams: int, max_tokens: int, flood: int,
                       seconds: float, dimensions: int) -> dict:
     gaps: list[float] = []
     tokens = 0
@@ -431,7 +368,7 @@ def chat_part(args, tokenizer) -> tuple[dict, list[str]]:
     spec = ModelRepository().get(EMBED_MODEL)
     texts = make_texts(tokenizer, 32, 512, seed=32)
     results: dict = {}
-    with Stack([(CHAT_MODEL, 1), (EMBED_MODEL, 1)], CHAT_MODEL) as stack:
+    with ModelStack([(CHAT_MODEL, threads(1)), (EMBED_MODEL, threads(1))], CHAT_MODEL) as stack:
         for name, flood in (("chat alone", 0), (f"chat + embedding flood (c={args.flood})", args.flood)):
             log(f"beside chat: {name}")
             results[name] = asyncio.run(beside_chat(stack, texts, args.chat_streams, args.chat_tokens, flood,

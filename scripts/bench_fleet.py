@@ -54,6 +54,7 @@ from streamfleet.bench import run_bench  # noqa: E402
 from streamfleet.bench_config import BenchConfig  # noqa: E402
 from streamfleet.bench_stats import BenchResult, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
+from scripts.fleetstack import clean_env, wait_until  # noqa: E402
 from scripts.procstats import cpu_s, stop  # noqa: E402
 
 BENCHES = ("overhead", "throughput", "scaleout", "arq")
@@ -94,21 +95,6 @@ def write_model(root: Path) -> Path:
     return root
 
 
-def wait_until(check, timeout: float, what: str, dead=lambda: []) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        gone = dead()
-        if gone:
-            raise RuntimeError(f"{what}: {', '.join(gone)} exited")
-        try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 @dataclass
 class Stack:
     """A private Redis, N gateways and M echo workers."""
@@ -126,13 +112,11 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
-        env.update(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_ENGINES_DIR=str(self.engines),
-                   SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL, SF_MODELS=MODEL, SF_BACKEND="echo",
-                   SF_ECHO_DELAY_MS=str(self.delay_ms), SF_MAX_BATCH=str(self.max_batch),
-                   SF_GRPC_PORT="0",  # WebSocket only; several gateways on one host would share 50051
-                   PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        return env
+        return clean_env(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_ENGINES_DIR=str(self.engines),
+                         SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL, SF_MODELS=MODEL, SF_BACKEND="echo",
+                         SF_ECHO_DELAY_MS=str(self.delay_ms), SF_MAX_BATCH=str(self.max_batch),
+                         SF_GRPC_PORT="0",  # WebSocket only; several gateways on one host would share 50051
+                         OMP_NUM_THREADS="1")
 
     @property
     def urls(self) -> list[str]:

@@ -97,7 +97,8 @@ from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, spawn
 
-from scripts.bench_fleet import MODEL, wait_until, write_model
+from scripts.bench_fleet import MODEL, write_model
+from scripts.fleetstack import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 from scripts.procstats import cpu_s, rss_mib, stop, tree

@@ -38,13 +38,12 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
-import redis
 
-from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+
+from scripts.fleetstack import ModelStack, threads
 
 MODEL = "smollm2-135m"
 RUNS = ("off", "on", "shared", "routing")
@@ -77,84 +76,25 @@ def pctl(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-@dataclass
-class Stack:
-    """A private Redis, one gateway and ``workers`` real-model workers."""
+def counters(stack: ModelStack) -> dict[str, float]:
+    """The workers' prompt-token and prefix-cache counters, summed."""
+    total: dict[str, float] = {}
+    pattern = re.compile(r'^(streamfleet_worker_(?:prompt_tokens_total|prefix_cache_lookups_total)'
+                         r'\{[^}]*(?:source|result)="(\w+)"[^}]*\}) ([0-9.e+]+)$', re.M)
+    taken = re.compile(r'^streamfleet_worker_affinity_taken_total\{[^}]*\} ([0-9.e+]+)$', re.M)
+    for text in stack.metrics():
+        for m in pattern.finditer(text):
+            key = m.group(2)
+            total[key] = total.get(key, 0.0) + float(m.group(3))
+        for m in taken.finditer(text):
+            total["taken"] = total.get("taken", 0.0) + float(m.group(1))
+    return total
 
-    workers: int
-    env_extra: dict[str, str]
-    gateway_env: dict[str, str] = field(default_factory=dict)
-    redis: EmbeddedRedis | None = None
-    fleet: Fleet = field(default_factory=Fleet)
-    port: int = 0
-    metrics_ports: list[int] = field(default_factory=list)
 
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SF_") and k != "REDIS_URL"}
-        env.update(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_MODEL=MODEL, SF_DEFAULT_MODEL=MODEL,
-                   SF_GRPC_PORT="0", SF_METRICS_PORT="0", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env.update(self.env_extra)
-        env.update(extra)
-        return env
-
-    def __enter__(self) -> "Stack":
-        self.redis = EmbeddedRedis().start()
-        threads = max(1, (os.cpu_count() or 2) // self.workers)
-        try:
-            for _ in range(self.workers):
-                port = free_port()
-                self.metrics_ports.append(port)
-                self.fleet.start("worker", ["worker"], self.env(SF_THREADS=str(threads), SF_METRICS_PORT=str(port),
-                                                                OMP_NUM_THREADS=str(threads)))
-            self.port = free_port()
-            self.fleet.start("gateway", ["gateway", "--port", str(self.port)], self.env(**self.gateway_env))
-            r = redis.Redis.from_url(self.redis.url)
-            try:
-                self._wait(lambda: r.hlen(f"sf:workers:{MODEL}") >= self.workers, 180, "workers")
-            finally:
-                r.close()
-            self._wait(lambda: httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200, 60, "gateway")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _wait(self, check, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.fleet.dead():
-                raise RuntimeError(f"{what}: {', '.join(self.fleet.dead())} exited")
-            try:
-                if check():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"timed out waiting for {what}")
-
-    def __exit__(self, *exc) -> None:
-        self.fleet.stop()
-        if self.redis is not None:
-            self.redis.stop()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def counters(self) -> dict[str, float]:
-        """The workers' prompt-token and prefix-cache counters, summed."""
-        total: dict[str, float] = {}
-        pattern = re.compile(r'^(streamfleet_worker_(?:prompt_tokens_total|prefix_cache_lookups_total)'
-                             r'\{[^}]*(?:source|result)="(\w+)"[^}]*\}) ([0-9.e+]+)$', re.M)
-        taken = re.compile(r'^streamfleet_worker_affinity_taken_total\{[^}]*\} ([0-9.e+]+)$', re.M)
-        for port in self.metrics_ports:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-            for m in pattern.finditer(text):
-                key = m.group(2)
-                total[key] = total.get(key, 0.0) + float(m.group(3))
-            for m in taken.finditer(text):
-                total["taken"] = total.get("taken", 0.0) + float(m.group(1))
-        return total
+def model_stack(workers: int, worker_env: dict[str, str], gateway_env: dict[str, str] | None = None) -> ModelStack:
+    """A private Redis, one gateway and ``workers`` workers of the model sharing the cores."""
+    share = threads(max(1, (os.cpu_count() or 2) // workers))
+    return ModelStack([(MODEL, share)] * workers, MODEL, worker_env, gateway_env or {})
 
 
 async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra
@@ -184,7 +124,7 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_to
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), arrivals
 
 
-async def conversations(stack: Stack, system: str, n: int, turns: int, max_tokens: int) -> dict:
+async def conversations(stack: ModelStack, system: str, n: int, turns: int, max_tokens: int) -> dict:
     ttft: list[list[float]] = [[] for _ in range(turns)]
     tokens = 0
     async with httpx.AsyncClient(timeout=600) as client:
@@ -194,7 +134,7 @@ async def conversations(stack: Stack, system: str, n: int, turns: int, max_token
         # a worker advertises its blocks with its next heartbeat (0.5 s) and a gateway reads
         # the adverts at most every 0.5 s: the steady state of an application is measured
         await asyncio.sleep(1.5)
-        before = stack.counters()
+        before = counters(stack)
 
         async def one(c: int) -> None:
             nonlocal tokens
@@ -211,7 +151,7 @@ async def conversations(stack: Stack, system: str, n: int, turns: int, max_token
         t0 = time.perf_counter()
         await asyncio.gather(*(one(c) for c in range(n)))
         wall = time.perf_counter() - t0
-        after = stack.counters()
+        after = counters(stack)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("computed", "cached", "hit", "miss", "taken")}
     requested = d["computed"] + d["cached"]
     return {"ttft_p50": [statistics.median(x) for x in ttft], "ttft_p99": [pctl(x, 0.99) for x in ttft],
@@ -221,7 +161,7 @@ async def conversations(stack: Stack, system: str, n: int, turns: int, max_token
             "wall_s": wall}
 
 
-async def long_prompt(stack: Stack, tokenizer, n_streams: int, long_tokens: int) -> dict:
+async def long_prompt(stack: ModelStack, tokenizer, n_streams: int, long_tokens: int) -> dict:
     rnd = random.Random(7)
     words = []
     while len(tokenizer.encode(" ".join(words))) < long_tokens - 40:
@@ -285,7 +225,7 @@ def main() -> int:
         rows = []
         for name, workers, env, gw_env in runs:
             log(f"conversations: {name}")
-            with Stack(workers, env, gw_env) as stack:
+            with model_stack(workers, env, gw_env) as stack:
                 r = asyncio.run(conversations(stack, system, args.conversations, args.turns, args.max_tokens))
             results[name] = r
             rows.append((name, r))
@@ -321,7 +261,7 @@ def main() -> int:
                              ("one step (SF_MAX_STEP_TOKENS 8192)", "8192")):
             log(f"long prompt: {name}")
             env = {"SF_PREFIX_CACHE_MB": "0"} | ({"SF_MAX_STEP_TOKENS": budget} if budget else {})
-            with Stack(1, env) as stack:
+            with model_stack(1, env) as stack:
                 r = asyncio.run(long_prompt(stack, tokenizer, args.streams, args.long_tokens))
             results[name] = r
             rows.append((name, r))
