@@ -65,6 +65,10 @@ class HeartbeatLoop(Part):
         self.beat = beat
         self.advert = advert
         self.affinity = affinity
+        #: a write of the entry and its removal never overlap, and none follows the removal
+        #: (a beat sent just before ``deregister`` would otherwise put the entry back)
+        self._write = asyncio.Lock()
+        self._deregistered = False
 
     async def run(self) -> None:
         key = self.keys.workers(self.model)
@@ -76,21 +80,24 @@ class HeartbeatLoop(Part):
             hb = self.beat()
             metrics.slots_in_use.labels(self.model).set(hb.slots_used)
             metrics.slots.labels(self.model).set(hb.max_batch)
-            if self.advert is not None:  # (rewritten only when the cache changed)
+            async with self._write:
+                if self._deregistered:
+                    return
+                if self.advert is not None:  # (rewritten only when the cache changed)
+                    try:
+                        await self.advert.write()
+                    except Exception as exc:  # never the heartbeat's end: the next beat tries again
+                        log.warning("prefix advert failed", error=str(exc) or type(exc).__name__)
                 try:
-                    await self.advert.write()
-                except Exception as exc:  # never the heartbeat's end: the next beat tries again
-                    log.warning("prefix advert failed", error=str(exc) or type(exc).__name__)
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.hset(key, self.worker_id, hb.encode())
-                    pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
-                    advertised = self.advert is not None and self.advert.refresh(pipe)
-                    results = await pipe.execute()
-                if advertised:
-                    self.advert.refreshed(results[-1])
-            except BROKER_ERRORS as exc:
-                log.warning("heartbeat failed", error=str(exc))
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.hset(key, self.worker_id, hb.encode())
+                        pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
+                        advertised = self.advert is not None and self.advert.refresh(pipe)
+                        results = await pipe.execute()
+                    if advertised:
+                        self.advert.refreshed(results[-1])
+                except BROKER_ERRORS as exc:
+                    log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def refresh_slots(self) -> None:
@@ -104,9 +111,11 @@ class HeartbeatLoop(Part):
 
     async def deregister(self) -> None:
         """Remove this worker's entry, its prefix advert and its empty affinity streams (a
-        clean stop)."""
+        clean stop), after any beat being written; no beat is written after it."""
         try:
-            await self.redis.hdel(self.keys.workers(self.model), self.worker_id)
+            async with self._write:
+                self._deregistered = True
+                await self.redis.hdel(self.keys.workers(self.model), self.worker_id)
             if self.advert is not None:
                 await self.advert.remove()
             if self.affinity is not None:
