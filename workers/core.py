@@ -149,6 +149,9 @@ class WorkerCore:
         self._leader_of: dict[str, Sequence] = {}
         #: followers whose leader left before its prefill ended: started at the next step
         self._orphans: list[Sequence] = []
+        #: the last step fed a prompt's last chunk without the decodes: the next one
+        #: decodes, and feeds nothing
+        self._decode_owed = False
         self.grammar_limits = grammar_limits
         self.tokenizer = tokenizer
         self._clock = clock
@@ -337,8 +340,15 @@ class WorkerCore:
         if self._chunked:
             decode = [seq for seq in plan.decode if seq.decoding]
             forked, forked_logits = self._start(new, out)
-            chunks = self._chunks(len(decode))
+            owed, self._decode_owed = self._decode_owed and bool(decode), False
+            chunks = [] if owed else self._chunks(len(decode))
             finishing = {id(seq) for seq, n in chunks if n == len(seq.pending)}
+            if finishing and decode:
+                # a prompt is all in: its first token goes out now, and the running
+                # sequences' decodes make the next step, alone (docs/scheduling.md,
+                # "Chunked prefill"): their gap stays a chunk and a decode, and the first
+                # token does not wait for a decode of everything else
+                decode, self._decode_owed = [], True
             followers = [f for f, leader in self._leader_of.items() if id(leader) in finishing]
             sampling = [*forked, *(seq for seq, n in chunks if id(seq) in finishing),
                         *(seq for seq in new if seq.request_id in followers), *decode]

@@ -139,9 +139,15 @@ def test_a_long_prompt_goes_in_chunks_beside_the_running_streams(tiny_spec, toke
     # 38 a step (40 less the 2 decodes), so 6 steps before its first token
     feeding = [o for o in trace if o.prefill_tokens]
     assert [o.prefill_tokens for o in feeding] == [38, 38, 38, 38, 38, 10]
-    for o in feeding:
-        streams = {ev.request_id for _, ev in o.events if isinstance(ev, TokenEvent)}
-        assert {"s1", "s2"} <= streams
+    streams = [{ev.request_id for _, ev in o.events if isinstance(ev, TokenEvent)} for o in trace]
+    last = trace.index(feeding[-1])
+    for o in streams[:last]:
+        assert {"s1", "s2"} <= o
+    # the step that feeds the last chunk sends the long prompt's first token without
+    # waiting for the streams' decodes; those make the next step, with the long one's
+    # second token and nothing fed
+    assert streams[last] == {"long"}
+    assert streams[last + 1] == {"s1", "s2", "long"} and trace[last + 1].prefill_tokens == 0
     # the same texts, token for token, as with no budget and no cache
     again = WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1, prefix_cache_mb=16, prefix_block=16), tokenizer,
                        max_step_tokens=40)

@@ -217,9 +217,34 @@ def test_steady_batch_feeds_presents_back(slab_engine):
     assert engine._slab is slab and slab.rows[0] == "s5"
     engine.release("s2")
     engine.release("s3")
-    engine.decode([("s4", 2), ("s5", 1)])  # half the rows idle: compacted
+    for _ in range(3):  # half the rows idle: kept for newcomers while that wastes under two steps ...
+        engine.decode([("s4", 2), ("s5", 1)])
+        assert engine._slab is slab
+    engine.decode([("s4", 2), ("s5", 1)])  # ... then compacted
     assert engine._slab is not slab and engine._slab.rows == ["s4", "s5"]
     for k in ("s4", "s5"):
+        engine.release(k)
+
+
+def test_a_new_slab_has_room_for_longer_newcomers(slab_engine):
+    """A slab is assembled a quarter wider than its longest member, so a longer sequence
+    that arrives later (a conversation's next turn) takes a free row without a new slab,
+    and its tokens are the ones it gets alone."""
+    engine = slab_engine
+    prompts = {f"a{i}": list(range(3, 43 + i)) for i in range(3)}
+    engine.prefill(list(prompts.items()))
+    engine.decode([(k, 5) for k in prompts])
+    slab = engine._slab
+    assert slab.width == 42 + 10 + 1 and len(slab.rows) == 3  # (and the step's own slot)
+    engine.release("a0")
+    later = list(range(7, 55))  # 48 tokens: longer than any member, within the slab's width
+    engine.prefill([("b", later)])
+    got = engine.decode([("b", 9), ("a1", 5), ("a2", 5)])
+    assert engine._slab is slab and slab.rows[0] == "b"
+    alone = type(engine)(engine.spec, threads=1, batch_invariant=False)
+    alone.prefill([("b", later)])
+    np.testing.assert_allclose(got[0], alone.decode([("b", 9)])[0], rtol=1e-4, atol=1e-4)
+    for k in ("b", "a1", "a2"):
         engine.release(k)
 
 
