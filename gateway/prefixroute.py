@@ -337,6 +337,9 @@ class PrefixRouter:
             if view is None:
                 return None
         now_s = time.time()
+        if sum(1 for hb in view.workers if not hb.draining and not hb.reloading
+               and now_s - hb.heartbeat <= self.fresh_s) < 2:
+            return None  # one worker (``streamfleet serve``): nothing to choose, no round trip
         cands = candidates(view.workers, view.advertisers, now_s, self.fresh_s)
         plan = lookup_plan(task.model, task.prompt_ids, self.block, cands)
         if not plan:

@@ -6,7 +6,7 @@ Part 1, conversations: ``--conversations`` chats run at once, each ``--turns`` t
 long, every one with the same system prompt of about ``--system-tokens`` tokens (an
 application's instructions) and its own growing history: each turn re-sends the earlier
 turns and the model's replies, as chat clients do. Run with the prefix cache off, on,
-and on two workers without and with prefix-aware routing. Per run: time to first token
+and on two workers (``--workers``) without and with prefix-aware routing. Per run: time to first token
 p50/p99 for each turn, prompt tokens computed vs requested (the workers' own counters),
 the cache's hit rate (tokens it had / tokens looked up), completion tokens/s, and the
 routed tasks another worker took after they waited ``SF_AFFINITY_WAIT_MS`` ("taken").
@@ -203,7 +203,9 @@ def main() -> int:
                     "setting's default)")
     ap.add_argument("--runs", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=list(RUNS),
                     help=f"the conversation runs, comma-separated, of {','.join(RUNS)} (cache off on one worker, "
-                         "on on one, on two workers through the shared lanes, on two with routing; default all)")
+                         "on on one, on --workers workers through the shared lanes, on as many with routing; default all)")
+    ap.add_argument("--workers", type=int, default=2, help="workers of the shared and routing runs, sharing the "
+                    "cores (default 2)")
     ap.add_argument("--affinity-wait-ms", type=int, help="the workers' SF_AFFINITY_WAIT_MS in the routing run "
                     "(default: the setting's default)")
     ap.add_argument("--json", help="also write the figures to this file")
@@ -217,10 +219,11 @@ def main() -> int:
     if args.part in ("all", "prefix"):
         system = system_prompt(tokenizer, args.system_tokens)
         wait = {"SF_AFFINITY_WAIT_MS": str(args.affinity_wait_ms)} if args.affinity_wait_ms is not None else {}
+        many = args.workers
         runs = [("cache off, 1 worker", 1, {"SF_PREFIX_CACHE_MB": "0"}, {}),
                 ("cache on, 1 worker", 1, {}, {}),
-                ("cache on, 2 workers, no routing", 2, {}, {"SF_PREFIX_ROUTING": "false"}),
-                ("cache on, 2 workers, routing", 2, wait, {"SF_PREFIX_ROUTING": "true"})]
+                (f"cache on, {many} workers, no routing", many, {}, {"SF_PREFIX_ROUTING": "false"}),
+                (f"cache on, {many} workers, routing", many, wait, {"SF_PREFIX_ROUTING": "true"})]
         runs = [r for r, key in zip(runs, RUNS) if key in args.runs]
         rows = []
         for name, workers, env, gw_env in runs:
@@ -248,11 +251,11 @@ def main() -> int:
             lines.append(f"cached turns (2..{args.turns}): TTFT p50 {speedup:.1f}x lower with the cache (goal >= 5x); "
                          f"turn 1 (only the system prompt cached): {first:.1f}x")
             results["summary_prefix"] = {"cached_turn_ttft_speedup": speedup, "first_turn_speedup": first}
-        routed = results.get("cache on, 2 workers, routing", {}).get("hit_rate")
-        spread = results.get("cache on, 2 workers, no routing", {}).get("hit_rate")
+        routed = results.get(f"cache on, {many} workers, routing", {}).get("hit_rate")
+        spread = results.get(f"cache on, {many} workers, no routing", {}).get("hit_rate")
         if routed is not None and spread is not None:
             one = f"{on['hit_rate']:.0%}" if on else "not run"
-            lines.append(f"two workers: hit rate {routed:.0%} with routing, {spread:.0%} without, one worker "
+            lines.append(f"{many} workers: hit rate {routed:.0%} with routing, {spread:.0%} without, one worker "
                          f"{one} (goal: routing within 5 points of one worker)")
     if args.part in ("all", "chunked"):
         rows = []

@@ -131,8 +131,8 @@ class GatewaySettings(CommonSettings):
     lane_capacity: dict[str, int] = {"high": 1024, "normal": 1024}
     #: send a request whose prompt's prefix a live worker holds in its prefix cache to
     #: the worker where it would start soonest (docs/architecture.md, "Prefix-aware
-    #: routing"); off (the default for now: that page says why): shared lanes only
-    prefix_routing: bool = False
+    #: routing"); off: every request through the shared lanes
+    prefix_routing: bool = True
     #: what one task waiting or running at a worker weighs in the routing choice, in prompt
     #: tokens to prefill (about a step's work: SF_MAX_STEP_TOKENS' default)
     route_task_tokens: int = Field(256, ge=0, le=1_000_000)

@@ -117,6 +117,33 @@ async def test_a_routed_task_joins_its_workers_affinity_stream_and_counts_in_its
         await asyncio.sleep(0)
 
 
+async def test_with_one_live_worker_nothing_is_routed(redis_server, key_prefix):
+    """One worker (``streamfleet serve``) holding the prompt: nothing to choose, so the task
+    goes to the shared lane with no look-up."""
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_server.url)
+    broker = Broker(GatewaySettings(redis_url=redis_server.url, key_prefix=key_prefix, prefix_block_tokens=BLOCK,
+                                    prefix_routing=True))
+    await broker.start()
+    try:
+        await r.hset(keys.workers(MODEL), "wA", Heartbeat(time.time() + 30, slots_used=0, max_batch=8,
+                                                          version="1").encode())
+        await r.sadd(keys.prefix_advert(MODEL, "wA"), *prompt_names(PREFIX[:4 * BLOCK], BLOCK))
+        broker.router.view(MODEL)
+        deadline = time.monotonic() + 5
+        while (broker.router.view(MODEL) is None or not broker.router.view(MODEL).advertisers) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert await broker.router.route(task(PREFIX + [7, 8, 9])) is None
+        await broker.submit(task(PREFIX + [7, 8, 9]))
+        assert await r.xlen(keys.lane(MODEL, "normal")) == 1
+        assert not await r.exists(keys.affinity(MODEL, "normal", "wA"))
+    finally:
+        await r.aclose()
+        await broker.stop()
+        await asyncio.sleep(0)
+
+
 async def test_a_worker_advertises_the_blocks_its_current_cache_holds(redis_server, key_prefix):
     """The advert is rewritten when the cache's names change or the cache is another (a hot
     reload's new version), only has its TTL pushed back otherwise, is written again when
