@@ -124,7 +124,8 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_to
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), arrivals
 
 
-async def conversations(stack: ModelStack, system: str, n: int, turns: int, max_tokens: int) -> dict:
+async def conversations(stack: ModelStack, system: str, n: int, turns: int, max_tokens: int,
+                        think_s: float = 0.0) -> dict:
     ttft: list[list[float]] = [[] for _ in range(turns)]
     tokens = 0
     async with httpx.AsyncClient(timeout=600) as client:
@@ -141,6 +142,8 @@ async def conversations(stack: ModelStack, system: str, n: int, turns: int, max_
             rnd = random.Random(c)
             messages = [{"role": "system", "content": system}]
             for t in range(turns):
+                if t and think_s:  # the user reads the reply and types (the same pauses in every run)
+                    await asyncio.sleep(rnd.uniform(0, think_s))
                 messages.append({"role": "user", "content": f"Customer {c}, turn {t}: {rnd.choice(QUESTIONS)} "
                                                             f"My order number is {rnd.randrange(10**6)}."})
                 s, text, arrivals = await chat(client, stack.url, messages, max_tokens)
@@ -197,6 +200,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--think-s", type=float, default=0.0, help="each user pauses a random 0..THINK_S seconds "
+                    "before each next turn (default 0: at once, so the conversations' turns arrive together)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--step-tokens", type=int, help="SF_MAX_STEP_TOKENS of the chunked run (default: the "
@@ -229,12 +234,14 @@ def main() -> int:
         for name, workers, env, gw_env in runs:
             log(f"conversations: {name}")
             with model_stack(workers, env, gw_env) as stack:
-                r = asyncio.run(conversations(stack, system, args.conversations, args.turns, args.max_tokens))
+                r = asyncio.run(conversations(stack, system, args.conversations, args.turns, args.max_tokens,
+                                              args.think_s))
             results[name] = r
             rows.append((name, r))
         off = results.get("cache off, 1 worker")
         lines.append(f"\n{args.conversations} conversations x {args.turns} turns, system prompt "
-                     f"{len(tokenizer.encode(system))} tokens, {args.max_tokens} tokens a reply (greedy)")
+                     f"{len(tokenizer.encode(system))} tokens, {args.max_tokens} tokens a reply (greedy)"
+                     + (f", users pause 0-{args.think_s:g} s before each next turn" if args.think_s else ""))
         head = "run".ljust(34) + "".join(f"TTFT t{t + 1} p50/p99 s".rjust(20) for t in range(args.turns)) + \
             "  computed/requested  hit rate  tokens/s  taken"
         lines += [head, "-" * len(head)]
