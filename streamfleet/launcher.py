@@ -501,6 +501,9 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
                  if speech_model else "off")
         embeddings = (f"{base}/v1/embeddings  ({embedding})" if embedding
                       else f"off ({embed_name} unavailable: see above)" if embed_off else "off")
+        endpoints = ["completions", "chat/completions", "responses",
+                     *(["audio/transcriptions"] if speech_model else []), *(["embeddings"] if embedding else []),
+                     "models"]
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
         example = ('"What is the capital of France?"' if load_tokenizer(spec).chat_template
@@ -509,8 +512,7 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
             f"\n  streamfleet is serving {model}\n"
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
-            f"    OpenAI API  {base}/v1  (completions, chat/completions, responses, audio/transcriptions, "
-            f"embeddings, models)\n"
+            f"    OpenAI API  {base}/v1  ({', '.join(endpoints)})\n"
             f"    gRPC        {grpc}\n"
             f"    voice       {voice}\n"
             f"    embeddings  {embeddings}\n"
