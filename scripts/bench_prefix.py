@@ -208,7 +208,8 @@ def main() -> int:
                     "setting's default)")
     ap.add_argument("--runs", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=list(RUNS),
                     help=f"the conversation runs, comma-separated, of {','.join(RUNS)} (cache off on one worker, "
-                         "on on one, on --workers workers through the shared lanes, on as many with routing; default all)")
+                         "on on one, on --workers workers through the shared lanes, on as many with routing; "
+                         "default all)")
     ap.add_argument("--workers", type=int, default=2, help="workers of the shared and routing runs, sharing the "
                     "cores (default 2)")
     ap.add_argument("--affinity-wait-ms", type=int, help="the workers' SF_AFFINITY_WAIT_MS in the routing run "

@@ -226,26 +226,30 @@ def test_steady_batch_feeds_presents_back(slab_engine):
         engine.release(k)
 
 
-def test_a_new_slab_has_room_for_longer_newcomers(slab_engine):
-    """A slab is assembled a quarter wider than its longest member, so a longer sequence
-    that arrives later (a conversation's next turn) takes a free row without a new slab,
-    and its tokens are the ones it gets alone."""
-    engine = slab_engine
-    prompts = {f"a{i}": list(range(3, 43 + i)) for i in range(3)}
-    engine.prefill(list(prompts.items()))
-    engine.decode([(k, 5) for k in prompts])
-    slab = engine._slab
-    assert slab.width == 42 + 10 + 1 and len(slab.rows) == 3  # (and the step's own slot)
+def test_a_slab_made_for_a_longer_newcomer_has_room_for_the_next(tiny_spec):
+    """A slab is as wide as its longest member (every step copies its whole width), but
+    one made because a newcomer did not fit is a quarter wider, so the next longer one (a
+    conversation's next turn) takes a free row without a new slab, and its logits are the
+    ones it gets alone (to the slab's rounding)."""
+    engine = OnnxRuntimeEngine(tiny_spec, threads=1, batch_invariant=False)
+    engine.prefill([(f"a{i}", list(range(3, 43 + i))) for i in range(3)])
+    engine.decode([(f"a{i}", 5) for i in range(3)])
+    assert engine._slab.width == 42 + 1  # (and the step's own slot)
     engine.release("a0")
-    later = list(range(7, 55))  # 48 tokens: longer than any member, within the slab's width
-    engine.prefill([("b", later)])
-    got = engine.decode([("b", 9), ("a1", 5), ("a2", 5)])
-    assert engine._slab is slab and slab.rows[0] == "b"
-    alone = type(engine)(engine.spec, threads=1, batch_invariant=False)
-    alone.prefill([("b", later)])
-    np.testing.assert_allclose(got[0], alone.decode([("b", 9)])[0], rtol=1e-4, atol=1e-4)
-    for k in ("b", "a1", "a2"):
-        engine.release(k)
+    engine.prefill([("b", list(range(7, 55)))])  # 48 tokens: longer than the slab
+    engine.decode([("b", 9), ("a1", 5), ("a2", 5)])
+    slab = engine._slab
+    assert slab.width == 48 + 12 + 1 and slab.rows == ["b", "a1", "a2"]
+    engine.release("a1")
+    later = list(range(11, 67))  # 56 tokens: longer than any member, within the width
+    engine.prefill([("c", later)])
+    got = engine.decode([("c", 9), ("b", 9), ("a2", 5)])
+    assert engine._slab is slab and slab.rows[1] == "c"
+    alone = OnnxRuntimeEngine(tiny_spec, threads=1, batch_invariant=False)
+    alone.prefill([("c", later)])
+    np.testing.assert_allclose(got[0], alone.decode([("c", 9)])[0], rtol=1e-4, atol=1e-4)
+    engine.close()
+    alone.close()
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -36,8 +36,9 @@ token, its new slot masked), a newcomer from prefill is written into an idle row
 live sequence left out of a step just gets a masked slot. Only when newcomers do not
 fit, or padding grows too large, or idle rows have cost about two steps' work, is a new
 slab assembled (one copy of every member's cache: several decode steps' time at a
-thousand tokens), a quarter wider than its longest member so that the longer sequences
-that join later (a conversation's next turn) fit into the rows others leave. Prefill runs prompts in groups of similar length (one run per
+thousand tokens); one made for a newcomer longer than the last one is a quarter wider
+than its longest member, so that the longer sequences that join later (a conversation's
+next turn) fit into the rows others leave. Prefill runs prompts in groups of similar length (one run per
 group, left-padded) so a short prompt does not pay for a long one's padding. Faster
 (one run per step), but a sequence's logits then depend in their last bits on what
 shares its slab.
@@ -86,11 +87,13 @@ _IDLE_ROW_SHARE = 0.25
 _IDLE_WASTE = 2.0
 #: ... or when its width exceeds the longest member by more than this many slots and half
 _SPARE_WIDTH = 32
-#: a new slab is this share of its longest member wider (pad slots, masked), so that the
-#: sequences that join it later (a conversation's next turn: its earlier turns and a new
-#: message) fit into the rows others leave instead of making a new slab: assembling one
-#: copies every member's cache, which on SmolLM2-135M at 1,200 tokens and 8 rows costs
-#: three or four decode steps
+#: a slab made because a newcomer was longer than the last one's width is this share of
+#: its longest member wider (pad slots, masked), so that the sequences that join it later
+#: (a conversation's next turn: its earlier turns and a new message) fit into the rows
+#: others leave instead of making a new slab each: assembling one copies every member's
+#: cache, which on SmolLM2-135M at 1,200 tokens and 8 rows costs three or four decode
+#: steps. Only then: every decode step copies the whole width (the graph's present is its
+#: past and one more slot), so spare slots cost about 15 % a step where no newcomer comes
 _HEADROOM = 0.25
 #: batch-invariant decoding: past widths are multiples of this many slots (and of an
 #: eighth of the length's power of two, when larger) unless ``invariant_quantum`` says otherwise
@@ -708,10 +711,11 @@ class OnnxRuntimeEngine:
         idle = len(slab.rows) - len(seqs)
         longest = max(self._seqs[seq_id].length for seq_id, _ in seqs)
         slab.idle_waste = slab.idle_waste + idle / len(slab.rows) if idle else 0.0
-        if (len(newcomers) > len(free) or any(s.length > slab.width for s in newcomers)
+        longer = any(s.length > slab.width for s in newcomers)
+        if (len(newcomers) > len(free) or longer
                 or (idle > _IDLE_ROW_SHARE * len(slab.rows) and slab.idle_waste >= _IDLE_WASTE)
                 or slab.width - longest > max(_SPARE_WIDTH, longest // 2)):
-            return self._assemble([seq_id for seq_id, _ in seqs])
+            return self._assemble([seq_id for seq_id, _ in seqs], headroom=longer)
         width = slab.width
         for seq_id, _ in seqs:
             seq = self._seqs[seq_id]
@@ -741,12 +745,13 @@ class OnnxRuntimeEngine:
         keep = slab.mask[row].astype(bool)  # it sat out some steps: masked slots inside
         return [p[row][:, keep, :] for p in slab.past]
 
-    def _assemble(self, ids: list[str]) -> _Slab:
-        """A new slab of exactly ``ids``, left-padded to the longest and ``_HEADROOM``
-        more. Live sequences of the old slab that are not in ``ids`` get their own copy of their cache."""
+    def _assemble(self, ids: list[str], headroom: bool = False) -> _Slab:
+        """A new slab of exactly ``ids``, left-padded to the longest (and ``_HEADROOM``
+        more with ``headroom``). Live sequences of the old slab that are not in ``ids``
+        get their own copy of their cache."""
         members = [self._seqs[i] for i in ids]
         longest = max(s.length for s in members)
-        width = max(longest, min(longest + int(longest * _HEADROOM), self.max_context - 1))
+        width = max(longest, min(longest + int(longest * _HEADROOM), self.max_context - 1)) if headroom else longest
         rows = len(ids)
         chosen = set(ids)
         for seq_id, seq in self._seqs.items():
