@@ -45,7 +45,7 @@ from streamfleet.shared.schema import AnyTask, Heartbeat, Task, live_workers
 from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["FleetView", "Ledger", "PrefixRouter", "candidates", "choose", "held_tokens", "leading_run",
-           "lookup_plan", "sample", "sample_positions", "serving", "work_ahead", "LEDGER_S",
+           "lookup_plan", "sample", "sample_positions", "serving", "up", "work_ahead", "LEDGER_S",
            "MAX_ROUTE_BLOCKS", "MAX_ROUTE_LOOKUPS", "MAX_CANDIDATES", "ROUTE_FRESH_S", "STALE_S", "VIEW_TTL_S"]
 
 log = get_logger("gateway.prefixroute")
@@ -98,13 +98,17 @@ def leading_run(hits: Iterable) -> int:
     return n
 
 
+def up(hb: Heartbeat, now: float, fresh_s: float) -> bool:
+    """The worker takes tasks: heartbeat at most ``fresh_s`` old at ``now`` (unix
+    seconds), neither draining nor reloading."""
+    return not hb.draining and not hb.reloading and now - hb.heartbeat <= fresh_s
+
+
 def serving(workers: Iterable[Heartbeat], now: float, fresh_s: float) -> list[Heartbeat]:
-    """The workers that would start a task soon: heartbeat at most ``fresh_s`` old at
-    ``now`` (unix seconds), neither draining nor reloading, a free slot (``slots_used <
+    """The workers that would start a task soon: ``up``, with a free slot (``slots_used <
     max_batch``); the least busy first (ties by worker id, so every gateway sees the same
     order)."""
-    out = [hb for hb in workers
-           if not hb.draining and not hb.reloading and hb.slots_used < hb.max_batch and now - hb.heartbeat <= fresh_s]
+    out = [hb for hb in workers if up(hb, now, fresh_s) and hb.slots_used < hb.max_batch]
     out.sort(key=lambda hb: (hb.slots_used, hb.worker_id))
     return out
 
@@ -337,8 +341,7 @@ class PrefixRouter:
             if view is None:
                 return None
         now_s = time.time()
-        if sum(1 for hb in view.workers if not hb.draining and not hb.reloading
-               and now_s - hb.heartbeat <= self.fresh_s) < 2:
+        if sum(1 for hb in view.workers if up(hb, now_s, self.fresh_s)) < 2:
             return None  # one worker (``streamfleet serve``): nothing to choose, no round trip
         cands = candidates(view.workers, view.advertisers, now_s, self.fresh_s)
         plan = lookup_plan(task.model, task.prompt_ids, self.block, cands)

@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 import redis
 
@@ -54,7 +53,7 @@ from streamfleet.bench import run_bench  # noqa: E402
 from streamfleet.bench_config import BenchConfig  # noqa: E402
 from streamfleet.bench_stats import BenchResult, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
-from scripts.fleetstack import clean_env, wait_until  # noqa: E402
+from scripts.fleetstack import clean_env, wait_fleet, wait_until  # noqa: E402
 from scripts.procstats import cpu_s, stop  # noqa: E402
 
 BENCHES = ("overhead", "throughput", "scaleout", "arq")
@@ -132,14 +131,8 @@ class Stack:
                 port = free_port()
                 self.ports.append(port)
                 self.gateway_procs.append(self.fleet.start("gateway", ["gateway", "--port", str(port)], env))
-            r = redis.Redis.from_url(self.redis.url)
-            try:
-                wait_until(lambda: r.hlen(f"sf:workers:{MODEL}") >= self.workers, 90, "workers", self.fleet.dead)
-            finally:
-                r.close()
-            for url in self.urls:
-                wait_until(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 90,
-                           f"gateway {url}", self.fleet.dead)
+            wait_fleet(self.redis.url, {MODEL: self.workers}, self.urls, self.fleet.dead, worker_timeout=90,
+                       gateway_timeout=90)
         except BaseException:
             self.__exit__()
             raise

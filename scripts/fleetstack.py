@@ -1,7 +1,7 @@
 """A benchmark's own fleet: a private Redis, one gateway and real-model workers, as child
 processes of the benchmark (``scripts/bench_prefix.py``, ``scripts/bench_embed.py``; the
 echo-engine benchmarks have theirs in ``scripts/bench_fleet.py``, which waits with
-``wait_until`` too).
+``wait_fleet`` too).
 
     with ModelStack([("smollm2-135m", threads(1)), ("smollm2-135m", threads(1))], "smollm2-135m") as st:
         httpx.post(st.url + "/v1/chat/completions", ...)
@@ -10,6 +10,7 @@ echo-engine benchmarks have theirs in ``scripts/bench_fleet.py``, which waits wi
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import redis
 
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 
-__all__ = ["ModelStack", "clean_env", "threads", "wait_until"]
+__all__ = ["ModelStack", "clean_env", "threads", "wait_fleet", "wait_until"]
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str,
@@ -42,6 +43,25 @@ def wait_until(check: Callable[[], object], timeout: float, what: str,
             pass
         time.sleep(0.1)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def wait_fleet(redis_url: str, workers: dict[str, int], gateways: list[str], dead: Callable[[], list[str]],
+               worker_timeout: float, gateway_timeout: float) -> None:
+    """Wait until each model of ``workers`` has that many heartbeats in the fleet's Redis,
+    then until each gateway (its base URL) answers ``/readyz``.
+
+    Raises:
+        RuntimeError: as ``wait_until``.
+    """
+    r = redis.Redis.from_url(redis_url)
+    try:
+        for model, n in workers.items():
+            wait_until(lambda: r.hlen(f"sf:workers:{model}") >= n, worker_timeout, f"workers of {model}", dead)
+    finally:
+        r.close()
+    for url in gateways:
+        wait_until(lambda: httpx.get(f"{url}/readyz", timeout=1).status_code == 200, gateway_timeout,
+                   f"gateway {url}", dead)
 
 
 def clean_env(**values: str) -> dict[str, str]:
@@ -92,16 +112,8 @@ class ModelStack:
                                              "SF_METRICS_PORT": str(port)}))
             self.port = free_port()
             self.fleet.start("gateway", ["gateway", "--port", str(self.port)], self.env(**self.gateway_env))
-            r = redis.Redis.from_url(self.redis.url)
-            try:
-                for model in {m for m, _ in self.workers}:
-                    n = sum(1 for m, _ in self.workers if m == model)
-                    wait_until(lambda: r.hlen(f"sf:workers:{model}") >= n, 180, f"workers of {model}",
-                               self.fleet.dead)
-            finally:
-                r.close()
-            wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200, 60, "gateway",
-                       self.fleet.dead)
+            counts = collections.Counter(m for m, _ in self.workers)
+            wait_fleet(self.redis.url, counts, [self.url], self.fleet.dead, worker_timeout=180, gateway_timeout=60)
         except BaseException:
             self.__exit__()
             raise

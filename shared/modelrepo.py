@@ -73,7 +73,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from streamfleet.shared.errors import FatalError, NotFoundError
+from streamfleet.shared.errors import FatalError, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
@@ -396,6 +396,14 @@ class ModelRepository:
         looked for, the models there, and how to add one."""
         return (f"model {name!r} does not exist in {self.root}; models there: {', '.join(self.names()) or 'none'} "
                 f"(`streamfleet engines import PATH` adds one)")
+
+    def kind(self, name: str) -> str | None:
+        """Model ``name``'s kind (``"text"``, ``"asr"``, ``"embedding"``); None where the
+        repository has no readable ``engine.toml`` for it."""
+        try:
+            return self.get(name).kind
+        except StreamfleetError:
+            return None
 
     def get(self, name: str, version: str | None = None) -> ModelSpec:
         """The spec of model ``name``: its base folder, or with ``version`` the folder

@@ -94,17 +94,9 @@ def find_redis_server() -> str | None:
 
 
 def embedding_models(repo) -> list[str]:
-    """The embedding models (``kind = "embedding"``) of a ``ModelRepository``."""
-    from streamfleet.shared.errors import StreamfleetError
-
-    out = []
-    for name in repo.names():
-        try:
-            if repo.get(name).kind == "embedding":
-                out.append(name)
-        except StreamfleetError:  # a folder whose engine.toml does not load is no embedding model to offer
-            continue
-    return out
+    """The embedding models (``kind = "embedding"``) of a ``ModelRepository`` (a folder
+    whose engine.toml does not load is none)."""
+    return [name for name in repo.names() if repo.kind(name) == "embedding"]
 
 
 def _die_with_parent() -> None:  # runs in the child before exec

@@ -44,7 +44,6 @@ import redis
 
 from streamfleet.local import mask_url
 from streamfleet.shared.keys import GROUP, LANES, Keys, split_source
-from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.redis import sync_client
 from streamfleet.shared.schema import DeadLetter, Heartbeat
@@ -212,14 +211,6 @@ def _model_names(r: redis.Redis, keys: Keys, repo: ModelRepository) -> list[str]
     return sorted(names)
 
 
-def _kind(repo: ModelRepository, name: str) -> str | None:
-    """The model's kind in the repository; None where it has no readable engine.toml."""
-    try:
-        return repo.get(name).kind
-    except StreamfleetError:
-        return None
-
-
 def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
     st = LaneStatus(lane=lane, key=key, exists=bool(r.exists(key)))
     if not st.exists:
@@ -334,7 +325,7 @@ def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None =
     names = models or _model_names(r, keys, repo)
     out = []
     for name in names:
-        m = ModelStatus(name=name, kind=_kind(repo, name), dead_key=keys.dead(name))
+        m = ModelStatus(name=name, kind=repo.kind(name), dead_key=keys.dead(name))
         m.workers = _workers(r, keys.workers(name), now, settings.worker_ttl_s)
         readers = sum(1 for w in m.live_workers if not w.draining)
         routed = sorted(_s(k) for k in r.smembers(keys.affinity_streams(name)))

@@ -43,7 +43,7 @@ from streamfleet.shared.keys import GROUP, LANES, affinity_source, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import Heartbeat, Wake
+from streamfleet.shared.schema import Wake, live_workers
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -341,14 +341,8 @@ class Affinity(Part):
         except BROKER_ERRORS as exc:
             log.debug("could not read the workers' heartbeats", error=str(exc))
             return
-        steps = {}
-        for field, blob in (raw or {}).items():
-            try:
-                hb = Heartbeat.decode(blob, field)
-            except ValueError:
-                continue
-            steps[hb.worker_id] = hb.step_ms
-        self._steps = steps
+        # every readable entry, however old: a stopped worker's last step time still bounds its wait
+        self._steps = {hb.worker_id: hb.step_ms for hb in live_workers(raw or {}, math.inf, 0.0)}
 
     def _free(self) -> int:
         return self.cores.free_slots - len(self.table.held)

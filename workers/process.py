@@ -38,7 +38,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import FatalError, NotFoundError
-from streamfleet.shared.keys import GROUP, LANES
+from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
@@ -618,7 +618,7 @@ class WorkerProcess:
                          cache_hit_rate=round(st.cached_tokens / st.requested_tokens, 4)
                          if st is not None and st.requested_tokens else 0.0,
                          step_ms=round(max(self._steps_ms, default=0.0), 1),
-                         shared_used=sum(1 for fl in self.table.running.values() if "@" not in fl.lane))
+                         shared_used=sum(1 for fl in self.table.running.values() if not split_source(fl.lane)[1]))
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
