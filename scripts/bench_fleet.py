@@ -53,7 +53,7 @@ from streamfleet.bench import run_bench  # noqa: E402
 from streamfleet.bench_config import BenchConfig  # noqa: E402
 from streamfleet.bench_stats import BenchResult, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
-from scripts.fleetstack import clean_env, wait_fleet, wait_until  # noqa: E402
+from scripts.fleetstack import StackLife, clean_env, wait_fleet, wait_until  # noqa: E402
 from scripts.procstats import cpu_s, stop  # noqa: E402
 
 BENCHES = ("overhead", "throughput", "scaleout", "arq")
@@ -95,7 +95,7 @@ def write_model(root: Path) -> Path:
 
 
 @dataclass
-class Stack:
+class Stack(StackLife):
     """A private Redis, N gateways and M echo workers."""
 
     engines: Path
@@ -121,27 +121,16 @@ class Stack:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
-    def __enter__(self) -> "Stack":
-        self.redis = EmbeddedRedis().start()
+    def _start(self) -> None:
         env = self.env
-        try:
-            for _ in range(self.workers):
-                self.worker_procs.append(self.fleet.start("worker", ["worker"], env))
-            for _ in range(self.gateways):
-                port = free_port()
-                self.ports.append(port)
-                self.gateway_procs.append(self.fleet.start("gateway", ["gateway", "--port", str(port)], env))
-            wait_fleet(self.redis.url, {MODEL: self.workers}, self.urls, self.fleet.dead, worker_timeout=90,
-                       gateway_timeout=90)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.fleet.stop()
-        if self.redis is not None:
-            self.redis.stop()
+        for _ in range(self.workers):
+            self.worker_procs.append(self.fleet.start("worker", ["worker"], env))
+        for _ in range(self.gateways):
+            port = free_port()
+            self.ports.append(port)
+            self.gateway_procs.append(self.fleet.start("gateway", ["gateway", "--port", str(port)], env))
+        wait_fleet(self.redis.url, {MODEL: self.workers}, self.urls, self.fleet.dead, worker_timeout=90,
+                   gateway_timeout=90)
 
 
 @contextlib.contextmanager

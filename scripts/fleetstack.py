@@ -21,7 +21,7 @@ import redis
 
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 
-__all__ = ["ModelStack", "clean_env", "threads", "wait_fleet", "wait_until"]
+__all__ = ["ModelStack", "StackLife", "clean_env", "threads", "wait_fleet", "wait_until"]
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str,
@@ -78,8 +78,35 @@ def threads(n: int) -> dict[str, str]:
     return {"SF_THREADS": str(n), "OMP_NUM_THREADS": str(n)}
 
 
+class StackLife:
+    """The life of a benchmark's fleet, for a dataclass with ``redis`` (None) and ``fleet``
+    (a ``Fleet``) fields: ``with`` starts a private Redis, then ``_start`` (the processes,
+    and the wait for them); whatever fails on the way stops what was started; the exit
+    stops the processes, then Redis."""
+
+    redis: EmbeddedRedis | None
+    fleet: Fleet
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self.redis = EmbeddedRedis().start()
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fleet.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+
 @dataclass
-class ModelStack:
+class ModelStack(StackLife):
     """A private Redis, one gateway (``default_model``; no gRPC, no metrics port) and one
     worker per ``(model, settings)`` in ``workers``, each with a metrics port of its own;
     ``worker_env`` goes to every worker, ``gateway_env`` to the gateway. Ready once every
@@ -101,28 +128,17 @@ class ModelStack:
                             "SF_DEFAULT_MODEL": self.default_model, "SF_GRPC_PORT": "0", "SF_METRICS_PORT": "0",
                             **extra})
 
-    def __enter__(self) -> "ModelStack":
-        self.redis = EmbeddedRedis().start()
-        try:
-            for model, settings in self.workers:
-                port = free_port()
-                self.metrics_ports.append((model, port))
-                self.fleet.start(f"worker {model}", ["worker"],
-                                 self.env(**{**self.worker_env, **settings, "SF_MODEL": model,
-                                             "SF_METRICS_PORT": str(port)}))
-            self.port = free_port()
-            self.fleet.start("gateway", ["gateway", "--port", str(self.port)], self.env(**self.gateway_env))
-            counts = collections.Counter(m for m, _ in self.workers)
-            wait_fleet(self.redis.url, counts, [self.url], self.fleet.dead, worker_timeout=180, gateway_timeout=60)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.fleet.stop()
-        if self.redis is not None:
-            self.redis.stop()
+    def _start(self) -> None:
+        for model, settings in self.workers:
+            port = free_port()
+            self.metrics_ports.append((model, port))
+            self.fleet.start(f"worker {model}", ["worker"],
+                             self.env(**{**self.worker_env, **settings, "SF_MODEL": model,
+                                         "SF_METRICS_PORT": str(port)}))
+        self.port = free_port()
+        self.fleet.start("gateway", ["gateway", "--port", str(self.port)], self.env(**self.gateway_env))
+        counts = collections.Counter(m for m, _ in self.workers)
+        wait_fleet(self.redis.url, counts, [self.url], self.fleet.dead, worker_timeout=180, gateway_timeout=60)
 
     @property
     def url(self) -> str:
