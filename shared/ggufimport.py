@@ -66,6 +66,9 @@ DEFAULT_WEIGHTS = "q4"
 GRAPH_FILE = "model.onnx"
 #: default context cap: the KV cache of every live sequence is sized by it (as the ONNX import)
 DEFAULT_MAX_CONTEXT = 4096
+#: the graph's input ``[n]`` (int64): the logits of the last n positions are computed
+#: (the engine feeds ``[1]`` but for a prompt's log probabilities)
+LOGITS_TO_KEEP = "logits_to_keep"
 #: the additive mask of a masked slot: the most negative fp32, as transformers uses
 _MASKED = float(np.finfo(np.float32).min)
 
@@ -613,7 +616,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1, m.vocab_size])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "keep", m.vocab_size])]
     for i in range(m.n_layer):
         for kv in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", TensorProto.FLOAT,
@@ -702,12 +705,17 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
 
     x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
-    last = g.op("Slice", [x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # [B, 1, H]
+    # the logits of the last ``logits_to_keep`` positions ([1]: what generation needs; a
+    # prompt's log probabilities and perplexity need every position of a chunk)
+    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+    last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
+                          g.const([1])])  # [B, keep, H]
     if m.tied and weights == "fp32":
         # the fp32 embedding serves as the output layer too: one copy of it
         flat = g.op("Reshape", [last, g.const([-1, h])])
         logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
-        g.op("Unsqueeze", [logits, g.const([1])], outputs=["logits"])
+        lead = g.op("Slice", [g.op("Shape", [last]), g.const([0]), g.const([2])])  # [B, keep]
+        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
     else:
         head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
         g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])

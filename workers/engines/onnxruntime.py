@@ -75,7 +75,9 @@ log = get_logger("worker.onnxruntime")
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 _INDEX_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 #: inputs the engine feeds (besides past_key_values.N.key/value)
-_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "use_cache_branch")
+_KNOWN_INPUTS = ("input_ids", "attention_mask", "position_ids", "use_cache_branch", "logits_to_keep")
+#: ``logits_to_keep`` of a run that needs the last position's logits only
+_KEEP_LAST = np.array([1], dtype=np.int64)
 #: a prefill group may hold at most this many (padded) tokens
 _PREFILL_GROUP_TOKENS = 8192
 #: assemble a compact slab when more than this share of its rows sit idle in a step ...
@@ -320,6 +322,9 @@ class OnnxRuntimeEngine:
                              f"float32 and float16 caches; re-export with --dtype fp32)")
         self._has_positions = "position_ids" in inputs
         self._has_branch = "use_cache_branch" in inputs
+        #: the graph computes the logits of the last ``logits_to_keep`` positions (the GGUF
+        #: import's graphs); others give every position's (Optimum) or the last one's
+        self._has_keep = "logits_to_keep" in inputs
         #: no position_ids: never pad or move a cache (see the module docstring)
         self.solo = not self._has_positions
 
@@ -358,7 +363,7 @@ class OnnxRuntimeEngine:
         return np.zeros((rows, self.kv_heads, 0, self.head_dim), dtype=self._kv_dtype)
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None,
-             past: list[np.ndarray]) -> list[np.ndarray]:
+             past: list[np.ndarray], keep: int = 1) -> list[np.ndarray]:
         dt = self._index_dtypes
         feed: dict[str, Any] = {"input_ids": ids.astype(dt["input_ids"], copy=False),
                                 "attention_mask": mask.astype(dt["attention_mask"], copy=False)}
@@ -366,6 +371,8 @@ class OnnxRuntimeEngine:
             feed["position_ids"] = positions.astype(dt["position_ids"], copy=False)
         if self._has_branch:  # a merged decoder: the no-past branch for a prefill
             feed["use_cache_branch"] = np.array([past[0].shape[2] > 0])
+        if self._has_keep:
+            feed["logits_to_keep"] = _KEEP_LAST if keep == 1 else np.array([keep], dtype=np.int64)
         feed.update(zip(self._past_names, past))
         return self._session.run(self._output_names, feed)
 
