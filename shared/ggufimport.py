@@ -56,12 +56,16 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.packagefetch import sha256_of
 
-__all__ = ["GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf", "write_model_files", "import_gguf",
-           "importer_digest", "build_tokenizer_json"]
+__all__ = ["AUTO", "AUTO_MODES", "GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf", "write_model_files",
+           "import_gguf", "importer_digest", "build_tokenizer_json", "auto_graph_file", "write_auto_graphs"]
 
 #: ``--weights`` choices, the default first
 WEIGHT_MODES = ("q4", "fp32", "int8", "q4-int8act")
 DEFAULT_WEIGHTS = "q4"
+#: ``--weights auto``: a graph for each of ``AUTO_MODES``, the one that serves chosen by
+#: measurement on each CPU (shared/execution.py)
+AUTO = "auto"
+AUTO_MODES = ("q4", "q4-int8act", "fp32")
 #: the graph's name in a model folder (its weights beside it in ``model.onnx.data``)
 GRAPH_FILE = "model.onnx"
 #: default context cap: the KV cache of every live sequence is sized by it (as the ONNX import)
@@ -175,6 +179,8 @@ class GgufModel:
 
 
 _WEIGHT_NOTES = {
+    "auto": "a graph each for q4, q4-int8act and fp32; the fastest that passes the quality gate serves "
+            "(measured on each CPU; docs/models.md)",
     "q4": "Q4_0/Q4_1 as 4-bit MatMulNBits (Q8_0 as two 4-bit halves), fp32 activations",
     "fp32": "dequantized to fp32 (the reference path)",
     "int8": "requantized to 8 bits per block of 32, 8-bit activations (lossy)",
@@ -794,8 +800,13 @@ def context_for(m: GgufModel, max_context: int | None) -> tuple[int, str]:
 
 
 def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS, max_context: int,
-                      source_sha256: str | None = None) -> None:
-    """Write the graph, tokenizer and config files of ``m`` into ``dest`` (no engine.toml).
+                      source_sha256: str | None = None, graph_file: str = GRAPH_FILE, stamp: str | None = None,
+                      graph_only: bool = False) -> None:
+    """Write the graph, tokenizer and config files of ``m`` into ``dest`` (no engine.toml):
+    the graph as ``graph_file`` with its weights in ``graph_file + ".data"``, stamped with
+    the importer's digest for ``stamp`` (default: ``weights``; ``"auto"`` for the graphs
+    of a folder whose mode is chosen by measurement: shared/execution.py); with
+    ``graph_only`` the tokenizer and config files are left as they are.
 
     Raises:
         FatalError: a weights mode the file cannot use, or the files cannot be written.
@@ -805,16 +816,18 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
-    model = build_graph(m, weights, metadata={DIGEST_KEY: importer_digest(sha, weights),
+    model = build_graph(m, weights, metadata={DIGEST_KEY: importer_digest(sha, stamp or weights),
                                               "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha})
-    tmp = dest / (GRAPH_FILE + ".tmp")
-    data_name = GRAPH_FILE + ".data"
+    tmp = dest / (graph_file + ".tmp")
+    data_name = graph_file + ".data"
     for stale in (dest / data_name, tmp):
         stale.unlink(missing_ok=True)
     onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
-    tmp.replace(dest / GRAPH_FILE)
+    tmp.replace(dest / graph_file)
     (dest / data_name).chmod(0o644)  # onnx writes it owner-only; the folder's other files are 0644
+    if graph_only:
+        return
 
     (dest / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(m), ensure_ascii=False))
     special = {}
@@ -847,8 +860,45 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=1))
 
 
+def auto_graph_file(mode: str) -> str:
+    """The graph of ``mode`` in a ``weights = "auto"`` folder: ``model.onnx`` for ``q4``
+    (with its weights in ``model.onnx.data``, which ``q4-int8act``'s graph shares),
+    ``model.MODE.onnx`` for the others."""
+    return GRAPH_FILE if mode == "q4" else f"model.{mode}.onnx"
+
+
+def write_auto_graphs(m: GgufModel, dest: Path, *, max_context: int, sha256: str | None = None,
+                      say: Any = None) -> None:
+    """Every ``AUTO_MODES`` graph of ``m`` in ``dest`` (and the tokenizer and config
+    files), stamped ``auto``."""
+    import onnx
+
+    say = say or (lambda _: None)
+    sha = sha256 or sha256_of(m.path)
+    say("writing the q4 graph (4-bit weights) and the tokenizer")
+    write_model_files(m, dest, weights="q4", max_context=max_context, source_sha256=sha, stamp=AUTO)
+    # q4-int8act: the same initializers (model.onnx.data), 8-bit activations in every
+    # 4-bit product: a graph file of its own, no second copy of the weights
+    model = onnx.load(str(Path(dest) / auto_graph_file("q4")), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 4
+    for entry in model.metadata_props:
+        if entry.key == "streamfleet.weights":
+            entry.value = "q4-int8act"
+    tmp = Path(dest) / (auto_graph_file("q4-int8act") + ".tmp")
+    onnx.save_model(model, str(tmp))
+    tmp.replace(Path(dest) / auto_graph_file("q4-int8act"))
+    say("writing the fp32 graph (the reference: every matrix dequantized)")
+    write_model_files(m, dest, weights="fp32", max_context=max_context, source_sha256=sha,
+                      graph_file=auto_graph_file("fp32"), stamp=AUTO, graph_only=True)
+
+
 def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFAULT_WEIGHTS, max_batch: int = 16,
-                max_context: int | None = None, force: bool = False) -> tuple[Path, str]:
+                max_context: int | None = None, force: bool = False, max_kld: float | None = None,
+                say: Any = None) -> tuple[Path, str]:
     """Import ``source`` as ``dest_root/name`` with an ``engine.toml``; returns the folder
     and the description printed by the CLI.
 
@@ -857,13 +907,16 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
     """
     m = read_gguf(source)
     ctx, note = context_for(m, max_context)
-    if weights not in WEIGHT_MODES:
-        raise FatalError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
+    if weights not in WEIGHT_MODES and weights != AUTO:
+        raise FatalError(f"--weights must be auto or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     dest = Path(dest_root) / name
     if (dest / "engine.toml").exists() and not force:
         raise FatalError(f"{dest} already holds a model; choose another --name or pass --force")
     description = m.describe(weights, ctx, note)
-    write_model_files(m, dest, weights=weights, max_context=ctx)
+    if weights == AUTO:
+        write_auto_graphs(m, dest, max_context=ctx, say=say)
+    else:
+        write_model_files(m, dest, weights=weights, max_context=ctx)
     header = "\n".join(f"# {line}" for line in description.splitlines())
     lines = [
         "# Imported by `streamfleet engines import` from a GGUF file:",
@@ -879,5 +932,12 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
         f"num_key_value_heads = {m.n_kv_head}",
         f"head_dim = {m.head_dim}",
     ]
+    if weights == AUTO:
+        lines += ["", "# the quality gate of weights = \"auto\" (docs/models.md, \"Execution modes\"): a mode serves",
+                  "# only if its perplexity is within max_ppl_ratio of fp32's and, unless exact in the",
+                  "# weights, its mean KL divergence from fp32 is at most max_kld",
+                  "[execution]", "max_ppl_ratio = 1.01"]
+        if max_kld is not None:
+            lines.append(f"max_kld = {float(max_kld)!r}")
     (dest / "engine.toml").write_text("\n".join(lines) + "\n")
     return dest, description

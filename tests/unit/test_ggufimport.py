@@ -176,4 +176,4 @@ def test_engines_import_takes_a_gguf_file(tmp_path):
     assert (tmp_path / "engines" / "tiny-model-q4_1" / "model.onnx").is_file()
     again = subprocess.run([sys.executable, "-m", "streamfleet", "engines", "import", str(src), "--engines-dir",
                             str(tmp_path / "engines"), "--weights", "q5"], capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "--weights must be one of" in again.stderr
+    assert again.returncode == 2 and "--weights must be auto or one of" in again.stderr

@@ -130,7 +130,10 @@ def ort_session(spec: ModelSpec, threads: int | None, options: dict) -> Any:
         so.intra_op_num_threads = int(threads)
         so.inter_op_num_threads = 1
     providers = list(options.get("providers") or ["CPUExecutionProvider"])
+    from streamfleet.shared.execution import graph_path
+
+    path = graph_path(spec)  # an ``auto`` folder's: the mode chosen for this CPU (shared/execution.py)
     try:
-        return ort.InferenceSession(str(spec.onnx_path), so, providers=providers)
+        return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types
-        raise FatalError(f"cannot load {spec.onnx_path}: {exc}") from exc
+        raise FatalError(f"cannot load {path}: {exc}") from exc

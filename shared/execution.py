@@ -1,0 +1,334 @@
+"""Execution chosen by measurement: ``weights = "auto"`` (docs/models.md, "Execution modes").
+
+A GGUF model folder whose ``engine.toml`` says ``weights = "auto"`` holds a graph for
+each candidate mode of the same file:
+
+==============  ===========================  =====================================
+mode            graph                        what runs
+==============  ===========================  =====================================
+``q4``          ``model.onnx``               4-bit weights, fp32 activations
+``q4-int8act``  ``model.q4-int8act.onnx``    the same weights (``model.onnx.data``),
+                                             8-bit activations (llama.cpp's path)
+``fp32``        ``model.fp32.onnx``          dequantized fp32 weights (the reference)
+==============  ===========================  =====================================
+
+and an ``execution.json`` that records, once per file and importer,
+
+* **quality** (``shared/quality.py``): each mode's perplexity, mean KL divergence and
+  same-top-1 rate against ``fp32`` over ``shared/corpus/alice.txt``, and whether it passes
+  the gate of ``[execution]`` in ``engine.toml``: mean KLD at most ``max_kld`` (for
+  SmolLM2, llama.cpp's own on the same file and text) and perplexity at most
+  ``max_ppl_ratio`` times fp32's (1.01). A mode that is not exact in the weights (8-bit
+  activations) needs a ``max_kld``; without one it is not a candidate;
+* per CPU (model name, the instruction sets that pick ONNX Runtime's kernels, cores): each passing mode's decode step at batch 1 and 16, and the mode chosen, the
+  fastest (lowest geometric mean of the two), with why.
+
+The choice is made when the folder is imported (first use) and again when a worker
+starts on a CPU the record does not hold; ``weights = "q4"`` (or any mode) in
+``engine.toml`` pins one and measures nothing. ``served(spec)`` says what serves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.ggufimport import AUTO, AUTO_MODES as CANDIDATES, auto_graph_file as graph_file
+
+__all__ = ["AUTO", "CANDIDATES", "EXECUTION_FILE", "Served", "cpu_signature", "describe", "graph_file",
+           "graph_path", "measure", "needs_measuring", "record_of", "served", "time_graph", "write_candidates"]
+
+REFERENCE = "fp32"
+#: modes whose weights and products are those of the file (sums in another order): no
+#: KL-divergence bound needed to be a candidate
+EXACT = ("q4", "fp32")
+EXECUTION_FILE = "execution.json"
+#: the record's layout; another is measured again
+RECORD_VERSION = 1
+#: perplexity at most this many times fp32's, unless ``[execution] max_ppl_ratio`` says
+DEFAULT_PPL_RATIO = 1.01
+#: the instruction sets that choose ONNX Runtime's (MLAS) and llama.cpp's CPU kernels
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_int8", "amx_bf16", "asimd", "asimddp", "i8mm", "sve")
+
+
+def cpu_signature() -> dict[str, Any]:
+    """This CPU as far as kernel choice and timing go: its model name, the instruction
+    sets among ``ISA_FLAGS`` it has and its logical cores."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not name:
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    cores = os.cpu_count() or 1
+    return {"model": name, "isa": [f for f in ISA_FLAGS if f in flags], "cores": cores}
+
+
+def _key(sig: dict[str, Any]) -> str:
+    return f"{sig['model']} | {' '.join(sig['isa']) or '-'} | {sig['cores']} cores"
+
+
+def _read(folder: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((folder / EXECUTION_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and record.get("version") == RECORD_VERSION else {}
+
+
+def _write(folder: Path, record: dict[str, Any]) -> None:
+    tmp = folder / (EXECUTION_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(folder / EXECUTION_FILE)
+
+
+class Served:
+    """What serves a model folder on this CPU: ``mode``, its ``graph`` (a file of the
+    folder) and ``why`` (one line)."""
+
+    __slots__ = ("mode", "graph", "why", "pinned")
+
+    def __init__(self, mode: str, graph: str, why: str, pinned: bool) -> None:
+        self.mode, self.graph, self.why, self.pinned = mode, graph, why, pinned
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "why": self.why, "pinned": self.pinned}
+
+
+def served(spec: Any) -> Served | None:
+    """The mode a GGUF folder serves on this CPU: its pinned ``weights``, or the one
+    ``execution.json`` chose for this CPU (None for a folder that names no weights mode,
+    and for an ``auto`` folder not measured on this CPU yet: ``measure`` first)."""
+    weights = spec.options.get("weights")
+    if weights is None:
+        return None
+    if weights != AUTO:
+        return Served(str(weights), spec.onnx, f"pinned: weights = \"{weights}\" in engine.toml", True)
+    record = _read(spec.path)
+    entry = record.get("cpus", {}).get(_key(cpu_signature()))
+    if not entry:
+        return None
+    return Served(entry["chosen"], graph_file(entry["chosen"]), entry["why"], False)
+
+
+def graph_path(spec: Any) -> Path:
+    """The graph a worker loads for ``spec``: the chosen mode's in an ``auto`` folder,
+    else ``engine.toml``'s ``onnx``.
+
+    Raises:
+        FatalError: an ``auto`` folder with no choice for this CPU (``ensure_artifacts``
+            makes it).
+    """
+    if spec.options.get("weights") != AUTO:
+        return spec.onnx_path
+    s = served(spec)
+    if s is None:
+        raise FatalError(f"{spec.path}: weights = \"auto\" but no mode was chosen for this CPU yet "
+                         f"({_key(cpu_signature())}); `streamfleet engines quality {spec.name}` or "
+                         f"starting a worker measures it")
+    return spec.path / s.graph
+
+
+# -- the graphs (written by shared/ggufimport.py) -----------------------------------------------
+
+def candidates_present(folder: Path) -> bool:
+    return all((folder / graph_file(mode)).exists() for mode in CANDIDATES)
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+def time_graph(path: Path, threads: int | None, prompt: list[int], batches: tuple[int, ...] = (1, 16),
+               steps: int = 12) -> dict[int, float]:
+    """The median decode step (ms) of the graph at each batch size: ``prompt`` prefilled
+    in every row, then ``steps`` steps (after two not counted), each row fed its greedy
+    token; the runs a worker makes for that batch."""
+    from streamfleet.shared.quality import open_graph
+
+    session = open_graph(path, threads)
+    names = {i.name: i for i in session.get_inputs()}
+    pasts = [n for n in names if n.startswith("past_key_values.")]
+    outs = ["logits"] + [n.replace("past_key_values.", "present.") for n in pasts]
+    keep = {"logits_to_keep": np.array([1], dtype=np.int64)} if "logits_to_keep" in names else {}
+    out: dict[int, float] = {}
+    for b in batches:
+        n = len(prompt)
+        feed: dict[str, Any] = {"input_ids": np.tile(np.asarray(prompt, dtype=np.int64), (b, 1)),
+                                "attention_mask": np.ones((b, n), dtype=np.int64), **keep}
+        if "position_ids" in names:
+            feed["position_ids"] = np.tile(np.arange(n, dtype=np.int64), (b, 1))
+        for p in pasts:
+            _, heads, _, dim = names[p].shape
+            feed[p] = np.zeros((b, int(heads), 0, int(dim)), dtype=np.float32)
+        logits, *presents = session.run(outs, feed)
+        times = []
+        for step in range(steps + 2):
+            feed = {"input_ids": logits[:, -1].argmax(-1).astype(np.int64)[:, None],
+                    "attention_mask": np.ones((b, n + 1), dtype=np.int64), **keep, **dict(zip(pasts, presents))}
+            if "position_ids" in names:
+                feed["position_ids"] = np.full((b, 1), n, dtype=np.int64)
+            t = time.perf_counter()
+            logits, *presents = session.run(outs, feed)
+            if step >= 2:
+                times.append((time.perf_counter() - t) * 1000)
+            n += 1
+        out[b] = statistics.median(times)
+    return out
+
+
+# -- the choice ---------------------------------------------------------------------------------
+
+def gate(spec: Any) -> tuple[float | None, float]:
+    """``[execution]``'s ``max_kld`` (None: not given) and ``max_ppl_ratio``.
+
+    Raises:
+        FatalError: a value that is not a positive number.
+    """
+    table = spec.options.get("execution", {})
+    if not isinstance(table, dict):
+        raise FatalError(f"{spec.path / 'engine.toml'}: [execution] must be a table")
+    out = []
+    for key, default in (("max_kld", None), ("max_ppl_ratio", DEFAULT_PPL_RATIO)):
+        value = table.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise FatalError(f"{spec.path / 'engine.toml'}: [execution] {key} must be a positive number, "
+                             f"not {value!r}")
+        out.append(None if value is None else float(value))
+    return out[0], out[1]
+
+
+def needs_measuring(spec: Any, stamp: str) -> bool:
+    """Whether an ``auto`` folder lacks this file's and importer's quality figures or a
+    choice for this CPU."""
+    record = _read(spec.path)
+    return (record.get("stamp") != stamp or "quality" not in record
+            or _key(cpu_signature()) not in record.get("cpus", {}))
+
+
+def _passes(q: dict[str, Any], mode: str, ref_ppl: float, max_kld: float | None, max_ratio: float
+            ) -> tuple[bool, str]:
+    if mode not in EXACT and max_kld is None:
+        return False, "not exact in the weights and [execution] max_kld is not set"
+    if max_kld is not None and q["mean_kld"] > max_kld:
+        return False, f"mean KLD {q['mean_kld']:.5f} > {max_kld:.5f}"
+    if q["ppl"] > ref_ppl * max_ratio:
+        return False, f"perplexity {q['ppl']:.3f} > {max_ratio:g} x fp32's {ref_ppl:.3f}"
+    return True, (f"mean KLD {q['mean_kld']:.5f}" + (f" <= {max_kld:.5f}" if max_kld is not None else "")
+                  + f", perplexity {q['ppl'] / ref_ppl:.4f} x fp32's")
+
+
+def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[[str], None] = lambda _: None,
+            chunks: int | None = None) -> dict[str, Any]:
+    """Measure what ``needs_measuring`` says is missing (the quality of every candidate,
+    once per file and importer; the step times and the choice, once per CPU) and write
+    ``execution.json``; returns the record. The caller holds the folder's import lock.
+
+    Raises:
+        FatalError: a graph is missing, or no candidate passes the gate (fp32 always does).
+    """
+    from tokenizers import Tokenizer
+
+    from streamfleet.shared.quality import DEFAULT_CTX, QUALITY_TEXT, evaluate
+
+    folder = spec.path
+    if not candidates_present(folder):
+        raise FatalError(f"{folder}: the graphs of weights = \"auto\" are missing ({', '.join(map(graph_file, CANDIDATES))})")
+    record = _read(folder)
+    if record.get("stamp") != stamp:
+        record = {"version": RECORD_VERSION, "stamp": stamp}
+    max_kld, max_ratio = gate(spec)
+    ids = Tokenizer.from_file(str(spec.tokenizer_path)).encode(QUALITY_TEXT.read_text()).ids
+    sig = cpu_signature()
+    quality = record.get("quality")
+    if quality is None:
+        say(f"measuring each mode's quality against fp32 ({QUALITY_TEXT.name}, chunks of {DEFAULT_CTX} tokens; "
+            f"once per model file)")
+        got = evaluate({m: folder / graph_file(m) for m in CANDIDATES}, REFERENCE, ids, chunks=chunks,
+                       threads=threads, progress=say)
+        quality = {"text": QUALITY_TEXT.name, "n_ctx": DEFAULT_CTX, "tokens": got[REFERENCE].tokens,
+                   "reference": REFERENCE, "measured_on": _key(sig), "modes": {m: q.as_dict() for m, q in got.items()}}
+        record["quality"] = quality
+    # the gate is engine.toml's now, whatever it was when the figures were taken
+    ref_ppl = quality["modes"][REFERENCE]["ppl"]
+    verdicts = {m: _passes(quality["modes"][m], m, ref_ppl, max_kld, max_ratio) for m in CANDIDATES}
+    record["gate"] = {"max_kld": max_kld, "max_ppl_ratio": max_ratio,
+                      "verdicts": {m: {"passes": ok, "why": why} for m, (ok, why) in verdicts.items()}}
+    key = _key(sig)
+    cpus = record.setdefault("cpus", {})
+    if key not in cpus:
+        prompt = ids[:32]
+        timings = {}
+        for mode in CANDIDATES:  # every one, so that the record shows what a failing mode would gain
+            say(f"timing {mode} (decode steps at batch 1 and 16)")
+            t = time_graph(folder / graph_file(mode), threads, prompt)
+            timings[mode] = {"step_ms_b1": round(t[1], 2), "step_ms_b16": round(t[16], 2)}
+        eligible = [m for m in CANDIDATES if verdicts[m][0]]
+        if not eligible:
+            raise FatalError(f"{folder}: no execution mode passes the quality gate")
+
+        def score(mode: str) -> float:
+            return math.sqrt(timings[mode]["step_ms_b1"] * timings[mode]["step_ms_b16"])
+
+        chosen = min(eligible, key=score)
+        others = ", ".join(f"{m} {timings[m]['step_ms_b1']:.1f}/{timings[m]['step_ms_b16']:.1f} ms"
+                           for m in CANDIDATES if m != chosen)
+        failed = ", ".join(f"{m} ({verdicts[m][1]})" for m in CANDIDATES if not verdicts[m][0])
+        why = (f"fastest passing the quality gate on this CPU: step {timings[chosen]['step_ms_b1']:.1f} ms at batch "
+               f"1, {timings[chosen]['step_ms_b16']:.1f} ms at 16" + (f" (vs {others})" if others else "")
+               + f"; {verdicts[chosen][1]}" + (f"; not eligible: {failed}" if failed else ""))
+        cpus[key] = {"cpu": sig, "threads": threads or sig["cores"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "timings": timings, "chosen": chosen, "why": why}
+        say(f"execution: {chosen}: {why}")
+    _write(folder, record)
+    return record
+
+
+def describe(record: dict[str, Any], chosen_for: str | None = None) -> list[str]:
+    """The record as a table: each candidate's quality, its step times on this CPU (or the
+    one named) and its verdict; then what serves and why."""
+    key = chosen_for or _key(cpu_signature())
+    quality = record.get("quality", {})
+    verdicts = record.get("gate", {}).get("verdicts", {})
+    entry = record.get("cpus", {}).get(key, {})
+    timings = entry.get("timings", {})
+    lines = [f"{'mode':<11} {'PPL':>8} {'mean KLD':>10} {'same top-1':>11} {'step b=1':>9} {'b=16':>9}  gate"]
+    for mode in CANDIDATES:
+        q = quality.get("modes", {}).get(mode)
+        t = timings.get(mode, {})
+        v = verdicts.get(mode, {})
+        if q is None:
+            continue
+        lines.append(f"{mode:<11} {q['ppl']:>8.3f} {q['mean_kld']:>10.5f} {100 * q['same_top1']:>10.1f}% "
+                     f"{t.get('step_ms_b1', float('nan')):>7.1f}ms {t.get('step_ms_b16', float('nan')):>7.1f}ms  "
+                     f"{'passes' if v.get('passes') else 'fails'}: {v.get('why', '')}")
+    gate_ = record.get("gate", {})
+    lines.append(f"quality: {quality.get('text')} ({quality.get('tokens')} scored tokens, chunks of "
+                 f"{quality.get('n_ctx')}) against {quality.get('reference')}; gate: mean KLD <= "
+                 f"{gate_.get('max_kld')}, perplexity <= {gate_.get('max_ppl_ratio')} x fp32's")
+    if entry:
+        lines.append(f"times:   {key}, {entry.get('threads')} threads, {entry.get('measured_at')}")
+        lines.append(f"serves:  {entry['chosen']}: {entry['why']}")
+    return lines
+
+
+def record_of(folder: Path) -> dict[str, Any]:
+    """A folder's ``execution.json`` ({} where there is none, or of another layout)."""
+    return _read(Path(folder))

@@ -1,0 +1,178 @@
+"""Execution chosen by measurement (``weights = "auto"``, shared/execution.py) and the
+quality figures it rests on (shared/quality.py), on a small random GGUF model: the
+candidates' graphs, the gate, the choice per CPU and its record, pinning, and the graph a
+worker then loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamfleet.shared import execution
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.ggufimport import AUTO_MODES, import_gguf, importer_digest
+from streamfleet.shared.modelrepo import ModelRepository, onnx_metadata
+from streamfleet.shared.quality import chunk_windows, evaluate, log_softmax
+from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+from tests.support.gguf_models import TinyLlama, write_tiny_gguf
+
+
+def _auto_folder(tmp_path: Path, *, max_kld: float | None = None, name: str = "tiny") -> object:
+    src = write_tiny_gguf(tmp_path / f"{name}.gguf", TinyLlama(seed=5, n_layer=1))
+    import_gguf(src, tmp_path / "engines", name, weights="auto", max_batch=8, max_kld=max_kld)
+    return ModelRepository(tmp_path / "engines").get(name)
+
+
+def _stamp(spec) -> str:
+    return importer_digest(onnx_metadata(spec.onnx_path)["streamfleet.gguf_sha256"], "auto")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One auto folder with a generous KLD bound, measured on two 512-token chunks."""
+    tmp = tmp_path_factory.mktemp("auto")
+    spec = _auto_folder(tmp, max_kld=1.0)
+    record = execution.measure(spec, _stamp(spec), threads=1, chunks=2)
+    return spec, record
+
+
+def test_an_auto_folder_holds_every_candidates_graph_sharing_the_4_bit_weights(measured):
+    spec, _ = measured
+    files = {p.name for p in spec.path.iterdir()}
+    assert {"model.onnx", "model.onnx.data", "model.q4-int8act.onnx", "model.fp32.onnx",
+            "model.fp32.onnx.data"} <= files
+    assert "model.q4-int8act.onnx.data" not in files  # the int8-activation graph reads q4's weights
+    import onnx
+
+    g = onnx.load(str(spec.path / "model.q4-int8act.onnx"), load_external_data=False)
+    levels = {a.i for n in g.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"}
+    assert levels == {4}
+    assert "max_kld = 1.0" in (spec.path / "engine.toml").read_text()
+
+
+def test_the_record_holds_quality_times_and_the_fastest_passing_mode(measured):
+    spec, record = measured
+    q = record["quality"]["modes"]
+    assert set(q) == set(AUTO_MODES) and record["quality"]["tokens"] == 2 * 255
+    assert q["fp32"]["mean_kld"] == 0 and q["fp32"]["same_top1"] == 1.0
+    assert q["q4"]["mean_kld"] < 1e-6  # the same weights, sums in another order
+    assert q["q4-int8act"]["mean_kld"] > q["q4"]["mean_kld"]  # 8-bit activations round
+    (entry,) = record["cpus"].values()
+    assert set(entry["timings"]) == set(AUTO_MODES)
+    passing = [m for m in AUTO_MODES if record["gate"]["verdicts"][m]["passes"]]
+
+    def score(m):
+        return entry["timings"][m]["step_ms_b1"] * entry["timings"][m]["step_ms_b16"]
+
+    assert entry["chosen"] == min(passing, key=score)
+    assert entry["cpu"] == execution.cpu_signature() and "fastest passing" in entry["why"]
+    served = execution.served(spec)
+    assert served.mode == entry["chosen"] and not served.pinned
+    assert execution.graph_path(spec) == spec.path / execution.graph_file(entry["chosen"])
+    assert json.loads((spec.path / "execution.json").read_text()) == record
+
+
+def test_a_worker_loads_the_chosen_graph(measured):
+    spec, record = measured
+    engine = OnnxRuntimeEngine(spec, threads=1)
+    (entry,) = record["cpus"].values()
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(str(spec.path / execution.graph_file(entry["chosen"])),
+                                providers=["CPUExecutionProvider"])
+    prompt = [5, 77, 140, 33]
+    got = engine.prefill([("a", prompt)])[0]
+    feed = {"input_ids": np.array([prompt]), "attention_mask": np.ones((1, 4), np.int64),
+            "position_ids": np.arange(4)[None], "logits_to_keep": np.array([1])}
+    for i in (i for i in want.get_inputs() if i.name.startswith("past_key_values.")):
+        feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    np.testing.assert_array_equal(got, want.run(["logits"], feed)[0][0, -1])
+
+
+def test_another_cpu_is_timed_again_and_the_quality_is_kept(measured, tmp_path):
+    spec, record = measured
+    other = json.loads(json.dumps(record))
+    (key,) = other["cpus"]
+    entry = other["cpus"].pop(key)
+    other["cpus"]["Some Other CPU | avx avx2 fma | 64 cores"] = entry  # measured elsewhere
+    (spec.path / "execution.json").write_text(json.dumps(other))
+    try:
+        assert execution.served(spec) is None and execution.needs_measuring(spec, _stamp(spec))
+        with pytest.raises(FatalError, match="no mode was chosen for this CPU"):
+            execution.graph_path(spec)
+        again = execution.measure(spec, _stamp(spec), threads=1)
+        assert again["quality"] == record["quality"]  # not measured again
+        assert len(again["cpus"]) == 2 and key in again["cpus"]
+        assert not execution.needs_measuring(spec, _stamp(spec))
+    finally:
+        (spec.path / "execution.json").write_text(json.dumps(record))
+
+
+def test_without_max_kld_only_the_modes_exact_in_the_weights_are_candidates(tmp_path):
+    spec = _auto_folder(tmp_path)
+    record = execution.measure(spec, _stamp(spec), threads=1, chunks=1)
+    v = record["gate"]["verdicts"]
+    assert v["q4"]["passes"] and v["fp32"]["passes"]
+    assert not v["q4-int8act"]["passes"] and "max_kld is not set" in v["q4-int8act"]["why"]
+    assert next(iter(record["cpus"].values()))["chosen"] in ("q4", "fp32")
+
+
+def test_a_tight_gate_refuses_a_lossy_mode_by_its_figures(tmp_path):
+    spec = _auto_folder(tmp_path, max_kld=1e-9)
+    record = execution.measure(spec, _stamp(spec), threads=1, chunks=1)
+    why = record["gate"]["verdicts"]["q4-int8act"]["why"]
+    assert not record["gate"]["verdicts"]["q4-int8act"]["passes"] and why.startswith("mean KLD")
+
+
+def test_a_pinned_mode_is_served_without_measuring(tmp_path):
+    src = write_tiny_gguf(tmp_path / "t.gguf", TinyLlama(seed=5, n_layer=1))
+    import_gguf(src, tmp_path / "engines", "pinned", weights="q4-int8act", max_batch=8)
+    spec = ModelRepository(tmp_path / "engines").get("pinned")
+    served = execution.served(spec)
+    assert served.mode == "q4-int8act" and served.pinned and "pinned" in served.why
+    assert execution.graph_path(spec) == spec.onnx_path and not (spec.path / "execution.json").exists()
+
+
+@pytest.mark.parametrize("table, match", [("max_kld = -1", "max_kld must be a positive number"),
+                                          ("max_ppl_ratio = \"x\"", "max_ppl_ratio must be a positive number")])
+def test_a_bad_gate_is_refused_by_name(tmp_path, table, match):
+    spec = _auto_folder(tmp_path)
+    toml = spec.path / "engine.toml"
+    text = toml.read_text().replace("max_ppl_ratio = 1.01", table)
+    toml.write_text(text)
+    with pytest.raises(FatalError, match=match):
+        execution.gate(ModelRepository(tmp_path / "engines").get("tiny"))
+
+
+def test_quality_figures_on_known_logits():
+    lp = log_softmax(np.array([[0.0, 0.0], [np.log(3.0), 0.0]], dtype=np.float32))
+    np.testing.assert_allclose(np.exp(lp), [[0.5, 0.5], [0.75, 0.25]], rtol=1e-7)
+    assert chunk_windows(1100, 512) == [(0, 512), (512, 1024)] and chunk_windows(1100, 512, 1) == [(0, 512)]
+
+
+def test_identical_graphs_have_no_divergence(measured):
+    spec, _ = measured
+    from tokenizers import Tokenizer
+
+    from streamfleet.shared.quality import QUALITY_TEXT
+
+    ids = Tokenizer.from_file(str(spec.tokenizer_path)).encode(QUALITY_TEXT.read_text()).ids
+    got = evaluate({"a": spec.path / "model.fp32.onnx", "b": spec.path / "model.fp32.onnx"}, "a", ids, chunks=1,
+                   threads=1)
+    assert got["b"].mean_kld == 0 and got["b"].top1 == 1.0 and got["b"].ppl == got["a"].ppl
+    # 255 tokens scored a chunk of 512 (a random model: its perplexity is only finite)
+    assert got["a"].tokens == 255 and 1 < got["a"].ppl < float("inf")
+
+
+def test_engines_quality_refuses_a_pinned_model(tmp_path):
+    src = write_tiny_gguf(tmp_path / "t.gguf", TinyLlama(seed=5, n_layer=1))
+    import_gguf(src, tmp_path / "engines", "pinned", weights="q4", max_batch=8)
+    run = subprocess.run([sys.executable, "-m", "streamfleet", "engines", "quality", "pinned", "--engines-dir",
+                          str(tmp_path / "engines")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "one mode pinned" in run.stderr
