@@ -500,8 +500,13 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
                 if GatewaySettings().auth_enabled else "off (local use)")
         example = ('"What is the capital of France?"' if load_tokenizer(spec).chat_template
                    else '"Once upon a time"')
+        from streamfleet.shared.execution import served
+
+        mode = served(spec)  # a GGUF model's execution mode on this CPU, and why (docs/models.md)
+        execution = f"    execution   {mode.mode}: {mode.why}\n" if mode is not None else ""
         banner = (
             f"\n  streamfleet is serving {model}\n"
+            f"{execution}"
             f"    demo page   {base}/\n"
             f"    WebSocket   ws://{host}:{port}/v1/stream\n"
             f"    OpenAI API  {base}/v1  ({', '.join(endpoints)})\n"

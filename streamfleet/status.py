@@ -122,6 +122,9 @@ class WorkerStatus:
     cache_blocks: int | None = None
     cache_bytes: int | None = None
     cache_hit_rate: float | None = None
+    #: the execution mode its engine runs and why (shared/execution.py); None: not said
+    execution: str | None = None
+    execution_why: str | None = None
 
 
 @dataclass(slots=True)
@@ -289,7 +292,8 @@ def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerS
             id=hb.worker_id, slots_used=hb.slots_used, max_batch=hb.max_batch, tokens_per_s=hb.tokens_per_s,
             heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s,
             **({"cache_blocks": hb.cache_blocks, "cache_bytes": hb.cache_bytes, "cache_hit_rate": hb.cache_hit_rate}
-               if hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate else {})))
+               if hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate else {}),
+            **({"execution": hb.execution, "execution_why": hb.execution_why} if hb.execution else {})))
     return out
 
 
@@ -491,6 +495,14 @@ def render(st: FleetStatus) -> str:
                              str(w.pid or "?"), str(w.host or "?")])
             right = {headers.index(h) for h in ("slots", rate, "heartbeat", "pid") if h}
             lines += _table(headers, rows, right=right)
+            # the execution modes the workers run, each once with why (shared/execution.py)
+            modes: dict[tuple[str, str], list[str]] = {}
+            for w in m.workers:
+                if w.execution:
+                    modes.setdefault((w.execution, w.execution_why or ""), []).append(w.id)
+            for (mode, why), ids in modes.items():
+                who = "every worker" if len(ids) == len(m.workers) else ", ".join(ids)
+                lines.append(f"  execution ({who}): {mode}: {why}")
         else:
             lines.append("  workers: none registered")
         if m.dead_latest:

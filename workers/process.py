@@ -150,6 +150,9 @@ class WorkerProcess:
         self._m_cached = metrics.prompt_tokens.labels(m, "cached")
         #: the prefix cache whose counters the metrics last took, and those counters
         self._cache_seen: tuple[object, int, int, int] = (None, 0, 0, 0)
+        #: the execution mode the engine runs and why (``shared/execution.py``; empty for
+        #: models without one), said in the heartbeat
+        self._execution: tuple[str, str] = ("", "")
 
     # -- start-up -------------------------------------------------------------------
     def _load(self, version: str | None = None) -> VersionedCore:
@@ -182,6 +185,11 @@ class WorkerProcess:
             options["build_if_missing"] = self.settings.trt_build_if_missing
             options["cuda"] = self.settings.trt_cuda
         engine = load_engine(spec, self.settings.backend, **options)
+        if backend == "onnxruntime":  # the mode a GGUF model runs, for the heartbeat (status, /v1/models)
+            from streamfleet.shared.execution import served
+
+            mode = served(spec)
+            self._execution = (mode.mode, mode.why) if mode is not None else ("", "")
         tokenizer = load_tokenizer(spec)
         max_batch = self.settings.max_batch or spec.max_batch
         return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch,
@@ -618,7 +626,8 @@ class WorkerProcess:
                          cache_hit_rate=round(st.cached_tokens / st.requested_tokens, 4)
                          if st is not None and st.requested_tokens else 0.0,
                          step_ms=round(max(self._steps_ms, default=0.0), 1),
-                         shared_used=sum(1 for fl in self.table.running.values() if not split_source(fl.lane)[1]))
+                         shared_used=sum(1 for fl in self.table.running.values() if not split_source(fl.lane)[1]),
+                         execution=self._execution[0], execution_why=self._execution[1])
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)

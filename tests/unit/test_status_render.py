@@ -44,3 +44,27 @@ def test_each_kind_shows_what_its_workers_report():
     assert headers("speech") == ["worker", "state", "slots", "heartbeat", "pid", "host"]
     assert _workers_table(text, "speech")[1][:3] == ["w-speech", "live", "1/2"]
     assert st.to_dict()["models"][1]["kind"] == "embedding"
+
+
+def test_the_execution_mode_each_worker_runs_is_said_once_with_why():
+    chat = _model("chat", "text", 40.0, 16)
+    chat.workers[0].execution, chat.workers[0].execution_why = "q4", "fastest passing the quality gate"
+    second = WorkerStatus(id="w-chat2", slots_used=0, max_batch=16, tokens_per_s=0.0, heartbeat_age_s=0.1, pid=43,
+                          host="vm2", draining=False, stale=False, execution="fp32", execution_why="pinned")
+    chat.workers.append(second)
+    st = FleetStatus(redis_url="redis://127.0.0.1:6379/0", key_prefix="sf", time=0.0, redis_version="7.2",
+                     gateways=[], cancel_listeners=0, worker_ttl_s=10.0, models=[chat, _model("ghost", None, 7.0, 8)])
+    text = __import__("streamfleet.status", fromlist=["render"]).render(st)
+    assert "  execution (w-chat): q4: fastest passing the quality gate" in text
+    assert "  execution (w-chat2): fp32: pinned" in text
+    assert text.count("execution (") == 2  # a model whose workers say none: no line
+    assert st.to_dict()["models"][0]["workers"][0]["execution"] == "q4"
+
+
+def test_a_heartbeat_carries_the_execution_mode_only_when_there_is_one():
+    from streamfleet.shared.schema import Heartbeat
+
+    hb = Heartbeat(heartbeat=1.0, execution="q4-int8act", execution_why="fastest")
+    back = Heartbeat.decode(hb.encode(), "w1")
+    assert (back.execution, back.execution_why, back.worker_id) == ("q4-int8act", "fastest", "w1")
+    assert b"execution" not in Heartbeat(heartbeat=1.0).encode()
