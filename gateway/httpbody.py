@@ -13,7 +13,7 @@ import orjson
 import structlog
 
 from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
-from streamfleet.shared.schema import TokenEvent
+from streamfleet.shared.schema import PromptEvent, TokenEvent
 
 from streamfleet.gateway import edge
 from streamfleet.gateway.observe import stop_events
@@ -105,13 +105,15 @@ async def until_disconnect(request: Request, work) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def read_to_end(request: Request, events: AsyncIterator, on_token: Callable[[TokenEvent], Any]) -> Any:
-    """A request not streamed: its events read, each token handed to ``on_token``, until
+async def read_to_end(request: Request, events: AsyncIterator,
+                      on_token: Callable[[TokenEvent | PromptEvent], Any]) -> Any:
+    """A request not streamed: its events read, each token (and each ``PromptEvent`` of a
+    request that asked for its prompt's log probabilities) handed to ``on_token``, until
     its end (the ``DoneEvent`` or ``ErrorEvent``, returned), or ``DISCONNECTED`` when the
     client leaves first (the read is cancelled). The events are closed either way."""
     async def consume():
         async for ev in events:
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, (TokenEvent, PromptEvent)):
                 on_token(ev)
             else:
                 return ev

@@ -32,15 +32,15 @@ from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, TokenEvent
+from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, PromptEvent, TokenEvent
 
 from streamfleet.gateway.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
 from streamfleet.gateway.httperror import openai_error_response
 from streamfleet.gateway.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.openai_mapping import (ChoiceStream, Gathered, ResponseShape, best_of_order, choice_counts,
-                                                completion_prompts, request_payload, stream_flags, unknown_params,
-                                                usage_of)
+from streamfleet.gateway.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, best_of_order,
+                                                choice_counts, completion_echo, completion_prompts, request_payload,
+                                                stream_flags, unknown_params, usage_of)
 from streamfleet.gateway.request_stream import TICK
 from streamfleet.gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.tools import Tools
@@ -98,11 +98,12 @@ async def _generate(request: Request, chat: bool) -> Response:
     req.watch()  # a revoked key ends the stream
     events = req.events("sse" if stream_mode else "http")
     shape = ResponseShape(chat, req.request_id, req.model, tools)
+    echo = Echo.of(req.submitted, draft.params.logprobs is not None) if drafts else None
     if stream_mode:
-        return StreamingResponse(_sse_events(hub, req, events, shape, include_usage),
+        return StreamingResponse(_sse_events(hub, req, events, shape, include_usage, echo),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        return await _collect(request, events, shape)
+        return await _collect(request, events, shape, echo)
     finally:
         await req.close(reason="http_disconnect")
 
@@ -132,9 +133,10 @@ def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i
     strict = hub.settings.refuse_unsupported
     if not strict and i == 0 and (unknown := unknown_params(body, chat)):
         log.warning("unknown parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=[u[:64] for u in unknown[:20]])
+    echo = False if chat else completion_echo(body)
     try:
         return hub.validator.check(request_payload(body if prompt is None else {**body, "prompt": prompt}, chat,
-                                                   priority_header=priority, strict=strict))
+                                                   priority_header=priority, strict=strict), echo=echo)
     except ValidationError as exc:
         if prompts == 1:
             raise
@@ -148,8 +150,11 @@ async def _submit_choices(hub: "Hub", identity, prompts: list, k: int, *, scored
     ``seed + 1``, …, so that a prompt's choices differ and the same request gives the same
     choices again. A prompt's completions carry one group id: the worker that starts the
     first prefills the prompt once for those it starts after it (``WorkerCore._prefill``).
-    ``scored``: ``best_of`` picks the best, which needs each token's log probability. A
-    refusal takes back what was submitted."""
+    ``scored``: ``best_of`` picks the best, which needs each token's log probability. An
+    ``echo`` with log probabilities has them computed by each prompt's first completion
+    alone (its prompt computed whole): the others fork its prefill, and the response
+    shows its prompt's for all of them (``_many``). A refusal takes back what was
+    submitted."""
     total = k * len(prompts)
     # all or nothing: a refusal here takes nothing
     await hub.admission.charge(identity, total, "prompt" if len(prompts) > 1 else "best_of" if scored else "n")
@@ -159,7 +164,8 @@ async def _submit_choices(hub: "Hub", identity, prompts: list, k: int, *, scored
         params, group = draft.params, uuid.uuid4().hex
         drafts += [dataclasses.replace(draft, group=group, group_size=k, params=dataclasses.replace(
             params, seed=(params.seed + i) % (MAX_SEED + 1),
-            logprobs=0 if scored and params.logprobs is None else params.logprobs)) for i in range(k)]
+            logprobs=0 if scored and params.logprobs is None else params.logprobs,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None)) for i in range(k)]
     # admitted side by side, then enqueued in one loop turn (one pipeline of the gateway's
     # coalescer): a worker reads them together and prefills the prompt once
     gate = asyncio.Event()
@@ -226,11 +232,18 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
     names its choice by ``index`` (no ``id:`` lines: such a stream is not resumable); not
     streamed, ``choices`` in order, or each prompt's ``n`` best of ``best_of``. Usage: each
     prompt once, the completion tokens of every choice. A failed choice fails the
-    request, and the others are cancelled."""
+    request, and the others are cancelled. With ``echo``, each choice shows its own
+    prompt first; the prompt's log probabilities come from the prompt's first completion
+    (``_submit_choices``), and streamed, a later one's chunks wait until they are out."""
     for req in reqs:
         req.watch()
     shape = ResponseShape(chat, reqs[0].request_id, reqs[0].model, tools)
     events = _merged([req.events("sse" if stream else "http") for req in reqs])
+    per = len(reqs) // prompts  # the completions of each prompt: ``first`` gets its log probabilities
+    echoes = [Echo.of(req.submitted, keep_logprobs) for req in reqs]
+
+    def first(i: int) -> int:
+        return i - i % per
 
     async def close_all() -> None:
         with anyio.CancelScope(shield=True):
@@ -240,32 +253,55 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
 
     if stream:
         async def chunks() -> AsyncIterator[bytes]:
-            choices = [ChoiceStream(shape, i, include_usage) for i in range(len(reqs))]
+            choices = [ChoiceStream(shape, i, include_usage, echoes[i]) for i in range(len(reqs))]
             ends: dict[int, DoneEvent] = {}
+            #: events of a choice whose prompt's log probabilities (its first choice's) are
+            #: not all out yet: they follow them
+            waiting: dict[int, list] = {}
+
+            def frames(i: int, ev) -> list[bytes]:
+                if isinstance(ev, TokenEvent):
+                    return [sse_frame(chunk) for chunk in choices[i].token(ev)]
+                if isinstance(ev, PromptEvent):  # the prompt's first choice: shown for all of them
+                    group = range(first(i), first(i) + per)
+                    out = [sse_frame(chunk) for j in group for chunk in choices[j].prompt(ev)]
+                    if choices[i].prompt_done:
+                        for j in group:
+                            for held in waiting.pop(j, ()):
+                                out += frames(j, held)
+                    return out
+                out = [sse_frame(chunk) for chunk in choices[i].end(ev)]
+                reqs[i].delivered()
+                ends[i] = ev
+                return out
+
             ticks = _ticking(events, hub.settings.sse_keepalive_s)
             try:
                 if shape.chat:
                     for i in range(len(reqs)):
                         out = shape.chunk(None, None, role=True, usage_null=include_usage, index=i)
                         yield sse_frame(out)
+                for choice in choices:
+                    for chunk in choice.opening():
+                        yield sse_frame(chunk)
                 async for item in ticks:
                     if item is None:
                         yield KEEPALIVE
                         continue
                     i, ev = item
-                    if isinstance(ev, TokenEvent):
-                        for chunk in choices[i].token(ev):
-                            yield sse_frame(chunk)
-                    elif isinstance(ev, DoneEvent):
-                        for chunk in choices[i].end(ev):
-                            yield sse_frame(chunk)
-                        reqs[i].delivered()
-                        ends[i] = ev
-                    elif isinstance(ev, ErrorEvent):
+                    if isinstance(ev, ErrorEvent):
                         yield sse_frame(ev.error().to_openai())
                         yield DONE
                         reqs[i].delivered()
                         return
+                    if not isinstance(ev, (TokenEvent, PromptEvent, DoneEvent)):
+                        continue
+                    if i != first(i) and not choices[first(i)].prompt_done:
+                        waiting.setdefault(i, []).append(ev)
+                        continue
+                    out = frames(i, ev)
+                    if out:
+                        yield b"".join(out)
                     if len(ends) == len(reqs):
                         break
                 if include_usage:
@@ -283,7 +319,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
 
     async def consume():
         async for i, ev in events:
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, (TokenEvent, PromptEvent)):
                 got[i].add(ev)
             elif isinstance(ev, DoneEvent):
                 ends[i] = ev
@@ -301,27 +337,41 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
         return Response(status_code=499)
     if failed is not None:
         return openai_error_response(failed.error())
-    # best_of: each prompt's n with the highest total log probability
+    # best_of: each prompt's n with the highest total log probability (of the completions)
     order = best_of_order([g.logprobs for g in got], n, prompts)
-    choices = [shape.choice_full(j, got[i].text, ends[i], got[i].logprobs if keep_logprobs else None)
-               for j, i in enumerate(order)]
+    choices = []
+    try:
+        for j, i in enumerate(order):
+            text, tokens = got[i].echoed(echoes[i], got[first(i)].prompt)
+            choices.append(shape.choice_full(j, text, ends[i], tokens if keep_logprobs else None))
+    except StreamfleetError as exc:
+        log.error("a response could not be made", request_id=reqs[0].request_id, error=exc.message)
+        return openai_error_response(exc)
     return Response(orjson.dumps(shape.full_many(choices, usage_of([ends[i] for i in sorted(ends)], prompts))),
                     media_type="application/json")
 
 
 async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, shape: ResponseShape,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, echo: Echo | None = None) -> AsyncIterator[bytes]:
     """The SSE body of one choice. Keepalives come from the stream itself
     (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
-    finish chunk, the usage chunk, ``[DONE]``) goes out as one write."""
-    choice = ChoiceStream(shape, 0, include_usage)
+    finish chunk, the usage chunk, ``[DONE]``) goes out as one write. An ``echo``'s prompt
+    comes first: in one chunk, or with log probabilities in a chunk per ``PromptEvent``
+    (no ``id:`` line: a resume continues from a token)."""
+    choice = ChoiceStream(shape, 0, include_usage, echo)
     req.stream.tick_s = hub.settings.sse_keepalive_s
     try:
         if shape.chat:
             yield sse_frame(shape.chunk(None, None, role=True, usage_null=include_usage))
+        for chunk in choice.opening():
+            yield sse_frame(chunk)
         async for ev in events:
             if ev is TICK:
                 yield KEEPALIVE
+            elif isinstance(ev, PromptEvent):
+                chunks = choice.prompt(ev)
+                if chunks:
+                    yield b"".join(sse_frame(chunk) for chunk in chunks)
             elif isinstance(ev, TokenEvent):
                 chunks = choice.token(ev)
                 if chunks:
@@ -347,15 +397,22 @@ async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, sha
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
-async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape) -> Response:
-    """Non-streamed: gather the whole completion, cancelling if the client leaves."""
+async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape, echo: Echo | None = None
+                   ) -> Response:
+    """Non-streamed: gather the whole completion (after an ``echo``'s prompt), cancelling
+    if the client leaves."""
     got = Gathered()
     ev = await read_to_end(request, events, got.add)
     if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):
         return openai_error_response(ev.error())
-    return Response(orjson.dumps(shape.full(got.text, ev, got.logprobs)), media_type="application/json")
+    try:
+        text, tokens = got.echoed(echo)
+    except StreamfleetError as exc:
+        log.error("a response could not be made", request_id=shape.request_id, error=exc.message)
+        return openai_error_response(exc)
+    return Response(orjson.dumps(shape.full(text, ev, tokens)), media_type="application/json")
 
 
 @router.post("/v1/completions")

@@ -5,13 +5,17 @@ Request side: an OpenAI body becomes the generate payload the WebSocket sends, w
 ``Validator.check`` then validates, so that the same bad input gets the same error code
 on both doors. The parameters streamfleet does not implement (``UNSUPPORTED``) go along
 for the validator to refuse by name; the OpenAI-only ones (``n``, ``best_of``,
-``stream``, ``stream_options``, a completion's integer ``logprobs``) are checked here.
+``stream``, ``stream_options``, a completion's integer ``logprobs`` and ``echo``) are
+checked here.
 
 Response side: a choice's tokens and end become ``chat.completion`` /
 ``text_completion`` objects, or their streamed chunks (``chat.completion.chunk``, the
 role on the first, ``finish_reason`` on the last, the usage chunk of
 ``stream_options.include_usage``), with ``logprobs`` in the chat API's shape or the
-completions API's, and tool calls as ``tool_calls`` (docs/tools.md).
+completions API's, and tool calls as ``tool_calls`` (docs/tools.md). A completion with
+``echo`` shows its prompt before it (``Echo``): in ``text``, and with ``logprobs`` its
+prompt tokens' first in ``logprobs`` (the first one's ``null``); streamed, in the
+first chunks.
 """
 
 from __future__ import annotations
@@ -19,17 +23,17 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from streamfleet.shared.errors import ErrorCode, ValidationError
+from streamfleet.shared.errors import ErrorCode, GenerationError, ValidationError
 from streamfleet.shared.grammar import CONSTRAINTS
-from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, TokenEvent
+from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, PromptEvent, TokenEvent
 
 from streamfleet.gateway.tools import CallStream, Tools, call_id
 from streamfleet.gateway.validation import UNSUPPORTED
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
            "KNOWN_COMPLETIONS", "unknown_params", "request_payload",
-           "completion_prompts", "choice_counts", "stream_flags", "finish_reason", "usage_of", "best_of_order",
-           "could_be_call", "ResponseShape", "ChoiceStream", "Gathered"]
+           "completion_prompts", "choice_counts", "stream_flags", "completion_echo", "finish_reason", "usage_of",
+           "best_of_order", "could_be_call", "Echo", "ResponseShape", "ChoiceStream", "Gathered"]
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
@@ -88,9 +92,10 @@ def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | 
     """
     p: dict[str, Any] = {"id": "http"}
     # the parameters streamfleet does not implement go along, for the validator to refuse
+    # (a completion's echo is the door's own: ``completion_echo``)
     for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
                  *PROCESSING, *UNSUPPORTED):
-        if name in body:
+        if name in body and (chat or name != "echo"):
             p[name] = body[name]
     if not chat and body.get("logprobs") is not None:
         # a completion's "logprobs": k is the chat API's logprobs + top_logprobs: k
@@ -153,6 +158,21 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
         return list(prompt)
     raise ValidationError("'prompt' must be a string, a list of strings, a list of token ids, or a list of lists "
                           "of token ids", code=ErrorCode.invalid_type, param="prompt")
+
+
+def completion_echo(body: dict[str, Any]) -> bool:
+    """A completions body's ``echo``: whether the response shows the prompt before the
+    completion (false when absent or null; ``Validator.check(echo=...)``).
+
+    Raises:
+        ValidationError: ``invalid_type``, naming ``echo``.
+    """
+    echo = body.get("echo")
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise ValidationError("'echo' must be true or false", code=ErrorCode.invalid_type, param="echo")
+    return echo
 
 
 def choice_counts(body: dict[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
@@ -310,15 +330,17 @@ class ResponseShape:
                 for k, (name, args) in enumerate(calls)]
 
     def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
-        """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``)
-        in the chat API's shape or the completions API's; None when none were asked for."""
+        """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``,
+        or a ``PromptEvent``'s entry: the first prompt token's has no ``logprob``, shown
+        ``null``) in the chat API's shape or the completions API's; None when none were
+        asked for."""
         if not tokens:
             return None
         if self.chat:
             return {"content": [{**_top_chat(e), "top_logprobs": [_top_chat(t) for t in e["top"]]}
                                 for _, e in tokens], "refusal": None}
-        return {"tokens": [e["token"] for _, e in tokens], "token_logprobs": [e["logprob"] for _, e in tokens],
-                "top_logprobs": [_top_completion(e) for _, e in tokens],
+        return {"tokens": [e["token"] for _, e in tokens], "token_logprobs": [e.get("logprob") for _, e in tokens],
+                "top_logprobs": [_top_completion(e) if "logprob" in e else None for _, e in tokens],
                 "text_offset": [o for o, _ in tokens]}
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
@@ -401,22 +423,92 @@ class ResponseShape:
                 "usage": usage}
 
 
+class Echo:
+    """What a completion with ``echo`` shows of its prompt (``ValidRequest.echo_text``):
+    its text before the completion's, and with ``logprobs`` its tokens' log probabilities
+    (``PromptEvent``s; the first token's ``null``), each at its ``text_offset``.
+
+    Args:
+        text: the prompt's text as shown.
+        offsets: where each prompt token starts in ``text`` (never going back).
+        logprobs: the response shows log probabilities (the prompt's come in ``PromptEvent``s).
+    """
+
+    __slots__ = ("text", "offsets", "logprobs")
+
+    def __init__(self, text: str, offsets: Sequence[int], logprobs: bool) -> None:
+        self.text, self.offsets, self.logprobs = text, tuple(offsets), logprobs
+
+    @classmethod
+    def of(cls, request: Any, logprobs: bool) -> "Echo | None":
+        """The echo of a submitted request (a ``ValidRequest``), None without one."""
+        if request is None or request.echo_text is None:
+            return None
+        return cls(request.echo_text, request.echo_offsets, logprobs)
+
+    @property
+    def positions(self) -> int:
+        return len(self.offsets)
+
+    def at(self, position: int) -> int:
+        """Where prompt position ``position`` starts in the text (its end past the last)."""
+        return self.offsets[position] if position < len(self.offsets) else len(self.text)
+
+    def pairs(self, ev: PromptEvent) -> list[tuple[int, dict]]:
+        """``(text_offset, entry)`` of each prompt position ``ev`` covers."""
+        return [(self.at(ev.start + j), e) for j, e in enumerate(ev.logprobs)]
+
+    def piece(self, ev: PromptEvent) -> str:
+        """The text of the prompt positions ``ev`` covers (from the text's start for the
+        first, to its end for the last): the pieces of a prompt's events make its text."""
+        end = ev.start + len(ev.logprobs)
+        return self.text[self.at(ev.start) if ev.start else 0:self.at(end) if end < self.positions else None]
+
+
 class Gathered:
     """One choice's text and log probabilities as its tokens come (a response not
-    streamed); each token's log probabilities with the text offset where it starts."""
+    streamed); each token's log probabilities with the text offset where it starts
+    (within the completion: an ``echo``'s prompt, kept apart in ``prompt``, comes before)."""
 
-    __slots__ = ("parts", "logprobs", "offset")
+    __slots__ = ("parts", "logprobs", "offset", "prompt")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.logprobs: list[tuple[int, dict]] = []
         self.offset = 0
+        #: the prompt's log probabilities (``PromptEvent``s), in position order
+        self.prompt: list[dict] = []
 
-    def add(self, ev: TokenEvent) -> None:
+    def add(self, ev: TokenEvent | PromptEvent) -> None:
+        if type(ev) is PromptEvent:
+            self.prompt.extend(ev.logprobs)
+            return
         if ev.logprobs is not None:
             self.logprobs.append((self.offset, ev.logprobs))
         self.parts.append(ev.text)
         self.offset += len(ev.text)
+
+    def echoed(self, echo: "Echo | None", prompt: list[dict] | None = None
+               ) -> tuple[str, list[tuple[int, dict]] | None]:
+        """The choice's ``text`` and ``logprobs`` tokens with ``echo``'s prompt before the
+        completion (``prompt``: the prompt's log probabilities, when another choice of the
+        same prompt gathered them; default its own).
+
+        Raises:
+            GenerationError: ``internal`` — the prompt's log probabilities do not cover
+                its tokens (a worker's fault: never a response with them misaligned).
+        """
+        if echo is None:
+            return self.text, self.logprobs
+        shift = len(echo.text)
+        tokens = [(o + shift, e) for o, e in self.logprobs]
+        if echo.logprobs:
+            entries = self.prompt if prompt is None else prompt
+            if len(entries) != echo.positions:
+                raise GenerationError(f"the worker sent the log probabilities of {len(entries)} of the prompt's "
+                                      f"{echo.positions} tokens", code=ErrorCode.internal)
+            tokens = [*((echo.at(i), e) for i, e in enumerate(entries)), *tokens]
+        return echo.text + self.text, tokens
 
     @property
     def text(self) -> str:
@@ -431,10 +523,12 @@ class ChoiceStream:
     opens a chat stream is the adapter's (``ResponseShape.chunk(role=True)``): it goes
     out before any token."""
 
-    def __init__(self, shape: ResponseShape, index: int, include_usage: bool) -> None:
+    def __init__(self, shape: ResponseShape, index: int, include_usage: bool, echo: Echo | None = None) -> None:
         self.shape, self.index, self.usage_null = shape, index, include_usage
         self.held: list[tuple[int, dict]] = []
-        self.offset = 0
+        self.echo = echo
+        self.offset = len(echo.text) if echo is not None else 0  # the completion comes after the prompt
+        self.prompt_shown = 0  # the prompt positions streamed (``prompt``)
         tools = shape.tools
         self.calls = CallStream() if tools is not None and tools.mode == "forced" else None
         self.call_count = 0  # the calls begun: a name delta starts the next
@@ -452,6 +546,27 @@ class ChoiceStream:
                                     call=self.call_count - 1)
         self.held = []
         return out
+
+    def opening(self) -> list[dict]:
+        """The chunks that open the stream: an ``echo`` without log probabilities shows its
+        prompt in one (with them, the prompt comes as its ``PromptEvent``s do: ``prompt``)."""
+        if self.echo is None or self.echo.logprobs:
+            return []
+        return [self.shape.chunk(self.echo.text, None, usage_null=self.usage_null, index=self.index)]
+
+    def prompt(self, ev: PromptEvent) -> list[dict]:
+        """The chunk of some of the prompt's tokens (an ``echo`` with log probabilities):
+        their text, and their log probabilities."""
+        if self.echo is None or not self.echo.logprobs:
+            return []
+        self.prompt_shown = ev.start + len(ev.logprobs)
+        return [self.shape.chunk(self.echo.piece(ev), None, usage_null=self.usage_null,
+                                 logprobs=self.echo.pairs(ev), index=self.index)]
+
+    @property
+    def prompt_done(self) -> bool:
+        """Every prompt token it shows was streamed (true without ``echo`` log probabilities)."""
+        return self.echo is None or not self.echo.logprobs or self.prompt_shown >= self.echo.positions
 
     def token(self, ev: TokenEvent) -> list[dict]:
         """The chunks a token gives out now (none while its text is held)."""

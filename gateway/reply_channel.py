@@ -23,7 +23,7 @@ from typing import Any, Callable
 from streamfleet.gateway.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import ENDS, Event, RequestRecord
+from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
 
 __all__ = ["ReplyChannel"]
 
@@ -149,9 +149,11 @@ class ReplyChannel:
         """
         rid = request_id or self.broker.keys.new_request_id(self.connection_id)
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
+        scored = isinstance(task, Task) and task.params.prompt_logprobs is not None
         stream = RequestStream(rid, request.client_id, prompt_tokens=task.prompt_tokens,
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),
-                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s)
+                               stall_timeout_s=self.stall_timeout_s, outage_grace_s=self.broker.outage_grace_s,
+                               prompt_positions=task.prompt_tokens if scored else 0)
         stream.trace_id = task.trace_id
         stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns

@@ -7,6 +7,9 @@ wire's (``shared.schema``), which every protocol adapter (``gateway/ws.py``,
 ``gateway/openai.py``, gRPC, voice) consumes and only renders:
 
 * ``TokenEvent(request_id, index, text, logprobs)``  a piece of the completion
+* ``PromptEvent(request_id, start, logprobs)``       the log probabilities of prompt tokens
+                                                     ``start``…, before the first token (only
+                                                     to a request that asked for them)
 * ``TranscriptEvent(request_id, index, text, final)`` a speech utterance's transcript so
                                                      far (the voice door's requests)
 * ``DoneEvent(request_id, finish_reason, …)``        the request finished (``cancelled``
@@ -36,7 +39,8 @@ from typing import Awaitable, Callable
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import PROGRESS, DoneEvent, ErrorEvent, Event, TokenEvent, TranscriptEvent
+from streamfleet.shared.schema import (PROGRESS, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent, TokenEvent,
+                                       TranscriptEvent)
 
 __all__ = ["TICK", "Tick", "RequestStream", "LogReader"]
 
@@ -90,6 +94,12 @@ class RequestStream:
       until the log fills it; a gap the log cannot fill fails the request).
     * Completeness. A ``DoneEvent`` is held back until every token before its
       ``completion_tokens`` was delivered.
+    * The prompt first. A request that asked for its prompt's log probabilities
+      (``prompt_positions``) gets ``PromptEvent``s covering positions 0, 1, … once each
+      (a repeated position is dropped, an event that overlaps what was delivered is cut
+      to its new part), and no token or end before the last of them; an event past a gap
+      is held as a token is. Only a ``cancelled`` end (and an error) may come first: the
+      worker stopped mid-prompt.
     * One end, then nothing: a ``DoneEvent`` or an ``ErrorEvent`` is the last event.
     * The gateway's own ends. ``end_cancelled`` ends the stream with a ``DoneEvent`` no
       worker sent: ``cancelled``, the completion tokens those delivered, no timings (all 0:
@@ -110,6 +120,9 @@ class RequestStream:
         resumed: the stream continues a request submitted elsewhere (it replays the log
             first, and its client does not own the generation's life).
         next_index: first index the client still needs.
+        prompt_positions: the prompt's tokens, when the request asked for their log
+            probabilities (``PromptEvent``s); 0: none expected (a resume: the prompt's came
+            before the tokens it resumes from), and any that come are dropped.
         stall_timeout_s: a started request silent this long (log included) fails with ``timeout``.
         outage_grace_s: how long a log that cannot be read is waited for before the request
             fails with ``broker_unavailable`` (on a Redis Cluster, a shard failing over:
@@ -119,7 +132,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, client_id: str, *, prompt_tokens: int = 0, deadline: float,
                  log_reader: LogReader | None = None, resumed: bool = False, next_index: int = 0,
-                 stall_timeout_s: float = 60.0, outage_grace_s: float = 0.0) -> None:
+                 stall_timeout_s: float = 60.0, outage_grace_s: float = 0.0, prompt_positions: int = 0) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self.prompt_tokens = prompt_tokens
@@ -144,6 +157,9 @@ class RequestStream:
         self._queue = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
         self._ahead: dict[int, TokenEvent | TranscriptEvent] = {}  # tokens past a gap, waiting for it to fill
         self._final: DoneEvent | None = None  # an end that arrived while a gap was open
+        self.prompt_positions = prompt_positions
+        self._prompt_next = 0  # the first prompt position not yet delivered
+        self._prompt_ahead: dict[int, PromptEvent] = {}  # prompt events past a gap
         self._log_pos = b"0-0"
         self._resync = resumed  # a resume replays the log before anything else
         self.created = time.monotonic()
@@ -171,21 +187,66 @@ class RequestStream:
             if ev.index < self.next_index or ev.index in self._ahead:
                 if not from_log:
                     self.duplicates_dropped += 1
-            elif ev.index > self.next_index:
+            elif ev.index > self.next_index or self.prompt_open:
                 self._ahead[ev.index] = ev
             else:
                 self._deliver(ev)
         elif isinstance(ev, DoneEvent):
-            if self._ahead or self.next_index < ev.completion_tokens:
-                self._final = ev  # tokens are missing before it
+            if self.prompt_open and ev.finish_reason == FinishReason.cancelled:
+                self._end(ev)  # stopped mid-prompt: no token follows
+            elif self._ahead or self.next_index < ev.completion_tokens or self.prompt_open:
+                self._final = ev  # tokens (or the prompt's log probabilities) are missing before it
             else:
                 self._end(ev)
         elif isinstance(ev, ErrorEvent):
             self._end(ev)
+        elif isinstance(ev, PromptEvent):
+            self._feed_prompt(ev, from_log)
+
+    @property
+    def prompt_open(self) -> bool:
+        """Prompt log probabilities are expected that have not all been delivered."""
+        return self._prompt_next < self.prompt_positions
+
+    def _feed_prompt(self, ev: PromptEvent, from_log: bool) -> None:
+        """A prompt's log probabilities: delivered in position order, each position once;
+        the tokens (and the end) held for them follow the last."""
+        end = ev.start + len(ev.logprobs)
+        if not self.prompt_open or end <= self._prompt_next or ev.start in self._prompt_ahead:
+            if not from_log and self.prompt_positions:
+                self.duplicates_dropped += 1
+            return
+        if ev.start > self._prompt_next:
+            self._prompt_ahead[ev.start] = ev
+            return
+        self._deliver_prompt(ev)
+        while self._prompt_ahead:
+            first = min(self._prompt_ahead)
+            if first > self._prompt_next:
+                break  # a gap before it still
+            held = self._prompt_ahead.pop(first)
+            if held.start + len(held.logprobs) > self._prompt_next:
+                self._deliver_prompt(held)
+        if not self.prompt_open:
+            self._prompt_ahead.clear()
+            self._deliver_ahead()
+
+    def _deliver_prompt(self, ev: PromptEvent) -> None:
+        """Deliver ``ev`` (which reaches past ``_prompt_next``), cut to its new part if it
+        overlaps what was delivered (another worker cut the prompt into other chunks)."""
+        if ev.start < self._prompt_next:
+            ev = PromptEvent(ev.request_id, self._prompt_next, ev.logprobs[self._prompt_next - ev.start:])
+        self._queue.put_nowait(ev)
+        self._prompt_next = ev.start + len(ev.logprobs)
 
     def _deliver(self, tok: TokenEvent | TranscriptEvent) -> None:
         self._queue.put_nowait(tok)
         self.next_index = tok.index + 1
+        self._deliver_ahead()
+
+    def _deliver_ahead(self) -> None:
+        """Deliver the tokens held that follow on from ``next_index``, then the end held
+        for them, if it is due."""
         while self.next_index in self._ahead:
             t = self._ahead.pop(self.next_index)
             self._queue.put_nowait(t)
@@ -200,7 +261,7 @@ class RequestStream:
 
     @property
     def gap_open(self) -> bool:
-        return bool(self._ahead) or self._final is not None
+        return bool(self._ahead) or self._final is not None or bool(self._prompt_ahead)
 
     def _skip_gap(self) -> None:
         """The log could not fill a gap (expired, or lost with a Redis restart): end the
@@ -226,6 +287,7 @@ class RequestStream:
     def _end(self, ev: DoneEvent | ErrorEvent) -> None:
         self.finished = True
         self._ahead.clear()
+        self._prompt_ahead.clear()
         self._final = None
         self._queue.put_nowait(ev)
         if self._timer is not None:

@@ -84,6 +84,9 @@ class ClientRequest:
         self.identity = identity
         self.channel = channel
         self.ticket: Ticket | None = None  # set once submitted (a resume has none)
+        #: the request as validated and enqueued (a ``ValidRequest``: its prompt, and the
+        #: text an ``echo`` shows of it); None for a resume
+        self.submitted: Any = None
         self.stream: RequestStream | None = None  # set once submitted or resumed
         self.model = ""
         self.lane = ""  # "" for a resume: the lane is not recorded
@@ -177,6 +180,7 @@ class ClientRequest:
             await self.admission.release(ticket)
             raise
         self.ticket, self.model, self.lane = ticket, request.model, request.lane
+        self.submitted = request
         self._attach(stream)
         return depth
 

@@ -106,6 +106,14 @@ MAX_STOP_TOKEN_IDS = 64
 #: forth, and each of the loop's system calls may then wait out a switch interval.
 INLINE_TOKENIZE_CHARS = 4096
 ROLES = ("system", "user", "assistant", "tool", "developer")
+#: the engine backends that can compute a prompt's log probabilities (``echo`` with
+#: ``logprobs``: ``extend_all`` in workers/engines/onnxruntime.py); a request for them on a
+#: model of another backend is refused here, naming it. A worker whose own engine cannot
+#: (another backend than its model's, a graph that gives the last position's logits only)
+#: refuses the task as well (``WorkerCore``)
+PROMPT_LOGPROB_BACKENDS = ("onnxruntime",)
+#: an ``echo`` of a prompt of token ids longer than this is detokenized in a thread
+INLINE_ECHO_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,8 @@ class Draft:
     #: an embeddings request (gateway/embeddings.py): its inputs, each a text (tokenized by
     #: ``finish``) or token ids (checked already); no prompt
     inputs: tuple[str | tuple[int, ...], ...] | None = None
+    #: a completion that returns its prompt before it (the OpenAI door's ``echo``)
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,11 @@ class ValidRequest:
     group_size: int = 1
     #: an embeddings request's inputs, as token ids
     inputs: tuple[tuple[int, ...], ...] | None = None
+    #: ``echo``: the prompt's text as the response shows it before the completion (a text
+    #: prompt as sent; token ids decoded), and where each of its tokens starts in it
+    #: (``text_offset``); None: no echo
+    echo_text: str | None = None
+    echo_offsets: tuple[int, ...] = ()
 
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,
                 slot: str = "") -> Task | SpeechTask | EmbedTask:
@@ -208,6 +223,64 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if texts and backend is not None and backend.truncation is None and backend.padding is None:
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=True)]
     return [encode_prompt(tokenizer, t) for t in texts]
+
+
+def echo_of(tokenizer: Any, text: str, prompt_ids: tuple[int, ...] | None
+            ) -> tuple[str, list[int], list[int]]:
+    """``(text shown, token ids, each token's start in that text)`` of a completion's prompt
+    that the response echoes: a text prompt as it was sent, tokenized as ``encode_prompt``
+    tokenizes it, each token starting where the tokenizer's offsets say (a token it adds,
+    such as a BOS, where the text around it is); a prompt of token ids decoded token by
+    token, special tokens shown, each starting where its text does (a token that is only
+    part of a character where that character starts, as a completion's tokens). Offsets
+    never go back, so the text of positions ``[i, j)`` is ``text[offsets[i]:offsets[j]]``."""
+    if prompt_ids is not None:
+        return _decoded(tokenizer, list(prompt_ids))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        enc = backend.encode(text, add_special_tokens=True)
+        ids, spans = enc.ids, enc.offsets
+    else:
+        enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        ids, spans = enc["input_ids"], enc["offset_mapping"]
+    offsets, at, reached = [], 0, 0
+    for begin, end in spans:
+        # a token with text of its own starts where it does (overlapping spans: a character
+        # split over tokens); one without (an added BOS or EOS) where the text so far ends
+        at = max(at, begin if end > begin else reached)
+        offsets.append(at)
+        reached = max(reached, end)
+    return text, list(ids), offsets
+
+
+#: tokens an ``echo`` of token ids holds back for an incomplete character before it shows
+#: them as they decode (no character takes more than 4 bytes: only byte garbage gets there)
+_ECHO_HELD = 32
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], list[int]]:
+    """``echo_of`` for a prompt of token ids: the text each token adds, as a completion's
+    tokens are decoded (vLLM's prefix and read offsets: a window of the tokens before it
+    as context), special tokens shown; a token that is only part of a character adds
+    nothing, and the one that completes it adds the character."""
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False) if part else ""
+
+    parts: list[str] = []
+    offsets: list[int] = []
+    at = prefix = read = 0  # ids[prefix:read] is the context decoded last
+    for i in range(len(ids)):
+        offsets.append(at)
+        before = decode(ids[prefix:read])
+        window = decode(ids[prefix:i + 1])
+        if len(window) > len(before) and (not window.endswith("\ufffd") or i + 1 - read >= _ECHO_HELD):
+            new = window[len(before):]
+            parts.append(new)
+            at += len(new)
+            prefix, read = read, i + 1
+    if read < len(ids):  # a character left incomplete at the end: shown as decoded
+        parts.append(decode(ids[prefix:])[len(decode(ids[prefix:read])):])
+    return "".join(parts), ids, offsets
 
 
 def check_lane(value: Any) -> str:
@@ -384,8 +457,12 @@ class Validator:
         """
         return self.finish(self.check(p))
 
-    def check(self, p: dict[str, Any]) -> Draft:
+    def check(self, p: dict[str, Any], *, echo: bool = False) -> Draft:
         """Every rule but the prompt's token count: cheap, run before admission.
+        ``echo``: a completion that returns its prompt before it (the OpenAI door's, which
+        checked its type): ``max_tokens`` may be 0 (the prompt alone), and with
+        ``logprobs`` the prompt's tokens get theirs (``SamplingParams.prompt_logprobs``),
+        on a model whose engine can compute them.
 
         Raises:
             ValidationError: a rule failed (code and param say which).
@@ -425,7 +502,7 @@ class Validator:
         lane = check_lane(p.get("priority"))
 
         explicit = frozenset(name for name in ("max_tokens", "timeout") if p.get(name) is not None)
-        max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 1, s.max_max_tokens)
+        max_tokens = self._int(p, "max_tokens", s.default_max_tokens, 0 if echo else 1, s.max_max_tokens)
         temperature = self._float(p, "temperature", DEFAULT_TEMPERATURE, *RANGES["temperature"])
         top_p = self._float(p, "top_p", 1.0, *RANGES["top_p"])
         if top_p == 0.0:
@@ -445,6 +522,9 @@ class Validator:
         if (prompt is None) == (messages is None):
             raise ValidationError("exactly one of 'prompt' or 'messages' is required",
                                   code=ErrorCode.missing_field, param="prompt")
+        if echo and messages is not None:
+            raise ValidationError("'echo' is a parameter of completions (a 'prompt'), not of chat",
+                                  code=ErrorCode.invalid_request, param="echo")
         tools = parse_tools(p)
         if tools is not None and prompt is not None:
             raise ValidationError("'tools' need 'messages' (a chat request)", code=ErrorCode.invalid_request,
@@ -477,11 +557,19 @@ class Validator:
             text = ""  # rendered by ``finish``, once admitted
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
+        if echo and params.logprobs is not None:
+            if spec.backend not in PROMPT_LOGPROB_BACKENDS:
+                raise ValidationError(f"model {spec.name!r} runs on the {spec.backend} engine, which cannot compute "
+                                      f"the log probabilities of a prompt's tokens ('echo' with 'logprobs'); send "
+                                      f"'echo' without 'logprobs', or ask a model served by "
+                                      f"{' or '.join(PROMPT_LOGPROB_BACKENDS)}", code=ErrorCode.invalid_request,
+                                      param="echo")
+            params = replace(params, prompt_logprobs=params.logprobs)
         return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
                      prompt_text=text, explicit=explicit, chat=messages is not None, prompt_ids=token_ids,
                      tools=tools if tools is not None and tools.mode != "none" else None,
                      messages=tuple(msgs) if msgs is not None else None,
-                     constraint=self._constraint(p, ignore_eos, tools))
+                     constraint=self._constraint(p, ignore_eos, tools), echo=echo)
 
     async def finish_async(self, draft: Draft) -> ValidRequest:
         """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
@@ -494,6 +582,9 @@ class Validator:
                 self.tokenizer(spec)  # loaded (and cached) on the loop, used in the thread
                 return await asyncio.to_thread(self.finish, draft)
             return self.finish(draft)
+        if draft.echo and draft.prompt_ids is not None and len(draft.prompt_ids) > INLINE_ECHO_TOKENS:
+            self.tokenizer(self.spec(draft.model))  # loaded (and cached) on the loop, used in the thread
+            return await asyncio.to_thread(self.finish, draft)
         if draft.constraint is not None and draft.audio is None:
             spec = self.spec(draft.model)
             grammar = self._compile(draft, spec)
@@ -538,8 +629,12 @@ class Validator:
                 raise ValidationError(f"the prompt has {len(text)} characters; the limit is "
                                       f"{self.settings.max_prompt_chars}", code=ErrorCode.prompt_too_long,
                                       param="messages")
-        ids = draft.prompt_ids if draft.prompt_ids is not None else \
-            encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
+        echo_text, offsets = None, ()
+        if draft.echo:
+            echo_text, ids, offsets = echo_of(self.tokenizer(spec), text, draft.prompt_ids)
+        else:
+            ids = draft.prompt_ids if draft.prompt_ids is not None else \
+                encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:
@@ -557,7 +652,8 @@ class Validator:
                 code=ErrorCode.prompt_too_long, param="max_tokens")
         return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
                             params=params, timeout_s=draft.timeout_s, prompt_text=text,
-                            group=draft.group, group_size=draft.group_size)
+                            group=draft.group, group_size=draft.group_size, echo_text=echo_text,
+                            echo_offsets=tuple(offsets))
 
     def _embedding_inputs(self, inputs: tuple, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
         """An embeddings request's inputs as token ids: its texts tokenized (special tokens

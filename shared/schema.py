@@ -3,6 +3,7 @@
 * ``Task``            gateway → worker, one entry (field ``task``) in a lane stream
 * ``EmbedTask``       gateway → worker, as ``Task``: an embedding model's inputs (token ids)
 * ``TokenEvent``,
+  ``PromptEvent``,
   ``EmbeddingEvent``,
   ``DoneEvent``,
   ``ErrorEvent``      worker → gateway, published on ``sf:reply:{connection_id}`` as a
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import base64
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, ClassVar, Union
 
@@ -60,6 +61,7 @@ __all__ = [
     "AnyTask",
     "decode_task",
     "TokenEvent",
+    "PromptEvent",
     "DoneEvent",
     "ErrorEvent",
     "TranscriptEvent",
@@ -142,6 +144,10 @@ class SamplingParams:
     min_tokens: int = 0
     #: None: no log probabilities; k >= 0: each token's, with the k most likely
     logprobs: int | None = None
+    #: None: none; k >= 0: the log probability of each prompt token after the first, with
+    #: the k most likely, computed as the prompt is fed (``PromptEvent``; vLLM's name: the
+    #: OpenAI door's ``echo`` with ``logprobs``). Left off the wire when None
+    prompt_logprobs: int | None = None
     #: an llguidance grammar the output must match ("" for none): structured outputs
     #: (shared/grammar.py); the sequence ends when the grammar is complete
     grammar: str = ""
@@ -201,8 +207,8 @@ def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
         lo, hi = RANGES[name]
         return f"{name} must be in [{lo:g}, {hi:g}]"
 
-    if not (type(p.max_tokens) is int and p.max_tokens >= 1):
-        return "max_tokens must be at least 1"
+    if not (type(p.max_tokens) is int and p.max_tokens >= 0):
+        return "max_tokens must be an integer >= 0"
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if not _number(getattr(p, name), name):
             return in_range(name)
@@ -224,6 +230,8 @@ def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
         return f"stop_token_ids must be token ids from 0 to {vocab_size - 1} (the vocabulary size is {vocab_size})"
     if p.logprobs is not None and not _integer(p.logprobs, "logprobs"):
         return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+    if p.prompt_logprobs is not None and not _integer(p.prompt_logprobs, "logprobs"):
+        return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
     return None
 
 
@@ -271,7 +279,11 @@ class Task:
         return len(self.prompt_ids)
 
     def encode(self) -> bytes:
-        return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
+        """The lane entry; ``params.prompt_logprobs`` is left out when None (most tasks:
+        a task that does not ask for it reads the same to a worker that predates it)."""
+        if self.params.prompt_logprobs is not None:
+            return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
+        return orjson.dumps(self, default=_task_fields, option=orjson.OPT_PASSTHROUGH_DATACLASS)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Task":
@@ -343,6 +355,24 @@ class EmbedTask:
 AnyTask = Union[Task, SpeechTask, EmbedTask]
 
 
+def _task_fields(obj: Any) -> dict[str, Any]:
+    """A text task's dataclasses as ``Task.encode`` writes them (``default`` of
+    ``orjson.dumps`` with ``OPT_PASSTHROUGH_DATACLASS``): every field, but a
+    ``SamplingParams``'s ``prompt_logprobs`` when None."""
+    if type(obj) is SamplingParams:
+        d = {name: getattr(obj, name) for name in _PARAM_FIELDS}
+        if obj.prompt_logprobs is None:
+            del d["prompt_logprobs"]
+        return d
+    if type(obj) is Task:
+        return {name: getattr(obj, name) for name in _TASK_FIELDS}
+    raise TypeError(f"{type(obj).__name__} is not part of a task")
+
+
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_TASK_FIELDS = tuple(f.name for f in fields(Task))
+
+
 def decode_task(raw: bytes | str) -> AnyTask:
     """Parse a lane entry's task by its ``kind`` (a task without one is text, or speech
     when it carries ``audio``, as gateways before the speech type wrote them); raises
@@ -379,6 +409,22 @@ class TokenEvent:
     #: most likely alternatives (``workers.logits.TokenTable.entry``)
     logprobs: dict | None = None
     type: str = "token"
+
+
+@dataclass(slots=True)
+class PromptEvent:
+    """The log probabilities of some of a prompt's tokens (``SamplingParams.prompt_logprobs``),
+    sent as the worker feeds the prompt chunk by chunk, before the request's first
+    ``TokenEvent``: ``logprobs[j]`` is prompt position ``start + j``'s entry, as a
+    ``TokenEvent.logprobs`` without ``bytes`` (``workers.logits.TokenTable.prompt_entry``:
+    ``id``, ``token``, ``logprob``, ``top``); position 0's has only ``id`` and ``token``
+    (nothing predicts the first token). The gateway delivers each position once, in
+    order, and every one before the first token (``gateway.request_stream``)."""
+
+    request_id: str
+    start: int
+    logprobs: list[dict]
+    type: str = "prompt"
 
 
 @dataclass(slots=True)
@@ -476,14 +522,14 @@ class ErrorEvent:
         return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
-Event = Union[TokenEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
+Event = Union[TokenEvent, PromptEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
 #: the events that carry a request's output, indexed from 0 (delivered once each, in order)
 PROGRESS = (TokenEvent, TranscriptEvent, EmbeddingEvent)
 #: the events that end a request: exactly one, last
 ENDS = (DoneEvent, ErrorEvent)
 
-_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "transcript": TranscriptEvent, "embedding": EmbeddingEvent,
-                                  "done": DoneEvent, "error": ErrorEvent}
+_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "prompt": PromptEvent, "transcript": TranscriptEvent,
+                                  "embedding": EmbeddingEvent, "done": DoneEvent, "error": ErrorEvent}
 
 
 def event_from_dict(d: dict[str, Any]) -> Event:
@@ -766,11 +812,17 @@ class Heartbeat:
     #: of ``slots_used``, the tasks it took from the shared lanes (the rest came from its
     #: affinity streams, whose length a gateway reads fresh: routing's load); -1: not said
     shared_used: int = -1
+    #: the execution mode its engine runs (a GGUF model's weights mode, chosen by measurement
+    #: or pinned: shared/execution.py) and why, in a line; "" for models without one
+    execution: str = ""
+    execution_why: str = ""
     worker_id: str = ""
 
     def encode(self) -> bytes:
         d = asdict(self)
         del d["worker_id"]
+        if not self.execution:
+            del d["execution"], d["execution_why"]
         if not self.cache_blocks and not self.cache_bytes and not self.cache_hit_rate:
             for name in ("cache_blocks", "cache_bytes", "cache_hit_rate"):
                 del d[name]
@@ -799,6 +851,7 @@ class Heartbeat:
                        host=str(d.get("host", "")), cache_blocks=int(d.get("cache_blocks", 0)),
                        cache_bytes=int(d.get("cache_bytes", 0)), cache_hit_rate=float(d.get("cache_hit_rate", 0.0)),
                        step_ms=float(d.get("step_ms", 0.0)), shared_used=int(d.get("shared_used", -1)),
+                       execution=str(d.get("execution", ""))[:64], execution_why=str(d.get("execution_why", ""))[:1000],
                        worker_id=wid)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from exc

@@ -40,6 +40,10 @@ class Sequence:
     pending: list[int] | None = None
     #: prompt tokens the engine's prefix cache had when it started
     cached: int = 0
+    #: the top alternatives of its prompt's log probabilities, computed chunk by chunk as
+    #: the prompt is fed (``SamplingParams.prompt_logprobs``); None: not asked for, or
+    #: already sent (a takeover that replays tokens)
+    prompt_logprobs: int | None = None
     cancelled: bool = False
     #: leaves silently (no event, not acked): another worker took the task over
     abandoned: bool = False

@@ -15,6 +15,14 @@ Stream invariants, per request:
 * No text is lost and no extra index is made up for it: a TokenEvent after which text
   is held back is itself kept back until the next token (see ``Sequence.deferred``),
   so that if the next token is EOS the held text joins that last event.
+* A request that asks for its prompt's log probabilities (``prompt_logprobs``) gets
+  ``PromptEvent``s covering prompt positions 0, 1, … in order, all before its first
+  TokenEvent (or its DoneEvent): its prompt is computed whole, never taken from the
+  prefix cache or another sequence, chunk by chunk, each chunk's logits reduced at once
+  to what was asked (``_score``), so memory stays bounded by one chunk.
+* ``max_tokens`` 0 (the OpenAI door's ``echo`` of a prompt alone): nothing is generated;
+  the request ends with ``length`` once its prompt's log probabilities are out, or at
+  once when it asked for none.
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ import numpy as np
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
-from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, Task, TokenEvent,
-                                       sampling_problem)
+from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent, Task,
+                                       TokenEvent, sampling_problem)
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
@@ -46,6 +54,12 @@ log = get_logger("worker.core")
 #: chunked prefill: the oldest prompt being fed moves by at least this many tokens a
 #: step, however many decodes fill ``max_step_tokens``
 _MIN_CHUNK = 16
+#: a prompt whose log probabilities are asked for goes through the engine in chunks of
+#: at most this many tokens, whatever ``max_step_tokens`` allows ...
+_PROMPT_CHUNK = 256
+#: ... and of at most this many logits (a chunk's logits are ``[tokens, vocab]`` floats:
+#: 64 MiB; 256 tokens of a 49,152-token vocabulary take 48)
+_PROMPT_LOGITS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -167,6 +181,10 @@ class WorkerCore:
         self._masker: ThreadPoolExecutor | None = None  # computes the masks while the engine runs
         #: the prompts of the groups (``Task.group``) whose other choices are still to start
         self._prefixes: dict[str, _Prefix] = {}
+        #: why this engine cannot give a prompt's log probabilities (None: it can)
+        self._no_prompt_logprobs = self._prompt_logprobs_problem()
+        #: most tokens of a chunk of a prompt whose log probabilities are computed
+        self._score_chunk = max(_MIN_CHUNK, min(_PROMPT_CHUNK, _PROMPT_LOGITS // max(1, self._vocab_size)))
 
     # -- admission -----------------------------------------------------------------
 
@@ -232,6 +250,8 @@ class WorkerCore:
         seq.stop_ids = frozenset(int(t) for t in p.stop_token_ids)
         if replay and getattr(self.engine, "replays_exactly", True) and self._replayable(task, replay):
             self._fast_forward(seq, replay)
+        # a takeover that continues from replayed tokens: the prompt's were sent before them
+        seq.prompt_logprobs = p.prompt_logprobs if not seq.generated else None
         with self._lock:
             self._sched.add(seq)
 
@@ -290,6 +310,21 @@ class WorkerCore:
         self._orphans.clear()
         return [s.task for s in seqs] + [t for t, _, _ in rejected]
 
+    def _prompt_logprobs_problem(self) -> str | None:
+        """Why this core's engine cannot give a prompt's log probabilities (it needs
+        ``start``/``extend`` with ``start(from_cache=False)`` and ``extend_all``, on a graph
+        that gives every position's logits), or None."""
+        engine = self.engine
+        name = f"model {engine.spec.name!r} on the {type(engine).__name__} engine"
+        if not self._chunked or not callable(getattr(engine, "extend_all", None)):
+            return (f"{name} cannot compute the log probabilities of a prompt's tokens (echo with logprobs): "
+                    f"the engine gives the logits of a prompt's last position only")
+        if not getattr(engine, "every_position", False):
+            return (f"{name} cannot compute the log probabilities of a prompt's tokens (echo with logprobs): its "
+                    f"graph gives the logits of the last position only (import the model again: graphs imported "
+                    f"since logits_to_keep give every position's)")
+        return None
+
     def _validate(self, task: AnyTask, now: float) -> tuple[ErrorCode, str] | None:
         if not isinstance(task, Task):
             return ErrorCode.invalid_request, f"model {task.model!r} generates text; this is a {task.kind} task"
@@ -310,6 +345,8 @@ class WorkerCore:
         problem = sampling_problem(task.params, vocab)
         if problem is not None:
             return ErrorCode.invalid_request, problem
+        if task.params.prompt_logprobs is not None and self._no_prompt_logprobs is not None:
+            return ErrorCode.invalid_request, self._no_prompt_logprobs
         if task.deadline is not None and now > task.deadline:
             return ErrorCode.timeout, "the request's deadline passed before a worker could start it"
         return None
@@ -336,7 +373,8 @@ class WorkerCore:
             self._finish(seq, FinishReason.cancelled, out)
 
         new = [seq for seq in (*self._take_orphans(), *plan.prefill)
-               if not seq.task.params.grammar or self._start_matcher(seq, out)]
+               if not self._nothing_to_generate(seq, out)
+               and (not seq.task.params.grammar or self._start_matcher(seq, out))]
         if self._chunked:
             decode = [seq for seq in plan.decode if seq.decoding]
             forked, forked_logits = self._start(new, out)
@@ -391,6 +429,9 @@ class WorkerCore:
                     self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
                 continue
             for i, seq in enumerate(seqs):
+                if seq.task.params.max_tokens == 0:  # its prompt's log probabilities are out: done
+                    self._finish(seq, FinishReason.length, out, now=now)
+                    continue
                 try:
                     token = seq.sampler.sample(logits[i])
                     entry = None
@@ -409,6 +450,14 @@ class WorkerCore:
                                   trace_id=seq.task.trace_id)
                     self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
         return out
+
+    def _nothing_to_generate(self, seq: Sequence, out: StepOutput) -> bool:
+        """End a new sequence of ``max_tokens`` 0 that asks nothing of its prompt (the OpenAI
+        door's ``echo`` of a prompt alone) with ``length``, without the engine; True if so."""
+        if seq.task.params.max_tokens or seq.prompt_logprobs is not None:
+            return False
+        self._finish(seq, FinishReason.length, out)
+        return True
 
     def _process(self, seqs: list[Sequence], logits: np.ndarray, allowed: dict[str, np.ndarray], out: StepOutput
                  ) -> tuple[np.ndarray, Logprobs | None]:
@@ -602,6 +651,13 @@ class WorkerCore:
             if fork is not None else {}
         for seq in new:
             t = seq.task
+            if seq.prompt_logprobs is not None:
+                # it computes its whole prompt itself, never from another's cache; the
+                # sequences after it with the same prompt may fork its cache, though
+                if fork is not None:
+                    prefilling.setdefault(self._key(seq), seq)
+                leaders.append(seq)
+                continue
             if fork is not None and not seq.generated:
                 prefix = self._prefixes.get(t.group) if t.group else None
                 if prefix is not None and prefix.usable(t.prompt_ids):
@@ -621,24 +677,30 @@ class WorkerCore:
                     self._leader_of[seq.request_id] = leader
                     continue
             leaders.append(seq)
-        live = leaders
+        self._start_in_engine([s for s in leaders if s.prompt_logprobs is None], out)
+        self._start_in_engine([s for s in leaders if s.prompt_logprobs is not None], out, from_cache=False)
+        return forked, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
+
+    def _start_in_engine(self, live: list[Sequence], out: StepOutput, *, from_cache: bool = True) -> None:
+        """Start ``live`` in the engine (``from_cache=False``: none from the prefix cache)
+        and put them in the chunked-prefill bookkeeping."""
         while live:
             try:
-                cached = self.engine.start([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
+                seqs = [(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live]
+                cached = self.engine.start(seqs) if from_cache else self.engine.start(seqs, from_cache=False)
             except SequenceError as exc:
                 live = self._without_failed(live, exc, "prefill", out)
                 continue
             except Exception as exc:
                 self._fail_all(live, exc, "prefill", out)
-                break
+                return
             for seq, n in zip(live, cached):
                 seq.prefilled = True
                 seq.pending = [*seq.task.prompt_ids, *seq.generated][int(n):]
                 self._feeding[seq.request_id] = seq
                 seq.cached = min(int(n), len(seq.task.prompt_ids))
                 out.cached_tokens += int(n)
-            break
-        return forked, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
+            return
 
     def _chunks(self, decodes: int) -> list[tuple[Sequence, int]]:
         """How many tokens of each prompt being fed go through the engine this step:
@@ -648,15 +710,20 @@ class WorkerCore:
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._feeding.values():
             need = len(seq.pending)
+            # a prompt whose logits are all kept goes in chunks of ``_score_chunk`` at most
+            cap = self._score_chunk if seq.prompt_logprobs is not None else need
             if budget is None:
-                chunks.append((seq, need))
+                take = min(need, cap)
+                if take < need and need - take == 1:
+                    take -= 1
+                chunks.append((seq, take))
                 continue
             if budget <= 0:
                 if chunks:
                     break
-                take = min(need, _MIN_CHUNK)
+                take = min(need, _MIN_CHUNK, cap)
             else:
-                take = min(need, budget)
+                take = min(need, budget, cap)
             # never a chunk of one token, nor one left for later: ONNX Runtime computes a
             # one-token run with one-row kernels whose last bits differ from a prefill's,
             # and a prompt must get the same bits however it is cut (docs/scheduling.md)
@@ -675,7 +742,11 @@ class WorkerCore:
         """Feed this step's chunks; returns the sequences whose prompt is now all in
         (they sample their first token), with the sequences that waited for them
         (forked now) and the logits of each."""
-        live = list(chunks)
+        # a prompt whose log probabilities are asked for runs alone, its chunk's logits
+        # reduced at once (``_score``); the others share the engine's ``extend``
+        fed = [(s, n, row) for s, n in chunks if s.prompt_logprobs is not None
+               for row in [self._score(s, n, out)] if row is not None]
+        live = [(s, n) for s, n in chunks if s.prompt_logprobs is None]
         while live:
             try:
                 logits = np.asarray(self.engine.extend([(s.request_id, s.pending[:n]) for s, n in live]))
@@ -688,20 +759,61 @@ class WorkerCore:
                 continue
             except Exception as exc:
                 self._fail_all([s for s, _ in live], exc, "prefill", out)
-                return [], None
-            done: list[Sequence] = []
-            rows: list[np.ndarray] = []
-            for i, (seq, n) in enumerate(live):
-                out.prefill_tokens += n
-                seq.pending = seq.pending[n:] or None
-                if seq.pending is None:
-                    del self._feeding[seq.request_id]
-                    done.append(seq)
-                    rows.append(logits[i])
-            for seq, row in list(zip(done, rows)):
-                self._prefilled(seq, row, done, rows, out)
-            return done, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
-        return [], None
+                break
+            fed = [*((seq, n, logits[i]) for i, (seq, n) in enumerate(live)), *fed]
+            break
+        done: list[Sequence] = []
+        rows: list[np.ndarray] = []
+        for seq, n, row in fed:
+            self._fed(seq, n, row, done, rows, out)
+        for seq, row in list(zip(done, rows)):
+            self._prefilled(seq, row, done, rows, out)
+        return done, (np.stack(rows) if rows else np.empty((0, self._vocab_size), np.float32))
+
+    def _fed(self, seq: Sequence, n: int, row: np.ndarray, done: list[Sequence], rows: list[np.ndarray],
+             out: StepOutput) -> None:
+        """``seq`` took ``n`` more tokens of its prompt, ``row`` the logits after them: once
+        its prompt is all in, it joins ``done`` (it samples from ``row``)."""
+        out.prefill_tokens += n
+        seq.pending = seq.pending[n:] or None
+        if seq.pending is None:
+            del self._feeding[seq.request_id]
+            done.append(seq)
+            rows.append(row)
+
+    def _score(self, seq: Sequence, n: int, out: StepOutput) -> np.ndarray | None:
+        """Feed the next ``n`` tokens of the prompt of ``seq``, which asked for its prompt's
+        log probabilities, in a run of its own (``Engine.extend_all``), and put the log
+        probabilities of the prompt tokens those positions predict in a ``PromptEvent``
+        (position 0's entry, which nothing predicts, has none): each of the chunk's rows
+        is reduced at once to the token's log probability and the top alternatives, by the
+        code that makes a generated token's (``Logprobs``), so no more than one chunk's
+        logits are ever held. Returns the logits after the chunk's last token, or None
+        when the engine failed (the request then ended)."""
+        prompt = seq.task.prompt_ids
+        first = len(prompt) - len(seq.pending)  # the chunk's first prompt position
+        chunk = seq.pending[:n]
+        try:
+            logits = np.asarray(self.engine.extend_all(seq.request_id, chunk))
+            if logits.shape != (n, self._vocab_size):
+                raise RuntimeError(f"engine extend_all returned logits of shape {logits.shape} for a chunk of {n}")
+        except Exception as exc:  # it runs alone: whatever failed, failed this sequence only
+            log.error("engine call failed", call="prompt logprobs", request_id=seq.request_id, exc_info=exc)
+            self._fail(seq, ErrorCode.engine_error,
+                       f"the engine failed on this request (prompt log probabilities): {type(exc).__name__}", out)
+            return None
+        table = self._token_table()
+        entries = [table.prompt_entry(prompt[0], None, [])] if first == 0 else []
+        # row j predicts prompt position first + j + 1, while that is in the prompt
+        rows = [j for j in range(n) if first + j + 1 < len(prompt)]
+        if rows:
+            lps = Logprobs(logits, rows, [seq.prompt_logprobs] * len(rows))
+            for j in rows:
+                entries.append(table.prompt_entry(prompt[first + j + 1], *lps.of(j, prompt[first + j + 1])))
+        if entries:
+            start = first if first == 0 else first + 1
+            out.events.append((seq.task.reply_to, PromptEvent(seq.request_id, start, entries)))
+        return np.array(logits[-1])
 
     def _prefilled(self, seq: Sequence, row: np.ndarray, done: list[Sequence], rows: list[np.ndarray],
                    out: StepOutput) -> None:

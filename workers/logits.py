@@ -291,6 +291,16 @@ class TokenTable:
                 "top": [{"id": t, "token": (tt := self.token(t))[0], "bytes": tt[1], "logprob": _finite(v)}
                         for t, v in top]}
 
+    def prompt_entry(self, tid: int, lp: float | None, top: list[tuple[int, float]]) -> dict[str, Any]:
+        """A prompt token's entry of a ``PromptEvent``: ``entry`` without the bytes (the
+        completions API, the only one that shows a prompt's, has no use for them: a
+        prompt's entries are many). ``lp`` None: the prompt's first token, which nothing
+        predicts (``id`` and ``token`` only)."""
+        if lp is None:
+            return {"id": tid, "token": self.token(tid)[0]}
+        return {"id": tid, "token": self.token(tid)[0], "logprob": _finite(lp),
+                "top": [{"id": t, "token": self.token(t)[0], "logprob": _finite(v)} for t, v in top]}
+
 
 def _finite(v: float) -> float:
     """-inf (a token the model gives no chance) as the most negative float32, as JSON can carry."""

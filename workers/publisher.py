@@ -30,7 +30,8 @@ from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, TokenEvent, encode_events
+from streamfleet.shared.schema import (ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, PromptEvent, TokenEvent,
+                                       encode_events)
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -250,7 +251,7 @@ class Publisher(Part):
             key = self.keys.log(ev.request_id)
             tid = ids.get((ev.request_id, ev.index)) if isinstance(ev, TokenEvent) else None
             batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", *LogEntry(ev, tid).fields())
-            if isinstance(ev, ENDS) or ev.index % 64 == 0:
+            if isinstance(ev, ENDS) or type(ev) is PromptEvent or ev.index % 64 == 0:
                 batch.add(b"EXPIRE", key, ttl)
             if isinstance(ev, ENDS):  # the request's record lives as long as its log
                 batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)

@@ -113,8 +113,8 @@ def test_parameters_streamfleet_does_not_implement_are_refused_by_name(fleet, rd
             client.chat.completions.create(**chat, **fields)
         assert e.value.body["param"] == param and e.value.body["code"] == "invalid_request", e.value.body
         assert "not supported" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-gpt", prompt="x", max_tokens=4, echo=True)
+    with pytest.raises(openai.BadRequestError) as e:  # completions serve it (tests/integration/test_echo.py)
+        client.chat.completions.create(**chat, extra_body={"echo": True})
     assert e.value.body["param"] == "echo"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-gpt", prompt="x", max_tokens=4, suffix="and so on")
@@ -213,6 +213,18 @@ def test_sse_headers_and_first_token_before_last_is_generated(slow_fleet, rds):
     assert rest[-1] == "data: [DONE]"
     assert orjson.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
     _wait_pending(rds, lane, 0, 10)  # acked: the module's next test sees only its own request
+
+
+def test_echo_with_logprobs_on_an_engine_that_cannot_is_refused_by_name(slow_fleet):
+    """The echo engine gives no prompt logits: its worker refuses the prompt's log
+    probabilities with 400 naming it (the model's engine.toml says onnxruntime, so the
+    gateway cannot know), never an approximation; echo without logprobs is served."""
+    client = sdk(slow_fleet)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-gpt", prompt="Once upon a time", echo=True, logprobs=1, max_tokens=2)
+    assert e.value.body["code"] == "invalid_request" and "EchoEngine" in e.value.body["message"]
+    r = client.completions.create(model="tiny-gpt", prompt="Once upon a time", echo=True, max_tokens=2)
+    assert r.choices[0].text.startswith("Once upon a time") and r.usage.completion_tokens == 2
 
 
 def test_sse_keepalive_comment(fleet):

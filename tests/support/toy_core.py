@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, SamplingParams, Task, TokenEvent
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, PromptEvent, SamplingParams, Task, TokenEvent
 from streamfleet.workers.core import StepOutput, WorkerCore
 from streamfleet.workers.engines.base import Engine, SequenceError
 
@@ -131,9 +131,10 @@ class Clock:
 
 
 def task(rid: str, prompt, *, max_tokens=16, stop=(), temperature=0.0, seed=0, created_at=1000.0,
-         deadline=None, reply_to="c1"):
+         deadline=None, reply_to="c1", logprobs=None, prompt_logprobs=None):
     ids = ByteTokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(stop), seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(stop), seed=seed,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     return Task(rid, "toy", "normal", reply_to, rid, ids, params, created_at, deadline)
 
 
@@ -156,7 +157,7 @@ class Log:
         for reply_to, ev in out.events:
             assert isinstance(reply_to, str)
             self.events[ev.request_id].append(ev)
-            if not isinstance(ev, TokenEvent):
+            if isinstance(ev, (DoneEvent, ErrorEvent)):
                 ended.append(ev.request_id)
         assert sorted(ended) == sorted(out.finished)
         self.finished += out.finished
@@ -164,6 +165,10 @@ class Log:
 
     def tokens(self, rid):
         return [e for e in self.events[rid] if isinstance(e, TokenEvent)]
+
+    def prompt(self, rid) -> list[dict]:
+        """The prompt's log probability entries (``PromptEvent``s), in position order."""
+        return [entry for e in self.events[rid] if isinstance(e, PromptEvent) for entry in e.logprobs]
 
     def text(self, rid):
         return "".join(e.text for e in self.tokens(rid))
@@ -174,6 +179,14 @@ class Log:
     def check(self, rid):
         evs = self.events[rid]
         assert evs, rid
+        # a prompt's log probabilities first, covering positions 0, 1, ... in order
+        prompt = [e for e in evs if isinstance(e, PromptEvent)]
+        assert evs[:len(prompt)] == prompt, evs
+        at = 0
+        for e in prompt:
+            assert e.start == at and e.logprobs, evs
+            at += len(e.logprobs)
+        evs = evs[len(prompt):]
         *toks, last = evs
         assert all(isinstance(e, TokenEvent) for e in toks), evs
         assert [e.index for e in toks] == list(range(len(toks))), evs

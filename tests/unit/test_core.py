@@ -130,7 +130,9 @@ def test_max_context_ends_with_length():
         ([1, 2.0], {}, "invalid_request"),
         ([1, "2"], {}, "invalid_request"),
         ([1, [2]], {}, "invalid_request"),
-        ("ok", {"max_tokens": 0}, "invalid_request"),
+        ("ok", {"max_tokens": -1}, "invalid_request"),  # 0 is legal: the prompt alone (echo)
+        ("ok", {"max_tokens": 0, "prompt_logprobs": 21}, "invalid_request"),
+        ("ok", {"prompt_logprobs": 0}, "invalid_request"),  # the toy engine cannot compute them
         ("ok", {"temperature": -1.0}, "invalid_request"),
         ("ok", {"deadline": 999.0}, "timeout"),
     ],

@@ -262,9 +262,9 @@ def test_graphs_without_position_ids_are_never_padded(engine, tiny_spec, name):
     masks = []
     real_run = solo_engine._run
 
-    def run(ids, mask, positions, past):
+    def run(ids, mask, positions, past, **kw):
         masks.append(mask)
-        return real_run(ids, mask, positions, past)
+        return real_run(ids, mask, positions, past, **kw)
 
     solo_engine._run = run
     check_scenario(solo_engine, engine, scenario_prompts(engine.vocab_size, (7, 7, 40, 3, 7)), SCENARIOS[name],

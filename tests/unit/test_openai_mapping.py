@@ -135,7 +135,9 @@ def test_a_completions_integer_logprobs_is_the_chat_apis_pair():
                                         ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]),
                                         ("store", True)])
 def test_unsupported_parameters_are_refused_naming_the_parameter(validator, name, value):
-    p = request_payload({"prompt": "x", name: value}, chat=False)
+    # (echo is served on completions: refused on chat, and on the WebSocket, as before)
+    p = request_payload({"messages": CHAT, name: value}, chat=True) if name == "echo" else \
+        request_payload({"prompt": "x", name: value}, chat=False)
     assert p[name] == value  # carried along, for the validator to refuse
     for check in (check_unsupported, validator.check):
         e = refused(check, p)

@@ -53,7 +53,11 @@ def test_worker_recheck_of_lists_and_token_ids():
         assert "logit_bias" in sampling_problem(dataclasses.replace(base, logit_bias=bad), VOCAB)
     assert "stop_token_ids" in sampling_problem(dataclasses.replace(base, stop_token_ids=[VOCAB]), VOCAB)
     assert "stop" in sampling_problem(dataclasses.replace(base, stop=[1]), VOCAB)
-    assert "max_tokens" in sampling_problem(dataclasses.replace(base, max_tokens=0), VOCAB)
+    assert "max_tokens" in sampling_problem(dataclasses.replace(base, max_tokens=-1), VOCAB)
+    assert sampling_problem(dataclasses.replace(base, max_tokens=0), VOCAB) is None  # the prompt alone (echo)
+    assert sampling_problem(dataclasses.replace(base, prompt_logprobs=RANGES["logprobs"][1]), VOCAB) is None
+    for bad in (-1, RANGES["logprobs"][1] + 1, True, 1.0):
+        assert "prompt_logprobs" in sampling_problem(dataclasses.replace(base, prompt_logprobs=bad), VOCAB)
     assert "max_tokens" in sampling_problem(dataclasses.replace(base, max_tokens=True), VOCAB)
     assert "min_tokens" in sampling_problem(dataclasses.replace(base, min_tokens=-1), VOCAB)
     assert "grammar" in sampling_problem(dataclasses.replace(base, grammar="start: x", ignore_eos=True), VOCAB)

@@ -85,6 +85,20 @@ class Engine(Protocol):
     # change as a sequence decodes on). The worker core prefills each sequence itself
     # when an engine has no ``fork``.
 
+    # optional, chunked prefill: start(seqs, *, from_cache=True) registers sequences with
+    # what the engine's prefix cache holds of their prompts (returns the tokens each starts
+    # with; ``from_cache=False``: none) and extend(seqs) feeds each a chunk, returning the
+    # logits at each chunk's last position (``OnnxRuntimeEngine``).
+
+    # optional, a prompt's log probabilities: extend_all(seq_id, chunk) feeds one live
+    # sequence a chunk, as ``extend`` does (the same cache after it), in a run of its own,
+    # and returns float32 ``[len(chunk), vocab_size]``: the logits after each of the
+    # chunk's tokens, the last row ``extend``'s. ``every_position: bool`` says whether it
+    # can (a graph may give the last position's logits only). A sequence that needs them
+    # starts ``from_cache=False`` (a position served from the cache has no logits). The
+    # worker core refuses a request for a prompt's log probabilities, naming the engine,
+    # on an engine without them.
+
     def close(self) -> None:
         """Free everything."""
         ...

@@ -270,6 +270,9 @@ class OnnxRuntimeEngine:
         #: docstring); false where asked, or where the graph's kernels compute a row
         #: differently beside other rows (``rows_independent``)
         self.batch_invariant = batch_invariant and self.rows_independent()
+        #: ``extend_all`` can give the logits of every position of a chunk (a prompt's log
+        #: probabilities): the graph has ``logits_to_keep`` or outputs every position
+        self.every_position = self._every_position()
         if batch_invariant and not self.batch_invariant:
             # info, not a warning: the default model is such a graph, and nothing is wrong with it
             log.info("batch invariance is not possible with this graph: its kernels compute a row differently "
@@ -323,8 +326,10 @@ class OnnxRuntimeEngine:
         self._has_positions = "position_ids" in inputs
         self._has_branch = "use_cache_branch" in inputs
         #: the graph computes the logits of the last ``logits_to_keep`` positions (the GGUF
-        #: import's graphs); others give every position's (Optimum) or the last one's
-        self._has_keep = "logits_to_keep" in inputs
+        #: import's graphs; an input, or an initializer with a default the run may override);
+        #: others give every position's (Optimum) or the last one's
+        self._has_keep = "logits_to_keep" in inputs or \
+            any(i.name == "logits_to_keep" for i in self._session.get_overridable_initializers())
         #: no position_ids: never pad or move a cache (see the module docstring)
         self.solo = not self._has_positions
 
@@ -352,6 +357,16 @@ class OnnxRuntimeEngine:
             results.append((logits[:, -1], step[:, -1]))
         (p1, d1), (p3, d3) = results
         return all(np.array_equal(a[0], b[r]) for a, b in ((p1, p3), (d1, d3)) for r in (0, 2))
+
+    def _every_position(self) -> bool:
+        """Whether a run gives the logits of each of its positions (two, from an empty
+        past): a GGUF import's graph when asked (``logits_to_keep``), an Optimum export's
+        always; a graph that slices the last position itself (a GGUF import from before
+        ``logits_to_keep``) does not."""
+        ids = np.array([[1 % self.vocab_size, 2 % self.vocab_size]], dtype=np.int64)
+        logits = self._run(ids, np.ones((1, 2), np.int64), np.arange(2, dtype=np.int64)[None],
+                           [self._empty_past(1)] * len(self._past_names), keep=2)[0]
+        return logits.ndim == 3 and logits.shape[1] == 2
 
     def _probe_vocab(self) -> int:
         ids = np.zeros((1, 1), dtype=np.int64)
@@ -398,17 +413,20 @@ class OnnxRuntimeEngine:
                 self.release(seq_id)
             raise
 
-    def start(self, seqs: list[tuple[str, list[int]]]) -> list[int]:
+    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
         """Register new sequences, each with the longest run of its prompt's blocks the
         prefix cache holds (copied into its own cache), and nothing else computed yet;
         ``extend`` feeds them the rest. Returns the tokens each starts with (a multiple of
         the block size, always less than its prompt: the last token's logits are computed).
+        ``from_cache=False``: each starts empty, whatever the cache holds (a sequence
+        whose prompt's log probabilities are asked for computes every position: a
+        position taken from the cache has no logits); its blocks still go to the cache.
 
         Raises:
             InvalidSequenceError, ValueError: as ``prefill``; nothing is started.
         """
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
-        cache = self.prefix_cache
+        cache = self.prefix_cache if from_cache else None
         out = []
         for seq_id, prompt in seqs:
             names, run = cache.lookup(prompt) if cache is not None else ([], [])
@@ -442,21 +460,7 @@ class OnnxRuntimeEngine:
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         if not seqs:
             return out
-        if len({seq_id for seq_id, _ in seqs}) != len(seqs):
-            raise ValueError("a sequence id appears twice in one extend call")
-        bad: dict[str, str] = {}
-        for seq_id, chunk in seqs:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                bad[seq_id] = "is not live"
-            elif not chunk:
-                bad[seq_id] = "was given no tokens"
-            elif seq.length + len(chunk) > self.max_context:
-                bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {self.max_context}"
-            elif min(chunk) < 0 or max(chunk) >= self.vocab_size:
-                bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
-        if bad:
-            raise InvalidSequenceError(_describe(bad), list(bad))
+        self._check_extend(seqs)
         unpadded = self.solo or self.batch_invariant
         fresh: list[int] = []
         exact: dict[tuple[int, int], list[int]] = {}
@@ -473,12 +477,63 @@ class OnnxRuntimeEngine:
             lengths = [len(seqs[i][1]) for i in fresh]
             groups += [[fresh[j] for j in g] for g in self._prefill_groups(lengths)]
         for group in groups:
-            self._extend_group(seqs, group, out, unpadded)
+            out[group] = self._extend_group(seqs, group, unpadded)[:, -1, :]
         return out
 
-    def _extend_group(self, seqs: list[tuple[str, list[int]]], group: list[int], out: np.ndarray,
-                      unpadded: bool) -> None:
-        """One run: the chunks of ``group`` (equal past lengths), left-padded to the longest."""
+    def extend_all(self, seq_id: str, chunk: list[int]) -> np.ndarray:
+        """Feed a chunk to one live sequence, as ``extend`` does, in a run of its own, and
+        return the logits of every new position: float32 ``[len(chunk), vocab_size]``,
+        row ``j`` the next-token logits after ``chunk[j]`` (for a prompt's log
+        probabilities: the worker core reduces them at once, chunk by chunk). The
+        sequence's cache, and so what it generates next, is the same as after ``extend``;
+        its last row is ``extend``'s logits bit for bit, and every row the logits a prefill
+        of the prompt up to it gives (measured on float32, int8 and Optimum graphs; a
+        4-bit ``MatMulNBits`` head computes one row with a kernel of its own, so on such a
+        graph rows differ from a one-row run's in their last bits: docs/sampling.md).
+
+        Raises:
+            InvalidSequenceError: as ``extend``; nothing runs.
+            RuntimeError: the graph gives the last position's logits only
+                (``every_position`` is false).
+        """
+        if not self.every_position:
+            raise RuntimeError(f"{self.spec.onnx_path} gives the logits of the last position only")
+        self._check_extend([(seq_id, chunk)])
+        seq = self._seqs[seq_id]
+        if seq.kv is None:
+            self._unslab(seq_id, seq)
+        logits = self._extend_group([(seq_id, chunk)], [0], self.solo or self.batch_invariant, keep=len(chunk))
+        return np.ascontiguousarray(logits[0, -len(chunk):, :], dtype=np.float32)
+
+    def _check_extend(self, seqs: list[tuple[str, list[int]]]) -> None:
+        """Refuse an extend call, naming the sequences that cannot take their chunk.
+
+        Raises:
+            InvalidSequenceError: unknown sequences, empty chunks, chunks that would pass
+                ``max_context``, tokens outside the vocabulary.
+            ValueError: an id given twice.
+        """
+        if len({seq_id for seq_id, _ in seqs}) != len(seqs):
+            raise ValueError("a sequence id appears twice in one extend call")
+        bad: dict[str, str] = {}
+        for seq_id, chunk in seqs:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                bad[seq_id] = "is not live"
+            elif not chunk:
+                bad[seq_id] = "was given no tokens"
+            elif seq.length + len(chunk) > self.max_context:
+                bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {self.max_context}"
+            elif min(chunk) < 0 or max(chunk) >= self.vocab_size:
+                bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
+        if bad:
+            raise InvalidSequenceError(_describe(bad), list(bad))
+
+    def _extend_group(self, seqs: list[tuple[str, list[int]]], group: list[int], unpadded: bool,
+                      keep: int = 1) -> np.ndarray:
+        """One run: the chunks of ``group`` (equal past lengths), left-padded to the
+        longest; returns the run's logits (``[rows, positions, vocab]``: the last ``keep``
+        positions at least)."""
         members = [self._seqs[seqs[i][0]] for i in group]
         past_len = members[0].length
         width = max(len(seqs[i][1]) for i in group)
@@ -499,8 +554,7 @@ class OnnxRuntimeEngine:
             past = [np.stack([m.kv[k] for m in members]) for k in range(len(self._past_names))]
         else:
             past = [self._empty_past(rows)] * len(self._past_names)
-        logits, *presents = self._run(ids, mask, positions, past)
-        out[group] = logits[:, -1, :]
+        logits, *presents = self._run(ids, mask, positions, past, keep=keep)
         total = past_len + width
         for r, (i, m) in enumerate(zip(group, members)):
             chunk = seqs[i][1]
@@ -512,6 +566,7 @@ class OnnxRuntimeEngine:
             m.src, m.src_row = (presents, r) if unpadded else (None, -1)
             m.ids.extend(chunk)
             self._keep_blocks(m)
+        return logits
 
     def _keep_blocks(self, seq: _Seq) -> None:
         """Name the sequence's blocks completed since the last call and give the prefix
