@@ -1,0 +1,329 @@
+"""The GroupQueryAttention layout (shared/gguf_gqa.py, workers/engines/onnx_gqa.py): the
+graph gives the logits of the GGUF import's own graph and of an independent numpy forward
+pass; the engine's in-place KV buffers grow, move rows and fork without changing a bit;
+every sequence gets bit for bit the logits it gets alone, whatever shares its runs; chunked
+prefill and the prefix cache give a prompt the same bits as a whole prefill. On small
+random GGUF files (tests/support/gguf_models.py), and on SmolLM2-135M where its GGUF file
+is cached (the reference's greedy tokens, alone and staggered)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from scripts.greedy import greedy_alone, greedy_scenario, greedy_staggered, random_prompts
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.gguf_gqa import GQA_GRAPH_FILE, build_gqa_graph, write_gqa_graph
+from streamfleet.shared.ggufimport import import_gguf, read_gguf
+from streamfleet.shared.modelrepo import REPO_ROOT, ModelRepository
+from streamfleet.shared.packagefetch import PackageFile, cached_path
+from streamfleet.workers.engines.onnx_gqa import OnnxGqaEngine
+from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
+from tests.support.gguf_models import TinyLlama, numpy_logits, write_tiny_gguf
+from tests.support.invariance import forced_alone, forced_staggered
+
+PROMPTS = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+
+
+def _folder(tmp_path: Path, model: TinyLlama, weights: str, name: str = "tiny", max_batch: int = 8):
+    """The import's folder (model.onnx) with the GQA graph beside it; returns its spec."""
+    src = write_tiny_gguf(tmp_path / f"{name}.gguf", model)
+    dest, _ = import_gguf(src, tmp_path / "engines", name, weights=weights, max_batch=max_batch)
+    write_gqa_graph(read_gguf(src), dest, weights=weights, max_context=model.context)
+    return ModelRepository(tmp_path / "engines").get(name)
+
+
+@pytest.fixture(scope="module", params=["fp32", "q4"])
+def pair(request, tmp_path_factory):
+    """(GQA engine, current engine) on one tiny model, in each weights mode."""
+    spec = _folder(tmp_path_factory.mktemp("gqa"), TinyLlama(seed=3), request.param, request.param, max_batch=16)
+    gqa, old = OnnxGqaEngine(spec, threads=1), OnnxRuntimeEngine(spec, threads=1)
+    yield gqa, old
+    gqa.close()
+    old.close()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_gqa_graph_equals_a_numpy_forward_pass(tmp_path, weights, tied):
+    model = TinyLlama(seed=3, tied=tied)
+    engine = OnnxGqaEngine(_folder(tmp_path, model, weights), threads=1)
+    seqs = {f"s{i}": list(p) for i, p in enumerate(PROMPTS)}
+    logits = engine.prefill(list(seqs.items()))
+    for step in range(4):
+        for r, (sid, ids) in enumerate(seqs.items()):
+            np.testing.assert_allclose(logits[r], numpy_logits(model, ids)[-1], atol=2e-4, rtol=0,
+                                       err_msg=f"{sid} step {step}")
+        feed = []
+        for r, (sid, ids) in enumerate(seqs.items()):
+            ids.append(int(np.argmax(logits[r])))
+            feed.append((sid, ids[-1]))
+        logits = engine.decode(feed)
+
+
+def test_the_graph_has_no_concat_of_the_cache_and_one_op_per_layer(tmp_path):
+    model = TinyLlama(seed=3)
+    src = write_tiny_gguf(tmp_path / "m.gguf", model)
+    graph = build_gqa_graph(read_gguf(src), "q4", max_positions=129).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GroupQueryAttention") == model.n_layer
+    assert "Concat" not in ops and "Softmax" not in ops and "Transpose" not in ops
+    gqa = next(n for n in graph.node if n.op_type == "GroupQueryAttention")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
+    assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0 and attrs["scale"] == 1.0  # 1/4 folded
+    assert list(gqa.input[1:3]) == ["", ""]  # packed QKV (the fused projection)
+
+
+def test_a_head_size_the_op_cannot_rotate_is_refused(tmp_path):
+    model = TinyLlama(seed=3, hidden=64, n_head=8, n_kv_head=2)  # head size 8
+    src = write_tiny_gguf(tmp_path / "m.gguf", model)
+    with pytest.raises(FatalError, match="multiple of 16"):
+        build_gqa_graph(read_gguf(src), "fp32")
+
+
+def test_logits_match_the_current_graph_alone_and_staggered(pair):
+    gqa, old = pair
+    prompts = random_prompts(1, [7, 3, 11, 20, 1, 2, 33, 5], gqa.vocab_size)
+    for k, p in list(prompts.items())[:4]:
+        a, rows_a = greedy_alone(gqa, p, 20, k)
+        b, rows_b = greedy_alone(old, p, 20, k)
+        assert a == b, k
+        assert max(np.abs(x - y).max() for x, y in zip(rows_a, rows_b)) < 1e-3
+    assert greedy_staggered(gqa, prompts, 24) == greedy_staggered(old, prompts, 24)
+    assert not gqa._seqs and gqa._kv is None  # all released: buffers dropped
+
+
+def test_rows_probe_and_invariance_setting(pair, tmp_path):
+    gqa, _ = pair
+    weights = gqa.spec.options["weights"]
+    # fp32 products are row-independent for any number of rows; 4-bit MatMulNBits (fp32
+    # activations) gives a lone row other bits than two or more, which it makes alike
+    assert gqa.rows_probe == {"fp32": "independent", "q4": "two"}[weights]
+    assert gqa.batch_invariant and gqa.min_rows == {"fp32": 1, "q4": 2}[weights]
+    fast = OnnxGqaEngine(gqa.spec, threads=1, batch_invariant=False)
+    assert fast.min_rows == 1 and not fast.batch_invariant
+
+
+def _forced(engine, n: int = 12, seed: int = 0, steps: int = 12):
+    rng = np.random.default_rng(seed)
+    lengths = [1, 2, 3, 7, 15, 16, 17, 31, 40, 63, 64, 90][:n]
+    prompts = {f"q{i}": [int(t) for t in rng.integers(1, engine.vocab_size, m)] for i, m in enumerate(lengths)}
+    tokens = {k: [int(t) for t in rng.integers(1, engine.vocab_size, steps + i % 5)] for i, k in enumerate(prompts)}
+    return prompts, tokens
+
+
+def test_every_row_gets_its_solo_logits_bit_for_bit(pair):
+    """Teacher-forced sequences of 12 lengths join a few at a time, sit steps out, leave
+    (rows move), and each step decodes the others in a shuffled order: every logit of
+    every row equals the sequence's own, alone, bit for bit."""
+    gqa, _ = pair
+    prompts, tokens = _forced(gqa)
+    alone = {k: forced_alone(gqa, k, prompts[k], tokens[k]) for k in prompts}
+    for seed in range(3):
+        got = forced_staggered(gqa, prompts, tokens, seed=seed, pause=0.2)
+        for k in prompts:
+            assert np.array_equal(got[k], alone[k]), (seed, k)
+    assert gqa._kv is None
+
+
+def test_a_lone_row_differs_only_where_the_probe_says(pair):
+    """Without ``min_rows`` (batch_invariant false), a 4-bit graph's lone decode row gets
+    other bits than beside another row; fp32 does not."""
+    gqa, _ = pair
+    fast = OnnxGqaEngine(gqa.spec, threads=1, batch_invariant=False)
+    prompts, tokens = _forced(fast, n=4)
+    alone = {k: forced_alone(fast, k, prompts[k], tokens[k]) for k in prompts}
+    got = forced_staggered(fast, prompts, tokens, seed=1, pause=0.0)
+    same = all(np.array_equal(got[k][1:], alone[k][1:]) for k in prompts)
+    assert same == (gqa.rows_probe == "independent")
+
+
+STEPS = 16
+SCENARIOS = {
+    # step -> sequences that join (one prefill call) / are released / sit the step out
+    "joins-leaves-pause": dict(joins={0: "abc", 3: "d", 6: "e"}, leaves={5: "b", 9: "c"}, paused={11: "d", 12: "d"}),
+    "reuse-rows": dict(joins={0: "abcd", 4: "e"}, leaves={3: "b", 10: "a", 11: "e"}, paused={6: "c"}),
+    "one-at-a-time": dict(joins={0: "a", 1: "b", 2: "c", 3: "d", 4: "e"}, leaves={8: "a", 9: "d"}, paused={}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_joins_leaves_and_pauses_give_the_solo_tokens(pair, name):
+    """Sequences join and leave mid-way (rows move), decode order shuffles, some sit out
+    a step (a scratch token in their free slot): each gets its solo tokens and logits."""
+    gqa, _ = pair
+    rng = np.random.default_rng(1)
+    prompts = {k: [int(t) for t in rng.integers(1, gqa.vocab_size, n)] for k, n in zip("abcde", (7, 1, 40, 3, 12))}
+    solo = {k: greedy_alone(gqa, p, STEPS) for k, p in prompts.items()}
+    got, rows = greedy_scenario(gqa, prompts, SCENARIOS[name], STEPS, STEPS + 8)
+    assert got
+    for k in got:
+        assert got[k] == solo[k][0][:len(got[k])], k
+        assert np.array_equal(np.array(rows[k]), np.array(solo[k][1][:len(rows[k])])), k
+    for k in list(got):
+        gqa.release(k)
+
+
+def _kv_of(engine: OnnxGqaEngine, seq_id: str) -> list[np.ndarray]:
+    seq = engine._seqs[seq_id]
+    return [b[seq.row, :, :seq.length].copy() for b in engine._kv]
+
+
+def test_chunks_of_a_prompt_give_the_whole_prompts_bits(pair):
+    gqa, _ = pair
+    prompt = random_prompts(4, [50], gqa.vocab_size)["p0-50"]
+    whole = gqa.prefill([("w", prompt)])[0]
+    kv = _kv_of(gqa, "w")
+    gqa.start([("c", prompt)])
+    for lo, hi in ((0, 9), (9, 11), (11, 40), (40, 50)):
+        last = gqa.extend([("c", prompt[lo:hi])])[0]
+    assert np.array_equal(last, whole)
+    assert all(np.array_equal(a, b) for a, b in zip(kv, _kv_of(gqa, "c")))
+    assert np.array_equal(gqa.decode([("w", 5)])[0], gqa.decode([("c", 5)])[0])
+    gqa.release("w")
+    gqa.release("c")
+
+
+def test_the_prefix_cache_gives_the_same_bits_as_none(pair):
+    gqa, _ = pair
+    cached = OnnxGqaEngine(gqa.spec, threads=1, prefix_cache_mb=4, prefix_block=8)
+    base = random_prompts(5, [40], gqa.vocab_size)["p0-40"]
+    first, second = base + [7, 8, 9], base + [11, 12]
+    cached.prefill([("a", first)])
+    cached.release("a")
+    assert cached.start([("b", second)]) == [40]  # five blocks from the cache, two tokens left
+    got = cached.extend([("b", second[40:])])[0]
+    assert np.array_equal(got, gqa.prefill([("ref", second)])[0])
+    assert all(np.array_equal(a, b) for a, b in zip(_kv_of(cached, "b"), _kv_of(gqa, "ref")))
+    gqa.release("ref")
+    cached.close()
+
+
+def test_fork_copies_a_prefix_into_rows_of_its_own(pair):
+    gqa, _ = pair
+    prompt = random_prompts(6, [21], gqa.vocab_size)["p0-21"]
+    gqa.prefill([("src", prompt)])
+    gqa.fork("src", ["f1", "f2"])
+    gqa.fork("src", ["short"], length=10)
+    assert [gqa._seqs[k].row for k in ("src", "f1", "f2", "short")] == [0, 1, 2, 3]
+    rows = gqa.decode([("f1", 3), ("src", 3), ("f2", 4)])
+    assert np.array_equal(rows[0], rows[1]) and not np.array_equal(rows[0], rows[2])
+    alone = gqa.prefill([("ref", prompt + [3])])[0]
+    np.testing.assert_allclose(rows[0], alone, atol=1e-4)
+    short = gqa.extend([("short", prompt[10:])])[0]
+    np.testing.assert_allclose(short, gqa.prefill([("ref2", prompt)])[0], atol=1e-4)
+    for k in ("src", "f1", "f2", "short", "ref", "ref2"):
+        gqa.release(k)
+    with pytest.raises(InvalidSequenceError):
+        gqa.fork("nope", ["x"])
+
+
+def test_buffers_grow_by_doubling_and_released_rows_are_refilled(tmp_path):
+    model = TinyLlama(seed=8, context=512)
+    eng = OnnxGqaEngine(_folder(tmp_path, model, "fp32", max_batch=16), threads=1)
+    prompts = random_prompts(9, [5, 70, 3, 9, 12], eng.vocab_size)
+    keys = list(prompts)
+    eng.prefill([(k, prompts[k]) for k in keys[:2]])
+    assert (eng.rows, eng.capacity) == (2, 128)  # the longest prompt's power of two
+    eng.prefill([(k, prompts[k]) for k in keys[2:]])
+    assert eng.rows == 8
+    alone_b = forced_alone(OnnxGqaEngine(eng.spec, threads=1), "b", prompts[keys[1]], [5] * 70)
+    rows_b = []
+    for step in range(70):  # the 70-token sequence passes 128 slots: capacity doubles
+        if step == 3:
+            eng.release(keys[0])  # row 0 freed: the last row (keys[4]) moves into it
+            assert eng._seqs[keys[4]].row == 0 and eng._order == [keys[4], keys[1], keys[2], keys[3]]
+        live = list(eng._order)
+        rows = eng.decode([(k, 5) for k in live])
+        rows_b.append(rows[live.index(keys[1])])
+    assert eng.capacity == 256
+    assert np.array_equal(np.stack(rows_b), alone_b[1:])
+    for k in list(eng._order):
+        eng.release(k)
+    assert eng._kv is None and eng.copied_bytes > 0
+
+
+def test_refusals(pair):
+    gqa, _ = pair
+    v = gqa.vocab_size
+    with pytest.raises(InvalidSequenceError) as exc:
+        gqa.prefill([("ok", [1, 2]), ("long", [1] * (gqa.max_context + 1))])
+    assert exc.value.seq_ids == ["long"]
+    gqa.prefill([("x", [1, 2, 3])])
+    with pytest.raises(InvalidSequenceError):
+        gqa.prefill([("x", [1])])
+    with pytest.raises(InvalidSequenceError):
+        gqa.decode([("x", v)])  # a token outside the vocabulary: refused and released
+    assert "x" not in gqa._seqs
+    with pytest.raises(InvalidSequenceError):
+        gqa.extend([("nope", [1, 2])])
+    gqa.prefill([("y", [1] * (gqa.max_context - 1))])
+    gqa.decode([("y", 2)])
+    with pytest.raises(InvalidSequenceError):
+        gqa.decode([("y", 2)])  # at max_context
+    gqa.close()
+    assert gqa._kv is None
+
+
+# -- SmolLM2-135M -----------------------------------------------------------------------------
+
+REFERENCE = json.loads((Path(__file__).parent.parent / "fixtures" / "smollm2" / "reference.json").read_text())
+_SPEC = ModelRepository(REPO_ROOT / "engines").get("smollm2-135m")
+GGUF = cached_path(PackageFile.from_table(_SPEC.source, "engine.toml"))
+SMOL_PROMPTS = {c["name"]: c["prompt_ids"] for c in REFERENCE["cases"]}
+WANT = {c["name"]: c["greedy_ids"] for c in REFERENCE["cases"]}
+
+
+@pytest.fixture(scope="module", params=["q4", "fp32"])
+def smol_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smol")
+    dest, _ = import_gguf(GGUF, root, request.param, weights=request.param, max_batch=16)
+    write_gqa_graph(read_gguf(GGUF), dest, weights=request.param, max_context=4096)
+    spec = ModelRepository(root).get(request.param)
+    assert (dest / GQA_GRAPH_FILE).is_file()
+    gqa = OnnxGqaEngine(spec, threads=2)
+    old = OnnxRuntimeEngine(spec, threads=2) if request.param == "fp32" else None
+    yield gqa, old
+    gqa.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not cached")
+def test_smollm2_greedy_tokens_equal_the_reference_alone(smol_pair):
+    gqa, old = smol_pair
+    steps = REFERENCE["steps"] - 1
+    for name, prompt in SMOL_PROMPTS.items():
+        tokens, rows = greedy_alone(gqa, prompt, steps, seq_id=name)
+        assert tokens == WANT[name], name
+        if old is not None:  # fp32: the current graph's logits within 1e-3
+            want, old_rows = greedy_alone(old, prompt, steps, seq_id=name)
+            assert want == tokens
+            assert max(np.abs(a - b).max() for a, b in zip(rows, old_rows)) < 1e-3, name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not cached")
+def test_smollm2_greedy_tokens_equal_the_reference_staggered(smol_pair):
+    gqa, _ = smol_pair
+    got = greedy_staggered(gqa, SMOL_PROMPTS, REFERENCE["steps"] - 1)
+    for name, tokens in got.items():
+        assert len(tokens) >= 32 and tokens == WANT[name][:len(tokens)], name
+    assert gqa._kv is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not cached")
+def test_smollm2_rows_get_their_solo_logits_bit_for_bit(smol_pair):
+    gqa, _ = smol_pair
+    assert gqa.batch_invariant
+    rng = np.random.default_rng(2)
+    prompts = {f"s{i}": [int(t) for t in rng.integers(1, gqa.vocab_size, n)] for i, n in enumerate((3, 17, 40, 90))}
+    tokens = {k: [int(t) for t in rng.integers(1, gqa.vocab_size, 6 + i)] for i, k in enumerate(prompts)}
+    alone = {k: forced_alone(gqa, k, prompts[k], tokens[k]) for k in prompts}
+    got = forced_staggered(gqa, prompts, tokens, seed=3, pause=0.2)
+    for k in prompts:
+        assert np.array_equal(got[k], alone[k]), k
