@@ -28,7 +28,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
@@ -434,7 +434,10 @@ async def models(request: Request) -> Response:
         served = await hub.served_models()
     except StreamfleetError as exc:  # a bad key, or Redis down: said in OpenAI's shape
         return openai_error_response(exc)
-    data = [_model_object(hub, name, n) for name, n in served]
+    try:
+        data = [_model_object(hub, name, n, await _executions(hub, name)) for name, n in served]
+    except StreamfleetError as exc:
+        return openai_error_response(exc)
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -452,15 +455,39 @@ async def model(request: Request, model_id: str) -> Response:
         shown = model_id if len(model_id) <= 64 else model_id[:64] + "…"
         return openai_error_response(NotFoundError(f"the model {shown!r} does not exist or no worker serves it",
                                                    param="model"))
-    return Response(orjson.dumps(_model_object(hub, model_id, served[model_id])), media_type="application/json")
+    try:
+        executions = await _executions(hub, model_id)
+    except StreamfleetError as exc:
+        return openai_error_response(exc)
+    return Response(orjson.dumps(_model_object(hub, model_id, served[model_id], executions)),
+                    media_type="application/json")
 
 
-def _model_object(hub: "Hub", name: str, workers: int) -> dict:
+async def _executions(hub: "Hub", name: str) -> list[dict] | None:
+    """The execution modes the live workers of ``name`` run (each once, with why and how
+    many workers run it; shared/execution.py), or None where none says one.
+
+    Raises:
+        UnavailableError: Redis cannot be read.
+    """
+    try:
+        beats = await hub.broker.live_workers(name)
+    except Exception as exc:
+        raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+    seen: dict[tuple[str, str], int] = {}
+    for hb in beats:
+        if hb.execution:
+            seen[(hb.execution, hb.execution_why)] = seen.get((hb.execution, hb.execution_why), 0) + 1
+    return [{"mode": mode, "why": why, "workers": n} for (mode, why), n in seen.items()] or None
+
+
+def _model_object(hub: "Hub", name: str, workers: int, executions: list[dict] | None = None) -> dict:
     """OpenAI's model object (``created``: when the model's folder was last written), and
     beyond its fields: the live workers, what the model does ("text", or "asr": speech
     recognition, served on /v1/audio/stream and /v1/audio/transcriptions), where its chat template comes from (a
-    file of its folder, "engine.toml", "builtin"; null: no chat requests), and whether a
-    request that names no model gets it ("default")."""
+    file of its folder, "engine.toml", "builtin"; null: no chat requests), whether a
+    request that names no model gets it ("default"), and the execution modes its workers
+    run, with why ("execution": shared/execution.py; null where none says one)."""
     spec = hub.validator.spec(name)
     try:
         template = hub.validator.chat_template(spec)
@@ -471,4 +498,5 @@ def _model_object(hub: "Hub", name: str, workers: int) -> dict:
     except OSError:
         created = 0
     return {"id": name, "object": "model", "created": created, "owned_by": "streamfleet", "workers": workers,
-            "kind": spec.kind, "chat_template": template, "default": name == hub.validator.settings.default_model}
+            "kind": spec.kind, "chat_template": template, "default": name == hub.validator.settings.default_model,
+            "execution": executions}

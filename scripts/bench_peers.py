@@ -691,10 +691,16 @@ def real_main(args) -> int:
     from scripts import llama_server
 
     binary = llama_server.find(args.llama_server)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} "
-          f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; model {spec.name} ({gguf.name}; ORT graph "
-          f"{spec.onnx_path.relative_to(REPO) if spec.onnx_path.is_relative_to(REPO) else spec.onnx_path}, weights "
-          f"{spec.options.get('weights', 'q4')}); {args.threads} threads per server", flush=True)
+    from scripts.procstats import cpu_line
+    from streamfleet.shared.execution import graph_path, served
+
+    mode = served(spec)
+    graph = graph_path(spec)
+    print(f"{cpu_line()}\nmachine: {platform.machine()}, {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; model {spec.name} "
+          f"({gguf.name}; ORT graph {graph.relative_to(REPO) if graph.is_relative_to(REPO) else graph}, "
+          f"execution {mode.mode + ': ' + mode.why if mode else spec.options.get('weights', 'q4')}); "
+          f"{args.threads} threads per server", flush=True)
     print(f"load: prompts {prompts.short_tokens} tokens, {args.decode_tokens} tokens at c=1 "
           f"({args.decode_requests} requests); TTFT of a {prompts.long_tokens}-token prompt at c=1 "
           f"({args.prefill_requests} requests); {args.tokens} tokens/request at c={','.join(map(str, concurrencies))} "
@@ -785,6 +791,9 @@ def main() -> int:
     w = workload(args.engine, args.delay_ms)
     concurrencies = [int(c) for c in (args.concurrency or "1,8,64,256").split(",")]
     doors = args.doors.split(",")
+    from scripts.procstats import cpu_line
+
+    print(cpu_line(), flush=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {w.describe()}, "
           f"{args.tokens} tokens/request; client: streamfleet.bench in this process", flush=True)
     starters = {"one-process": one_process, "ray-serve": ray_serve, "streamfleet": streamfleet}

@@ -16,9 +16,11 @@ which runs::
           -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF \\
           -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \\
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    nice -n 19 cmake --build /tmp/lcpp-build --target llama-server -j2
+    nice -n 19 cmake --build /tmp/lcpp-build --target llama-server llama-perplexity llama-quantize -j2
 
-and leaves ``/tmp/lcpp-build/bin/llama-server``. The benchmark takes it from
+and leaves ``/tmp/lcpp-build/bin/llama-server`` (and the quality anchor's tools:
+scripts/llama_quality.py). ``build --avx2 --dir /tmp/lcpp-avx2`` builds the kernels of an
+AVX2-only CPU instead (``AVX2_OPTIONS``). The benchmark takes it from
 ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on ``PATH``, else
 that default build folder (``python -m scripts.llama_server which`` prints what it finds).
 """
@@ -43,6 +45,15 @@ DEFAULT_SOURCE_DIR = Path("/tmp/lcpp")
 CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+#: ``--avx2``: the kernels of a CPU with AVX2 and FMA but no AVX-512 (most AMD servers before
+#: Zen 4, Intel client CPUs since 12th gen), on any x86 machine; also the way round a
+#: machine whose CPU lists AMX but whose kernel does not grant it (the native build's
+#: AMX matrix product then crashes: seen on a KVM guest)
+AVX2_OPTIONS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+#: what is built: the server, and the quality anchor's tools (scripts/llama_quality.py)
+TARGETS = ["llama-server", "llama-perplexity", "llama-quantize"]
 
 
 def find(explicit: str | None = None) -> Path | None:
@@ -88,9 +99,11 @@ def start(binary: Path, gguf: Path, port: int, *, threads: int, slots: int, ctx_
             p.wait()
 
 
-def build(build_dir: Path = DEFAULT_BUILD_DIR, source_dir: Path = DEFAULT_SOURCE_DIR, jobs: int = 2) -> Path:
-    """Download llama-cpp-python's source distribution and build ``llama-server`` from
-    its vendored llama.cpp (nice 19); returns the binary."""
+def build(build_dir: Path = DEFAULT_BUILD_DIR, source_dir: Path = DEFAULT_SOURCE_DIR, jobs: int = 2,
+          avx2: bool = False) -> Path:
+    """Download llama-cpp-python's source distribution and build ``TARGETS`` from its
+    vendored llama.cpp (nice 19), for this CPU or (``avx2``) for AVX2 only; returns the
+    server's binary."""
     source_dir.mkdir(parents=True, exist_ok=True)
     tarball = source_dir / f"llama_cpp_python-{VERSION}.tar.gz"
     if not tarball.exists():
@@ -100,10 +113,10 @@ def build(build_dir: Path = DEFAULT_BUILD_DIR, source_dir: Path = DEFAULT_SOURCE
     if not src.exists():
         subprocess.run(["tar", "xzf", str(tarball), "-C", str(source_dir)], check=True)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["nice", "-n", "19", "cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_OPTIONS],
+    subprocess.run(["nice", "-n", "19", "cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_OPTIONS,
+                    *(AVX2_OPTIONS if avx2 else [])], check=True)
+    subprocess.run(["nice", "-n", "19", "cmake", "--build", str(build_dir), "--target", *TARGETS, f"-j{jobs}"],
                    check=True)
-    subprocess.run(["nice", "-n", "19", "cmake", "--build", str(build_dir), "--target", "llama-server",
-                    f"-j{jobs}"], check=True)
     return build_dir / "bin" / "llama-server"
 
 
@@ -114,10 +127,11 @@ def main() -> int:
     b.add_argument("--dir", type=Path, default=DEFAULT_BUILD_DIR, help="build folder (outside the repository)")
     b.add_argument("--source", type=Path, default=DEFAULT_SOURCE_DIR, help="where the sdist is downloaded")
     b.add_argument("-j", "--jobs", type=int, default=2)
+    b.add_argument("--avx2", action="store_true", help="AVX2 kernels only (no AVX-512, no AMX), on any x86 CPU")
     sub.add_parser("which", help="print the llama-server binary the benchmark would use")
     args = ap.parse_args()
     if args.cmd == "build":
-        print(build(args.dir, args.source, args.jobs))
+        print(build(args.dir, args.source, args.jobs, args.avx2))
         return 0
     found = find()
     print(found if found else "no llama-server found (python -m scripts.llama_server build)")

@@ -61,3 +61,12 @@ def stop(p: subprocess.Popen, timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+
+
+def cpu_line() -> str:
+    """The CPU a benchmark's figures were taken on: lscpu's model name, the instruction
+    sets that choose ONNX Runtime's and llama.cpp's kernels, and the cores."""
+    from streamfleet.shared.execution import cpu_signature
+
+    sig = cpu_signature()
+    return f"CPU: {sig['model']}; {' '.join(sig['isa']) or 'no SIMD flags read'}; {sig['cores']} cores"

@@ -27,7 +27,8 @@ Weights (``--weights``, docs/models.md has the measured figures):
 ``q4`` (default)
     Q4_0/Q4_1 matrices stay 4-bit in ONNX Runtime's ``MatMulNBits`` with fp32
     activations (``accuracy_level`` 0): Q4_0 as itself (zero point 8), Q4_1's ``d*q + m``
-    as a 4-bit product plus ``m`` times each block's sum of the activations, and a Q8_0
+    as ``d * (q - 8)`` (zero point 8) plus ``m + 8d`` times each block's sum of the
+    activations, and a Q8_0
     matrix as two 4-bit products (its high and low nibbles). Every weight keeps the
     value it has in the file, so the products are those of the fp32 graph; only the
     order of the sums differs.
@@ -39,7 +40,10 @@ Weights (``--weights``, docs/models.md has the measured figures):
     Runtime's fast 8-bit path): lossy, kept for comparison.
 ``q4-int8act``
     as ``q4`` but with 8-bit activations (``accuracy_level`` 4, llama.cpp's own Q4_1
-    path): faster and lossy; opt-in only, with its agreement figure in docs/models.md.
+    path) in every block but the first and the last, whose products keep fp32
+    activations (``int8act_level``): faster and lossy; its quality against fp32 is
+    measured (shared/quality.py) and it serves by default only where it passes the gate
+    of ``weights = "auto"`` (shared/execution.py; docs/models.md).
 """
 
 from __future__ import annotations
@@ -184,7 +188,8 @@ _WEIGHT_NOTES = {
     "q4": "Q4_0/Q4_1 as 4-bit MatMulNBits (Q8_0 as two 4-bit halves), fp32 activations",
     "fp32": "dequantized to fp32 (the reference path)",
     "int8": "requantized to 8 bits per block of 32, 8-bit activations (lossy)",
-    "q4-int8act": "4-bit weights with 8-bit activations (lossy, opt-in)",
+    "q4-int8act": "4-bit weights, 8-bit activations but in the first and last blocks (lossy; its quality is "
+                  "measured: docs/models.md)",
 }
 
 
@@ -399,8 +404,9 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     zero points; a float zero point takes a path 20x slower):
 
     * Q4_0: ``w = d * (q - 8)``: one 4-bit product with the default zero point 8;
-    * Q4_1: ``w = d * q + m``: a 4-bit product with zero point 0, plus ``m`` times the
-      block's sum of the activations (a small [.., blocks] x [blocks, N] product)."""
+    * Q4_1: ``w = d * q + m = d * (q - 8) + (m + 8d)``: a 4-bit product with the default
+      zero point 8, plus ``m + 8d`` times the block's sum of the activations (a small
+      [.., blocks] x [blocks, N] product)."""
     n = rows.shape[0]
     if t.qtype == _Q4_1:
         blocks = rows.reshape(n, -1, 20)
@@ -411,8 +417,15 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # gguf: element j low nibble, j+16 high nibble
     if m is None:
         return [("nbits", _pack4(q), d.reshape(-1), None, 4)]
-    zeros = _pack_zeros4(np.zeros(d.shape, dtype=np.uint8))
-    return [("nbits", _pack4(q), d.reshape(-1), zeros, 4), ("blocksum", np.ascontiguousarray(m.T))]
+    # Q4_1 centred as d * (q - 8) + (m + 8d): the 4-bit product takes the default zero point
+    # 8 (the kernels' symmetric path), and its weights are centred on zero, so the rounding
+    # of 8-bit activations (q4-int8act) cancels across a block as in llama.cpp's own Q4_1
+    # product instead of adding up over an offset of 7.5d (4.7x the KL divergence, measured);
+    # m + 8d is exact in fp32 (fp16 values, 8d a power-of-two multiple: checked below)
+    offset = m + np.float32(8) * d
+    if not np.array_equal(offset.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
+        raise FatalError(f"{t.name}: a Q4_1 block's m + 8d is not exact in fp32")
+    return [("nbits", _pack4(q), d.reshape(-1), None, 4), ("blocksum", np.ascontiguousarray(offset.T))]
 
 
 def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
@@ -566,6 +579,16 @@ def _linear_init(g: _Graph, t: _Tensor, weights: str, prefix: str,
     return _init_parts(g, _linear_parts(t, weights, permute_heads), prefix)
 
 
+def int8act_level(weight: str, n_layer: int) -> int:
+    """The ``accuracy_level`` of a 4-bit product in ``q4-int8act``, by the name of its
+    weight initializer: 0 (fp32 activations) in the first and the last block, 4 (8-bit
+    activations) elsewhere. The two edge blocks are where rounding the activations costs
+    most (SmolLM2-135M over shared/corpus/alice.txt: mean KL divergence from fp32 0.00325
+    with 8-bit activations everywhere, 0.00245 with these two blocks kept; llama.cpp's
+    own Q4_1 path 0.00288) for about 5 % of the weights."""
+    return 0 if weight.startswith(("blk.0.", f"blk.{n_layer - 1}.")) else 4
+
+
 def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: int, accuracy: int) -> str:
     total = None
     for term in terms:
@@ -665,8 +688,10 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     # the mask for the grouped rows [B, 1, group*S, T]: row r*S + s is query head r of a
     # group at position s (the layout of ``qg`` below)
     bias_g = g.op("Tile", [bias, g.const([1, 1, group, 1])]) if group > 1 else bias
+    act8 = accuracy
     for i in range(m.n_layer):
         pre = f"blk.{i}"
+        accuracy = int8act_level(pre + ".", m.n_layer) if act8 == 4 else act8
         ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
         qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
@@ -724,7 +749,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
     else:
         head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, act8)], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -884,7 +909,7 @@ def write_auto_graphs(m: GgufModel, dest: Path, *, max_context: int, sha256: str
         if node.op_type == "MatMulNBits":
             for attr in node.attribute:
                 if attr.name == "accuracy_level":
-                    attr.i = 4
+                    attr.i = int8act_level(node.input[1], m.n_layer)
     for entry in model.metadata_props:
         if entry.key == "streamfleet.weights":
             entry.value = "q4-int8act"

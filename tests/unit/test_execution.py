@@ -41,7 +41,7 @@ def measured(tmp_path_factory):
     return spec, record
 
 
-def test_an_auto_folder_holds_every_candidates_graph_sharing_the_4_bit_weights(measured):
+def test_an_auto_folder_holds_every_candidates_graph_sharing_the_4_bit_weights(measured, tmp_path):
     spec, _ = measured
     files = {p.name for p in spec.path.iterdir()}
     assert {"model.onnx", "model.onnx.data", "model.q4-int8act.onnx", "model.fp32.onnx",
@@ -50,9 +50,18 @@ def test_an_auto_folder_holds_every_candidates_graph_sharing_the_4_bit_weights(m
     import onnx
 
     g = onnx.load(str(spec.path / "model.q4-int8act.onnx"), load_external_data=False)
-    levels = {a.i for n in g.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+    levels = {n.input[1]: a.i for n in g.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
               if a.name == "accuracy_level"}
-    assert levels == {4}
+    # 8-bit activations but in the first and last blocks (one block here: both)
+    assert {w: lvl for w, lvl in levels.items() if w.startswith("blk.")} == {w: 0 for w in levels if w.startswith("blk.")}
+    assert {lvl for w, lvl in levels.items() if w.startswith("output")} == {4}
+    # the graph a pinned q4-int8act import builds is the same
+    src = write_tiny_gguf(tmp_path / "p.gguf", TinyLlama(seed=5, n_layer=3))
+    import_gguf(src, tmp_path / "engines", "pinned", weights="q4-int8act", max_batch=8)
+    pinned = onnx.load(str(tmp_path / "engines" / "pinned" / "model.onnx"), load_external_data=False)
+    got = {n.input[1].split(".")[1]: a.i for n in pinned.graph.node if n.op_type == "MatMulNBits"
+           for a in n.attribute if a.name == "accuracy_level" and n.input[1].startswith("blk.")}
+    assert got == {"0": 0, "1": 4, "2": 0}
     assert "max_kld = 1.0" in (spec.path / "engine.toml").read_text()
 
 
