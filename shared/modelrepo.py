@@ -670,6 +670,9 @@ def ensure_artifacts(spec: ModelSpec) -> None:
     if spec.source:
         _ensure_imported(spec)
         return
+    if spec.options.get("weights") == "auto" and spec.artifacts_present():  # a GGUF imported with --weights auto
+        _ensure_measured(spec)
+        return
     if spec.artifacts_present():
         if not spec.build or _made_by_this_generator(spec):
             return
@@ -761,6 +764,31 @@ def _ensure_imported(spec: ModelSpec) -> None:
             log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
             execution.measure(spec, importer_digest(src.sha256, weights),
                               say=lambda line: log.info(line, model=spec.name))
+
+
+def _ensure_measured(spec: ModelSpec) -> None:
+    """A folder that ``streamfleet engines import FILE.gguf --weights auto`` wrote: its
+    execution modes measured on this CPU, once (shared/execution.py), as a ``[source]``
+    folder's are after its import; processes that start together wait for the one that
+    measures.
+
+    Raises:
+        FatalError: a graph of the modes is missing, or ``[execution]`` is malformed.
+    """
+    import fcntl
+
+    from streamfleet.shared import execution
+    from streamfleet.shared.ggufimport import DIGEST_KEY
+
+    execution.gate(spec)
+    stamp = onnx_metadata(spec.onnx_path).get(DIGEST_KEY, "")  # what made the graphs: a new import measures anew
+    if not execution.needs_measuring(spec, stamp):
+        return
+    with open(spec.path / ".import.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if execution.needs_measuring(spec, stamp):
+            log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
+            execution.measure(spec, stamp, say=lambda line: log.info(line, model=spec.name))
 
 
 def _embedding_is_current(spec: ModelSpec, sha256: str) -> bool:

@@ -33,18 +33,24 @@ def _link_or_copy(src: str, dst: str) -> str:
     return dst
 
 
-def private_repository(root: Path) -> Path:
-    """``root/smollm2-135m``: the model's folder (built from the cached file first, ~10 s
-    once, as a worker would), and ``versions/2`` beside it, the same files as version
-    "2". Returns ``root``, for ``SF_ENGINES_DIR``."""
+def private_repository(root: Path, weights: str = "q4") -> Path:
+    """``root/smollm2-135m``: the model's folder (built from the cached file first, as a
+    worker would: its graphs imported and their execution modes measured, about two
+    minutes once), and ``versions/2`` beside it, the same files as version "2". Both pin
+    ``weights`` (default ``q4``, exact in the weights: the tests that read the model's
+    answers read the reference's, whichever mode ``weights = "auto"`` would choose on
+    this CPU; ``"auto"`` keeps the choice). Returns ``root``, for ``SF_ENGINES_DIR``."""
     ensure_artifacts(SPEC)
     base = root / MODEL
     shutil.copytree(SPEC.path, base, ignore=_SKIP, copy_function=_link_or_copy)
     v2 = base / "versions" / "2"
     shutil.copytree(SPEC.path, v2, ignore=_SKIP, copy_function=_link_or_copy)
-    toml = v2 / "engine.toml"
-    text, n = re.subn(r'(?m)^version = "1"$', 'version = "2"', toml.read_text())
-    assert n == 1, "engines/smollm2-135m/engine.toml no longer says version = \"1\""
-    toml.unlink()  # a link to the original: write a file of its own
-    toml.write_text(text)
+    for folder, version in ((base, "1"), (v2, "2")):
+        toml = folder / "engine.toml"
+        text, n = re.subn(r'(?m)^version = "1"$', f'version = "{version}"', toml.read_text())
+        assert n == 1, "engines/smollm2-135m/engine.toml no longer says version = \"1\""
+        text, n = re.subn(r'(?m)^weights = "auto"$', f'weights = "{weights}"', text)
+        assert n == 1, "engines/smollm2-135m/engine.toml no longer says weights = \"auto\""
+        toml.unlink()  # a link to the original: write a file of its own
+        toml.write_text(text)
     return root

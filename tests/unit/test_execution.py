@@ -15,7 +15,7 @@ import pytest
 
 from streamfleet.shared import execution
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.ggufimport import AUTO_MODES, import_gguf, importer_digest
+from streamfleet.shared.ggufimport import AUTO_MODES, DIGEST_KEY, import_gguf, importer_digest
 from streamfleet.shared.modelrepo import ModelRepository, onnx_metadata
 from streamfleet.shared.quality import chunk_windows, evaluate, log_softmax
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
@@ -29,7 +29,9 @@ def _auto_folder(tmp_path: Path, *, max_kld: float | None = None, name: str = "t
 
 
 def _stamp(spec) -> str:
-    return importer_digest(onnx_metadata(spec.onnx_path)["streamfleet.gguf_sha256"], "auto")
+    stamp = onnx_metadata(spec.onnx_path)[DIGEST_KEY]
+    assert stamp == importer_digest(onnx_metadata(spec.onnx_path)["streamfleet.gguf_sha256"], "auto")
+    return stamp
 
 
 @pytest.fixture(scope="module")
