@@ -247,6 +247,47 @@ def test_buffers_grow_by_doubling_and_released_rows_are_refilled(tmp_path):
     assert eng._kv is None and eng.copied_bytes > 0
 
 
+def test_extend_all_gives_every_positions_logits(pair):
+    gqa, _ = pair
+    prompt = random_prompts(7, [30], gqa.vocab_size)["p0-30"]
+    gqa.start([("a", prompt)], from_cache=False)
+    gqa.extend([("a", prompt[:10])])
+    rows = gqa.extend_all("a", prompt[10:])
+    assert rows.shape == (20, gqa.vocab_size) and gqa._seqs["a"].length == 30
+    for j in (0, 7, 19):  # the logits a prefill of the prompt up to that token gives
+        want = gqa.prefill([("ref", prompt[:11 + j])])[0]
+        gqa.release("ref")
+        np.testing.assert_allclose(rows[j], want, atol=1e-4, rtol=0)
+    gqa.start([("b", prompt)], from_cache=False)
+    gqa.extend([("b", prompt[:10])])
+    last = gqa.extend([("b", prompt[10:])])[0]  # the same chunks: the same cache, the last row
+    assert all(np.array_equal(x, y) for x, y in zip(_kv_of(gqa, "a"), _kv_of(gqa, "b")))
+    if gqa.rows_probe == "independent":
+        assert np.array_equal(rows[-1], last)
+    else:  # a 4-bit head computes one row with a kernel of its own
+        np.testing.assert_allclose(rows[-1], last, atol=1e-4, rtol=0)
+    for k in ("a", "b"):
+        gqa.release(k)
+
+
+def test_attention_gqa_in_engine_toml_chooses_this_engine(tmp_path):
+    from streamfleet.workers.engines import load_engine
+
+    spec = _folder(tmp_path, TinyLlama(seed=3, n_layer=1), "fp32")
+    toml = spec.path / "engine.toml"
+    toml.write_text(toml.read_text() + 'attention = "gqa"\n')
+    engine = load_engine(ModelRepository(tmp_path / "engines").get("tiny"), threads=1, prefix_cache_mb=1.0)
+    assert isinstance(engine, OnnxGqaEngine) and engine.prefix_cache is not None
+    toml.write_text(toml.read_text().replace('attention = "gqa"', 'attention = "paged"'))
+    with pytest.raises(FatalError, match="attention must be one of"):
+        load_engine(ModelRepository(tmp_path / "engines").get("tiny"))
+    toml.write_text(toml.read_text().replace('attention = "paged"', 'attention = "concat"'))
+    assert isinstance(load_engine(ModelRepository(tmp_path / "engines").get("tiny"), threads=1), OnnxRuntimeEngine)
+    (spec.path / GQA_GRAPH_FILE).unlink()  # no graph and no [source] to build it from
+    with pytest.raises(FatalError, match="gguf_gqa"):
+        OnnxGqaEngine(spec, threads=1)
+
+
 def test_refusals(pair):
     gqa, _ = pair
     v = gqa.vocab_size

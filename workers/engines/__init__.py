@@ -20,6 +20,10 @@ BACKENDS: dict[str, str] = {
     "echo": "streamfleet.workers.engines.echo:EchoEngine",
     "tensorrt": "streamfleet.workers.engines.tensorrt:TensorRTEngine",
 }
+#: ``attention = "gqa"`` in an ``onnxruntime`` model's engine.toml (opt-in, GGUF-imported
+#: models): the GroupQueryAttention graph and its engine (docs/models.md); "concat", the
+#: default, is the graph the import writes, served by ``OnnxRuntimeEngine``
+ATTENTION = {"concat": None, "gqa": "streamfleet.workers.engines.onnx_gqa:OnnxGqaEngine"}
 
 
 def import_from_string(spec: str) -> Any:
@@ -51,5 +55,11 @@ def load_engine(spec: ModelSpec, backend: str | None = None, **options: Any) -> 
     target = BACKENDS.get(name, name if ":" in name else None)
     if target is None:
         raise FatalError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    attention = spec.options.get("attention", "concat")
+    if name == "onnxruntime" and attention != "concat":
+        if attention not in ATTENTION:
+            raise FatalError(f"{spec.path / 'engine.toml'}: attention must be one of {', '.join(ATTENTION)}, "
+                             f"not {attention!r}")
+        target = ATTENTION[attention]
     cls = import_from_string(target)
     return cls(spec, **options)

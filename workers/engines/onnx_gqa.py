@@ -120,6 +120,8 @@ class OnnxGqaEngine:
         self._bound: tuple[int, int, int] | None = None
         #: bytes copied by growing, moving and forking (for measurements)
         self.copied_bytes = 0
+        #: ``extend_all`` gives every position's logits (the graph takes ``logits_to_keep``)
+        self.every_position = True
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20), prefix_block, spec.name, spec.version)
@@ -283,12 +285,13 @@ class OnnxGqaEngine:
                 self.release(seq_id)
             raise
 
-    def start(self, seqs: list[tuple[str, list[int]]]) -> list[int]:
+    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
         """Register new sequences in the next free rows, each with the longest run of its
-        prompt's blocks the prefix cache holds copied into its row; returns the tokens
-        each starts with (see ``OnnxRuntimeEngine.start``)."""
+        prompt's blocks the prefix cache holds copied into its row (none with
+        ``from_cache=False``); returns the tokens each starts with (see
+        ``OnnxRuntimeEngine.start``)."""
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
-        cache = self.prefix_cache
+        cache = self.prefix_cache if from_cache else None
         self._ensure(len(self._order) + len(seqs), max(len(p) for _, p in seqs))
         out = []
         for seq_id, prompt in seqs:
@@ -315,6 +318,45 @@ class OnnxGqaEngine:
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         if not seqs:
             return out
+        self._check_extend(seqs)
+        for i, (seq_id, chunk) in enumerate(seqs):
+            out[i] = self._feed(self._seqs[seq_id], chunk)[-1]
+        return out
+
+    def extend_all(self, seq_id: str, chunk: list[int]) -> np.ndarray:
+        """Feed a chunk to one live sequence as ``extend`` does and return the logits of
+        every new position, float32 ``[len(chunk), vocab_size]`` (a prompt's log
+        probabilities; ``Engine``): the same run, with ``logits_to_keep`` the chunk's length.
+
+        Raises:
+            InvalidSequenceError: as ``extend``; nothing runs.
+        """
+        self._check_extend([(seq_id, chunk)])
+        return np.ascontiguousarray(self._feed(self._seqs[seq_id], chunk, keep=len(chunk)), dtype=np.float32)
+
+    def _feed(self, seq: _Seq, chunk: list[int], keep: int = 1) -> np.ndarray:
+        """One run of ``chunk`` in ``seq``'s row; the logits of its last ``keep`` positions."""
+        n = len(chunk)
+        if n == 1:
+            logits = self._one_token_run([seq.row], [chunk[0]])
+        else:
+            self._ensure(len(self._order), seq.length + n)
+            logits = self._run(seq.row, seq.row + 1, np.array([chunk], dtype=np.int64), [seq.length + n - 1],
+                               keep=keep)[0, -keep:]
+        seq.length += n
+        if seq.ids is not None:
+            seq.ids.extend(chunk)
+            self._keep_blocks(seq)
+        return logits
+
+    def _check_extend(self, seqs: list[tuple[str, list[int]]]) -> None:
+        """Refuse an extend call, naming the sequences that cannot take their chunk.
+
+        Raises:
+            InvalidSequenceError: unknown sequences, empty chunks, chunks that would pass
+                ``max_context``, tokens outside the vocabulary.
+            ValueError: an id given twice.
+        """
         if len({seq_id for seq_id, _ in seqs}) != len(seqs):
             raise ValueError("a sequence id appears twice in one extend call")
         bad: dict[str, str] = {}
@@ -330,20 +372,6 @@ class OnnxGqaEngine:
                 bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
         if bad:
             raise InvalidSequenceError(_describe(bad), list(bad))
-        for i, (seq_id, chunk) in enumerate(seqs):
-            seq = self._seqs[seq_id]
-            n = len(chunk)
-            if n == 1:
-                out[i] = self._one_token_run([seq.row], [chunk[0]])[0]
-            else:
-                self._ensure(len(self._order), seq.length + n)
-                out[i] = self._run(seq.row, seq.row + 1, np.array([chunk], dtype=np.int64),
-                                   [seq.length + n - 1])[0, -1]
-            seq.length += n
-            if seq.ids is not None:
-                seq.ids.extend(chunk)
-                self._keep_blocks(seq)
-        return out
 
     def decode(self, seqs: list[tuple[str, int]]) -> np.ndarray:
         """Feed one token to each of some live sequences, in one run over the rows they
