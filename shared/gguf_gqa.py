@@ -26,11 +26,12 @@ same ``logits_to_keep``; only the attention differs:
   (exact, as in ``build_graph``: the rotation commutes with it) and the op's ``scale``
   is 1; any other goes in ``scale``.
 
-What ONNX Runtime's CPU kernel (1.32) accepts (checked by tests/unit/test_onnx_gqa.py):
-one run of S = 1 tokens for rows of any lengths (decode); a first prompt (S tokens, no
-past: ``total_sequence_length == S``); a later chunk of S > 1 tokens after a past
-("subsequent prompt") only in a run of one row, unless the op's ``query_seqlens`` input
-is fed (not used here). Head sizes must be multiples of 16 for the rotary.
+What ONNX Runtime's CPU kernel (1.32) takes (tests/unit/test_onnx_gqa.py): a run of S = 1
+tokens for rows of any lengths (decode); first prompts (no past: ``total_sequence_length
+== S``), several right-padded ones of different lengths in one run too; a later chunk of
+S > 1 tokens after a past ("subsequent prompt") only in a run of one row, unless the op's
+``query_seqlens`` input is fed (not used here). Head sizes must be multiples of 16 for
+the rotary.
 """
 
 from __future__ import annotations

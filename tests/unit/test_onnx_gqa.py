@@ -85,6 +85,25 @@ def test_a_head_size_the_op_cannot_rotate_is_refused(tmp_path):
         build_gqa_graph(read_gguf(src), "fp32")
 
 
+def test_what_the_ops_cpu_kernel_takes(tmp_path):
+    """ONNX Runtime's CPU kernel (the limits docs/models.md names): right-padded first
+    prompts of different lengths share a run; a later chunk of several tokens after a
+    past runs only in a run of one row; a decode step takes rows of any lengths."""
+    model = TinyLlama(seed=3)
+    eng = OnnxGqaEngine(_folder(tmp_path, model, "fp32"), threads=1)
+    a, b = [5, 77, 140, 33, 200, 9, 61], [18, 250, 3, 4, 5, 6]
+    eng._kv = [np.zeros((2, eng.kv_heads, 32, eng.head_dim), np.float32) for _ in eng._past_names]
+    ids = np.zeros((2, 7), np.int64)
+    ids[0], ids[1, :6] = a, b
+    logits = eng._run(0, 2, ids, [6, 5], keep=7)
+    np.testing.assert_allclose(logits[0, 6], numpy_logits(model, a)[-1], atol=2e-4, rtol=0)
+    np.testing.assert_allclose(logits[1, 5], numpy_logits(model, b)[-1], atol=2e-4, rtol=0)
+    with pytest.raises(Exception, match="batch_size must be 1 when sequence_length > 1 and past context"):
+        eng._run(0, 2, np.array([[1, 2], [3, 4]]), [8, 7])
+    logits = eng._run(0, 2, np.array([[7], [8]]), [7, 6])
+    np.testing.assert_allclose(logits[1, -1], numpy_logits(model, b + [8])[-1], atol=2e-4, rtol=0)
+
+
 def test_logits_match_the_current_graph_alone_and_staggered(pair):
     gqa, old = pair
     prompts = random_prompts(1, [7, 3, 11, 20, 1, 2, 33, 5], gqa.vocab_size)

@@ -14,8 +14,9 @@ row's own length (``seqlens_k``) and attends over exactly that row's slots. So:
   being prefilled in chunks, a sequence sitting the step out) computes a scratch token
   whose K/V lands in its first free slot, which its next real token overwrites;
 * a prompt, or a chunk of one, runs alone in its own row (S tokens, one row): the op
-  takes a first prompt (no past) and a later chunk after a past ("subsequent prompt")
-  only in runs of one row, without its ``query_seqlens`` input;
+  takes a later chunk after a past ("subsequent prompt") only in a run of one row without
+  its ``query_seqlens`` input, and a run of one row keeps the logits of its last position
+  only (right-padded prompts in one run would need every position's);
 * rows and capacity grow by doubling (a copy of the live rows into new buffers, the only
   copy of a cache besides ``fork`` and ``release``); ``release`` moves the last live row
   into the freed one (a copy of that sequence's slots), so the live rows stay first; when
