@@ -307,6 +307,35 @@ def test_attention_gqa_in_engine_toml_chooses_this_engine(tmp_path):
         OnnxGqaEngine(spec, threads=1)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_seeded_requests_through_a_worker_core_are_batch_invariant(tmp_path, weights):
+    """Seeded sampled requests through a ``WorkerCore`` on this engine (chunked prefill in
+    16-token steps, the prefix cache on and hit): alone, then joining batches of 1 to 16
+    a few at a time: no token, text or log probability differs."""
+    from streamfleet.shared.modelrepo import load_tokenizer
+    from streamfleet.workers.core import WorkerCore
+    from tests.support.invariance import run_alone, run_staggered, seeded_tasks
+
+    spec = _folder(tmp_path, TinyLlama(seed=5, context=256), weights, max_batch=16)
+    engine = OnnxGqaEngine(spec, threads=1, prefix_cache_mb=2, prefix_block=8)
+    core = WorkerCore(engine, load_tokenizer(spec), clock=lambda: 1000.0, max_step_tokens=16)
+    shared = [int(t) for t in np.random.default_rng(9).integers(1, engine.vocab_size, 24)]
+
+    def tasks():  # every other prompt starts with the same 24 tokens (prefix cache hits)
+        out = seeded_tasks(40, engine.vocab_size, max_tokens=60)
+        for t in out[::2]:
+            t.prompt_ids = shared + list(t.prompt_ids)
+        return out
+
+    alone = run_alone(core, tasks())
+    batched = run_staggered(core, tasks(), [1, 16, 4, 8, 2], epoch=12)
+    assert len(alone) == len(batched) == 40
+    assert engine.prefix_cache.stats.cached_tokens >= 20 * 16
+    differ = sorted(k for k in alone if batched[k] != alone[k])
+    assert differ == [], f"{len(differ)} of 40 requests differ: {differ[:10]}"
+    assert sum(len(o.ids) for o in alone.values()) > 30 * 40
+
+
 def test_refusals(pair):
     gqa, _ = pair
     v = gqa.vocab_size
