@@ -149,6 +149,30 @@ def test_every_row_gets_its_solo_logits_bit_for_bit(pair):
     assert gqa._kv is None
 
 
+class _Poisoned(OnnxGqaEngine):
+    """Fresh buffers filled with NaN past every row's tokens: a read of a slot the engine
+    never wrote would show."""
+
+    def _ensure(self, rows: int, slots: int) -> None:
+        before = None if self._kv is None else self._kv[0]
+        super()._ensure(rows, slots)
+        if self._kv is not None and self._kv[0] is not before:
+            lengths = [self._seqs[k].length for k in self._order]
+            for buf in self._kv:
+                for r in range(buf.shape[0]):
+                    buf[r, :, lengths[r] if r < len(lengths) else 0:] = np.nan
+
+
+def test_nothing_past_a_rows_tokens_is_read(pair):
+    gqa, _ = pair
+    poisoned = _Poisoned(gqa.spec, threads=1)
+    prompts, tokens = _forced(gqa)
+    alone = {k: forced_alone(gqa, k, prompts[k], tokens[k]) for k in prompts}
+    got = forced_staggered(poisoned, prompts, tokens, seed=5, pause=0.2)
+    for k in prompts:
+        assert np.array_equal(got[k], alone[k]), k
+
+
 def test_a_lone_row_differs_only_where_the_probe_says(pair):
     """Without ``min_rows`` (batch_invariant false), a 4-bit graph's lone decode row gets
     other bits than beside another row; fp32 does not."""
