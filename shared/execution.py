@@ -1,16 +1,18 @@
 """Execution chosen by measurement: ``weights = "auto"`` (docs/models.md, "Execution modes").
 
-A GGUF model folder whose ``engine.toml`` says ``weights = "auto"`` holds a graph for
-each candidate mode of the same file:
+A GGUF model folder whose ``engine.toml`` says ``weights = "auto"`` holds a
+GroupQueryAttention graph (shared/gguf_gqa.py, served by workers/engines/onnx_gqa.py)
+for each candidate mode of the same file:
 
-==============  ===========================  =====================================
-mode            graph                        what runs
-==============  ===========================  =====================================
-``q4``          ``model.onnx``               4-bit weights, fp32 activations
-``q4-int8act``  ``model.q4-int8act.onnx``    the same weights (``model.onnx.data``),
-                                             8-bit activations (llama.cpp's path)
-``fp32``        ``model.fp32.onnx``          dequantized fp32 weights (the reference)
-==============  ===========================  =====================================
+==============  =============================  ======================================
+mode            graph                          what runs
+==============  =============================  ======================================
+``q4``          ``model.gqa.onnx``             4-bit weights, fp32 activations
+``q4-int8act``  ``model.gqa.q4-int8act.onnx``  the same 4-bit weights with 8-bit
+                                               activations (llama.cpp's path), the
+                                               first and last blocks in fp32
+``fp32``        ``model.gqa.fp32.onnx``        dequantized fp32 weights (the reference)
+==============  =============================  ======================================
 
 and an ``execution.json`` that records, once per file and importer,
 
@@ -20,8 +22,9 @@ and an ``execution.json`` that records, once per file and importer,
   SmolLM2, llama.cpp's own on the same file and text) and perplexity at most
   ``max_ppl_ratio`` times fp32's (1.01). A mode that is not exact in the weights (8-bit
   activations) needs a ``max_kld``; without one it is not a candidate;
-* per CPU (model name, the instruction sets that pick ONNX Runtime's kernels, cores): each passing mode's decode step at batch 1 and 16, and the mode chosen, the
-  fastest (lowest geometric mean of the two), with why.
+* per CPU (model name, the instruction sets that pick ONNX Runtime's kernels, cores):
+  each mode's decode step at batch 1 and 16 as its engine runs it, and the mode chosen,
+  the fastest passing one (lowest geometric mean of the two), with why.
 
 The choice is made when the folder is imported (first use) and again when a worker
 starts on a CPU the record does not hold; ``weights = "q4"`` (or any mode) in
@@ -42,10 +45,11 @@ from typing import Any, Callable
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.ggufimport import AUTO, AUTO_MODES as CANDIDATES, auto_graph_file as graph_file
+from streamfleet.shared.ggufimport import AUTO, AUTO_GRAPH_FILE, AUTO_MODES as CANDIDATES
 
 __all__ = ["AUTO", "CANDIDATES", "EXECUTION_FILE", "Served", "cpu_signature", "describe", "graph_file",
-           "graph_path", "measure", "needs_measuring", "record_of", "served", "time_graph", "write_candidates"]
+           "graph_path", "import_auto", "measure", "needs_measuring", "record_of", "served", "time_graph",
+           "write_auto_graphs"]
 
 REFERENCE = "fp32"
 #: modes whose weights and products are those of the file (sums in another order): no
@@ -148,7 +152,51 @@ def graph_path(spec: Any) -> Path:
     return spec.path / s.graph
 
 
-# -- the graphs (written by shared/ggufimport.py) -----------------------------------------------
+# -- the graphs ---------------------------------------------------------------------------------
+
+def graph_file(mode: str) -> str:
+    """The graph of ``mode`` in an ``auto`` folder: GroupQueryAttention graphs
+    (shared/gguf_gqa.py, served by workers/engines/onnx_gqa.py), ``model.gqa.onnx`` for
+    ``q4``, ``model.gqa.MODE.onnx`` for the others, each with its weights in ``.data``."""
+    return AUTO_GRAPH_FILE if mode == "q4" else f"model.gqa.{mode}.onnx"
+
+
+def write_auto_graphs(m: Any, dest: Path, *, max_context: int, sha256: str | None = None,
+                      say: Callable[[str], None] = lambda _: None) -> None:
+    """Every candidate's GroupQueryAttention graph of the GGUF model ``m`` in ``dest``, and
+    the tokenizer and config files, stamped ``auto`` (``importer_digest``)."""
+    from streamfleet.shared.gguf_gqa import write_gqa_graph
+    from streamfleet.shared.ggufimport import DIGEST_KEY, importer_digest, write_tokenizer_files
+    from streamfleet.shared.packagefetch import sha256_of
+
+    dest = Path(dest)
+    sha = sha256 or sha256_of(m.path)
+    stamp = {DIGEST_KEY: importer_digest(sha, AUTO)}
+    write_tokenizer_files(m, dest, max_context=max_context)
+    say("writing the q4 graph (4-bit weights, fp32 activations)")
+    write_gqa_graph(m, dest, weights="q4", max_context=max_context, source_sha256=sha, graph_file=graph_file("q4"),
+                    metadata=stamp)
+    say("writing the q4-int8act graph (8-bit activations; its first and last blocks in fp32)")
+    write_gqa_graph(m, dest, weights="q4-int8act", max_context=max_context, source_sha256=sha,
+                    graph_file=graph_file("q4-int8act"), metadata=stamp)
+    say("writing the fp32 graph (the reference: every matrix dequantized)")
+    write_gqa_graph(m, dest, weights="fp32", max_context=max_context, source_sha256=sha,
+                    graph_file=graph_file("fp32"), metadata=stamp)
+
+
+def import_auto(source: Path, dest_root: Path, name: str, *, max_batch: int = 16, max_context: int | None = None,
+                force: bool = False, max_kld: float | None = None,
+                say: Callable[[str], None] = lambda _: None) -> tuple[Path, str]:
+    """``streamfleet engines import FILE.gguf --weights auto``: the folder with every
+    candidate's graph and an ``engine.toml`` saying ``weights = "auto"`` (measured when a
+    worker first starts on it, or by ``measure``)."""
+    from streamfleet.shared.ggufimport import import_gguf
+
+    return import_gguf(source, dest_root, name, weights=AUTO, max_batch=max_batch, max_context=max_context,
+                       force=force, max_kld=max_kld,
+                       write_graphs=lambda m, dest, max_context: write_auto_graphs(m, dest, max_context=max_context,
+                                                                                   say=say))
+
 
 def candidates_present(folder: Path) -> bool:
     return all((folder / graph_file(mode)).exists() for mode in CANDIDATES)
@@ -157,13 +205,30 @@ def candidates_present(folder: Path) -> bool:
 # -- timing -------------------------------------------------------------------------------------
 
 def time_graph(path: Path, threads: int | None, prompt: list[int], batches: tuple[int, ...] = (1, 16),
-               steps: int = 12) -> dict[int, float]:
+               steps: int = 12, min_rows: int = 1) -> dict[int, float]:
     """The median decode step (ms) of the graph at each batch size: ``prompt`` prefilled
     in every row, then ``steps`` steps (after two not counted), each row fed its greedy
     token; the runs a worker makes for that batch."""
-    from streamfleet.shared.quality import open_graph
+    from streamfleet.shared.quality import SharedBufferRunner, is_shared_buffer_graph, open_graph
 
     session = open_graph(path, threads)
+    if is_shared_buffer_graph(session):  # GroupQueryAttention: in place, as its engine runs it
+        out_gqa: dict[int, float] = {}
+        for b in batches:
+            n = len(prompt)
+            b = max(b, min_rows)  # a lone row run as its engine runs it (two, for a 4-bit graph's invariance)
+            runner = SharedBufferRunner(session, b, n + steps + 2)
+            lengths = np.full(b, n)
+            logits = runner.run(np.tile(np.asarray(prompt, dtype=np.int64), (b, 1)), lengths)
+            times = []
+            for step in range(steps + 2):
+                lengths = lengths + 1
+                t = time.perf_counter()
+                logits = runner.run(logits[:, -1].argmax(-1)[:, None], lengths)
+                if step >= 2:
+                    times.append((time.perf_counter() - t) * 1000)
+            out_gqa[batches[len(out_gqa)]] = statistics.median(times)
+        return out_gqa
     names = {i.name: i for i in session.get_inputs()}
     pasts = [n for n in names if n.startswith("past_key_values.")]
     outs = ["logits"] + [n.replace("past_key_values.", "present.") for n in pasts]
@@ -259,11 +324,13 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
     sig = cpu_signature()
     quality = record.get("quality")
     if quality is None:
-        say(f"measuring each mode's quality against fp32 ({QUALITY_TEXT.name}, chunks of {DEFAULT_CTX} tokens; "
+        # llama-perplexity's chunks of 512 tokens, or the model's context where it is shorter
+        n_ctx = min(DEFAULT_CTX, spec.max_context) // 2 * 2
+        say(f"measuring each mode's quality against fp32 ({QUALITY_TEXT.name}, chunks of {n_ctx} tokens; "
             f"once per model file)")
-        got = evaluate({m: folder / graph_file(m) for m in CANDIDATES}, REFERENCE, ids, chunks=chunks,
+        got = evaluate({m: folder / graph_file(m) for m in CANDIDATES}, REFERENCE, ids, n_ctx=n_ctx, chunks=chunks,
                        threads=threads, progress=say)
-        quality = {"text": QUALITY_TEXT.name, "n_ctx": DEFAULT_CTX, "tokens": got[REFERENCE].tokens,
+        quality = {"text": QUALITY_TEXT.name, "n_ctx": n_ctx, "tokens": got[REFERENCE].tokens,
                    "reference": REFERENCE, "measured_on": _key(sig), "modes": {m: q.as_dict() for m, q in got.items()}}
         record["quality"] = quality
     # the gate is engine.toml's now, whatever it was when the figures were taken
@@ -278,7 +345,9 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
         timings = {}
         for mode in CANDIDATES:  # every one, so that the record shows what a failing mode would gain
             say(f"timing {mode} (decode steps at batch 1 and 16)")
-            t = time_graph(folder / graph_file(mode), threads, prompt)
+            # the GQA engine runs a 4-bit graph's lone row beside a second (its kernel computes one
+            # row alone differently), for batch invariance: timed as it runs
+            t = time_graph(folder / graph_file(mode), threads, prompt, min_rows=2 if mode == "q4" else 1)
             timings[mode] = {"step_ms_b1": round(t[1], 2), "step_ms_b16": round(t[16], 2)}
         eligible = [m for m in CANDIDATES if verdicts[m][0]]
         if not eligible:

@@ -55,6 +55,7 @@ from streamfleet.shared.ggufimport import (
     _linear_init,
     _projections,
     _rms_norm,
+    layer_weights,
 )
 from streamfleet.shared.packagefetch import sha256_of
 
@@ -105,6 +106,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "keep", m.vocab_size])]
+    model_weights = weights
     for i in range(m.n_layer):
         for kv in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", TensorProto.FLOAT,
@@ -121,6 +123,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
     folded = math.log2(inv_sqrt).is_integer()
     for i in range(m.n_layer):
         pre = f"blk.{i}"
+        weights = layer_weights(model_weights, i, m.n_layer)  # q4-int8act's edge blocks: fp32
         ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
         qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
@@ -152,6 +155,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
 
+    weights = model_weights
     x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
     inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
     last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
@@ -188,7 +192,8 @@ def gqa_digest(source_sha256: str, weights: str, max_context: int) -> str:
 
 
 def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS, max_context: int | None = None,
-                    source_sha256: str | None = None) -> Path:
+                    source_sha256: str | None = None, graph_file: str = GQA_GRAPH_FILE,
+                    metadata: dict[str, str] | None = None) -> Path:
     """Write ``dest/model.gqa.onnx`` (and its ``.data``) for ``m``, serving sequences of up to
     ``max_context`` tokens (default: the file's context; the RoPE caches hold one position
     more, the engine's scratch slot); returns the graph's path."""
@@ -200,16 +205,17 @@ def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS,
     ctx = int(max_context or m.context_length)
     model = build_gqa_graph(m, weights, max_positions=ctx + 1,
                             metadata={GQA_DIGEST_KEY: gqa_digest(sha, weights, ctx),
-                                      "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha})
-    tmp = dest / (GQA_GRAPH_FILE + ".tmp")
-    data_name = GQA_GRAPH_FILE + ".data"
+                                      "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha,
+                                      **(metadata or {})})
+    tmp = dest / (graph_file + ".tmp")
+    data_name = graph_file + ".data"
     for stale in (dest / data_name, tmp):
         stale.unlink(missing_ok=True)
     onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data_name, size_threshold=1024)
-    tmp.replace(dest / GQA_GRAPH_FILE)
+    tmp.replace(dest / graph_file)
     (dest / data_name).chmod(0o644)
-    return dest / GQA_GRAPH_FILE
+    return dest / graph_file
 
 
 def _stamp(path: Path) -> str | None:

@@ -40,8 +40,8 @@ Weights (``--weights``, docs/models.md has the measured figures):
     Runtime's fast 8-bit path): lossy, kept for comparison.
 ``q4-int8act``
     as ``q4`` but with 8-bit activations (``accuracy_level`` 4, llama.cpp's own Q4_1
-    path) in every block but the first and the last, whose products keep fp32
-    activations (``int8act_level``): faster and lossy; its quality against fp32 is
+    path) in every block but the first and the last, which are dequantized to fp32
+    (``layer_weights``): faster and lossy; its quality against fp32 is
     measured (shared/quality.py) and it serves by default only where it passes the gate
     of ``weights = "auto"`` (shared/execution.py; docs/models.md).
 """
@@ -60,8 +60,9 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.packagefetch import sha256_of
 
-__all__ = ["AUTO", "AUTO_MODES", "GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf", "write_model_files",
-           "import_gguf", "importer_digest", "build_tokenizer_json", "auto_graph_file", "write_auto_graphs"]
+__all__ = ["AUTO", "AUTO_GRAPH_FILE", "AUTO_MODES", "GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf",
+           "write_model_files", "write_tokenizer_files", "import_gguf", "importer_digest", "build_tokenizer_json",
+           "layer_weights"]
 
 #: ``--weights`` choices, the default first
 WEIGHT_MODES = ("q4", "fp32", "int8", "q4-int8act")
@@ -70,6 +71,8 @@ DEFAULT_WEIGHTS = "q4"
 #: measurement on each CPU (shared/execution.py)
 AUTO = "auto"
 AUTO_MODES = ("q4", "q4-int8act", "fp32")
+#: an ``auto`` folder's ``onnx``: its q4 GroupQueryAttention graph (shared/execution.py)
+AUTO_GRAPH_FILE = "model.gqa.onnx"
 #: the graph's name in a model folder (its weights beside it in ``model.onnx.data``)
 GRAPH_FILE = "model.onnx"
 #: default context cap: the KV cache of every live sequence is sized by it (as the ONNX import)
@@ -183,8 +186,8 @@ class GgufModel:
 
 
 _WEIGHT_NOTES = {
-    "auto": "a graph each for q4, q4-int8act and fp32; the fastest that passes the quality gate serves "
-            "(measured on each CPU; docs/models.md)",
+    "auto": "a GroupQueryAttention graph each for q4, q4-int8act and fp32; the fastest that passes the "
+            "quality gate serves (measured on each CPU; docs/models.md)",
     "q4": "Q4_0/Q4_1 as 4-bit MatMulNBits (Q8_0 as two 4-bit halves), fp32 activations",
     "fp32": "dequantized to fp32 (the reference path)",
     "int8": "requantized to 8 bits per block of 32, 8-bit activations (lossy)",
@@ -579,14 +582,16 @@ def _linear_init(g: _Graph, t: _Tensor, weights: str, prefix: str,
     return _init_parts(g, _linear_parts(t, weights, permute_heads), prefix)
 
 
-def int8act_level(weight: str, n_layer: int) -> int:
-    """The ``accuracy_level`` of a 4-bit product in ``q4-int8act``, by the name of its
-    weight initializer: 0 (fp32 activations) in the first and the last block, 4 (8-bit
-    activations) elsewhere. The two edge blocks are where rounding the activations costs
-    most (SmolLM2-135M over shared/corpus/alice.txt: mean KL divergence from fp32 0.00325
-    with 8-bit activations everywhere, 0.00245 with these two blocks kept; llama.cpp's
-    own Q4_1 path 0.00288) for about 5 % of the weights."""
-    return 0 if weight.startswith(("blk.0.", f"blk.{n_layer - 1}.")) else 4
+def layer_weights(weights: str, layer: int, n_layer: int) -> str:
+    """The weights mode of one block's matrices: ``q4-int8act`` keeps its first and last
+    blocks dequantized to fp32 (plain ``MatMul``, fp32 activations, and a row's products
+    the same alone and beside others, which the 4-bit kernel with fp32 activations does
+    not give a lone row); every other mode is the same in every block. The two edge blocks
+    are where rounding the activations costs most (SmolLM2-135M over
+    shared/corpus/alice.txt: mean KL divergence from fp32 0.00325 with 8-bit activations
+    everywhere, 0.00245 with these two blocks kept; llama.cpp's own Q4_1 path 0.00288) for
+    about 5 % of the weights."""
+    return "fp32" if weights == "q4-int8act" and layer in (0, n_layer - 1) else weights
 
 
 def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: int, accuracy: int) -> str:
@@ -688,10 +693,10 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     # the mask for the grouped rows [B, 1, group*S, T]: row r*S + s is query head r of a
     # group at position s (the layout of ``qg`` below)
     bias_g = g.op("Tile", [bias, g.const([1, 1, group, 1])]) if group > 1 else bias
-    act8 = accuracy
+    model_weights = weights
     for i in range(m.n_layer):
         pre = f"blk.{i}"
-        accuracy = int8act_level(pre + ".", m.n_layer) if act8 == 4 else act8
+        weights = layer_weights(model_weights, i, m.n_layer)
         ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
         ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
         qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
@@ -735,6 +740,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
 
+    weights = model_weights
     x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
     # the logits of the last ``logits_to_keep`` positions ([1]: what generation needs; a
     # prompt's log probabilities and perplexity need every position of a chunk)
@@ -749,7 +755,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
     else:
         head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, act8)], outputs=["logits"])
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -803,9 +809,12 @@ def build_tokenizer_json(m: GgufModel) -> dict[str, Any]:
 # -- the folder ----------------------------------------------------------------------------------
 
 def importer_digest(source_sha256: str, weights: str) -> str:
-    """What built a folder: this module's code, the GGUF file's digest and the weights mode
-    (stamped into the graph, so a changed importer rebuilds what it made)."""
+    """What built a folder: this module's and shared/gguf_gqa.py's code, the GGUF file's
+    digest and the weights mode (stamped into the graph, so a changed importer rebuilds
+    what it made)."""
     h = hashlib.sha256(Path(__file__).read_bytes())
+    # and the GroupQueryAttention graphs' builder (shared/gguf_gqa.py, read, not imported: it imports this module)
+    h.update(Path(__file__).with_name("gguf_gqa.py").read_bytes())
     h.update(f"\0{source_sha256}\0{weights}".encode())
     return h.hexdigest()[:32]
 
@@ -851,9 +860,14 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
                     location=data_name, size_threshold=1024)
     tmp.replace(dest / graph_file)
     (dest / data_name).chmod(0o644)  # onnx writes it owner-only; the folder's other files are 0644
-    if graph_only:
-        return
+    if not graph_only:
+        write_tokenizer_files(m, dest, max_context=max_context)
 
+
+def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None:
+    """The tokenizer and config files of ``m`` in ``dest`` (every graph layout's)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     (dest / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(m), ensure_ascii=False))
     special = {}
     for key, tid in (("bos_token", m.bos_id), ("eos_token", m.eos_id), ("pad_token", m.pad_id),
@@ -885,45 +899,9 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=1))
 
 
-def auto_graph_file(mode: str) -> str:
-    """The graph of ``mode`` in a ``weights = "auto"`` folder: ``model.onnx`` for ``q4``
-    (with its weights in ``model.onnx.data``, which ``q4-int8act``'s graph shares),
-    ``model.MODE.onnx`` for the others."""
-    return GRAPH_FILE if mode == "q4" else f"model.{mode}.onnx"
-
-
-def write_auto_graphs(m: GgufModel, dest: Path, *, max_context: int, sha256: str | None = None,
-                      say: Any = None) -> None:
-    """Every ``AUTO_MODES`` graph of ``m`` in ``dest`` (and the tokenizer and config
-    files), stamped ``auto``."""
-    import onnx
-
-    say = say or (lambda _: None)
-    sha = sha256 or sha256_of(m.path)
-    say("writing the q4 graph (4-bit weights) and the tokenizer")
-    write_model_files(m, dest, weights="q4", max_context=max_context, source_sha256=sha, stamp=AUTO)
-    # q4-int8act: the same initializers (model.onnx.data), 8-bit activations in every
-    # 4-bit product: a graph file of its own, no second copy of the weights
-    model = onnx.load(str(Path(dest) / auto_graph_file("q4")), load_external_data=False)
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for attr in node.attribute:
-                if attr.name == "accuracy_level":
-                    attr.i = int8act_level(node.input[1], m.n_layer)
-    for entry in model.metadata_props:
-        if entry.key == "streamfleet.weights":
-            entry.value = "q4-int8act"
-    tmp = Path(dest) / (auto_graph_file("q4-int8act") + ".tmp")
-    onnx.save_model(model, str(tmp))
-    tmp.replace(Path(dest) / auto_graph_file("q4-int8act"))
-    say("writing the fp32 graph (the reference: every matrix dequantized)")
-    write_model_files(m, dest, weights="fp32", max_context=max_context, source_sha256=sha,
-                      graph_file=auto_graph_file("fp32"), stamp=AUTO, graph_only=True)
-
-
 def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFAULT_WEIGHTS, max_batch: int = 16,
                 max_context: int | None = None, force: bool = False, max_kld: float | None = None,
-                say: Any = None) -> tuple[Path, str]:
+                write_graphs: Any = None) -> tuple[Path, str]:
     """Import ``source`` as ``dest_root/name`` with an ``engine.toml``; returns the folder
     and the description printed by the CLI.
 
@@ -938,8 +916,10 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
     if (dest / "engine.toml").exists() and not force:
         raise FatalError(f"{dest} already holds a model; choose another --name or pass --force")
     description = m.describe(weights, ctx, note)
-    if weights == AUTO:
-        write_auto_graphs(m, dest, max_context=ctx, say=say)
+    if weights == AUTO:  # shared/execution.py import_auto hands its writer in (write_auto_graphs)
+        if write_graphs is None:
+            raise FatalError("weights \"auto\" imports through shared/execution.py (import_auto)")
+        write_graphs(m, dest, max_context=ctx)
     else:
         write_model_files(m, dest, weights=weights, max_context=ctx)
     header = "\n".join(f"# {line}" for line in description.splitlines())
@@ -949,7 +929,7 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
         f'name = "{name}"',
         'version = "1"',
         'backend = "onnxruntime"',
-        f'onnx = "{GRAPH_FILE}"',
+        f'onnx = "{AUTO_GRAPH_FILE if weights == AUTO else GRAPH_FILE}"',
         'tokenizer = "tokenizer.json"',
         f"max_batch = {int(max_batch)}",
         f"max_context = {ctx}",
@@ -958,6 +938,7 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
         f"head_dim = {m.head_dim}",
     ]
     if weights == AUTO:
+        lines.insert(lines.index(f'weights = "{weights}"') + 1, 'attention = "gqa"')
         lines += ["", "# the quality gate of weights = \"auto\" (docs/models.md, \"Execution modes\"): a mode serves",
                   "# only if its perplexity is within max_ppl_ratio of fp32's and, unless exact in the",
                   "# weights, its mean KL divergence from fp32 is at most max_kld",

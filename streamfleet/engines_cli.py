@@ -396,6 +396,7 @@ def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], b
     from pathlib import Path
 
     from streamfleet.shared.errors import FatalError
+    from streamfleet.shared.execution import import_auto
     from streamfleet.shared.ggufimport import AUTO, WEIGHT_MODES, context_for, import_gguf, read_gguf
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.shared.settings import CommonSettings
@@ -414,15 +415,19 @@ def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], b
             return
         if check_only:  # auto: the modes measured in a scratch folder, nothing kept
             with tempfile.TemporaryDirectory(prefix="sf-check-") as tmp:
-                _, description = import_gguf(source, Path(tmp), model_name, weights=weights, max_batch=max_batch,
+                _, description = import_auto(source, Path(tmp), model_name, max_batch=max_batch,
                                              max_context=max_context, force=True, max_kld=max_kld, say=_say)
                 typer.echo(description)
                 _measure_and_describe(ModelRepository(Path(tmp)).get(model_name))
             return
         root = ModelRepository(engines_dir or CommonSettings().engines_dir).root
         typer.echo(f"importing {source} ({weights} weights) ...", err=True)
-        dest, description = import_gguf(source, root, model_name, weights=weights, max_batch=max_batch,
-                                        max_context=max_context, force=force, max_kld=max_kld, say=_say)
+        if weights == AUTO:
+            dest, description = import_auto(source, root, model_name, max_batch=max_batch, max_context=max_context,
+                                            force=force, max_kld=max_kld, say=_say)
+        else:
+            dest, description = import_gguf(source, root, model_name, weights=weights, max_batch=max_batch,
+                                            max_context=max_context, force=force)
         typer.echo(description)
         if weights == AUTO:
             _measure_and_describe(ModelRepository(root).get(model_name))

@@ -23,7 +23,7 @@ MODEL = "tiny-auto"
 def auto_fleet(module_fleet, tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     src = write_tiny_gguf(root / "tiny.gguf", TinyLlama(seed=21, n_layer=2))
-    import_gguf(src, root, MODEL, weights="auto", max_batch=8, max_kld=1.0)  # graphs only: nothing measured
+    execution.import_auto(src, root, MODEL, max_batch=8, max_kld=1.0)  # graphs only: nothing measured
     assert not (root / MODEL / "execution.json").exists()
     gw = module_fleet.gateway(engines_dir=str(root), models=MODEL, default_model=MODEL)
     module_fleet.worker(model=MODEL, engines_dir=str(root), wait=False)

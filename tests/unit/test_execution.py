@@ -18,13 +18,12 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.ggufimport import AUTO_MODES, DIGEST_KEY, import_gguf, importer_digest
 from streamfleet.shared.modelrepo import ModelRepository, onnx_metadata
 from streamfleet.shared.quality import chunk_windows, evaluate, log_softmax
-from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 from tests.support.gguf_models import TinyLlama, write_tiny_gguf
 
 
 def _auto_folder(tmp_path: Path, *, max_kld: float | None = None, name: str = "tiny") -> object:
     src = write_tiny_gguf(tmp_path / f"{name}.gguf", TinyLlama(seed=5, n_layer=1))
-    import_gguf(src, tmp_path / "engines", name, weights="auto", max_batch=8, max_kld=max_kld)
+    execution.import_auto(src, tmp_path / "engines", name, max_batch=8, max_kld=max_kld)
     return ModelRepository(tmp_path / "engines").get(name)
 
 
@@ -43,34 +42,39 @@ def measured(tmp_path_factory):
     return spec, record
 
 
-def test_an_auto_folder_holds_every_candidates_graph_sharing_the_4_bit_weights(measured, tmp_path):
+def test_an_auto_folder_holds_a_gqa_graph_for_every_candidate(measured, tmp_path):
     spec, _ = measured
     files = {p.name for p in spec.path.iterdir()}
-    assert {"model.onnx", "model.onnx.data", "model.q4-int8act.onnx", "model.fp32.onnx",
-            "model.fp32.onnx.data"} <= files
-    assert "model.q4-int8act.onnx.data" not in files  # the int8-activation graph reads q4's weights
+    assert {"model.gqa.onnx", "model.gqa.onnx.data", "model.gqa.q4-int8act.onnx", "model.gqa.fp32.onnx",
+            "model.gqa.fp32.onnx.data"} <= files
+    assert "model.onnx" not in files  # GroupQueryAttention graphs only
+    toml = (spec.path / "engine.toml").read_text()
+    assert 'onnx = "model.gqa.onnx"' in toml and 'attention = "gqa"' in toml
     import onnx
 
-    g = onnx.load(str(spec.path / "model.q4-int8act.onnx"), load_external_data=False)
+    # q4-int8act: 8-bit activations in every 4-bit product; its first and last blocks are
+    # fp32 matrices (one block here: both), the output layer 4-bit
+    g = onnx.load(str(spec.path / "model.gqa.q4-int8act.onnx"), load_external_data=False)
     levels = {n.input[1]: a.i for n in g.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
               if a.name == "accuracy_level"}
-    # 8-bit activations but in the first and last blocks (one block here: both)
-    assert {w: lvl for w, lvl in levels.items() if w.startswith("blk.")} == {w: 0 for w in levels if w.startswith("blk.")}
-    assert {lvl for w, lvl in levels.items() if w.startswith("output")} == {4}
-    # the graph a pinned q4-int8act import builds is the same
+    assert levels and set(levels.values()) == {4} and all(w.startswith("output") for w in levels)
+    # in a deeper model the middle blocks are 4-bit, and a pinned q4-int8act import builds the same
     src = write_tiny_gguf(tmp_path / "p.gguf", TinyLlama(seed=5, n_layer=3))
     import_gguf(src, tmp_path / "engines", "pinned", weights="q4-int8act", max_batch=8)
     pinned = onnx.load(str(tmp_path / "engines" / "pinned" / "model.onnx"), load_external_data=False)
-    got = {n.input[1].split(".")[1]: a.i for n in pinned.graph.node if n.op_type == "MatMulNBits"
-           for a in n.attribute if a.name == "accuracy_level" and n.input[1].startswith("blk.")}
-    assert got == {"0": 0, "1": 4, "2": 0}
+    blocks = {n.input[1].split(".")[1] for n in pinned.graph.node if n.op_type == "MatMulNBits"
+              and n.input[1].startswith("blk.")}
+    assert blocks == {"1"}
     assert "max_kld = 1.0" in (spec.path / "engine.toml").read_text()
 
 
 def test_the_record_holds_quality_times_and_the_fastest_passing_mode(measured):
     spec, record = measured
     q = record["quality"]["modes"]
-    assert set(q) == set(AUTO_MODES) and record["quality"]["tokens"] == 2 * 255
+    # chunks of the model's context (128 here; 512, llama-perplexity's, for a longer one), the
+    # second half of each but its last token scored
+    assert record["quality"]["n_ctx"] == 128 and record["quality"]["tokens"] == 2 * 63
+    assert set(q) == set(AUTO_MODES)
     assert q["fp32"]["mean_kld"] == 0 and q["fp32"]["same_top1"] == 1.0
     assert q["q4"]["mean_kld"] < 1e-6  # the same weights, sums in another order
     assert q["q4-int8act"]["mean_kld"] > q["q4"]["mean_kld"]  # 8-bit activations round
@@ -91,19 +95,21 @@ def test_the_record_holds_quality_times_and_the_fastest_passing_mode(measured):
 
 def test_a_worker_loads_the_chosen_graph(measured):
     spec, record = measured
-    engine = OnnxRuntimeEngine(spec, threads=1)
-    (entry,) = record["cpus"].values()
-    import onnxruntime as ort
+    from streamfleet.shared.quality import SharedBufferRunner, open_graph
+    from streamfleet.workers.engines import load_engine
 
-    want = ort.InferenceSession(str(spec.path / execution.graph_file(entry["chosen"])),
-                                providers=["CPUExecutionProvider"])
+    engine = load_engine(spec, threads=1)
+    (entry,) = record["cpus"].values()
+    assert engine.graph_path == spec.path / execution.graph_file(entry["chosen"])
     prompt = [5, 77, 140, 33]
     got = engine.prefill([("a", prompt)])[0]
-    feed = {"input_ids": np.array([prompt]), "attention_mask": np.ones((1, 4), np.int64),
-            "position_ids": np.arange(4)[None], "logits_to_keep": np.array([1])}
-    for i in (i for i in want.get_inputs() if i.name.startswith("past_key_values.")):
-        feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
-    np.testing.assert_array_equal(got, want.run(["logits"], feed)[0][0, -1])
+    runner = SharedBufferRunner(open_graph(engine.graph_path, 1), 1, 8)
+    np.testing.assert_array_equal(got, runner.run(np.array([prompt]), np.array([4]))[0, -1])
+    # the concat engine cannot serve these graphs: refused by name
+    with pytest.raises(FatalError, match='weights = "auto" serves GroupQueryAttention graphs'):
+        load_engine(ModelRepository(spec.path.parent).get(spec.name).__class__(
+            **{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+               "options": {**spec.options, "attention": "concat"}}))
 
 
 def test_another_cpu_is_timed_again_and_the_quality_is_kept(measured, tmp_path):
@@ -174,11 +180,12 @@ def test_identical_graphs_have_no_divergence(measured):
     from streamfleet.shared.quality import QUALITY_TEXT
 
     ids = Tokenizer.from_file(str(spec.tokenizer_path)).encode(QUALITY_TEXT.read_text()).ids
-    got = evaluate({"a": spec.path / "model.fp32.onnx", "b": spec.path / "model.fp32.onnx"}, "a", ids, chunks=1,
+    got = evaluate({"a": spec.path / "model.gqa.fp32.onnx", "b": spec.path / "model.gqa.fp32.onnx"}, "a", ids, n_ctx=128,
+                   chunks=1,
                    threads=1)
     assert got["b"].mean_kld == 0 and got["b"].top1 == 1.0 and got["b"].ppl == got["a"].ppl
-    # 255 tokens scored a chunk of 512 (a random model: its perplexity is only finite)
-    assert got["a"].tokens == 255 and 1 < got["a"].ppl < float("inf")
+    # 63 tokens scored a chunk of 128 (a random model: its perplexity is only finite)
+    assert got["a"].tokens == 63 and 1 < got["a"].ppl < float("inf")
 
 
 def test_engines_quality_refuses_a_pinned_model(tmp_path):

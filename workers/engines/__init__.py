@@ -56,6 +56,9 @@ def load_engine(spec: ModelSpec, backend: str | None = None, **options: Any) -> 
     if target is None:
         raise FatalError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
     attention = spec.options.get("attention", "concat")
+    if name == "onnxruntime" and spec.options.get("weights") == "auto" and attention != "gqa":
+        raise FatalError(f"{spec.path / 'engine.toml'}: weights = \"auto\" serves GroupQueryAttention graphs; "
+                         f"it needs attention = \"gqa\", not {attention!r}")
     if name == "onnxruntime" and attention != "concat":
         if attention not in ATTENTION:
             raise FatalError(f"{spec.path / 'engine.toml'}: attention must be one of {', '.join(ATTENTION)}, "

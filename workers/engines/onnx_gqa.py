@@ -102,9 +102,15 @@ class OnnxGqaEngine:
     def __init__(self, spec: ModelSpec, *, threads: int | None = None, batch_invariant: bool | None = None,
                  prefix_cache_mb: float = 0.0, prefix_block: int = 32, graph: Path | str | None = None,
                  **options: Any) -> None:
+        from streamfleet.shared.execution import AUTO, graph_path
         from streamfleet.shared.gguf_gqa import ensure_gqa_graph
 
-        path = Path(graph) if graph is not None else ensure_gqa_graph(spec)
+        if graph is not None:
+            path = Path(graph)
+        elif spec.options.get("weights") == AUTO:  # the mode measured fastest on this CPU (shared/execution.py)
+            path = graph_path(spec)
+        else:
+            path = ensure_gqa_graph(spec)
         self._session = _session(path, threads, options)
         self.spec = spec
         self.graph_path = path
