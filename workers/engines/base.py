@@ -126,8 +126,10 @@ def count_past_layers(input_names: Iterable[str], where: object) -> int:
     return n_layer
 
 
-def ort_session(spec: ModelSpec, threads: int | None, options: dict) -> Any:
-    """An ONNX Runtime session on ``spec``'s graph, as every ONNX Runtime engine opens it:
+def ort_session(spec: ModelSpec, threads: int | None, options: dict, path: Any = None) -> Any:
+    """An ONNX Runtime session on ``spec``'s graph (``path``: another graph of its folder;
+    default: the one ``shared/execution.graph_path`` names), as every ONNX Runtime engine
+    opens it:
     all graph optimisations, sequential execution, ``threads`` intra-op threads (None:
     the runtime's default, all cores) and one inter-op thread, ``options["providers"]``
     (default ``["CPUExecutionProvider"]``).
@@ -146,7 +148,8 @@ def ort_session(spec: ModelSpec, threads: int | None, options: dict) -> Any:
     providers = list(options.get("providers") or ["CPUExecutionProvider"])
     from streamfleet.shared.execution import graph_path
 
-    path = graph_path(spec)  # an ``auto`` folder's: the mode chosen for this CPU (shared/execution.py)
+    if path is None:
+        path = graph_path(spec)  # an ``auto`` folder's: the mode chosen for this CPU (shared/execution.py)
     try:
         return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types

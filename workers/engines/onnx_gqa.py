@@ -52,7 +52,7 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import count_past_layers
+from streamfleet.workers.engines.base import count_past_layers, ort_session
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, _describe, check_decode, check_prefill
 from streamfleet.workers.prefixcache import PrefixCache
 
@@ -111,7 +111,7 @@ class OnnxGqaEngine:
             path = graph_path(spec)
         else:
             path = ensure_gqa_graph(spec)
-        self._session = _session(path, threads, options)
+        self._session = ort_session(spec, threads, options, path)
         self.spec = spec
         self.graph_path = path
         self.max_batch = spec.max_batch
@@ -471,21 +471,3 @@ class OnnxGqaEngine:
             if cache.touch(name):
                 continue
             cache.put(name, [buf[seq.row, :, k * block:(k + 1) * block, :].copy() for buf in self._kv])
-
-
-def _session(path: Path, threads: int | None, options: dict) -> Any:
-    """An ONNX Runtime session on ``path`` with the options of ``base.ort_session`` (all
-    graph optimisations, sequential execution, ``threads`` intra-op threads)."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if threads is not None:
-        so.intra_op_num_threads = int(threads)
-        so.inter_op_num_threads = 1
-    providers = list(options.get("providers") or ["CPUExecutionProvider"])
-    try:
-        return ort.InferenceSession(str(path), so, providers=providers)
-    except Exception as exc:  # onnxruntime raises its own exception types
-        raise FatalError(f"cannot load {path}: {exc}") from exc
