@@ -46,7 +46,6 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.ggufimport import (
     DEFAULT_WEIGHTS,
-    LOGITS_TO_KEEP,
     WEIGHT_MODES,
     GgufModel,
     _apply_linear,
@@ -55,7 +54,9 @@ from streamfleet.shared.ggufimport import (
     _linear_init,
     _projections,
     _rms_norm,
+    feed_forward,
     layer_weights,
+    output_layer,
 )
 from streamfleet.shared.packagefetch import sha256_of
 
@@ -146,28 +147,9 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
                    scale=1.0 if folded else float(inv_sqrt))
         x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
 
-        f = _rms_norm(g, x, ln2, m.rms_eps)
-        if len(gate_up) == 1:
-            both = _apply_linear(g, f, gate_up[0], h, 2 * m.intermediate, accuracy)
-            gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
-        else:
-            gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
+        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
-    weights = model_weights
-    x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
-    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
-    last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
-                          g.const([1])])  # [B, keep, H]
-    if m.tied and weights == "fp32":
-        flat = g.op("Reshape", [last, g.const([-1, h])])
-        logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
-        lead = g.op("Slice", [g.op("Shape", [last]), g.const([0]), g.const([2])])  # [B, keep]
-        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
-    else:
-        head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+    output_layer(g, m, x, inputs, model_weights, accuracy)
 
     graph = helper.make_graph(g.nodes, "llama_gqa", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),

@@ -633,6 +633,43 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
 
 
+def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any], down: list[Any],
+                 accuracy: int) -> str:
+    """A block's SwiGLU feed-forward and its residual: ``x + down(silu(gate) * up)`` of the
+    RMS-normed ``x`` (every graph layout's)."""
+    h = m.hidden
+    f = _rms_norm(g, x, norm, m.rms_eps)
+    if len(gate_up) == 1:
+        both = _apply_linear(g, f, gate_up[0], h, 2 * m.intermediate, accuracy)
+        gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
+    else:
+        gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    return g.op("Add", [x, _apply_linear(g, act, down, m.intermediate, h, accuracy)])
+
+
+def output_layer(g: _Graph, m: GgufModel, x: str, inputs: list[Any], weights: str, accuracy: int) -> None:
+    """The final norm and the ``logits`` of the last ``logits_to_keep`` positions ([1]: what
+    generation needs; a prompt's log probabilities and perplexity need every position of a
+    chunk), an input it adds to ``inputs`` (every graph layout's)."""
+    from onnx import TensorProto, helper
+
+    h, t = m.hidden, m.tensors
+    x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
+    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+    last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
+                          g.const([1])])  # [B, keep, H]
+    if m.tied and weights == "fp32":
+        # the fp32 embedding serves as the output layer too: one copy of it
+        flat = g.op("Reshape", [last, g.const([-1, h])])
+        logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
+        lead = g.op("Slice", [g.op("Shape", [last]), g.const([0]), g.const([2])])  # [B, keep]
+        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
+    else:
+        head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+
+
 def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[str, str] | None = None) -> Any:
     """The decoder as an ``onnx.ModelProto`` (weights inside; saved with external data).
 
@@ -731,32 +768,9 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, h])])
         x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
 
-        f = _rms_norm(g, x, ln2, m.rms_eps)
-        if len(gate_up) == 1:
-            both = _apply_linear(g, f, gate_up[0], h, 2 * m.intermediate, accuracy)
-            gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
-        else:
-            gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, _apply_linear(g, act, wd, m.intermediate, h, accuracy)])
+        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
-    weights = model_weights
-    x = _rms_norm(g, x, g.init("output_norm", _dequantize(t["output_norm.weight"])), m.rms_eps)
-    # the logits of the last ``logits_to_keep`` positions ([1]: what generation needs; a
-    # prompt's log probabilities and perplexity need every position of a chunk)
-    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
-    last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
-                          g.const([1])])  # [B, keep, H]
-    if m.tied and weights == "fp32":
-        # the fp32 embedding serves as the output layer too: one copy of it
-        flat = g.op("Reshape", [last, g.const([-1, h])])
-        logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
-        lead = g.op("Slice", [g.op("Shape", [last]), g.const([0]), g.const([2])])  # [B, keep]
-        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
-    else:
-        head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
-
+    output_layer(g, m, x, inputs, model_weights, accuracy)
     graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)],

@@ -498,7 +498,7 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
                      "models"]
         auth = ("on (SF_AUTH_ENABLED): send Authorization: Bearer KEY; create one with `streamfleet keys add NAME`"
                 if GatewaySettings().auth_enabled else "off (local use)")
-        example = ('"What is the capital of France?"' if load_tokenizer(spec).chat_template
+        example = ('"What is the capital of Japan?"' if load_tokenizer(spec).chat_template
                    else '"Once upon a time"')
         from streamfleet.shared.execution import served
 

@@ -53,7 +53,8 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
 from streamfleet.workers.engines.base import count_past_layers, ort_session
-from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, _describe, check_decode, check_prefill
+from streamfleet.workers.engines.onnxruntime import (InvalidSequenceError, _describe, check_decode, check_extend,
+                                                     check_prefill)
 from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["OnnxGqaEngine"]
@@ -328,7 +329,7 @@ class OnnxGqaEngine:
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         if not seqs:
             return out
-        self._check_extend(seqs)
+        check_extend(seqs, self._seqs, self.max_context, self.vocab_size)
         for i, (seq_id, chunk) in enumerate(seqs):
             out[i] = self._feed(self._seqs[seq_id], chunk)[-1]
         return out
@@ -341,7 +342,7 @@ class OnnxGqaEngine:
         Raises:
             InvalidSequenceError: as ``extend``; nothing runs.
         """
-        self._check_extend([(seq_id, chunk)])
+        check_extend([(seq_id, chunk)], self._seqs, self.max_context, self.vocab_size)
         return np.ascontiguousarray(self._feed(self._seqs[seq_id], chunk, keep=len(chunk)), dtype=np.float32)
 
     def _feed(self, seq: _Seq, chunk: list[int], keep: int = 1) -> np.ndarray:
@@ -358,30 +359,6 @@ class OnnxGqaEngine:
             seq.ids.extend(chunk)
             self._keep_blocks(seq)
         return logits
-
-    def _check_extend(self, seqs: list[tuple[str, list[int]]]) -> None:
-        """Refuse an extend call, naming the sequences that cannot take their chunk.
-
-        Raises:
-            InvalidSequenceError: unknown sequences, empty chunks, chunks that would pass
-                ``max_context``, tokens outside the vocabulary.
-            ValueError: an id given twice.
-        """
-        if len({seq_id for seq_id, _ in seqs}) != len(seqs):
-            raise ValueError("a sequence id appears twice in one extend call")
-        bad: dict[str, str] = {}
-        for seq_id, chunk in seqs:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                bad[seq_id] = "is not live"
-            elif not chunk:
-                bad[seq_id] = "was given no tokens"
-            elif seq.length + len(chunk) > self.max_context:
-                bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {self.max_context}"
-            elif min(chunk) < 0 or max(chunk) >= self.vocab_size:
-                bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
-        if bad:
-            raise InvalidSequenceError(_describe(bad), list(bad))
 
     def decode(self, seqs: list[tuple[str, int]]) -> np.ndarray:
         """Feed one token to each of some live sequences, in one run over the rows they

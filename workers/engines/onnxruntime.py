@@ -68,7 +68,8 @@ from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.prefixcache import PrefixCache
 
-__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_prefill", "invariant_width"]
+__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_extend", "check_prefill",
+           "invariant_width"]
 
 log = get_logger("worker.onnxruntime")
 
@@ -163,6 +164,32 @@ def check_decode(seqs: list[tuple[str, int]], live: dict[str, Any], max_context:
             release(seq_id)
         raise InvalidSequenceError(_describe(bad), list(bad))
     return ids
+
+
+def check_extend(seqs: list[tuple[str, list[int]]], live: dict[str, Any], max_context: int, vocab_size: int) -> None:
+    """Refuse an extend call, naming the sequences that cannot take their chunk (``live``
+    maps ids to objects with a ``length``).
+
+    Raises:
+        InvalidSequenceError: unknown sequences, empty chunks, chunks that would pass
+            ``max_context``, tokens outside the vocabulary.
+        ValueError: an id given twice.
+    """
+    if len({seq_id for seq_id, _ in seqs}) != len(seqs):
+        raise ValueError("a sequence id appears twice in one extend call")
+    bad: dict[str, str] = {}
+    for seq_id, chunk in seqs:
+        seq = live.get(seq_id)
+        if seq is None:
+            bad[seq_id] = "is not live"
+        elif not chunk:
+            bad[seq_id] = "was given no tokens"
+        elif seq.length + len(chunk) > max_context:
+            bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {max_context}"
+        elif min(chunk) < 0 or max(chunk) >= vocab_size:
+            bad[seq_id] = f"has a token outside 0..{vocab_size - 1}"
+    if bad:
+        raise InvalidSequenceError(_describe(bad), list(bad))
 
 
 def invariant_width(n: int, quantum: int, max_context: int) -> int:
@@ -460,7 +487,7 @@ class OnnxRuntimeEngine:
         out = np.empty((len(seqs), self.vocab_size), dtype=np.float32)
         if not seqs:
             return out
-        self._check_extend(seqs)
+        check_extend(seqs, self._seqs, self.max_context, self.vocab_size)
         unpadded = self.solo or self.batch_invariant
         fresh: list[int] = []
         exact: dict[tuple[int, int], list[int]] = {}
@@ -498,36 +525,12 @@ class OnnxRuntimeEngine:
         """
         if not self.every_position:
             raise RuntimeError(f"{self.spec.onnx_path} gives the logits of the last position only")
-        self._check_extend([(seq_id, chunk)])
+        check_extend([(seq_id, chunk)], self._seqs, self.max_context, self.vocab_size)
         seq = self._seqs[seq_id]
         if seq.kv is None:
             self._unslab(seq_id, seq)
         logits = self._extend_group([(seq_id, chunk)], [0], self.solo or self.batch_invariant, keep=len(chunk))
         return np.ascontiguousarray(logits[0, -len(chunk):, :], dtype=np.float32)
-
-    def _check_extend(self, seqs: list[tuple[str, list[int]]]) -> None:
-        """Refuse an extend call, naming the sequences that cannot take their chunk.
-
-        Raises:
-            InvalidSequenceError: unknown sequences, empty chunks, chunks that would pass
-                ``max_context``, tokens outside the vocabulary.
-            ValueError: an id given twice.
-        """
-        if len({seq_id for seq_id, _ in seqs}) != len(seqs):
-            raise ValueError("a sequence id appears twice in one extend call")
-        bad: dict[str, str] = {}
-        for seq_id, chunk in seqs:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                bad[seq_id] = "is not live"
-            elif not chunk:
-                bad[seq_id] = "was given no tokens"
-            elif seq.length + len(chunk) > self.max_context:
-                bad[seq_id] = f"would reach {seq.length + len(chunk)} tokens; max_context is {self.max_context}"
-            elif min(chunk) < 0 or max(chunk) >= self.vocab_size:
-                bad[seq_id] = f"has a token outside 0..{self.vocab_size - 1}"
-        if bad:
-            raise InvalidSequenceError(_describe(bad), list(bad))
 
     def _extend_group(self, seqs: list[tuple[str, list[int]]], group: list[int], unpadded: bool,
                       keep: int = 1) -> np.ndarray:
