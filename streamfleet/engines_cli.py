@@ -30,9 +30,8 @@ from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 __all__ = ["engines_app"]
 
 engines_app = App(no_args_is_help=True,
-                  help="Model folders: import an Optimum ONNX export, a GGUF file or a sentence-transformers "
-                       "embedding model; TensorRT plans: build (here or on a GPU build queue), list, run a build "
-                       "worker.")
+                  help="Model folders: import an ONNX export, a GGUF or a sentence-transformers model; their "
+                       "modes' quality; TensorRT plans: build (here or on a GPU queue), list, a build worker.")
 
 
 

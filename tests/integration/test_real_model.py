@@ -321,11 +321,11 @@ def test_prefix_cache_and_chunked_prefill_give_the_real_models_bits(engines):
     import numpy as np
 
     from streamfleet.shared.modelrepo import ModelRepository
-    from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+    from streamfleet.workers.engines import load_engine
 
-    spec = ModelRepository(engines).get(MODEL)
-    ref = OnnxRuntimeEngine(spec, threads=2)
-    on = OnnxRuntimeEngine(spec, threads=2, prefix_cache_mb=256, prefix_block=64)
+    spec = ModelRepository(engines).get(MODEL)  # its GroupQueryAttention engine (attention = "gqa")
+    ref = load_engine(spec, threads=2)
+    on = load_engine(spec, threads=2, prefix_cache_mb=256, prefix_block=64)
     rng = np.random.default_rng(3)
     history = rng.integers(100, 40000, 700).tolist()
     for turn in range(3):

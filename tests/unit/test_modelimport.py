@@ -235,7 +235,11 @@ async def test_v1_models_says_where_each_template_comes_from(tmp_path):
     async def served_models():
         return [("plain", 1), ("templ", 2)]
 
+    async def live_workers(_model):
+        return []  # heartbeats that name no execution mode
+
     hub = SimpleNamespace(admission=SimpleNamespace(authenticate=authenticate), served_models=served_models,
+                          broker=SimpleNamespace(live_workers=live_workers),
                           validator=Validator(GatewaySettings(default_model="templ"),
                                               ModelRepository(tmp_path / "engines")))
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(hub=hub)), headers={})
@@ -245,8 +249,8 @@ async def test_v1_models_says_where_each_template_comes_from(tmp_path):
     created = {name: int((tmp_path / "engines" / name).stat().st_mtime) for name in ("plain", "templ")}
     assert body["data"] == [
         {"id": "plain", "object": "model", "created": created["plain"], "owned_by": "streamfleet", "workers": 1,
-         "kind": "text", "chat_template": None, "default": False},
+         "kind": "text", "chat_template": None, "default": False, "execution": None},
         {"id": "templ", "object": "model", "created": created["templ"], "owned_by": "streamfleet", "workers": 2,
-         "kind": "text", "chat_template": "chat_template.jinja", "default": True},
+         "kind": "text", "chat_template": "chat_template.jinja", "default": True, "execution": None},
     ]
     assert min(created.values()) > 1_600_000_000
