@@ -26,7 +26,7 @@
   const FALLBACK_MODELS = [{id: "tiny-gpt", chat_template: null, default: true}];  // no /v1/models: no chat
   const HISTORY_CHARS_DEFAULT = 6000;  // the conversation's characters sent (the #history-chars field)
   const RAW_PLACEHOLDER = "Once upon a time";
-  const CHAT_PLACEHOLDER = "Ask something, e.g. What is the capital of France?  (Enter sends, Shift+Enter: new line)";
+  const CHAT_PLACEHOLDER = "Ask something, e.g. What is the capital of Japan?  (Enter sends, Shift+Enter: new line)";
   const RECONNECT_MIN_MS = 250;
   const RECONNECT_MAX_MS = 8000;
 
