@@ -54,9 +54,12 @@ from streamfleet.shared.ggufimport import (
     _linear_init,
     _projections,
     _rms_norm,
+    block_weights,
     feed_forward,
     layer_weights,
+    model_of,
     output_layer,
+    save_graph,
 )
 from streamfleet.shared.packagefetch import sha256_of
 
@@ -125,14 +128,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
     for i in range(m.n_layer):
         pre = f"blk.{i}"
         weights = layer_weights(model_weights, i, m.n_layer)  # q4-int8act's edge blocks: fp32
-        ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
-        ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
-        qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
-                           first_scale=inv_sqrt if folded else 1.0)
-        wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
-        gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
-                               [None, None])
-        wd = _linear_init(g, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
+        ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
         if len(qkv) == 1:  # packed [B, S, (nh + 2 kvh) * hd]: the op's packed-QKV input
@@ -150,16 +146,8 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
-
-    graph = helper.make_graph(g.nodes, "llama_gqa", inputs, outputs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="streamfleet.shared.gguf_gqa")
-    model.ir_version = 8
-    for key, value in {**(metadata or {}), POSITIONS_KEY: str(positions)}.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = key, value
-    return model
+    return model_of(g, "llama_gqa", inputs, outputs, "streamfleet.shared.gguf_gqa",
+                    {**(metadata or {}), POSITIONS_KEY: str(positions)})
 
 
 def gqa_digest(source_sha256: str, weights: str, max_context: int) -> str:
@@ -179,8 +167,6 @@ def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS,
     """Write ``dest/model.gqa.onnx`` (and its ``.data``) for ``m``, serving sequences of up to
     ``max_context`` tokens (default: the file's context; the RoPE caches hold one position
     more, the engine's scratch slot); returns the graph's path."""
-    import onnx
-
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
@@ -189,15 +175,7 @@ def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS,
                             metadata={GQA_DIGEST_KEY: gqa_digest(sha, weights, ctx),
                                       "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha,
                                       **(metadata or {})})
-    tmp = dest / (graph_file + ".tmp")
-    data_name = graph_file + ".data"
-    for stale in (dest / data_name, tmp):
-        stale.unlink(missing_ok=True)
-    onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_name, size_threshold=1024)
-    tmp.replace(dest / graph_file)
-    (dest / data_name).chmod(0o644)
-    return dest / graph_file
+    return save_graph(model, dest, graph_file)
 
 
 def _stamp(path: Path) -> str | None:

@@ -633,6 +633,22 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, head_dim: int) -> str:
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
 
 
+def block_weights(g: _Graph, m: GgufModel, i: int, weights: str, q_scale: float) -> tuple[Any, ...]:
+    """Block ``i``'s initializers: its two norms, the fused Q/K/V projection (the query
+    rows times ``q_scale``, a power of two), the output projection, the fused gate/up
+    projection and the down projection (every graph layout's)."""
+    t, pre = m.tensors, f"blk.{i}"
+    ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
+    ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
+    qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv",
+                       [m.n_head, m.n_kv_head, None], first_scale=q_scale)
+    wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
+    gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
+                           [None, None])
+    wd = _linear_init(g, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
+    return ln1, ln2, qkv, wo, gate_up, wd
+
+
 def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any], down: list[Any],
                  accuracy: int) -> str:
     """A block's SwiGLU feed-forward and its residual: ``x + down(silu(gate) * up)`` of the
@@ -734,14 +750,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     for i in range(m.n_layer):
         pre = f"blk.{i}"
         weights = layer_weights(model_weights, i, m.n_layer)
-        ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
-        ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
-        qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv", [nh, kvh, None],
-                           first_scale=inv_sqrt if folded else 1.0)
-        wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
-        gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
-                               [None, None])
-        wd = _linear_init(g, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
+        ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
         if len(qkv) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
@@ -771,12 +780,21 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
-    graph = helper.make_graph(g.nodes, "llama", inputs, outputs, g.inits)
+    return model_of(g, "llama", inputs, outputs, "streamfleet.shared.ggufimport", metadata or {})
+
+
+def model_of(g: _Graph, name: str, inputs: list[Any], outputs: list[Any], producer: str,
+             metadata: dict[str, str]) -> Any:
+    """The ``onnx.ModelProto`` of a built graph (opset 17 and com.microsoft's), with
+    ``metadata`` in its properties (every graph layout's)."""
+    from onnx import helper
+
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="streamfleet.shared.ggufimport")
+                              producer_name=producer)
     model.ir_version = 8
-    for key, value in (metadata or {}).items():
+    for key, value in metadata.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
     return model
@@ -859,13 +877,21 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
     Raises:
         FatalError: a weights mode the file cannot use, or the files cannot be written.
     """
-    import onnx
-
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
     model = build_graph(m, weights, metadata={DIGEST_KEY: importer_digest(sha, stamp or weights),
                                               "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha})
+    save_graph(model, dest, graph_file)
+    if not graph_only:
+        write_tokenizer_files(m, dest, max_context=max_context)
+
+
+def save_graph(model: Any, dest: Path, graph_file: str) -> Path:
+    """``dest/graph_file`` with its weights beside it in ``graph_file + ".data"``, written
+    under a temporary name first (a reader never sees half a graph)."""
+    import onnx
+
     tmp = dest / (graph_file + ".tmp")
     data_name = graph_file + ".data"
     for stale in (dest / data_name, tmp):
@@ -874,8 +900,7 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
                     location=data_name, size_threshold=1024)
     tmp.replace(dest / graph_file)
     (dest / data_name).chmod(0o644)  # onnx writes it owner-only; the folder's other files are 0644
-    if not graph_only:
-        write_tokenizer_files(m, dest, max_context=max_context)
+    return dest / graph_file
 
 
 def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None:

@@ -154,3 +154,18 @@ def ort_session(spec: ModelSpec, threads: int | None, options: dict, path: Any =
         return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types
         raise FatalError(f"cannot load {path}: {exc}") from exc
+
+
+def prefill_by_extend(engine: Any, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
+    """``Engine.prefill`` as ``start`` then ``extend`` with each prompt's part the prefix
+    cache did not have (both ONNX Runtime engines'); the sequences are released if the
+    extend fails."""
+    if not seqs:
+        return np.empty((0, engine.vocab_size), dtype=np.float32)
+    cached = engine.start(seqs)
+    try:
+        return engine.extend([(seq_id, prompt[n:]) for (seq_id, prompt), n in zip(seqs, cached)])
+    except BaseException:
+        for seq_id, _ in seqs:
+            engine.release(seq_id)
+        raise

@@ -52,9 +52,8 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import count_past_layers, ort_session
-from streamfleet.workers.engines.onnxruntime import (InvalidSequenceError, _describe, check_decode, check_extend,
-                                                     check_prefill)
+from streamfleet.workers.engines.base import count_past_layers, ort_session, prefill_by_extend
+from streamfleet.workers.engines.onnxruntime import check_decode, check_extend, check_fork, check_prefill
 from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["OnnxGqaEngine"]
@@ -286,15 +285,7 @@ class OnnxGqaEngine:
 
     def prefill(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
         """Start new sequences; see ``Engine.prefill`` (``start`` then ``extend``)."""
-        if not seqs:
-            return np.empty((0, self.vocab_size), dtype=np.float32)
-        cached = self.start(seqs)
-        try:
-            return self.extend([(seq_id, prompt[n:]) for (seq_id, prompt), n in zip(seqs, cached)])
-        except BaseException:
-            for seq_id, _ in seqs:
-                self.release(seq_id)
-            raise
+        return prefill_by_extend(self, seqs)
 
     def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
         """Register new sequences in the next free rows, each with the longest run of its
@@ -387,17 +378,8 @@ class OnnxGqaEngine:
             InvalidSequenceError: ``src_id`` is not live, or a new id already is.
             ValueError: more than ``max_batch`` live sequences, or a bad length.
         """
-        src = self._seqs.get(src_id)
-        bad = {src_id: "is not live"} if src is None else {}
-        bad.update({d: "is already live" for d in dst_ids if d in self._seqs})
-        if bad:
-            raise InvalidSequenceError(_describe(bad), list(bad))
-        if len(self._seqs) + len(dst_ids) > self.max_batch:
-            raise ValueError(f"{len(self._seqs)} live + {len(dst_ids)} forked sequences exceed max_batch "
-                             f"{self.max_batch}")
-        n = src.length if length is None else int(length)
-        if not 0 < n <= src.length:
-            raise ValueError(f"cannot fork {n} positions of a sequence of {src.length}")
+        n = check_fork(src_id, dst_ids, self._seqs, self.max_batch, length)
+        src = self._seqs[src_id]
         self._ensure(len(self._order) + len(dst_ids), n)
         block = self.prefix_cache.block if self.prefix_cache is not None else 1
         for d in dst_ids:

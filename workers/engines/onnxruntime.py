@@ -64,11 +64,12 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import PAST_RE, SequenceError, count_past_layers, ort_session
+from streamfleet.workers.engines.base import (PAST_RE, SequenceError, count_past_layers, ort_session,
+                                              prefill_by_extend)
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.prefixcache import PrefixCache
 
-__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_extend", "check_prefill",
+__all__ = ["InvalidSequenceError", "OnnxRuntimeEngine", "check_decode", "check_extend", "check_fork", "check_prefill",
            "invariant_width"]
 
 log = get_logger("worker.onnxruntime")
@@ -190,6 +191,27 @@ def check_extend(seqs: list[tuple[str, list[int]]], live: dict[str, Any], max_co
             bad[seq_id] = f"has a token outside 0..{vocab_size - 1}"
     if bad:
         raise InvalidSequenceError(_describe(bad), list(bad))
+
+
+def check_fork(src_id: str, dst_ids: list[str], live: dict[str, Any], max_batch: int, length: int | None) -> int:
+    """Refuse a fork, or return the positions it copies (``length``, default all of the
+    source's; ``live`` maps ids to objects with a ``length``).
+
+    Raises:
+        InvalidSequenceError: ``src_id`` is not live, or a new id already is.
+        ValueError: more than ``max_batch`` live sequences, or a bad length.
+    """
+    src = live.get(src_id)
+    bad = {src_id: "is not live"} if src is None else {}
+    bad.update({d: "is already live" for d in dst_ids if d in live})
+    if bad:
+        raise InvalidSequenceError(_describe(bad), list(bad))
+    if len(live) + len(dst_ids) > max_batch:
+        raise ValueError(f"{len(live)} live + {len(dst_ids)} forked sequences exceed max_batch {max_batch}")
+    n = src.length if length is None else int(length)
+    if not 0 < n <= src.length:
+        raise ValueError(f"cannot fork {n} positions of a sequence of {src.length}")
+    return n
 
 
 def invariant_width(n: int, quantum: int, max_context: int) -> int:
@@ -430,15 +452,7 @@ class OnnxRuntimeEngine:
                 ``max_context`` or a token outside the vocabulary; nothing is started.
             ValueError: an id given twice, or more than ``max_batch`` live sequences.
         """
-        if not seqs:
-            return np.empty((0, self.vocab_size), dtype=np.float32)
-        cached = self.start(seqs)
-        try:
-            return self.extend([(seq_id, prompt[n:]) for (seq_id, prompt), n in zip(seqs, cached)])
-        except BaseException:
-            for seq_id, _ in seqs:
-                self.release(seq_id)
-            raise
+        return prefill_by_extend(self, seqs)
 
     def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
         """Register new sequences, each with the longest run of its prompt's blocks the
@@ -657,17 +671,8 @@ class OnnxRuntimeEngine:
             InvalidSequenceError: ``src_id`` is not live, or a new id already is.
             ValueError: more than ``max_batch`` live sequences.
         """
-        src = self._seqs.get(src_id)
-        bad = {src_id: "is not live"} if src is None else {}
-        bad.update({d: "is already live" for d in dst_ids if d in self._seqs})
-        if bad:
-            raise InvalidSequenceError(_describe(bad), list(bad))
-        if len(self._seqs) + len(dst_ids) > self.max_batch:
-            raise ValueError(f"{len(self._seqs)} live + {len(dst_ids)} forked sequences exceed max_batch "
-                             f"{self.max_batch}")
-        n = src.length if length is None else int(length)
-        if not 0 < n <= src.length:
-            raise ValueError(f"cannot fork {n} positions of a sequence of {src.length}")
+        n = check_fork(src_id, dst_ids, self._seqs, self.max_batch, length)
+        src = self._seqs[src_id]
         if src.kv is not None and n == src.length:
             cache = src.kv
         else:
