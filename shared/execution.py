@@ -204,14 +204,14 @@ def candidates_present(folder: Path) -> bool:
 
 # -- timing -------------------------------------------------------------------------------------
 
-def time_graph(path: Path, threads: int | None, prompt: list[int], batches: tuple[int, ...] = (1, 16),
+def time_graph(path: Path | Any, threads: int | None, prompt: list[int], batches: tuple[int, ...] = (1, 16),
                steps: int = 12, min_rows: int = 1) -> dict[int, float]:
-    """The median decode step (ms) of the graph at each batch size: ``prompt`` prefilled
-    in every row, then ``steps`` steps (after two not counted), each row fed its greedy
-    token; the runs a worker makes for that batch."""
+    """The median decode step (ms) of the graph (a path, or a session opened on one) at
+    each batch size: ``prompt`` prefilled in every row, then ``steps`` steps (after two
+    not counted), each row fed its greedy token; the runs a worker makes for that batch."""
     from streamfleet.shared.quality import SharedBufferRunner, is_shared_buffer_graph, open_graph
 
-    session = open_graph(path, threads)
+    session = open_graph(path, threads) if isinstance(path, (str, Path)) else path
     if is_shared_buffer_graph(session):  # GroupQueryAttention: in place, as its engine runs it
         out_gqa: dict[int, float] = {}
         for b in batches:
@@ -260,6 +260,39 @@ def time_graph(path: Path, threads: int | None, prompt: list[int], batches: tupl
 
 
 # -- the choice ---------------------------------------------------------------------------------
+
+#: rounds of the timing: every mode is timed once a round, in a rotated order, and a mode's
+#: figure is the median of its rounds, so that load on the machine while it measures (other
+#: workers starting, a test suite) falls on every mode alike rather than on one
+TIMING_ROUNDS = 5
+
+
+def _time_modes(folder: Path, threads: int | None, prompt: list[int],
+                say: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Each candidate's decode step at batch 1 and 16 (every one, so that the record shows
+    what a failing mode would gain), ``TIMING_ROUNDS`` rounds taking turns; the GQA engine
+    runs a 4-bit graph's lone row beside a second (its kernel computes one row alone
+    differently), for batch invariance: timed as it runs."""
+    from streamfleet.shared.quality import open_graph
+
+    say(f"timing {', '.join(CANDIDATES)} (decode steps at batch 1 and 16, {TIMING_ROUNDS} rounds taking turns)")
+    sessions = {mode: open_graph(folder / graph_file(mode), threads) for mode in CANDIDATES}
+    runs: dict[str, list[dict[int, float]]] = {mode: [] for mode in CANDIDATES}
+    for r in range(TIMING_ROUNDS):
+        order = CANDIDATES[r % len(CANDIDATES):] + CANDIDATES[:r % len(CANDIDATES)]
+        for mode in order:
+            runs[mode].append(time_graph(sessions[mode], threads, prompt, steps=6,
+                                         min_rows=2 if mode == "q4" else 1))
+    return {mode: {"step_ms_b1": round(statistics.median(t[1] for t in got), 2),
+                   "step_ms_b16": round(statistics.median(t[16] for t in got), 2)} for mode, got in runs.items()}
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
 
 def gate(spec: Any) -> tuple[float | None, float]:
     """``[execution]``'s ``max_kld`` (None: not given) and ``max_ppl_ratio``.
@@ -341,14 +374,7 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
     key = _key(sig)
     cpus = record.setdefault("cpus", {})
     if key not in cpus:
-        prompt = ids[:32]
-        timings = {}
-        for mode in CANDIDATES:  # every one, so that the record shows what a failing mode would gain
-            say(f"timing {mode} (decode steps at batch 1 and 16)")
-            # the GQA engine runs a 4-bit graph's lone row beside a second (its kernel computes one
-            # row alone differently), for batch invariance: timed as it runs
-            t = time_graph(folder / graph_file(mode), threads, prompt, min_rows=2 if mode == "q4" else 1)
-            timings[mode] = {"step_ms_b1": round(t[1], 2), "step_ms_b16": round(t[16], 2)}
+        timings = _time_modes(folder, threads, ids[:32], say)
         eligible = [m for m in CANDIDATES if verdicts[m][0]]
         if not eligible:
             raise FatalError(f"{folder}: no execution mode passes the quality gate")
@@ -363,7 +389,8 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
         why = (f"fastest passing the quality gate on this CPU: step {timings[chosen]['step_ms_b1']:.1f} ms at batch "
                f"1, {timings[chosen]['step_ms_b16']:.1f} ms at 16" + (f" (vs {others})" if others else "")
                + f"; {verdicts[chosen][1]}" + (f"; not eligible: {failed}" if failed else ""))
-        cpus[key] = {"cpu": sig, "threads": threads or sig["cores"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        cpus[key] = {"cpu": sig, "threads": threads or sig["cores"], "load_average": _load(),
+                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                      "timings": timings, "chosen": chosen, "why": why}
         say(f"execution: {chosen}: {why}")
     _write(folder, record)
@@ -393,7 +420,8 @@ def describe(record: dict[str, Any], chosen_for: str | None = None) -> list[str]
                  f"{quality.get('n_ctx')}) against {quality.get('reference')}; gate: mean KLD <= "
                  f"{gate_.get('max_kld')}, perplexity <= {gate_.get('max_ppl_ratio')} x fp32's")
     if entry:
-        lines.append(f"times:   {key}, {entry.get('threads')} threads, {entry.get('measured_at')}")
+        lines.append(f"times:   {key}, {entry.get('threads')} threads, {entry.get('measured_at')}, load average "
+                     f"{' '.join(map(str, entry.get('load_average') or ['?']))}")
         lines.append(f"serves:  {entry['chosen']}: {entry['why']}")
     return lines
 
