@@ -27,6 +27,7 @@ from streamfleet.gateway.voiceslots import VoiceSlots
 
 if TYPE_CHECKING:
     from streamfleet.gateway.auth import Identity
+    from streamfleet.shared.schema import Heartbeat
 
 __all__ = ["Hub", "refresh_fleet_gauges", "NO_WORKERS_RETRY_MS"]
 
@@ -154,11 +155,20 @@ class Hub:
         Raises:
             UnavailableError: Redis cannot be read.
         """
+        return [(name, len(beats)) for name, beats in await self.served_workers()]
+
+    async def served_workers(self) -> list[tuple[str, list["Heartbeat"]]]:
+        """``(model, its live workers' heartbeats)`` for each model with at least one live
+        worker (one read of each model's workers).
+
+        Raises:
+            UnavailableError: Redis cannot be read.
+        """
         try:
-            counts = await self._worker_counts()
+            beats = {name: await self.broker.live_workers(name) for name in self.validator.model_names()}
         except Exception as exc:
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
-        return [(name, n) for name, n in counts.items() if n]
+        return [(name, live) for name, live in beats.items() if live]
 
     async def _worker_counts(self) -> dict[str, int]:
         """Live workers of each model served here."""

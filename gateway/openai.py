@@ -28,7 +28,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
@@ -47,6 +47,7 @@ from streamfleet.gateway.tools import Tools
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
+    from streamfleet.shared.schema import Heartbeat
 
 __all__ = ["router"]
 
@@ -431,13 +432,10 @@ async def models(request: Request) -> Response:
     hub: Hub = request.app.state.hub
     try:
         await hub.admission.authenticate(request.headers.get("authorization"))
-        served = await hub.served_models()
+        served = await hub.served_workers()
     except StreamfleetError as exc:  # a bad key, or Redis down: said in OpenAI's shape
         return openai_error_response(exc)
-    try:
-        data = [_model_object(hub, name, n, await _executions(hub, name)) for name, n in served]
-    except StreamfleetError as exc:
-        return openai_error_response(exc)
+    data = [_model_object(hub, name, beats) for name, beats in served]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -448,32 +446,19 @@ async def model(request: Request, model_id: str) -> Response:
     hub: Hub = request.app.state.hub
     try:
         await hub.admission.authenticate(request.headers.get("authorization"))
-        served = dict(await hub.served_models())
+        served = dict(await hub.served_workers())
     except StreamfleetError as exc:
         return openai_error_response(exc)
     if model_id not in served:
         shown = model_id if len(model_id) <= 64 else model_id[:64] + "…"
         return openai_error_response(NotFoundError(f"the model {shown!r} does not exist or no worker serves it",
                                                    param="model"))
-    try:
-        executions = await _executions(hub, model_id)
-    except StreamfleetError as exc:
-        return openai_error_response(exc)
-    return Response(orjson.dumps(_model_object(hub, model_id, served[model_id], executions)),
-                    media_type="application/json")
+    return Response(orjson.dumps(_model_object(hub, model_id, served[model_id])), media_type="application/json")
 
 
-async def _executions(hub: "Hub", name: str) -> list[dict] | None:
-    """The execution modes the live workers of ``name`` run (each once, with why and how
-    many workers run it; shared/execution.py), or None where none says one.
-
-    Raises:
-        UnavailableError: Redis cannot be read.
-    """
-    try:
-        beats = await hub.broker.live_workers(name)
-    except Exception as exc:
-        raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
+def _executions(beats: list["Heartbeat"]) -> list[dict] | None:
+    """The execution modes live workers run (each once, with why and how many workers run
+    it; shared/execution.py), or None where none says one."""
     seen: dict[tuple[str, str], int] = {}
     for hb in beats:
         if hb.execution:
@@ -481,7 +466,7 @@ async def _executions(hub: "Hub", name: str) -> list[dict] | None:
     return [{"mode": mode, "why": why, "workers": n} for (mode, why), n in seen.items()] or None
 
 
-def _model_object(hub: "Hub", name: str, workers: int, executions: list[dict] | None = None) -> dict:
+def _model_object(hub: "Hub", name: str, beats: list["Heartbeat"]) -> dict:
     """OpenAI's model object (``created``: when the model's folder was last written), and
     beyond its fields: the live workers, what the model does ("text", or "asr": speech
     recognition, served on /v1/audio/stream and /v1/audio/transcriptions), where its chat template comes from (a
@@ -497,6 +482,6 @@ def _model_object(hub: "Hub", name: str, workers: int, executions: list[dict] | 
         created = int(spec.path.stat().st_mtime)
     except OSError:
         created = 0
-    return {"id": name, "object": "model", "created": created, "owned_by": "streamfleet", "workers": workers,
+    return {"id": name, "object": "model", "created": created, "owned_by": "streamfleet", "workers": len(beats),
             "kind": spec.kind, "chat_template": template, "default": name == hub.validator.settings.default_model,
-            "execution": executions}
+            "execution": _executions(beats)}

@@ -223,6 +223,7 @@ def test_the_demo_model_chats_in_the_builtin_format_by_its_own_choice(tiny_spec)
 
 async def test_v1_models_says_where_each_template_comes_from(tmp_path):
     from streamfleet.gateway.openai import models
+    from streamfleet.shared.schema import Heartbeat
 
     src = copy_export("llama", tmp_path / "export")
     import_export(src, tmp_path / "engines", "plain")
@@ -232,14 +233,10 @@ async def test_v1_models_says_where_each_template_comes_from(tmp_path):
     async def authenticate(_header):
         return None
 
-    async def served_models():
-        return [("plain", 1), ("templ", 2)]
+    async def served_workers():  # heartbeats that name no execution mode
+        return [("plain", [Heartbeat(heartbeat=1.0)]), ("templ", [Heartbeat(heartbeat=1.0)] * 2)]
 
-    async def live_workers(_model):
-        return []  # heartbeats that name no execution mode
-
-    hub = SimpleNamespace(admission=SimpleNamespace(authenticate=authenticate), served_models=served_models,
-                          broker=SimpleNamespace(live_workers=live_workers),
+    hub = SimpleNamespace(admission=SimpleNamespace(authenticate=authenticate), served_workers=served_workers,
                           validator=Validator(GatewaySettings(default_model="templ"),
                                               ModelRepository(tmp_path / "engines")))
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(hub=hub)), headers={})
