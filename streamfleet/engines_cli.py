@@ -444,13 +444,11 @@ def _measure_and_describe(spec: Any, *, threads: Optional[int] = None, fresh: bo
     """Measure an ``auto`` folder's modes (what its record lacks, everything with
     ``fresh``) and print the table: which mode serves on this CPU, and why."""
     from streamfleet.shared import execution
-    from streamfleet.shared.ggufimport import DIGEST_KEY
-    from streamfleet.shared.modelrepo import onnx_metadata
+    from streamfleet.shared.modelrepo import auto_stamp
 
     if fresh:
         (spec.path / execution.EXECUTION_FILE).unlink(missing_ok=True)
-    stamp = onnx_metadata(spec.onnx_path).get(DIGEST_KEY, "")  # the graphs' maker, as ensure_artifacts reads it
-    record = execution.measure(spec, stamp, threads=threads, say=_say, chunks=chunks)
+    record = execution.measure(spec, auto_stamp(spec), threads=threads, say=_say, chunks=chunks)
     typer.echo("")
     for line in execution.describe(record):
         typer.echo(line)

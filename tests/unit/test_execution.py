@@ -15,8 +15,8 @@ import pytest
 
 from streamfleet.shared import execution
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.ggufimport import AUTO_MODES, DIGEST_KEY, import_gguf, importer_digest
-from streamfleet.shared.modelrepo import ModelRepository, onnx_metadata
+from streamfleet.shared.ggufimport import AUTO_MODES, import_gguf, importer_digest
+from streamfleet.shared.modelrepo import ModelRepository, auto_stamp, onnx_metadata
 from streamfleet.shared.quality import chunk_windows, evaluate, log_softmax
 from tests.support.gguf_models import TinyLlama, write_tiny_gguf
 
@@ -28,7 +28,7 @@ def _auto_folder(tmp_path: Path, *, max_kld: float | None = None, name: str = "t
 
 
 def _stamp(spec) -> str:
-    stamp = onnx_metadata(spec.onnx_path)[DIGEST_KEY]
+    stamp = auto_stamp(spec)
     assert stamp == importer_digest(onnx_metadata(spec.onnx_path)["streamfleet.gguf_sha256"], "auto")
     return stamp
 
