@@ -48,7 +48,7 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.ggufimport import AUTO, AUTO_GRAPH_FILE, AUTO_MODES as CANDIDATES
 
 __all__ = ["AUTO", "CANDIDATES", "EXECUTION_FILE", "Served", "cpu_signature", "describe", "graph_file",
-           "graph_path", "import_auto", "measure", "needs_measuring", "record_of", "served", "time_graph",
+           "graph_path", "import_auto", "measure", "needs_measuring", "served", "time_graph",
            "write_auto_graphs"]
 
 REFERENCE = "fp32"
@@ -113,9 +113,6 @@ class Served:
 
     def __init__(self, mode: str, graph: str, why: str, pinned: bool) -> None:
         self.mode, self.graph, self.why, self.pinned = mode, graph, why, pinned
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "why": self.why, "pinned": self.pinned}
 
 
 def served(spec: Any) -> Served | None:
@@ -204,58 +201,28 @@ def candidates_present(folder: Path) -> bool:
 
 # -- timing -------------------------------------------------------------------------------------
 
-def time_graph(path: Path | Any, threads: int | None, prompt: list[int], batches: tuple[int, ...] = (1, 16),
-               steps: int = 12, min_rows: int = 1) -> dict[int, float]:
-    """The median decode step (ms) of the graph (a path, or a session opened on one) at
-    each batch size: ``prompt`` prefilled in every row, then ``steps`` steps (after two
-    not counted), each row fed its greedy token; the runs a worker makes for that batch."""
-    from streamfleet.shared.quality import SharedBufferRunner, is_shared_buffer_graph, open_graph
+def time_graph(session: Any, prompt: list[int], batches: tuple[int, ...] = (1, 16), steps: int = 12,
+               min_rows: int = 1) -> dict[int, float]:
+    """The median decode step (ms) of a GroupQueryAttention graph's session at each batch
+    size, run as its engine runs it (the KV buffer updated in place; at least
+    ``min_rows`` rows): ``prompt`` prefilled in every row, then ``steps`` steps (after
+    two not counted), each row fed its greedy token."""
+    from streamfleet.shared.quality import SharedBufferRunner
 
-    session = open_graph(path, threads) if isinstance(path, (str, Path)) else path
-    if is_shared_buffer_graph(session):  # GroupQueryAttention: in place, as its engine runs it
-        out_gqa: dict[int, float] = {}
-        for b in batches:
-            n = len(prompt)
-            b = max(b, min_rows)  # a lone row run as its engine runs it (two, for a 4-bit graph's invariance)
-            runner = SharedBufferRunner(session, b, n + steps + 2)
-            lengths = np.full(b, n)
-            logits = runner.run(np.tile(np.asarray(prompt, dtype=np.int64), (b, 1)), lengths)
-            times = []
-            for step in range(steps + 2):
-                lengths = lengths + 1
-                t = time.perf_counter()
-                logits = runner.run(logits[:, -1].argmax(-1)[:, None], lengths)
-                if step >= 2:
-                    times.append((time.perf_counter() - t) * 1000)
-            out_gqa[batches[len(out_gqa)]] = statistics.median(times)
-        return out_gqa
-    names = {i.name: i for i in session.get_inputs()}
-    pasts = [n for n in names if n.startswith("past_key_values.")]
-    outs = ["logits"] + [n.replace("past_key_values.", "present.") for n in pasts]
-    keep = {"logits_to_keep": np.array([1], dtype=np.int64)} if "logits_to_keep" in names else {}
     out: dict[int, float] = {}
-    for b in batches:
-        n = len(prompt)
-        feed: dict[str, Any] = {"input_ids": np.tile(np.asarray(prompt, dtype=np.int64), (b, 1)),
-                                "attention_mask": np.ones((b, n), dtype=np.int64), **keep}
-        if "position_ids" in names:
-            feed["position_ids"] = np.tile(np.arange(n, dtype=np.int64), (b, 1))
-        for p in pasts:
-            _, heads, _, dim = names[p].shape
-            feed[p] = np.zeros((b, int(heads), 0, int(dim)), dtype=np.float32)
-        logits, *presents = session.run(outs, feed)
+    for batch in batches:
+        rows, n = max(batch, min_rows), len(prompt)
+        runner = SharedBufferRunner(session, rows, n + steps + 2)
+        lengths = np.full(rows, n)
+        logits = runner.run(np.tile(np.asarray(prompt, dtype=np.int64), (rows, 1)), lengths)
         times = []
         for step in range(steps + 2):
-            feed = {"input_ids": logits[:, -1].argmax(-1).astype(np.int64)[:, None],
-                    "attention_mask": np.ones((b, n + 1), dtype=np.int64), **keep, **dict(zip(pasts, presents))}
-            if "position_ids" in names:
-                feed["position_ids"] = np.full((b, 1), n, dtype=np.int64)
+            lengths = lengths + 1
             t = time.perf_counter()
-            logits, *presents = session.run(outs, feed)
+            logits = runner.run(logits[:, -1].argmax(-1)[:, None], lengths)
             if step >= 2:
                 times.append((time.perf_counter() - t) * 1000)
-            n += 1
-        out[b] = statistics.median(times)
+        out[batch] = statistics.median(times)
     return out
 
 
@@ -281,8 +248,7 @@ def _time_modes(folder: Path, threads: int | None, prompt: list[int],
     for r in range(TIMING_ROUNDS):
         order = CANDIDATES[r % len(CANDIDATES):] + CANDIDATES[:r % len(CANDIDATES)]
         for mode in order:
-            runs[mode].append(time_graph(sessions[mode], threads, prompt, steps=6,
-                                         min_rows=2 if mode == "q4" else 1))
+            runs[mode].append(time_graph(sessions[mode], prompt, steps=6, min_rows=2 if mode == "q4" else 1))
     return {mode: {"step_ms_b1": round(statistics.median(t[1] for t in got), 2),
                    "step_ms_b16": round(statistics.median(t[16] for t in got), 2)} for mode, got in runs.items()}
 
@@ -397,10 +363,10 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
     return record
 
 
-def describe(record: dict[str, Any], chosen_for: str | None = None) -> list[str]:
-    """The record as a table: each candidate's quality, its step times on this CPU (or the
-    one named) and its verdict; then what serves and why."""
-    key = chosen_for or _key(cpu_signature())
+def describe(record: dict[str, Any]) -> list[str]:
+    """The record as a table: each candidate's quality, its step times on this CPU and its
+    verdict; then what serves and why."""
+    key = _key(cpu_signature())
     quality = record.get("quality", {})
     verdicts = record.get("gate", {}).get("verdicts", {})
     entry = record.get("cpus", {}).get(key, {})
@@ -425,7 +391,3 @@ def describe(record: dict[str, Any], chosen_for: str | None = None) -> list[str]
         lines.append(f"serves:  {entry['chosen']}: {entry['why']}")
     return lines
 
-
-def record_of(folder: Path) -> dict[str, Any]:
-    """A folder's ``execution.json`` ({} where there is none, or of another layout)."""
-    return _read(Path(folder))

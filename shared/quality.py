@@ -14,9 +14,9 @@ mode's distribution at that position,
 * **mean KL divergence** ``sum p_ref * (log p_ref - log p_mode)``, with its standard error;
 * **same top-1**: the share of positions whose most likely token is the reference's.
 
-Each mode runs its own graph (``model.onnx`` for ``q4``, ``model.MODE.onnx`` for the
-others: ``shared/execution.py``) in ONNX Runtime with ``logits_to_keep`` set to the
-scored half, one chunk at a time, so the memory is one chunk's logits per mode.
+Each mode runs its own GroupQueryAttention graph (``shared/execution.py``, ``graph_file``)
+in ONNX Runtime as its engine runs it (``SharedBufferRunner``), with ``logits_to_keep`` set
+to the scored half, one chunk at a time, so the memory is one chunk's logits per mode.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["QUALITY_TEXT", "ModeQuality", "SharedBufferRunner", "chunk_windows", "evaluate", "is_shared_buffer_graph",
-           "open_graph", "log_softmax"]
+__all__ = ["QUALITY_TEXT", "ModeQuality", "SharedBufferRunner", "chunk_windows", "evaluate", "open_graph",
+           "log_softmax"]
 
 #: the fixed English text (its provenance: the module docstring)
 QUALITY_TEXT = Path(__file__).resolve().parent / "corpus" / "alice.txt"
@@ -106,17 +106,20 @@ def chunk_windows(n_tokens: int, n_ctx: int, chunks: int | None = None) -> list[
     return [(i * n_ctx, (i + 1) * n_ctx) for i in range(count)]
 
 
-def open_graph(path: Path, threads: int | None) -> Any:
-    """An ONNX Runtime session on a with-past graph, opened as the engine opens it."""
-    import onnxruntime as ort
+def open_graph(path: Path, threads: int | None, providers: list[str] | None = None) -> Any:
+    """An ONNX Runtime session on a graph, as every ONNX Runtime engine opens one (their
+    ``ort_session``): all graph optimisations, sequential execution, ``threads`` intra-op
+    threads (None: the runtime's default, all cores) and one inter-op thread, on
+    ``providers`` (default the CPU's)."""
+    import onnxruntime as ort  # lazily: a CPU machine's engines only
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if threads:
+    if threads is not None:
         so.intra_op_num_threads = int(threads)
         so.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), so, providers=providers or ["CPUExecutionProvider"])
 
 
 class SharedBufferRunner:
@@ -154,34 +157,11 @@ class SharedBufferRunner:
         return np.array(self.io.get_outputs()[0].numpy(), copy=True)
 
 
-def is_shared_buffer_graph(session: Any) -> bool:
-    """A GroupQueryAttention graph (``seqlens_k`` in), not the with-past layout."""
-    return any(i.name == "seqlens_k" for i in session.get_inputs())
-
-
 def _chunk_logits(session: Any, ids: Sequence[int], keep: int) -> np.ndarray:
     """The logits of the last ``keep`` positions of ``ids`` run from an empty cache:
     ``[keep, vocab]``."""
-    if is_shared_buffer_graph(session):
-        n = len(ids)
-        return SharedBufferRunner(session, 1, n).run(np.asarray([ids]), np.array([n]), keep)[0][-keep:]
-    inputs = {i.name: i for i in session.get_inputs()}
     n = len(ids)
-    feed: dict[str, Any] = {"input_ids": np.asarray([ids], dtype=np.int64),
-                            "attention_mask": np.ones((1, n), dtype=np.int64)}
-    if "position_ids" in inputs:
-        feed["position_ids"] = np.arange(n, dtype=np.int64)[None]
-    if "logits_to_keep" in inputs:
-        feed["logits_to_keep"] = np.array([keep], dtype=np.int64)
-    for name, info in inputs.items():
-        if name.startswith("past_key_values."):
-            _, heads, _, dim = info.shape
-            dtype = np.float16 if "float16" in info.type else np.float32
-            feed[name] = np.zeros((1, int(heads), 0, int(dim)), dtype=dtype)
-    logits = session.run(["logits"], feed)[0][0]
-    if logits.shape[0] < keep:
-        raise ValueError(f"the graph gave the logits of {logits.shape[0]} positions, {keep} were asked")
-    return logits[-keep:]
+    return SharedBufferRunner(session, 1, n).run(np.asarray([ids]), np.array([n]), keep)[0]
 
 
 def evaluate(graphs: dict[str, Path], reference: str, ids: Sequence[int], *, n_ctx: int = DEFAULT_CTX,

@@ -129,29 +129,20 @@ def count_past_layers(input_names: Iterable[str], where: object) -> int:
 def ort_session(spec: ModelSpec, threads: int | None, options: dict, path: Any = None) -> Any:
     """An ONNX Runtime session on ``spec``'s graph (``path``: another graph of its folder;
     default: the one ``shared/execution.graph_path`` names), as every ONNX Runtime engine
-    opens it:
-    all graph optimisations, sequential execution, ``threads`` intra-op threads (None:
-    the runtime's default, all cores) and one inter-op thread, ``options["providers"]``
-    (default ``["CPUExecutionProvider"]``).
+    opens it (``shared/quality.open_graph``: all graph optimisations, sequential
+    execution, ``threads`` intra-op threads, None: the runtime's default, all cores),
+    on ``options["providers"]`` (default ``["CPUExecutionProvider"]``).
 
     Raises:
         FatalError: the graph cannot be loaded (the runtime's reason named).
     """
-    import onnxruntime as ort  # lazily: a CPU machine's engines only
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if threads is not None:
-        so.intra_op_num_threads = int(threads)
-        so.inter_op_num_threads = 1
-    providers = list(options.get("providers") or ["CPUExecutionProvider"])
     from streamfleet.shared.execution import graph_path
+    from streamfleet.shared.quality import open_graph
 
     if path is None:
         path = graph_path(spec)  # an ``auto`` folder's: the mode chosen for this CPU (shared/execution.py)
     try:
-        return ort.InferenceSession(str(path), so, providers=providers)
+        return open_graph(path, threads, list(options.get("providers") or ["CPUExecutionProvider"]))
     except Exception as exc:  # onnxruntime raises its own exception types
         raise FatalError(f"cannot load {path}: {exc}") from exc
 
