@@ -802,9 +802,23 @@ def _ensure_measured(spec: ModelSpec) -> None:
         return
     with open(spec.path / ".import.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if execution.needs_measuring(spec, stamp):
-            log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
-            execution.measure(spec, stamp, say=lambda line: log.info(line, model=spec.name))
+        if not execution.needs_measuring(spec, stamp):  # another process did it meanwhile
+            return
+        log.info("choosing the execution mode by measurement (once per model file and CPU)", model=spec.name)
+        # in a process of its own (shared/measuring.py): what measuring held is given back
+        proc = subprocess.Popen([sys.executable, "-m", "streamfleet.shared.measuring", str(spec.path / "engine.toml"),
+                                 stamp], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail = (tail + [line])[-20:]
+            if not line.startswith("error: "):
+                log.info(line, model=spec.name)
+        if proc.wait() != 0:
+            raise FatalError(f"measuring the execution modes of {spec.name} failed: "
+                             + next((t[len("error: "):] for t in reversed(tail) if t.startswith("error: ")),
+                                    "\n".join(tail)))
 
 
 def _embedding_is_current(spec: ModelSpec, sha256: str) -> bool:

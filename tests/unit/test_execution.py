@@ -194,3 +194,16 @@ def test_engines_quality_refuses_a_pinned_model(tmp_path):
     run = subprocess.run([sys.executable, "-m", "streamfleet", "engines", "quality", "pinned", "--engines-dir",
                           str(tmp_path / "engines")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "one mode pinned" in run.stderr
+
+
+def test_a_worker_measures_in_a_process_of_its_own_and_says_why_it_failed(tmp_path):
+    """``ensure_artifacts`` measures an auto folder in a child process (shared/measuring.py:
+    what measuring held is given back), and a failure there is this process's error, by name."""
+    from streamfleet.shared.modelrepo import ensure_artifacts
+
+    spec = _auto_folder(tmp_path, max_kld=1.0)
+    (spec.path / "model.gqa.fp32.onnx").unlink()
+    with pytest.raises(FatalError, match='measuring the execution modes of tiny failed: .*graphs of weights = "auto" '
+                                         'are missing'):
+        ensure_artifacts(spec)
+    assert not (spec.path / "execution.json").exists()
