@@ -49,12 +49,12 @@ from streamfleet.shared.ggufimport import (
     WEIGHT_MODES,
     GgufModel,
     _apply_linear,
-    _dequantize,
     _Graph,
     _linear_init,
     _projections,
     _rms_norm,
     block_weights,
+    embedding,
     feed_forward,
     layer_weights,
     model_of,
@@ -63,7 +63,7 @@ from streamfleet.shared.ggufimport import (
 )
 from streamfleet.shared.packagefetch import sha256_of
 
-__all__ = ["GQA_GRAPH_FILE", "GQA_DIGEST_KEY", "POSITIONS_KEY", "build_gqa_graph", "ensure_gqa_graph", "gqa_digest",
+__all__ = ["GQA_GRAPH_FILE", "GQA_DIGEST_KEY", "POSITIONS_KEY", "CACHE_ROWS_KEY", "build_gqa_graph", "ensure_gqa_graph", "gqa_digest",
            "rope_caches", "write_gqa_graph"]
 
 #: the GQA graph's name in a model folder (its weights beside it in ``model.gqa.onnx.data``)
@@ -72,6 +72,11 @@ GQA_GRAPH_FILE = "model.gqa.onnx"
 GQA_DIGEST_KEY = "streamfleet.shared.gguf_gqa"
 #: the graph metadata key holding the RoPE caches' length
 POSITIONS_KEY = "streamfleet.gqa.max_positions"
+#: the graph metadata key holding the rows of the RoPE caches: ``max_positions`` rounded up
+#: to a multiple of ``CACHE_ROW_MULTIPLE``, so a KV buffer's rows can span whole pages
+#: (workers/engines/onnx_gqa.py: the op takes a buffer no longer than the caches)
+CACHE_ROWS_KEY = "streamfleet.gqa.cache_rows"
+CACHE_ROW_MULTIPLE = 64
 
 
 def rope_caches(head_dim: int, base: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,12 +122,12 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
                                                         ["batch", kvh, "capacity", hd]))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
                                                          ["batch", kvh, "capacity", hd]))
-    cos, sin = rope_caches(hd, m.rope_base, positions)
+    rows = -(-positions // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
+    cos, sin = rope_caches(hd, m.rope_base, rows)
     g.init("rope.cos_cache", cos)
     g.init("rope.sin_cache", sin)
 
-    g.init("embed.weight", _dequantize(t["token_embd.weight"]))
-    x = g.op("Gather", ["embed.weight", "input_ids"], axis=0)
+    x = embedding(g, m, "input_ids", model_weights)
     inv_sqrt = 1.0 / math.sqrt(hd)
     folded = math.log2(inv_sqrt).is_integer()
     for i in range(m.n_layer):
@@ -147,7 +152,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
     return model_of(g, "llama_gqa", inputs, outputs, "streamfleet.shared.gguf_gqa",
-                    {**(metadata or {}), POSITIONS_KEY: str(positions)})
+                    {**(metadata or {}), POSITIONS_KEY: str(positions), CACHE_ROWS_KEY: str(rows)})
 
 
 def gqa_digest(source_sha256: str, weights: str, max_context: int) -> str:

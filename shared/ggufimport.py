@@ -497,6 +497,33 @@ class _Graph:
         return name
 
 
+def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
+    """The token embedding of ``input_ids`` ([B, S] -> [B, S, hidden]), fp32 and exactly the
+    file's rows as ``gguf.quants.dequantize`` gives them. A Q8_0 or F16 table stays in the
+    graph as it is in the file (int8 values and one scale per block of 32, or fp16) and only
+    the gathered rows are widened: ``q * d`` of an int8 and an fp16 scale is exact in fp32,
+    so the rows are the same bits, for a quarter (Q8_0) or half (F16) of an fp32 table's
+    memory (SmolLM2-135M: 30 MB instead of 113 MB). The fp32 mode of a tied model keeps the
+    fp32 table, which is its output layer too (``output_layer``); other types are widened
+    to fp32 at import."""
+    from onnx import TensorProto
+
+    t = m.tensors["token_embd.weight"]
+    if weights == "fp32" and m.tied or t.qtype not in (_Q8_0, _F16):
+        g.init("embed.weight", _dequantize(t))
+        return g.op("Gather", ["embed.weight", input_ids], axis=0)
+    vocab, hidden = t.shape
+    if t.qtype == _F16:
+        g.init("embed.weight_f16", np.asarray(t.raw, dtype=np.float16).reshape(vocab, hidden))
+        return g.op("Cast", [g.op("Gather", ["embed.weight_f16", input_ids], axis=0)], to=TensorProto.FLOAT)
+    blocks = _blocks(t, 34)  # [vocab, hidden / 32, 34]: an fp16 scale, then 32 int8 values
+    g.init("embed.q8", np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+    g.init("embed.q8_scale", _f16(blocks, 0)[..., None])  # [vocab, hidden / 32, 1]
+    q = g.op("Cast", [g.op("Gather", ["embed.q8", input_ids], axis=0)], to=TensorProto.FLOAT)
+    rows = g.op("Mul", [q, g.op("Gather", ["embed.q8_scale", input_ids], axis=0)])  # [B, S, hidden / 32, 32]
+    return g.op("Reshape", [rows, g.const([0, 0, hidden])])  # 0: the input's own B and S
+
+
 def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) -> list[tuple[Any, ...]]:
     """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``,
     ``("nbits", B, scales, zero points or None, bits)``, ``("blocksum", M^T)``; their
@@ -733,9 +760,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([2])])  # [B, S, 1, hd]
     cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
 
-    embed = _dequantize(t["token_embd.weight"])
-    g.init("embed.weight", embed)
-    x = g.op("Gather", ["embed.weight", "input_ids"], axis=0)
+    x = embedding(g, m, "input_ids", weights)
     # the attention's 1/sqrt(head size): a power of two (head size 4^n, as 64) goes into the
     # query rows, which scales every score exactly as transformers' (q @ k^T) * scale does;
     # any other is a Mul on the scores

@@ -177,3 +177,38 @@ def test_engines_import_takes_a_gguf_file(tmp_path):
     again = subprocess.run([sys.executable, "-m", "streamfleet", "engines", "import", str(src), "--engines-dir",
                             str(tmp_path / "engines"), "--weights", "q5"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "--weights must be auto or one of" in again.stderr
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16", "F32"])
+def test_the_embedding_gathers_the_files_rows_exactly_and_stays_compact(qtype):
+    """A Q8_0 or F16 table stays in the graph as the file holds it and only the gathered
+    rows are widened: the same fp32 bits as ``gguf.quants.dequantize``, for a quarter (or
+    half) of an fp32 table's bytes."""
+    import onnxruntime as ort
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from onnx import TensorProto, helper
+
+    from streamfleet.shared.ggufimport import _Graph, _Tensor, embedding
+
+    vocab, hidden = 50, 64
+    w = np.random.default_rng(7).standard_normal((vocab, hidden)).astype(np.float32)
+    kind = GGMLQuantizationType[qtype]
+    raw = quantize(w, kind) if qtype != "F32" else w
+    code = {"Q8_0": 8, "F16": 1, "F32": 0}[qtype]
+    table = _Tensor("token_embd.weight", code, qtype, (vocab, hidden), raw)
+    model = type("M", (), {"tensors": {"token_embd.weight": table}, "tied": True})()
+    g = _Graph()
+    out = embedding(g, model, "input_ids", "q4-int8act")
+    g.op("Identity", [out], outputs=["x"])
+    graph = helper.make_graph(g.nodes, "e", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, hidden])], g.inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 7, 49], [3, 3, 12]], dtype=np.int64)
+    got = session.run(None, {"input_ids": ids})[0]
+    want = np.asarray(dequantize(raw, kind) if qtype != "F32" else w, dtype=np.float32)[ids]
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    stored = sum(np.prod(i.dims) * {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.INT8: 1}[i.data_type]
+                 for i in g.inits if i.name.startswith("embed."))
+    assert stored <= vocab * hidden * {"Q8_0": 1.2, "F16": 2, "F32": 4}[qtype]

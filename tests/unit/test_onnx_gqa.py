@@ -273,8 +273,10 @@ def test_fork_copies_a_prefix_into_rows_of_its_own(pair):
 
 
 def test_buffers_grow_by_doubling_and_released_rows_are_refilled(tmp_path):
+    """Where the system refuses buffers of the whole context (``whole_buffers`` false)."""
     model = TinyLlama(seed=8, context=512)
     eng = OnnxGqaEngine(_folder(tmp_path, model, "fp32", max_batch=16), threads=1)
+    eng.whole_buffers = False
     prompts = random_prompts(9, [5, 70, 3, 9, 12], eng.vocab_size)
     keys = list(prompts)
     eng.prefill([(k, prompts[k]) for k in keys[:2]])
@@ -448,3 +450,48 @@ def test_smollm2_rows_get_their_solo_logits_bit_for_bit(smol_pair):
     got = forced_staggered(gqa, prompts, tokens, seed=3, pause=0.2)
     for k in prompts:
         assert np.array_equal(got[k], alone[k]), k
+
+
+def _resident_pages(array: np.ndarray) -> int:
+    """How many of the 4 KiB pages under ``array`` (contiguous) are in memory
+    (/proc/self/pagemap: bit 63 of each page's entry)."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    lo = array.ctypes.data // page
+    hi = -(-(array.ctypes.data + array.nbytes) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo * 8)
+        entries = np.frombuffer(f.read((hi - lo) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap (Linux)")
+def test_whole_buffers_take_memory_only_where_tokens_are_and_give_it_back(tmp_path):
+    """The first buffers hold ``max_batch`` rows of the whole context and never grow (no
+    copy), their pages are taken as tokens land, and a release gives back the rows' pages
+    past what they still hold; the output is the one a lone sequence gets."""
+    import mmap
+
+    model = TinyLlama(seed=8, context=512)
+    eng = OnnxGqaEngine(_folder(tmp_path, model, "fp32", max_batch=8), threads=1)
+    prompts = random_prompts(9, [5, 300, 3], eng.vocab_size)
+    keys = list(prompts)
+    eng.prefill([(k, prompts[k]) for k in keys])
+    assert eng.rows == 8 and eng.max_context + 1 <= eng.capacity < eng.max_context + 1 + 4096 // (4 * eng.head_dim)
+    buf = eng._kv[0]
+    per_token = eng.kv_heads * eng.head_dim * 4  # bytes of one token in one buffer
+    row_pages = [_resident_pages(buf[r]) for r in range(eng.rows)]
+    # row 1 holds 300 tokens: about 300 tokens' pages (each head's run of slots rounded up)
+    assert 300 * per_token // mmap.PAGESIZE <= row_pages[1] <= 300 * per_token // mmap.PAGESIZE + 2 * eng.kv_heads
+    assert row_pages[3:] == [0] * 5  # never written
+    alone = forced_alone(OnnxGqaEngine(eng.spec, threads=1), keys[2], prompts[keys[2]], [5] * 40)
+    got = [eng.decode([(k, 5) for k in keys])[2] for _ in range(40)]
+    assert np.array_equal(np.stack(got), alone[1:]) and eng.copied_bytes == 0
+    eng.release(keys[1])  # the last row (keys[2], 43 tokens) moves into row 1
+    assert eng._seqs[keys[2]].row == 1
+    assert _resident_pages(buf[2]) == 0
+    assert _resident_pages(buf[1]) <= 44 * per_token // mmap.PAGESIZE + 2 * eng.kv_heads
+    more = eng.decode([(keys[2], 5)])[0]
+    assert np.array_equal(more, forced_alone(OnnxGqaEngine(eng.spec, threads=1), keys[2], prompts[keys[2]],
+                                             [5] * 41)[-1])

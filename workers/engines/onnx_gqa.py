@@ -17,10 +17,13 @@ row's own length (``seqlens_k``) and attends over exactly that row's slots. So:
   takes a later chunk after a past ("subsequent prompt") only in a run of one row without
   its ``query_seqlens`` input, and a run of one row keeps the logits of its last position
   only (right-padded prompts in one run would need every position's);
-* rows and capacity grow by doubling (a copy of the live rows into new buffers, the only
-  copy of a cache besides ``fork`` and ``release``); ``release`` moves the last live row
-  into the freed one (a copy of that sequence's slots), so the live rows stay first; when
-  the last sequence leaves, the buffers are dropped.
+* the buffers hold ``max_batch`` rows of the whole context from the start, and take memory
+  only where tokens are written (4 KiB pages of a private mapping, ``_KvBuffer``), so they
+  never grow and no cache is copied to grow them (where the system refuses a mapping that
+  large, they start at the size a run needs and double, the live rows' slots copied);
+  ``release`` moves the last live row into the freed one (a copy of that sequence's
+  slots), so the live rows stay first, and gives back the pages the two rows no longer
+  use; when the last sequence leaves, the buffers are dropped.
 
 No ``Concat``, no padding, no per-step copy of the cache, no per-width grouping.
 
@@ -42,6 +45,7 @@ of two or more rows, and the op's attention does not depend on how the past was 
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,48 @@ class _Seq:
     ids: list[int] | None = None
     #: names of its whole blocks so far (shared/prefixhash.py)
     names: list[bytes] | None = None
+
+
+class _KvBuffer:
+    """One KV buffer, fp32 ``[rows, kv_heads, capacity, head_dim]``, whose memory is taken
+    only where it is written and can be given back by range.
+
+    The op reads a row's first ``length`` slots only, all written before, so the buffer
+    starts unwritten: a private anonymous mapping of 4 KiB pages, faulted in as tokens
+    land, that ``trim`` returns to the system (``MADV_DONTNEED``: the pages read as zeros
+    again). Not numpy's own allocation, which asks for transparent huge pages: a 2 MiB page
+    spans many rows' slots, so the first token of each row made the whole buffer resident
+    (16 rows x 512 slots of SmolLM2-135M: 377 MB resident for 20 tokens a row, against
+    1 MB of them). ``MAP_NORESERVE``: a mapping this size is address space, not memory, and
+    the kernel's default (heuristic) overcommit does not count it.
+
+    Raises:
+        OSError: the system refuses the mapping (strict overcommit, a small address space).
+    """
+
+    __slots__ = ("map", "array")
+
+    def __init__(self, shape: tuple[int, int, int, int]) -> None:
+        count = int(np.prod(shape))
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+        self.map = mmap.mmap(-1, max(count * 4, 1), flags=flags)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where transparent huge pages are "always"
+            self.map.madvise(mmap.MADV_NOHUGEPAGE)
+        self.array = np.frombuffer(self.map, dtype=np.float32, count=count).reshape(shape)
+
+    def trim(self, row: int, keep: int) -> None:
+        """Give back the whole pages of ``row`` past each head's first ``keep`` slots."""
+        _, heads, cap, dim = self.array.shape
+        if keep >= cap:
+            return
+        page = mmap.PAGESIZE
+        for h in range(heads):
+            first = ((row * heads + h) * cap + keep) * dim * 4
+            last = ((row * heads + h + 1) * cap) * dim * 4
+            lo = -(-first // page) * page  # whole pages only: a shared edge page stays
+            hi = last // page * page
+            if hi > lo:
+                self.map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _pow2(n: int) -> int:
@@ -121,6 +167,10 @@ class OnnxGqaEngine:
         if not isinstance(batch_invariant, bool):
             raise FatalError(f"{spec.path}: batch_invariant must be true or false, not {batch_invariant!r}")
         self._kv: list[np.ndarray] | None = None
+        self._maps: list[_KvBuffer] | None = None
+        #: the first buffers are as large as the engine can need (``_ensure``); false where
+        #: the system refused that, or to test growth
+        self.whole_buffers = True
         self._order: list[str] = []
         self._seqs: dict[str, _Seq] = {}
         self._io: Any = None
@@ -165,6 +215,13 @@ class OnnxGqaEngine:
         # one position is kept for an idle row's scratch slot (a row at its longest still
         # takes a scratch token when it sits out a step)
         self.max_context = min(self.spec.max_context, positions - 1)
+        # whole buffers' rows: the context plus the scratch slot, rounded up to whole pages of
+        # a head's slots where the RoPE caches reach that far (each head's run of slots then
+        # starts on a page of its own, so ``_KvBuffer.trim`` gives back every page of a row)
+        per_page = max(1, mmap.PAGESIZE // (self.head_dim * 4))
+        aligned = -(-(self.max_context + 1) // per_page) * per_page
+        rows = int(meta.get("streamfleet.gqa.cache_rows", positions))  # shared/gguf_gqa.CACHE_ROWS_KEY
+        self._whole_slots = aligned if aligned <= rows else self.max_context + 1
 
     def _probe_rows(self) -> str:
         """Whether a row gets the same logits alone, beside one row and beside two (rows 0
@@ -202,8 +259,12 @@ class OnnxGqaEngine:
         return 0 if self._kv is None else self._kv[0].shape[0]
 
     def _ensure(self, rows: int, slots: int) -> None:
-        """Buffers of at least ``rows`` rows and ``slots`` slots a row: doubled (or more)
-        where short, the live rows copied over."""
+        """Buffers of at least ``rows`` rows and ``slots`` slots a row. The first ones are
+        as large as the engine can ever need (``max_batch`` rows of the whole context):
+        their memory is taken only as tokens are written (``_KvBuffer``), so they never
+        grow, and nothing is copied to grow them. Where the system refuses mappings that
+        large (``whole_buffers`` turns false), they are the power of two the run needs and
+        double where short, the live rows' slots copied over."""
         rows = max(rows, self.min_rows)
         if self._kv is not None and self.rows >= rows and self.capacity >= slots:
             return
@@ -211,19 +272,27 @@ class OnnxGqaEngine:
         if slots > limit:
             raise ValueError(f"{slots} slots exceed the context of {self.max_context} tokens (+1 scratch)")
         most = max(self.max_batch, self.min_rows)
-        new_rows = self.rows if self.rows >= rows else max(rows, min(max(2 * self.rows, _pow2(rows)), most))
-        cap = self.capacity
-        new_cap = cap if cap >= slots else min(max(2 * cap, _pow2(slots), _MIN_CAPACITY), limit)
-        # uninitialised: the op reads a row's first ``length`` slots only, all written before.
-        # (np.empty's pages take transparent huge pages; np.zeros' calloc memory faults in
-        # 4 KiB pages, which made a 1.5 GB buffer's first touch about 8x slower on a VM)
-        fresh = [np.empty((new_rows, self.kv_heads, new_cap, self.head_dim), np.float32) for _ in self._past_names]
-        live = len(self._order)
-        if self._kv is not None and live:
-            for new, old in zip(fresh, self._kv):
-                new[:live, :, :cap] = old[:live]
-                self.copied_bytes += old[:live].nbytes
-        self._kv = fresh
+        fresh: list[_KvBuffer] | None = None
+        if self.whole_buffers and self._kv is None:
+            try:
+                fresh = [_KvBuffer((most, self.kv_heads, self._whole_slots, self.head_dim))
+                         for _ in self._past_names]
+            except (OSError, ValueError, OverflowError) as e:
+                self.whole_buffers = False
+                log.info("KV buffers of the whole context refused: they grow by doubling", model=self.spec.name,
+                         rows=most, slots=limit, error=str(e))
+        if fresh is None:
+            new_rows = self.rows if self.rows >= rows else max(rows, min(max(2 * self.rows, _pow2(rows)), most))
+            cap = self.capacity
+            new_cap = cap if cap >= slots else min(max(2 * cap, _pow2(slots), _MIN_CAPACITY), limit)
+            fresh = [_KvBuffer((new_rows, self.kv_heads, new_cap, self.head_dim)) for _ in self._past_names]
+        if self._kv is not None:
+            for seq in self._seqs.values():  # each live row's own slots, not its whole old capacity
+                for new, old in zip(fresh, self._kv):
+                    new.array[seq.row, :, :seq.length] = old[seq.row, :, :seq.length]
+                    self.copied_bytes += old[seq.row, :, :seq.length].nbytes
+        self._maps = fresh
+        self._kv = [b.array for b in fresh]
         self._bound = None
 
     def _run(self, lo: int, hi: int, ids: np.ndarray, seqlens: list[int] | np.ndarray, keep: int = 1) -> np.ndarray:
@@ -406,12 +475,21 @@ class OnnxGqaEngine:
             self._order[seq.row] = self._order[last]
         self._order.pop()
         if not self._order:  # nothing live: give the memory back
-            self._kv, self._io, self._bound = None, None, None
+            self._kv, self._maps, self._io, self._bound = None, None, None, None
+            return
+        # the memory of what the two rows no longer hold goes back: the freed row keeps the
+        # moved sequence's slots, the last row none (one more slot: a scratch token's)
+        if self._maps is not None:
+            kept = self._seqs[self._order[seq.row]].length + 1 if seq.row != last else 0
+            for buf in self._maps:
+                buf.trim(seq.row, kept)
+                if seq.row != last:
+                    buf.trim(last, 0)
 
     def close(self) -> None:
         self._seqs.clear()
         self._order.clear()
-        self._kv, self._io, self._bound = None, None, None
+        self._kv, self._maps, self._io, self._bound = None, None, None, None
 
     # -- prefix cache ------------------------------------------------------------------------
 
