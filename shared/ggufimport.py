@@ -116,6 +116,9 @@ class _Tensor:
     shape: tuple[int, ...]
     #: the raw data as gguf's reader maps it (bytes per row for quantized types)
     raw: np.ndarray
+    #: served dequantized to fp32 although its type has a packed form (a block whose
+    #: weights are not exact as the sum of the packed terms: ``_block_parts``)
+    dequantized: bool = False
 
 
 @dataclass
@@ -167,6 +170,7 @@ class GgufModel:
             f"RoPE          base {self.rope_base:g}; RMSNorm eps {self.rms_eps:g}",
             f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
             f"weights       {weights}: {_WEIGHT_NOTES[weights]}",
+            f"matrices      {self.matrix_note(weights)}",
             f"context       {max_context} tokens ({context_note})",
             f"tokenizer     byte-level BPE, {len(self.tokens)} tokens, {len(self.merges)} merges, "
             f"pre-tokenizer {self.pre!r}",
@@ -176,6 +180,27 @@ class GgufModel:
             if self.stop_ids() else "EOS ids       none declared: requests end at max_tokens",
             f"chat template {'from the file (tokenizer.chat_template)' if self.chat_template else 'none in the file'}",
         ])
+
+    def matrix_note(self, weights: str) -> str:
+        """What each weight type's matrices become in the graph of ``weights`` (``auto``: its
+        q4 graph), with how many were dequantized instead (``_block_parts``)."""
+        mode = "q4" if weights == AUTO else weights
+        counts: dict[int, list[int]] = {}
+        for t in self.tensors.values():
+            if len(t.shape) == 2:
+                c = counts.setdefault(t.qtype, [0, 0])
+                c[0] += 1
+                c[1] += int(t.dequantized)
+        notes = []
+        for qtype, (n, fell) in sorted(counts.items(), key=lambda kv: -kv[1][0]):
+            note = f"{SUPPORTED_TYPES.get(qtype, str(qtype))} {n}: {type_note(qtype, mode)}"
+            if fell:
+                note += (f" ({fell} dequantized to fp32: a weight is a rounded scale x value + minimum, which "
+                         f"no sum of terms gives exactly)")
+            notes.append(note)
+        if mode == "q4-int8act":
+            notes.append("the first and last blocks dequantized to fp32")
+        return "; ".join(notes)
 
     def stop_ids(self) -> list[int]:
         """EOS, then the end-of-turn ids, each once."""
@@ -194,6 +219,29 @@ _WEIGHT_NOTES = {
     "q4-int8act": "4-bit weights, 8-bit activations but in the first and last blocks (lossy; its quality is "
                   "measured: docs/models.md)",
 }
+
+
+def type_note(qtype: int, weights: str) -> str:
+    """What a matrix of ``qtype`` becomes in the graph of ``weights`` (docs/models.md,
+    "Weight types")."""
+    if qtype == _F32:
+        return "fp32 (exact)"
+    if weights == "fp32":
+        return "dequantized to fp32 (exact)"
+    if weights == "int8":
+        return "requantized to 8 bits (lossy)"
+    act = "exact weights" if weights == "q4" else "8-bit activations"
+    if qtype in (_F16, _BF16):
+        return f"{SUPPORTED_TYPES[qtype].lower()} on disk, widened to fp32 when loaded (exact)"
+    block, _, terms = _BLOCK_TYPES.get(qtype, (32, 0, 1))
+    where = "" if block == 32 else f", blocks of {block}"
+    mins = " + block minimums on the activations' block sums" if qtype in (_Q4_1, _Q5_1, _Q2_K, _Q4_K, _Q5_K) else ""
+    if qtype == _Q8_0:
+        return f"two 4-bit MatMulNBits terms ({act})"
+    if terms == 2 and weights == "q4-int8act":
+        return f"one 8-bit MatMulNBits term{where}{mins} ({act})"
+    what = "one 4-bit MatMulNBits term" if terms == 1 else "two 4-bit MatMulNBits terms"
+    return f"{what}{where}{mins} ({act})"
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -314,9 +362,10 @@ def read_gguf(path: Path) -> GgufModel:
                          f"supported)")
     types: dict[str, int] = {}
     for t in tensors.values():
-        if not _dequantizable(t.qtype):
-            raise FatalError(f"{path}: tensor {t.name} has quantization type {t.qname}, which cannot be "
-                             f"dequantized exactly here")
+        if t.qtype not in SUPPORTED_TYPES:
+            raise FatalError(f"{path}: tensor {t.name} has quantization type {t.qname}, which the GGUF import "
+                             f"does not serve (it serves {', '.join(SUPPORTED_TYPES.values())}: docs/models.md, "
+                             f"\"Weight types\"); refusing rather than serving the model approximately")
         types[t.qname] = types.get(t.qname, 0) + 1
 
     def opt_id(key: str) -> int | None:
@@ -339,20 +388,6 @@ def read_gguf(path: Path) -> GgufModel:
         end_ids=tuple(i for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
                       if i is not None and 0 <= i < len(tokens)),
     )
-
-
-def _dequantizable(qtype: int) -> bool:
-    if qtype in (_F32, _F16, _BF16):
-        return True
-    from gguf import GGMLQuantizationType, quants
-
-    try:
-        kind = GGMLQuantizationType(qtype)
-    except ValueError:
-        return False
-    # the types gguf's own dequantize knows (a private table; a type's class otherwise)
-    traits = getattr(quants, "_type_traits", None)
-    return kind in traits if isinstance(traits, dict) else hasattr(quants, kind.name)
 
 
 def _dequantize(t: _Tensor) -> np.ndarray:
@@ -419,7 +454,7 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
         d, m, qs = _f16(blocks, 0), None, blocks[..., 2:18]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # gguf: element j low nibble, j+16 high nibble
     if m is None:
-        return [("nbits", _pack4(q), d.reshape(-1), None, 4)]
+        return [("nbits", _pack4(q), d.reshape(-1), None, 4, 32)]
     # Q4_1 centred as d * (q - 8) + (m + 8d): the 4-bit product takes the default zero point
     # 8 (the kernels' symmetric path), and its weights are centred on zero, so the rounding
     # of 8-bit activations (q4-int8act) cancels across a block as in llama.cpp's own Q4_1
@@ -428,7 +463,7 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     offset = m + np.float32(8) * d
     if not np.array_equal(offset.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
         raise FatalError(f"{t.name}: a Q4_1 block's m + 8d is not exact in fp32")
-    return [("nbits", _pack4(q), d.reshape(-1), None, 4), ("blocksum", np.ascontiguousarray(offset.T))]
+    return [("nbits", _pack4(q), d.reshape(-1), None, 4, 32), ("blocksum", np.ascontiguousarray(offset.T), 32)]
 
 
 def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
@@ -442,7 +477,8 @@ def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
     lo = (q & 0x0F).astype(np.uint8)
     hi = ((q - lo) // 16 + 8).astype(np.uint8)
     zeros = _pack_zeros4(np.zeros(d.shape, dtype=np.uint8))
-    return [("nbits", _pack4(hi), (d * 16).reshape(-1), None, 4), ("nbits", _pack4(lo), d.reshape(-1), zeros, 4)]
+    return [("nbits", _pack4(hi), (d * 16).reshape(-1), None, 4, 32),
+            ("nbits", _pack4(lo), d.reshape(-1), zeros, 4, 32)]
 
 
 def _requant8_parts(w: np.ndarray) -> list[tuple[str, ...]]:
@@ -455,7 +491,200 @@ def _requant8_parts(w: np.ndarray) -> list[tuple[str, ...]]:
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
     zp = np.clip(np.round(-lo / scale), 0, 255).astype(np.uint8)
     q = np.clip(np.round(b / scale[..., None]) + zp[..., None], 0, 255).astype(np.uint8)
-    return [("nbits", q, scale.reshape(-1), zp.reshape(-1), 8)]
+    return [("nbits", q, scale.reshape(-1), zp.reshape(-1), 8, 32)]
+
+
+# -- the other block types: decoded to integer values, per-block scales and minimums -------------
+#
+# Every supported quantized type holds, per block of B weights (B = 32, or 16 for Q2_K,
+# Q3_K and Q6_K's sub-blocks), small integers v with ``w = D * v + C``: D and C one fp32
+# each per block, and ``D * v`` exact in fp32 (at most 24 significant bits: an fp16 scale
+# times a 6- or 8-bit sub-scale times a value of at most 6 bits), which is how
+# ``gguf.quants.dequantize`` computes them (C absent: ``w = D * v``). ``_decode`` reads
+# them from the raw blocks; the projection keeps them as 4-bit ``MatMulNBits`` terms
+# (``_block_parts``), the embedding as int8 values gathered and widened (``embedding``).
+
+_Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 6, 7, 10, 11, 12, 13, 14
+#: type -> (its block size in the terms, the value subtracted to centre v on zero where a
+#: block-sum term carries the rest, the 4-bit terms it takes in the exact modes)
+_BLOCK_TYPES: dict[int, tuple[int, int, int]] = {
+    _Q5_0: (32, 0, 2), _Q5_1: (32, 16, 2), _Q2_K: (16, 2, 1), _Q3_K: (16, 0, 1),
+    _Q4_K: (32, 8, 1), _Q5_K: (32, 16, 2), _Q6_K: (16, 0, 2),
+}
+#: every type the import serves (llama.cpp's numbering, ``ggml_type``); any other is refused by name
+SUPPORTED_TYPES = {_F32: "F32", _F16: "F16", _BF16: "BF16", _Q4_0: "Q4_0", _Q4_1: "Q4_1", _Q5_0: "Q5_0",
+                   _Q5_1: "Q5_1", _Q8_0: "Q8_0", _Q2_K: "Q2_K", _Q3_K: "Q3_K", _Q4_K: "Q4_K", _Q5_K: "Q5_K",
+                   _Q6_K: "Q6_K"}
+#: bytes of one block of 256 weights (K types) or 32 (the others)
+_TYPE_BLOCK = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q5_0: (32, 22), _Q5_1: (32, 24), _Q2_K: (256, 84), _Q3_K: (256, 110), _Q4_K: (256, 144),
+               _Q5_K: (256, 176), _Q6_K: (256, 210)}
+
+
+def _split(b: np.ndarray, *sizes: int) -> list[np.ndarray]:
+    """A block's bytes ([n, bytes]) cut into fields of these sizes (the rest last)."""
+    out, at = [], 0
+    for s in sizes:
+        out.append(b[:, at:at + s])
+        at += s
+    out.append(b[:, at:])
+    return out
+
+
+def _h(b: np.ndarray) -> np.ndarray:
+    """An fp16 field ([n, 2] bytes) as fp32 [n, 1]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and minimums -> two [n, 8] (as gguf unpacks them)."""
+    n = scales.shape[0]
+    d, m, m_d = np.split(np.ascontiguousarray(scales).reshape(n, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1).reshape(n, 8)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1).reshape(n, 8)
+    return sc, mn
+
+
+def _decode(t: _Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """A Q4_0, Q4_1, Q5_0, Q5_1 or K-type tensor's values v [rows, blocks, B] (int16), scales D and
+    minimums C [rows, blocks] (fp32; C None where the type has none) and B, read as
+    ``gguf.quants.dequantize`` reads them: ``w = D * v + C`` in fp32 is its result."""
+    rows, cols = t.shape
+    per, size = _TYPE_BLOCK[t.qtype]
+    b = np.ascontiguousarray(np.asarray(t.raw, dtype=np.uint8)).reshape(rows * cols // per, size)
+    n = b.shape[0]
+    c: np.ndarray | None = None
+    if t.qtype in (_Q4_0, _Q4_1):
+        if t.qtype == _Q4_0:
+            d, qs = _split(b, 2)
+        else:
+            d, m, qs = _split(b, 2, 2)
+            c = _h(m)
+        v = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16) - (8 if t.qtype == _Q4_0 else 0)
+        scale = _h(d)
+    elif t.qtype in (_Q5_0, _Q5_1):
+        if t.qtype == _Q5_0:
+            d, qh, qs = _split(b, 2, 4)
+        else:
+            d, m, qh, qs = _split(b, 2, 2, 4)
+            c = _h(m)
+        high = (np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        v = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - (16 if t.qtype == _Q5_0 else 0)
+        scale = _h(d)
+    elif t.qtype == _Q2_K:
+        sc, qs, d, dmin = _split(b, 16, 64, 2)
+        scale = _h(d) * (sc & 0x0F).astype(np.float32)
+        c = -(_h(dmin) * (sc >> 4).astype(np.float32))
+        v = ((qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
+        v = v.reshape(n, 16, 16).astype(np.int16)
+    elif t.qtype == _Q3_K:
+        hmask, qs, sc, d = _split(b, 32, 64, 12)
+        low_s = (sc[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+        high_s = (sc[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+        s6 = (low_s & 0x0F) | ((high_s & 0x03) << 4)
+        scale = _h(d) * (s6.astype(np.int8) - np.int8(32)).astype(np.float32)
+        ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        qh = (hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        v = ql.reshape(n, 16, 16).astype(np.int16) - ((qh.reshape(n, 16, 16) ^ 1).astype(np.int16) << 2)
+    elif t.qtype in (_Q4_K, _Q5_K):
+        if t.qtype == _Q4_K:
+            d, dmin, scales, qs = _split(b, 2, 2, 12)
+        else:
+            d, dmin, scales, qh, qs = _split(b, 2, 2, 12, 32)
+        sc, mn = _k_scale_min(scales)
+        scale = _h(d) * sc.astype(np.float32)
+        c = -(_h(dmin) * mn.astype(np.float32))
+        v = ((qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F)
+        v = v.reshape(n, 8, 32).astype(np.int16)
+        if t.qtype == _Q5_K:
+            high = (qh.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            v = v | (high.reshape(n, 8, 32).astype(np.int16) << 4)
+    else:  # Q6_K
+        ql, qh, sc, d = _split(b, 128, 64, 16)
+        scale = _h(d) * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)
+        low = ((ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F)
+        high = ((qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
+        v = (low.reshape(n, -1, 32) | (high.reshape(n, -1, 32) << 4)).astype(np.int16) - 32
+        v = v.reshape(n, 16, 16)
+    block = v.shape[-1]
+    nb = cols // block
+    v = v.reshape(rows, nb, block)
+    scale = scale.astype(np.float32).reshape(rows, nb)
+    return v, scale, None if c is None else c.astype(np.float32).reshape(rows, nb), block
+
+
+def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where ``a + b`` (fp32) is exact: Knuth's TwoSum error term is zero there."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = a + b
+        bb = s - a
+        err = (a - (s - bb)) + (b - bb)
+    return (err == 0) & np.isfinite(s)
+
+
+def _check_decoded(t: _Tensor, v: np.ndarray, scale: np.ndarray, c: np.ndarray | None) -> np.ndarray | None:
+    """``w = D * v + C`` as ``gguf.quants.dequantize`` computes it, checked equal to it bit
+    for bit, and the fp32 weights [rows, cols] when every weight is that sum exactly
+    (so terms that add up to it carry the file's weight); None where a weight is a
+    rounded sum (then the matrix is served dequantized)."""
+    rows, cols = t.shape
+    prod = scale[..., None] * v.astype(np.float32)  # exact: at most 24 significant bits
+    w = prod if c is None else prod + np.broadcast_to(c[..., None], prod.shape)
+    ref = _dequantize(t)
+    if not np.array_equal(w.reshape(rows, cols).view(np.uint32), ref.view(np.uint32)):
+        raise FatalError(f"{t.name}: its {t.qname} blocks do not decode to gguf's own dequantized values")
+    if c is not None and not _two_sum_exact(prod, np.broadcast_to(c[..., None], prod.shape)).all():
+        return None
+    return ref
+
+
+def _block_parts(t: _Tensor, weights: str, permute_heads: int | None) -> list[tuple[Any, ...]] | None:
+    """A Q5_0, Q5_1 or K-type matrix as exact ``MatMulNBits`` terms (None where a block's
+    weights are not exact as ``D * v + C``: served dequantized). With C (Q5_1, Q2_K,
+    Q4_K, Q5_K) v is centred on zero, ``v - c`` (``_BLOCK_TYPES``), and ``C + c*D`` rides
+    on each block's sum of the activations, as Q4_1's minimum does; a block where that
+    sum is not exact in fp32 keeps ``c = 0`` (and, with one term, a zero point of its own).
+
+    * values within 16 (Q2_K, Q3_K, Q4_K): one 4-bit product ``D * (u - z)``;
+    * 5 and 6-bit values (Q5_0, Q5_1, Q5_K, Q6_K): ``v = 16*hi + lo``, two 4-bit products
+      ``D * (lo - 8)`` and ``8D * (2*hi + 1)`` (``hi`` in -4..3), both exact;
+      in ``q4-int8act`` one 8-bit product ``D * v`` instead (the same weights, one kernel).
+    """
+    v, scale, c, block = _decode(t)
+    if _check_decoded(t, v, scale, c) is None:
+        return None
+    if permute_heads:
+        v, scale = _unpermute_rows(v, permute_heads), _unpermute_rows(scale, permute_heads)
+        c = None if c is None else _unpermute_rows(c, permute_heads)
+    _, centre, n_terms = _BLOCK_TYPES[t.qtype]
+    rows, nb = scale.shape
+    shift = np.zeros((rows, nb), dtype=np.int16)
+    offset = None
+    if c is not None:
+        cd = np.float32(centre) * scale  # exact: a small integer times D
+        ok = _two_sum_exact(c, cd)
+        shift = np.where(ok, centre, 0).astype(np.int16)
+        offset = np.where(ok, c + cd, c).astype(np.float32)
+    vc = v - shift[..., None]  # v - c per block
+    parts: list[tuple[Any, ...]]
+    if n_terms == 1:
+        # stored u = v - centre + 8 in every block; the zero point 8 (the default) where the
+        # block is centred, 8 - centre where it keeps c = 0
+        u = (v - centre + 8).astype(np.uint8)
+        zeros = (8 - centre + shift).astype(np.uint8)
+        packed_zeros = None if (zeros == 8).all() else _pack_zeros4(zeros)
+        parts = [("nbits", _pack4(u), scale.reshape(-1), packed_zeros, 4, block)]
+    elif weights == "q4-int8act":
+        parts = [("nbits", (vc + 128).astype(np.uint8), scale.reshape(-1), None, 8, block)]
+    else:
+        lo = vc & 0x0F
+        hi = (vc - lo) // 16
+        parts = [("nbits", _pack4(lo.astype(np.uint8)), scale.reshape(-1), None, 4, block),
+                 ("nbits", _pack4((2 * hi + 9).astype(np.uint8)), (scale * np.float32(8)).reshape(-1), None,
+                  4, block)]
+    if offset is not None:
+        parts.append(("blocksum", np.ascontiguousarray(offset.T), block))
+    return parts
 
 
 # -- the graph ------------------------------------------------------------------------------------
@@ -487,6 +716,14 @@ class _Graph:
         self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def init_bf16(self, name: str, bits: np.ndarray) -> str:
+        """A bfloat16 initializer from its bits (uint16; numpy has no bfloat16)."""
+        from onnx import TensorProto
+
+        bits = np.ascontiguousarray(bits, dtype=np.uint16)
+        self.inits.append(self.helper.make_tensor(name, TensorProto.BFLOAT16, bits.shape, bits.tobytes(), raw=True))
+        return name
+
     def const(self, value: Any, dtype: Any = np.int64) -> str:
         array = np.asarray(value, dtype=dtype)
         key = (array.dtype.str + str(array.shape), array.tobytes())
@@ -503,19 +740,37 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
     graph as it is in the file (int8 values and one scale per block of 32, or fp16) and only
     the gathered rows are widened: ``q * d`` of an int8 and an fp16 scale is exact in fp32,
     so the rows are the same bits, for a quarter (Q8_0) or half (F16) of an fp32 table's
-    memory (SmolLM2-135M: 30 MB instead of 113 MB). The fp32 mode of a tied model keeps the
-    fp32 table, which is its output layer too (``output_layer``); other types are widened
-    to fp32 at import."""
+    memory (SmolLM2-135M: 30 MB instead of 113 MB). A BF16 table is gathered as bf16 and
+    widened; the other block types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K) as int8 values
+    with their blocks' fp32 scales and minimums, each row ``D * v + C`` computed as
+    ``dequantize`` computes it (an exact product, then one rounded sum). The fp32 mode of a
+    tied model keeps the fp32 table, which is its output layer too (``output_layer``); F32
+    tables stay fp32."""
     from onnx import TensorProto
 
     t = m.tensors["token_embd.weight"]
-    if weights == "fp32" and m.tied or t.qtype not in (_Q8_0, _F16):
+    compact = (_Q8_0, _F16, _BF16, *_TYPE_BLOCK)
+    if weights == "fp32" and m.tied or t.qtype not in compact:
         g.init("embed.weight", _dequantize(t))
         return g.op("Gather", ["embed.weight", input_ids], axis=0)
     vocab, hidden = t.shape
     if t.qtype == _F16:
         g.init("embed.weight_f16", np.asarray(t.raw, dtype=np.float16).reshape(vocab, hidden))
         return g.op("Cast", [g.op("Gather", ["embed.weight_f16", input_ids], axis=0)], to=TensorProto.FLOAT)
+    if t.qtype == _BF16:
+        g.init_bf16("embed.weight_bf16", _half_rows(t))
+        return g.op("Cast", [g.op("Gather", ["embed.weight_bf16", input_ids], axis=0)], to=TensorProto.FLOAT)
+    if t.qtype != _Q8_0:
+        v, scale, c, _ = _decode(t)  # [vocab, blocks, B], [vocab, blocks]
+        _check_decoded(t, v, scale, c)  # the same bits as gguf's, or refused
+        g.init("embed.values", v.astype(np.int8))
+        g.init("embed.scales", scale[..., None])
+        rows = g.op("Mul", [g.op("Cast", [g.op("Gather", ["embed.values", input_ids], axis=0)], to=TensorProto.FLOAT),
+                            g.op("Gather", ["embed.scales", input_ids], axis=0)])  # [B, S, blocks, B]: exact
+        if c is not None:
+            g.init("embed.mins", c[..., None])
+            rows = g.op("Add", [rows, g.op("Gather", ["embed.mins", input_ids], axis=0)])
+        return g.op("Reshape", [rows, g.const([0, 0, hidden])])
     blocks = _blocks(t, 34)  # [vocab, hidden / 32, 34]: an fp16 scale, then 32 int8 values
     g.init("embed.q8", np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
     g.init("embed.q8_scale", _f16(blocks, 0)[..., None])  # [vocab, hidden / 32, 1]
@@ -525,15 +780,30 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
 
 
 def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) -> list[tuple[Any, ...]]:
-    """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``,
-    ``("nbits", B, scales, zero points or None, bits)``, ``("blocksum", M^T)``; their
-    outputs add up to ``x @ W^T``."""
-    quantized = t.qtype in (_Q4_0, _Q4_1, _Q8_0)
-    if weights in ("q4", "q4-int8act") and quantized:
-        rows = _blocks(t, {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}[t.qtype]).reshape(t.shape[0], -1)
-        if permute_heads:
-            rows = _unpermute_rows(rows, permute_heads)
-        return _q8_parts(rows) if t.qtype == _Q8_0 else _q4_parts(t, rows)
+    """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``
+    (fp32), ``("matmul16", W^T)`` (fp16) and ``("matmulbf16", W^T)`` (bf16 bits as uint16),
+    each widened to fp32 before its product; ``("nbits", B, scales, zero points or None,
+    bits, block size)``; ``("blocksum", M^T, block size)``; their outputs add up to
+    ``x @ W^T``. In the 4-bit modes each type keeps the weights the file holds
+    (docs/models.md, "Weight types"); a block type whose weights are not exact as the sum
+    of its terms is dequantized (``t.dequantized``)."""
+    if weights in ("q4", "q4-int8act"):
+        if t.qtype in (_Q4_0, _Q4_1, _Q8_0):
+            rows = _blocks(t, {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}[t.qtype]).reshape(t.shape[0], -1)
+            if permute_heads:
+                rows = _unpermute_rows(rows, permute_heads)
+            return _q8_parts(rows) if t.qtype == _Q8_0 else _q4_parts(t, rows)
+        if t.qtype in _BLOCK_TYPES:
+            parts = _block_parts(t, weights, permute_heads)
+            if parts is not None:
+                return parts
+            t.dequantized = True
+        elif t.qtype in (_F16, _BF16):
+            # fp16 and bf16 widen to fp32 exactly: the product is the fp32 graph's, the file's bytes kept
+            half = _half_rows(t)
+            if permute_heads:
+                half = _unpermute_rows(half, permute_heads)
+            return [("matmul16" if t.qtype == _F16 else "matmulbf16", np.ascontiguousarray(half.T))]
     w = _dequantize(t)
     if permute_heads:
         w = _unpermute_rows(w, permute_heads)
@@ -542,24 +812,55 @@ def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) ->
     return _requant8_parts(w)
 
 
+def _half_rows(t: _Tensor) -> np.ndarray:
+    """An F16 tensor as float16 [rows, cols], a BF16 one as its bits (uint16 [rows, cols])."""
+    raw = np.ascontiguousarray(np.asarray(t.raw))
+    if t.qtype == _F16:
+        return raw.view(np.float16).reshape(t.shape)
+    return raw.view(np.uint8).view(np.uint16).reshape(t.shape)
+
+
+def _widen(kind: str, half: np.ndarray) -> np.ndarray:
+    """fp16 values or bf16 bits as fp32 (exact)."""
+    if kind == "matmul16":
+        return half.astype(np.float32)
+    return (half.astype(np.uint32) << 16).view(np.float32)
+
+
 def _scaled(parts: list[tuple[Any, ...]], factor: float) -> list[tuple[Any, ...]]:
     """The terms of ``factor`` times the projection (only for a power of two: every
-    weight, and so every product and sum, is then scaled without rounding)."""
+    weight, and so every product and sum, is then scaled without rounding; an fp16 or
+    bf16 matrix that would lose a bit, say a subnormal, becomes fp32)."""
     out: list[tuple[Any, ...]] = []
+    f = np.float32(factor)
     for p in parts:
         if p[0] == "nbits":
-            out.append(("nbits", p[1], (p[2] * np.float32(factor)).astype(np.float32), p[3], p[4]))
+            out.append(("nbits", p[1], (p[2] * f).astype(np.float32), *p[3:]))
+        elif p[0] in ("matmul16", "matmulbf16"):
+            wide = _widen(p[0], p[1]) * f
+            half = wide.astype(np.float16) if p[0] == "matmul16" else (wide.view(np.uint32) >> 16).astype(np.uint16)
+            if np.array_equal(_widen(p[0], half).view(np.uint32), wide.view(np.uint32)):
+                out.append((p[0], half))
+            else:
+                out.append(("matmul", wide))
         else:
-            out.append((p[0], (p[1] * np.float32(factor)).astype(np.float32)))
+            out.append((p[0], (p[1] * f).astype(np.float32), *p[2:]))
     return out
+
+
+def _signature(p: tuple[Any, ...]) -> tuple[Any, ...]:
+    if p[0] == "nbits":  # bits, block size, a zero-point input or not
+        return p[0], p[4], p[5], p[3] is None
+    if p[0] == "blocksum":
+        return p[0], p[2]
+    return (p[0],)
 
 
 def _fuse(parts: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]] | None:
     """Projections of one input side by side (Q, K and V; gate and up) as one wider
     projection, when their terms have the same kinds: each output column is the same dot
     product either way. None when they differ (say, Q4_1 beside Q8_0)."""
-    shape = [tuple((p[0], p[-1] if p[0] == "nbits" else None, p[3] is None if p[0] == "nbits" else None)
-                   for p in ps) for ps in parts]
+    shape = [tuple(_signature(p) for p in ps) for ps in parts]
     if len(set(shape)) != 1:
         return None
     fused: list[tuple[Any, ...]] = []
@@ -568,9 +869,9 @@ def _fuse(parts: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]] | None:
         if first[0] == "nbits":
             zeros = None if first[3] is None else np.concatenate([t[3] for t in terms])
             fused.append(("nbits", np.concatenate([t[1] for t in terms]), np.concatenate([t[2] for t in terms]),
-                          zeros, first[4]))
-        else:  # matmul (W^T) and blocksum (M^T): [*, N] side by side
-            fused.append((first[0], np.concatenate([t[1] for t in terms], axis=1)))
+                          zeros, first[4], first[5]))
+        else:  # matmul* (W^T) and blocksum (M^T): [*, N] side by side
+            fused.append((first[0], np.concatenate([t[1] for t in terms], axis=1), *first[2:]))
     return fused
 
 
@@ -579,14 +880,16 @@ def _init_parts(g: _Graph, parts: list[tuple[Any, ...]], prefix: str) -> list[tu
     out: list[tuple[Any, ...]] = []
     for j, part in enumerate(parts):
         name = f"{prefix}.{j}"
-        if part[0] == "matmul":
-            out.append(("matmul", g.init(name + ".weight_t", part[1])))
+        if part[0] in ("matmul", "matmul16"):
+            out.append((part[0], g.init(name + ".weight_t", part[1])))
+        elif part[0] == "matmulbf16":
+            out.append((part[0], g.init_bf16(name + ".weight_t", part[1])))
         elif part[0] == "blocksum":
-            out.append(("blocksum", g.init(name + ".block_min_t", part[1])))
+            out.append(("blocksum", g.init(name + ".block_min_t", part[1]), part[2]))
         else:
-            _, packed, scales, zeros, bits = part
+            _, packed, scales, zeros, bits, block = part
             out.append(("nbits", g.init(name + ".qweight", packed), g.init(name + ".scales", scales),
-                        None if zeros is None else g.init(name + ".zeros", zeros), bits))
+                        None if zeros is None else g.init(name + ".zeros", zeros), bits, block))
     return out
 
 
@@ -622,20 +925,25 @@ def layer_weights(weights: str, layer: int, n_layer: int) -> str:
 
 
 def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: int, accuracy: int) -> str:
+    from onnx import TensorProto
+
     total = None
     for term in terms:
         if term[0] == "matmul":
             y = g.op("MatMul", [x, term[1]])
+        elif term[0] in ("matmul16", "matmulbf16"):
+            y = g.op("MatMul", [x, g.op("Cast", [term[1]], to=TensorProto.FLOAT)])
         elif term[0] == "blocksum":
             # each block's sum of the activations, as one product with a constant 0/1
-            # indicator [K, K/32] (exact: the other blocks add zeros), then times M^T
-            sums = g.op("MatMul", [x, g.const(np.kron(np.eye(k // 32), np.ones((32, 1))), np.float32)])
+            # indicator [K, K/block] (exact: the other blocks add zeros), then times M^T
+            block = term[2]
+            sums = g.op("MatMul", [x, g.const(np.kron(np.eye(k // block), np.ones((block, 1))), np.float32)])
             y = g.op("MatMul", [sums, term[1]])
         else:
-            _, b, s, z, bits = term
+            _, b, s, z, bits, block = term
             ins = [x, b, s] + ([z] if z is not None else [])
-            acc = 4 if bits == 8 else accuracy  # the 8-bit (int8 mode) kernel: 8-bit activations
-            y = g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=int(bits), block_size=32,
+            acc = 4 if bits == 8 else accuracy  # the 8-bit kernel: 8-bit activations (int8 and q4-int8act)
+            y = g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=int(bits), block_size=int(block),
                      accuracy_level=acc)
         total = y if total is None else g.op("Add", [total, y])
     assert total is not None
@@ -979,13 +1287,13 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
     dest = Path(dest_root) / name
     if (dest / "engine.toml").exists() and not force:
         raise FatalError(f"{dest} already holds a model; choose another --name or pass --force")
-    description = m.describe(weights, ctx, note)
     if weights == AUTO:  # shared/execution.py import_auto hands its writer in (write_auto_graphs)
         if write_graphs is None:
             raise FatalError("weights \"auto\" imports through shared/execution.py (import_auto)")
         write_graphs(m, dest, max_context=ctx)
     else:
         write_model_files(m, dest, weights=weights, max_context=ctx)
+    description = m.describe(weights, ctx, note)  # after the graphs: which matrices were dequantized
     header = "\n".join(f"# {line}" for line in description.splitlines())
     lines = [
         "# Imported by `streamfleet engines import` from a GGUF file:",

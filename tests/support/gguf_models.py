@@ -1,7 +1,9 @@
 """Small random Llama GGUF files for the import's tests, written with ``gguf.GGUFWriter``
-(F32, Q4_0, Q4_1 and Q8_0 tensors as llama.cpp lays them out, Q/K rows permuted as its
-converter permutes them), and an independent numpy forward pass in llama.cpp's own
-convention (interleaved RoPE on the permuted rows), so the suite needs neither a real
+(F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors quantized by ``gguf`` as
+llama.cpp lays them out; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K ones, which ``gguf`` cannot
+quantize, as random blocks with finite fp16 scales: ``random_blocks``; Q/K rows permuted
+as its converter permutes them), and an independent numpy forward pass in llama.cpp's
+own convention (interleaved RoPE on the permuted rows), so the suite needs neither a real
 model file nor torch."""
 
 from __future__ import annotations
@@ -11,7 +13,40 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TinyLlama", "write_tiny_gguf", "bytes_to_unicode", "numpy_logits"]
+__all__ = ["TinyLlama", "write_tiny_gguf", "bytes_to_unicode", "numpy_logits", "random_blocks", "BLOCK_FIELDS"]
+
+#: type -> (bytes of a block, the fp16 scale fields: (byte offset, scale of a block of
+#: weights about 1 in size, "d" or "dmin"))
+BLOCK_FIELDS: dict[str, tuple[int, list[tuple[int, float, str]]]] = {
+    "Q4_0": (18, [(0, 1 / 4.6, "d")]),
+    "Q4_1": (20, [(0, 1 / 4.6, "d"), (2, -8 / 4.6, "m")]),
+    "Q5_0": (22, [(0, 1 / 9.2, "d")]),
+    "Q5_1": (24, [(0, 1 / 9.2, "d"), (2, -16 / 9.2, "m")]),
+    "Q8_0": (34, [(0, 1 / 73, "d")]),
+    "Q2_K": (84, [(80, 1 / 8, "d"), (82, 1.5 / 8, "dmin")]),
+    "Q3_K": (110, [(108, 1 / 40, "d")]),
+    "Q4_K": (144, [(0, 1 / 147, "d"), (2, 7.5 / 147, "dmin")]),
+    "Q5_K": (176, [(0, 1 / 294, "d"), (2, 15.5 / 294, "dmin")]),
+    "Q6_K": (210, [(208, 1 / 1150, "d")]),
+}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, *, scale: float = 0.15,
+                  spread: int = 0) -> np.ndarray:
+    """A ``kind`` tensor [rows, cols] as raw block bytes [rows, bytes a row]: every byte
+    random but the fp16 scales, set so the weights are about ``scale`` in size (each times
+    a random power of two within 2^+-``spread``: scales and minimums of unlike exponents)."""
+    size, fields = BLOCK_FIELDS[kind]
+    per = 256 if kind.endswith("_K") else 32
+    assert cols % per == 0, f"{kind} needs a multiple of {per} columns"
+    n = rows * cols // per
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at, base, _ in fields:
+        value = base * scale * rng.uniform(0.5, 1.0, n)
+        if spread:
+            value = value * 2.0 ** rng.integers(-spread, spread + 1, n)
+        raw[:, at:at + 2] = value.astype(np.float16).reshape(n, 1).view(np.uint8)
+    return raw.reshape(rows, cols // per * size)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -46,7 +81,8 @@ class TinyLlama:
         self.n_layer, self.hidden, self.n_head, self.n_kv_head = n_layer, hidden, n_head, n_kv_head
         self.head_dim = hidden // n_head
         self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
-        kinds = {"F32": T.F32, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0}
+        kinds = {name: T[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
+                                            "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
         self.tensors: dict[str, tuple[np.ndarray, Any]] = {}  # name -> (stored data, type)
         self.values: dict[str, np.ndarray] = {}  # name -> fp32 as the file holds it
 
@@ -54,7 +90,10 @@ class TinyLlama:
             kind = (overrides or {}).get(name.split(".", 2)[-1].removesuffix(".weight"), kind)
             t = kinds[kind]
             value = value.astype(np.float32)
-            data = value if t == T.F32 else quantize(value, t)
+            if kind.endswith("_K"):  # gguf quantizes no K type: random blocks of about the same size
+                data = random_blocks(kind, *value.shape, rng, scale=float(np.std(value)))
+            else:
+                data = value if t == T.F32 else quantize(value, t)
             self.tensors[name] = (data, t)
             self.values[name] = value if t == T.F32 else dequantize(data, t).reshape(value.shape)
 
