@@ -7,9 +7,11 @@ What is read from the file (``gguf``'s reader, numpy only):
   name), layers, hidden size, heads and KV heads, RoPE base and dimensions, the RMSNorm
   epsilon and the context length; any setting the graph below does not apply (RoPE
   scaling, a sliding window, experts, logit soft-capping...) refuses the file by name;
-* the weights, each by its quantization type: F32/F16/BF16 and every type ``gguf``'s own
-  ``dequantize`` knows are served exactly as fp32 (the values transformers loads from the
-  same file); Q4_0, Q4_1 and Q8_0 can also stay packed (``--weights q4``, below);
+* the weights, each by its quantization type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+  Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (``SUPPORTED_TYPES``; any other, the IQ types
+  among them, refuses the file by name), each with the values ``gguf``'s own
+  ``dequantize`` gives (what transformers loads from the same file), kept packed
+  (``--weights q4``, below) or as fp32;
 * the tokenizer (``tokenizer.ggml.*``: a GPT-2-style byte-level BPE with its merges, the
   control tokens as special tokens, the pre-tokenizer named by ``tokenizer.ggml.pre``),
   BOS/EOS/PAD/UNK ids, whether BOS is added, and the chat template.
@@ -29,9 +31,12 @@ Weights (``--weights``, docs/models.md has the measured figures):
     activations (``accuracy_level`` 0): Q4_0 as itself (zero point 8), Q4_1's ``d*q + m``
     as ``d * (q - 8)`` (zero point 8) plus ``m + 8d`` times each block's sum of the
     activations, and a Q8_0
-    matrix as two 4-bit products (its high and low nibbles). Every weight keeps the
-    value it has in the file, so the products are those of the fp32 graph; only the
-    order of the sums differs.
+    matrix as two 4-bit products (its high and low nibbles); the 5- and 6-bit and K
+    types likewise (``_block_parts``: a 4-bit product, or two for 5/6-bit values, with
+    their blocks' minimums on the block sums; blocks of 16 for Q2_K, Q3_K and Q6_K), and
+    F16/BF16 matrices as themselves, widened to fp32 by a ``Cast``. Every weight keeps
+    the value it has in the file, so the products are those of the fp32 graph; only the
+    order of the sums differs (docs/models.md, "Weight types").
 ``fp32``
     every matrix dequantized to fp32 (plain ``MatMul``): the reference path, the same
     values transformers computes with when it loads the file.
@@ -40,7 +45,8 @@ Weights (``--weights``, docs/models.md has the measured figures):
     Runtime's fast 8-bit path): lossy, kept for comparison.
 ``q4-int8act``
     as ``q4`` but with 8-bit activations (``accuracy_level`` 4, llama.cpp's own Q4_1
-    path) in every block but the first and the last, which are dequantized to fp32
+    path; Q5_0, Q5_1, Q5_K and Q6_K as one 8-bit product) in every block but the first
+    and the last, which are dequantized to fp32
     (``layer_weights``): faster and lossy; its quality against fp32 is
     measured (shared/quality.py) and it serves by default only where it passes the gate
     of ``weights = "auto"`` (shared/execution.py; docs/models.md).
@@ -213,7 +219,8 @@ class GgufModel:
 _WEIGHT_NOTES = {
     "auto": "a GroupQueryAttention graph each for q4, q4-int8act and fp32; the fastest that passes the "
             "quality gate serves (measured on each CPU; docs/models.md)",
-    "q4": "Q4_0/Q4_1 as 4-bit MatMulNBits (Q8_0 as two 4-bit halves), fp32 activations",
+    "q4": "each matrix in its own type as exact 4-bit MatMulNBits terms (F16/BF16 as themselves), fp32 "
+          "activations",
     "fp32": "dequantized to fp32 (the reference path)",
     "int8": "requantized to 8 bits per block of 32, 8-bit activations (lossy)",
     "q4-int8act": "4-bit weights, 8-bit activations but in the first and last blocks (lossy; its quality is "
