@@ -68,6 +68,9 @@ class worker:  # noqa: N801 — a namespace
     prefix_bytes = Gauge("streamfleet_worker_prefix_cache_bytes", "Bytes of KV blocks the prefix cache holds",
                          ["model"])
     prefix_blocks = Gauge("streamfleet_worker_prefix_cache_blocks", "KV blocks the prefix cache holds", ["model"])
+    prefix_reply_tokens = Counter("streamfleet_worker_prefix_cache_reply_tokens_total", "Tokens of finished "
+                                  "replies (and the prompt tails before them) prefilled into the prefix cache while "
+                                  "the worker was idle, for their conversations' next turns", ["model"])
     grammar_mask = Histogram("streamfleet_worker_grammar_mask_seconds", "Time one step spent computing and "
                              "applying the token masks of its constrained sequences (structured outputs)", ["model"],
                              buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0))

@@ -45,6 +45,7 @@ from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
 from streamfleet.workers.logits import Logprobs, Penalties, TokenTable, process
+from streamfleet.workers.replykeep import ReplyKeeper
 from streamfleet.workers.sampling import Sampler
 
 __all__ = ["WorkerCore", "StepOutput"]
@@ -156,6 +157,10 @@ class WorkerCore:
         self.max_step_tokens = max(0, int(max_step_tokens))
         #: the engine takes prompts in chunks (and from its prefix cache, when it has one)
         self._chunked = callable(getattr(engine, "start", None)) and callable(getattr(engine, "extend", None))
+        #: finished replies whose blocks the prefix cache lacks, computed while idle
+        #: (``idle_step``; None: the engine needs none)
+        self._replies = ReplyKeeper(engine, chunk=self.max_step_tokens, most=int(engine.max_batch)) \
+            if ReplyKeeper.wanted(engine) else None
         #: started sequences whose prompt is still being fed, in start order
         self._feeding: dict[str, Sequence] = {}
         #: a sequence waiting for another one of this worker with the same prompt to
@@ -208,6 +213,20 @@ class WorkerCore:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._sched
+
+    def idle_work(self) -> bool:
+        """Whether ``idle_step`` has something to do."""
+        return self._replies is not None and len(self._replies) > 0
+
+    def idle_step(self) -> int:
+        """Work for a worker with nothing in its batch: one chunk of a finished reply's
+        blocks computed into the prefix cache by a prefill, so that its conversation's
+        next turn finds them (workers/replykeep.py; docs/scheduling.md, "Prefix cache").
+        Returns the tokens computed (0: none, or the batch is not empty). Like ``step()``,
+        it must not run concurrently with ``step()``."""
+        if self._replies is None or len(self._sched) or self._rejected:
+            return 0
+        return self._replies.step()
 
     def add(self, task: AnyTask, replay: list[int] | None = None) -> None:
         """Admit a task; its first token comes out of the next ``step()``.
@@ -308,6 +327,8 @@ class WorkerCore:
         self._feeding.clear()
         self._leader_of.clear()
         self._orphans.clear()
+        if self._replies is not None:
+            self._replies.clear()
         return [s.task for s in seqs] + [t for t, _, _ in rejected]
 
     def _prompt_logprobs_problem(self) -> str | None:
@@ -959,6 +980,8 @@ class WorkerCore:
             cached_tokens=seq.cached,
         )
         out.events.append((seq.task.reply_to, done))
+        if self._replies is not None and reason is not FinishReason.cancelled and seq.prefilled:
+            self._replies.finished(seq.task.prompt_ids, seq.generated)  # for idle_step
         self._remove(seq, out, release=seq.prefilled)
 
     def _fail(self, seq: Sequence, code: ErrorCode, message: str, out: StepOutput) -> None:

@@ -106,6 +106,20 @@ class CoreSet:
         """One step of every core that has work (engine calls: run off the event loop)."""
         return [(c.version, c.core.step()) for c in self.all() if c.core.has_work()]
 
+    def idle_work(self) -> bool:
+        """Whether the current core has work for an idle worker (``WorkerCore.idle_step``:
+        finished replies to compute into its prefix cache); a retiring core's is dropped
+        with it (its cache goes with its engine)."""
+        idle = getattr(self.current.core, "idle_work", None)
+        return bool(idle is not None and idle())
+
+    def idle_step(self) -> int:
+        """One piece of that work, when no core has any other (an engine call: run it off
+        the event loop, never beside ``step``). Returns the tokens computed."""
+        if self.has_work() or not self.idle_work():
+            return 0
+        return int(self.current.core.idle_step())
+
     def retired(self) -> VersionedCore | None:
         """The retiring core once it is empty (the caller frees its engine), else None."""
         if self.retiring is not None and not self.retiring.core.has_work():

@@ -36,6 +36,8 @@ class PrefixStats:
     #: blocks stored, and dropped to stay under the budget
     stored: int = 0
     evicted: int = 0
+    #: tokens computed only to keep finished replies (workers/replykeep.py)
+    reply_tokens: int = 0
 
 
 class PrefixCache:
@@ -80,12 +82,14 @@ class PrefixCache:
         """The names of the whole blocks of ``ids`` (at most ``limit``)."""
         return block_hashes(self.seed, ids, self.block, limit)
 
-    def lookup(self, ids: Sequence[int]) -> tuple[list[bytes], list[list[np.ndarray]]]:
+    def lookup(self, ids: Sequence[int], *, count: bool = True) -> tuple[list[bytes], list[list[np.ndarray]]]:
         """The longest run of cached blocks ``ids`` starts with, leaving at least two tokens
         of ``ids`` to compute: the last one's logits are needed, and a run of one token
         takes ONNX Runtime's one-row kernels, whose last bits differ from a prefill's
-        (docs/scheduling.md, "Prefix cache"). Counts the lookup and marks the blocks used.
-        Returns the names of all of ``ids``' whole blocks and the cached run."""
+        (docs/scheduling.md, "Prefix cache"). Marks the blocks used and counts the lookup
+        (``count=False``: not, for a finished reply's blocks computed while idle, which
+        no request asked for). Returns the names of all of ``ids``' whole blocks and the
+        cached run."""
         names = self.hashes(ids)
         usable = max(0, len(ids) - 2) // self.block
         run: list[list[np.ndarray]] = []
@@ -95,6 +99,8 @@ class PrefixCache:
                 break
             self._blocks.move_to_end(name)
             run.append(kv)
+        if not count:
+            return names, run
         s = self.stats
         s.lookups += 1
         s.requested_tokens += len(ids)
@@ -104,6 +110,16 @@ class PrefixCache:
         return names, run
 
     # -- writing -------------------------------------------------------------------------
+
+    def held(self, names: Sequence[bytes]) -> int:
+        """How many of ``names`` (a chain, in order) the cache holds from the first on,
+        without marking them used."""
+        n = 0
+        for name in names:
+            if name not in self._blocks:
+                break
+            n += 1
+        return n
 
     def touch(self, name: bytes) -> bool:
         """Mark a block used; whether the cache holds it."""

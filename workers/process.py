@@ -149,7 +149,7 @@ class WorkerProcess:
         self._m_computed = metrics.prompt_tokens.labels(m, "computed")
         self._m_cached = metrics.prompt_tokens.labels(m, "cached")
         #: the prefix cache whose counters the metrics last took, and those counters
-        self._cache_seen: tuple[object, int, int, int] = (None, 0, 0, 0)
+        self._cache_seen: tuple[object, int, int, int, int] = (None, 0, 0, 0, 0)
         #: the execution mode the engine runs and why (``shared/execution.py``; empty for
         #: models without one), said in the heartbeat
         self._execution: tuple[str, str] = ("", "")
@@ -504,12 +504,26 @@ class WorkerProcess:
                 st.just_read = True
                 await self._back_off(PENDING_RETRY_S)
                 return
+            if self.cores.idle_work():  # finished replies into the prefix cache, a chunk at a time
+                await self._idle_step()
+                st.just_read = True
+                return
             st.idle_read = True  # (a stopping worker may cut this wait short: _bound_stop)
             try:
                 await self.intake.admit(block=True)
             finally:
                 st.idle_read = False
             st.just_read = True
+
+    async def _idle_step(self) -> None:
+        """Nothing to run: what has arrived first (a read that does not block), else one
+        chunk of a finished reply's blocks computed into the prefix cache, in the engine's
+        thread (docs/scheduling.md, "Prefix cache"): a task that arrives meanwhile waits
+        for that chunk at most, and is read by the next turn of the loop."""
+        await self.intake.admit(block=False)
+        if not self.cores.has_work():
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.cores.idle_step)
+            self._cache_metrics()
 
     async def _admit_while_computing(self, running: asyncio.Future) -> None:
         """Read and start the tasks gateways announce while the engine computes, until it
@@ -564,9 +578,9 @@ class WorkerProcess:
         cache = self._prefix_cache()
         if cache is None:
             return
-        seen, lookups, hits, evicted = self._cache_seen
+        seen, lookups, hits, evicted, replies = self._cache_seen
         if seen is not cache:  # a new version's cache counts from zero
-            lookups = hits = evicted = 0
+            lookups = hits = evicted = replies = 0
         st, m = cache.stats, self.model
         if st.hits > hits:
             metrics.prefix_lookups.labels(m, "hit").inc(st.hits - hits)
@@ -574,9 +588,11 @@ class WorkerProcess:
             metrics.prefix_lookups.labels(m, "miss").inc((st.lookups - st.hits) - (lookups - hits))
         if st.evicted > evicted:
             metrics.prefix_evicted.labels(m).inc(st.evicted - evicted)
+        if st.reply_tokens > replies:
+            metrics.prefix_reply_tokens.labels(m).inc(st.reply_tokens - replies)
         metrics.prefix_bytes.labels(m).set(cache.bytes)
         metrics.prefix_blocks.labels(m).set(len(cache))
-        self._cache_seen = (cache, st.lookups, st.hits, st.evicted)
+        self._cache_seen = (cache, st.lookups, st.hits, st.evicted, st.reply_tokens)
 
     async def _free_retired(self) -> None:
         """Free the old engine once a reload's old core has finished its sequences."""

@@ -64,3 +64,30 @@ def test_both_kinds_of_core_are_cores():
         init = inspect.getsource(kind.__init__)
         missing = [n for n in wanted if not hasattr(kind, n) and f"self.{n} =" not in init]
         assert not missing, (kind.__name__, missing)
+
+
+def test_idle_work_is_the_current_versions_and_waits_for_every_core(tiny_spec):
+    """A finished reply's blocks are computed into the prefix cache while nothing else
+    runs (workers/replykeep.py), on the current version only: a retiring core's cache goes
+    with its engine."""
+    from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+
+    def onnx(version: str) -> VersionedCore:
+        engine = OnnxRuntimeEngine(tiny_spec, threads=1, prefix_cache_mb=4, prefix_block=4)
+        return VersionedCore(version, WorkerCore(engine, _tok(tiny_spec), max_batch=4))
+
+    cs = CoreSet(onnx("1"), max_batch=4)
+    cs.add(task("a", 9))
+    while cs.has_work():
+        cs.step()
+    assert cs.idle_work()
+    cs.switch(onnx("2"))
+    assert not cs.idle_work() and cs.idle_step() == 0  # the old version's reply is not computed
+    assert cs.retired() is not None
+    cs.add(task("b", 9))
+    cs.step()
+    assert cs.has_work() and cs.idle_step() == 0  # b runs: idle work waits
+    while cs.has_work():
+        cs.step()
+    assert cs.idle_work() and cs.idle_step() > 0 and not cs.idle_work()
+    assert cs.current.core.prefix_cache.stats.reply_tokens > 0

@@ -59,6 +59,21 @@ def test_lookup_takes_the_longest_leading_run_and_leaves_a_token_to_compute():
     assert st.requested_tokens == 12 + 13 + 14 + 13 + 5 and st.cached_tokens == 4 * (2 + 2 + 3 + 1)
 
 
+def test_an_uncounted_lookup_and_what_is_held():
+    """A finished reply's blocks computed while idle (workers/replykeep.py) look up without
+    counting: no request asked; ``held`` says how far a chain is cached, not marking it."""
+    cache = PrefixCache(1 << 20, 4, "m", "1")
+    names = cache.hashes(list(range(16)))
+    for n in names[:2]:
+        cache.put(n, kv())
+    cache.put(names[3], kv())
+    assert cache.held(names) == 2 and cache.held(names[3:]) == 1 and cache.held([]) == 0
+    assert cache.names()[0] == names[0]  # (not marked used)
+    _, run = cache.lookup(list(range(16)), count=False)
+    assert len(run) == 2 and cache.stats.lookups == 0 and cache.stats.requested_tokens == 0
+    assert cache.names()[-1] == names[1]  # the run was marked used
+
+
 def test_a_gap_ends_the_run():
     cache = PrefixCache(1 << 20, 4, "m", "1")
     ids = list(range(17))

@@ -23,7 +23,7 @@ import numpy as np
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
 
-__all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers", "ort_session"]
+__all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers", "decodes_like_prefill", "ort_session"]
 
 
 class SequenceError(Exception):
@@ -87,8 +87,15 @@ class Engine(Protocol):
 
     # optional, chunked prefill: start(seqs, *, from_cache=True) registers sequences with
     # what the engine's prefix cache holds of their prompts (returns the tokens each starts
-    # with; ``from_cache=False``: none) and extend(seqs) feeds each a chunk, returning the
-    # logits at each chunk's last position (``OnnxRuntimeEngine``).
+    # with; ``from_cache=False``: none; ``count=False``: the lookup is not counted in the
+    # cache's statistics) and extend(seqs) feeds each a chunk, returning the logits at each
+    # chunk's last position (``OnnxRuntimeEngine``).
+
+    # optional, with a prefix cache: ``decoded_blocks: bool`` says whether the blocks that
+    # decode steps complete go into the cache as they complete (only where a decode step
+    # gives a token a prefill's bits: ``decodes_like_prefill``). Where not, the worker
+    # core computes a finished reply's blocks by a prefill while idle
+    # (workers/replykeep.py; docs/scheduling.md, "Prefix cache").
 
     # optional, a prompt's log probabilities: extend_all(seq_id, chunk) feeds one live
     # sequence a chunk, as ``extend`` does (the same cache after it), in a run of its own,
@@ -160,3 +167,38 @@ def prefill_by_extend(engine: Any, seqs: list[tuple[str, list[int]]]) -> np.ndar
         for seq_id, _ in seqs:
             engine.release(seq_id)
         raise
+
+
+def decodes_like_prefill(engine: Any, kv_of: Any) -> bool:
+    """Whether a decode step gives a token the K/V bits a prefill of it gives (measured on
+    ``engine``, a batch-invariant ONNX Runtime engine, with its prefix cache put aside):
+    four tokens prefilled in one run, against the first two prefilled and the other two
+    decoded one at a time, every layer's K/V of the last two positions compared bit for
+    bit. Only then may blocks that decode steps complete go into the prefix cache
+    (docs/scheduling.md, "Prefix cache"). On x86-64 they do not: ONNX Runtime's matrix
+    products take one-row kernels of their own (their sums in another order) for a one-token run's
+    attention, so a decoded token's K/V differ in their last bits from layer 1 on.
+
+    ``kv_of(seq_id)`` returns a live sequence's cache, one ``[kv_heads, length, head_dim]``
+    array per past input.
+    """
+    if engine.max_context < 4:
+        return False
+    v = engine.vocab_size
+    ids = [1 % v, 3 % v, 5 % v, 7 % v]
+    cache, engine.prefix_cache = engine.prefix_cache, None
+    copied = getattr(engine, "copied_bytes", None)
+    try:
+        engine.prefill([("\x00probe-prefill", ids)])
+        want = [np.array(a[:, 2:4]) for a in kv_of("\x00probe-prefill")]
+        engine.release("\x00probe-prefill")
+        engine.prefill([("\x00probe-decode", ids[:2])])
+        for t in ids[2:]:
+            engine.decode([("\x00probe-decode", t)])
+        got = [np.array(a[:, 2:4]) for a in kv_of("\x00probe-decode")]
+        engine.release("\x00probe-decode")
+    finally:
+        engine.prefix_cache = cache
+        if copied is not None:
+            engine.copied_bytes = copied
+    return all(np.array_equal(a, b) for a, b in zip(want, got))

@@ -38,9 +38,13 @@ decode or one-token chunk takes a neighbouring row, live or spare, as scratch), 
 makes it batch-invariant too, at the price of a second row's work at batch 1.
 
 Prefix cache: supported as in ``OnnxRuntimeEngine`` (a sequence starts from cached blocks
-copied into its row; blocks a prefill completes are kept; decoded tokens never are). A
-chunk of a prompt gives the same bits as the whole prompt (rows are independent for runs
-of two or more rows, and the op's attention does not depend on how the past was filled).
+copied into its row; blocks a prefill completes are kept). A chunk of a prompt gives the
+same bits as the whole prompt (rows are independent for runs of two or more rows, and the
+op's attention does not depend on how the past was filled). Blocks that decode steps
+complete are kept only where a decode step gives a token the K/V bits a prefill gives it
+(``decoded_blocks``, measured at load: ``decodes_like_prefill``); on x86-64 it does not
+(the op's one-row products take kernels of their own), and the worker core computes a
+finished reply's blocks by a prefill while idle instead (workers/replykeep.py).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import count_past_layers, ort_session, prefill_by_extend
+from streamfleet.workers.engines.base import count_past_layers, decodes_like_prefill, ort_session, prefill_by_extend
 from streamfleet.workers.engines.onnxruntime import check_decode, check_extend, check_fork, check_prefill
 from streamfleet.workers.prefixcache import PrefixCache
 
@@ -75,7 +79,8 @@ _KEEP_LAST = np.array([1], dtype=np.int64)
 class _Seq:
     length: int
     row: int
-    #: the token ids fed so far (prompt only: None once a token was decoded)
+    #: the token ids fed so far, for naming its whole blocks (None once a token was
+    #: decoded, unless the engine keeps decoded blocks: ``decoded_blocks``)
     ids: list[int] | None = None
     #: names of its whole blocks so far (shared/prefixhash.py)
     names: list[bytes] | None = None
@@ -190,6 +195,12 @@ class OnnxGqaEngine:
         if batch_invariant and not self.batch_invariant:
             log.info("batch invariance is not possible with this graph: its kernels compute a row differently "
                      "beside other rows", model=spec.name)
+        #: blocks that decode steps complete go into the prefix cache as they complete: a
+        #: decode step gives a token the K/V bits a prefill gives it (measured), whatever
+        #: shares its run (``batch_invariant``). Where not, none does (module docstring)
+        self.decoded_blocks = False  # (while it is measured)
+        self.decoded_blocks = (self.prefix_cache is not None and self.batch_invariant
+                               and decodes_like_prefill(self, self._kv_of))
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -321,6 +332,11 @@ class OnnxGqaEngine:
         assert logits.shape[-1] == self.vocab_size, logits.shape
         return np.array(logits, copy=True)
 
+    def _kv_of(self, seq_id: str) -> list[np.ndarray]:
+        """A live sequence's slots, ``[kv_heads, length, head_dim]`` per past input (views)."""
+        seq = self._seqs[seq_id]
+        return [buf[seq.row, :, :seq.length] for buf in self._kv]
+
     def _scratch_range(self, lo: int, hi: int) -> tuple[int, int]:
         """``[lo, hi)`` widened to ``min_rows`` rows (a neighbouring row, live or spare)."""
         while hi - lo < self.min_rows:
@@ -356,17 +372,17 @@ class OnnxGqaEngine:
         """Start new sequences; see ``Engine.prefill`` (``start`` then ``extend``)."""
         return prefill_by_extend(self, seqs)
 
-    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
+    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True, count: bool = True) -> list[int]:
         """Register new sequences in the next free rows, each with the longest run of its
         prompt's blocks the prefix cache holds copied into its row (none with
-        ``from_cache=False``); returns the tokens each starts with (see
-        ``OnnxRuntimeEngine.start``)."""
+        ``from_cache=False``; ``count=False``: the lookups are not counted); returns the
+        tokens each starts with (see ``OnnxRuntimeEngine.start``)."""
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
         cache = self.prefix_cache if from_cache else None
         self._ensure(len(self._order) + len(seqs), max(len(p) for _, p in seqs))
         out = []
         for seq_id, prompt in seqs:
-            names, run = cache.lookup(prompt) if cache is not None else ([], [])
+            names, run = cache.lookup(prompt, count=count) if cache is not None else ([], [])
             n = len(run) * (cache.block if cache is not None else 0)
             row = len(self._order)
             if run:
@@ -434,9 +450,13 @@ class OnnxGqaEngine:
         check_decode(seqs, self._seqs, self.max_context, self.vocab_size, self.release)
         members = [self._seqs[seq_id] for seq_id, _ in seqs]
         logits = self._one_token_run([m.row for m in members], [t for _, t in seqs])
-        for m in members:
+        for m, (_, token) in zip(members, seqs):
             m.length += 1
-            m.ids = m.names = None  # decoded tokens never go into the prefix cache
+            if self.decoded_blocks and m.ids is not None:
+                m.ids.append(token)
+                self._keep_blocks(m)  # names and keeps a block only when this token completes it
+            else:  # the blocks decode steps fill are not a prefill's bits: none is kept
+                m.ids = m.names = None
         return np.ascontiguousarray(logits, dtype=np.float32)
 
     def fork(self, src_id: str, dst_ids: list[str], length: int | None = None) -> None:

@@ -64,8 +64,8 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import (PAST_RE, SequenceError, count_past_layers, ort_session,
-                                              prefill_by_extend)
+from streamfleet.workers.engines.base import (PAST_RE, SequenceError, count_past_layers, decodes_like_prefill,
+                                              ort_session, prefill_by_extend)
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.prefixcache import PrefixCache
 
@@ -328,6 +328,13 @@ class OnnxRuntimeEngine:
                      "alone and beside other rows (4-bit MatMulNBits has a one-row kernel of its own); "
                      "batching in one padded slab instead, and a seeded sampled request may draw other "
                      "tokens in another batch (docs/sampling.md)", model=spec.name)
+        #: blocks that decode steps complete go into the prefix cache as they complete: a
+        #: decode step gives a token the K/V bits a prefill gives it (measured: never so far,
+        #: a decode's past is padded to another width, and its attention is a one-row
+        #: product), whatever shares its run. Where not, none does (``_decoded``)
+        self.decoded_blocks = False  # (while it is measured)
+        self.decoded_blocks = (self.prefix_cache is not None and self.batch_invariant
+                               and decodes_like_prefill(self, lambda seq_id: self._cache_of(self._seqs[seq_id])))
 
     # -- graph layout ------------------------------------------------------------------
 
@@ -454,7 +461,7 @@ class OnnxRuntimeEngine:
         """
         return prefill_by_extend(self, seqs)
 
-    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True) -> list[int]:
+    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True, count: bool = True) -> list[int]:
         """Register new sequences, each with the longest run of its prompt's blocks the
         prefix cache holds (copied into its own cache), and nothing else computed yet;
         ``extend`` feeds them the rest. Returns the tokens each starts with (a multiple of
@@ -462,6 +469,8 @@ class OnnxRuntimeEngine:
         ``from_cache=False``: each starts empty, whatever the cache holds (a sequence
         whose prompt's log probabilities are asked for computes every position: a
         position taken from the cache has no logits); its blocks still go to the cache.
+        ``count=False``: the lookups are not counted in the cache's statistics (a finished
+        reply's blocks computed while idle: workers/replykeep.py).
 
         Raises:
             InvalidSequenceError, ValueError: as ``prefill``; nothing is started.
@@ -470,7 +479,7 @@ class OnnxRuntimeEngine:
         cache = self.prefix_cache if from_cache else None
         out = []
         for seq_id, prompt in seqs:
-            names, run = cache.lookup(prompt) if cache is not None else ([], [])
+            names, run = cache.lookup(prompt, count=count) if cache is not None else ([], [])
             if run:
                 kv = [np.concatenate([blk[i] for blk in run], axis=1) for i in range(len(self._past_names))]
             else:
@@ -606,14 +615,18 @@ class OnnxRuntimeEngine:
                 cached = self._cache_of(seq)
             cache.put(name, [c[:, k * block:(k + 1) * block, :].copy() for c in cached])
 
-    @staticmethod
-    def _decoded(seq: _Seq, token: int) -> None:
-        """A decode step fed ``seq`` a token: from now on none of its blocks is kept. A
-        decode step computes a token's cache with other numerics than a prefill (a past
-        padded to another width: last bits differ), and a block in the prefix cache must
-        be exactly what a prefill computes, so that a prompt gets the same bits with the
-        cache on or off, whatever was cached before (docs/scheduling.md, "Prefix cache")."""
-        seq.ids = seq.names = None
+    def _decoded(self, seq: _Seq, token: int) -> None:
+        """A decode step fed ``seq`` a token. A block in the prefix cache must be exactly
+        what a prefill computes, so that a prompt gets the same bits with the cache on or
+        off, whatever was cached before (docs/scheduling.md, "Prefix cache"): where a
+        decode step computes a token's cache with other numerics (``decoded_blocks``
+        false: a past padded to another width, a one-row product), none of its blocks is
+        kept from now on; else the block this token completes, if any, is."""
+        if self.decoded_blocks and seq.ids is not None:
+            seq.ids.append(token)
+            self._keep_blocks(seq)
+        else:
+            seq.ids = seq.names = None
 
     def _unslab(self, seq_id: str, seq: _Seq) -> None:
         """Give a sequence in the slab its own copy of its cache and free its row."""
