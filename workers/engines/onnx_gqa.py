@@ -50,6 +50,7 @@ finished reply's blocks by a prefill while idle instead (workers/replykeep.py).
 from __future__ import annotations
 
 import mmap
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class _Seq:
     names: list[bytes] | None = None
 
 
+#: Linux's MAP_NORESERVE (the mmap module names it from Python 3.13 on)
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+
+
 class _KvBuffer:
     """One KV buffer, fp32 ``[rows, kv_heads, capacity, head_dim]``, whose memory is taken
     only where it is written and can be given back by range.
@@ -107,7 +112,7 @@ class _KvBuffer:
 
     def __init__(self, shape: tuple[int, int, int, int]) -> None:
         count = int(np.prod(shape))
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", _MAP_NORESERVE)
         self.map = mmap.mmap(-1, max(count * 4, 1), flags=flags)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where transparent huge pages are "always"
             self.map.madvise(mmap.MADV_NOHUGEPAGE)
@@ -387,7 +392,8 @@ class OnnxGqaEngine:
             row = len(self._order)
             if run:
                 for k, buf in enumerate(self._kv):
-                    buf[row, :, :n, :] = np.concatenate([blk[k] for blk in run], axis=1)
+                    for j, blk in enumerate(run):  # each block straight into its slots
+                        buf[row, :, j * cache.block:(j + 1) * cache.block, :] = blk[k]
             self._order.append(seq_id)
             self._seqs[seq_id] = _Seq(length=n, row=row, ids=list(prompt[:n]), names=names[:len(run)])
             out.append(n)
