@@ -275,3 +275,21 @@ def test_a_type_the_import_does_not_serve_is_refused_by_name(tmp_path, kind):
     with pytest.raises(FatalError, match=f"tensor blk.0.ffn_up.weight has quantization type {kind}, which the GGUF "
                                          f"import does not serve"):
         read_gguf(src)
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "halves"])
+def test_the_group_query_attention_graph_of_a_mix_equals_the_numpy_forward_pass(tmp_path, mix):
+    """The layout weights = "auto" serves (shared/gguf_gqa.py) reuses the same terms."""
+    from streamfleet.shared.gguf_gqa import write_gqa_graph
+    from streamfleet.workers.engines.onnx_gqa import OnnxGqaEngine
+
+    model = TinyLlama(seed=64, hidden=256, intermediate=256, n_head=4, n_kv_head=2, **MIXES[mix])
+    src = write_tiny_gguf(tmp_path / "m.gguf", model)
+    dest, _ = import_gguf(src, tmp_path / "engines", "m", weights="q4", max_batch=4)
+    write_gqa_graph(read_gguf(src), dest, weights="q4", max_context=model.context)
+    engine = OnnxGqaEngine(ModelRepository(tmp_path / "engines").get("m"), threads=1)
+    prompts = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3]]
+    logits = engine.prefill([(f"s{i}", p) for i, p in enumerate(prompts)])
+    for r, p in enumerate(prompts):
+        np.testing.assert_allclose(logits[r], numpy_logits(model, p)[-1], atol=2e-4, rtol=0)
+    engine.close()
