@@ -788,8 +788,8 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
 
 def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) -> list[tuple[Any, ...]]:
     """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``
-    (fp32), ``("matmul16", W^T)`` (fp16) and ``("matmulbf16", W^T)`` (bf16 bits as uint16),
-    each widened to fp32 before its product; ``("nbits", B, scales, zero points or None,
+    (fp32), ``("matmul16", W^T, f)`` (fp16) and ``("matmulbf16", W^T, f)`` (bf16 bits as
+    uint16), each widened to fp32 and times ``f`` (a power of two) before its product; ``("nbits", B, scales, zero points or None,
     bits, block size)``; ``("blocksum", M^T, block size)``; their outputs add up to
     ``x @ W^T``. In the 4-bit modes each type keeps the weights the file holds
     (docs/models.md, "Weight types"); a block type whose weights are not exact as the sum
@@ -810,7 +810,7 @@ def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) ->
             half = _half_rows(t)
             if permute_heads:
                 half = _unpermute_rows(half, permute_heads)
-            return [("matmul16" if t.qtype == _F16 else "matmulbf16", np.ascontiguousarray(half.T))]
+            return [("matmul16" if t.qtype == _F16 else "matmulbf16", np.ascontiguousarray(half.T), 1.0)]
     w = _dequantize(t)
     if permute_heads:
         w = _unpermute_rows(w, permute_heads)
@@ -827,29 +827,18 @@ def _half_rows(t: _Tensor) -> np.ndarray:
     return raw.view(np.uint8).view(np.uint16).reshape(t.shape)
 
 
-def _widen(kind: str, half: np.ndarray) -> np.ndarray:
-    """fp16 values or bf16 bits as fp32 (exact)."""
-    if kind == "matmul16":
-        return half.astype(np.float32)
-    return (half.astype(np.uint32) << 16).view(np.float32)
-
-
 def _scaled(parts: list[tuple[Any, ...]], factor: float) -> list[tuple[Any, ...]]:
     """The terms of ``factor`` times the projection (only for a power of two: every
     weight, and so every product and sum, is then scaled without rounding; an fp16 or
-    bf16 matrix that would lose a bit, say a subnormal, becomes fp32)."""
+    bf16 matrix keeps its bits and is scaled once widened, in fp32, where no weight can
+    become subnormal)."""
     out: list[tuple[Any, ...]] = []
     f = np.float32(factor)
     for p in parts:
         if p[0] == "nbits":
             out.append(("nbits", p[1], (p[2] * f).astype(np.float32), *p[3:]))
         elif p[0] in ("matmul16", "matmulbf16"):
-            wide = _widen(p[0], p[1]) * f
-            half = wide.astype(np.float16) if p[0] == "matmul16" else (wide.view(np.uint32) >> 16).astype(np.uint16)
-            if np.array_equal(_widen(p[0], half).view(np.uint32), wide.view(np.uint32)):
-                out.append((p[0], half))
-            else:
-                out.append(("matmul", wide))
+            out.append((p[0], p[1], p[2] * factor))
         else:
             out.append((p[0], (p[1] * f).astype(np.float32), *p[2:]))
     return out
@@ -858,7 +847,7 @@ def _scaled(parts: list[tuple[Any, ...]], factor: float) -> list[tuple[Any, ...]
 def _signature(p: tuple[Any, ...]) -> tuple[Any, ...]:
     if p[0] == "nbits":  # bits, block size, a zero-point input or not
         return p[0], p[4], p[5], p[3] is None
-    if p[0] == "blocksum":
+    if p[0] in ("blocksum", "matmul16", "matmulbf16"):  # block size; the widened weights' factor
         return p[0], p[2]
     return (p[0],)
 
@@ -887,10 +876,12 @@ def _init_parts(g: _Graph, parts: list[tuple[Any, ...]], prefix: str) -> list[tu
     out: list[tuple[Any, ...]] = []
     for j, part in enumerate(parts):
         name = f"{prefix}.{j}"
-        if part[0] in ("matmul", "matmul16"):
+        if part[0] == "matmul":
             out.append((part[0], g.init(name + ".weight_t", part[1])))
+        elif part[0] == "matmul16":
+            out.append((part[0], g.init(name + ".weight_t", part[1]), part[2]))
         elif part[0] == "matmulbf16":
-            out.append((part[0], g.init_bf16(name + ".weight_t", part[1])))
+            out.append((part[0], g.init_bf16(name + ".weight_t", part[1]), part[2]))
         elif part[0] == "blocksum":
             out.append(("blocksum", g.init(name + ".block_min_t", part[1]), part[2]))
         else:
@@ -939,7 +930,10 @@ def _apply_linear(g: _Graph, x: str, terms: list[tuple[Any, ...]], k: int, n: in
         if term[0] == "matmul":
             y = g.op("MatMul", [x, term[1]])
         elif term[0] in ("matmul16", "matmulbf16"):
-            y = g.op("MatMul", [x, g.op("Cast", [term[1]], to=TensorProto.FLOAT)])
+            wide = g.op("Cast", [term[1]], to=TensorProto.FLOAT)  # exact; folded into fp32 when loaded
+            if term[2] != 1.0:  # a power of two: exact in fp32
+                wide = g.op("Mul", [wide, g.const(term[2], np.float32)])
+            y = g.op("MatMul", [x, wide])
         elif term[0] == "blocksum":
             # each block's sum of the activations, as one product with a constant 0/1
             # indicator [K, K/block] (exact: the other blocks add zeros), then times M^T

@@ -215,7 +215,8 @@ MIXES = {
     "q4_k_m": dict(qtype="Q4_K", head_qtype="Q6_K", overrides={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "q5_k_q5_0": dict(qtype="Q5_K", head_qtype="Q5_0", overrides={"attn_k": "Q5_1", "ffn_up": "Q3_K",
                                                                   "ffn_gate": "Q2_K"}),
-    "halves": dict(qtype="F16", head_qtype="BF16", overrides={"attn_q": "BF16", "ffn_down": "Q4_0"}),
+    # the query rows (F16 here) take the attention's 1/8 once widened: fp16 would round the smallest
+    "halves": dict(qtype="F16", head_qtype="BF16", overrides={"attn_k": "BF16", "ffn_down": "Q4_0"}),
 }
 #: the folder's graph against the file: Q4_K_M's mix within 2x; the second mix's Q2_K (8
 #: bits a weight in the graph, 2.6 in the file), Q5_K (11 against 5.5) and tied Q5_0 table
@@ -240,6 +241,12 @@ def test_whole_models_of_mixed_types_equal_the_numpy_forward_pass(tmp_path, mix,
     # no fp32 copy of any matrix: the graph within FOLDER_RATIO of the file
     folder = sum(f.stat().st_size for f in dest.iterdir() if f.name.startswith("model.onnx"))
     assert folder <= FOLDER_RATIO[mix] * src.stat().st_size, (folder, src.stat().st_size)
+    import onnx
+
+    graph = onnx.load(str(dest / "model.onnx"), load_external_data=False).graph
+    wide = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
+            and i.name.endswith(".weight_t")]  # a matrix as fp32 (not its block minimums, not a constant)
+    assert wide == [], wide  # no matrix, the query rows' (scaled by 1/8) among them, became fp32
     assert "dequantized" not in description.split("matrices", 1)[1].split("\n", 1)[0]
 
 
