@@ -53,6 +53,7 @@ from streamfleet.shared.ggufimport import (
     _linear_init,
     _projections,
     _rms_norm,
+    attention_inputs,
     block_weights,
     embedding,
     feed_forward,
@@ -108,7 +109,10 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         raise FatalError(f"{m.path}: head size {hd} is not a multiple of 16, which ONNX Runtime's "
                          f"GroupQueryAttention needs for its rotary embedding")
     accuracy = 4 if weights == "q4-int8act" else 0
-    positions = int(max_positions or m.context_length)
+    positions = int(max_positions or (min(m.context_length, m.window) if m.window else m.context_length))
+    if m.window and positions > m.window + 1:  # the context and the engine's scratch slot
+        raise FatalError(f"{m.path}: {positions - 1} positions is beyond the sliding window of {m.window} tokens "
+                         f"({m.architecture}.attention.sliding_window), which the graph does not mask")
     g = _Graph()
     t = m.tensors
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -136,22 +140,21 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
-        if len(qkv) == 1:  # packed [B, S, (nh + 2 kvh) * hd]: the op's packed-QKV input
-            qkv_in = [_apply_linear(g, a, qkv[0], h, (nh + 2 * kvh) * hd, accuracy), "", ""]
-        else:
-            qkv_in = [_apply_linear(g, a, w, h, n * hd, accuracy) for w, n in zip(qkv, (nh, kvh, kvh))]
+        qkv_in = attention_inputs(g, m, i, a, qkv, accuracy, inv_sqrt if folded else 1.0)
+        if len(qkv_in) == 1:  # packed [B, S, (nh + 2 kvh) * hd]: the op's packed-QKV input
+            qkv_in += ["", ""]
         ctx, _, _ = g.op("GroupQueryAttention",
                    qkv_in + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
                              "total_sequence_length", "rope.cos_cache", "rope.sin_cache"],
                    domain="com.microsoft", outputs=[g.name("attn"), f"present.{i}.key", f"present.{i}.value"],
                    num_heads=nh, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=0,
                    scale=1.0 if folded else float(inv_sqrt))
-        x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
+        x = g.op("Add", [x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy)])
 
         x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
-    return model_of(g, "llama_gqa", inputs, outputs, "streamfleet.shared.gguf_gqa",
+    return model_of(g, f"{m.architecture}_gqa", inputs, outputs, "streamfleet.shared.gguf_gqa",
                     {**(metadata or {}), POSITIONS_KEY: str(positions), CACHE_ROWS_KEY: str(rows)})
 
 
@@ -175,7 +178,7 @@ def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS,
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
-    ctx = int(max_context or m.context_length)
+    ctx = int(max_context or (min(m.context_length, m.window) if m.window else m.context_length))
     model = build_gqa_graph(m, weights, max_positions=ctx + 1,
                             metadata={GQA_DIGEST_KEY: gqa_digest(sha, weights, ctx),
                                       "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha,

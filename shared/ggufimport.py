@@ -108,6 +108,22 @@ _LLAMA_KEYS = {
     "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size",
     "rope.dimension_count", "attention.key_length", "attention.value_length",
 }
+#: ``general.architecture`` -> the metadata keys (under ``ARCH.``) its graph applies; any other
+#: key of the architecture refuses the file by name (docs/models.md, "Architectures")
+_ARCH_KEYS: dict[str, set[str]] = {
+    "llama": _LLAMA_KEYS,
+    # Llama with biases on the Q/K/V projections, rotate-half RoPE in the file's own row order
+    "qwen2": _LLAMA_KEYS,
+    # Llama with a per-head RMSNorm on Q and K before RoPE, the head size from key_length
+    "qwen3": _LLAMA_KEYS,
+    # Llama with fused Q/K/V and gate|up matrices; llama.cpp's converter writes the original
+    # context (of a LongRoPE model; without its rope_factors tensors it changes nothing) and
+    # the sliding window (0: none; else the served context is capped at it: ``context_for``)
+    "phi3": _LLAMA_KEYS | {"rope.scaling.original_context_length", "attention.sliding_window"},
+}
+#: the architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE
+#: (undone at import); the others are stored in transformers' order (llama.cpp's "NEOX" RoPE)
+_PERMUTED_QK = {"llama"}
 
 # llama.cpp's tensor types (ggml_type numbers) this module handles without gguf's dequantize
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
@@ -160,6 +176,15 @@ class GgufModel:
     #: end-of-turn / end-of-message ids (``tokenizer.ggml.eot_token_id``, ``eom``): llama.cpp
     #: stops on them as on EOS, and so does the fleet
     end_ids: tuple[int, ...] = ()
+    #: biases on the Q, K and V projections (qwen2)
+    qkv_bias: bool = False
+    #: a per-head RMSNorm on Q and K before RoPE (qwen3: ``attn_q_norm`` / ``attn_k_norm``)
+    qk_norm: bool = False
+    #: Q/K rows in llama.cpp's permuted order (llama: undone at import); else transformers' order
+    permuted_qk: bool = True
+    #: the sliding attention window (phi3's ``attention.sliding_window``; 0: none): the served
+    #: context is capped at it, where the window masks nothing (``context_for``)
+    window: int = 0
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
 
     def describe(self, weights: str, max_context: int, context_note: str) -> str:
@@ -174,6 +199,8 @@ class GgufModel:
             f"layers        {self.n_layer}, hidden {self.hidden}, heads {self.n_head}, KV heads {self.n_kv_head}, "
             f"head size {self.head_dim}, feed-forward {self.intermediate}",
             f"RoPE          base {self.rope_base:g}; RMSNorm eps {self.rms_eps:g}",
+            f"architecture  {ARCH_NOTES[self.architecture]}"
+            + (f"; sliding window {self.window} tokens (the context is capped at it)" if self.window else ""),
             f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
             f"weights       {weights}: {_WEIGHT_NOTES[weights]}",
             f"matrices      {self.matrix_note(weights)}",
@@ -215,6 +242,14 @@ class GgufModel:
     def token_text(self, tid: int | None) -> str | None:
         return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
 
+
+#: what each architecture's graph computes (the import's summary; docs/models.md, "Architectures")
+ARCH_NOTES = {
+    "llama": "llama: RMSNorm, rotate-half RoPE (llama.cpp's Q/K row permutation undone), SwiGLU",
+    "qwen2": "qwen2: llama with biases on the Q, K and V projections",
+    "qwen3": "qwen3: llama with a per-head RMSNorm on Q and K before RoPE",
+    "phi3": "phi3: llama with the fused Q|K|V and gate|up matrices cut into their parts",
+}
 
 _WEIGHT_NOTES = {
     "auto": "a GroupQueryAttention graph each for q4, q4-int8act and fp32; the fastest that passes the "
@@ -277,13 +312,13 @@ def read_gguf(path: Path) -> GgufModel:
     except Exception as exc:  # gguf raises ValueError / struct errors on a bad file
         raise FatalError(f"cannot read {path} as GGUF: {exc}") from exc
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise FatalError(f"{path}: architecture {arch!r} is not supported by the GGUF import (it builds Llama "
-                         f"decoders: general.architecture 'llama'); export the model with Optimum and use "
-                         f"`streamfleet engines import FOLDER` instead")
-    prefix = "llama."
+    if arch not in _ARCH_KEYS:
+        raise FatalError(f"{path}: architecture {arch!r} is not supported by the GGUF import (it builds "
+                         f"{', '.join(sorted(_ARCH_KEYS))} decoders: docs/models.md, \"Architectures\"); export "
+                         f"the model with Optimum and use `streamfleet engines import FOLDER` instead")
+    prefix = f"{arch}."
     unknown = sorted(k[len(prefix):] for k in reader.fields if k.startswith(prefix)
-                     and k[len(prefix):] not in _LLAMA_KEYS)
+                     and k[len(prefix):] not in _ARCH_KEYS[arch])
     if unknown:
         raise FatalError(f"{path}: setting(s) {', '.join(prefix + k for k in unknown)} are not applied by the "
                          f"GGUF import; refusing rather than serving the model approximately")
@@ -302,14 +337,19 @@ def read_gguf(path: Path) -> GgufModel:
             raise FatalError(f"{path}: a different number of KV heads per layer ({sorted(set(kv))}) is not supported")
         kv = kv[0]
     n_kv_head = int(kv)
-    if hidden % n_head or n_head % n_kv_head:
-        raise FatalError(f"{path}: hidden {hidden} / heads {n_head} / KV heads {n_kv_head} do not divide")
-    head_dim = hidden // n_head
-    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+    if n_head % n_kv_head:
+        raise FatalError(f"{path}: heads {n_head} / KV heads {n_kv_head} do not divide")
+    # the head size: attention.key_length where the file gives one (Qwen3's is not hidden / heads)
+    key_length = _field(reader, prefix + "attention.key_length")
+    if key_length is None and hidden % n_head:
+        raise FatalError(f"{path}: hidden {hidden} / heads {n_head} do not divide and no attention.key_length")
+    head_dim = int(key_length) if key_length is not None else hidden // n_head
+    for key in ("attention.value_length", "rope.dimension_count"):
         value = _field(reader, prefix + key)
         if value is not None and int(value) != head_dim:
             raise FatalError(f"{path}: {prefix}{key} is {value}, not the head size {head_dim} "
                              f"(partial rotary or unequal head sizes are not supported)")
+    window = int(_field(reader, prefix + "attention.sliding_window", 0) or 0)
     tokenizer_model = _field(reader, "tokenizer.ggml.model")
     if tokenizer_model != "gpt2":
         raise FatalError(f"{path}: tokenizer model {tokenizer_model!r} is not supported (the GGUF import builds "
@@ -326,11 +366,18 @@ def read_gguf(path: Path) -> GgufModel:
     merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges", [])]
 
     tensors: dict[str, _Tensor] = {}
+    types: dict[str, int] = {}
     for t in reader.tensors:
         qtype = int(t.tensor_type)
         # gguf lists dims fastest first (ne0 = input features); numpy order reverses them
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         tensors[t.name] = _Tensor(t.name, qtype, t.tensor_type.name, shape, t.data)
+        if qtype not in SUPPORTED_TYPES:
+            raise FatalError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, which the GGUF "
+                             f"import does not serve (it serves {', '.join(SUPPORTED_TYPES.values())}: "
+                             f"docs/models.md, \"Weight types\"); refusing rather than serving the model "
+                             f"approximately")
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
 
     def tensor(name: str, shape: tuple[int, ...]) -> _Tensor:
         t = tensors.get(name)
@@ -350,30 +397,39 @@ def read_gguf(path: Path) -> GgufModel:
     tied = "output.weight" not in tensors
     if not tied:
         tensor("output.weight", (vocab, hidden))
-    kv_dim = n_kv_head * head_dim
+    q_dim, kv_dim = n_head * head_dim, n_kv_head * head_dim
     expected = {"token_embd.weight", "output_norm.weight", "output.weight"}
     for i in range(n_layer):
-        for name, shape in ((f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
-                            (f"blk.{i}.attn_q.weight", (hidden, hidden)), (f"blk.{i}.attn_k.weight", (kv_dim, hidden)),
-                            (f"blk.{i}.attn_v.weight", (kv_dim, hidden)),
-                            (f"blk.{i}.attn_output.weight", (hidden, hidden)),
-                            (f"blk.{i}.ffn_gate.weight", (intermediate, hidden)),
-                            (f"blk.{i}.ffn_up.weight", (intermediate, hidden)),
-                            (f"blk.{i}.ffn_down.weight", (hidden, intermediate))):
+        bp = f"blk.{i}"
+        if arch == "phi3":
+            # one Q|K|V matrix and one gate|up matrix: cut into the Llama matrices by rows
+            # (whole rows of blocks), as transformers' Phi3 splits their outputs
+            fused = tensor(f"{bp}.attn_qkv.weight", (q_dim + 2 * kv_dim, hidden))
+            for name, (r0, r1) in (("attn_q", (0, q_dim)), ("attn_k", (q_dim, q_dim + kv_dim)),
+                                   ("attn_v", (q_dim + kv_dim, q_dim + 2 * kv_dim))):
+                tensors[f"{bp}.{name}.weight"] = _rows_of(fused, f"{bp}.{name}.weight", r0, r1)
+            up = tensor(f"{bp}.ffn_up.weight", (2 * intermediate, hidden))
+            tensors[f"{bp}.ffn_gate.weight"] = _rows_of(up, f"{bp}.ffn_gate.weight", 0, intermediate)
+            tensors[f"{bp}.ffn_up.weight"] = _rows_of(up, f"{bp}.ffn_up.weight", intermediate, 2 * intermediate)
+            del tensors[f"{bp}.attn_qkv.weight"]
+        shapes = [(f"{bp}.attn_norm.weight", (hidden,)), (f"{bp}.ffn_norm.weight", (hidden,)),
+                  (f"{bp}.attn_q.weight", (q_dim, hidden)), (f"{bp}.attn_k.weight", (kv_dim, hidden)),
+                  (f"{bp}.attn_v.weight", (kv_dim, hidden)), (f"{bp}.attn_output.weight", (hidden, q_dim)),
+                  (f"{bp}.ffn_gate.weight", (intermediate, hidden)), (f"{bp}.ffn_up.weight", (intermediate, hidden)),
+                  (f"{bp}.ffn_down.weight", (hidden, intermediate))]
+        if arch == "qwen2":
+            shapes += [(f"{bp}.attn_q.bias", (q_dim,)), (f"{bp}.attn_k.bias", (kv_dim,)),
+                       (f"{bp}.attn_v.bias", (kv_dim,))]
+        if arch == "qwen3":
+            shapes += [(f"{bp}.attn_q_norm.weight", (head_dim,)), (f"{bp}.attn_k_norm.weight", (head_dim,))]
+        for name, shape in shapes:
             tensor(name, shape)
             expected.add(name)
     extra = sorted(set(tensors) - expected)
     if extra:
         raise FatalError(f"{path}: tensor(s) {', '.join(extra[:6])}{'...' if len(extra) > 6 else ''} are not part "
-                         f"of the Llama graph the import builds (biases, experts or other extensions are not "
-                         f"supported)")
-    types: dict[str, int] = {}
-    for t in tensors.values():
-        if t.qtype not in SUPPORTED_TYPES:
-            raise FatalError(f"{path}: tensor {t.name} has quantization type {t.qname}, which the GGUF import "
-                             f"does not serve (it serves {', '.join(SUPPORTED_TYPES.values())}: docs/models.md, "
-                             f"\"Weight types\"); refusing rather than serving the model approximately")
-        types[t.qname] = types.get(t.qname, 0) + 1
+                         f"of the {arch} graph the import builds (biases, experts, rope factors or other extensions "
+                         f"are not supported)")
 
     def opt_id(key: str) -> int | None:
         v = _field(reader, key)
@@ -386,6 +442,7 @@ def read_gguf(path: Path) -> GgufModel:
         head_dim=head_dim, rope_base=float(_field(reader, prefix + "rope.freq_base", 10000.0)),
         rms_eps=float(need("attention.layer_norm_rms_epsilon")),
         context_length=int(_field(reader, prefix + "context_length", 2048)), vocab_size=vocab, tied=tied,
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", permuted_qk=arch in _PERMUTED_QK, window=window,
         tensor_types=types, tokens=tokens, token_types=token_types, merges=merges, pre=pre,
         bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
@@ -395,6 +452,11 @@ def read_gguf(path: Path) -> GgufModel:
         end_ids=tuple(i for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
                       if i is not None and 0 <= i < len(tokens)),
     )
+
+
+def _rows_of(t: _Tensor, name: str, r0: int, r1: int) -> _Tensor:
+    """Rows ``r0:r1`` of a matrix as a matrix of its own (its raw rows: whole blocks)."""
+    return _Tensor(name, t.qtype, t.qname, (r1 - r0, t.shape[1]), t.raw[r0:r1])
 
 
 def _dequantize(t: _Tensor) -> np.ndarray:
@@ -976,13 +1038,50 @@ def block_weights(g: _Graph, m: GgufModel, i: int, weights: str, q_scale: float)
     t, pre = m.tensors, f"blk.{i}"
     ln1 = g.init(f"{pre}.attn_norm", _dequantize(t[f"{pre}.attn_norm.weight"]))
     ln2 = g.init(f"{pre}.ffn_norm", _dequantize(t[f"{pre}.ffn_norm.weight"]))
+    # a Q norm (qwen3) would undo a scale on the query rows: it goes into the norm's weight
+    # instead (``attention_inputs``)
+    row_scale = 1.0 if m.qk_norm else q_scale
+    permute = [m.n_head, m.n_kv_head, None] if m.permuted_qk else [None, None, None]
     qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv",
-                       [m.n_head, m.n_kv_head, None], first_scale=q_scale)
+                       permute, first_scale=row_scale)
     wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
     gate_up = _projections(g, [t[f"{pre}.ffn_gate.weight"], t[f"{pre}.ffn_up.weight"]], weights, f"{pre}.gate_up",
                            [None, None])
     wd = _linear_init(g, t[f"{pre}.ffn_down.weight"], weights, f"{pre}.down")
     return ln1, ln2, qkv, wo, gate_up, wd
+
+
+def attention_inputs(g: _Graph, m: GgufModel, i: int, a: str, qkv: list[Any], accuracy: int,
+                     q_scale: float) -> list[str]:
+    """Block ``i``'s query, key and value before RoPE, from the normed ``a`` and the
+    projection(s) of ``block_weights``: ``[packed]`` ([B, S, (heads + 2 kv_heads) * head
+    size], the fused projection's) or ``[q, k, v]`` (every graph layout's). With the file's
+    Q/K/V biases added (qwen2; the query's times ``q_scale`` as its rows are, a power of
+    two: exact), and the per-head RMSNorm of Q and K (qwen3: the query's weight times
+    ``q_scale``, which scales its output exactly)."""
+    t, pre = m.tensors, f"blk.{i}"
+    hd, nh, kvh = m.head_dim, m.n_head, m.n_kv_head
+    dims = (nh * hd, kvh * hd, kvh * hd)
+    if len(qkv) == 1:
+        out = [_apply_linear(g, a, qkv[0], m.hidden, sum(dims), accuracy)]
+    else:
+        out = [_apply_linear(g, a, w, m.hidden, n, accuracy) for w, n in zip(qkv, dims)]
+    if m.qkv_bias:
+        biases = [_dequantize(t[f"{pre}.attn_{n}.bias"]) for n in "qkv"]
+        biases[0] = (biases[0] * np.float32(1.0 if m.qk_norm else q_scale)).astype(np.float32)
+        if len(out) == 1:
+            out = [g.op("Add", [out[0], g.init(f"{pre}.qkv_bias", np.concatenate(biases))])]
+        else:
+            out = [g.op("Add", [y, g.init(f"{pre}.{n}_bias", b)]) for y, n, b in zip(out, "qkv", biases)]
+    if m.qk_norm:
+        if len(out) == 1:
+            out = list(g.op("Split", [out[0], g.const(list(dims))], axis=-1, n_out=3))
+        for j, (n, heads, f) in enumerate((("q", nh, q_scale), ("k", kvh, 1.0))):
+            w = (_dequantize(t[f"{pre}.attn_{n}_norm.weight"]) * np.float32(f)).astype(np.float32)
+            per_head = g.op("Reshape", [out[j], g.const([0, 0, heads, hd])])
+            normed = _rms_norm(g, per_head, g.init(f"{pre}.{n}_norm", w), m.rms_eps)
+            out[j] = g.op("Reshape", [normed, g.const([0, 0, heads * hd])])
+    return out
 
 
 def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any], down: list[Any],
@@ -1087,13 +1186,12 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 
         a = _rms_norm(g, x, ln1, m.rms_eps)
-        if len(qkv) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
-            heads = g.op("Reshape", [_apply_linear(g, a, qkv[0], h, (nh + 2 * kvh) * hd, accuracy),
-                                     g.const([0, 0, nh + 2 * kvh, hd])])
+        proj = attention_inputs(g, m, i, a, qkv, accuracy, inv_sqrt if folded else 1.0)
+        if len(proj) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
+            heads = g.op("Reshape", [proj[0], g.const([0, 0, nh + 2 * kvh, hd])])
             qk, v = g.op("Split", [heads, g.const([nh + kvh, kvh])], axis=2, n_out=2)
         else:
-            q, k, v = (g.op("Reshape", [_apply_linear(g, a, w, h, n * hd, accuracy), g.const([0, 0, n, hd])])
-                       for w, n in zip(qkv, (nh, kvh, kvh)))
+            q, k, v = (g.op("Reshape", [y, g.const([0, 0, n, hd])]) for y, n in zip(proj, (nh, kvh, kvh)))
             qk = g.op("Concat", [q, k], axis=2)
         qk = _rope(g, qk, cos, sin, hd)
         q, k = g.op("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
@@ -1108,13 +1206,13 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
             scores = g.op("Mul", [scores, scale])
         probs = g.op("Softmax", [g.op("Add", [scores, bias_g])], axis=-1)
         ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), g.const([0, nh, -1, hd])])
-        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, h])])
-        x = g.op("Add", [x, _apply_linear(g, ctx, wo, h, h, accuracy)])
+        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, nh * hd])])
+        x = g.op("Add", [x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy)])
 
         x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
-    return model_of(g, "llama", inputs, outputs, "streamfleet.shared.ggufimport", metadata or {})
+    return model_of(g, m.architecture, inputs, outputs, "streamfleet.shared.ggufimport", metadata or {})
 
 
 def model_of(g: _Graph, name: str, inputs: list[Any], outputs: list[Any], producer: str,
@@ -1191,7 +1289,12 @@ DIGEST_KEY = "streamfleet.shared.ggufimport"
 
 def context_for(m: GgufModel, max_context: int | None) -> tuple[int, str]:
     """The served context: the file's, capped by the operator or by the default cap."""
-    ctx, note = m.context_length, "llama.context_length"
+    ctx, note = m.context_length, f"{m.architecture}.context_length"
+    if m.window and m.window < ctx:
+        # within the window a sliding-window mask masks nothing: exact without one
+        ctx, note = m.window, f"the file's sliding window ({m.architecture}.attention.sliding_window)"
+        if max_context is not None and max_context > ctx:
+            note += f"; --max-context {max_context} would need the window's mask, which is not built"
     if max_context is not None and max_context < ctx:
         return max_context, "--max-context"
     if max_context is None and ctx > DEFAULT_MAX_CONTEXT:

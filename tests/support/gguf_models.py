@@ -1,4 +1,4 @@
-"""Small random Llama GGUF files for the import's tests, written with ``gguf.GGUFWriter``
+"""Small random GGUF files (llama, qwen2, qwen3 and phi3 architectures) for the import's tests, written with ``gguf.GGUFWriter``
 (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors quantized by ``gguf`` as
 llama.cpp lays them out; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K ones, which ``gguf`` cannot
 quantize, as random blocks with finite fp16 scales: ``random_blocks``; Q/K rows permuted
@@ -67,7 +67,7 @@ class TinyLlama:
     def __init__(self, *, seed: int = 0, n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 2,
                  intermediate: int = 96, tied: bool = True, rope_base: float = 10000.0, eps: float = 1e-5,
                  context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0",
-                 overrides: dict[str, str] | None = None) -> None:
+                 overrides: dict[str, str] | None = None, arch: str = "llama", head_dim: int | None = None) -> None:
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize, quantize
 
@@ -79,7 +79,9 @@ class TinyLlama:
         self.merges = merges
         self.vocab = len(self.tokens)
         self.n_layer, self.hidden, self.n_head, self.n_kv_head = n_layer, hidden, n_head, n_kv_head
-        self.head_dim = hidden // n_head
+        self.arch = arch
+        self.head_dim = head_dim or hidden // n_head
+        qd = n_head * self.head_dim
         self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
         kinds = {name: T[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
                                             "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
@@ -107,13 +109,27 @@ class TinyLlama:
         for i in range(n_layer):
             put(f"blk.{i}.attn_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
             put(f"blk.{i}.ffn_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
-            put(f"blk.{i}.attn_q.weight", mat(hidden, hidden), qtype)
-            put(f"blk.{i}.attn_k.weight", mat(kv, hidden), qtype)
-            put(f"blk.{i}.attn_v.weight", mat(kv, hidden), qtype)
-            put(f"blk.{i}.attn_output.weight", mat(hidden, hidden), qtype)
-            put(f"blk.{i}.ffn_gate.weight", mat(intermediate, hidden), qtype)
-            put(f"blk.{i}.ffn_up.weight", mat(intermediate, hidden), qtype)
+            if arch == "phi3":  # one Q|K|V matrix, one gate|up matrix (llama.cpp's phi3 tensors)
+                put(f"blk.{i}.attn_qkv.weight", np.concatenate([mat(qd, hidden), mat(kv, hidden), mat(kv, hidden)]),
+                    qtype)
+            else:
+                put(f"blk.{i}.attn_q.weight", mat(qd, hidden), qtype)
+                put(f"blk.{i}.attn_k.weight", mat(kv, hidden), qtype)
+                put(f"blk.{i}.attn_v.weight", mat(kv, hidden), qtype)
+            put(f"blk.{i}.attn_output.weight", mat(hidden, qd), qtype)
+            if arch == "phi3":
+                put(f"blk.{i}.ffn_up.weight", np.concatenate([mat(intermediate, hidden), mat(intermediate, hidden)]),
+                    qtype)
+            else:
+                put(f"blk.{i}.ffn_gate.weight", mat(intermediate, hidden), qtype)
+                put(f"blk.{i}.ffn_up.weight", mat(intermediate, hidden), qtype)
             put(f"blk.{i}.ffn_down.weight", mat(hidden, intermediate), qtype)
+            if arch == "qwen2":  # biases on Q, K and V (F32, as llama.cpp's converter keeps 1-D tensors)
+                for name, n in (("attn_q", qd), ("attn_k", kv), ("attn_v", kv)):
+                    put(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, n), "F32")
+            if arch == "qwen3":  # per-head RMSNorm weights of Q and K
+                put(f"blk.{i}.attn_q_norm.weight", 1.0 + rng.normal(0, 0.2, self.head_dim), "F32")
+                put(f"blk.{i}.attn_k_norm.weight", 1.0 + rng.normal(0, 0.2, self.head_dim), "F32")
         put("output_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
         if not tied:
             put("output.weight", mat(self.vocab, hidden, 0.5), head_qtype)
@@ -136,6 +152,9 @@ def write_tiny_gguf(path: Path, model: TinyLlama, *, arch: str = "llama", pre: s
     w.add_rope_freq_base(model.rope_base)
     w.add_layer_norm_rms_eps(model.eps)
     w.add_rope_dimension_count(model.head_dim)
+    if model.head_dim * model.n_head != model.hidden:
+        w.add_key_length(model.head_dim)
+        w.add_value_length(model.head_dim)
     w.add_vocab_size(model.vocab)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
@@ -179,12 +198,27 @@ def _rope_interleaved(x: np.ndarray, positions: np.ndarray, base: float) -> np.n
     return out
 
 
+def _rope_half(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """RoPE on halves (transformers' rotate_half, llama.cpp's NEOX mode): element i of a head
+    and element i + d/2 rotated by pos * base^(-2i/d). ``x``: [S, heads, d]."""
+    d = x.shape[-1]
+    theta = positions[:, None].astype(np.float64) * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    x0, x1 = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+
+
 def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
-    """Logits [len(ids), vocab] of one sequence from position 0, in float64."""
+    """Logits [len(ids), vocab] of one sequence from position 0, in float64, from each
+    architecture's definition on the tensors as the file holds them: llama (Q/K rows in
+    llama.cpp's permuted order, interleaved RoPE), qwen2 (Q/K/V biases), qwen3 (RMSNorm of
+    each head of Q and K before RoPE), phi3 (one Q|K|V and one gate|up matrix); the others
+    rotate halves."""
     v = {k: a.astype(np.float64) for k, a in model.values.items()}
     nh, kvh, hd = model.n_head, model.n_kv_head, model.head_dim
     s = len(ids)
     pos = np.arange(s)
+    rope = _rope_interleaved if model.arch == "llama" else _rope_half
 
     def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + model.eps) * w
@@ -194,9 +228,17 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
     for i in range(model.n_layer):
         p = f"blk.{i}."
         h = norm(x, v[p + "attn_norm.weight"])
-        q = _rope_interleaved((h @ v[p + "attn_q.weight"].T).reshape(s, nh, hd), pos, model.rope_base)
-        k = _rope_interleaved((h @ v[p + "attn_k.weight"].T).reshape(s, kvh, hd), pos, model.rope_base)
-        val = (h @ v[p + "attn_v.weight"].T).reshape(s, kvh, hd)
+        if model.arch == "phi3":
+            wq, wk, wv = np.split(v[p + "attn_qkv.weight"], [nh * hd, (nh + kvh) * hd])
+        else:
+            wq, wk, wv = (v[p + f"attn_{n}.weight"] for n in "qkv")
+        q, k, val = h @ wq.T, h @ wk.T, h @ wv.T
+        if model.arch == "qwen2":
+            q, k, val = q + v[p + "attn_q.bias"], k + v[p + "attn_k.bias"], val + v[p + "attn_v.bias"]
+        q, k, val = q.reshape(s, nh, hd), k.reshape(s, kvh, hd), val.reshape(s, kvh, hd)
+        if model.arch == "qwen3":
+            q, k = norm(q, v[p + "attn_q_norm.weight"]), norm(k, v[p + "attn_k_norm.weight"])
+        q, k = rope(q, pos, model.rope_base), rope(k, pos, model.rope_base)
         ctx = np.empty((s, nh, hd))
         for head in range(nh):
             g = head // (nh // kvh)
@@ -207,8 +249,12 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
             ctx[:, head] = probs @ val[:, g]
         x = x + ctx.reshape(s, nh * hd) @ v[p + "attn_output.weight"].T
         f = norm(x, v[p + "ffn_norm.weight"])
-        gate = f @ v[p + "ffn_gate.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * (f @ v[p + "ffn_up.weight"].T)) @ v[p + "ffn_down.weight"].T
+        if model.arch == "phi3":
+            w_gate, w_up = np.split(v[p + "ffn_up.weight"], 2)
+        else:
+            w_gate, w_up = v[p + "ffn_gate.weight"], v[p + "ffn_up.weight"]
+        gate = f @ w_gate.T
+        x = x + ((gate / (1 + np.exp(-gate))) * (f @ w_up.T)) @ v[p + "ffn_down.weight"].T
     x = norm(x, v["output_norm.weight"])
     out = v["token_embd.weight"] if model.tied else v["output.weight"]
     return x @ out.T

@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Build the GGUF architecture fixtures under ``tests/fixtures/gguf/<arch>/`` (issue 50,
+item 4): a tiny random model per architecture made with transformers, converted by
+llama.cpp's own ``convert_hf_to_gguf.py`` and requantized by its ``llama-quantize``, with
+transformers' greedy tokens on the very files it wrote (``from_pretrained(dir,
+gguf_file=...)``, which dequantizes to fp32 with the ``gguf`` package).
+
+Per architecture (qwen2, qwen3, phi3; hidden 256, 2 layers, 4 query and 2 KV heads,
+feed-forward 256, 266 tokens) it writes:
+
+* ``model.Q8_0.gguf`` and ``model.Q4_K_M.gguf`` (``llama-quantize`` from the F32 file the
+  converter wrote; the F32 file itself is not kept),
+* ``reference.json``: for each file, transformers' greedy ids (16 new tokens, pure
+  argmax: EOS is an ordinary token here) for the prompts below, with the smallest gap
+  between the chosen and the runner-up logit along the way (``min_margin``).
+
+The suite reads only these files (tests/unit/test_gguf_fixtures.py): it needs neither
+torch nor transformers nor llama.cpp.
+
+What is not the stock converter: the tokenizer. The model's tokenizer is the byte-level
+BPE of tests/support/gguf_models.py (the GPT-2 byte alphabet, three specials and a few
+merges), trained by nobody, so the converter's check of the pre-tokenizer by the hash of
+its tokens on a fixed text finds no known one; the script names it ``gpt2`` (a plain
+byte-level split, what the tokenizer is) by replacing ``get_vocab_base_pre``. Everything
+else the converter does (tensor names, Q/K layout, metadata keys) is its own.
+
+Set-up (a venv OUTSIDE the repo's; llama.cpp's source and build as
+``python -m scripts.llama_server build`` leaves them)::
+
+    python3 -m venv /tmp/tvenv
+    /tmp/tvenv/bin/pip install torch==2.13.0          # the CPU wheel
+    /tmp/tvenv/bin/pip install transformers gguf sentencepiece safetensors   # made with 5.25.0, gguf 0.19.0
+
+Run (from the repo root)::
+
+    /tmp/tvenv/bin/python -m scripts.make_gguf_arch_fixtures            # every architecture
+    /tmp/tvenv/bin/python -m scripts.make_gguf_arch_fixtures qwen3      # just some
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "fixtures" / "gguf"
+LLAMA_CPP = Path("/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
+QUANTIZE = Path("/tmp/lcpp-build/bin/llama-quantize")
+ARCHS = ("qwen2", "qwen3", "phi3")
+TYPES = ("Q8_0", "Q4_K_M")
+NEW_TOKENS = 16
+PROMPTS = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+           [42], [7, 7, 7, 7, 260, 261, 262, 263]]
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or", "hell o"]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def write_tokenizer(folder: Path, arch: str) -> int:
+    """tests/support/gguf_models.py's vocabulary as transformers' tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = SPECIALS + list(_bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in MERGES]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(MERGES) + "\n")
+    # phi3's converter reads a GPT-2 vocabulary only when the tokenizer class says so (Phi-4's)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer" if arch == "phi3" else "PreTrainedTokenizerFast",
+        "bos_token": SPECIALS[1], "eos_token": SPECIALS[2], "pad_token": SPECIALS[0], "add_bos_token": False,
+        "model_max_length": 256}))
+    return len(tokens)
+
+
+def make_model(arch: str, folder: Path, vocab: int, seed: int):
+    """A random transformers model of ``arch``, weights about the size of a trained one's
+    relative to each other (norm weights near 1, matrices N(0, 0.1)), saved to ``folder``."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    if arch == "qwen2":
+        config = tf.Qwen2Config(**common, rope_theta=100000.0, tie_word_embeddings=True)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=False)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        config = tf.Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None,
+                               original_max_position_embeddings=256)
+        cls = tf.Phi3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "embed_tokens" in name or name == "lm_head.weight":
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def convert(folder: Path, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py (its own gguf-py) to an F32 file, the tokenizer's
+    pre-tokenizer named ``gpt2`` (see the module docstring)."""
+    runner = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(LLAMA_CPP)!r})\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', 'f32']\n"
+        "import convert_hf_to_gguf as c\n"
+        "import conversion.base as b\n"
+        "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt2'\n"
+        "c.main()\n"
+    )
+    subprocess.run([sys.executable, "-c", runner], check=True, cwd=str(LLAMA_CPP))
+
+
+def reference(gguf_path: Path) -> list[dict]:
+    """transformers' greedy ids on the GGUF file alone in its folder (its own loader: the
+    configuration from the metadata, the weights dequantized to fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    cases = []
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        margin = float("inf")
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):  # no cache: every step a whole forward pass from position 0
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                top = torch.topk(logits, 2).values
+                margin = min(margin, float(top[0] - top[1]))
+                ids.append(int(torch.argmax(logits)))
+        cases.append({"prompt_ids": prompt, "greedy_ids": ids[len(prompt):], "min_margin": margin})
+    return cases
+
+
+def build(arch: str, seed: int) -> None:
+    import gguf
+    import torch
+    import transformers
+
+    dest = OUT / arch
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        vocab = write_tokenizer(work, arch)
+        make_model(arch, work, vocab, seed)
+        f32 = work / "model.F32.gguf"
+        convert(work, f32)
+        ref = {"arch": arch, "seed": seed, "new_tokens": NEW_TOKENS,
+               "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                            "gguf": getattr(gguf, "__version__", "?"), "llama.cpp": "llama-cpp-python 0.3.36 vendor"},
+               "files": {}}
+        for qtype in TYPES:
+            name = f"model.{qtype}.gguf"
+            alone = work / qtype
+            alone.mkdir()
+            subprocess.run([str(QUANTIZE), str(f32), str(alone / name), qtype], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ref["files"][name] = reference(alone / name)
+            (dest / name).write_bytes((alone / name).read_bytes())
+            print(arch, name, (dest / name).stat().st_size, "bytes;",
+                  "min margin", min(c["min_margin"] for c in ref["files"][name]))
+    (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("archs", nargs="*", default=list(ARCHS), choices=ARCHS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for n, arch in enumerate(ARCHS):
+        if arch in args.archs:
+            build(arch, seed=50 + n)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The GGUF import's architectures beyond llama (shared/ggufimport.py, shared/gguf_gqa.py;
+docs/models.md, "Architectures"): qwen2 (Q/K/V biases), qwen3 (per-head RMSNorm of Q and
+K, a head size of its own), phi3 (fused Q|K|V and gate|up matrices, a sliding window).
+Small random files written with ``gguf.GGUFWriter`` (tests/support/gguf_models.py), in
+F32-free quantized mixes and in fp16, through both graph layouts (the with-past graph and
+the GroupQueryAttention one that ``weights = "auto"`` serves), against the numpy forward
+pass written from each architecture's definition, alone and batched; what the import does
+not compute is refused by name. No real model file, no torch, no network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.gguf_gqa import build_gqa_graph, write_gqa_graph
+from streamfleet.shared.ggufimport import context_for, import_gguf, read_gguf
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.workers.engines.onnx_gqa import OnnxGqaEngine
+from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+from tests.support.gguf_models import TinyLlama, numpy_logits, write_tiny_gguf
+
+PROMPTS = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+ARCHS = ["qwen2", "qwen3", "phi3"]
+#: what llama.cpp's converter writes for a phi3 model without LongRoPE (Phi-4's window: none)
+PHI3_KEYS = {"phi3.rope.scaling.original_context_length": 128, "phi3.attention.sliding_window": 0}
+
+
+def _model(arch: str, **kw) -> TinyLlama:
+    if arch == "qwen3":  # a head size that is not hidden / heads, as Qwen3's own
+        kw.setdefault("head_dim", 32)
+    return TinyLlama(arch=arch, **kw)
+
+
+def _write(tmp_path: Path, model: TinyLlama, name: str = "m", extra: dict | None = None) -> Path:
+    keys = dict(PHI3_KEYS) if model.arch == "phi3" else {}
+    keys.update(extra or {})
+    return write_tiny_gguf(tmp_path / f"{name}.gguf", model, arch=model.arch, extra=keys)
+
+
+def _engines(tmp_path: Path, model: TinyLlama, weights: str):
+    src = _write(tmp_path, model)
+    dest, description = import_gguf(src, tmp_path / "engines", "m", weights=weights, max_batch=8)
+    write_gqa_graph(read_gguf(src), dest, weights=weights, max_context=model.context)
+    spec = ModelRepository(tmp_path / "engines").get("m")
+    return OnnxRuntimeEngine(spec, threads=1), OnnxGqaEngine(spec, threads=1), description
+
+
+def _check(engine, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> None:
+    """All prompts prefilled together, then decode steps of all of them batched: every row
+    equals the numpy forward pass of its own sequence."""
+    seqs = {f"s{i}": list(p) for i, p in enumerate(PROMPTS)}
+    logits = engine.prefill(list(seqs.items()))
+    for step in range(steps + 1):
+        for r, (sid, ids) in enumerate(seqs.items()):
+            np.testing.assert_allclose(logits[r], numpy_logits(model, ids)[-1], atol=atol, rtol=0,
+                                       err_msg=f"{model.arch} {sid} step {step}")
+        if step == steps:
+            break
+        feed = []
+        for r, (sid, ids) in enumerate(seqs.items()):
+            ids.append(int(np.argmax(logits[r])))
+            feed.append((sid, ids[-1]))
+        logits = engine.decode(feed)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_both_graph_layouts_equal_the_numpy_forward_pass(tmp_path, arch, weights, tied):
+    model = _model(arch, seed=31, tied=tied)
+    concat, gqa, description = _engines(tmp_path, model, weights)
+    _check(concat, model)
+    _check(gqa, model)
+    gqa.close()
+    assert f"architecture  {arch}:" in description
+
+
+#: llama.cpp's Q4_K_M mix (Q6_K V, down and output layer) and an fp16/bf16 one
+MIXES = {
+    "q4_k_m": dict(qtype="Q4_K", head_qtype="Q6_K", overrides={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
+    "halves": dict(qtype="F16", head_qtype="BF16", overrides={"ffn_down": "Q8_0"}),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_quantized_mixes_equal_the_numpy_forward_pass(tmp_path, arch, mix):
+    kw = dict(MIXES[mix])
+    if arch == "qwen3":
+        kw["head_dim"] = 128  # the output projection's input (heads x head size) a multiple of 256
+    model = _model(arch, seed=32, hidden=256, intermediate=256, n_head=4, n_kv_head=2, tied=False, **kw)
+    concat, gqa, _ = _engines(tmp_path, model, "q4")
+    # logits up to about 36 in size here: fp32 rounding of sums over 256 and 512 terms
+    _check(concat, model, atol=5e-4, steps=1)
+    _check(gqa, model, atol=5e-4, steps=1)
+    gqa.close()
+
+
+def test_q4_int8act_stays_close(tmp_path):
+    for arch in ARCHS:
+        model = _model(arch, seed=33, n_layer=3)
+        (tmp_path / arch).mkdir()
+        _, gqa, _ = _engines(tmp_path / arch, model, "q4-int8act")
+        got = gqa.prefill([("a", PROMPTS[0])])[0]
+        assert np.corrcoef(got, numpy_logits(model, PROMPTS[0])[-1])[0, 1] > 0.99, arch
+        gqa.close()
+
+
+def test_qwen3s_query_scale_goes_into_its_norm_not_its_rows(tmp_path):
+    # head size 64: 1/8 folded; the Q norm would undo a scale on the rows
+    model = _model("qwen3", seed=34, head_dim=64)
+    _, gqa, _ = _engines(tmp_path, model, "q4")
+    _check(gqa, model, steps=1)
+    gqa.close()
+
+
+def test_phi3s_sliding_window_caps_the_context(tmp_path):
+    model = _model("phi3", seed=35, context=128)
+    src = _write(tmp_path, model, extra={"phi3.attention.sliding_window": 32})
+    m = read_gguf(src)
+    assert m.window == 32
+    ctx, note = context_for(m, None)
+    assert ctx == 32 and "sliding window" in note
+    assert context_for(m, 100)[0] == 32 and context_for(m, 16)[0] == 16
+    with pytest.raises(FatalError, match="beyond the sliding window of 32 tokens"):
+        build_gqa_graph(m, "fp32", max_positions=100)
+    dest, description = import_gguf(src, tmp_path / "engines", "w", weights="fp32")
+    assert "max_context = 32" in (dest / "engine.toml").read_text()
+    assert "sliding window 32 tokens" in description
+
+
+@pytest.mark.parametrize("arch, case, expect", [
+    ("gemma2", {}, "architecture 'gemma2' is not supported"),
+    ("gemma3", {}, "architecture 'gemma3' is not supported"),
+    ("qwen2", {"extra": {"qwen2.rope.scaling.type": "yarn"}}, "qwen2.rope.scaling.type"),
+    ("qwen3", {"extra": {"qwen3.rope.scaling.factor": 4.0}}, "qwen3.rope.scaling.factor"),
+    ("qwen2", {"extra": {"qwen2.attention.sliding_window": 64}}, "qwen2.attention.sliding_window"),
+    ("phi3", {"extra": {"phi3.rope.scaling.attn_factor": 1.2}}, "phi3.rope.scaling.attn_factor"),
+    ("phi3", {"extra_tensors": {"rope_factors_long.weight": np.ones(8)}}, "rope_factors_long.weight"),
+    ("qwen3", {"extra_tensors": {"blk.0.attn_q.bias": np.zeros(128)}}, "blk.0.attn_q.bias"),
+])
+def test_what_an_architecture_does_not_compute_is_refused_by_name(tmp_path, arch, case, expect):
+    model = _model(arch if arch in ARCHS else "llama", seed=36, n_layer=1)
+    extra = dict(PHI3_KEYS) if arch == "phi3" else {}
+    extra.update(case.get("extra", {}))
+    src = write_tiny_gguf(tmp_path / "m.gguf", model, arch=arch, extra=extra,
+                          extra_tensors=case.get("extra_tensors"))
+    with pytest.raises(FatalError, match=expect):
+        read_gguf(src)
+
+
+def test_a_missing_bias_or_norm_is_refused_by_name(tmp_path):
+    model = _model("qwen2", seed=37, n_layer=1)
+    del model.tensors["blk.0.attn_k.bias"]
+    with pytest.raises(FatalError, match="tensor blk.0.attn_k.bias is missing"):
+        read_gguf(write_tiny_gguf(tmp_path / "a.gguf", model, arch="qwen2"))
+    model = _model("qwen3", seed=37, n_layer=1)
+    del model.tensors["blk.0.attn_q_norm.weight"]
+    with pytest.raises(FatalError, match="tensor blk.0.attn_q_norm.weight is missing"):
+        read_gguf(write_tiny_gguf(tmp_path / "b.gguf", model, arch="qwen3"))
