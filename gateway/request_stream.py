@@ -21,6 +21,9 @@ wire's (``shared.schema``), which every protocol adapter (``gateway/ws.py``,
 
 The stream adds no event types of its own: what it adds is guarantees (exactly once, in
 order, complete; ``RequestStream`` lists them) and the ends the gateway decides itself.
+It also takes one it never yields: ``StartedEvent(request_id, prefilled, prompt_tokens)``,
+a worker took the request and computes its prompt, after which the request runs under the
+rules of a running one (its stall limit), no longer under its queue deadline.
 
 A gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
 stream first replays the log from the client's index, then is followed live. Who feeds
@@ -39,8 +42,8 @@ from typing import Awaitable, Callable
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import (PROGRESS, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent, TokenEvent,
-                                       TranscriptEvent)
+from streamfleet.shared.schema import (PROGRESS, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent,
+                                       StartedEvent, TokenEvent, TranscriptEvent)
 
 __all__ = ["TICK", "Tick", "RequestStream", "LogReader"]
 
@@ -115,7 +118,8 @@ class RequestStream:
         request_id: the fleet-wide id.
         client_id: the id the client chose.
         prompt_tokens: for a locally decided end (``end_cancelled``; 0 when unknown, as for a resume).
-        deadline: unix time after which a request that has not started fails with ``timeout``.
+        deadline: unix time after which a request that has not started (no worker said it
+            took it: ``StartedEvent``, or sent anything else) fails with ``timeout``.
         log_reader: ``await log_reader(after_entry_id, block_ms)`` reads the request's log.
         resumed: the stream continues a request submitted elsewhere (it replays the log
             first, and its client does not own the generation's life).
@@ -148,7 +152,7 @@ class RequestStream:
         #: the gateway ended the stream itself (``fail``, ``end_cancelled``), not a worker's
         #: ``done`` or ``error``: the worker may still be running the request
         self.ended_here = False
-        self.started = False  # any event seen (tokens or end)
+        self.started = False  # any event seen (a worker's StartedEvent, tokens or end)
         self.duplicates_dropped = 0
         self.gaps_repaired = 0
         self.gaps_skipped = 0
@@ -183,6 +187,8 @@ class RequestStream:
             return
         self.started = True
         self._last_event = time.monotonic()
+        if type(ev) is StartedEvent:
+            return  # a worker computes its prompt: no more a queue deadline (nothing to yield)
         if isinstance(ev, PROGRESS):
             if ev.index < self.next_index or ev.index in self._ahead:
                 if not from_log:
@@ -418,9 +424,9 @@ class RequestStream:
             if ev is not None:
                 return ev
             if not self.started:
-                if self.resumed:
-                    await self._read_log()
-                if self._queue.empty() and time.time() > self.deadline + CANCEL_GRACE_S:
+                if self.resumed or time.time() > self.deadline + CANCEL_GRACE_S:
+                    await self._read_log()  # (a worker's StartedEvent, lost by pub/sub, is there)
+                if not self.started and self._queue.empty() and time.time() > self.deadline + CANCEL_GRACE_S:
                     self.fail(GenerationError("the request timed out waiting in the queue", code=ErrorCode.timeout))
             else:  # silence: pub/sub may have lost a message; the log has it
                 await self._read_log()

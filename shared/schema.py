@@ -2,7 +2,8 @@
 
 * ``Task``            gateway → worker, one entry (field ``task``) in a lane stream
 * ``EmbedTask``       gateway → worker, as ``Task``: an embedding model's inputs (token ids)
-* ``TokenEvent``,
+* ``StartedEvent``,
+  ``TokenEvent``,
   ``PromptEvent``,
   ``EmbeddingEvent``,
   ``DoneEvent``,
@@ -60,6 +61,7 @@ __all__ = [
     "EmbedTask",
     "AnyTask",
     "decode_task",
+    "StartedEvent",
     "TokenEvent",
     "PromptEvent",
     "DoneEvent",
@@ -401,6 +403,25 @@ def decode_task(raw: bytes | str) -> AnyTask:
 
 
 @dataclass(slots=True)
+class StartedEvent:
+    """A worker took the request and is computing its prompt: sent when the step that
+    started it did not give its first token (a prompt fed in chunks, or waiting for the
+    same prompt's prefill), and again while the prompt is still being fed (every
+    ``workers.core.ANNOUNCE_EVERY_S``). From it on the gateway runs the request under the
+    rules of a running one, not its queue deadline (docs/admission.md, "Queue
+    deadlines"). Never delivered to a client. ``prefilled`` of ``prompt_tokens`` prompt
+    tokens are in the worker's cache (its prefix cache's included).
+
+    A gateway older than this event drops the message that carries it (an unknown type),
+    so a worker publishes it in a message of its own (``workers.publisher``)."""
+
+    request_id: str
+    prefilled: int = 0
+    prompt_tokens: int = 0
+    type: str = "started"
+
+
+@dataclass(slots=True)
 class TokenEvent:
     request_id: str
     index: int  # completion-token index, from 0
@@ -522,14 +543,15 @@ class ErrorEvent:
         return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
-Event = Union[TokenEvent, PromptEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
+Event = Union[StartedEvent, TokenEvent, PromptEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
 #: the events that carry a request's output, indexed from 0 (delivered once each, in order)
 PROGRESS = (TokenEvent, TranscriptEvent, EmbeddingEvent)
 #: the events that end a request: exactly one, last
 ENDS = (DoneEvent, ErrorEvent)
 
-_EVENT_TYPES: dict[str, type] = {"token": TokenEvent, "prompt": PromptEvent, "transcript": TranscriptEvent,
-                                  "embedding": EmbeddingEvent, "done": DoneEvent, "error": ErrorEvent}
+_EVENT_TYPES: dict[str, type] = {"started": StartedEvent, "token": TokenEvent, "prompt": PromptEvent,
+                                  "transcript": TranscriptEvent, "embedding": EmbeddingEvent, "done": DoneEvent,
+                                  "error": ErrorEvent}
 
 
 def event_from_dict(d: dict[str, Any]) -> Event:
@@ -816,6 +838,13 @@ class Heartbeat:
     #: or pinned: shared/execution.py) and why, in a line; "" for models without one
     execution: str = ""
     execution_why: str = ""
+    #: a text model's step target (``SF_STEP_TARGET_MS``; 0: none) and the step costs it
+    #: learned (``workers.stepcost.StepCosts.describe``: ms a step, a prompt fed, a prompt
+    #: token, a prompt token per 1,000 positions before it, a sequence decoded, 1,000
+    #: positions of cache read; the steps timed) with ``chunk``, the prompt tokens its
+    #: last prefill step took; absent for other models
+    step_target_ms: float = 0.0
+    step_costs: dict[str, float] = field(default_factory=dict)
     worker_id: str = ""
 
     def encode(self) -> bytes:
@@ -823,6 +852,8 @@ class Heartbeat:
         del d["worker_id"]
         if not self.execution:
             del d["execution"], d["execution_why"]
+        if not self.step_costs:
+            del d["step_target_ms"], d["step_costs"]
         if not self.cache_blocks and not self.cache_bytes and not self.cache_hit_rate:
             for name in ("cache_blocks", "cache_bytes", "cache_hit_rate"):
                 del d[name]
@@ -852,12 +883,20 @@ class Heartbeat:
                        cache_bytes=int(d.get("cache_bytes", 0)), cache_hit_rate=float(d.get("cache_hit_rate", 0.0)),
                        step_ms=float(d.get("step_ms", 0.0)), shared_used=int(d.get("shared_used", -1)),
                        execution=str(d.get("execution", ""))[:64], execution_why=str(d.get("execution_why", ""))[:1000],
+                       step_target_ms=float(d.get("step_target_ms", 0.0)), step_costs=_costs(d.get("step_costs")),
                        worker_id=wid)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed heartbeat: {exc}") from exc
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.heartbeat)
+
+
+def _costs(v: object) -> dict[str, float]:
+    """A heartbeat's ``step_costs``: names to numbers (at most 16; anything else left out)."""
+    if not isinstance(v, dict):
+        return {}
+    return {str(k)[:32]: float(x) for k, x in list(v.items())[:16] if is_number(x)}
 
 
 def live_workers(raw: dict, ttl_s: float, now: float) -> list[Heartbeat]:

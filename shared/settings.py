@@ -321,6 +321,12 @@ class WorkerSettings(CommonSettings):
     #: first, then chunks of the prompts being prefilled (docs/scheduling.md, "Chunked
     #: prefill"); 0 = no limit (a prompt is prefilled in one step)
     max_step_tokens: int = Field(256, ge=0)
+    #: the time one step should take, in ms: the prompts being prefilled get what the
+    #: running sequences' decodes leave of it, by the costs the worker learns from its own
+    #: steps (docs/scheduling.md, "Chunked prefill"); ``max_step_tokens`` stays the
+    #: ceiling. It bounds how long a running stream waits for its next token while a long
+    #: prompt goes in. 0 = no time budget (the token ceiling alone)
+    step_target_ms: float = Field(100.0, ge=0)
     #: ms a request sent to one worker for its cached prefix (prefix-aware routing) waits
     #: there before any idle worker of the model may take it
     affinity_wait_ms: int = Field(250, ge=0)

@@ -125,6 +125,10 @@ class WorkerStatus:
     #: the execution mode its engine runs and why (shared/execution.py); None: not said
     execution: str | None = None
     execution_why: str | None = None
+    #: a text model's step target in ms (``SF_STEP_TARGET_MS``; 0: none) and the step costs
+    #: it learned (``shared.schema.Heartbeat.step_costs``); None: not said
+    step_target_ms: float | None = None
+    step_costs: dict[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -293,7 +297,8 @@ def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerS
             heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s,
             **({"cache_blocks": hb.cache_blocks, "cache_bytes": hb.cache_bytes, "cache_hit_rate": hb.cache_hit_rate}
                if hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate else {}),
-            **({"execution": hb.execution, "execution_why": hb.execution_why} if hb.execution else {})))
+            **({"execution": hb.execution, "execution_why": hb.execution_why} if hb.execution else {}),
+            **({"step_target_ms": hb.step_target_ms, "step_costs": hb.step_costs} if hb.step_costs else {})))
     return out
 
 
@@ -430,6 +435,19 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int], indent: s
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def step_costs_line(target_ms: float, costs: dict[str, float]) -> str:
+    """A worker's step target and learned costs, in a line (docs/status.md)."""
+    c = costs.get
+    target = f"target {target_ms:g} ms" if target_ms else "no target (SF_STEP_TARGET_MS 0)"
+    steps = int(c("steps", 0))
+    if not steps:
+        return f"{target}; no step timed yet"
+    return (f"{target}; learned over {steps} steps: {c('base_ms', 0):.1f} ms a step"
+            f" + {c('seq_ms', 0):.2f} ms a decoding sequence + {c('kpos_ms', 0):.2f} ms per 1k positions of cache"
+            f" + {c('chunk_ms', 0):.1f} ms a prompt chunk + {c('token_ms', 0):.3f} ms a prompt token"
+            f" (+{c('token_kpos_ms', 0):.3f} per 1k positions before it); last chunk {int(c('chunk', 0))} tokens")
+
+
 def render(st: FleetStatus) -> str:
     """The snapshot as a plain-text report."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.time))
@@ -503,6 +521,10 @@ def render(st: FleetStatus) -> str:
             for (mode, why), ids in modes.items():
                 who = "every worker" if len(ids) == len(m.workers) else ", ".join(ids)
                 lines.append(f"  execution ({who}): {mode}: {why}")
+            # each text worker's step target and the step costs it learned (workers/stepcost.py)
+            for w in m.workers:
+                if w.step_costs:
+                    lines.append(f"  steps ({w.id}): {step_costs_line(w.step_target_ms or 0.0, w.step_costs)}")
         else:
             lines.append("  workers: none registered")
         if m.dead_latest:

@@ -57,6 +57,9 @@ class Sequence:
     #: the llguidance matcher of a constrained output (``SamplingParams.grammar``),
     #: created by its first step
     matcher: object = None
+    #: unix seconds when the worker last said it is computing its prompt (a
+    #: ``StartedEvent``; None: not yet)
+    announced_at: float | None = None
 
     @property
     def request_id(self) -> str:

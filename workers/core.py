@@ -20,6 +20,11 @@ Stream invariants, per request:
   TokenEvent (or its DoneEvent): its prompt is computed whole, never taken from the
   prefix cache or another sequence, chunk by chunk, each chunk's logits reduced at once
   to what was asked (``_score``), so memory stays bounded by one chunk.
+* A request whose first token does not come out of the step that started it (its prompt
+  goes in over several steps, or it waits for another sequence's prefill of the same
+  prompt) gets a ``StartedEvent`` in that step, and another every ``ANNOUNCE_EVERY_S``
+  while its prompt is still being fed, all before its first TokenEvent: the worker took
+  it (docs/admission.md, "Queue deadlines"). They carry no index and reach no client.
 * ``max_tokens`` 0 (the OpenAI door's ``echo`` of a prompt alone): nothing is generated;
   the request ends with ``length`` once its prompt's log probabilities are out, or at
   once when it asked for none.
@@ -39,16 +44,17 @@ import numpy as np
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
-from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent, Task,
-                                       TokenEvent, sampling_problem)
+from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent,
+                                       StartedEvent, Task, TokenEvent, sampling_problem)
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
 from streamfleet.workers.logits import Logprobs, Penalties, TokenTable, process
 from streamfleet.workers.replykeep import ReplyKeeper
 from streamfleet.workers.sampling import Sampler
+from streamfleet.workers.stepcost import StepCosts, StepShape
 
-__all__ = ["WorkerCore", "StepOutput"]
+__all__ = ["WorkerCore", "StepOutput", "ANNOUNCE_EVERY_S"]
 
 log = get_logger("worker.core")
 
@@ -61,6 +67,10 @@ _PROMPT_CHUNK = 256
 #: ... and of at most this many logits (a chunk's logits are ``[tokens, vocab]`` floats:
 #: 64 MiB; 256 tokens of a 49,152-token vocabulary take 48)
 _PROMPT_LOGITS = 1 << 24
+#: a sequence whose prompt is still being fed says so (``StartedEvent``) again after this
+#: many seconds: its gateway ends a started request that stays silent for 60 s
+#: (``gateway.request_stream``, its stall limit)
+ANNOUNCE_EVERY_S = 10.0
 
 
 @dataclass(slots=True)
@@ -141,6 +151,11 @@ class WorkerCore:
             prompt in chunks (``start``/``extend``): decodes first, then chunks of the
             prompts being prefilled, oldest first (docs/scheduling.md, "Chunked
             prefill"); 0: no limit.
+        step_target_ms: the time a step should take: the prompts being fed get what the
+            step's decodes leave of it, by the costs the core learns from its own steps
+            (``workers/stepcost.py``; ``max_step_tokens`` stays the ceiling); 0: no time
+            budget (the costs are learned all the same, for the heartbeat).
+        timer: monotonic seconds, to time the steps by (a test's fake clock).
     """
 
     def __init__(
@@ -152,9 +167,19 @@ class WorkerCore:
         clock: Callable[[], float] = time.time,
         grammar_limits: GrammarLimits = DEFAULT_LIMITS,
         max_step_tokens: int = 0,
+        step_target_ms: float = 0.0,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.engine = engine
         self.max_step_tokens = max(0, int(max_step_tokens))
+        #: the time a step should take, in seconds (0: no time budget)
+        self.step_target_s = max(0.0, float(step_target_ms)) / 1000.0
+        #: what this core's steps cost (per model version, engine and execution mode)
+        self.costs = StepCosts()
+        #: prompt tokens the last step that fed any fed (for the heartbeat)
+        self.last_chunk = 0
+        self._timer = timer
+        self._warm = False  # a step ran the engine (the first one, its allocations included, is not learned)
         #: the engine takes prompts in chunks (and from its prefix cache, when it has one)
         self._chunked = callable(getattr(engine, "start", None)) and callable(getattr(engine, "extend", None))
         #: finished replies whose blocks the prefix cache lacks, computed while idle
@@ -377,7 +402,23 @@ class WorkerCore:
     def step(self) -> StepOutput:
         """One continuous-batching step: drop cancelled sequences, prefill the new
         ones (their token 0), decode the running ones (one token each), sample,
-        detokenize, and end the sequences that finished."""
+        detokenize, and end the sequences that finished. The step is timed, and what
+        it cost teaches the core its costs (``costs``)."""
+        t0 = self._timer()
+        shape = StepShape()
+        out, timed = self._step(shape)
+        if timed and out.batch_size:
+            if self._warm:
+                self.costs.observe(shape, self._timer() - t0)
+            self._warm = True
+        if shape.tokens:
+            self.last_chunk = shape.tokens
+        return out
+
+    def _step(self, shape: StepShape) -> tuple[StepOutput, bool]:
+        """The step; ``shape`` is filled in with what it puts through the engine. Returns
+        its output and whether its time tells the costs anything (not when a prompt's
+        log probabilities were computed: their chunks cost what no other step does)."""
         out = StepOutput()
         with self._lock:
             rejected, self._rejected = self._rejected, []
@@ -400,7 +441,7 @@ class WorkerCore:
             decode = [seq for seq in plan.decode if seq.decoding]
             forked, forked_logits = self._start(new, out)
             owed, self._decode_owed = self._decode_owed and bool(decode), False
-            chunks = [] if owed else self._chunks(len(decode))
+            chunks = [] if owed else self._chunks(decode)
             finishing = {id(seq) for seq, n in chunks if n == len(seq.pending)}
             if finishing and decode:
                 # a prompt is all in: its first token goes out now, and the running
@@ -408,6 +449,8 @@ class WorkerCore:
                 # "Chunked prefill"): their gap stays a chunk and a decode, and the first
                 # token does not wait for a decode of everything else
                 decode, self._decode_owed = [], True
+            for seq, n in chunks:
+                shape.chunk(self._fed_so_far(seq), n)
             followers = [f for f, leader in self._leader_of.items() if id(leader) in finishing]
             sampling = [*forked, *(seq for seq, n in chunks if id(seq) in finishing),
                         *(seq for seq in new if seq.request_id in followers), *decode]
@@ -415,6 +458,11 @@ class WorkerCore:
         else:
             decode, sampling = plan.decode, [*new, *plan.decode]
             out.batch_size = len(new) + len(plan.decode)
+            for seq in new:
+                shape.chunk(0, seq.prompt_len + len(seq.generated))
+        for seq in decode:
+            shape.decode(seq.prompt_len + len(seq.generated))
+        timed = not (self._chunked and any(seq.prompt_logprobs is not None for seq, _ in chunks))
         # the constrained sequences' token masks are computed while the engine runs (both
         # leave the GIL): only what the engine call did not cover waits
         constrained = [seq for seq in sampling if seq.matcher is not None]
@@ -470,7 +518,9 @@ class WorkerCore:
                     log.exception("sampling/detokenizing failed", request_id=seq.request_id,
                                   trace_id=seq.task.trace_id)
                     self._fail(seq, ErrorCode.internal, f"generation failed: {type(exc).__name__}", out)
-        return out
+        if self._chunked:
+            self._announce(out)
+        return out, timed
 
     def _nothing_to_generate(self, seq: Sequence, out: StepOutput) -> bool:
         """End a new sequence of ``max_tokens`` 0 that asks nothing of its prompt (the OpenAI
@@ -723,11 +773,28 @@ class WorkerCore:
                 out.cached_tokens += int(n)
             return
 
-    def _chunks(self, decodes: int) -> list[tuple[Sequence, int]]:
-        """How many tokens of each prompt being fed go through the engine this step:
-        within ``max_step_tokens`` less the step's decodes, oldest prompt first; the
-        oldest always moves by at least ``_MIN_CHUNK`` tokens, however many decodes."""
-        budget = self.max_step_tokens - decodes if self.max_step_tokens else None
+    def _chunks(self, decode: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """How many tokens of each prompt being fed go through the engine this step,
+        oldest prompt first: within ``max_step_tokens`` less the step's decodes, and,
+        with a step target, within the time the target leaves once the decodes are
+        paid for, by the learned costs (a later chunk of a long prompt costs more a
+        token than an early one: ``workers/stepcost.py``), and no more than twice the
+        most tokens of any step timed so far (``StepCosts.most_tokens``). The oldest
+        always moves by at least ``_MIN_CHUNK`` tokens, however many decodes, and its
+        tokens get at least as long as the rest of the step takes (its decodes, the
+        step's and the chunk's overhead): where the target leaves less, the step runs
+        over it, or a slow machine's or a full batch's prompts would go in at a fraction
+        of their speed (docs/scheduling.md, "A step budget in time")."""
+        budget = self.max_step_tokens - len(decode) if self.max_step_tokens else None
+        room: float | None = None  # seconds of the step target left for prompts
+        if self.step_target_s and self._feeding:
+            decodes = StepShape()
+            for seq in decode:
+                decodes.decode(seq.prompt_len + len(seq.generated))
+            fixed = self.costs.predict(decodes)
+            room = self.step_target_s * (1.0 - self.costs.margin) - fixed
+            most = self.costs.most_tokens()
+            budget = most if budget is None else min(budget, most)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._feeding.values():
             need = len(seq.pending)
@@ -745,6 +812,16 @@ class WorkerCore:
                 take = min(need, _MIN_CHUNK, cap)
             else:
                 take = min(need, budget, cap)
+            if room is not None:
+                at = self._fed_so_far(seq)
+                if not chunks:
+                    room = max(room, fixed + 2 * self.costs.overhead(at))
+                fits = self.costs.fit(at, take, room)
+                if fits < take:
+                    take = fits if chunks else max(fits, min(need, _MIN_CHUNK, cap))
+                    if take <= 0:
+                        break
+                room -= self.costs.chunk_cost(at, take)
             # never a chunk of one token, nor one left for later: ONNX Runtime computes a
             # one-token run with one-row kernels whose last bits differ from a prefill's,
             # and a prompt must get the same bits however it is cut (docs/scheduling.md)
@@ -757,6 +834,33 @@ class WorkerCore:
             chunks.append((seq, take))
             budget -= take
         return chunks
+
+    @staticmethod
+    def _fed_so_far(seq: Sequence) -> int:
+        """Prompt (+ replay) tokens of ``seq`` the engine holds: where its next chunk starts."""
+        if seq.pending is None:
+            return 0 if not seq.prefilled else seq.prompt_len + len(seq.generated)
+        return seq.prompt_len + len(seq.generated) - len(seq.pending)
+
+    def _announce(self, out: StepOutput) -> None:
+        """Say that the sequences still waiting for their first token have started (a
+        ``StartedEvent``: the gateway stops counting their queue deadline), once, and
+        again every ``ANNOUNCE_EVERY_S`` while their prompt is still being fed; a
+        sequence that had an event this step (a ``PromptEvent``) needs none."""
+        waiting = [*self._feeding.values(), *filter(None, map(self._sched.get, self._leader_of))]
+        if not waiting:
+            return
+        now = self._clock()
+        spoke: set[str] | None = None
+        for seq in waiting:
+            if seq.cancelled or (seq.announced_at is not None and now - seq.announced_at < ANNOUNCE_EVERY_S):
+                continue
+            if spoke is None:
+                spoke = {ev.request_id for _, ev in out.events}
+            seq.announced_at = now
+            if seq.request_id not in spoke:
+                out.events.append((seq.task.reply_to, StartedEvent(
+                    seq.request_id, self._fed_so_far(seq), seq.prompt_len + len(seq.generated))))
 
     def _feed(self, chunks: list[tuple[Sequence, int]], out: StepOutput
               ) -> tuple[list[Sequence], np.ndarray | None]:

@@ -194,7 +194,8 @@ class WorkerProcess:
         max_batch = self.settings.max_batch or spec.max_batch
         return VersionedCore(spec.version, WorkerCore(engine, tokenizer, max_batch=max_batch,
                                                      grammar_limits=self.settings.grammar_limits(),
-                                                     max_step_tokens=self.settings.max_step_tokens))
+                                                     max_step_tokens=self.settings.max_step_tokens,
+                                                     step_target_ms=self.settings.step_target_ms))
 
     async def _load_async(self, version: str | None) -> VersionedCore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._load, version)
@@ -643,7 +644,17 @@ class WorkerProcess:
                          if st is not None and st.requested_tokens else 0.0,
                          step_ms=round(max(self._steps_ms, default=0.0), 1),
                          shared_used=sum(1 for fl in self.table.running.values() if not split_source(fl.lane)[1]),
-                         execution=self._execution[0], execution_why=self._execution[1])
+                         execution=self._execution[0], execution_why=self._execution[1], **self._step_costs())
+
+    def _step_costs(self) -> dict:
+        """The heartbeat's step target and learned step costs (a text model's core; the
+        current version's), and the prompt tokens its last prefill step took."""
+        core = self.cores.current.core
+        costs = getattr(core, "costs", None)
+        if costs is None:
+            return {}
+        return {"step_target_ms": round(core.step_target_s * 1000.0, 1),
+                "step_costs": costs.describe() | {"chunk": float(core.last_chunk)}}
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)

@@ -30,8 +30,8 @@ from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import (ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, PromptEvent, TokenEvent,
-                                       encode_events)
+from streamfleet.shared.schema import (ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, PromptEvent, StartedEvent,
+                                       TokenEvent, encode_events)
 
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -91,24 +91,34 @@ class Publisher(Part):
         request ids it carries there, and each ack's to ``(request id, InFlight, outcome)``."""
         by_channel: dict[str, list[Event]] = defaultdict(list)
         rids_by_channel: dict[str, set[str]] = defaultdict(set)
+        # ``StartedEvent``s go in a message of their own: a gateway older than them drops
+        # a message with a type it does not know, and the tokens beside them with it
+        started: dict[str, list[Event]] = {}
         for reply_to, ev in out.events:
             if isinstance(ev, DoneEvent):
                 ev.model_version = version
             for ch in self.table.channels(reply_to, ev.request_id):
-                by_channel[ch].append(ev)
+                if type(ev) is StartedEvent:
+                    started.setdefault(ch, []).append(ev)
+                else:
+                    by_channel[ch].append(ev)
                 rids_by_channel[ch].add(ev.request_id)
-        channels = list(by_channel)
+        channels = list(rids_by_channel)
         acked = [(rid, fl) for rid in out.finished if (fl := self.table.get(rid)) is not None]
         self.log_events(batch, [ev for _, ev in out.events], out.token_ids)
-        first_publish = len(batch)
         keys = self.keys
         # on a cluster a request's log shares its connection's shard (shared/keys.py), so its
         # publish goes out in the same pipeline as its log entries; a follower's channel on
         # another shard, and the ack on the lanes' shard, wait for them (RawBatch, "after").
         # One server runs the batch in order: no list of keys to build per step.
         cluster = keys.cluster
-        for ch in channels:
-            i = batch.add(keys.publish, keys.reply(ch), encode_events(by_channel[ch]),
+        for ch, evs in started.items():  # beside other events: a message before theirs
+            if ch in by_channel:
+                batch.add(keys.publish, keys.reply(ch), encode_events(evs),
+                          after=[keys.log(ev.request_id) for ev in evs] if cluster else ())
+        first_publish = len(batch)
+        for ch in channels:  # one message a channel: its reply counts the listeners (``_check_heard``)
+            i = batch.add(keys.publish, keys.reply(ch), encode_events(by_channel.get(ch) or started[ch]),
                           after=[keys.log(rid) for rid in rids_by_channel[ch]] if cluster else ())
             if tags is not None:
                 tags[i] = rids_by_channel[ch]
@@ -251,7 +261,7 @@ class Publisher(Part):
             key = self.keys.log(ev.request_id)
             tid = ids.get((ev.request_id, ev.index)) if isinstance(ev, TokenEvent) else None
             batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", *LogEntry(ev, tid).fields())
-            if isinstance(ev, ENDS) or type(ev) is PromptEvent or ev.index % 64 == 0:
+            if isinstance(ev, ENDS) or type(ev) in (PromptEvent, StartedEvent) or ev.index % 64 == 0:
                 batch.add(b"EXPIRE", key, ttl)
             if isinstance(ev, ENDS):  # the request's record lives as long as its log
                 batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, PromptEvent, SamplingParams, Task, TokenEvent
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, PromptEvent, SamplingParams, StartedEvent, Task, TokenEvent
 from streamfleet.workers.core import StepOutput, WorkerCore
 from streamfleet.workers.engines.base import Engine, SequenceError
 
@@ -130,6 +130,59 @@ class Clock:
         return self.t
 
 
+class TimedToyEngine(ToyEngine):
+    """The toy model taking prompts in chunks (``start``/``extend``), each call moving a
+    fake ``Clock`` on by what it would cost on a CPU like the one docs/scheduling.md
+    measures (SmolLM2-135M on two cores), times ``slow``, each call within ``jitter`` of
+    that (seeded): a call's overhead (``call_ms``; a machine whose cores other processes
+    take makes each call's threads wait for each other), then per prompt fed a cost per
+    token that grows with the positions before it, and per sequence a cost for the cache
+    it reads."""
+
+    def __init__(self, clock: Clock, *, slow: float = 1.0, jitter: float = 0.1, seed: int = 0,
+                 call_ms: float = 5.0, **kw) -> None:
+        super().__init__(**kw)
+        self.clock = clock
+        self.call_ms = call_ms
+        self.slow = slow
+        self.jitter = jitter
+        self.rng = np.random.default_rng(seed)
+        self.extended: list[list[tuple[int, int]]] = []  # each extend call's (position, tokens)
+
+    def _spend(self, ms: float) -> None:
+        self.clock.t += ms * self.slow * (1.0 + self.jitter * self.rng.uniform(-1.0, 1.0)) / 1000.0
+
+    def start(self, seqs, *, from_cache: bool = True):
+        for sid, prompt in seqs:
+            if sid in self.seqs or not prompt or len(prompt) > self.max_context:
+                raise ContractViolation(f"bad start of {sid}")
+            self.seqs[sid] = (len(prompt), [])
+        return [0] * len(seqs)
+
+    def extend(self, seqs):
+        ids = [s for s, _ in seqs]
+        self.calls.append(("extend", ids))
+        self._check_fail(ids)
+        ms, rows, call = self.call_ms, [], []
+        for sid, chunk in seqs:
+            plen, tokens = self.seqs[sid]
+            if not chunk or len(tokens) + len(chunk) > plen:
+                raise ContractViolation(f"bad extend of {sid}")
+            p, n = len(tokens), len(chunk)
+            call.append((p, n))
+            ms += 0.72 * n + 0.21e-3 * (n * p + n * (n + 1) / 2) + 4.6e-3 * p
+            tokens.extend(chunk)
+            rows.append(self._row(plen, tokens) if len(tokens) == plen else np.zeros(VOCAB, np.float32))
+        self.extended.append(call)
+        self._spend(ms)
+        return self._out(rows)
+
+    def decode(self, seqs):
+        out = super().decode(seqs)
+        self._spend(self.call_ms - 1.0 + sum(3.0 + 2.4e-3 * len(self.seqs[sid][1]) for sid, _ in seqs))
+        return out
+
+
 def task(rid: str, prompt, *, max_tokens=16, stop=(), temperature=0.0, seed=0, created_at=1000.0,
          deadline=None, reply_to="c1", logprobs=None, prompt_logprobs=None):
     ids = ByteTokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -187,6 +240,10 @@ class Log:
             assert e.start == at and e.logprobs, evs
             at += len(e.logprobs)
         evs = evs[len(prompt):]
+        # the worker's word that it took the request, before any token (none once it spoke)
+        started = [e for e in evs if isinstance(e, StartedEvent)]
+        assert evs[:len(started)] == started, evs
+        evs = evs[len(started):]
         *toks, last = evs
         assert all(isinstance(e, TokenEvent) for e in toks), evs
         assert [e.index for e in toks] == list(range(len(toks))), evs

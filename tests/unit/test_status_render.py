@@ -68,3 +68,33 @@ def test_a_heartbeat_carries_the_execution_mode_only_when_there_is_one():
     back = Heartbeat.decode(hb.encode(), "w1")
     assert (back.execution, back.execution_why, back.worker_id) == ("q4-int8act", "fastest", "w1")
     assert b"execution" not in Heartbeat(heartbeat=1.0).encode()
+
+
+def test_each_text_workers_step_target_and_learned_costs_are_shown():
+    """A worker's heartbeat carries its step target and the step costs it learned
+    (workers/stepcost.py); status shows them in a line per worker, and in its JSON."""
+    from streamfleet.shared.schema import Heartbeat
+    from streamfleet.workers.stepcost import StepCosts, StepShape
+
+    costs = StepCosts()
+    for n in range(20):
+        s = StepShape()
+        s.chunk(100 * n, 32 + n)
+        s.decode(200)
+        costs.observe(s, 0.01 + 0.0007 * (32 + n) + 0.002)
+    hb = Heartbeat(heartbeat=1.0, step_target_ms=100.0, step_costs=costs.describe() | {"chunk": 51.0})
+    back = Heartbeat.decode(hb.encode(), "w1")
+    assert back.step_target_ms == 100.0 and back.step_costs == hb.step_costs and back.step_costs["steps"] == 20
+    assert b"step_costs" not in Heartbeat(heartbeat=1.0).encode()
+    assert Heartbeat.decode(b'{"heartbeat": 1, "step_costs": {"token_ms": "x", "seq_ms": 2}}').step_costs == \
+        {"seq_ms": 2.0}
+
+    chat = _model("chat", "text", 40.0, 16)
+    chat.workers[0].step_target_ms, chat.workers[0].step_costs = back.step_target_ms, back.step_costs
+    st = FleetStatus(redis_url="redis://127.0.0.1:6379/0", key_prefix="sf", time=0.0, redis_version="7.2",
+                     gateways=[], cancel_listeners=0, worker_ttl_s=10.0, models=[chat])
+    text = __import__("streamfleet.status", fromlist=["render"]).render(st)
+    [line] = [ln for ln in text.splitlines() if ln.startswith("  steps (w-chat): ")]
+    assert "target 100 ms; learned over 20 steps:" in line and "ms a prompt token" in line
+    assert line.endswith("last chunk 51 tokens")
+    assert st.to_dict()["models"][0]["workers"][0]["step_costs"]["chunk"] == 51.0

@@ -7,7 +7,8 @@ import time
 
 
 from streamfleet.shared.errors import UnavailableError, ValidationError
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent, decode_events, encode_event, encode_events
+from streamfleet.shared.schema import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, decode_events, encode_event,
+                                       encode_events)
 
 from streamfleet.gateway.request_stream import TICK, RequestStream
 
@@ -217,6 +218,42 @@ async def test_queued_request_times_out_at_its_deadline(monkeypatch):
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
     assert isinstance(evs[0], ErrorEvent) and evs[0].code == "timeout"
+
+
+async def test_a_request_its_worker_took_runs_past_its_queue_deadline(monkeypatch):
+    """A worker's ``StartedEvent`` (it computes the prompt) ends the queue deadline: the
+    request then runs under the running rules (its stall limit), and nothing is yielded
+    for it; the word found only in the log at the deadline counts as well."""
+    monkeypatch.setattr("streamfleet.gateway.request_stream.CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.05)
+    s = make(stall_timeout_s=0.4)
+    s.deadline = time.time() + 0.05
+    s.feed(StartedEvent("r", 64, 4000))
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(drain(s))
+    await asyncio.sleep(0.2)  # past the deadline: still running
+    assert not task.done()
+    s.feed(StartedEvent("r", 128, 4000))  # the worker says so again: the stall clock restarts
+    s.feed(tok(0))
+    s.feed(done(1))
+    evs = await asyncio.wait_for(task, 5)
+    assert [type(e) for e in evs] == [TokenEvent, DoneEvent] and time.monotonic() - t0 < 2
+
+    # silent past the stall limit after it: a running request's ``timeout``
+    s = make(stall_timeout_s=0.2)
+    s.deadline = time.time() + 0.01
+    s.feed(StartedEvent("r", 64, 4000))
+    [ev] = await asyncio.wait_for(drain(s), 5)
+    assert isinstance(ev, ErrorEvent) and ev.code == "timeout" and "without a token" in ev.message
+
+    # pub/sub lost it; the log has it: read before the queue deadline fails the request
+    async def reader(after: bytes, block_ms):
+        return [] if after == b"1-0" else [(b"1-0", StartedEvent("r", 64, 4000))]
+
+    s = RequestStream("r", "c", deadline=time.time() + 0.05, log_reader=reader, stall_timeout_s=0.3)
+    [ev] = await asyncio.wait_for(drain(s), 5)
+    assert s.started and "without a token" in ev.message
+    assert decode_events(encode_events([StartedEvent("r", 64, 4000)])) == [StartedEvent("r", 64, 4000)]
 
 
 async def test_drop_pending_discards_what_nobody_reads_and_tells_the_end():
