@@ -5,8 +5,10 @@ llama.cpp's own ``convert_hf_to_gguf.py`` and requantized by its ``llama-quantiz
 transformers' greedy tokens on the very files it wrote (``from_pretrained(dir,
 gguf_file=...)``, which dequantizes to fp32 with the ``gguf`` package).
 
-Per architecture (qwen2, qwen3, phi3; hidden 256, 2 layers, 4 query and 2 KV heads,
-feed-forward 256, 266 tokens) it writes:
+Per architecture (qwen2, qwen3, phi3: hidden 256, 2 layers, 4 query and 2 KV heads,
+feed-forward 256, 266 tokens; qwen3 a head size of 128, so 512 query features; gemma2 and
+gemma3: 2 query heads and 1 KV head of 256, a sliding window of 64 positions, the whole
+context) it writes:
 
 * ``model.Q8_0.gguf`` and ``model.Q4_K_M.gguf`` (``llama-quantize`` from the F32 file the
   converter wrote; the F32 file itself is not kept),
@@ -17,12 +19,14 @@ feed-forward 256, 266 tokens) it writes:
 The suite reads only these files (tests/unit/test_gguf_fixtures.py): it needs neither
 torch nor transformers nor llama.cpp.
 
-What is not the stock converter: the tokenizer. The model's tokenizer is the byte-level
+What is not the stock converter: the tokenizer (and gemma2's vocabulary reader). The model's tokenizer is the byte-level
 BPE of tests/support/gguf_models.py (the GPT-2 byte alphabet, three specials and a few
 merges), trained by nobody, so the converter's check of the pre-tokenizer by the hash of
 its tokens on a fixed text finds no known one; the script names it ``gpt2`` (a plain
 byte-level split, what the tokenizer is) by replacing ``get_vocab_base_pre``. Everything
-else the converter does (tensor names, Q/K layout, metadata keys) is its own.
+else the converter does (tensor names, Q/K layout, gemma's norm weights stored as 1 +
+weight, metadata keys) is its own; gemma2's converter reads only a SentencePiece
+vocabulary, so its ``set_vocab`` is the byte-level one the other converters use.
 
 Set-up (a venv OUTSIDE the repo's; llama.cpp's source and build as
 ``python -m scripts.llama_server build`` leaves them)::
@@ -51,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "gguf"
 LLAMA_CPP = Path("/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 QUANTIZE = Path("/tmp/lcpp-build/bin/llama-quantize")
-ARCHS = ("qwen2", "qwen3", "phi3")
+ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 TYPES = ("Q8_0", "Q4_K_M")
 NEW_TOKENS = 16
 PROMPTS = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
@@ -109,20 +113,41 @@ def make_model(arch: str, folder: Path, vocab: int, seed: int):
     elif arch == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=False)
         cls = tf.Qwen3ForCausalLM
-    else:
+    elif arch == "phi3":
         config = tf.Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None,
                                original_max_position_embeddings=256)
         cls = tf.Phi3ForCausalLM
+    else:
+        # transformers' GGUF loader maps neither the soft-capping values nor
+        # query_pre_attn_scalar from the file: the model keeps its config's defaults for them
+        # (gemma2's caps 50 and 30; the scalar 256, so the head size is 256, whose 1/sqrt is
+        # llama.cpp's scale) and a window of 64 positions, the whole context
+        gemma = dict(common, num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                     max_position_embeddings=64, sliding_window=64, hidden_activation="gelu_pytorch_tanh",
+                     tie_word_embeddings=True)
+        if arch == "gemma2":
+            config = tf.Gemma2Config(**gemma, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+            cls = tf.Gemma2ForCausalLM
+        else:  # two layers: both sliding-window layers (every 6th is global), RoPE base 10000
+            config = tf.Gemma3TextConfig(**gemma)
+            cls = tf.Gemma3ForCausalLM
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # gemma's RMSNorm multiplies by 1 + weight
+                if not arch.startswith("gemma"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:  # its blocks' outputs, normed, 4 in size: not drowned by the scaled embedding;
+                    # the final norm 10: logits of a few units with the small tied table
+                    base = 3.0 if ".post_" in name else 9.0 if name == "model.norm.weight" else 0.0
+                    p.copy_(base + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             elif "embed_tokens" in name or name == "lm_head.weight":
-                p.copy_(0.5 * torch.randn_like(p))
+                # gemma's embeddings are scaled by sqrt(hidden) = 16 and its blocks' outputs
+                # normed: a small table keeps the blocks from being drowned by the input token
+                p.copy_((0.02 if arch.startswith("gemma") else 0.5) * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
@@ -139,6 +164,9 @@ def convert(folder: Path, out: Path) -> None:
         "import convert_hf_to_gguf as c\n"
         "import conversion.base as b\n"
         "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt2'\n"
+        # gemma2's converter reads only a SentencePiece vocabulary; this one is byte-level BPE
+        "import conversion.gemma as gm\n"
+        "gm.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()\n"
         "c.main()\n"
     )
     subprocess.run([sys.executable, "-c", runner], check=True, cwd=str(LLAMA_CPP))
@@ -174,7 +202,8 @@ def build(arch: str, seed: int) -> None:
     dest = OUT / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(tmp) / f"tiny-random-{arch}"  # the converter names the model after its folder
+        work.mkdir()
         vocab = write_tokenizer(work, arch)
         make_model(arch, work, vocab, seed)
         f32 = work / "model.F32.gguf"
@@ -198,8 +227,12 @@ def build(arch: str, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("archs", nargs="*", default=list(ARCHS), choices=ARCHS)
+    ap.add_argument("archs", nargs="*", metavar="ARCH", help=f"some of {', '.join(ARCHS)} (default: all)")
     args = ap.parse_args(argv)
+    unknown = set(args.archs) - set(ARCHS)
+    if unknown:
+        ap.error(f"unknown architecture(s) {', '.join(sorted(unknown))}")
+    args.archs = args.archs or list(ARCHS)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for n, arch in enumerate(ARCHS):
         if arch in args.archs:

@@ -54,6 +54,7 @@ from streamfleet.shared.ggufimport import (
     _projections,
     _rms_norm,
     attention_inputs,
+    attention_residual,
     block_weights,
     embedding,
     feed_forward,
@@ -61,6 +62,7 @@ from streamfleet.shared.ggufimport import (
     model_of,
     output_layer,
     save_graph,
+    scaled_embedding,
 )
 from streamfleet.shared.packagefetch import sha256_of
 
@@ -127,12 +129,19 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
                                                          ["batch", kvh, "capacity", hd]))
     rows = -(-positions // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
-    cos, sin = rope_caches(hd, m.rope_base, rows)
-    g.init("rope.cos_cache", cos)
-    g.init("rope.sin_cache", sin)
+    caches: dict[float, tuple[str, str]] = {}
 
-    x = embedding(g, m, "input_ids", model_weights)
-    inv_sqrt = 1.0 / math.sqrt(hd)
+    def rope_cache(base: float) -> tuple[str, str]:
+        """The cos/sin caches of one RoPE base (gemma3's sliding-window layers have their own)."""
+        if base not in caches:
+            name = "rope" if not caches else f"rope.{len(caches)}"
+            cos, sin = rope_caches(hd, base, rows)
+            caches[base] = (g.init(f"{name}.cos_cache", cos), g.init(f"{name}.sin_cache", sin))
+        return caches[base]
+
+    rope_cache(m.rope_base)
+    x = scaled_embedding(g, m, embedding(g, m, "input_ids", model_weights))
+    inv_sqrt = m.attn_scale  # 1/sqrt(head size) but for gemma's 27B models
     folded = math.log2(inv_sqrt).is_integer()
     for i in range(m.n_layer):
         pre = f"blk.{i}"
@@ -143,15 +152,16 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         qkv_in = attention_inputs(g, m, i, a, qkv, accuracy, inv_sqrt if folded else 1.0)
         if len(qkv_in) == 1:  # packed [B, S, (nh + 2 kvh) * hd]: the op's packed-QKV input
             qkv_in += ["", ""]
+        extra = {"softcap": float(m.attn_softcap)} if m.attn_softcap else {}
         ctx, _, _ = g.op("GroupQueryAttention",
                    qkv_in + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
-                             "total_sequence_length", "rope.cos_cache", "rope.sin_cache"],
+                             "total_sequence_length", *rope_cache(m.layer_rope_base(i))],
                    domain="com.microsoft", outputs=[g.name("attn"), f"present.{i}.key", f"present.{i}.value"],
                    num_heads=nh, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=0,
-                   scale=1.0 if folded else float(inv_sqrt))
-        x = g.op("Add", [x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy)])
+                   scale=1.0 if folded else float(inv_sqrt), **extra)
+        x = attention_residual(g, m, i, x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy))
 
-        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
+        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy, i)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
     return model_of(g, f"{m.architecture}_gqa", inputs, outputs, "streamfleet.shared.gguf_gqa",

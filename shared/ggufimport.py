@@ -120,7 +120,19 @@ _ARCH_KEYS: dict[str, set[str]] = {
     # context (of a LongRoPE model; without its rope_factors tensors it changes nothing) and
     # the sliding window (0: none; else the served context is capped at it: ``context_for``)
     "phi3": _LLAMA_KEYS | {"rope.scaling.original_context_length", "attention.sliding_window"},
+    # (1 + weight) RMSNorms (llama.cpp's converter stores the 1 + weight), embeddings times
+    # sqrt(hidden), GELU(tanh) gated feed-forward, norms after the attention and the
+    # feed-forward, soft-capped attention scores and logits, sliding-window layers
+    "gemma2": _LLAMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window"},
+    # gemma2 without the attention's soft-capping, with a per-head RMSNorm on Q and K and
+    # a RoPE base of their own for the sliding-window layers
+    "gemma3": _LLAMA_KEYS | {"final_logit_softcapping", "attention.sliding_window", "rope.freq_base_swa"},
 }
+#: every n-th layer attends to the whole context, the others within the sliding window (set
+#: by the architecture, not the file: llama.cpp's and transformers' own patterns)
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+#: llama.cpp's RoPE base of gemma3's sliding-window layers where the file names none
+_GEMMA3_SWA_BASE = 10000.0
 #: the architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE
 #: (undone at import); the others are stored in transformers' order (llama.cpp's "NEOX" RoPE)
 _PERMUTED_QK = {"llama"}
@@ -182,9 +194,32 @@ class GgufModel:
     qk_norm: bool = False
     #: Q/K rows in llama.cpp's permuted order (llama: undone at import); else transformers' order
     permuted_qk: bool = True
-    #: the sliding attention window (phi3's ``attention.sliding_window``; 0: none): the served
+    #: the sliding attention window (``attention.sliding_window``; 0: none): the served
     #: context is capped at it, where the window masks nothing (``context_for``)
     window: int = 0
+    #: gemma2 / gemma3: embeddings times sqrt(hidden), GELU(tanh) feed-forward, RMSNorms after
+    #: the attention and the feed-forward (``post_attention_norm``, ``post_ffw_norm``)
+    gemma: bool = False
+    #: the attention's scale where it is not 1/sqrt(head size) (``_gemma_query_scale``)
+    query_scale: float | None = None
+    #: soft-capping of the attention scores and of the logits (``tanh(z / cap) * cap``; 0: none)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    #: gemma3's RoPE base in its sliding-window layers (``rope.freq_base_swa``)
+    rope_base_swa: float | None = None
+    #: every ``swa_pattern``-th layer global, the others sliding-window layers (0: none)
+    swa_pattern: int = 0
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of the attention scores (``q . k`` times it)."""
+        return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def layer_rope_base(self, layer: int) -> float:
+        """The RoPE base of ``layer``: gemma3's sliding-window layers have their own."""
+        if self.rope_base_swa is not None and self.swa_pattern and (layer + 1) % self.swa_pattern:
+            return self.rope_base_swa
+        return self.rope_base
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
 
     def describe(self, weights: str, max_context: int, context_note: str) -> str:
@@ -198,7 +233,12 @@ class GgufModel:
             f"({types})",
             f"layers        {self.n_layer}, hidden {self.hidden}, heads {self.n_head}, KV heads {self.n_kv_head}, "
             f"head size {self.head_dim}, feed-forward {self.intermediate}",
-            f"RoPE          base {self.rope_base:g}; RMSNorm eps {self.rms_eps:g}",
+            f"RoPE          base {self.rope_base:g}"
+            + (f" ({self.rope_base_swa:g} in the sliding-window layers)" if self.rope_base_swa is not None else "")
+            + f"; RMSNorm eps {self.rms_eps:g}"
+            + (f"; attention scale {self.attn_scale:g}" if self.query_scale is not None else "")
+            + (f"; soft-capping: scores {self.attn_softcap:g}" if self.attn_softcap else "")
+            + (f"; logits soft-capped at {self.final_softcap:g}" if self.final_softcap else ""),
             f"architecture  {ARCH_NOTES[self.architecture]}"
             + (f"; sliding window {self.window} tokens (the context is capped at it)" if self.window else ""),
             f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
@@ -249,6 +289,10 @@ ARCH_NOTES = {
     "qwen2": "qwen2: llama with biases on the Q, K and V projections",
     "qwen3": "qwen3: llama with a per-head RMSNorm on Q and K before RoPE",
     "phi3": "phi3: llama with the fused Q|K|V and gate|up matrices cut into their parts",
+    "gemma2": "gemma2: (1 + weight) RMSNorms, embeddings times sqrt(hidden), GELU(tanh) feed-forward, norms after "
+              "the attention and the feed-forward, soft-capped attention scores and logits",
+    "gemma3": "gemma3: gemma2's block without the scores' soft-capping, a per-head RMSNorm on Q and K, the "
+              "sliding-window layers' own RoPE base",
 }
 
 _WEIGHT_NOTES = {
@@ -420,8 +464,10 @@ def read_gguf(path: Path) -> GgufModel:
         if arch == "qwen2":
             shapes += [(f"{bp}.attn_q.bias", (q_dim,)), (f"{bp}.attn_k.bias", (kv_dim,)),
                        (f"{bp}.attn_v.bias", (kv_dim,))]
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             shapes += [(f"{bp}.attn_q_norm.weight", (head_dim,)), (f"{bp}.attn_k_norm.weight", (head_dim,))]
+        if arch in _SWA_PATTERN:
+            shapes += [(f"{bp}.post_attention_norm.weight", (hidden,)), (f"{bp}.post_ffw_norm.weight", (hidden,))]
         for name, shape in shapes:
             tensor(name, shape)
             expected.add(name)
@@ -442,7 +488,13 @@ def read_gguf(path: Path) -> GgufModel:
         head_dim=head_dim, rope_base=float(_field(reader, prefix + "rope.freq_base", 10000.0)),
         rms_eps=float(need("attention.layer_norm_rms_epsilon")),
         context_length=int(_field(reader, prefix + "context_length", 2048)), vocab_size=vocab, tied=tied,
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", permuted_qk=arch in _PERMUTED_QK, window=window,
+        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "gemma3"), permuted_qk=arch in _PERMUTED_QK,
+        window=window, gemma=arch in _SWA_PATTERN, query_scale=_gemma_query_scale(arch, n_layer, hidden, n_head),
+        attn_softcap=float(_field(reader, prefix + "attn_logit_softcapping", 0.0) or 0.0),
+        final_softcap=float(_field(reader, prefix + "final_logit_softcapping", 0.0) or 0.0),
+        rope_base_swa=(float(_field(reader, prefix + "rope.freq_base_swa", _GEMMA3_SWA_BASE))
+                       if arch == "gemma3" else None),
+        swa_pattern=_SWA_PATTERN.get(arch, 0) if window else 0,
         tensor_types=types, tokens=tokens, token_types=token_types, merges=merges, pre=pre,
         bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
@@ -452,6 +504,15 @@ def read_gguf(path: Path) -> GgufModel:
         end_ids=tuple(i for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
                       if i is not None and 0 <= i < len(tokens)),
     )
+
+
+def _gemma_query_scale(arch: str, n_layer: int, hidden: int, n_head: int) -> float | None:
+    """Gemma's attention scale, ``query_pre_attn_scalar ** -0.5``, which no GGUF key holds:
+    llama.cpp takes 1/sqrt(head size) but for the 27B models (46 gemma2 and 62 gemma3
+    layers), whose scalar is hidden / heads; None (1/sqrt(head size)) elsewhere."""
+    if (arch, n_layer) in (("gemma2", 46), ("gemma3", 62)):
+        return 1.0 / math.sqrt(hidden // n_head)
+    return None
 
 
 def _rows_of(t: _Tensor, name: str, r0: int, r1: int) -> _Tensor:
@@ -1084,10 +1145,43 @@ def attention_inputs(g: _Graph, m: GgufModel, i: int, a: str, qkv: list[Any], ac
     return out
 
 
+def scaled_embedding(g: _Graph, m: GgufModel, x: str) -> str:
+    """Gemma's embeddings times sqrt(hidden) (rounded to fp32, as transformers' normalizer);
+    the others' as they are (every graph layout's)."""
+    if not m.gemma:
+        return x
+    return g.op("Mul", [x, g.const(np.float32(math.sqrt(m.hidden)), np.float32)])
+
+
+def _softcap(g: _Graph, x: str, cap: float) -> str:
+    """``tanh(x / cap) * cap`` (gemma's soft-capping)."""
+    c = g.const(np.float32(cap), np.float32)
+    return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c])
+
+
+def attention_residual(g: _Graph, m: GgufModel, i: int, x: str, y: str) -> str:
+    """``x`` plus the attention's output ``y`` (gemma: RMS-normed first, ``post_attention_norm``)."""
+    if m.gemma:
+        w = g.init(f"blk.{i}.post_attention_norm", _dequantize(m.tensors[f"blk.{i}.post_attention_norm.weight"]))
+        y = _rms_norm(g, y, w, m.rms_eps)
+    return g.op("Add", [x, y])
+
+
+def _gelu_tanh(g: _Graph, x: str) -> str:
+    """GELU's tanh form, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (gemma's
+    ``gelu_pytorch_tanh``)."""
+    f = np.float32
+    cube = g.op("Mul", [g.op("Mul", [x, x]), x])
+    inner = g.op("Mul", [g.op("Add", [x, g.op("Mul", [cube, g.const(f(0.044715), f)])]),
+                         g.const(f(math.sqrt(2.0 / math.pi)), f)])
+    return g.op("Mul", [g.op("Mul", [x, g.const(f(0.5), f)]), g.op("Add", [g.op("Tanh", [inner]), g.const(f(1.0), f)])])
+
+
 def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any], down: list[Any],
-                 accuracy: int) -> str:
-    """A block's SwiGLU feed-forward and its residual: ``x + down(silu(gate) * up)`` of the
-    RMS-normed ``x`` (every graph layout's)."""
+                 accuracy: int, layer: int | None = None) -> str:
+    """A block's gated feed-forward and its residual: ``x + down(silu(gate) * up)`` of the
+    RMS-normed ``x`` (gemma: ``gelu_tanh(gate)``, and the output RMS-normed by block
+    ``layer``'s ``post_ffw_norm`` before the residual; every graph layout's)."""
     h = m.hidden
     f = _rms_norm(g, x, norm, m.rms_eps)
     if len(gate_up) == 1:
@@ -1095,8 +1189,16 @@ def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any],
         gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
     else:
         gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    return g.op("Add", [x, _apply_linear(g, act, down, m.intermediate, h, accuracy)])
+    if m.gemma:
+        act = g.op("Mul", [_gelu_tanh(g, gate), up])
+    else:
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    y = _apply_linear(g, act, down, m.intermediate, h, accuracy)
+    if m.gemma:
+        assert layer is not None
+        w = g.init(f"blk.{layer}.post_ffw_norm", _dequantize(m.tensors[f"blk.{layer}.post_ffw_norm.weight"]))
+        y = _rms_norm(g, y, w, m.rms_eps)
+    return g.op("Add", [x, y])
 
 
 def output_layer(g: _Graph, m: GgufModel, x: str, inputs: list[Any], weights: str, accuracy: int) -> None:
@@ -1110,15 +1212,19 @@ def output_layer(g: _Graph, m: GgufModel, x: str, inputs: list[Any], weights: st
     inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
     last = g.op("Slice", [x, g.op("Neg", [LOGITS_TO_KEEP]), g.const([np.iinfo(np.int64).max]),
                           g.const([1])])  # [B, keep, H]
+    # the logits soft-capped where the file says so (gemma), else named "logits" as they are
+    out = [g.name("raw_logits")] if m.final_softcap else ["logits"]
     if m.tied and weights == "fp32":
         # the fp32 embedding serves as the output layer too: one copy of it
         flat = g.op("Reshape", [last, g.const([-1, h])])
         logits = g.op("Gemm", [flat, "embed.weight"], transB=1)
         lead = g.op("Slice", [g.op("Shape", [last]), g.const([0]), g.const([2])])  # [B, keep]
-        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=["logits"])
+        g.op("Reshape", [logits, g.op("Concat", [lead, g.const([m.vocab_size])], axis=0)], outputs=out)
     else:
         head = _linear_init(g, t["token_embd.weight"] if m.tied else t["output.weight"], weights, "output")
-        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=["logits"])
+        g.op("Identity", [_apply_linear(g, last, head, h, m.vocab_size, accuracy)], outputs=out)
+    if m.final_softcap:
+        g.op("Identity", [_softcap(g, out[0], m.final_softcap)], outputs=["logits"])
 
 
 def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[str, str] | None = None) -> Any:
@@ -1160,19 +1266,26 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     allowed = g.op("And", [real, causal])
     bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_MASKED, np.float32)])
 
-    # RoPE tables [B, S, 1, hd]: HF's inv_freq, computed as transformers does in fp32
-    exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
-    inv_freq = (1.0 / (np.float32(m.rope_base) ** exponent)).astype(np.float32)
-    inv2 = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    # RoPE tables [B, S, 1, hd]: HF's inv_freq, computed as transformers does in fp32 (one
+    # pair per RoPE base: gemma3's sliding-window layers have their own)
     pos = g.op("Cast", [g.op("Unsqueeze", ["position_ids", g.const([-1])])], to=TensorProto.FLOAT)
-    angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([2])])  # [B, S, 1, hd]
-    cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
+    tables: dict[float, tuple[str, str]] = {}
 
-    x = embedding(g, m, "input_ids", weights)
-    # the attention's 1/sqrt(head size): a power of two (head size 4^n, as 64) goes into the
-    # query rows, which scales every score exactly as transformers' (q @ k^T) * scale does;
-    # any other is a Mul on the scores
-    inv_sqrt = 1.0 / math.sqrt(hd)
+    def rope_table(base: float) -> tuple[str, str]:
+        if base not in tables:
+            exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+            inv_freq = (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
+            inv2 = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+            angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([2])])  # [B, S, 1, hd]
+            tables[base] = (g.op("Cos", [angles]), g.op("Sin", [angles]))
+        return tables[base]
+
+    rope_table(m.rope_base)
+    x = scaled_embedding(g, m, embedding(g, m, "input_ids", weights))
+    # the attention's scale (1/sqrt(head size) but for gemma's 27B models): a power of two
+    # (head size 4^n, as 64) goes into the query rows, which scales every score exactly as
+    # transformers' (q @ k^T) * scale does; any other is a Mul on the scores
+    inv_sqrt = m.attn_scale
     folded = math.log2(inv_sqrt).is_integer()
     scale = None if folded else g.const(inv_sqrt, np.float32)
     group = nh // kvh
@@ -1193,7 +1306,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         else:
             q, k, v = (g.op("Reshape", [y, g.const([0, 0, n, hd])]) for y, n in zip(proj, (nh, kvh, kvh)))
             qk = g.op("Concat", [q, k], axis=2)
-        qk = _rope(g, qk, cos, sin, hd)
+        qk = _rope(g, qk, *rope_table(m.layer_rope_base(i)), hd)
         q, k = g.op("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
         q, k, v = (g.op("Transpose", [z], perm=[0, 2, 1, 3]) for z in (q, k, v))
         k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, outputs=[f"present.{i}.key"])
@@ -1204,12 +1317,14 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         scores = g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])
         if scale is not None:
             scores = g.op("Mul", [scores, scale])
+        if m.attn_softcap:
+            scores = _softcap(g, scores, m.attn_softcap)
         probs = g.op("Softmax", [g.op("Add", [scores, bias_g])], axis=-1)
         ctx = g.op("Reshape", [g.op("MatMul", [probs, v_all]), g.const([0, nh, -1, hd])])
         ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), g.const([0, 0, nh * hd])])
-        x = g.op("Add", [x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy)])
+        x = attention_residual(g, m, i, x, _apply_linear(g, ctx, wo, nh * hd, h, accuracy))
 
-        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy)
+        x = feed_forward(g, m, x, ln2, gate_up, wd, accuracy, i)
 
     output_layer(g, m, x, inputs, model_weights, accuracy)
     return model_of(g, m.architecture, inputs, outputs, "streamfleet.shared.ggufimport", metadata or {})

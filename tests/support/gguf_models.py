@@ -1,4 +1,4 @@
-"""Small random GGUF files (llama, qwen2, qwen3 and phi3 architectures) for the import's tests, written with ``gguf.GGUFWriter``
+"""Small random GGUF files (llama, qwen2, qwen3, phi3, gemma2 and gemma3 architectures) for the import's tests, written with ``gguf.GGUFWriter``
 (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors quantized by ``gguf`` as
 llama.cpp lays them out; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K ones, which ``gguf`` cannot
 quantize, as random blocks with finite fp16 scales: ``random_blocks``; Q/K rows permuted
@@ -67,7 +67,9 @@ class TinyLlama:
     def __init__(self, *, seed: int = 0, n_layer: int = 2, hidden: int = 64, n_head: int = 4, n_kv_head: int = 2,
                  intermediate: int = 96, tied: bool = True, rope_base: float = 10000.0, eps: float = 1e-5,
                  context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0",
-                 overrides: dict[str, str] | None = None, arch: str = "llama", head_dim: int | None = None) -> None:
+                 overrides: dict[str, str] | None = None, arch: str = "llama", head_dim: int | None = None,
+                 attn_softcap: float = 0.0, final_softcap: float = 0.0, window: int = 0,
+                 rope_base_swa: float | None = None) -> None:
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize, quantize
 
@@ -80,6 +82,10 @@ class TinyLlama:
         self.vocab = len(self.tokens)
         self.n_layer, self.hidden, self.n_head, self.n_kv_head = n_layer, hidden, n_head, n_kv_head
         self.arch = arch
+        # gemma2/gemma3 (written as metadata by ``write_tiny_gguf``): soft-capping, the sliding
+        # window, gemma3's RoPE base of its sliding-window layers
+        self.attn_softcap, self.final_softcap, self.window, self.rope_base_swa = (attn_softcap, final_softcap,
+                                                                                   window, rope_base_swa)
         self.head_dim = head_dim or hidden // n_head
         qd = n_head * self.head_dim
         self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
@@ -127,9 +133,12 @@ class TinyLlama:
             if arch == "qwen2":  # biases on Q, K and V (F32, as llama.cpp's converter keeps 1-D tensors)
                 for name, n in (("attn_q", qd), ("attn_k", kv), ("attn_v", kv)):
                     put(f"blk.{i}.{name}.bias", rng.normal(0, 0.5, n), "F32")
-            if arch == "qwen3":  # per-head RMSNorm weights of Q and K
+            if arch in ("qwen3", "gemma3"):  # per-head RMSNorm weights of Q and K
                 put(f"blk.{i}.attn_q_norm.weight", 1.0 + rng.normal(0, 0.2, self.head_dim), "F32")
                 put(f"blk.{i}.attn_k_norm.weight", 1.0 + rng.normal(0, 0.2, self.head_dim), "F32")
+            if arch in ("gemma2", "gemma3"):  # RMSNorms of the attention's and feed-forward's outputs
+                put(f"blk.{i}.post_attention_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
+                put(f"blk.{i}.post_ffw_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
         put("output_norm.weight", 1.0 + rng.normal(0, 0.1, hidden), "F32")
         if not tied:
             put("output.weight", mat(self.vocab, hidden, 0.5), head_qtype)
@@ -155,6 +164,14 @@ def write_tiny_gguf(path: Path, model: TinyLlama, *, arch: str = "llama", pre: s
     if model.head_dim * model.n_head != model.hidden:
         w.add_key_length(model.head_dim)
         w.add_value_length(model.head_dim)
+    if model.attn_softcap:
+        w.add_attn_logit_softcapping(model.attn_softcap)
+    if model.final_softcap:
+        w.add_final_logit_softcapping(model.final_softcap)
+    if model.window:
+        w.add_sliding_window(model.window)
+    if model.rope_base_swa is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", model.rope_base_swa)
     w.add_vocab_size(model.vocab)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
@@ -212,20 +229,35 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
     """Logits [len(ids), vocab] of one sequence from position 0, in float64, from each
     architecture's definition on the tensors as the file holds them: llama (Q/K rows in
     llama.cpp's permuted order, interleaved RoPE), qwen2 (Q/K/V biases), qwen3 (RMSNorm of
-    each head of Q and K before RoPE), phi3 (one Q|K|V and one gate|up matrix); the others
-    rotate halves."""
+    each head of Q and K before RoPE), phi3 (one Q|K|V and one gate|up matrix), gemma2
+    (embeddings times sqrt(hidden), norms after the attention and the feed-forward, GELU,
+    soft-capped scores and logits, sliding-window layers), gemma3 (gemma2 with Q/K norms and
+    the sliding layers' own RoPE base); the others rotate halves."""
     v = {k: a.astype(np.float64) for k, a in model.values.items()}
     nh, kvh, hd = model.n_head, model.n_kv_head, model.head_dim
     s = len(ids)
     pos = np.arange(s)
     rope = _rope_interleaved if model.arch == "llama" else _rope_half
+    gemma = model.arch in ("gemma2", "gemma3")
 
     def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        # gemma's RMSNorm multiplies by (1 + w); llama.cpp's converter stores 1 + w, the file's w here
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + model.eps) * w
 
+    def cap(z: np.ndarray, c: float) -> np.ndarray:
+        return np.tanh(z / c) * c if c else z
+
     x = v["token_embd.weight"][ids]
-    causal = np.tril(np.ones((s, s), dtype=bool))
+    if gemma:
+        x = x * np.sqrt(model.hidden)
     for i in range(model.n_layer):
+        # gemma: every 2nd (gemma2) or 6th (gemma3) layer global, the others attend to the
+        # last ``window`` positions only
+        period = {"gemma2": 2, "gemma3": 6}.get(model.arch, 0)
+        sliding = bool(model.window) and (not period or (i + 1) % period != 0)
+        q_pos, k_pos = pos[:, None], pos[None, :]
+        causal = (k_pos <= q_pos) & (~sliding | (q_pos - k_pos < max(model.window, 1)))
+        base = model.rope_base_swa if sliding and model.rope_base_swa is not None else model.rope_base
         p = f"blk.{i}."
         h = norm(x, v[p + "attn_norm.weight"])
         if model.arch == "phi3":
@@ -236,25 +268,31 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
         if model.arch == "qwen2":
             q, k, val = q + v[p + "attn_q.bias"], k + v[p + "attn_k.bias"], val + v[p + "attn_v.bias"]
         q, k, val = q.reshape(s, nh, hd), k.reshape(s, kvh, hd), val.reshape(s, kvh, hd)
-        if model.arch == "qwen3":
+        if model.arch in ("qwen3", "gemma3"):
             q, k = norm(q, v[p + "attn_q_norm.weight"]), norm(k, v[p + "attn_k_norm.weight"])
-        q, k = rope(q, pos, model.rope_base), rope(k, pos, model.rope_base)
+        q, k = rope(q, pos, base), rope(k, pos, base)
         ctx = np.empty((s, nh, hd))
         for head in range(nh):
             g = head // (nh // kvh)
-            scores = q[:, head] @ k[:, g].T / np.sqrt(hd)
+            scores = cap(q[:, head] @ k[:, g].T / np.sqrt(hd), model.attn_softcap)
             scores = np.where(causal, scores, -np.inf)
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             ctx[:, head] = probs @ val[:, g]
-        x = x + ctx.reshape(s, nh * hd) @ v[p + "attn_output.weight"].T
+        attn = ctx.reshape(s, nh * hd) @ v[p + "attn_output.weight"].T
+        x = x + (norm(attn, v[p + "post_attention_norm.weight"]) if gemma else attn)
         f = norm(x, v[p + "ffn_norm.weight"])
         if model.arch == "phi3":
             w_gate, w_up = np.split(v[p + "ffn_up.weight"], 2)
         else:
             w_gate, w_up = v[p + "ffn_gate.weight"], v[p + "ffn_up.weight"]
         gate = f @ w_gate.T
-        x = x + ((gate / (1 + np.exp(-gate))) * (f @ w_up.T)) @ v[p + "ffn_down.weight"].T
+        if gemma:  # GELU, tanh form
+            act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        else:  # SiLU
+            act = gate / (1 + np.exp(-gate))
+        y = (act * (f @ w_up.T)) @ v[p + "ffn_down.weight"].T
+        x = x + (norm(y, v[p + "post_ffw_norm.weight"]) if gemma else y)
     x = norm(x, v["output_norm.weight"])
     out = v["token_embd.weight"] if model.tied else v["output.weight"]
-    return x @ out.T
+    return cap(x @ out.T, model.final_softcap)

@@ -23,13 +23,21 @@ from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 from tests.support.gguf_models import TinyLlama, numpy_logits, write_tiny_gguf
 
 PROMPTS = [[5, 77, 140, 33, 200, 9, 61], [18, 250, 3], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
-ARCHS = ["qwen2", "qwen3", "phi3"]
+ARCHS = ["qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 #: what llama.cpp's converter writes for a phi3 model without LongRoPE (Phi-4's window: none)
 PHI3_KEYS = {"phi3.rope.scaling.original_context_length": 128, "phi3.attention.sliding_window": 0}
 
 
 def _model(arch: str, **kw) -> TinyLlama:
     if arch == "qwen3":  # a head size that is not hidden / heads, as Qwen3's own
+        kw.setdefault("head_dim", 32)
+    if arch == "gemma2":  # caps small enough to bend the scores and logits (Gemma 2's own: 50 and 30)
+        kw.update(attn_softcap=2.0, final_softcap=5.0)
+    if arch in ("gemma2", "gemma3"):
+        kw.setdefault("window", kw.get("context", 128))  # the context capped at it: the window masks nothing
+    if arch == "gemma3":  # six layers: the sixth global (RoPE base 1e6), the others sliding (their own base)
+        kw.update(rope_base=1e6, rope_base_swa=10000.0, final_softcap=kw.get("final_softcap", 0.0))
+        kw.setdefault("n_layer", 6)
         kw.setdefault("head_dim", 32)
     return TinyLlama(arch=arch, **kw)
 
@@ -89,7 +97,7 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_quantized_mixes_equal_the_numpy_forward_pass(tmp_path, arch, mix):
     kw = dict(MIXES[mix])
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         kw["head_dim"] = 128  # the output projection's input (heads x head size) a multiple of 256
     model = _model(arch, seed=32, hidden=256, intermediate=256, n_head=4, n_kv_head=2, tied=False, **kw)
     concat, gqa, _ = _engines(tmp_path, model, "q4")
@@ -133,8 +141,10 @@ def test_phi3s_sliding_window_caps_the_context(tmp_path):
 
 
 @pytest.mark.parametrize("arch, case, expect", [
-    ("gemma2", {}, "architecture 'gemma2' is not supported"),
-    ("gemma3", {}, "architecture 'gemma3' is not supported"),
+    ("gemma", {}, "architecture 'gemma' is not supported"),
+    ("gemma3n", {}, "architecture 'gemma3n' is not supported"),
+    ("gemma3", {"extra": {"gemma3.rope.scaling.type": "linear"}}, "gemma3.rope.scaling.type"),
+    ("gemma2", {"extra": {"gemma2.attention.sliding_window_pattern": 3}}, "gemma2.attention.sliding_window_pattern"),
     ("qwen2", {"extra": {"qwen2.rope.scaling.type": "yarn"}}, "qwen2.rope.scaling.type"),
     ("qwen3", {"extra": {"qwen3.rope.scaling.factor": 4.0}}, "qwen3.rope.scaling.factor"),
     ("qwen2", {"extra": {"qwen2.attention.sliding_window": 64}}, "qwen2.attention.sliding_window"),

@@ -141,7 +141,7 @@ def test_the_context_is_the_files_capped(tmp_path):
 
 
 @pytest.mark.parametrize("case, expect", [
-    ({"arch": "gemma2"}, "architecture 'gemma2' is not supported"),
+    ({"arch": "falcon"}, "architecture 'falcon' is not supported"),
     ({"extra": {"llama.rope.scaling.type": "yarn"}}, "llama.rope.scaling.type"),
     ({"extra": {"llama.expert_count": 8}}, "llama.expert_count"),
     ({"pre": "deepseek-llm"}, "pre-tokenizer 'deepseek-llm'"),
