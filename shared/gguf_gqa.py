@@ -56,9 +56,11 @@ from streamfleet.shared.ggufimport import (
     attention_inputs,
     attention_residual,
     block_weights,
+    context_for,
     embedding,
     feed_forward,
     layer_weights,
+    masks_window,
     model_of,
     output_layer,
     save_graph,
@@ -111,8 +113,8 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         raise FatalError(f"{m.path}: head size {hd} is not a multiple of 16, which ONNX Runtime's "
                          f"GroupQueryAttention needs for its rotary embedding")
     accuracy = 4 if weights == "q4-int8act" else 0
-    positions = int(max_positions or (min(m.context_length, m.window) if m.window else m.context_length))
-    if m.window and positions > m.window + 1:  # the context and the engine's scratch slot
+    positions = int(max_positions or (context_for(m, None, gqa=True)[0] if m.window else m.context_length))
+    if m.window and positions > m.window + 1 and not masks_window(m, True):  # + the engine's scratch slot
         raise FatalError(f"{m.path}: {positions - 1} positions is beyond the sliding window of {m.window} tokens "
                          f"({m.architecture}.attention.sliding_window), which the graph does not mask")
     g = _Graph()
@@ -152,7 +154,12 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         qkv_in = attention_inputs(g, m, i, a, qkv, accuracy, inv_sqrt if folded else 1.0)
         if len(qkv_in) == 1:  # packed [B, S, (nh + 2 kvh) * hd]: the op's packed-QKV input
             qkv_in += ["", ""]
-        extra = {"softcap": float(m.attn_softcap)} if m.attn_softcap else {}
+        extra: dict[str, Any] = {"softcap": float(m.attn_softcap)} if m.attn_softcap else {}
+        if masks_window(m, True) and m.sliding(i):
+            # the op keeps a query's last local_window_size keys, itself among them (measured
+            # against the numpy pass: tests/unit/test_gguf_archs.py): transformers' and
+            # llama.cpp's window of W positions, q - k < W
+            extra["local_window_size"] = int(m.window)
         ctx, _, _ = g.op("GroupQueryAttention",
                    qkv_in + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
                              "total_sequence_length", *rope_cache(m.layer_rope_base(i))],
@@ -188,7 +195,7 @@ def write_gqa_graph(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS,
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
-    ctx = int(max_context or (min(m.context_length, m.window) if m.window else m.context_length))
+    ctx = int(max_context or (context_for(m, None, gqa=True)[0] if m.window else m.context_length))
     model = build_gqa_graph(m, weights, max_positions=ctx + 1,
                             metadata={GQA_DIGEST_KEY: gqa_digest(sha, weights, ctx),
                                       "streamfleet.weights": weights, "streamfleet.gguf_sha256": sha,
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=None)
     args = ap.parse_args(argv)
     m = read_gguf(args.gguf)
-    ctx, _ = context_for(m, args.max_context)
+    ctx, _ = context_for(m, args.max_context, gqa=True)
     print(write_gqa_graph(m, args.folder, weights=args.weights, max_context=ctx))
     return 0
 

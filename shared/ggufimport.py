@@ -215,9 +215,13 @@ class GgufModel:
         """The factor of the attention scores (``q . k`` times it)."""
         return self.query_scale if self.query_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends within the sliding window only."""
+        return bool(self.window) and (not self.swa_pattern or (layer + 1) % self.swa_pattern != 0)
+
     def layer_rope_base(self, layer: int) -> float:
         """The RoPE base of ``layer``: gemma3's sliding-window layers have their own."""
-        if self.rope_base_swa is not None and self.swa_pattern and (layer + 1) % self.swa_pattern:
+        if self.rope_base_swa is not None and self.swa_pattern and self.sliding(layer):
             return self.rope_base_swa
         return self.rope_base
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
@@ -237,10 +241,13 @@ class GgufModel:
             + (f" ({self.rope_base_swa:g} in the sliding-window layers)" if self.rope_base_swa is not None else "")
             + f"; RMSNorm eps {self.rms_eps:g}"
             + (f"; attention scale {self.attn_scale:g}" if self.query_scale is not None else "")
-            + (f"; soft-capping: scores {self.attn_softcap:g}" if self.attn_softcap else "")
+            + (f"; attention scores soft-capped at {self.attn_softcap:g}" if self.attn_softcap else "")
             + (f"; logits soft-capped at {self.final_softcap:g}" if self.final_softcap else ""),
             f"architecture  {ARCH_NOTES[self.architecture]}"
-            + (f"; sliding window {self.window} tokens (the context is capped at it)" if self.window else ""),
+            + (f"; sliding window {self.window} tokens" + (
+                f" in {'every layer' if not self.swa_pattern else f'{self.n_layer - self.n_layer // self.swa_pattern} of {self.n_layer} layers'}"
+                " (masked by the GroupQueryAttention graph; the with-past graph's context is capped at it)"
+                if self.gemma else " (the context is capped at it)") if self.window else ""),
             f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
             f"weights       {weights}: {_WEIGHT_NOTES[weights]}",
             f"matrices      {self.matrix_note(weights)}",
@@ -393,7 +400,8 @@ def read_gguf(path: Path) -> GgufModel:
         if value is not None and int(value) != head_dim:
             raise FatalError(f"{path}: {prefix}{key} is {value}, not the head size {head_dim} "
                              f"(partial rotary or unequal head sizes are not supported)")
-    window = int(_field(reader, prefix + "attention.sliding_window", 0) or 0)
+    # gemma2's window where the file names none: llama.cpp's default (Gemma 2's own)
+    window = int(_field(reader, prefix + "attention.sliding_window", 4096 if arch == "gemma2" else 0) or 0)
     tokenizer_model = _field(reader, "tokenizer.ggml.model")
     if tokenizer_model != "gpt2":
         raise FatalError(f"{path}: tokenizer model {tokenizer_model!r} is not supported (the GGUF import builds "
@@ -1402,19 +1410,29 @@ def importer_digest(source_sha256: str, weights: str) -> str:
 DIGEST_KEY = "streamfleet.shared.ggufimport"
 
 
-def context_for(m: GgufModel, max_context: int | None) -> tuple[int, str]:
-    """The served context: the file's, capped by the operator or by the default cap."""
+def context_for(m: GgufModel, max_context: int | None, *, gqa: bool = False) -> tuple[int, str]:
+    """The served context: the file's, capped by the operator or by the default cap; and
+    by a sliding window the graph does not mask (``masks_window``; ``gqa``: the
+    GroupQueryAttention layout's)."""
     ctx, note = m.context_length, f"{m.architecture}.context_length"
-    if m.window and m.window < ctx:
+    if m.window and m.window < ctx and not masks_window(m, gqa):
         # within the window a sliding-window mask masks nothing: exact without one
         ctx, note = m.window, f"the file's sliding window ({m.architecture}.attention.sliding_window)"
         if max_context is not None and max_context > ctx:
-            note += f"; --max-context {max_context} would need the window's mask, which is not built"
+            note += f"; --max-context {max_context} would need the window's mask, which this layout does not build"
     if max_context is not None and max_context < ctx:
         return max_context, "--max-context"
     if max_context is None and ctx > DEFAULT_MAX_CONTEXT:
         return DEFAULT_MAX_CONTEXT, f"the file's {ctx}, capped at {DEFAULT_MAX_CONTEXT}; --max-context to change"
     return ctx, note
+
+
+def masks_window(m: GgufModel, gqa: bool) -> bool:
+    """Whether a graph layout masks ``m``'s sliding window: the GroupQueryAttention one
+    does for gemma2/gemma3 (the op's ``local_window_size`` on their sliding-window layers);
+    the with-past graph never, and phi3's window is not masked (llama.cpp serves phi3
+    without it, transformers with it: the two agree only within it)."""
+    return gqa and bool(m.window) and m.gemma
 
 
 def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHTS, max_context: int,
@@ -1429,6 +1447,9 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
     Raises:
         FatalError: a weights mode the file cannot use, or the files cannot be written.
     """
+    if m.window and max_context > m.window:
+        raise FatalError(f"{m.path}: a context of {max_context} tokens is beyond the sliding window of {m.window} "
+                         f"({m.architecture}.attention.sliding_window), which the with-past graph does not mask")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     sha = source_sha256 or sha256_of(m.path)
@@ -1500,7 +1521,7 @@ def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFA
         FatalError: the file cannot be served exactly, or the destination exists.
     """
     m = read_gguf(source)
-    ctx, note = context_for(m, max_context)
+    ctx, note = context_for(m, max_context, gqa=weights == AUTO)  # auto serves the GroupQueryAttention graph
     if weights not in WEIGHT_MODES and weights != AUTO:
         raise FatalError(f"--weights must be auto or one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     dest = Path(dest_root) / name

@@ -171,3 +171,49 @@ def test_a_missing_bias_or_norm_is_refused_by_name(tmp_path):
     del model.tensors["blk.0.attn_q_norm.weight"]
     with pytest.raises(FatalError, match="tensor blk.0.attn_q_norm.weight is missing"):
         read_gguf(write_tiny_gguf(tmp_path / "b.gguf", model, arch="qwen3"))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_the_gqa_graph_masks_gemmas_sliding_window(tmp_path, arch, weights):
+    """A window of 4 positions, sequences of up to 14: the GroupQueryAttention graph's
+    sliding-window layers (``local_window_size``) see what the numpy pass's window does,
+    prefilled together and decoded; the with-past graph's context is capped at the window."""
+    model = _model(arch, seed=38, window=4)
+    src = _write(tmp_path, model)
+    m = read_gguf(src)
+    assert context_for(m, None)[0] == 4 and context_for(m, None, gqa=True)[0] == model.context
+    dest, description = import_gguf(src, tmp_path / "engines", "m", weights=weights, max_batch=8)
+    assert "max_context = 4\n" in (dest / "engine.toml").read_text()
+    assert "masked by the GroupQueryAttention graph" in description
+    toml = dest / "engine.toml"
+    toml.write_text(toml.read_text().replace("max_context = 4\n", f"max_context = {model.context}\n"))
+    write_gqa_graph(m, dest, weights=weights, max_context=model.context)
+    gqa = OnnxGqaEngine(ModelRepository(tmp_path / "engines").get("m"), threads=1)
+    _check(gqa, model)
+    # a prompt in chunks (a later chunk of several tokens after a past: the op's other path)
+    prompt = PROMPTS[2] + PROMPTS[0]
+    gqa.start([("c", prompt)])
+    for lo, hi in ((0, 3), (3, 4), (4, 12), (12, len(prompt))):
+        last = gqa.extend([("c", prompt[lo:hi])])[0]
+        np.testing.assert_allclose(last, numpy_logits(model, prompt[:hi])[-1], atol=2e-4, rtol=0, err_msg=f"{hi}")
+    gqa.close()
+    graph = build_gqa_graph(m, weights, max_positions=model.context + 1).graph
+    import onnx
+
+    windows = [next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == "local_window_size"), None)
+               for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert windows == [4 if m.sliding(i) else None for i in range(m.n_layer)]
+    assert None in windows and 4 in windows
+    with pytest.raises(FatalError, match="beyond the sliding window of 4"):
+        from streamfleet.shared.ggufimport import write_model_files
+
+        write_model_files(m, tmp_path / "x", weights=weights, max_context=model.context)
+
+
+def test_a_window_changes_the_numpy_pass(tmp_path):
+    # the window test above compares against something that differs from no window
+    a = _model("gemma2", seed=38, window=4)
+    b = _model("gemma2", seed=38, window=128)
+    ids = PROMPTS[2]
+    assert np.abs(numpy_logits(a, ids)[-1] - numpy_logits(b, ids)[-1]).max() > 1e-2
