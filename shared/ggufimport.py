@@ -1,12 +1,15 @@
-"""``streamfleet engines import FILE.gguf``: a Llama-family GGUF file (llama.cpp's format)
-turned into a model folder the ONNX Runtime engine serves, without torch.
+"""``streamfleet engines import FILE.gguf``: a GGUF file (llama.cpp's format) of a Llama,
+Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 model turned into a model folder the ONNX Runtime
+engine serves, without torch.
 
 What is read from the file (``gguf``'s reader, numpy only):
 
-* the architecture (``general.architecture``: ``llama``; anything else is refused by
-  name), layers, hidden size, heads and KV heads, RoPE base and dimensions, the RMSNorm
-  epsilon and the context length; any setting the graph below does not apply (RoPE
-  scaling, a sliding window, experts, logit soft-capping...) refuses the file by name;
+* the architecture (``general.architecture``: ``llama``, ``qwen2``, ``qwen3``, ``phi3``,
+  ``gemma2``, ``gemma3``: ``_ARCH_KEYS``, docs/models.md "Architectures"; anything else is
+  refused by name), layers, hidden size, heads and KV heads, head size, RoPE bases and
+  dimensions, the RMSNorm epsilon, soft-capping, the sliding window and the context
+  length; any setting the graph below does not apply (RoPE scaling, experts, a sliding
+  window pattern...) refuses the file by name;
 * the weights, each by its quantization type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
   Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (``SUPPORTED_TYPES``; any other, the IQ types
   among them, refuses the file by name), each with the values ``gguf``'s own
@@ -16,13 +19,16 @@ What is read from the file (``gguf``'s reader, numpy only):
   control tokens as special tokens, the pre-tokenizer named by ``tokenizer.ggml.pre``),
   BOS/EOS/PAD/UNK ids, whether BOS is added, and the chat template.
 
-The graph (``model.onnx`` + ``model.onnx.data``) is a Llama decoder in the layout the
-engine batches (docs/models.md): ``input_ids``, ``attention_mask``, ``position_ids`` and
-``past_key_values.N.key/value`` in; ``logits`` of the last position and
-``present.N.key/value`` out. Attention is grouped-query without copying the KV heads
+The graph (``model.onnx`` + ``model.onnx.data``) is the architecture's decoder in the
+layout the engine batches (docs/models.md): ``input_ids``, ``attention_mask``,
+``position_ids`` and ``past_key_values.N.key/value`` in; ``logits`` of the last position
+and ``present.N.key/value`` out. Attention is grouped-query without copying the KV heads
 (the query heads of a group are folded into its rows), RoPE is HF's rotate-half form
-(llama.cpp's Q/K row permutation is undone at import), the feed-forward is SwiGLU, and
-the output layer is tied to the embedding or not, as the file says.
+(llama.cpp's Q/K row permutation of a llama file is undone at import; the other
+architectures are stored unpermuted), the feed-forward is gated (SiLU, or GELU(tanh) for
+gemma), and the output layer is tied to the embedding or not, as the file says. What each
+architecture adds (biases, Q/K norms, fused matrices cut apart, post-norms,
+soft-capping, sliding windows): ``ARCH_NOTES`` and docs/models.md, "Architectures".
 
 Weights (``--weights``, docs/models.md has the measured figures):
 

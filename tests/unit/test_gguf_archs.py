@@ -1,11 +1,14 @@
 """The GGUF import's architectures beyond llama (shared/ggufimport.py, shared/gguf_gqa.py;
 docs/models.md, "Architectures"): qwen2 (Q/K/V biases), qwen3 (per-head RMSNorm of Q and
-K, a head size of its own), phi3 (fused Q|K|V and gate|up matrices, a sliding window).
-Small random files written with ``gguf.GGUFWriter`` (tests/support/gguf_models.py), in
-F32-free quantized mixes and in fp16, through both graph layouts (the with-past graph and
-the GroupQueryAttention one that ``weights = "auto"`` serves), against the numpy forward
-pass written from each architecture's definition, alone and batched; what the import does
-not compute is refused by name. No real model file, no torch, no network."""
+K, a head size of its own), phi3 (fused Q|K|V and gate|up matrices, a sliding window that
+caps the context), gemma2 and gemma3 (scaled embeddings, GELU, post-norms, soft-capping,
+sliding-window layers masked by the GroupQueryAttention graph, gemma3's Q/K norms and
+second RoPE base). Small random files written with ``gguf.GGUFWriter``
+(tests/support/gguf_models.py) in every weight type, through both graph layouts (the
+with-past graph and the GroupQueryAttention one that ``weights = "auto"`` serves), against
+the numpy forward pass written from each architecture's definition, prefilled together
+and decoded batched; what the import does not compute is refused by name. No real model
+file, no torch, no network."""
 
 from __future__ import annotations
 
@@ -90,6 +93,9 @@ def test_both_graph_layouts_equal_the_numpy_forward_pass(tmp_path, arch, weights
 MIXES = {
     "q4_k_m": dict(qtype="Q4_K", head_qtype="Q6_K", overrides={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "halves": dict(qtype="F16", head_qtype="BF16", overrides={"ffn_down": "Q8_0"}),
+    # the other block types (phi3's fused matrices by their own names)
+    "others": dict(qtype="Q5_K", head_qtype="Q5_0", overrides={"attn_k": "Q5_1", "attn_qkv": "Q5_1", "ffn_up": "Q3_K",
+                                                                "ffn_gate": "Q2_K", "attn_output": "Q4_0"}),
 }
 
 
