@@ -84,12 +84,15 @@ CACHE_ROWS_KEY = "streamfleet.gqa.cache_rows"
 CACHE_ROW_MULTIPLE = 64
 
 
-def rope_caches(head_dim: int, base: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, head_dim/2] (fp32): transformers' ``inv_freq`` in fp32, the
-    angle ``position * inv_freq`` rounded to fp32 (its ``freqs``), then the cosine and sine
-    of that angle rounded to fp32 (computed in float64: the correctly rounded value)."""
+def rope_caches(head_dim: int, base: float, positions: int, factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [positions, head_dim/2] (fp32): transformers' ``inv_freq`` in fp32 (divided
+    by ``factor`` for linear scaling, as transformers divides it), the angle ``position *
+    inv_freq`` rounded to fp32 (its ``freqs``), then the cosine and sine of that angle
+    rounded to fp32 (computed in float64: the correctly rounded value)."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
+    if factor != 1.0:
+        inv_freq = (inv_freq / np.float32(factor)).astype(np.float32)
     angles = (np.arange(positions, dtype=np.int64).astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float32)
     wide = angles.astype(np.float64)
     return np.cos(wide).astype(np.float32), np.sin(wide).astype(np.float32)
@@ -131,17 +134,18 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", TensorProto.FLOAT,
                                                          ["batch", kvh, "capacity", hd]))
     rows = -(-positions // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
-    caches: dict[float, tuple[str, str]] = {}
+    caches: dict[tuple[float, float], tuple[str, str]] = {}
 
-    def rope_cache(base: float) -> tuple[str, str]:
-        """The cos/sin caches of one RoPE base (gemma3's sliding-window layers have their own)."""
-        if base not in caches:
+    def rope_cache(base: float, factor: float) -> tuple[str, str]:
+        """The cos/sin caches of one RoPE base and scaling (gemma3's sliding-window layers
+        have their own)."""
+        if (base, factor) not in caches:
             name = "rope" if not caches else f"rope.{len(caches)}"
-            cos, sin = rope_caches(hd, base, rows)
-            caches[base] = (g.init(f"{name}.cos_cache", cos), g.init(f"{name}.sin_cache", sin))
-        return caches[base]
+            cos, sin = rope_caches(hd, base, rows, factor)
+            caches[base, factor] = (g.init(f"{name}.cos_cache", cos), g.init(f"{name}.sin_cache", sin))
+        return caches[base, factor]
 
-    rope_cache(m.rope_base)
+    rope_cache(m.rope_base, m.rope_scale)
     x = scaled_embedding(g, m, embedding(g, m, "input_ids", model_weights))
     inv_sqrt = m.attn_scale  # 1/sqrt(head size) but for gemma's 27B models
     folded = math.log2(inv_sqrt).is_integer()
@@ -162,7 +166,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
             extra["local_window_size"] = int(m.window)
         ctx, _, _ = g.op("GroupQueryAttention",
                    qkv_in + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
-                             "total_sequence_length", *rope_cache(m.layer_rope_base(i))],
+                             "total_sequence_length", *rope_cache(*m.layer_rope(i))],
                    domain="com.microsoft", outputs=[g.name("attn"), f"present.{i}.key", f"present.{i}.value"],
                    num_heads=nh, kv_num_heads=kvh, do_rotary=1, rotary_interleaved=0,
                    scale=1.0 if folded else float(inv_sqrt), **extra)

@@ -114,14 +114,18 @@ _LLAMA_KEYS = {
     "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size",
     "rope.dimension_count", "attention.key_length", "attention.value_length",
 }
+#: linear RoPE scaling (positions divided by ``rope.scaling.factor``), which the graph applies
+#: (``GgufModel.layer_rope``); any other ``rope.scaling.type`` (yarn, longrope...) is refused
+_ROPE_SCALING_KEYS = {"rope.scaling.type", "rope.scaling.factor"}
+
 #: ``general.architecture`` -> the metadata keys (under ``ARCH.``) its graph applies; any other
 #: key of the architecture refuses the file by name (docs/models.md, "Architectures")
 _ARCH_KEYS: dict[str, set[str]] = {
-    "llama": _LLAMA_KEYS,
+    "llama": _LLAMA_KEYS | _ROPE_SCALING_KEYS,
     # Llama with biases on the Q/K/V projections, rotate-half RoPE in the file's own row order
-    "qwen2": _LLAMA_KEYS,
+    "qwen2": _LLAMA_KEYS | _ROPE_SCALING_KEYS,
     # Llama with a per-head RMSNorm on Q and K before RoPE, the head size from key_length
-    "qwen3": _LLAMA_KEYS,
+    "qwen3": _LLAMA_KEYS | _ROPE_SCALING_KEYS,
     # Llama with fused Q/K/V and gate|up matrices; llama.cpp's converter writes the original
     # context (of a LongRoPE model; without its rope_factors tensors it changes nothing) and
     # the sliding window (0: none; else the served context is capped at it: ``context_for``)
@@ -132,7 +136,8 @@ _ARCH_KEYS: dict[str, set[str]] = {
     "gemma2": _LLAMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping", "attention.sliding_window"},
     # gemma2 without the attention's soft-capping, with a per-head RMSNorm on Q and K and
     # a RoPE base of their own for the sliding-window layers
-    "gemma3": _LLAMA_KEYS | {"final_logit_softcapping", "attention.sliding_window", "rope.freq_base_swa"},
+    "gemma3": _LLAMA_KEYS | _ROPE_SCALING_KEYS | {"final_logit_softcapping", "attention.sliding_window",
+                                                  "rope.freq_base_swa"},
 }
 #: every n-th layer attends to the whole context, the others within the sliding window (set
 #: by the architecture, not the file: llama.cpp's and transformers' own patterns)
@@ -215,6 +220,9 @@ class GgufModel:
     rope_base_swa: float | None = None
     #: every ``swa_pattern``-th layer global, the others sliding-window layers (0: none)
     swa_pattern: int = 0
+    #: linear RoPE scaling: positions divided by it (``rope.scaling.factor``; gemma3: its
+    #: global layers only, as llama.cpp and transformers scale them)
+    rope_scale: float = 1.0
 
     @property
     def attn_scale(self) -> float:
@@ -225,11 +233,12 @@ class GgufModel:
         """Whether ``layer`` attends within the sliding window only."""
         return bool(self.window) and (not self.swa_pattern or (layer + 1) % self.swa_pattern != 0)
 
-    def layer_rope_base(self, layer: int) -> float:
-        """The RoPE base of ``layer``: gemma3's sliding-window layers have their own."""
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """The RoPE base and linear scaling factor of ``layer``: gemma3's sliding-window
+        layers have a base of their own, unscaled."""
         if self.rope_base_swa is not None and self.swa_pattern and self.sliding(layer):
-            return self.rope_base_swa
-        return self.rope_base
+            return self.rope_base_swa, 1.0
+        return self.rope_base, self.rope_scale
     tensors: dict[str, _Tensor] = field(repr=False, default_factory=dict)
 
     def describe(self, weights: str, max_context: int, context_note: str) -> str:
@@ -244,6 +253,8 @@ class GgufModel:
             f"layers        {self.n_layer}, hidden {self.hidden}, heads {self.n_head}, KV heads {self.n_kv_head}, "
             f"head size {self.head_dim}, feed-forward {self.intermediate}",
             f"RoPE          base {self.rope_base:g}"
+            + (f", positions / {self.rope_scale:g} (linear scaling"
+               + (", global layers)" if self.rope_base_swa is not None else ")") if self.rope_scale != 1.0 else "")
             + (f" ({self.rope_base_swa:g} in the sliding-window layers)" if self.rope_base_swa is not None else "")
             + f"; RMSNorm eps {self.rms_eps:g}"
             + (f"; attention scale {self.attn_scale:g}" if self.query_scale is not None else "")
@@ -406,6 +417,17 @@ def read_gguf(path: Path) -> GgufModel:
         if value is not None and int(value) != head_dim:
             raise FatalError(f"{path}: {prefix}{key} is {value}, not the head size {head_dim} "
                              f"(partial rotary or unequal head sizes are not supported)")
+    scaling = _field(reader, prefix + "rope.scaling.type")
+    rope_scale = float(_field(reader, prefix + "rope.scaling.factor", 1.0) or 1.0)
+    if scaling not in (None, "none", "linear"):
+        raise FatalError(f"{path}: {prefix}rope.scaling.type {scaling!r} is not applied by the GGUF import (it "
+                         f"applies linear scaling only); refusing rather than serving the model approximately")
+    if scaling in (None, "none"):
+        if rope_scale != 1.0:
+            raise FatalError(f"{path}: {prefix}rope.scaling.factor {rope_scale:g} without a linear "
+                             f"{prefix}rope.scaling.type is not applied by the GGUF import")
+    elif rope_scale <= 0:
+        raise FatalError(f"{path}: {prefix}rope.scaling.factor {rope_scale:g} is not a positive factor")
     # gemma2's window where the file names none: llama.cpp's default (Gemma 2's own)
     window = int(_field(reader, prefix + "attention.sliding_window", 4096 if arch == "gemma2" else 0) or 0)
     tokenizer_model = _field(reader, "tokenizer.ggml.model")
@@ -508,7 +530,7 @@ def read_gguf(path: Path) -> GgufModel:
         final_softcap=float(_field(reader, prefix + "final_logit_softcapping", 0.0) or 0.0),
         rope_base_swa=(float(_field(reader, prefix + "rope.freq_base_swa", _GEMMA3_SWA_BASE))
                        if arch == "gemma3" else None),
-        swa_pattern=_SWA_PATTERN.get(arch, 0) if window else 0,
+        swa_pattern=_SWA_PATTERN.get(arch, 0) if window else 0, rope_scale=rope_scale,
         tensor_types=types, tokens=tokens, token_types=token_types, merges=merges, pre=pre,
         bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
@@ -1283,18 +1305,20 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     # RoPE tables [B, S, 1, hd]: HF's inv_freq, computed as transformers does in fp32 (one
     # pair per RoPE base: gemma3's sliding-window layers have their own)
     pos = g.op("Cast", [g.op("Unsqueeze", ["position_ids", g.const([-1])])], to=TensorProto.FLOAT)
-    tables: dict[float, tuple[str, str]] = {}
+    tables: dict[tuple[float, float], tuple[str, str]] = {}
 
-    def rope_table(base: float) -> tuple[str, str]:
-        if base not in tables:
+    def rope_table(base: float, factor: float) -> tuple[str, str]:
+        if (base, factor) not in tables:
             exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
             inv_freq = (1.0 / (np.float32(base) ** exponent)).astype(np.float32)
+            if factor != 1.0:  # linear scaling, as transformers divides its inv_freq
+                inv_freq = (inv_freq / np.float32(factor)).astype(np.float32)
             inv2 = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
             angles = g.op("Unsqueeze", [g.op("Mul", [pos, g.const(inv2, np.float32)]), g.const([2])])  # [B, S, 1, hd]
-            tables[base] = (g.op("Cos", [angles]), g.op("Sin", [angles]))
-        return tables[base]
+            tables[base, factor] = (g.op("Cos", [angles]), g.op("Sin", [angles]))
+        return tables[base, factor]
 
-    rope_table(m.rope_base)
+    rope_table(m.rope_base, m.rope_scale)
     x = scaled_embedding(g, m, embedding(g, m, "input_ids", weights))
     # the attention's scale (1/sqrt(head size) but for gemma's 27B models): a power of two
     # (head size 4^n, as 64) goes into the query rows, which scales every score exactly as
@@ -1320,7 +1344,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         else:
             q, k, v = (g.op("Reshape", [y, g.const([0, 0, n, hd])]) for y, n in zip(proj, (nh, kvh, kvh)))
             qk = g.op("Concat", [q, k], axis=2)
-        qk = _rope(g, qk, *rope_table(m.layer_rope_base(i)), hd)
+        qk = _rope(g, qk, *rope_table(*m.layer_rope(i)), hd)
         q, k = g.op("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
         q, k, v = (g.op("Transpose", [z], perm=[0, 2, 1, 3]) for z in (q, k, v))
         k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, outputs=[f"present.{i}.key"])

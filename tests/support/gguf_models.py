@@ -69,7 +69,7 @@ class TinyLlama:
                  context: int = 128, qtype: str = "Q4_1", head_qtype: str = "Q8_0",
                  overrides: dict[str, str] | None = None, arch: str = "llama", head_dim: int | None = None,
                  attn_softcap: float = 0.0, final_softcap: float = 0.0, window: int = 0,
-                 rope_base_swa: float | None = None) -> None:
+                 rope_base_swa: float | None = None, rope_scale: float = 1.0) -> None:
         from gguf import GGMLQuantizationType as T
         from gguf.quants import dequantize, quantize
 
@@ -86,6 +86,7 @@ class TinyLlama:
         # window, gemma3's RoPE base of its sliding-window layers
         self.attn_softcap, self.final_softcap, self.window, self.rope_base_swa = (attn_softcap, final_softcap,
                                                                                    window, rope_base_swa)
+        self.rope_scale = rope_scale  # linear RoPE scaling: positions divided by it
         self.head_dim = head_dim or hidden // n_head
         qd = n_head * self.head_dim
         self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
@@ -170,6 +171,9 @@ def write_tiny_gguf(path: Path, model: TinyLlama, *, arch: str = "llama", pre: s
         w.add_final_logit_softcapping(model.final_softcap)
     if model.window:
         w.add_sliding_window(model.window)
+    if model.rope_scale != 1.0:
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", model.rope_scale)
     if model.rope_base_swa is not None:
         w.add_float32(f"{arch}.rope.freq_base_swa", model.rope_base_swa)
     w.add_vocab_size(model.vocab)
@@ -258,6 +262,8 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
         q_pos, k_pos = pos[:, None], pos[None, :]
         causal = (k_pos <= q_pos) & (~sliding | (q_pos - k_pos < max(model.window, 1)))
         base = model.rope_base_swa if sliding and model.rope_base_swa is not None else model.rope_base
+        # linear scaling: positions divided by the factor (gemma3: in its global layers only)
+        scaled = pos / (1.0 if sliding and model.rope_base_swa is not None else model.rope_scale)
         p = f"blk.{i}."
         h = norm(x, v[p + "attn_norm.weight"])
         if model.arch == "phi3":
@@ -270,7 +276,7 @@ def numpy_logits(model: TinyLlama, ids: list[int]) -> np.ndarray:
         q, k, val = q.reshape(s, nh, hd), k.reshape(s, kvh, hd), val.reshape(s, kvh, hd)
         if model.arch in ("qwen3", "gemma3"):
             q, k = norm(q, v[p + "attn_q_norm.weight"]), norm(k, v[p + "attn_k_norm.weight"])
-        q, k = rope(q, pos, base), rope(k, pos, base)
+        q, k = rope(q, scaled, base), rope(k, scaled, base)
         ctx = np.empty((s, nh, hd))
         for head in range(nh):
             g = head // (nh // kvh)

@@ -149,7 +149,9 @@ def test_phi3s_sliding_window_caps_the_context(tmp_path):
 @pytest.mark.parametrize("arch, case, expect", [
     ("gemma", {}, "architecture 'gemma' is not supported"),
     ("gemma3n", {}, "architecture 'gemma3n' is not supported"),
-    ("gemma3", {"extra": {"gemma3.rope.scaling.type": "linear"}}, "gemma3.rope.scaling.type"),
+    ("gemma3", {"extra": {"gemma3.rope.scaling.type": "yarn"}}, "gemma3.rope.scaling.type 'yarn'"),
+    ("qwen2", {"extra": {"qwen2.rope.scaling.factor": 4.0}}, "qwen2.rope.scaling.factor 4 without a linear"),
+    ("phi3", {"extra": {"phi3.rope.scaling.type": "linear"}}, "phi3.rope.scaling.type"),
     ("gemma2", {"extra": {"gemma2.attention.sliding_window_pattern": 3}}, "gemma2.attention.sliding_window_pattern"),
     ("qwen2", {"extra": {"qwen2.rope.scaling.type": "yarn"}}, "qwen2.rope.scaling.type"),
     ("qwen3", {"extra": {"qwen3.rope.scaling.factor": 4.0}}, "qwen3.rope.scaling.factor"),
@@ -223,3 +225,18 @@ def test_a_window_changes_the_numpy_pass(tmp_path):
     b = _model("gemma2", seed=38, window=128)
     ids = PROMPTS[2]
     assert np.abs(numpy_logits(a, ids)[-1] - numpy_logits(b, ids)[-1]).max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_linear_rope_scaling(tmp_path, arch):
+    """``rope.scaling.type`` linear (Gemma 3 4B-27B: factor 8 in the global layers only;
+    Llama-family files: every layer) divides the positions by the factor, in both layouts."""
+    model = _model(arch, seed=39, rope_scale=8.0) if arch != "llama" else TinyLlama(seed=39, rope_scale=4.0)
+    concat, gqa, description = _engines(tmp_path, model, "fp32")
+    _check(concat, model, steps=2)
+    _check(gqa, model, steps=2)
+    gqa.close()
+    assert "(linear scaling" in description
+    unscaled = _model(arch, seed=39) if arch != "llama" else TinyLlama(seed=39)
+    ids = PROMPTS[2]
+    assert np.abs(numpy_logits(model, ids)[-1] - numpy_logits(unscaled, ids)[-1]).max() > 1e-2
