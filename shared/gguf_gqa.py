@@ -138,14 +138,13 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
 
     def rope_cache(base: float, factor: float) -> tuple[str, str]:
         """The cos/sin caches of one RoPE base and scaling (gemma3's sliding-window layers
-        have their own)."""
+        have their own), made when a layer first uses them (a graph holds no unused one)."""
         if (base, factor) not in caches:
             name = "rope" if not caches else f"rope.{len(caches)}"
             cos, sin = rope_caches(hd, base, rows, factor)
             caches[base, factor] = (g.init(f"{name}.cos_cache", cos), g.init(f"{name}.sin_cache", sin))
         return caches[base, factor]
 
-    rope_cache(m.rope_base, m.rope_scale)
     x = scaled_embedding(g, m, embedding(g, m, "input_ids", model_weights))
     inv_sqrt = m.attn_scale  # 1/sqrt(head size) but for gemma's 27B models
     folded = math.log2(inv_sqrt).is_integer()

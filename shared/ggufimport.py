@@ -1318,7 +1318,6 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
             tables[base, factor] = (g.op("Cos", [angles]), g.op("Sin", [angles]))
         return tables[base, factor]
 
-    rope_table(m.rope_base, m.rope_scale)
     x = scaled_embedding(g, m, embedding(g, m, "input_ids", weights))
     # the attention's scale (1/sqrt(head size) but for gemma's 27B models): a power of two
     # (head size 4^n, as 64) goes into the query rows, which scales every score exactly as
