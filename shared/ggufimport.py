@@ -15,9 +15,11 @@ What is read from the file (``gguf``'s reader, numpy only):
   among them, refuses the file by name), each with the values ``gguf``'s own
   ``dequantize`` gives (what transformers loads from the same file), kept packed
   (``--weights q4``, below) or as fp32;
-* the tokenizer (``tokenizer.ggml.*``: a GPT-2-style byte-level BPE with its merges, the
-  control tokens as special tokens, the pre-tokenizer named by ``tokenizer.ggml.pre``),
-  BOS/EOS/PAD/UNK ids, whether BOS is added, and the chat template.
+* the tokenizer (``tokenizer.ggml.*``: a GPT-2-style byte-level BPE with its merges and
+  the pre-tokenizer named by ``tokenizer.ggml.pre``, or a SentencePiece vocabulary with its
+  scores, byte-fallback tokens and space prefix; the control tokens as special tokens;
+  docs/models.md, "Tokenizers"), BOS/EOS/PAD/UNK ids, whether BOS is added, and the chat
+  template.
 
 The graph (``model.onnx`` + ``model.onnx.data``) is the architecture's decoder in the
 layout the engine batches (docs/models.md): ``input_ids``, ``attention_mask``,
@@ -95,18 +97,55 @@ LOGITS_TO_KEEP = "logits_to_keep"
 #: the additive mask of a masked slot: the most negative fp32, as transformers uses
 _MASKED = float(np.finfo(np.float32).min)
 
-#: ``tokenizer.ggml.pre`` -> the pre-tokenizer of the original tokenizer.json (llama.cpp
-#: keeps the name only; these are the splits its own tokenizer code applies for each)
+#: ``tokenizer.ggml.pre`` -> the pre-tokenizer of a byte-level BPE (``tokenizer.ggml.model``
+#: ``gpt2``): llama.cpp keeps the name only and splits text by the regular expressions it
+#: maps the name to; these are the same splits (docs/models.md, "Tokenizers"), checked on
+#: tests/fixtures/gguf/tokenizers/ against transformers' and llama.cpp's ids
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 #: SmolLM / StarCoder: every digit on its own, then GPT-2's split
 _DIGITS_FIRST = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]}
+
+
+def _split_then_bytes(regex: str) -> dict[str, Any]:
+    """A split by ``regex`` (each match its own piece), then the byte-level alphabet."""
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+
+
+#: Llama 3's split: contractions, letters with one leading non-letter, digits in threes
+_LLAMA3_SPLIT = _split_then_bytes(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+")
+#: Qwen2's: Llama 3's with every digit on its own
+_QWEN2_SPLIT = _split_then_bytes(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    # GPT-2's split; "default" (a file whose converter named none) as transformers reads it:
+    # llama.cpp's own "default" splits punctuation runs first (docs/models.md, "Tokenizers")
     "default": _BYTE_LEVEL,
     "gpt2": _BYTE_LEVEL,
     "gpt-2": _BYTE_LEVEL,
     "smollm": _DIGITS_FIRST,
     "starcoder": _DIGITS_FIRST,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+#: pre-tokenizers whose words found whole in the vocabulary are one token, merges or not
+#: (llama.cpp's ``ignore_merges``; Llama 3's tokenizer.json says the same)
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
+
+#: ``tokenizer.ggml.model`` -> what the import builds (docs/models.md, "Tokenizers")
+TOKENIZER_MODELS = {
+    "gpt2": "byte-level BPE",
+    "llama": "SentencePiece BPE (merges ranked by the file's scores, byte fallback)",
+}
+#: llama.cpp's token types (``tokenizer.ggml.token_type``)
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
 
 #: metadata keys of a llama GGUF the graph applies or that change nothing it computes
 _LLAMA_KEYS = {
@@ -199,6 +238,12 @@ class GgufModel:
     #: end-of-turn / end-of-message ids (``tokenizer.ggml.eot_token_id``, ``eom``): llama.cpp
     #: stops on them as on EOS, and so does the fleet
     end_ids: tuple[int, ...] = ()
+    #: ``tokenizer.ggml.model``: ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece)
+    tokenizer_model: str = "gpt2"
+    #: SentencePiece scores (``tokenizer.ggml.scores``; the merges are ranked by them)
+    scores: list[float] = field(default_factory=list)
+    #: SentencePiece: a space put before the text (``tokenizer.ggml.add_space_prefix``)
+    add_space_prefix: bool = False
     #: biases on the Q, K and V projections (qwen2)
     qkv_bias: bool = False
     #: a per-head RMSNorm on Q and K before RoPE (qwen3: ``attn_q_norm`` / ``attn_k_norm``)
@@ -269,8 +314,10 @@ class GgufModel:
             f"weights       {weights}: {_WEIGHT_NOTES[weights]}",
             f"matrices      {self.matrix_note(weights)}",
             f"context       {max_context} tokens ({context_note})",
-            f"tokenizer     byte-level BPE, {len(self.tokens)} tokens, {len(self.merges)} merges, "
-            f"pre-tokenizer {self.pre!r}",
+            (f"tokenizer     byte-level BPE, {len(self.tokens)} tokens, {len(self.merges)} merges, "
+             f"pre-tokenizer {self.pre!r}" if self.tokenizer_model == "gpt2" else
+             f"tokenizer     SentencePiece BPE, {len(self.tokens)} tokens (merges ranked by their scores, byte "
+             f"fallback), {'a space before the text' if self.add_space_prefix else 'no space prefix'}"),
             f"BOS           {bos!r} ({self.bos_id}); "
             f"{'added to every prompt' if self.add_bos else 'not added to prompts'}",
             f"EOS ids       {self.stop_ids()} ({', '.join(repr(self.token_text(i)) for i in self.stop_ids())})"
@@ -430,21 +477,7 @@ def read_gguf(path: Path) -> GgufModel:
         raise FatalError(f"{path}: {prefix}rope.scaling.factor {rope_scale:g} is not a positive factor")
     # gemma2's window where the file names none: llama.cpp's default (Gemma 2's own)
     window = int(_field(reader, prefix + "attention.sliding_window", 4096 if arch == "gemma2" else 0) or 0)
-    tokenizer_model = _field(reader, "tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise FatalError(f"{path}: tokenizer model {tokenizer_model!r} is not supported (the GGUF import builds "
-                         f"GPT-2-style byte-level BPE tokenizers, tokenizer.ggml.model 'gpt2')")
-    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
-    if pre not in _PRE_TOKENIZERS:
-        raise FatalError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known to the GGUF import "
-                         f"(known: {', '.join(sorted(_PRE_TOKENIZERS))}); refusing rather than splitting text "
-                         f"differently from the model's own tokenizer")
-    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens", [])]
-    if not tokens:
-        raise FatalError(f"{path}: tokenizer.ggml.tokens is missing")
-    token_types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
-    merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges", [])]
-
+    tok = _read_tokenizer(reader, path)
     tensors: dict[str, _Tensor] = {}
     types: dict[str, int] = {}
     for t in reader.tensors:
@@ -467,7 +500,7 @@ def read_gguf(path: Path) -> GgufModel:
             raise FatalError(f"{path}: tensor {name} has shape {t.shape}, expected {shape}")
         return t
 
-    vocab = len(tokens)
+    vocab = len(tok.tokens)
     declared_vocab = _field(reader, prefix + "vocab_size")
     if declared_vocab is not None and int(declared_vocab) != vocab:
         raise FatalError(f"{path}: {prefix}vocab_size {declared_vocab} differs from the {vocab} tokens listed")
@@ -513,11 +546,6 @@ def read_gguf(path: Path) -> GgufModel:
                          f"of the {arch} graph the import builds (biases, experts, rope factors or other extensions "
                          f"are not supported)")
 
-    def opt_id(key: str) -> int | None:
-        v = _field(reader, key)
-        return int(v) if v is not None else None
-
-    template = _field(reader, "tokenizer.chat_template")
     return GgufModel(
         path=path, architecture=arch, name=str(_field(reader, "general.name", "") or ""),
         n_layer=n_layer, hidden=hidden, intermediate=intermediate, n_head=n_head, n_kv_head=n_kv_head,
@@ -531,12 +559,97 @@ def read_gguf(path: Path) -> GgufModel:
         rope_base_swa=(float(_field(reader, prefix + "rope.freq_base_swa", _GEMMA3_SWA_BASE))
                        if arch == "gemma3" else None),
         swa_pattern=_SWA_PATTERN.get(arch, 0) if window else 0, rope_scale=rope_scale,
-        tensor_types=types, tokens=tokens, token_types=token_types, merges=merges, pre=pre,
+        tensor_types=types, tensors=tensors, **{k: v for k, v in vars(tok).items() if k != "path"},
+    )
+
+
+@dataclass
+class GgufTokenizer:
+    """The tokenizer fields of a GGUF file (``GgufModel`` has the same ones)."""
+
+    path: Path
+    tokenizer_model: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    scores: list[float]
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+    end_ids: tuple[int, ...]
+
+    def token_text(self, tid: int | None) -> str | None:
+        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
+
+
+def read_gguf_tokenizer(path: Path) -> GgufTokenizer:
+    """The tokenizer of a GGUF file alone (no architecture or tensors read).
+
+    Raises:
+        FatalError: the file is not a GGUF file, or its tokenizer is one the import does not build.
+    """
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise FatalError(f"{path}: cannot read it as a GGUF file ({exc})") from None
+    return _read_tokenizer(reader, path)
+
+
+def _read_tokenizer(reader: Any, path: Path) -> GgufTokenizer:
+    """``tokenizer.ggml.*`` and ``tokenizer.chat_template``: a byte-level BPE (``gpt2``) with a
+    pre-tokenizer of ``_PRE_TOKENIZERS``, or a SentencePiece vocabulary (``llama``) with its
+    scores; anything else is refused by name (docs/models.md, "Tokenizers")."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model not in TOKENIZER_MODELS:
+        raise FatalError(f"{path}: tokenizer model {model!r} is not supported (the GGUF import builds "
+                         f"{', '.join(f'{k!r} ({v})' for k, v in TOKENIZER_MODELS.items())}: docs/models.md, "
+                         f"\"Tokenizers\")")
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    if model == "gpt2" and pre not in _PRE_TOKENIZERS:
+        raise FatalError(f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known to the GGUF import "
+                         f"(known: {', '.join(sorted(_PRE_TOKENIZERS))}); refusing rather than splitting text "
+                         f"differently from the model's own tokenizer")
+    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens", [])]
+    if not tokens:
+        raise FatalError(f"{path}: tokenizer.ggml.tokens is missing")
+    token_types = [int(t) for t in _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
+    merges = [str(m) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    scores = [float(x) for x in _field(reader, "tokenizer.ggml.scores", [])]
+    if model == "llama":
+        if len(scores) != len(tokens):
+            raise FatalError(f"{path}: tokenizer model 'llama' is not supported without tokenizer.ggml.scores "
+                             f"(one per token: the SentencePiece merges are ranked by them)")
+        if merges:
+            raise FatalError(f"{path}: tokenizer model 'llama' with tokenizer.ggml.merges is not supported (the "
+                             f"import ranks a SentencePiece vocabulary's merges by its scores)")
+        if _BYTE not in token_types:
+            raise FatalError(f"{path}: tokenizer model 'llama' without byte tokens (<0xNN>, token type 6) is not "
+                             f"supported (the import builds byte-fallback SentencePiece tokenizers)")
+
+    def opt_id(key: str) -> int | None:
+        v = _field(reader, key)
+        return int(v) if v is not None else None
+
+    template = _field(reader, "tokenizer.chat_template")
+    return GgufTokenizer(
+        path=path, tokenizer_model=str(model), tokens=tokens, token_types=token_types, merges=merges,
+        scores=scores, pre=pre,
         bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
         add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=str(template) if template else None, tensors=tensors,
+        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
+        chat_template=str(template) if template else None,
         end_ids=tuple(i for i in (opt_id("tokenizer.ggml.eot_token_id"), opt_id("tokenizer.ggml.eom_token_id"))
                       if i is not None and 0 <= i < len(tokens)),
     )
@@ -1386,20 +1499,29 @@ def model_of(g: _Graph, name: str, inputs: list[Any], outputs: list[Any], produc
 
 # -- the tokenizer -------------------------------------------------------------------------------
 
-def build_tokenizer_json(m: GgufModel) -> dict[str, Any]:
-    """A ``tokenizer.json`` (Hugging Face tokenizers) equal to the model's own: byte-level
-    BPE with the file's vocabulary and merges, its control and user-defined tokens as
-    added tokens, BOS added by the post-processor when the file says so."""
+def build_tokenizer_json(m: GgufModel | GgufTokenizer) -> dict[str, Any]:
+    """A ``tokenizer.json`` (Hugging Face tokenizers) equal to the model's own
+    (docs/models.md, "Tokenizers"): for ``gpt2``, byte-level BPE with the file's vocabulary
+    and merges, split as its pre-tokenizer says; for ``llama``, SentencePiece as a BPE whose
+    merges are ranked by the file's scores, with byte fallback to its ``<0xNN>`` tokens and
+    ``▁`` for spaces. Control (and unknown) tokens are special added tokens, user-defined ones
+    plain added tokens (each matched whole, as llama.cpp does); BOS is added by the
+    post-processor when the file says so."""
     vocab = {tok: i for i, tok in enumerate(m.tokens)}
     if len(vocab) != len(m.tokens):
         raise FatalError(f"{m.path}: tokenizer.ggml.tokens lists a token twice")
+    spm = m.tokenizer_model == "llama"
     added = []
     for i, (tok, kind) in enumerate(zip(m.tokens, m.token_types)):
-        if kind in (3, 4):  # CONTROL, USER_DEFINED
+        if kind in (_CONTROL, _USER_DEFINED) or (spm and kind == _UNKNOWN):
             added.append({"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": kind == 4, "special": kind == 3})
+                          "normalized": kind == _USER_DEFINED and not spm, "special": kind != _USER_DEFINED})
     post: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
                             "use_regex": True}
+    if spm:
+        post = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {}}
     bos = m.token_text(m.bos_id)
     if m.add_bos and bos is not None:
         post = {"type": "TemplateProcessing",
@@ -1407,6 +1529,25 @@ def build_tokenizer_json(m: GgufModel) -> dict[str, Any]:
                 "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                          {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {bos: {"id": bos, "ids": [m.bos_id], "tokens": [bos]}}}
+    if spm:
+        # a space before every piece of text between special or user-defined tokens (and the
+        # whole text), spaces as "▁": llama.cpp's add_space_prefix, which Llama 2's own
+        # tokenizer.json does as this normalizer; no pre-tokenizer (docs/models.md, "Tokenizers")
+        normalizer = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
+        if m.add_space_prefix:
+            normalizer.insert(0, {"type": "Prepend", "prepend": "\u2581"})
+        return {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": normalizer}, "pre_tokenizer": None,
+            "post_processor": post,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+                                     if m.add_space_prefix else [])},
+            "model": {"type": "BPE", "dropout": None, "unk_token": m.token_text(m.unk_id), "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": sentencepiece_merges(m.tokens, m.scores, m.token_types)},
+        }
     return {
         "version": "1.0",
         "truncation": None,
@@ -1418,8 +1559,26 @@ def build_tokenizer_json(m: GgufModel) -> dict[str, Any]:
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": m.merges},
+                  "ignore_merges": m.pre in _IGNORE_MERGES, "vocab": vocab, "merges": m.merges},
     }
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[str]:
+    """The BPE merges a SentencePiece vocabulary implies: a pair of tokens merges when the
+    two together are a (normal or user-defined) token, the pair of the higher-scored token
+    first (SentencePiece's BPE and llama.cpp merge the best-scored pair first); among one
+    token's own splits, the longer left part first, then the earlier tokens."""
+    index = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, tok in enumerate(tokens):
+        if token_types[i] not in (1, _USER_DEFINED):
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in index and right in index:
+                ranked.append((-scores[i], -len(left), i, left, right))
+    ranked.sort(key=lambda r: r[:3])
+    return [f"{left} {right}" for *_, left, right in ranked]
 
 
 # -- the folder ----------------------------------------------------------------------------------
@@ -1505,9 +1664,9 @@ def save_graph(model: Any, dest: Path, graph_file: str) -> Path:
     return dest / graph_file
 
 
-def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None:
-    """The tokenizer and config files of ``m`` in ``dest`` (every graph layout's)."""
-    dest = Path(dest)
+def write_tokenizer_only(m: GgufModel | GgufTokenizer, dest: Path, *, max_context: int) -> None:
+    """``tokenizer.json``, ``tokenizer_config.json`` (the chat template among its keys) and
+    ``special_tokens_map.json`` of ``m`` in ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(m), ensure_ascii=False))
     special = {}
@@ -1523,6 +1682,12 @@ def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None
         tok_config["chat_template"] = m.chat_template
     (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1, ensure_ascii=False))
     (dest / "special_tokens_map.json").write_text(json.dumps(special, indent=1, ensure_ascii=False))
+
+
+def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None:
+    """The tokenizer and config files of ``m`` in ``dest`` (every graph layout's)."""
+    dest = Path(dest)
+    write_tokenizer_only(m, dest, max_context=max_context)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
               "intermediate_size": m.intermediate, "num_hidden_layers": m.n_layer,
               "num_attention_heads": m.n_head, "num_key_value_heads": m.n_kv_head, "head_dim": m.head_dim,

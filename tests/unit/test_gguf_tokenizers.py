@@ -1,0 +1,163 @@
+"""The GGUF import's tokenizers (docs/models.md, "Tokenizers"), against the ids recorded in
+tests/fixtures/gguf/tokenizers/reference.json by scripts/make_gguf_tokenizer_fixtures.py:
+transformers' tokenizer loaded from the same GGUF (``AutoTokenizer.from_pretrained(dir,
+gguf_file=...)``) and llama.cpp's own (``llama-tokenize``), on 320 texts (prose, other
+scripts, CJK, emoji, code, whitespace runs, leading spaces, numbers, special tokens).
+
+Where the two references disagree the import follows llama.cpp, which splits as the
+model's own tokenizer does: transformers' GGUF loader ignores the ``smollm`` digit split
+and SentencePiece's space prefix before text that starts with a space or follows a
+special token (and ``add_space_prefix = false``). The tests check that those are the only
+disagreements. Neither torch nor transformers' GGUF reader is needed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.ggufimport import build_tokenizer_json, read_gguf_tokenizer, write_tokenizer_only
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / "tokenizers"
+REF = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
+TEXTS: list[str] = REF["texts"]
+TABLES: dict[str, list[list[int]]] = REF["tables"]
+
+#: the references each file's ids must equal on every text
+HELD_TO = {
+    "bpe-default.gguf": ("transformers",),  # llama.cpp's "default" split differs (docs/models.md)
+    "bpe-gpt2.gguf": ("transformers",),  # llama.cpp knows the name as "gpt-2" only
+    "bpe-gpt-2.gguf": ("transformers", "llamacpp"),
+    "bpe-llama-bpe.gguf": ("transformers", "llamacpp"),
+    "bpe-llama3.gguf": ("transformers", "llamacpp"),
+    "bpe-qwen2.gguf": ("transformers", "llamacpp"),
+    "bpe-deepseek-r1-qwen.gguf": ("transformers", "llamacpp"),
+    "bpe-smollm.gguf": ("llamacpp",),
+    "spm.gguf": ("llamacpp",),
+    "spm-no-prefix.gguf": ("llamacpp",),
+}
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    return Tokenizer.from_str(json.dumps(build_tokenizer_json(read_gguf_tokenizer(FIXTURES / name))))
+
+
+def test_every_fixture_is_checked():
+    assert sorted(REF["files"]) == sorted(HELD_TO)
+    assert len(TEXTS) >= 300
+
+
+@pytest.mark.parametrize("name", sorted(HELD_TO))
+def test_ids_equal_the_references(name):
+    tok = _tokenizer(name)
+    entry = REF["files"][name]
+    ours = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=False)]
+    for ref in HELD_TO[name]:
+        want = TABLES[entry[ref]]
+        bad = [i for i, (a, b) in enumerate(zip(ours, want)) if a != b]
+        assert not bad, f"{name} vs {ref}: {[(TEXTS[i], ours[i], want[i]) for i in bad[:3]]}"
+
+
+@pytest.mark.parametrize("name", ["bpe-smollm.gguf", "spm.gguf"])
+def test_transformers_differs_only_where_it_ignores_the_files_split(name):
+    tok = _tokenizer(name)
+    entry = REF["files"][name]
+    ours = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=False)]
+    bad = [i for i, (a, b) in enumerate(zip(ours, TABLES[entry["transformers"]])) if a != b]
+    assert bad  # the fixtures do show the difference
+    for i in bad:
+        text = TEXTS[i]
+        if name == "bpe-smollm.gguf":  # transformers does not split the digits one by one
+            assert any(c.isdigit() for c in text), text
+        else:  # transformers' Metaspace adds no "▁" before a space or after a special token
+            assert text[:1] in (" ", "\u2581") or any(s in text for s in SPECIALS), text
+
+
+@pytest.mark.parametrize("name", sorted(HELD_TO))
+def test_bos_and_decoding(name):
+    m = read_gguf_tokenizer(FIXTURES / name)
+    tok = _tokenizer(name)
+    entry = REF["files"][name]
+    plain = TABLES[entry[HELD_TO[name][-1]]]
+    with_bos = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=True)]
+    assert with_bos == [([m.bos_id] if m.add_bos else []) + ids for ids in plain]
+    if "transformers" in HELD_TO[name]:
+        assert with_bos == TABLES[entry["transformers_special"]]
+    for text, ids in zip(TEXTS, plain):
+        # (a SentencePiece vocabulary spells a space "▁": a "▁" in the text decodes as a space)
+        if not any(s in text for s in SPECIALS) and not (m.tokenizer_model == "llama" and "\u2581" in text):
+            assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_the_sentencepiece_file_is_read_as_sentencepiece():
+    m = read_gguf_tokenizer(FIXTURES / "spm.gguf")
+    assert m.tokenizer_model == "llama" and m.add_bos and m.add_space_prefix
+    assert not read_gguf_tokenizer(FIXTURES / "spm-no-prefix.gguf").add_space_prefix
+    tok = _tokenizer("spm.gguf")
+    # bytes outside the vocabulary fall back to <0xNN> tokens
+    ids = tok.encode("😀", add_special_tokens=False).ids
+    assert [m.tokens[i] for i in ids][-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+
+
+@pytest.mark.parametrize("name", sorted(HELD_TO))
+def test_the_chat_template_comes_from_the_file(tmp_path, name):
+    from streamfleet.shared.modelrepo import _load_tokenizer_cached
+
+    m = read_gguf_tokenizer(FIXTURES / name)
+    write_tokenizer_only(m, tmp_path, max_context=64)
+    tok = _load_tokenizer_cached(str(tmp_path / "tokenizer.json"))
+    # as the fleet loads it: BOS once where the file says so
+    plain = tok.encode("Hello", add_special_tokens=False)
+    assert tok.encode("Hello") == ([m.bos_id] if m.add_bos else []) + plain
+    for chat in REF["files"][name]["chat"]:
+        text = tok.apply_chat_template(chat["messages"], tokenize=False, add_generation_prompt=True)
+        assert text == chat["text"]
+        want = chat["llamacpp_ids"] if "llamacpp" in HELD_TO[name] else chat["ids"]
+        assert tok.encode(text, add_special_tokens=False) == want
+        if "transformers" in HELD_TO[name]:
+            assert tok.encode(text, add_special_tokens=False) == chat["ids"]
+
+
+def _rewrite(src: Path, dest: Path, **changes) -> Path:
+    """``src`` with its tokenizer.ggml.* keys changed (None: removed)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dest), "llama")
+    for f in reader.fields.values():
+        key = f.name
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        short = key.removeprefix("tokenizer.ggml.")
+        value = f.contents()
+        if short in changes:
+            value = changes.pop(short)
+            if value is None:
+                continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for short, value in changes.items():
+        w.add_string(f"tokenizer.ggml.{short}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+@pytest.mark.parametrize("src, changes, expect", [
+    ("bpe-qwen2.gguf", {"pre": "deepseek-llm"}, "pre-tokenizer 'deepseek-llm'"),
+    ("bpe-qwen2.gguf", {"pre": "tekken"}, "pre-tokenizer 'tekken'"),
+    ("bpe-qwen2.gguf", {"model": "bert"}, "tokenizer model 'bert' is not supported"),
+    ("spm.gguf", {"model": "t5"}, "tokenizer model 't5' is not supported"),
+    ("spm.gguf", {"scores": None}, "without tokenizer.ggml.scores"),
+])
+def test_a_tokenizer_the_import_does_not_build_is_refused_by_name(tmp_path, src, changes, expect):
+    bad = _rewrite(FIXTURES / src, tmp_path / "x.gguf", **changes)
+    with pytest.raises(FatalError, match=expect):
+        read_gguf_tokenizer(bad)
