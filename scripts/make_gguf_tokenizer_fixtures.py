@@ -17,7 +17,7 @@ small:
   ``<0xNN>`` byte-fallback tokens, ``▁`` for spaces, a dummy prefix), trained the way
   Llama's was (identity normalization, digits split, byte fallback, whitespace pieces).
 
-``reference.json`` holds, per file, transformers' ids of every text (without and with the
+``reference.json`` holds, per file (under ``tokenizers``), transformers' ids of every text (without and with the
 special tokens), where its decoding differs from the text, and the chat template's output
 and ids; for ``spm.gguf`` also the texts where sentencepiece itself gives other ids. With
 ``--llama-tokenize BIN`` (llama.cpp's ``llama-tokenize``, built from the llama-cpp-python
@@ -253,27 +253,30 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     all_texts = texts()
     tables: dict = {}
-    ref: dict = {"texts": all_texts, "files": {}, "tables": tables}
+    # "files" (no model files here) keeps tests/unit/test_gguf_fixtures.py, which runs the model
+    # files every folder under tests/fixtures/gguf/ lists there, off these tokenizer-only ones
+    ref: dict = {"note": "tokenizer-only GGUF files: their ids are under 'tokenizers'", "files": {},
+                 "texts": all_texts, "tokenizers": {}, "tables": tables}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokens, merges, types = train_bpe(work)
         for pre in BPE_PRES:
             name = f"bpe-{pre}.gguf"
             write_bpe(OUT / name, pre, tokens, merges, types)
-            ref["files"][name] = reference(OUT, name, all_texts, tables, args.llama_tokenize)
+            ref["tokenizers"][name] = reference(OUT, name, all_texts, tables, args.llama_tokenize)
         sp = train_spm(work)
         write_spm(OUT / "spm.gguf", sp)
         entry = reference(OUT, "spm.gguf", all_texts, tables, args.llama_tokenize)
         entry["sentencepiece_differs"] = [i for i, (t, ids) in enumerate(zip(all_texts, tables[entry["transformers"]]))
                                           if sp.encode(t) != ids]
-        ref["files"]["spm.gguf"] = entry
+        ref["tokenizers"]["spm.gguf"] = entry
         # the same vocabulary without the space prefix (tokenizer.ggml.add_space_prefix false),
         # which transformers' loader ignores: llama.cpp's ids are its reference
         write_spm(OUT / "spm-no-prefix.gguf", sp, space_prefix=False)
-        ref["files"]["spm-no-prefix.gguf"] = reference(OUT, "spm-no-prefix.gguf", all_texts, tables,
+        ref["tokenizers"]["spm-no-prefix.gguf"] = reference(OUT, "spm-no-prefix.gguf", all_texts, tables,
                                                        args.llama_tokenize)
     (OUT / "reference.json").write_text(json.dumps(ref, ensure_ascii=False, separators=(",", ":")))
-    for name, e in ref["files"].items():
+    for name, e in ref["tokenizers"].items():
         tf = tables[e["transformers"]]
         lc = tables[e["llamacpp"]] if e["llamacpp"] else None
         extra = f", llama.cpp differs on {sum(a != b for a, b in zip(tf, lc))} texts" if lc else ", no llama.cpp ids"

@@ -478,6 +478,10 @@ def read_gguf(path: Path) -> GgufModel:
     # gemma2's window where the file names none: llama.cpp's default (Gemma 2's own)
     window = int(_field(reader, prefix + "attention.sliding_window", 4096 if arch == "gemma2" else 0) or 0)
     tok = _read_tokenizer(reader, path)
+    if tok.tokenizer_model == "llama" and arch in ("gemma2", "gemma3"):
+        raise FatalError(f"{path}: a SentencePiece tokenizer (tokenizer.ggml.model 'llama') in a {arch} file is not "
+                         f"supported (the import's SentencePiece tokenizer is checked on Llama-style vocabularies only, "
+                         f"Gemma's not yet: docs/models.md, \"Tokenizers\")")
     tensors: dict[str, _Tensor] = {}
     types: dict[str, int] = {}
     for t in reader.tensors:

@@ -47,14 +47,14 @@ def _tokenizer(name: str) -> Tokenizer:
 
 
 def test_every_fixture_is_checked():
-    assert sorted(REF["files"]) == sorted(HELD_TO)
+    assert sorted(REF["tokenizers"]) == sorted(HELD_TO)
     assert len(TEXTS) >= 300
 
 
 @pytest.mark.parametrize("name", sorted(HELD_TO))
 def test_ids_equal_the_references(name):
     tok = _tokenizer(name)
-    entry = REF["files"][name]
+    entry = REF["tokenizers"][name]
     ours = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=False)]
     for ref in HELD_TO[name]:
         want = TABLES[entry[ref]]
@@ -65,7 +65,7 @@ def test_ids_equal_the_references(name):
 @pytest.mark.parametrize("name", ["bpe-smollm.gguf", "spm.gguf"])
 def test_transformers_differs_only_where_it_ignores_the_files_split(name):
     tok = _tokenizer(name)
-    entry = REF["files"][name]
+    entry = REF["tokenizers"][name]
     ours = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=False)]
     bad = [i for i, (a, b) in enumerate(zip(ours, TABLES[entry["transformers"]])) if a != b]
     assert bad  # the fixtures do show the difference
@@ -81,7 +81,7 @@ def test_transformers_differs_only_where_it_ignores_the_files_split(name):
 def test_bos_and_decoding(name):
     m = read_gguf_tokenizer(FIXTURES / name)
     tok = _tokenizer(name)
-    entry = REF["files"][name]
+    entry = REF["tokenizers"][name]
     plain = TABLES[entry[HELD_TO[name][-1]]]
     with_bos = [e.ids for e in tok.encode_batch(TEXTS, add_special_tokens=True)]
     assert with_bos == [([m.bos_id] if m.add_bos else []) + ids for ids in plain]
@@ -113,7 +113,7 @@ def test_the_chat_template_comes_from_the_file(tmp_path, name):
     # as the fleet loads it: BOS once where the file says so
     plain = tok.encode("Hello", add_special_tokens=False)
     assert tok.encode("Hello") == ([m.bos_id] if m.add_bos else []) + plain
-    for chat in REF["files"][name]["chat"]:
+    for chat in REF["tokenizers"][name]["chat"]:
         text = tok.apply_chat_template(chat["messages"], tokenize=False, add_generation_prompt=True)
         assert text == chat["text"]
         want = chat["llamacpp_ids"] if "llamacpp" in HELD_TO[name] else chat["ids"]
@@ -122,13 +122,20 @@ def test_the_chat_template_comes_from_the_file(tmp_path, name):
             assert tok.encode(text, add_special_tokens=False) == chat["ids"]
 
 
-def _rewrite(src: Path, dest: Path, **changes) -> Path:
-    """``src`` with its tokenizer.ggml.* keys changed (None: removed)."""
+def _rewrite(src: Path, dest: Path, arch_from: Path | None = None, **changes) -> Path:
+    """``src`` with its tokenizer.ggml.* keys changed (None: removed), no tensors; with
+    ``arch_from``, that file's architecture and other keys around ``src``'s tokenizer."""
     import gguf
 
-    reader = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dest), "llama")
-    for f in reader.fields.values():
+    fields = list(gguf.GGUFReader(str(src)).fields.values())
+    arch = "llama"
+    if arch_from is not None:
+        other = gguf.GGUFReader(str(arch_from))
+        arch = str(other.fields["general.architecture"].contents())
+        fields = [f for f in fields if f.name.startswith("tokenizer.")]
+        fields += [f for f in other.fields.values() if not f.name.startswith("tokenizer.")]
+    w = gguf.GGUFWriter(str(dest), arch)
+    for f in fields:
         key = f.name
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -161,3 +168,17 @@ def test_a_tokenizer_the_import_does_not_build_is_refused_by_name(tmp_path, src,
     bad = _rewrite(FIXTURES / src, tmp_path / "x.gguf", **changes)
     with pytest.raises(FatalError, match=expect):
         read_gguf_tokenizer(bad)
+
+
+def test_a_sentencepiece_vocabulary_in_a_gemma_file_is_refused(tmp_path):
+    from streamfleet.shared.ggufimport import read_gguf
+
+    arch_file = sorted((FIXTURES.parent / "gemma2").glob("*.gguf"))[0]
+    bad = _rewrite(FIXTURES / "spm.gguf", tmp_path / "g.gguf", arch_from=arch_file)
+    with pytest.raises(FatalError, match="SentencePiece tokenizer .* in a gemma2 file is not supported"):
+        read_gguf(bad)
+    # the same keys around a SentencePiece vocabulary in a llama file pass the tokenizer checks
+    # (and stop at the missing tensors)
+    with pytest.raises(FatalError, match="tensor .* is missing"):
+        read_gguf(_rewrite(FIXTURES / "spm.gguf", tmp_path / "l.gguf",
+                           arch_from=sorted((FIXTURES.parent / "qwen2").glob("*.gguf"))[0]))
