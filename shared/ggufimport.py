@@ -649,8 +649,9 @@ def _read_tokenizer(reader: Any, path: Path) -> GgufTokenizer:
         scores=scores, pre=pre,
         bos_id=opt_id("tokenizer.ggml.bos_token_id"), eos_id=opt_id("tokenizer.ggml.eos_token_id"),
         pad_id=opt_id("tokenizer.ggml.padding_token_id"), unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
-        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
+        # llama.cpp adds BOS to a SentencePiece vocabulary, and to Llama 3's, whose file does not
+        # say otherwise
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama" or pre in _IGNORE_MERGES)),
         add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
         chat_template=str(template) if template else None,
@@ -1509,7 +1510,7 @@ def build_tokenizer_json(m: GgufModel | GgufTokenizer) -> dict[str, Any]:
     and merges, split as its pre-tokenizer says; for ``llama``, SentencePiece as a BPE whose
     merges are ranked by the file's scores, with byte fallback to its ``<0xNN>`` tokens and
     ``▁`` for spaces. Control (and unknown) tokens are special added tokens, user-defined ones
-    plain added tokens (each matched whole, as llama.cpp does); BOS is added by the
+    plain added tokens (each matched whole, as llama.cpp does); BOS and EOS are added by the
     post-processor when the file says so."""
     vocab = {tok: i for i, tok in enumerate(m.tokens)}
     if len(vocab) != len(m.tokens):
@@ -1526,13 +1527,18 @@ def build_tokenizer_json(m: GgufModel | GgufTokenizer) -> dict[str, Any]:
         post = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {}}
-    bos = m.token_text(m.bos_id)
-    if m.add_bos and bos is not None:
-        post = {"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [m.bos_id], "tokens": [bos]}}}
+    # BOS before and EOS after the text where the file says so, as llama.cpp adds them
+    bos = m.token_text(m.bos_id) if m.add_bos else None
+    eos = m.token_text(m.eos_id) if m.add_eos else None
+    if bos is not None or eos is not None:
+        def seq(name: str, type_id: int) -> list[dict[str, Any]]:
+            return ([{"SpecialToken": {"id": bos, "type_id": type_id}}] if bos is not None else []) + [
+                {"Sequence": {"id": name, "type_id": type_id}}] + (
+                [{"SpecialToken": {"id": eos, "type_id": type_id}}] if eos is not None else [])
+
+        post = {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
+                "special_tokens": {text: {"id": text, "ids": [tid], "tokens": [text]}
+                                   for text, tid in ((bos, m.bos_id), (eos, m.eos_id)) if text is not None}}
     if spm:
         # a space before every piece of text between special or user-defined tokens (and the
         # whole text), spaces as "▁": llama.cpp's add_space_prefix, which Llama 2's own

@@ -182,3 +182,60 @@ def test_a_sentencepiece_vocabulary_in_a_gemma_file_is_refused(tmp_path):
     with pytest.raises(FatalError, match="tensor .* is missing"):
         read_gguf(_rewrite(FIXTURES / "spm.gguf", tmp_path / "l.gguf",
                            arch_from=sorted((FIXTURES.parent / "qwen2").glob("*.gguf"))[0]))
+
+
+def test_a_llama_file_with_a_sentencepiece_tokenizer_imports_and_says_so(tmp_path):
+    """A whole model whose tokenizer is the SentencePiece fixture's: imported, its folder's
+    tokenizer gives llama.cpp's ids with BOS, and the summary names the tokenizer."""
+    import gguf
+    import numpy as np
+
+    from streamfleet.shared.ggufimport import import_gguf
+    from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
+    from tests.support.gguf_models import TinyLlama, write_tiny_gguf
+
+    base = gguf.GGUFReader(str(write_tiny_gguf(tmp_path / "base.gguf", TinyLlama(seed=3, n_layer=1, qtype="F32",
+                                                                                    head_qtype="F32"))))
+    spm = gguf.GGUFReader(str(FIXTURES / "spm.gguf"))
+    n_vocab = len(spm.fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(str(tmp_path / "spm-model.gguf"), "llama")
+    for f in [f for f in base.fields.values() if not f.name.startswith("tokenizer.")] + \
+             [f for f in spm.fields.values() if f.name.startswith("tokenizer.")]:
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = n_vocab if f.name == "llama.vocab_size" else f.contents()
+        w.add_key_value(f.name, value, f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in base.tensors:
+        data = np.asarray(t.data)
+        if t.name == "token_embd.weight":
+            data = np.random.default_rng(0).standard_normal((n_vocab, data.shape[1])).astype(np.float32)
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    _, description = import_gguf(tmp_path / "spm-model.gguf", tmp_path / "engines", "spm", weights="fp32")
+    assert "tokenizer     SentencePiece BPE, 1000 tokens" in description
+    assert "a space before the text" in description and "added to every prompt" in description
+    tok = load_tokenizer(ModelRepository(tmp_path / "engines").get("spm"))
+    entry = REF["tokenizers"]["spm.gguf"]
+    for text, ids in list(zip(TEXTS, TABLES[entry["llamacpp"]]))[::16]:
+        assert tok.encode(text) == [1] + ids
+
+
+@pytest.mark.parametrize("name", ["spm.gguf", "bpe-qwen2.gguf"])
+def test_eos_is_added_when_the_file_says_so(tmp_path, name):
+    from streamfleet.shared.modelrepo import _load_tokenizer_cached
+
+    m = read_gguf_tokenizer(FIXTURES / name)
+    plain = _tokenizer(name).encode("Hello world", add_special_tokens=False).ids
+    m.add_eos = True
+    tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(m)))
+    assert tok.encode("Hello world").ids == ([m.bos_id] if m.add_bos else []) + plain + [m.eos_id]
+    write_tokenizer_only(m, tmp_path, max_context=64)  # as the fleet loads it: each once
+    assert _load_tokenizer_cached(str(tmp_path / "tokenizer.json")).encode("Hello world") == (
+        [m.bos_id] if m.add_bos else []) + plain + [m.eos_id]
+    m.add_bos = False
+    tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(m)))
+    assert tok.encode("Hello world").ids == plain + [m.eos_id]
