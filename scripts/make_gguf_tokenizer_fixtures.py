@@ -13,7 +13,8 @@ small:
 * ``bpe-<pre>.gguf``: a byte-level BPE (``tokenizer.ggml.model = gpt2``, 1200 tokens with
   merges, control tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and a
   user-defined ``<think>``), written once per pre-tokenizer name (``tokenizer.ggml.pre``);
-* ``spm.gguf`` (and ``spm-no-prefix.gguf``, the same without ``add_space_prefix``): a SentencePiece BPE (``tokenizer.ggml.model = llama``: scores, token types,
+* ``spm.gguf`` (and ``spm-no-prefix.gguf``, the same without ``add_space_prefix``, and
+  ``spm-phi3.gguf``, the same in a phi3 file): a SentencePiece BPE (``tokenizer.ggml.model = llama``: scores, token types,
   ``<0xNN>`` byte-fallback tokens, ``▁`` for spaces, a dummy prefix), trained the way
   Llama's was (identity normalization, digits split, byte fallback, whitespace pieces).
 
@@ -137,10 +138,10 @@ def train_spm(work: Path):
     return spm.SentencePieceProcessor(model_file=str(work / "spm.model"))
 
 
-def _writer(path: Path):
+def _writer(path: Path, arch: str = "llama"):
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tokenizer fixture")
     return w
 
@@ -159,8 +160,8 @@ def write_bpe(path: Path, pre: str, tokens: list[str], merges: list[str], types:
     _finish(w)
 
 
-def write_spm(path: Path, sp, space_prefix: bool = True) -> None:
-    w = _writer(path)
+def write_spm(path: Path, sp, space_prefix: bool = True, arch: str = "llama") -> None:
+    w = _writer(path, arch)
     tokens, scores, types = [], [], []
     for i in range(sp.get_piece_size()):
         tokens.append(sp.id_to_piece(i))
@@ -275,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         write_spm(OUT / "spm-no-prefix.gguf", sp, space_prefix=False)
         ref["tokenizers"]["spm-no-prefix.gguf"] = reference(OUT, "spm-no-prefix.gguf", all_texts, tables,
                                                        args.llama_tokenize)
+        # the same vocabulary in a phi3 file, for which transformers' loader prepends the space
+        # as llama.cpp does (a normalizer rather than its Metaspace)
+        write_spm(OUT / "spm-phi3.gguf", sp, arch="phi3")
+        ref["tokenizers"]["spm-phi3.gguf"] = reference(OUT, "spm-phi3.gguf", all_texts, tables, args.llama_tokenize)
     (OUT / "reference.json").write_text(json.dumps(ref, ensure_ascii=False, separators=(",", ":")))
     for name, e in ref["tokenizers"].items():
         tf = tables[e["transformers"]]

@@ -38,6 +38,8 @@ HELD_TO = {
     "bpe-smollm.gguf": ("llamacpp",),
     "spm.gguf": ("llamacpp",),
     "spm-no-prefix.gguf": ("llamacpp",),
+    # transformers' loader prepends the space to a phi3 file's text as llama.cpp does
+    "spm-phi3.gguf": ("transformers", "llamacpp"),
 }
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
 
