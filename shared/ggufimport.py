@@ -1573,11 +1573,12 @@ def build_tokenizer_json(m: GgufModel | GgufTokenizer) -> dict[str, Any]:
     }
 
 
-def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[str]:
+def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[list[str]]:
     """The BPE merges a SentencePiece vocabulary implies: a pair of tokens merges when the
     two together are a (normal or user-defined) token, the pair of the higher-scored token
-    first (SentencePiece's BPE and llama.cpp merge the best-scored pair first); among one
-    token's own splits, the longer left part first, then the earlier tokens."""
+    first (SentencePiece's BPE and llama.cpp merge the best-scored pair first); ties go to
+    the longer left part, then the longer right part, then the token listed first. Pairs,
+    not "left right" strings: a token may hold a space."""
     index = {t: i for i, t in enumerate(tokens)}
     ranked = []
     for i, tok in enumerate(tokens):
@@ -1586,9 +1587,9 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: li
         for cut in range(1, len(tok)):
             left, right = tok[:cut], tok[cut:]
             if left in index and right in index:
-                ranked.append((-scores[i], -len(left), i, left, right))
-    ranked.sort(key=lambda r: r[:3])
-    return [f"{left} {right}" for *_, left, right in ranked]
+                ranked.append((-scores[i], -len(left), -len(right), i, left, right))
+    ranked.sort(key=lambda r: r[:4])
+    return [[left, right] for *_, left, right in ranked]
 
 
 # -- the folder ----------------------------------------------------------------------------------
