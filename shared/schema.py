@@ -839,7 +839,7 @@ class Heartbeat:
     execution: str = ""
     execution_why: str = ""
     #: a text model's step target (``SF_STEP_TARGET_MS``; 0: none) and the step costs it
-    #: learned (``workers.stepcost.StepCosts.describe``: ms a step, a prompt fed, a prompt
+    #: learned (``workers.stepcost.StepCosts.describe``: ms an engine call, a prompt
     #: token, a prompt token per 1,000 positions before it, a sequence decoded, 1,000
     #: positions of cache read; the steps timed) with ``chunk``, the prompt tokens its
     #: last prefill step took; absent for other models

@@ -442,10 +442,10 @@ def step_costs_line(target_ms: float, costs: dict[str, float]) -> str:
     steps = int(c("steps", 0))
     if not steps:
         return f"{target}; no step timed yet"
-    return (f"{target}; learned over {steps} steps: {c('base_ms', 0):.1f} ms a step"
+    return (f"{target}; learned over {steps} steps: {c('call_ms', 0):.1f} ms an engine call"
             f" + {c('seq_ms', 0):.2f} ms a decoding sequence + {c('kpos_ms', 0):.2f} ms per 1k positions of cache"
-            f" + {c('chunk_ms', 0):.1f} ms a prompt chunk + {c('token_ms', 0):.3f} ms a prompt token"
-            f" (+{c('token_kpos_ms', 0):.3f} per 1k positions before it); last chunk {int(c('chunk', 0))} tokens")
+            f" + {c('token_ms', 0):.3f} ms a prompt token (+{c('token_kpos_ms', 0):.3f} per 1k positions before it);"
+            f" last chunk {int(c('chunk', 0))} tokens")
 
 
 def render(st: FleetStatus) -> str:

@@ -61,6 +61,12 @@ log = get_logger("worker.core")
 #: chunked prefill: the oldest prompt being fed moves by at least this many tokens a
 #: step, however many decodes fill ``max_step_tokens``
 _MIN_CHUNK = 16
+#: every this many steps that feed a prompt, the oldest one's chunk is cut to 3/4 (or, where
+#: the time left it less than ``_MIN_CHUNK``, doubled to twice that): with every chunk of
+#: one size the learned costs cannot tell
+#: what a call costs from what its tokens cost (on a crowded machine a call costs far
+#: more than its tokens), and a fit that got it wrong would never see otherwise
+_EXPLORE_EVERY = 4
 #: a prompt whose log probabilities are asked for goes through the engine in chunks of
 #: at most this many tokens, whatever ``max_step_tokens`` allows ...
 _PROMPT_CHUNK = 256
@@ -180,6 +186,7 @@ class WorkerCore:
         self.last_chunk = 0
         self._timer = timer
         self._warm = False  # a step ran the engine (the first one, its allocations included, is not learned)
+        self._fed_steps = 0  # steps that fed a prompt with a step target (``_EXPLORE_EVERY``)
         #: the engine takes prompts in chunks (and from its prefix cache, when it has one)
         self._chunked = callable(getattr(engine, "start", None)) and callable(getattr(engine, "extend", None))
         #: finished replies whose blocks the prefix cache lacks, computed while idle
@@ -779,12 +786,14 @@ class WorkerCore:
         with a step target, within the time the target leaves once the decodes are
         paid for, by the learned costs (a later chunk of a long prompt costs more a
         token than an early one: ``workers/stepcost.py``), and no more than twice the
-        most tokens of any step timed so far (``StepCosts.most_tokens``). The oldest
-        always moves by at least ``_MIN_CHUNK`` tokens, however many decodes, and its
-        tokens get at least as long as the rest of the step takes (its decodes, the
-        step's and the chunk's overhead): where the target leaves less, the step runs
-        over it, or a slow machine's or a full batch's prompts would go in at a fraction
-        of their speed (docs/scheduling.md, "A step budget in time")."""
+        tokens of the last step that fed any (``StepCosts.most_tokens``). The oldest
+        always moves by at least ``_MIN_CHUNK`` tokens, however many decodes; where the
+        target leaves it fewer than twice that, its tokens get as long as the rest of the
+        step takes (its decodes, the engine calls, the cache its chunk reads) and the step
+        runs over the target, or a slow machine's or a full batch's prompts would go in at
+        a fraction of their speed; and every
+        ``_EXPLORE_EVERY`` steps its chunk is another size (docs/scheduling.md, "A step
+        budget in time")."""
         budget = self.max_step_tokens - len(decode) if self.max_step_tokens else None
         room: float | None = None  # seconds of the step target left for prompts
         if self.step_target_s and self._feeding:
@@ -814,14 +823,22 @@ class WorkerCore:
                 take = min(need, budget, cap)
             if room is not None:
                 at = self._fed_so_far(seq)
-                if not chunks:
+                fits = self.costs.fit(at, take, room, call=not chunks)
+                if not chunks and fits < min(take, 2 * _MIN_CHUNK):
+                    # the target leaves the oldest prompt next to nothing: it gets as long as
+                    # the rest of the step instead
                     room = max(room, fixed + 2 * self.costs.overhead(at))
-                fits = self.costs.fit(at, take, room)
+                    fits = self.costs.fit(at, take, room)
+                if not chunks:
+                    self._fed_steps += 1
+                    if self._fed_steps % _EXPLORE_EVERY == 0:  # another size now and then (``_EXPLORE_EVERY``)
+                        fits = fits * 3 // 4 if fits >= 2 * _MIN_CHUNK else 2 * _MIN_CHUNK if fits < _MIN_CHUNK \
+                            else fits
                 if fits < take:
                     take = fits if chunks else max(fits, min(need, _MIN_CHUNK, cap))
                     if take <= 0:
                         break
-                room -= self.costs.chunk_cost(at, take)
+                room -= self.costs.chunk_cost(at, take, call=not chunks)
             # never a chunk of one token, nor one left for later: ONNX Runtime computes a
             # one-token run with one-row kernels whose last bits differ from a prefill's,
             # and a prompt must get the same bits however it is cut (docs/scheduling.md)

