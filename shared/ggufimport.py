@@ -129,6 +129,9 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     "gpt-2": _BYTE_LEVEL,
     "smollm": _DIGITS_FIRST,
     "starcoder": _DIGITS_FIRST,
+    "refact": _DIGITS_FIRST,
+    "command-r": _DIGITS_FIRST,
+    "mpt": _BYTE_LEVEL,  # llama.cpp splits MPT's text as GPT-2's
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,

@@ -241,3 +241,37 @@ def test_eos_is_added_when_the_file_says_so(tmp_path, name):
     m.add_bos = False
     tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(m)))
     assert tok.encode("Hello world").ids == plain + [m.eos_id]
+
+
+def _llamacpp_models() -> Path:
+    from scripts.llama_server import DEFAULT_SOURCE_DIR, VERSION
+
+    return DEFAULT_SOURCE_DIR / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp" / "models"
+
+
+#: llama.cpp's own vocabulary test files (models/ggml-vocab-NAME.gguf with .inp texts and
+#: .out ids) of real models' tokenizers
+REAL_VOCABS = ["llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2", "mpt", "starcoder", "refact", "command-r"]
+
+
+@pytest.mark.parametrize("name", REAL_VOCABS)
+def test_real_vocabularies_equal_llama_cpps_own_vocabulary_tests(name):
+    """Llama 2's, Phi-3's, Llama 3's, Qwen2's, GPT-2's, MPT's, StarCoder's, Refact's and Command-R's
+    tokenizers against the ids llama.cpp's own tests expect (the llama-cpp-python source
+    scripts/llama_server.py builds from; skipped where it is not unpacked)."""
+    src = _llamacpp_models() / f"ggml-vocab-{name}.gguf"
+    if not src.with_suffix(".gguf.out").exists():
+        pytest.skip(f"{src} is not here (scripts/llama_server.py says how to unpack the source)")
+    texts = src.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    want = [[int(x) for x in line.split()] for line in
+            src.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")[:len(texts)]]
+    tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(read_gguf_tokenizer(src))))
+    assert [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)] == want
+
+
+def test_a_real_vocabulary_the_import_does_not_build_is_refused():
+    src = _llamacpp_models() / "ggml-vocab-bert-bge.gguf"
+    if not src.exists():
+        pytest.skip(f"{src} is not here")
+    with pytest.raises(FatalError, match="tokenizer model 'bert' is not supported"):
+        read_gguf_tokenizer(src)
