@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.support.versions import two_versions as two_versions_repo
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # a model reloaded under load
@@ -18,17 +19,7 @@ pytestmark = pytest.mark.slow  # a model reloaded under load
 @pytest.fixture
 def two_versions(tiny_spec, tmp_path):
     """A model repository with tiny-gpt v1 and a v2 beside it (same tokenizer)."""
-    root = tmp_path / "engines"
-    base = root / "tiny-gpt"
-    shutil.copytree(tiny_spec.path, base, ignore=shutil.ignore_patterns("plans", "versions"))
-    v2 = base / "versions" / "2"
-    v2.mkdir(parents=True)
-    shutil.copy(base / "model.onnx", v2 / "model.onnx")
-    text = (base / "engine.toml").read_text()
-    text = re.sub(r'version = "1"', 'version = "2"', text)
-    text = text.replace('tokenizer = "tokenizer.json"', 'tokenizer = "../../tokenizer.json"')
-    (v2 / "engine.toml").write_text(text)
-    return root
+    return two_versions_repo(Path(tiny_spec.path), tmp_path)
 
 
 async def test_hot_reload_while_serving(fleet, two_versions):

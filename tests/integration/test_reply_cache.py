@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
 from tests.support.ports import free_port
+from tests.support.versions import two_versions as two_versions_repo
 from tests.support.wsclient import Client, Result
 
 pytestmark = pytest.mark.slow  # workers started, killed and reloaded for each test
@@ -170,17 +171,7 @@ async def test_after_a_takeover_the_text_is_the_same_and_the_reply_is_cached(fle
 def two_versions(tiny_spec, tmp_path):
     """tiny-gpt v1 and a v2 beside it: the same weights, another version (so another
     prefix cache namespace)."""
-    root = tmp_path / "engines"
-    base = root / "tiny-gpt"
-    shutil.copytree(tiny_spec.path, base, ignore=shutil.ignore_patterns("plans", "versions"))
-    v2 = base / "versions" / "2"
-    v2.mkdir(parents=True)
-    shutil.copy(base / "model.onnx", v2 / "model.onnx")
-    text = (base / "engine.toml").read_text()
-    text = re.sub(r'version = "1"', 'version = "2"', text)
-    text = text.replace('tokenizer = "tokenizer.json"', 'tokenizer = "../../tokenizer.json"')
-    (v2 / "engine.toml").write_text(text)
-    return root
+    return two_versions_repo(Path(tiny_spec.path), tmp_path)
 
 
 async def test_after_a_hot_reload_the_cache_starts_empty_and_the_text_is_the_same(fleet, two_versions):
