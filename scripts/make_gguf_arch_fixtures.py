@@ -159,7 +159,6 @@ def convert(folder: Path, out: Path) -> None:
     pre-tokenizer named ``gpt2`` (see the module docstring)."""
     runner = (
         "import sys\n"
-        f"sys.path.insert(0, {str(LLAMA_CPP)!r})\n"
         f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outfile', {str(out)!r}, '--outtype', 'f32']\n"
         "import convert_hf_to_gguf as c\n"
         "import conversion.base as b\n"
@@ -169,7 +168,10 @@ def convert(folder: Path, out: Path) -> None:
         "gm.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()\n"
         "c.main()\n"
     )
-    subprocess.run([sys.executable, "-c", runner], check=True, cwd=str(LLAMA_CPP))
+    # the converter's folder is the child's working directory, which ``-c`` puts first on its
+    # import path, and PYTHONPATH names it too
+    subprocess.run([sys.executable, "-c", runner], check=True, cwd=str(LLAMA_CPP),
+                   env={**os.environ, "PYTHONPATH": str(LLAMA_CPP)})
 
 
 def reference(gguf_path: Path) -> list[dict]:
