@@ -209,10 +209,36 @@ class _Tensor:
 
 
 @dataclass
-class GgufModel:
-    """What a GGUF file holds, as checked."""
+class GgufTokenizer:
+    """The tokenizer fields of a GGUF file (``read_gguf_tokenizer``; ``GgufModel`` has them too)."""
 
     path: Path
+    tokenizer_model: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    scores: list[float]
+    pre: str
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+    #: end-of-turn / end-of-message ids (``tokenizer.ggml.eot_token_id``, ``eom``): llama.cpp
+    #: stops on them as on EOS, and so does the fleet
+    end_ids: tuple[int, ...]
+
+    def token_text(self, tid: int | None) -> str | None:
+        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
+
+
+@dataclass
+class GgufModel(GgufTokenizer):
+    """What a GGUF file holds, as checked."""
+
     architecture: str
     name: str
     n_layer: int
@@ -227,26 +253,6 @@ class GgufModel:
     vocab_size: int
     tied: bool
     tensor_types: dict[str, int]
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    pre: str
-    bos_id: int | None
-    eos_id: int | None
-    pad_id: int | None
-    unk_id: int | None
-    add_bos: bool
-    add_eos: bool
-    chat_template: str | None
-    #: end-of-turn / end-of-message ids (``tokenizer.ggml.eot_token_id``, ``eom``): llama.cpp
-    #: stops on them as on EOS, and so does the fleet
-    end_ids: tuple[int, ...] = ()
-    #: ``tokenizer.ggml.model``: ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece)
-    tokenizer_model: str = "gpt2"
-    #: SentencePiece scores (``tokenizer.ggml.scores``; the merges are ranked by them)
-    scores: list[float] = field(default_factory=list)
-    #: SentencePiece: a space put before the text (``tokenizer.ggml.add_space_prefix``)
-    add_space_prefix: bool = False
     #: biases on the Q, K and V projections (qwen2)
     qkv_bias: bool = False
     #: a per-head RMSNorm on Q and K before RoPE (qwen3: ``attn_q_norm`` / ``attn_k_norm``)
@@ -353,8 +359,6 @@ class GgufModel:
         """EOS, then the end-of-turn ids, each once."""
         return list(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + list(self.end_ids)))
 
-    def token_text(self, tid: int | None) -> str | None:
-        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
 
 
 #: what each architecture's graph computes (the import's summary; docs/models.md, "Architectures")
@@ -568,31 +572,6 @@ def read_gguf(path: Path) -> GgufModel:
         swa_pattern=_SWA_PATTERN.get(arch, 0) if window else 0, rope_scale=rope_scale,
         tensor_types=types, tensors=tensors, **{k: v for k, v in vars(tok).items() if k != "path"},
     )
-
-
-@dataclass
-class GgufTokenizer:
-    """The tokenizer fields of a GGUF file (``GgufModel`` has the same ones)."""
-
-    path: Path
-    tokenizer_model: str
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    scores: list[float]
-    pre: str
-    bos_id: int | None
-    eos_id: int | None
-    pad_id: int | None
-    unk_id: int | None
-    add_bos: bool
-    add_eos: bool
-    add_space_prefix: bool
-    chat_template: str | None
-    end_ids: tuple[int, ...]
-
-    def token_text(self, tid: int | None) -> str | None:
-        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else None
 
 
 def read_gguf_tokenizer(path: Path) -> GgufTokenizer:
