@@ -1,0 +1,249 @@
+"""A benchmark's printed report written as Markdown under docs/benchmarks/, with what it ran on.
+
+Every benchmark whose figures the README or the docs quote takes ``--write PATH``: the
+report it prints goes into PATH as a section of Markdown, with the CPU (``lscpu``'s model
+name and the flags that decide the kernels: avx2, fma, avx512*, amx*, avx_vnni), the core
+count, the date, the exact command and the commit, so a figure in the docs always says
+where it came from and nobody copies it by hand::
+
+    python -m scripts.bench_fleet --quick --write docs/benchmarks/fleet.md
+    python -m scripts.bench_itl --streams 16 --long-count 0 --write 'docs/benchmarks/itl.md#c16'
+
+A file holds one or more sections, each between ``<!-- benchtable: KEY ... -->`` and
+``<!-- /benchtable: KEY -->``; ``PATH#KEY`` names the section (default: the script's
+name), and writing replaces that section only (appended when the file lacks it; the file
+is made, with a heading, when missing). The report is written only when the benchmark
+ends with exit status 0, so a failed run never replaces figures. docs/benchmarks.md is
+the index of these files.
+
+A script takes part with two lines: ``benchtable.add_argument(parser)`` where it builds
+its parser (so ``--write`` shows in ``--help``), and ``sys.exit(benchtable.main(main))``
+in place of ``sys.exit(main())``. Rendering and the section replacement are pure
+functions (tests/unit/test_benchtable.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: the CPU flags that decide which kernels ONNX Runtime and llama.cpp run
+FLAG = re.compile(r"^(avx2|fma|avx512\w*|amx\w*|avx_vnni)$")
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    flags: tuple[str, ...]
+    cores: int
+
+    def describe(self) -> str:
+        return f"{self.cpu} ({', '.join(self.flags) or 'none of avx2, fma, avx512*, amx*'}), {self.cores} cores"
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a section says about the run that produced it."""
+
+    command: str
+    machine: Machine
+    when: str
+    commit: str
+    took_s: float | None = None
+    load: tuple[float, float] | None = None
+
+
+def kernel_flags(flags: str) -> tuple[str, ...]:
+    """The flags of ``FLAG`` among a whitespace-separated list, sorted."""
+    return tuple(sorted({f for f in flags.split() if FLAG.match(f)}))
+
+
+def machine() -> Machine:
+    """This machine's CPU model name and kernel flags (lscpu, else /proc/cpuinfo) and core count."""
+    fields: dict[str, str] = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+        for line in out.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip().lower(), value.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    if "model name" not in fields or "flags" not in fields:
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip().lower(), value.strip())
+    return Machine(cpu=fields.get("model name", "unknown CPU"), flags=kernel_flags(fields.get("flags", "")),
+                   cores=os.cpu_count() or 0)
+
+
+def commit() -> str:
+    """HEAD's short hash, saying so when the code (not the docs) has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs",
+                                ":!README.md"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command(argv: list[str]) -> str:
+    """The command line as typed from the repository root: ``python -m scripts.NAME ARGS``."""
+    script = Path(argv[0])
+    with contextlib.suppress(ValueError):
+        rel = script.resolve().relative_to(REPO)
+        if rel.suffix == ".py":
+            return shlex.join(["python", "-m", ".".join(rel.with_suffix("").parts), *argv[1:]])
+    return shlex.join(["python", *argv])
+
+
+def split_target(target: str, default_key: str) -> tuple[Path, str]:
+    """``PATH#KEY`` → (PATH, KEY); KEY defaults to ``default_key``."""
+    path, _, key = target.partition("#")
+    key = key or default_key
+    if not re.fullmatch(r"[\w.-]+", key):
+        raise ValueError(f"a section key is letters, digits, '_', '-' and '.': {key!r}")
+    return Path(path), key
+
+
+def begin_marker(key: str) -> str:
+    return f"<!-- benchtable: {key} (written by scripts/benchtable.py: rerun the command below, do not edit) -->"
+
+
+def end_marker(key: str) -> str:
+    return f"<!-- /benchtable: {key} -->"
+
+
+def render_section(key: str, title: str, report: str, run: Run, note: str = "") -> str:
+    """One section: its heading, the run's facts as a list, the printed report verbatim."""
+    facts = [
+        f"* command: `{run.command}`",
+        f"* CPU: {run.machine.describe()}",
+        f"* date: {run.when}",
+        f"* commit: {run.commit}",
+    ]
+    if run.took_s is not None:
+        took = f"* took: {run.took_s:.0f} s"
+        if run.load is not None:
+            took += f", load average {run.load[0]:.2f} before, {run.load[1]:.2f} after"
+        facts.append(took)
+    body = report.rstrip("\n")
+    fence = "```"
+    while fence in body:
+        fence += "`"
+    parts = [begin_marker(key), f"## {title}", "", *facts, ""]
+    if note:
+        parts += [note.strip(), ""]
+    parts += ["<!-- snippet: skip: a benchmark's printed report -->", f"{fence}text", body, fence, end_marker(key)]
+    return "\n".join(parts) + "\n"
+
+
+def replace_section(text: str, key: str, section: str, heading: str) -> str:
+    """``text`` with section ``key`` replaced by ``section`` (which carries its markers):
+    in place when ``text`` has it, appended otherwise; a new file (empty ``text``) gets
+    ``heading`` first. Other sections and the text around them are kept as they are."""
+    begin = re.compile(r"^<!-- benchtable: " + re.escape(key) + r"(?: [^\n]*)? -->$", re.M)
+    end = re.compile(r"^" + re.escape(end_marker(key)) + r"\n?", re.M)
+    m = begin.search(text)
+    if m:
+        e = end.search(text, m.end())
+        if e is None:
+            raise ValueError(f"section {key!r} has no end marker ({end_marker(key)})")
+        return text[:m.start()] + section + text[e.end():]
+    if not text.strip():
+        return f"# {heading}\n\n{section}"
+    return text.rstrip("\n") + "\n\n" + section
+
+
+def write(target: str, default_key: str, title: str, report: str, run: Run, note: str = "") -> Path:
+    """Write ``report`` as section KEY of PATH (``target`` is ``PATH`` or ``PATH#KEY``)."""
+    path, key = split_target(target, default_key)
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    heading = f"Benchmark: `scripts/{default_key}.py`"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(old, key, render_section(key, title, report, run, note), heading),
+                    encoding="utf-8")
+    return path
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--write PATH[#KEY]`` on a benchmark's parser (``main`` below acts on it)."""
+    parser.add_argument("--write", metavar="PATH[#KEY]", default=None,
+                        help="also write the printed report as Markdown to section KEY (default: the script's name) "
+                             "of PATH, e.g. docs/benchmarks/NAME.md, with the CPU, cores, date, command and commit "
+                             "(scripts/benchtable.py)")
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, out: io.TextIOBase) -> None:
+        self.out, self.buf = out, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.buf.write(s)
+        return self.out.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.out, "encoding", "utf-8")
+
+
+def title_of(doc: str | None, fallback: str) -> str:
+    """A section's title: the first sentence of the script's docstring, on one line."""
+    first = (doc or "").strip().split("\n\n")[0]
+    first = " ".join(first.split())
+    return first.rstrip(".:") or fallback
+
+
+def main(entry: Callable[[], int | None], argv: list[str] | None = None) -> int:
+    """Run a benchmark's ``main`` with ``--write`` honoured: what it prints to stdout
+    is shown as usual and, when it returns 0 (or None), written as its section."""
+    argv = list(sys.argv if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--write", default=None)
+    known, _ = pre.parse_known_args(argv[1:])
+    if known.write is None or any(a in ("-h", "--help") for a in argv[1:]):
+        return entry() or 0
+    name = Path(argv[0]).stem
+    module = sys.modules.get(entry.__module__)
+    run_cmd, when = command(argv), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load0, t0 = os.getloadavg()[0], time.monotonic()
+    tee = _Tee(sys.stdout)  # type: ignore[arg-type]
+    with contextlib.redirect_stdout(tee):
+        code = entry() or 0
+    if code:
+        print(f"benchtable: exit status {code}, {known.write} not written", file=sys.stderr)
+        return code
+    run = Run(command=run_cmd, machine=machine(), when=when, commit=commit(), took_s=time.monotonic() - t0,
+              load=(load0, os.getloadavg()[0]))
+    title = title_of(getattr(module, "__doc__", None), name)
+    _, key = split_target(known.write, name)
+    if key != name:
+        title += f" ({key})"
+    path = write(known.write, name, title, tee.buf.getvalue(), run)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
