@@ -57,6 +57,7 @@ import orjson
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 from scripts.fleetstack import ModelStack, threads
+from scripts import benchtable
 
 EMBED_MODEL = "minilm-l6-v2"
 CHAT_MODEL = "smollm2-135m"
@@ -405,6 +406,7 @@ def main() -> int:
     ap.add_argument("--chat-tokens", type=int, default=64)
     ap.add_argument("--flood", type=int, default=16, help="embedding clients beside the chat streams")
     ap.add_argument("--json", help="also write the figures to this file")
+    benchtable.add_argument(ap)
     args = ap.parse_args()
 
     cores = os.cpu_count() or 2
@@ -433,4 +435,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchtable.main(main))

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psutil
 import redis
+from scripts import benchtable
 
 SCRIPTS = Path(__file__).resolve().parent
 
@@ -454,6 +455,7 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     ap.add_argument("--quick", action="store_true", help="shorter runs (about a minute in all)")
     ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    benchtable.add_argument(ap)
     args = ap.parse_args()
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = sorted(set(chosen) - set(BENCHES))
@@ -494,4 +496,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchtable.main(main))

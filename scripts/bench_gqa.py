@@ -37,6 +37,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from streamfleet.shared.ggufimport import import_gguf, read_gguf
 from streamfleet.shared.gguf_gqa import GQA_GRAPH_FILE, write_gqa_graph
 from streamfleet.shared.modelrepo import REPO_ROOT, ModelRepository
 from streamfleet.shared.packagefetch import PackageFile, cached_path
+from scripts import benchtable
 
 ENGINES = ("cur", "cur-slab", "gqa", "gqa-fast")
 
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=32, help="rows for the independence check (0: skip)")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "streamfleet" / "bench_gqa")
     ap.add_argument("--gguf", type=Path, default=None)
+    benchtable.add_argument(ap)
     args = ap.parse_args(argv)
 
     import onnxruntime
@@ -237,4 +240,4 @@ def _spans(ms: list[int]) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(benchtable.main(main))

@@ -44,6 +44,7 @@ from streamfleet.shared.schema import Heartbeat
 from scripts.bench_prefix import WORDS, chat, log, pctl
 from scripts.fleetstack import ModelStack, threads
 from scripts.procstats import cpu_line
+from scripts import benchtable
 
 MODEL = "smollm2-135m"
 
@@ -205,6 +206,7 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true", help="print the worker's heartbeat every 0.5 s (its longest "
                     "recent step, last chunk and learned costs) to stderr")
     ap.add_argument("--json", help="also write the figures to this file")
+    benchtable.add_argument(ap)
     args = ap.parse_args()
 
     spec = ModelRepository().get(MODEL)
@@ -258,4 +260,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchtable.main(main))

@@ -99,6 +99,7 @@ from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, spawn
 
 from scripts.bench_fleet import MODEL, write_model
 from scripts.fleetstack import wait_until
+from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 from scripts.procstats import cpu_s, rss_mib, stop, tree
@@ -783,6 +784,7 @@ def main() -> int:
     real.add_argument("--max-requests", type=int, default=32,
                       help="at most this many requests per concurrency (and at least c)")
     real.add_argument("--json", default=None, metavar="FILE", help="also write every figure to FILE")
+    benchtable.add_argument(ap)
     args = ap.parse_args()
     if args.engine in REAL_ENGINES:
         args.tokens = args.tokens or 128
@@ -821,4 +823,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(benchtable.main(main))

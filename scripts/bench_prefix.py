@@ -47,6 +47,7 @@ import httpx
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 from scripts.fleetstack import ModelStack, threads
+from scripts import benchtable
 
 MODEL = "smollm2-135m"
 RUNS = ("off", "on", "shared", "routing")
@@ -221,6 +222,7 @@ def main() -> int:
     ap.add_argument("--affinity-wait-ms", type=int, help="the workers' SF_AFFINITY_WAIT_MS in the routing run "
                     "(default: the setting's default)")
     ap.add_argument("--json", help="also write the figures to this file")
+    benchtable.add_argument(ap)
     args = ap.parse_args()
 
     spec = ModelRepository().get(MODEL)
@@ -300,4 +302,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(benchtable.main(main))

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +32,7 @@ from streamfleet.shared.modelrepo import ModelSpec, ensure_artifacts, load_token
 from streamfleet.shared.schema import SamplingParams, Task
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = {
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
+    benchtable.add_argument(ap)
     a = ap.parse_args()
     spec = ModelSpec.from_toml(a.model_dir / "engine.toml")
     ensure_artifacts(spec)
@@ -122,4 +125,4 @@ def main() -> None:
           f"the same lengths)")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(benchtable.main(main))

@@ -230,7 +230,7 @@ def main(entry: Callable[[], int | None], argv: list[str] | None = None) -> int:
         return entry() or 0
     name = Path(argv[0]).stem
     module = sys.modules.get(entry.__module__)
-    run_cmd, when = command(argv), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run_cmd, when = command(argv), dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load0, t0 = os.getloadavg()[0], time.monotonic()
     tee = _Tee(sys.stdout)  # type: ignore[arg-type]
     with contextlib.redirect_stdout(tee):

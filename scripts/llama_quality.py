@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from scripts.procstats import cpu_line
 from streamfleet.shared.quality import QUALITY_TEXT
+from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="default: smollm2-135m's cached file")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)
+    benchtable.add_argument(ap)
     args = ap.parse_args()
     gguf = args.gguf
     if gguf is None:
@@ -85,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(benchtable.main(main))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from streamfleet.shared.ggufimport import WEIGHT_MODES, import_gguf
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.packagefetch import PackageFile, cached_path
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
+from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "tests" / "fixtures" / "smollm2" / "reference.json"
@@ -89,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--weights", default="q4,fp32,int8,q4-int8act")
     ap.add_argument("--threads", type=int, default=2)
+    benchtable.add_argument(ap)
     args = ap.parse_args()
     ref = json.loads(REFERENCE.read_text())
     src = gguf_file()
@@ -135,4 +138,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(benchtable.main(main))
