@@ -705,7 +705,7 @@ def _pack_zeros4(zp: np.ndarray) -> np.ndarray:
 
 def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     """Q4_0 / Q4_1 raw rows as exact terms of ONNX Runtime's fast 4-bit kernel (integer
-    zero points; a float zero point takes a path 20x slower):
+    zero points; a float zero point takes a much slower path: docs/models.md, "Weights"):
 
     * Q4_0: ``w = d * (q - 8)``: one 4-bit product with the default zero point 8;
     * Q4_1: ``w = d * q + m = d * (q - 8) + (m + 8d)``: a 4-bit product with the default
@@ -724,7 +724,7 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     # Q4_1 centred as d * (q - 8) + (m + 8d): the 4-bit product takes the default zero point
     # 8 (the kernels' symmetric path), and its weights are centred on zero, so the rounding
     # of 8-bit activations (q4-int8act) cancels across a block as in llama.cpp's own Q4_1
-    # product instead of adding up over an offset of 7.5d (4.7x the KL divergence, measured);
+    # product instead of adding up over an offset of 7.5d (docs/models.md, "Weights");
     # m + 8d is exact in fp32 (fp16 values, 8d a power-of-two multiple: checked below)
     offset = m + np.float32(8) * d
     if not np.array_equal(offset.astype(np.float64), m.astype(np.float64) + 8 * d.astype(np.float64)):
@@ -1006,7 +1006,7 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
     graph as it is in the file (int8 values and one scale per block of 32, or fp16) and only
     the gathered rows are widened: ``q * d`` of an int8 and an fp16 scale is exact in fp32,
     so the rows are the same bits, for a quarter (Q8_0) or half (F16) of an fp32 table's
-    memory (SmolLM2-135M: 30 MB instead of 113 MB). A BF16 table is gathered as bf16 and
+    memory (docs/models.md, "Speed beside llama.cpp"). A BF16 table is gathered as bf16 and
     widened; the other block types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K) as int8 values
     with their blocks' fp32 scales and minimums, each row ``D * v + C`` computed as
     ``dequantize`` computes it (an exact product, then one rounded sum). The fp32 mode of a
@@ -1174,10 +1174,8 @@ def layer_weights(weights: str, layer: int, n_layer: int) -> str:
     blocks dequantized to fp32 (plain ``MatMul``, fp32 activations, and a row's products
     the same alone and beside others, which the 4-bit kernel with fp32 activations does
     not give a lone row); every other mode is the same in every block. The two edge blocks
-    are where rounding the activations costs most (SmolLM2-135M over
-    shared/corpus/alice.txt: mean KL divergence from fp32 0.00325 with 8-bit activations
-    everywhere, 0.00245 with these two blocks kept; llama.cpp's own Q4_1 path 0.00288) for
-    about 5 % of the weights."""
+    are where rounding the activations costs most, for a small share of the weights
+    (docs/models.md, "Quality of each mode")."""
     return "fp32" if weights == "q4-int8act" and layer in (0, n_layer - 1) else weights
 
 

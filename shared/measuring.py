@@ -1,10 +1,10 @@
 """``python -m streamfleet.shared.measuring ENGINE_TOML STAMP``: a ``weights = "auto"``
 folder's execution modes measured (``shared/execution.measure``) in a process of its own.
 
-Measuring opens every candidate's graph at once (about 2 GB at its peak for SmolLM2, the
-fp32 reference among them), and a process keeps much of what it once held: run inside a
-worker or ``streamfleet serve`` it would leave them some 900 MB larger for their whole
-life. ``shared/modelrepo._ensure_measured`` runs this instead and logs the lines it prints
+Measuring opens every candidate's graph at once (the fp32 reference among them), and a
+process keeps much of what it once held: run inside a worker or ``streamfleet serve`` it
+would leave them that much larger for their whole life (docs/models.md, "Execution modes
+chosen by measurement"). ``shared/modelrepo._ensure_measured`` runs this instead and logs the lines it prints
 (one a step); a failure prints ``error: REASON`` last and exits 2.
 """
 

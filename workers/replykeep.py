@@ -43,7 +43,7 @@ __all__ = ["CHUNK", "ReplyKeeper"]
 log = get_logger("worker.replykeep")
 
 #: most tokens one idle step computes: what a request that arrives meanwhile may wait for
-#: (SmolLM2-135M, 2 cores of an AMD EPYC: 0.32 s after 1,088 cached tokens, their copy included)
+#: (how long that is: docs/scheduling.md, "Prefix cache")
 CHUNK = 64
 #: the sequence id the engine knows a reply being computed under (never a request id:
 #: those are UUIDs)

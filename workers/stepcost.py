@@ -12,8 +12,7 @@ those tokens form (a chunk of n tokens from position p attends to n·p + n(n+1)/
 earlier positions; in thousands), ``decodes`` the sequences decoded, and ``context``
 the positions of cache the step's sequences read (each decode's length, each chunk's
 start; in thousands). On a CPU a later chunk costs more per token (``pair``), and any
-chunk more the more cache it reads (``kpos``): SmolLM2-135M on two cores, 16 tokens
-take 18 ms from position 0 and 43 ms from 3,300, 256 tokens 192 ms and 380 ms. What a
+chunk more the more cache it reads (``kpos``; the figures are in docs/scheduling.md). What a
 call and the cache cost is also what a decode step costs, so the frequent decode-only
 steps pin down a chunk's overhead, and the chunks what their tokens cost. Each core (one
 model version on one engine, in one execution mode) keeps its own.

@@ -17,9 +17,9 @@ The interface, for the worker and the gateway that will serve it::
 * ``embed`` is synchronous and CPU-bound (run it in a thread); one call may hold any
   number of inputs. They are sorted by length and run in groups of similar length, each
   padded to its longest (mask 0 on the padding), of at most ``max_batch`` inputs and
-  ``max_batch_tokens`` padded tokens (``engine.toml``, default 2048: on 2 CPU cores
-  all-MiniLM-L6-v2 embeds the most tokens a second in runs of 1–2 K tokens, and 20 % fewer
-  in one run of 64 × 256). Row ``i`` of the result is input ``i``'s vector.
+  ``max_batch_tokens`` padded tokens (``engine.toml``, default 2048: longer runs are
+  slower, the attention's scores leaving the caches; docs/models.md, "Embedding models").
+  Row ``i`` of the result is input ``i``'s vector.
 * Inputs are token ids, special tokens included (what ``load_tokenizer(spec).encode(text)``
   gives). An empty input, one longer than ``max_context`` tokens, or an id outside the
   vocabulary is refused with a ValueError naming the input's index; nothing is truncated.

@@ -100,9 +100,9 @@ class _KvBuffer:
     land, that ``trim`` returns to the system (``MADV_DONTNEED``: the pages read as zeros
     again). Not numpy's own allocation, which asks for transparent huge pages: a 2 MiB page
     spans many rows' slots, so the first token of each row made the whole buffer resident
-    (16 rows x 512 slots of SmolLM2-135M: 377 MB resident for 20 tokens a row, against
-    1 MB of them). ``MAP_NORESERVE``: a mapping this size is address space, not memory, and
-    the kernel's default (heuristic) overcommit does not count it.
+    (docs/models.md, "Speed beside llama.cpp", has the figures). ``MAP_NORESERVE``: a
+    mapping this size is address space, not memory, and the kernel's default (heuristic)
+    overcommit does not count it.
 
     Raises:
         OSError: the system refuses the mapping (strict overcommit, a small address space).

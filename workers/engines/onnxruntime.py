@@ -9,12 +9,11 @@ Batch invariance (``batch_invariant``, the default): a sequence gets bit for bit
 logits it would get alone, whatever else runs with it, so a seeded sampled request draws
 the same tokens in any batch (docs/sampling.md, "What a seed guarantees"). ONNX Runtime
 computes each row of a run independently of the other rows (MLAS splits its matrix
-products over rows and columns, never over the summed dimension: measured bit-identical
-for 1 to 16 rows of equal length), but the attention's softmax and its product with the
-values sum over the cache's width, and their vector kernels group the terms by column:
-padding a sequence's cache to another width changes the last bits of its logits
-(measured on tiny-gpt: up to 6e-6, in over 90 % of the rows). So in this mode nothing
-about a row's inputs depends on the batch:
+products over rows and columns, never over the summed dimension), but the attention's
+softmax and its product with the values sum over the cache's width, and their vector
+kernels group the terms by column: padding a sequence's cache to another width changes
+the last bits of its logits (by how much: docs/sampling.md, "What a seed guarantees").
+So in this mode nothing about a row's inputs depends on the batch:
 
 * a prompt is prefilled unpadded, in one run with the prompts of exactly its length;
 * a decode step gives a sequence of ``n`` cached tokens a past of width
@@ -35,8 +34,8 @@ absorbed in place where possible: a released sequence leaves an idle row (fed a 
 token, its new slot masked), a newcomer from prefill is written into an idle row, and a
 live sequence left out of a step just gets a masked slot. Only when newcomers do not
 fit, or padding grows too large, or idle rows have cost about two steps' work, is a new
-slab assembled (one copy of every member's cache: several decode steps' time at a
-thousand tokens); one made for a newcomer longer than the last one is a quarter wider
+slab assembled (one copy of every member's cache, costlier than a decode step); one
+made for a newcomer longer than the last one is a quarter wider
 than its longest member, so that the longer sequences that join later (a conversation's
 next turn) fit into the rows others leave. Prefill runs prompts in groups of similar length (one run per
 group, left-padded) so a short prompt does not pay for a long one's padding. Faster
@@ -95,9 +94,9 @@ _SPARE_WIDTH = 32
 #: its longest member wider (pad slots, masked), so that the sequences that join it later
 #: (a conversation's next turn: its earlier turns and a new message) fit into the rows
 #: others leave instead of making a new slab each: assembling one copies every member's
-#: cache, which on SmolLM2-135M at 1,200 tokens and 8 rows costs three or four decode
-#: steps. Only then: every decode step copies the whole width (the graph's present is its
-#: past and one more slot), so spare slots cost about 15 % a step where no newcomer comes
+#: cache, which costs several decode steps. Only then: every decode step copies the whole
+#: width (the graph's present is its past and one more slot), so spare slots cost a share
+#: of every step where no newcomer comes
 _HEADROOM = 0.25
 #: batch-invariant decoding: past widths are multiples of this many slots (and of an
 #: eighth of the length's power of two, when larger) unless ``invariant_quantum`` says otherwise
