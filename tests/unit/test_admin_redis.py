@@ -27,7 +27,7 @@ def state(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def other_serve():
     """A live process standing for a second `serve` (its pid is all a record needs)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     yield proc.pid
     proc.kill()
     proc.wait()

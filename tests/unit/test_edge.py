@@ -1,4 +1,4 @@
-"""The edge before auth (gateway/edge.py), without processes: the guard's counts, the
+"""The edge before auth (gateway/edge/guard.py), without processes: the guard's counts, the
 refusal responses, and the bounded httptools protocol over a fake transport."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from streamfleet.gateway.edge import (HEAD_TOO_LARGE, OVER_CAPACITY, SCOPE_KEY, TOO_MANY_FROM_ADDRESS, EdgeGuard,
+from streamfleet.gateway.edge.guard import (HEAD_TOO_LARGE, OVER_CAPACITY, SCOPE_KEY, TOO_MANY_FROM_ADDRESS, EdgeGuard,
                                       EdgeHttpToolsProtocol, EdgeLimits, Refusal, Ticket, authenticated)
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.settings import GatewaySettings
+from tests.support.wait import until_async
 
 
 # -- the guard ---------------------------------------------------------------------------
@@ -215,21 +216,22 @@ async def test_malformed_input_is_still_uvicorns_400():
 
 async def test_the_head_timer_closes_a_silent_connection_and_answers_a_slow_head():
     proto, transport = _protocol(EdgeLimits(header_timeout_s=0.05))
-    await asyncio.sleep(0.15)
-    assert transport.closed and transport.written == b""  # nothing came: nobody to answer
+    await until_async(lambda: transport.closed, "the silent connection closed", timeout=5)
+    assert transport.written == b""  # nothing came: nobody to answer
     proto, transport = _protocol(EdgeLimits(header_timeout_s=0.05))
     proto.data_received(b"GET / HT")
-    await asyncio.sleep(0.15)
-    assert _statuses(transport.written) == [408]
+    await until_async(lambda: _statuses(transport.written) == [408], "a 408 for the slow head", timeout=5)
     # a whole head in time stops the timer; the next head's first byte starts it again
     proto, transport = _protocol(EdgeLimits(header_timeout_s=0.1))
     proto.data_received(b"GET / HTTP/1.1\r\nHost: gw\r\n\r\n")
-    await asyncio.sleep(0.2)
+    await _settle(transport)
+    # a witness whose head timer started after this one's: once it fired, this one's would have
+    _, witness = _protocol(EdgeLimits(header_timeout_s=0.1))
+    await until_async(lambda: witness.closed, "the witness's head timer", timeout=5)
     assert _statuses(transport.written) == [200] and not transport.closed
     proto._unset_keepalive_if_required()  # (uvicorn's own keep-alive timer is not under test)
     proto.data_received(b"GE")
-    await asyncio.sleep(0.2)
-    assert _statuses(transport.written) == [200, 408]
+    await until_async(lambda: _statuses(transport.written) == [200, 408], "a 408 for the next slow head", timeout=5)
 
 
 async def test_a_connection_past_the_guard_is_refused_before_it_says_anything():

@@ -13,6 +13,7 @@ from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
 from streamfleet.workers.intake import Intake, WakeState
 from streamfleet.workers.lanes import LanePolicy
+from tests.support.wait import until_async
 
 
 class Cores:
@@ -59,7 +60,9 @@ async def test_what_a_read_cut_short_returns_later_is_started_by_the_next_admiss
     asyncio.get_running_loop().call_later(0.02, table.hold, claimed)
     await intake.admit(block=True)
     assert started == [claimed]
-    await asyncio.sleep(0.3)  # the worker steps; the read returns meanwhile
+    read = intake._idle_read
+    assert read is not None
+    await until_async(read.done, "the read cut short to return", timeout=5)  # the worker steps meanwhile
     await intake.admit(block=False, read=False)
     assert started == [claimed, late] and reads == [True]
 

@@ -1,4 +1,4 @@
-"""The requests of one connection (gateway/session.py), without processes or Redis.
+"""The requests of one connection (gateway/services/session.py), without processes or Redis.
 
 The code under test is the real ``Session`` with its real ``ConnectionProtocol`` and the
 real ``Validator`` (on the tiny-gpt folder). What stands in (tests/support/sessionstub.py)
@@ -22,7 +22,7 @@ from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.validation import Validator
 from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -34,7 +34,7 @@ def validator(tiny_spec):
     return Validator(GatewaySettings(), ModelRepository(tiny_spec.path.parent))
 
 
-# -- the stream events a request yields (``gateway.request_stream``: the wire's) --------------
+# -- the stream events a request yields (``gateway.requests.request_stream``: the wire's) --------------
 def token(index: int, text: str, logprobs: dict | None = None) -> TokenEvent:
     return TokenEvent("rid", index, text, logprobs)
 
@@ -443,7 +443,7 @@ async def test_tracked_tasks_are_held_until_they_end(validator):
     await task
     await asyncio.sleep(0)
     assert conn.tasks == {}
-    other = asyncio.create_task(asyncio.sleep(60))
+    other = asyncio.create_task(asyncio.Event().wait())  # runs until cancelled
     conn.track(other)
     conn.cancel_tasks()
     with pytest.raises(asyncio.CancelledError):

@@ -10,7 +10,7 @@ from streamfleet.shared.errors import UnavailableError, ValidationError
 from streamfleet.shared.schema import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, decode_events, encode_event,
                                        encode_events)
 
-from streamfleet.gateway.request_stream import TICK, RequestStream
+from streamfleet.gateway.requests.request_stream import TICK, RequestStream
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:
@@ -85,7 +85,7 @@ async def test_resync_reads_the_log_for_missed_events():
 
 
 async def test_lost_final_event_found_in_the_log_after_silence(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.05)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.CATCH_UP_AFTER_S", 0.05)
     log = [(b"1-0", tok(0)), (b"2-0", done(1))]
     s = make(log)
     s.feed(tok(0))  # the done message was lost
@@ -103,7 +103,7 @@ def log_reader(entries: list, calls: list, page: int | None = None):
 
 
 async def test_resumed_stream_replays_the_log_from_an_index_then_goes_live(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.request_stream.LOG_PAGE", 2)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.LOG_PAGE", 2)
     entries = [(f"{i}-0".encode(), tok(i)) for i in range(6)]
     calls = []
     s = RequestStream("r", "c", deadline=time.time() + 60, log_reader=log_reader(entries, calls, page=2),
@@ -214,7 +214,7 @@ def test_an_error_events_retry_hint_and_param_are_on_the_wire_only_when_set():
 
 
 async def test_queued_request_times_out_at_its_deadline(monkeypatch):
-    monkeypatch.setattr("streamfleet.gateway.request_stream.CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.CANCEL_GRACE_S", 0.0)
     s = RequestStream("r", "c", deadline=time.time() + 0.05)
     evs = await asyncio.wait_for(drain(s), 5)
     assert isinstance(evs[0], ErrorEvent) and evs[0].code == "timeout"
@@ -224,15 +224,21 @@ async def test_a_request_its_worker_took_runs_past_its_queue_deadline(monkeypatc
     """A worker's ``StartedEvent`` (it computes the prompt) ends the queue deadline: the
     request then runs under the running rules (its stall limit), and nothing is yielded
     for it; the word found only in the log at the deadline counts as well."""
-    monkeypatch.setattr("streamfleet.gateway.request_stream.CANCEL_GRACE_S", 0.0)
-    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.05)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.CATCH_UP_AFTER_S", 0.05)
     s = make(stall_timeout_s=0.4)
     s.deadline = time.time() + 0.05
     s.feed(StartedEvent("r", 64, 4000))
     t0 = time.monotonic()
     task = asyncio.ensure_future(drain(s))
-    await asyncio.sleep(0.2)  # past the deadline: still running
-    assert not task.done()
+    # a witness with the same deadline that no worker took: once it has timed out, the
+    # deadline has passed for both
+    witness = make()
+    witness.deadline = s.deadline
+    [ev] = await asyncio.wait_for(drain(witness), 5)
+    assert isinstance(ev, ErrorEvent) and ev.code == "timeout"
+    await asyncio.sleep(0)
+    assert not task.done()  # past the deadline: still running
     s.feed(StartedEvent("r", 128, 4000))  # the worker says so again: the stall clock restarts
     s.feed(tok(0))
     s.feed(done(1))
@@ -271,7 +277,7 @@ async def test_ticks_come_when_nothing_else_does_and_never_postpone_the_catch_up
     """``tick_s`` (the SSE keepalive): a stream silent that long yields TICK; ticks more
     frequent than the catch-up read do not hold the read off (the lost final event is
     still found in the log), and events delivered in between reset the tick."""
-    monkeypatch.setattr("streamfleet.gateway.request_stream.CATCH_UP_AFTER_S", 0.3)
+    monkeypatch.setattr("streamfleet.gateway.requests.request_stream.CATCH_UP_AFTER_S", 0.3)
     log = [(b"1-0", tok(0)), (b"2-0", done(1))]
     s = make(log)
     s.tick_s = 0.05
@@ -314,7 +320,7 @@ async def test_a_shared_channel_remembers_what_it_ended_itself_within_bounds(mon
     """Only streams the gateway ended by itself are remembered (a worker's own end is
     not), on the shared channel only, at most ``LET_GO_REMEMBERED`` of them and each for
     ``LET_GO_REMEMBER_S``; an end arriving afterwards forgets the request."""
-    from streamfleet.gateway import reply_channel as mod
+    from streamfleet.gateway.requests import reply_channel as mod
 
     monkeypatch.setattr(mod, "LET_GO_REMEMBERED", 3)
     now = [1000.0]
