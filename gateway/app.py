@@ -19,16 +19,17 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway import demo, edge, embeddings, openai, responses, transcriptions
-from streamfleet.gateway.admission import Admission
-from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.httperror import openai_error_response
+from streamfleet.gateway.doors import demo, embeddings, openai, responses, transcriptions
+from streamfleet.gateway.edge import guard
+from streamfleet.gateway.admission.gate import Admission
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.edge.httperror import openai_error_response
 from streamfleet.gateway.hub import Hub
-from streamfleet.gateway.origin import OriginGuard, refused_origin
-from streamfleet.gateway.validation import Validator
-from streamfleet.gateway.voice import audio_stream
-from streamfleet.gateway.voiceslots import VoiceSlots, capacity_of
-from streamfleet.gateway.ws import websocket_stream
+from streamfleet.gateway.edge.origin import OriginGuard, refused_origin
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.services.voice import audio_stream
+from streamfleet.gateway.admission.voiceslots import VoiceSlots, capacity_of
+from streamfleet.gateway.doors.ws import websocket_stream
 
 __all__ = ["create_app", "front", "json_response"]
 
@@ -62,7 +63,7 @@ def front(app: FastAPI):
 
     The routes stay registered on ``app`` as well (in-process test clients, the OpenAPI
     document); what the stack would add is done here: the Origin check of
-    ``gateway.origin.OriginGuard`` and the last-resort 500 of ``create_app``.
+    ``gateway.edge.origin.OriginGuard`` and the last-resort 500 of ``create_app``.
     """
     sockets, streams = WEBSOCKET_ROUTES, STREAM_ROUTES
     allowed = app.state.hub.settings.allowed_origins
@@ -78,10 +79,10 @@ def front(app: FastAPI):
                 frame_writer = getattr(server_protocol, "send_text_frame", None)
                 if frame_writer is not None:
                     scope["streamfleet.send_text_frame"] = frame_writer
-                # its place in the edge's counts (gateway/edge.py), for ``edge.authenticated``
+                # its place in the edge's counts (gateway/edge/guard.py), for ``edge.authenticated``
                 ticket = getattr(server_protocol, "edge_ticket", None)
                 if ticket is not None:
-                    scope[edge.SCOPE_KEY] = ticket
+                    scope[guard.SCOPE_KEY] = ticket
                 try:
                     await handler(WebSocket(scope, receive, send))
                 except Exception:  # as the HTTP stack's last handler would, without a traceback per client

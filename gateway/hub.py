@@ -17,16 +17,16 @@ from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, UnavailableError
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.admission import Admission
-from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.silero import SileroBatch
-from streamfleet.gateway.validation import Validator
-from streamfleet.gateway.voiceslots import VoiceSlots
+from streamfleet.gateway.admission.gate import Admission
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.services.silero import SileroBatch
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.admission.voiceslots import VoiceSlots
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.auth import Identity
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.shared.schema import Heartbeat
 
 __all__ = ["Hub", "refresh_fleet_gauges", "NO_WORKERS_RETRY_MS"]

@@ -1,5 +1,5 @@
 """Run one gateway process: uvicorn (HTTP, and WebSocket served by the `websockets`
-library), the gRPC server (``gateway.grpc_server``) and the metrics listener, drained
+library), the gRPC server (``gateway.doors.grpc_server``) and the metrics listener, drained
 together."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.app import create_app, front
-from streamfleet.gateway.edge import edge_protocol
+from streamfleet.gateway.edge.guard import edge_protocol
 from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 
 __all__ = ["run_gateway"]
@@ -60,7 +60,7 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, config, server_state, app_state, _loop=None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.queue = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
-        #: the connection's place in the edge's counts (``gateway.edge.Ticket``), handed
+        #: the connection's place in the edge's counts (``gateway.edge.guard.Ticket``), handed
         #: over by the HTTP protocol at the upgrade and given back when the connection closes
         self.edge_ticket = None
         if config.ws_per_message_deflate:
@@ -178,7 +178,7 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
     app = create_app(settings)
     grpc_door = None
     if settings.grpc_port:
-        from streamfleet.gateway.grpc_server import GrpcDoor, GrpcListenError
+        from streamfleet.gateway.doors.grpc_server import GrpcDoor, GrpcListenError
 
         try:  # bound now, served once the gateway has started
             grpc_door = GrpcDoor(app.state.hub)
@@ -192,7 +192,7 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
         host=settings.host,
         port=settings.port,
         # httptools, with the request head bounded and the connections counted (the edge
-        # before auth: gateway/edge.py, docs/security.md)
+        # before auth: gateway/edge/guard.py, docs/security.md)
         http=edge_protocol(settings),
         ws=LeanWebSocketProtocol,  # the `websockets` library's sans-I/O protocol
         ws_max_size=settings.max_frame_bytes * 4,

@@ -275,7 +275,7 @@ class FleetView:
 
 def _add_keys(redis_url: str) -> tuple[str, str, str]:
     """The victim's, the attacker's and the bulk key, as `streamfleet keys add` makes them."""
-    from streamfleet.gateway.auth import KeyStore
+    from streamfleet.gateway.admission.auth import KeyStore
     from streamfleet.shared.redis import connect
     from streamfleet.shared.tiers import parse_tiers
 

@@ -361,7 +361,7 @@ class Prompts:
         self.short_tokens = len(self._ids(self._head(0) + SHORT_PROMPT))
 
     def _ids(self, text: str) -> list[int]:
-        from streamfleet.gateway.chat_template import encode_prompt  # the gateway's own count
+        from streamfleet.gateway.admission.chat_template import encode_prompt  # the gateway's own count
 
         return encode_prompt(self.tokenizer, text)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The voice activity detectors side by side (gateway/vad_detectors.py, gateway/silero.py, docs/voice.md).
+"""The voice activity detectors side by side (gateway/services/vad_detectors.py, gateway/services/silero.py, docs/voice.md).
 
 Test speech is every sentence of ``scripts.flite.SENTENCES`` with a second of silence
 between them, at several noise levels (white noise from ``noise(ms, amplitude=...)``
@@ -44,9 +44,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech  # noqa: E402
-from streamfleet.gateway.silero import SileroDetector  # noqa: E402
-from streamfleet.gateway.vad import Segmenter, SpeechStarted, UtteranceEnd  # noqa: E402
-from streamfleet.gateway.vad_detectors import BYTES_PER_MS, Detector, EnergyDetector, WebRtcDetector  # noqa: E402
+from streamfleet.gateway.services.silero import SileroDetector  # noqa: E402
+from streamfleet.gateway.services.vad import Segmenter, SpeechStarted, UtteranceEnd  # noqa: E402
+from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector, EnergyDetector, WebRtcDetector  # noqa: E402
 
 #: noise amplitude (PCM16 units, uniform white noise) by name; flite speech is about
 #: -16 dBFS RMS, so the levels are roughly SNR 44, 30, 20 and 10 dB

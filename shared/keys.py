@@ -175,7 +175,7 @@ class Keys:
 
     def response(self, response_id: str) -> str:
         """String with TTL: a stored response of the Responses API
-        (``shared.schema.StoredResponse``, ``gateway/responses.py``), ``response_id`` as
+        (``shared.schema.StoredResponse``, ``gateway/doors/responses.py``), ``response_id`` as
         the API names it (``resp_…``). One key per command, so no hash tag: on a cluster
         the responses spread over the slots by their ids."""
         return f"{self.prefix}:resp:{response_id}"
@@ -193,7 +193,7 @@ class Keys:
 
     def voice_slots(self, model: str) -> tuple[str, str, str]:
         """The fair sharing of ``model``'s speech decoder slots (docs/voice.md, "Fair
-        slots"; ``gateway/voiceslots.py``), three keys on the slot of its lanes: sorted
+        slots"; ``gateway/admission/voiceslots.py``), three keys on the slot of its lanes: sorted
         sets ``tenant|utterance -> expiry ms`` of the slots granted and of the utterances
         waiting for one, and a hash ``tenant|utterance -> "since_ms cap"`` of the waiting
         ones' places in turn."""

@@ -452,7 +452,7 @@ def _safe(part: str) -> bool:
 
 
 #: ``chat_template = "builtin"`` in engine.toml: the model chats in the fleet's generic format
-#: (``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: gateway/chat_template.py),
+#: (``<|role|>\ncontent\n`` per message, then ``<|assistant|>\n``: gateway/admission/chat_template.py),
 #: a choice its operator makes, since the model was trained on no chat format of its own
 BUILTIN_CHAT_TEMPLATE = "builtin"
 

@@ -12,7 +12,7 @@ The same kind of socket, for commands, is ``shared.command_socket``.
 The connection speaks RESP2 and knows what a pub/sub-only client needs: AUTH (user and
 password from the URL), TLS (``rediss://``), unix sockets, SUBSCRIBE and SSUBSCRIBE
 with their acknowledgements, UNSUBSCRIBE, PING. It does not reconnect by itself: ``lost``
-resolves when the socket is gone and the owner (``gateway.broker.Broker``,
+resolves when the socket is gone and the owner (``gateway.requests.broker.Broker``,
 ``ShardSubscriptions``) opens a new one.
 """
 

@@ -285,7 +285,7 @@ async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]],
     """Push the score (an expiry, unix ms) of ``(sorted set, member)`` pairs to
     ``expiry_ms`` where the member is still there (``ZADD XX``: a lapsed one is not
     revived), and each set's TTL to ``ttl_ms``; one round trip. The stream and connection
-    slots of API keys are such sets (gateway/ratelimit.py, workers/heartbeat.py).
+    slots of API keys are such sets (gateway/admission/ratelimit.py, workers/heartbeat.py).
 
     Raises:
         BROKER_ERRORS: Redis is unreachable.

@@ -13,7 +13,7 @@
 * ``Follow``          gateway → all workers, published on ``sf:follow``: a resumed
                       client follows a request on another reply channel
 * ``Wake``            gateway → the model's workers, published on ``sf:wake:{model}``
-                      by the enqueue script (``gateway/broker.py``) with the new entry's id
+                      by the enqueue script (``gateway/requests/broker.py``) with the new entry's id
 * ``RequestRecord``   gateway → gateways, ``sf:req:{request_id}``: who owns a request
                       and where it runs, written before the task is queued
 * ``StoredResponse``  gateway → gateways, ``sf:resp:{response_id}``: a finished response
@@ -440,7 +440,7 @@ class PromptEvent:
     ``TokenEvent.logprobs`` without ``bytes`` (``workers.logits.TokenTable.prompt_entry``:
     ``id``, ``token``, ``logprob``, ``top``); position 0's has only ``id`` and ``token``
     (nothing predicts the first token). The gateway delivers each position once, in
-    order, and every one before the first token (``gateway.request_stream``)."""
+    order, and every one before the first token (``gateway.requests.request_stream``)."""
 
     request_id: str
     start: int
@@ -704,7 +704,7 @@ class StoredResponse:
     key's; "" with auth off), the response object as ``GET /v1/responses/{id}`` returns
     it, and ``input``, the conversation's items before its output (without
     ``instructions``, which a continuation does not carry over), which
-    ``previous_response_id`` continues from (``gateway/responses_mapping.py``)."""
+    ``previous_response_id`` continues from (``gateway/protocols/responses_mapping.py``)."""
 
     owner: str
     response: dict[str, Any]

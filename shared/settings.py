@@ -174,7 +174,7 @@ class GatewaySettings(CommonSettings):
     #: which web pages may use the gateway (WebSockets and HTTP POSTs that carry an Origin
     #: header; clients that send none are not concerned): empty = the same origin only
     #: (Origin's scheme, host and port = the request's), "*" = any, else a comma-separated
-    #: list of exact origins (gateway/origin.py)
+    #: list of exact origins (gateway/edge/origin.py)
     allowed_origins: str = ""
     #: default request timeout (queue deadline), seconds
     request_timeout_s: float = 120.0

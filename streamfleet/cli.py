@@ -93,7 +93,7 @@ def gateway(
                                    "metrics_host": metrics_host, "grpc_port": grpc_port}.items() if v is not None}
     settings = _settings(GatewaySettings, overrides)
     configure_logging(settings.log_level, settings.log_format, process="gateway")
-    # the voice detectors' small matrix products (gateway/silero.py) run several times slower
+    # the voice detectors' small matrix products (gateway/services/silero.py) run several times slower
     # when BLAS spreads each over threads; set before numpy loads
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from streamfleet.gateway.server import run_gateway

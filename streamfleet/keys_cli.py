@@ -19,7 +19,7 @@ from streamfleet.clihelp import App
 from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.auth import KeyStore
+    from streamfleet.gateway.admission.auth import KeyStore
 
 __all__ = ["keys_app"]
 
@@ -31,7 +31,7 @@ keys_app = App(no_args_is_help=True, help="Manage API keys: add, list, revoke (s
 
 def _run(redis_url: Optional[str], state: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
     """Run ``action(store)`` against a KeyStore built from the settings."""
-    from streamfleet.gateway.auth import KeyStore
+    from streamfleet.gateway.admission.auth import KeyStore
     from streamfleet.shared.errors import FatalError
     from streamfleet.shared.redis import BROKER_ERRORS, connect
     from streamfleet.local import admin_settings, mask_url

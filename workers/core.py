@@ -75,7 +75,7 @@ _PROMPT_CHUNK = 256
 _PROMPT_LOGITS = 1 << 24
 #: a sequence whose prompt is still being fed says so (``StartedEvent``) again after this
 #: many seconds: its gateway ends a started request that stays silent for 60 s
-#: (``gateway.request_stream``, its stall limit)
+#: (``gateway.requests.request_stream``, its stall limit)
 ANNOUNCE_EVERY_S = 10.0
 
 

@@ -5,7 +5,7 @@ model's own chat template, or with the fleet's builtin format (``DEFAULT_CHAT_TE
 for a model whose ``engine.toml`` chooses it; ``template_problem`` says when a
 template cannot be trusted with the model's tokenizer; ``encode_prompt`` turns the
 text into the ids the model was trained to see. The gateway's ``Validator``
-(gateway/validation.py) checks a model's template before admission (``check``) and
+(gateway/admission/validation.py) checks a model's template before admission (``check``) and
 renders and tokenizes an admitted request's prompt (``finish``); where a model's
 template comes from is ``shared.modelrepo.chat_template_source``.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from streamfleet.gateway.tools import Tools, call_text, tools_prompt
+from streamfleet.gateway.admission.tools import Tools, call_text, tools_prompt
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "encode_prompt", "render_chat", "template_problem"]
 
@@ -79,7 +79,7 @@ def _generic_tools(messages: list[dict[str, Any]], tools: Tools | None, offer: b
                    calls: bool) -> list[dict[str, Any]]:
     """The messages with the tools offered in the first system message (``offer``) and
     earlier calls written into the assistant's turn (``calls``), as the fleet's generic
-    format writes them (gateway/tools.py), for a template that has no place for them."""
+    format writes them (gateway/admission/tools.py), for a template that has no place for them."""
     out = [{**m, "content": m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
                                                    for c in m["tool_calls"])} if calls and m.get("tool_calls") else m
            for m in messages]
@@ -97,7 +97,7 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | N
     tools, as templates that know tools take them), or the builtin format
     (``DEFAULT_CHAT_TEMPLATE``; the caller checks the model chooses it), where the tools
     are offered in a system message first and earlier calls are written as the model is
-    asked to write them (gateway/tools.py). A template that has no place for the tools
+    asked to write them (gateway/admission/tools.py). A template that has no place for the tools
     or for earlier calls (SmolLM2's) gets them the builtin format's way, in the messages:
     it would drop them without a word."""
     offered = tools is not None and tools.mode != "none"

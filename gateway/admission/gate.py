@@ -1,7 +1,7 @@
 """Who may send what: API key authentication, the tier's lane and ceilings, its shared
 rate limit, its concurrent-stream and connection caps, and who owns a request
 (docs/security.md, "Tenants"). One place the gateway calls, in this order (``authenticate`` by each
-adapter, the rest by ``gateway.requests.ClientRequest``)::
+adapter, the rest by ``gateway.requests.lifecycle.ClientRequest``)::
 
     identity = await admission.authenticate(authorization_header, api_key_param)
     draft    = validator.check(payload)               # cheap rules only
@@ -15,7 +15,7 @@ A resume goes through ``admit_resume`` (the rate limit, and the owner it must ma
 With auth off (the default of ``streamfleet serve``) nothing is limited and a request
 belongs to whoever holds its ``resume_token`` (returned in ``accepted``, needed to
 resume). With auth on it belongs to its API key. Lane backpressure is not here: it is
-enforced atomically by the enqueue script (``gateway/broker.py``).
+enforced atomically by the enqueue script (``gateway/requests/broker.py``).
 
 Open connections and streams of a key are watched: when the key is revoked, every
 gateway ends them within its key cache time (``key_cache_s``).
@@ -36,12 +36,12 @@ from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, Stream
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
-from streamfleet.gateway.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
-from streamfleet.gateway.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
+from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
+from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.broker import Broker
-    from streamfleet.gateway.validation import Draft
+    from streamfleet.gateway.requests.broker import Broker
+    from streamfleet.gateway.admission.validation import Draft
     from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
@@ -165,7 +165,7 @@ class Admission:
     async def admit(self, identity: Identity | None, draft: "Draft", request_id: str, *,
                     charged: bool = False) -> Ticket:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
-        (a ``gateway.validation.Draft``), before its prompt is tokenized. ``request_id``:
+        (a ``gateway.admission.validation.Draft``), before its prompt is tokenized. ``request_id``:
         minted by ``shared.keys.Keys.new_request_id`` (its shard tag is the reply
         channel's; there is no other way to make one). ``charged``: the
         rate limit was taken already (``charge``: the choices of one request).

@@ -32,7 +32,7 @@ from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 
-from streamfleet.gateway.auth import Identity
+from streamfleet.gateway.admission.auth import Identity
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
@@ -178,7 +178,7 @@ class RateLimiter:
         """Admit one request of an API key, or refuse it.
 
         Args:
-            identity_or_key_id: a ``gateway.auth.Identity`` or a bare key id.
+            identity_or_key_id: a ``gateway.admission.auth.Identity`` or a bare key id.
             tier: the key's tier (default: the identity's).
 
         Raises:

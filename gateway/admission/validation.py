@@ -13,7 +13,7 @@ but the one that does nothing) is refused with 400 naming the parameter, because
 serving the request without it would be silently wrong (``check_unsupported``).
 
 The ``Validator`` composes the rules here with the model's text handling, which lives
-apart (gateway/chat_template.py: rendering a chat template, tokenizing the prompt).
+apart (gateway/admission/chat_template.py: rendering a chat template, tokenizing the prompt).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from streamfleet.gateway.chat_template import encode_prompt, render_chat, template_problem
-from streamfleet.gateway.tools import Tools, parse_tools
+from streamfleet.gateway.admission.chat_template import encode_prompt, render_chat, template_problem
+from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.grammar import GrammarError, Grammars, build_grammar, check_constraint, depth_problem
 from streamfleet.shared.keys import LANES
@@ -137,7 +137,7 @@ class Draft:
     chat: bool = False
     #: a speech request: the utterance it transcribes (no prompt; nothing to tokenize)
     audio: AudioInput | None = None
-    #: the tools a chat request offers (gateway/tools.py), for reading calls back out
+    #: the tools a chat request offers (gateway/admission/tools.py), for reading calls back out
     tools: Tools | None = None
     #: one of the choices of a request (``n``): their shared id, and how many there are
     group: str = ""
@@ -149,7 +149,7 @@ class Draft:
     #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
     #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
     constraint: tuple[str, Any] | None = None
-    #: an embeddings request (gateway/embeddings.py): its inputs, each a text (tokenized by
+    #: an embeddings request (gateway/doors/embeddings.py): its inputs, each a text (tokenized by
     #: ``finish``) or token ids (checked already); no prompt
     inputs: tuple[str | tuple[int, ...], ...] | None = None
     #: a completion that returns its prompt before it (the OpenAI door's ``echo``)
@@ -477,7 +477,7 @@ class Validator:
         ignored = check_unsupported(p, s.refuse_unsupported)
         if ignored:
             log.warning("unsupported parameters ignored (SF_REFUSE_UNSUPPORTED=false)", params=ignored)
-        for name in ("n", "best_of"):  # the OpenAI door spreads them over requests (gateway/openai.py)
+        for name in ("n", "best_of"):  # the OpenAI door spreads them over requests (gateway/doors/openai.py)
             if p.get(name) not in (None, 1):
                 raise ValidationError(f"'{name}' is a parameter of the OpenAI API; here, send one request per "
                                       f"completion (with the same prompt, requests that arrive together share "

@@ -7,7 +7,7 @@ takes (docs/architecture.md, "A request's path"): the body read within the door'
 embedding model; ``input`` a string, a list of strings, a list of token ids or a list of
 lists of them, at most ``MAX_INPUTS``, none empty; token ids in the vocabulary and within
 the model's ``max_context``; ``encoding_format``; ``dimensions`` only as the model's
-own), then admitted (``gateway/admission.py``: the key, its lane, its rate limit — one
+own), then admitted (``gateway/admission/gate.py``: the key, its lane, its rate limit — one
 request, as a text request is — and its stream slot), then its texts tokenized
 (``Validator.finish``: each within ``max_context``, never truncated), then enqueued. The
 worker (``workers/embedcore.py``) answers with one ``EmbeddingEvent`` per input and a
@@ -17,10 +17,10 @@ The response is OpenAI's: ``{"object": "list", "data": [{"object": "embedding", 
 "embedding"}], "model", "usage": {"prompt_tokens", "total_tokens"}}``, each embedding a
 list of floats, or with ``encoding_format: "base64"`` the float32 values' little-endian
 bytes in base64 (what the worker sent, passed on as it is). Errors are OpenAI's body, as
-on the other endpoints (``gateway/httperror.py``).
+on the other endpoints (``gateway/edge/httperror.py``).
 
-The gRPC ``Embed`` call (``gateway/grpc_server.py``) and the WebSocket's ``embed`` frame
-(``gateway/protocol.py``, ``gateway/session.py``) take the same path: ``check_body``,
+The gRPC ``Embed`` call (``gateway/doors/grpc_server.py``) and the WebSocket's ``embed`` frame
+(``gateway/protocols/frames.py``, ``gateway/services/session.py``) take the same path: ``check_body``,
 ``submit``, ``EmbedCall``.
 """
 
@@ -39,10 +39,10 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, SamplingParams
 
-from streamfleet.gateway.httpbody import DISCONNECTED, open_json, until_disconnect
-from streamfleet.gateway.httperror import openai_error_response
-from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.validation import Draft, check_lane
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, until_disconnect
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.admission.validation import Draft, check_lane
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -222,7 +222,7 @@ async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, 
     """Admit and enqueue a checked body (tokenizing its texts after admission): the
     embedding request's path shared by the HTTP, gRPC and WebSocket doors. ``req``: the
     ``ClientRequest`` to submit it as (a connection's, under the client's id: the
-    WebSocket's ``embed`` frame, ``gateway.session``); None for a request of its own.
+    WebSocket's ``embed`` frame, ``gateway.services.session``); None for a request of its own.
 
     Raises:
         StreamfleetError: refused (admission, tokenizing, the lane's backpressure).

@@ -4,9 +4,9 @@ reflection, on its own port of every gateway process (``SF_GRPC_PORT``; docs/grp
 
 It is a third thin door over the same request lifecycle as the WebSocket and the OpenAI
 HTTP API: a ``GenerateRequest`` is mapped to the WebSocket's generate payload and goes
-through ``Validator.check``; ``gateway.requests.ClientRequest`` admits, enqueues, resumes
+through ``Validator.check``; ``gateway.requests.lifecycle.ClientRequest`` admits, enqueues, resumes
 and cancels; events are rendered by ``protocol.render`` and copied field for field into
-messages. A ``Stream`` call is a ``gateway.session.Session``, as a WebSocket is.
+messages. A ``Stream`` call is a ``gateway.services.session.Session``, as a WebSocket is.
 
 * ``Generate`` / ``Resume``: ``Accepted``, ``Token``\\*, then ``Done`` (status OK) or an
   error status (``status_code``) whose trailers carry the fleet's error code, the retry
@@ -42,12 +42,12 @@ from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
-from streamfleet.gateway.admission import revoked_error
-from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.protocol import accepted_frame, render, resume_fields
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.session import CallReader, Session
-from streamfleet.gateway.voice import VoiceConnection
+from streamfleet.gateway.admission.gate import revoked_error
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.services.session import CallReader, Session
+from streamfleet.gateway.services.voice import VoiceConnection
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -377,7 +377,7 @@ _VOICE_FIELDS = ("text", "offset_ms", "start_ms", "end_ms", "finish_reason", "re
 
 
 def voice_event(f: dict) -> pb.VoiceEvent:
-    """A voice WebSocket frame (``gateway/voice.py``, ``gateway/audio_protocol.py``) as a
+    """A voice WebSocket frame (``gateway/services/voice.py``, ``gateway/protocols/audio_protocol.py``) as a
     ``VoiceEvent``: its type, id and utterance, the fields it has, an error's ``Error``."""
     ev = pb.VoiceEvent(type=f["type"], id=f.get("id") or "", utterance=f.get("utterance", -1))
     for name in _VOICE_FIELDS:
@@ -566,12 +566,12 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Transcribe(self, request: pb.TranscribeRequest, context: aio.ServicerContext):
         """An audio file's transcript, a ``TranscriptSegment`` per utterance as each is
         known, then ``TranscribeDone``: the HTTP door's transcription
-        (``gateway.transcriptions.open_transcription``: the same checks, admission, lanes
+        (``gateway.doors.transcriptions.open_transcription``: the same checks, admission, lanes
         and speech workers), its failure the call's status. A call that ends early
         cancels every utterance still running."""
         # the HTTP door's audio decoders, imported on first use
-        from streamfleet.gateway.transcription_mapping import full_text
-        from streamfleet.gateway.transcriptions import open_transcription
+        from streamfleet.gateway.protocols.transcription_mapping import full_text
+        from streamfleet.gateway.doors.transcriptions import open_transcription
 
         hub = self.hub
         md = _metadata(context)
@@ -609,7 +609,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Listen(self, request_iterator: AsyncIterator[pb.VoiceClientFrame], context: aio.ServicerContext):
         """The voice WebSocket over one call (docs/grpc.md, "Calls"): the same session
-        (``gateway.voice.VoiceConnection``), admission, limits and frames, as messages."""
+        (``gateway.services.voice.VoiceConnection``), admission, limits and frames, as messages."""
         session = _ListenSession(self.hub)
         # idle: no task left (the utterances, and the ``stopped`` frame that waits for them)
         async for message in self._serve(session, request_iterator, context, voice_event, lambda: not session.tasks):
@@ -617,8 +617,8 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context: aio.ServicerContext) -> pb.EmbedResponse:
         """An embedding model's vectors: the HTTP door's ``/v1/embeddings`` (its checks,
-        limits, admission and lanes: ``gateway.embeddings``), its failure the call's status."""
-        from streamfleet.gateway.embeddings import check_body, submit
+        limits, admission and lanes: ``gateway.doors.embeddings``), its failure the call's status."""
+        from streamfleet.gateway.doors.embeddings import check_body, submit
 
         md = _metadata(context)
         try:

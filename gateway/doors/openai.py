@@ -3,13 +3,13 @@ as SSE or not) and ``/v1/models``, over the same validation and stream-event mod
 the WebSocket.
 
 An OpenAI body is mapped to the generate payload the WebSocket uses
-(``gateway/openai_mapping.py``, which also says what each response and chunk holds) and
+(``gateway/protocols/openai_mapping.py``, which also says what each response and chunk holds) and
 goes through ``Validator.check``; the same bad input gets the same error code on both.
 Errors use the OpenAI body ``{"error": {"message", "type", "param", "code"}}``. Each
-HTTP request is one ``gateway.requests.ClientRequest`` on a reply channel of its own; a
+HTTP request is one ``gateway.requests.lifecycle.ClientRequest`` on a reply channel of its own; a
 request of several choices (``n``, ``best_of``) is one per choice, merged here. This
 module does the I/O: the body read within its limit, the response, the SSE stream
-(``gateway/sse.py``) with its keepalives, and the client leaving.
+(``gateway/protocols/sse.py``) with its keepalives, and the client leaving.
 
 Priority: the ``X-Priority: high|normal`` header, or ``"priority"`` in the body (with the
 SDK: ``extra_body={"priority": "high"}``). Also accepted as extras: ``top_k``,
@@ -34,16 +34,16 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, PromptEvent, TokenEvent
 
-from streamfleet.gateway.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
-from streamfleet.gateway.httperror import openai_error_response
-from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, best_of_order,
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.protocols.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, best_of_order,
                                                 choice_counts, completion_echo, completion_prompts, request_payload,
                                                 stream_flags, unknown_params, usage_of)
-from streamfleet.gateway.request_stream import TICK
-from streamfleet.gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
-from streamfleet.gateway.tools import Tools
+from streamfleet.gateway.requests.request_stream import TICK
+from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
+from streamfleet.gateway.admission.tools import Tools
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub

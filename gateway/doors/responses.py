@@ -2,7 +2,7 @@
 not), ``GET /v1/responses/{id}`` and ``DELETE /v1/responses/{id}`` (docs/openai.md,
 "The Responses API").
 
-A Responses body becomes a chat completions body (``gateway/responses_mapping.py``) and
+A Responses body becomes a chat completions body (``gateway/protocols/responses_mapping.py``) and
 takes the chat door's path from there: ``request_payload``, ``Validator.check``, one
 ``ClientRequest`` made by ``Hub.request`` (admission, rate limit, lanes, deadline, the
 client leaving), so the same request is admitted and refused as it would be on
@@ -35,19 +35,19 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, TokenEvent
 
-from streamfleet.gateway.admission import owner_of
-from streamfleet.gateway.httpbody import DISCONNECTED, open_json, read_to_end
-from streamfleet.gateway.httperror import openai_error_response
-from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.openai_mapping import ResponseShape, request_payload
-from streamfleet.gateway.request_stream import TICK
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.responses_mapping import (RESPONSE_ID, ResponseEvents, ResponsesRequest, chat_body,
+from streamfleet.gateway.admission.gate import owner_of
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
+from streamfleet.gateway.requests.request_stream import TICK
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.protocols.responses_mapping import (RESPONSE_ID, ResponseEvents, ResponsesRequest, chat_body,
                                                    output_as_input, parse_request, renamed)
-from streamfleet.gateway.sse import KEEPALIVE, SSE_HEADERS, sse_frame
+from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.auth import Identity
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
 
 __all__ = ["router", "create"]

@@ -4,8 +4,8 @@
 ``transcript.text.delta`` events and a ``transcript.text.done``.
 
 The speech model runs as it does for the voice WebSocket (docs/voice.md): the file is
-decoded to the model's PCM (``gateway/audio_files.py``), cut into utterances by the voice
-door's segmenter (``gateway/vad.py``, with the ``SF_VAD*`` settings; ``SF_VAD=off``: fixed
+decoded to the model's PCM (``gateway/services/audio_files.py``), cut into utterances by the voice
+door's segmenter (``gateway/services/vad.py``, with the ``SF_VAD*`` settings; ``SF_VAD=off``: fixed
 spans of ``SF_MAX_UTTERANCE_S``), and each utterance is one ``SpeechTask`` through
 ``ClientRequest`` (admission, the tenant's fair speech slot, the lanes, deadlines), its
 audio appended to ``sf:audio:{request_id}`` with the end marker, its final
@@ -15,7 +15,7 @@ file are in flight at once; the transcript keeps the file's order.
 What a request costs before it is admitted is bounded, cheapest check first: the key
 (before a byte of the body is read), a key known to be out of its rate limit, the
 Content-Type, the Content-Length against ``SF_TRANSCRIPTION_MAX_BYTES``; then the body,
-read within that limit (``gateway/multipart_form.py``: parts, headers, fields, the
+read within that limit (``gateway/edge/multipart_form.py``: parts, headers, fields, the
 file), the fields, the model, its live workers, one request of the key's rate limit;
 only then is the file decoded (its duration first, from its header,
 ``SF_TRANSCRIPTION_MAX_DURATION_S``) and segmented, in a thread, at most
@@ -46,22 +46,22 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.modelrepo import kind_phrase
 from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TranscriptEvent
 
-from streamfleet.gateway import edge
-from streamfleet.gateway.audio_files import FORMATS, DecodedAudio, decode_audio
-from streamfleet.gateway.audio_protocol import _same_language
-from streamfleet.gateway.httpbody import DISCONNECTED, until_disconnect
-from streamfleet.gateway.httperror import openai_error_response
-from streamfleet.gateway.multipart_form import FormLimits, FormReader
-from streamfleet.gateway.observe import stop_events, trace_id_from
-from streamfleet.gateway.sse import KEEPALIVE, SSE_HEADERS, sse_frame
-from streamfleet.gateway.transcription_mapping import (Segment, check_form, delta_event,
+from streamfleet.gateway.edge import guard
+from streamfleet.gateway.services.audio_files import FORMATS, DecodedAudio, decode_audio
+from streamfleet.gateway.protocols.audio_protocol import _same_language
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, until_disconnect
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
+from streamfleet.gateway.protocols.transcription_mapping import (Segment, check_form, delta_event,
                                                        done_event, render)
-from streamfleet.gateway.vad import Segmenter, UtteranceEnd
-from streamfleet.gateway.validation import Draft, check_lane
-from streamfleet.gateway.voice import new_detector
+from streamfleet.gateway.services.vad import Segmenter, UtteranceEnd
+from streamfleet.gateway.admission.validation import Draft, check_lane
+from streamfleet.gateway.services.voice import new_detector
 
 if TYPE_CHECKING:
-    from streamfleet.gateway.auth import Identity
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
 
 __all__ = ["router", "transcriptions", "open_transcription", "split_utterances", "Transcription",
@@ -77,7 +77,7 @@ DECODES_AT_ONCE = 2
 FORM_OVERHEAD_BYTES = 65_536
 #: seconds of audio per entry of an utterance's audio stream (the worker decodes as they come)
 APPEND_SECONDS = 1.0
-#: the sample rate the segmenter's detectors take (``gateway/vad.py``)
+#: the sample rate the segmenter's detectors take (``gateway/services/vad.py``)
 VAD_RATE = 16000
 
 
@@ -129,7 +129,7 @@ class Transcription:
         self.audio = audio
         self.spans = spans
         self.trace_id = trace_id
-        # whose turn an utterance takes for a speech slot (gateway.voiceslots): the API key,
+        # whose turn an utterance takes for a speech slot (gateway.admission.voiceslots): the API key,
         # or with auth off this request, as a voice connection is
         self.tenant = f"key:{identity.key_id}" if identity is not None else f"req:{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
@@ -382,7 +382,7 @@ async def transcriptions(request: Request) -> Response:
         identity = await hub.admission.authenticate(request.headers.get("authorization"))
         if identity is not None:
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
-            edge.authenticated(request.scope)
+            guard.authenticated(request.scope)
         hub.admission.spent(identity)  # a key known out of its rate limit: 429 before reading the body
         form_data = await _read_form(request, FormLimits(max_file_bytes=s.transcription_max_bytes))
         if form_data is None:

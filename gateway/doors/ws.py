@@ -1,8 +1,8 @@
 """WebSocket adapter: forwards frames between the socket and the connection's
-``gateway.session.Session`` (its protocol state and its requests, one
-``gateway.requests.ClientRequest`` per request id, all answered on the connection's reply
-channel); decisions live in ``gateway.protocol``, ``gateway.requests``,
-``gateway.request_stream`` and ``gateway.reply_channel``."""
+``gateway.services.session.Session`` (its protocol state and its requests, one
+``gateway.requests.lifecycle.ClientRequest`` per request id, all answered on the connection's reply
+channel); decisions live in ``gateway.protocols.frames``, ``gateway.requests.lifecycle``,
+``gateway.requests.request_stream`` and ``gateway.requests.reply_channel``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from streamfleet.shared.logging import get_logger
 
 from streamfleet.shared.metrics import gateway as metrics
 
-from streamfleet.gateway import edge
-from streamfleet.gateway.admission import revoked_error
-from streamfleet.gateway.origin import origin_allowed
-from streamfleet.gateway.observe import trace_id_from
-from streamfleet.gateway.session import Session
+from streamfleet.gateway.edge import guard
+from streamfleet.gateway.admission.gate import revoked_error
+from streamfleet.gateway.edge.origin import origin_allowed
+from streamfleet.gateway.requests.observe import trace_id_from
+from streamfleet.gateway.services.session import Session
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -89,7 +89,7 @@ class WebSocketSession(Session):
         #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
         self.write = ws.scope.get("streamfleet.send_text_frame") or self._send_text
         #: monotonic time of the client's last frame that counts as activity though no
-        #: request is in flight: the voice WebSocket's audio (gateway/voice.py). 0: none
+        #: request is in flight: the voice WebSocket's audio (gateway/services/voice.py). 0: none
         self.last_activity = 0.0
 
     def send(self, frame: dict) -> None:
@@ -111,7 +111,7 @@ class WebSocketSession(Session):
     async def _send_text(self, payload: bytes) -> None:
         await self.ws.send_text(payload.decode())
 
-    # -- what the frames mean (the voice WebSocket, gateway/voice.py, reads them otherwise) --
+    # -- what the frames mean (the voice WebSocket, gateway/services/voice.py, reads them otherwise) --
     async def receive_text(self, text: str) -> None:
         self.dispatch(self.proto.receive_text(text))
 
@@ -165,7 +165,7 @@ class WebSocketSession(Session):
             return
         if self.identity is not None:  # every log line of this connection names its key
             structlog.contextvars.bind_contextvars(key_id=self.identity.key_id)
-            edge.authenticated(self.ws.scope)  # off its address's count before auth (gateway/edge.py)
+            guard.authenticated(self.ws.scope)  # off its address's count before auth (gateway/edge/guard.py)
         self.trace_id = trace_id_from(self.ws.headers.get("traceparent"))
         try:
             await self.connect()

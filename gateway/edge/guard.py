@@ -14,7 +14,7 @@ dropping what the client still sends, so that a client in the middle of sending 
 the answer rather than a reset.
 
 The gRPC port has no hook per connection in grpcio: it is bounded by its own options
-(``gateway.grpc_server.GrpcDoor``).
+(``gateway.doors.grpc_server.GrpcDoor``).
 """
 
 from __future__ import annotations

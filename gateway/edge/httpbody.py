@@ -1,5 +1,5 @@
-"""The HTTP doors' waits on their client (``gateway/openai.py``, ``gateway/responses.py``,
-``gateway/transcriptions.py``): a request's body, read no further than a limit, work that
+"""The HTTP doors' waits on their client (``gateway/doors/openai.py``, ``gateway/doors/responses.py``,
+``gateway/doors/transcriptions.py``): a request's body, read no further than a limit, work that
 ends when its client leaves, and a request not streamed read to its end."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import structlog
 from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
 from streamfleet.shared.schema import PromptEvent, TokenEvent
 
-from streamfleet.gateway import edge
-from streamfleet.gateway.observe import stop_events
+from streamfleet.gateway.edge import guard
+from streamfleet.gateway.requests.observe import stop_events
 
 __all__ = ["DISCONNECTED", "read_body", "open_json", "until_disconnect", "read_to_end"]
 
@@ -66,7 +66,7 @@ async def open_json(request: Request, hub: Any) -> tuple[Any, dict | None]:
     identity = await hub.admission.authenticate(request.headers.get("authorization"))
     if identity is not None:  # every log line of this request names its key
         structlog.contextvars.bind_contextvars(key_id=identity.key_id)
-        edge.authenticated(request.scope)  # off its address's count before auth (gateway/edge.py)
+        guard.authenticated(request.scope)  # off its address's count before auth (gateway/edge/guard.py)
     hub.admission.spent(identity)
     raw = await read_body(request, hub.settings.max_frame_bytes)
     if raw is None:  # the client's doing, not the gateway's: no traceback, no error log

@@ -1,5 +1,5 @@
 """Which web pages may drive the gateway: one pure decision, ``origin_allowed``, that the
-WebSocket handshake (``gateway/ws.py``) and the HTTP API (``OriginGuard``) both follow.
+WebSocket handshake (``gateway/doors/ws.py``) and the HTTP API (``OriginGuard``) both follow.
 
 Browsers send ``Origin`` on every WebSocket handshake and on every POST; SDKs, curl and
 the CLI send none and are not concerned. ``allowed_origins`` (``SF_ALLOWED_ORIGINS``):
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError
 
-from streamfleet.gateway.httperror import openai_error_response
+from streamfleet.gateway.edge.httperror import openai_error_response
 
 __all__ = ["refused_origin", "origin_allowed", "OriginGuard"]
 

@@ -33,8 +33,8 @@ import orjson
 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import kind_phrase
-from streamfleet.gateway.protocol import Send
-from streamfleet.gateway.validation import check_lane
+from streamfleet.gateway.protocols.frames import Send
+from streamfleet.gateway.admission.validation import check_lane
 
 __all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "ENCODINGS",
            "MAX_FRAME_MS", "AUDIO_NOTICE_S"]

@@ -6,11 +6,11 @@
 * ``Send(frame)``        write a JSON frame to the client
 * ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``Draft``)
 * ``Embed(client_id, body)``  admit, tokenize and enqueue an embeddings request (its
-  body passed the HTTP door's cheap checks: ``gateway.embeddings.check_body``)
+  body passed the HTTP door's cheap checks: ``gateway.doors.embeddings.check_body``)
 * ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
-``render`` turns a request stream's events (``gateway.request_stream``: the wire's
+``render`` turns a request stream's events (``gateway.requests.request_stream``: the wire's
 ``TokenEvent``, ``DoneEvent``, ``ErrorEvent``) into the client's frames;
 ``embeddings_frame`` an embeddings request's vectors into its one answer.
 """
@@ -25,13 +25,13 @@ import orjson
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
 
-from streamfleet.gateway.validation import MAX_ID_CHARS
+from streamfleet.gateway.admission.validation import MAX_ID_CHARS
 
 __all__ = ["Send", "Submit", "Embed", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
            "embeddings_frame", "resume_fields", "EMBED_FRAME_FIELDS"]
 
 #: the fields of an ``embed`` frame that are the frame's own, not the embeddings body's
-#: (the rest goes to ``gateway.embeddings.check_body`` as an HTTP body would)
+#: (the rest goes to ``gateway.doors.embeddings.check_body`` as an HTTP body would)
 EMBED_FRAME_FIELDS = ("type", "id")
 
 
@@ -42,13 +42,13 @@ class Send:
 
 @dataclass(slots=True)
 class Submit:
-    request: Any  # gateway.validation.Draft
+    request: Any  # gateway.admission.validation.Draft
 
 
 @dataclass(slots=True)
 class Embed:
     client_id: str
-    body: Any  # gateway.embeddings.EmbeddingsBody
+    body: Any  # gateway.doors.embeddings.EmbeddingsBody
 
 
 @dataclass(slots=True)
@@ -144,11 +144,11 @@ class ConnectionProtocol:
     """Frame parsing and in-flight bookkeeping of one client connection.
 
     Args:
-        validator: a ``gateway.validation.Validator``.
+        validator: a ``gateway.admission.validation.Validator``.
         max_inflight: most concurrent requests on this connection.
         max_frame_bytes: largest text frame accepted.
         check_embed: the cheap checks of an embeddings body
-            (``gateway.embeddings.check_body`` with the process's hub), for ``embed``
+            (``gateway.doors.embeddings.check_body`` with the process's hub), for ``embed``
             frames; None: they are refused (``unknown_type``).
     """
 

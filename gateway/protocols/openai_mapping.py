@@ -1,5 +1,5 @@
 """The OpenAI API's shapes, mapped to and from the fleet's, with no I/O: the HTTP adapter
-(``gateway/openai.py``) reads bodies and writes responses, this module says what they hold.
+(``gateway/doors/openai.py``) reads bodies and writes responses, this module says what they hold.
 
 Request side: an OpenAI body becomes the generate payload the WebSocket sends, which
 ``Validator.check`` then validates, so that the same bad input gets the same error code
@@ -27,8 +27,8 @@ from streamfleet.shared.errors import ErrorCode, GenerationError, ValidationErro
 from streamfleet.shared.grammar import CONSTRAINTS
 from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, PromptEvent, TokenEvent
 
-from streamfleet.gateway.tools import CallStream, Tools, call_id
-from streamfleet.gateway.validation import UNSUPPORTED
+from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
+from streamfleet.gateway.admission.validation import UNSUPPORTED
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
            "KNOWN_COMPLETIONS", "unknown_params", "request_payload",

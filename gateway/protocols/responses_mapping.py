@@ -1,5 +1,5 @@
 """The OpenAI Responses API's shapes (``/v1/responses``), mapped to and from the chat
-completions door's, with no I/O: ``gateway/responses.py`` reads bodies, stores
+completions door's, with no I/O: ``gateway/doors/responses.py`` reads bodies, stores
 responses and writes answers, this module says what they hold (docs/openai.md,
 "The Responses API").
 
@@ -30,7 +30,7 @@ import orjson
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 
-from streamfleet.gateway.openai_mapping import ChoiceStream, ResponseShape
+from streamfleet.gateway.protocols.openai_mapping import ChoiceStream, ResponseShape
 
 __all__ = ["UNSUPPORTED", "CHAT_ONLY", "EXTRAS", "RESPONSE_ID", "ResponsesRequest", "parse_request",
            "input_items", "output_as_input", "chat_body", "renamed", "response_id_of", "usage",

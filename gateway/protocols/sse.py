@@ -3,8 +3,8 @@ object, or OpenAI's closing ``[DONE]``), comment lines as keepalives, and the ``
 single-choice stream puts on each token's event so that a client that reconnects with
 ``Last-Event-ID`` continues where it left off.
 
-Framing only: what goes in each event is ``gateway/openai_mapping.py``'s, when to send it
-``gateway/openai.py``'s.
+Framing only: what goes in each event is ``gateway/protocols/openai_mapping.py``'s, when to send it
+``gateway/doors/openai.py``'s.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ transcript (its utterances, each a ``Segment`` with its times in the file) rende
 transcription (``transcript.text.delta``, ``transcript.text.done``).
 
 A segment is one utterance the voice activity segmenter found in the file
-(``gateway/vad.py``): its times are the utterance's span, exact to the detector's frame
+(``gateway/services/vad.py``): its times are the utterance's span, exact to the detector's frame
 (32 ms for Silero). The engine gives no token ids, log probabilities or no-speech
 probabilities: ``verbose_json`` segments leave those fields out rather than make them up,
 and ``word`` timestamps are refused.

@@ -23,7 +23,7 @@ from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
 
-from streamfleet.gateway.prefixroute import PrefixRouter
+from streamfleet.gateway.requests.prefixroute import PrefixRouter
 
 __all__ = ["Broker"]
 

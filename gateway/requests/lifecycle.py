@@ -1,6 +1,6 @@
 """One client request through its life in the gateway, whatever the protocol.
 
-A ``ClientRequest`` is what every adapter (``gateway/ws.py``, ``gateway/openai.py``, and
+A ``ClientRequest`` is what every adapter (``gateway/doors/ws.py``, ``gateway/doors/openai.py``, and
 any later one) drives for one request; the lifecycle lives here once
 (docs/architecture.md, "A request's path")::
 
@@ -18,7 +18,7 @@ the API key is revoked while it runs (a WebSocket watches its connection instead
 
 The request holds the admission ``Ticket`` (request id, owner, key id, stream slot,
 resume token), the model and lane, its reply channel and its ``RequestStream`` (the
-wire's events, once and in order: ``gateway/request_stream.py``, which knows nothing of
+wire's events, once and in order: ``gateway/requests/request_stream.py``, which knows nothing of
 this lifecycle). A
 connection that carries many requests (the WebSocket) passes its ``ReplyChannel``;
 without one the request opens its own after admission and closes it in ``close`` (one
@@ -34,18 +34,18 @@ import anyio
 
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 
-from streamfleet.gateway.admission import Ticket, revoked_error
-from streamfleet.gateway.observe import observed
-from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.request_stream import RequestStream, Tick
+from streamfleet.gateway.admission.gate import Ticket, revoked_error
+from streamfleet.gateway.requests.observe import observed
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 
 if TYPE_CHECKING:
     from streamfleet.shared.schema import Event, RequestRecord
 
-    from streamfleet.gateway.admission import Admission
-    from streamfleet.gateway.auth import Identity
-    from streamfleet.gateway.broker import Broker
-    from streamfleet.gateway.validation import Draft, Validator
+    from streamfleet.gateway.admission.gate import Admission
+    from streamfleet.gateway.admission.auth import Identity
+    from streamfleet.gateway.requests.broker import Broker
+    from streamfleet.gateway.admission.validation import Draft, Validator
 
 __all__ = ["ClientRequest"]
 
@@ -63,7 +63,7 @@ class ClientRequest:
             Cluster) opens its own.
         share: with ``channel``, submit on the process's shared channel all the same
             (where there is one); resumes stay on ``channel``.
-        admission: rate limits, stream slots, key watches (``gateway.admission``).
+        admission: rate limits, stream slots, key watches (``gateway.admission.gate``).
         validator: finishes a checked request: template, grammar trial, tokenizing.
         broker: the process's Redis side (request ids, cancels).
         check_workers: refuses a model with no live worker (``Hub.check_workers``).
@@ -224,7 +224,7 @@ class ClientRequest:
     # -- while it runs ------------------------------------------------------------------
     def events(self, transport: str) -> AsyncIterator[Event | Tick]:
         """The stream's events, with its metrics and its "request ended" log line
-        (``gateway.observe.observed``); ``aclose`` it when stopping early."""
+        (``gateway.requests.observe.observed``); ``aclose`` it when stopping early."""
         return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane)
 
     def cancel(self, reason: str = "client") -> None:

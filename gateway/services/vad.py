@@ -3,7 +3,7 @@
 Voice clients stream 16 kHz mono PCM16 (little-endian) in chunks of any size; the gateway
 runs one ``Segmenter`` per connection on every chunk, so that only voiced audio becomes
 inference work (docs/voice.md, "Voice activity detection"). A ``Detector``
-(``gateway/vad_detectors.py``; Silero in ``gateway/silero.py``) decides speech or not
+(``gateway/services/vad_detectors.py``; Silero in ``gateway/services/silero.py``) decides speech or not
 for one frame; the ``Segmenter`` turns those decisions into utterances, without I/O:
 ``feed(pcm)`` returns ``SpeechStarted`` / ``SpeechAudio`` / ``SpeechStopped`` /
 ``UtteranceEnd`` events, ``flush()`` ends the stream. ``feed`` is ``frames`` then
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from streamfleet.gateway.vad_detectors import BYTES_PER_MS, Detector
+from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector
 
 __all__ = ["SpeechStarted", "SpeechAudio", "SpeechStopped", "UtteranceEnd", "VadEvent", "Segmenter"]
 

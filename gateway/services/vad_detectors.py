@@ -4,7 +4,7 @@ The contract (``Detector``), the detectors that need no model of their own
 (``EnergyDetector``, an RMS threshold; ``WebRtcDetector``, the WebRTC GMM detector;
 ``AlwaysSpeech``, VAD off), and the kinds a voice connection may be configured with, by
 name: ``make_detector(kind, **options)`` builds one, ``"silero"`` (the default) being
-``gateway/silero.py``'s. ``gateway/vad.py`` turns a detector's decisions into utterances.
+``gateway/services/silero.py``'s. ``gateway/services/vad.py`` turns a detector's decisions into utterances.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from streamfleet.gateway.silero import SileroDetector
+from streamfleet.gateway.services.silero import SileroDetector
 
 __all__ = [
     "SAMPLE_RATE", "BYTES_PER_MS", "DETECTORS", "DEFAULT_DETECTOR", "Detector", "WebRtcDetector", "EnergyDetector",

@@ -1,23 +1,23 @@
 """The voice WebSocket, ``GET /v1/audio/stream`` (docs/voice.md): audio in, transcripts out.
 
 A voice connection holds no inference slot while its client is silent. Every binary
-frame goes through the connection's voice activity segmenter (``gateway/vad.py``); only
+frame goes through the connection's voice activity segmenter (``gateway/services/vad.py``); only
 an utterance — speech onset, its pre-roll, the voiced audio, until enough silence —
 becomes work: one ``SpeechTask`` on the speech model's lanes (same admission, lanes,
-priorities and deadlines as text, through ``gateway.requests.ClientRequest``), whose audio
+priorities and deadlines as text, through ``gateway.requests.lifecycle.ClientRequest``), whose audio
 is appended to ``sf:audio:{request_id}`` as the client speaks. The worker that takes it
 publishes ``TranscriptEvent``s (the partials, then the final) and the utterance's end on
 the connection's reply channel, the way text events travel, and ``RequestStream`` makes
 them exactly-once and in order.
 
 The connection itself — Origin, connection caps, the API key, revocation, idle and age
-limits, drain — is the text WebSocket's (``gateway.ws.WebSocketSession``); only what
+limits, drain — is the text WebSocket's (``gateway.doors.ws.WebSocketSession``); only what
 its frames mean differs, and what keeps it from being idle: a started session that
 sends no audio for ``SF_WS_IDLE_TIMEOUT_S`` is closed as a text one with no request is.
 
 Fairness (docs/voice.md, "Limits" and "Fair slots"): ``AudioProtocol`` drops audio that
 comes faster than ``SF_AUDIO_MAX_REALTIME``, and an utterance takes its tenant's turn
-for a decoder slot (``gateway.voiceslots.VoiceSlots``) before its task is enqueued.
+for a decoder slot (``gateway.admission.voiceslots.VoiceSlots``) before its task is enqueued.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TranscriptEvent
 
-from streamfleet.gateway.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
-from streamfleet.gateway.protocol import Send
-from streamfleet.gateway.observe import stop_events
-from streamfleet.gateway.silero import SileroDetector
-from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
-from streamfleet.gateway.vad_detectors import AlwaysSpeech, Detector, make_detector
-from streamfleet.gateway.validation import Draft
-from streamfleet.gateway.ws import WebSocketSession
+from streamfleet.gateway.protocols.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
+from streamfleet.gateway.protocols.frames import Send
+from streamfleet.gateway.requests.observe import stop_events
+from streamfleet.gateway.services.silero import SileroDetector
+from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
+from streamfleet.gateway.services.vad_detectors import AlwaysSpeech, Detector, make_detector
+from streamfleet.gateway.admission.validation import Draft
+from streamfleet.gateway.doors.ws import WebSocketSession
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -64,7 +64,7 @@ class Utterance:
         self.session = session
         self.created = time.monotonic()  # its wait for a slot counts from here (high_load)
         self.warned = False
-        self.grant: str | None = None  # its fair slot (gateway.voiceslots), until its final
+        self.grant: str | None = None  # its fair slot (gateway.admission.voiceslots), until its final
         # finals go out in utterance order: another worker may finish a later utterance first
         self.previous = previous
         self.over = asyncio.Event()  # this utterance's final (or error) went out, or never will
@@ -215,8 +215,8 @@ class Utterance:
 
 class VoiceConnection:
     """What a voice connection's frames mean, whatever carries them (the voice WebSocket,
-    ``VoiceSession``; gRPC's ``Listen`` call, ``gateway.grpc_server``): a ``Session``
-    (``gateway.session``: ``hub``, ``identity``, ``channel``, ``send``, ``emit``,
+    ``VoiceSession``; gRPC's ``Listen`` call, ``gateway.doors.grpc_server``): a ``Session``
+    (``gateway.services.session``: ``hub``, ``identity``, ``channel``, ``send``, ``emit``,
     ``_spawn``) mixes this in and calls ``init_voice`` in its constructor. Its frames come
     in as the WebSocket's (``receive_text``: JSON, ``receive_bytes``: PCM) and go out as
     its frames (dicts) through the session's ``send``/``emit``."""
@@ -233,7 +233,7 @@ class VoiceConnection:
         self.count = 0  # utterances of this connection so far
         self.last_activity = 0.0
 
-    # the read loop hands every frame here (gateway.ws.WebSocketSession._serve) and reads
+    # the read loop hands every frame here (gateway.doors.ws.WebSocketSession._serve) and reads
     # the next one only once this one is handled: a connection's frames stay in order
     async def receive_text(self, text: str) -> None:
         await self._handle(self.audio_proto.receive_text(text))
@@ -260,7 +260,7 @@ class VoiceConnection:
 
     @property
     def tenant(self) -> str:
-        """Whose turn an utterance takes for a slot (gateway.voiceslots): its API key, or
+        """Whose turn an utterance takes for a slot (gateway.admission.voiceslots): its API key, or
         with auth off this connection."""
         if self.identity is not None:
             return f"key:{self.identity.key_id}"

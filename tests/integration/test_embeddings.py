@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` through the lanes (gateway/embeddings.py, workers/embedcore.py;
+"""``POST /v1/embeddings`` through the lanes (gateway/doors/embeddings.py, workers/embedcore.py;
 docs/openai.md, "Embeddings"): a fleet of one gateway and one embedding worker
 serving a tiny random BERT (tests/support/tinybert.py) beside tiny-gpt, from a private
 model repository. The official ``openai`` SDK (base64 by default, which it decodes

@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from streamfleet.gateway import auth as auth_module
-from streamfleet.gateway.auth import INVALID_KEY_MESSAGE, MISSING_KEY_MESSAGE, KeyStore, parse_key
-from streamfleet.gateway.ratelimit import RateLimiter, StreamSlots, TokenBucket
+from streamfleet.gateway.admission import auth as auth_module
+from streamfleet.gateway.admission.auth import INVALID_KEY_MESSAGE, MISSING_KEY_MESSAGE, KeyStore, parse_key
+from streamfleet.gateway.admission.ratelimit import RateLimiter, StreamSlots, TokenBucket
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.redis import connect
@@ -219,7 +219,7 @@ async def test_lua_script_and_token_bucket_agree(ards, keys):
 TWO_PROCESS_SNIPPET = textwrap.dedent("""
     import asyncio, sys
     import redis
-    from streamfleet.gateway.ratelimit import RateLimiter
+    from streamfleet.gateway.admission.ratelimit import RateLimiter
     from streamfleet.shared.errors import RefusedError
     from streamfleet.shared.keys import Keys
     from streamfleet.shared.redis import connect

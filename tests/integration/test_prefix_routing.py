@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.prefixroute import VIEW_TTL_S
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.prefixroute import VIEW_TTL_S
 from streamfleet.shared.errors import RefusedError
 from streamfleet.shared.keys import GROUP, Keys
 from streamfleet.shared.redis import connect, sync_client

@@ -1,6 +1,6 @@
 """Connection protection and backpressure, against a live gateway."""
 
-# Moved to unit tests (the origin rule is one pure decision, gateway/origin.py; what stays
+# Moved to unit tests (the origin rule is one pure decision, gateway/edge/origin.py; what stays
 # here is one live case of each outcome per door, with the request's real Host and scheme).
 # Removed -> replaced by:
 # - test_websockets_same_origin_only_by_default: the origins of another port, an https page,

@@ -14,8 +14,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.request_stream import CANCEL_GRACE_S
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S
 from streamfleet.shared.keys import GROUP, Keys
 from streamfleet.shared.redis import connect
 from streamfleet.shared.schema import DoneEvent, SamplingParams, StartedEvent, Task, TokenEvent, decode_events

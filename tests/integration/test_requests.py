@@ -1,4 +1,4 @@
-"""ClientRequest (gateway/requests.py), the lifecycle every adapter drives, in-process
+"""ClientRequest (gateway/requests/lifecycle.py), the lifecycle every adapter drives, in-process
 against a real redis-server (no worker: its events are published by the test)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent, encode_events
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.admission import Admission
+from streamfleet.gateway.admission.gate import Admission
 from streamfleet.gateway.hub import Hub
-from streamfleet.gateway.broker import Broker
-from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.admission.validation import Validator
 
 
 @pytest.fixture

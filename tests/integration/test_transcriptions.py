@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from scripts.flite import SENTENCES, flite_missing, silence, speech, wer
-from streamfleet.gateway.audio_files import resample_pcm16
+from streamfleet.gateway.services.audio_files import resample_pcm16
 from streamfleet.shared.keys import Keys
 from tests.support.audiofiles import flac_bytes, wav_bytes
 from tests.support.keys import TIERS, add_key

@@ -1,4 +1,4 @@
-"""Fair voice slots against a real redis-server (gateway/voiceslots.py): the script gives
+"""Fair voice slots against a real redis-server (gateway/admission/voiceslots.py): the script gives
 the in-memory ``SlotTable``'s answers, and ``VoiceSlots`` waits its turn, refreshes and
 gives back grants."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from streamfleet.gateway.voiceslots import POLL_S, VOICE_SLOTS_LUA, SlotTable, VoiceSlots
+from streamfleet.gateway.admission.voiceslots import POLL_S, VOICE_SLOTS_LUA, SlotTable, VoiceSlots
 from streamfleet.shared.errors import ErrorCode, GenerationError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.redis import connect

@@ -12,8 +12,8 @@ import time
 import redis
 import redis.asyncio as aioredis
 
-from streamfleet.gateway.auth import KeyStore
-from streamfleet.gateway.broker import Broker
+from streamfleet.gateway.admission.auth import KeyStore
+from streamfleet.gateway.requests.broker import Broker
 from streamfleet.shared.keys import GROUP, Keys
 from streamfleet.shared.redis import RawBatch, connect
 from streamfleet.shared.schema import (Cancel, DeadLetter, DoneEvent, Follow, Heartbeat, KeyRecord, LogEntry,

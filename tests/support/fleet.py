@@ -92,7 +92,7 @@ class Proc:
 
 
 # What a gateway says when a port picked for it was taken before it could bind it
-# (gateway/scrape.py for metrics, gateway/grpc_server.py for gRPC).
+# (gateway/scrape.py for metrics, gateway/doors/grpc_server.py for gRPC).
 _PORT_RACE = ("cannot listen", "port is taken")
 
 

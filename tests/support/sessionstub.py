@@ -1,12 +1,12 @@
-"""Stand-ins for what a ``gateway.session.Session`` hands work to, so that the real session
+"""Stand-ins for what a ``gateway.services.session.Session`` hands work to, so that the real session
 (with its real ``ConnectionProtocol`` and a real ``Validator``) runs without processes or
 Redis: tests/unit/test_session.py (generate, resume, cancel, the connection) and
 tests/unit/test_ws_embed.py (the ``embed`` frame) use them.
 
-- ``ScriptedRequest`` stands in for ``gateway.requests.ClientRequest``: it records what the
+- ``ScriptedRequest`` stands in for ``gateway.requests.lifecycle.ClientRequest``: it records what the
   session asks of it (submit, resume, watch, cancel, delivered, close); the test decides
   how its submit or resume goes (``refuse``, ``hold``) and feeds its events (``feed``).
-- ``Admission`` stands in for ``gateway.admission.Admission``'s connection side: the
+- ``Admission`` stands in for ``gateway.admission.gate.Admission``'s connection side: the
   connection slots and the key watch ``Session.connect`` takes.
 - ``Channel`` stands in for the connection's ``ReplyChannel``: what ``close_requests``
   closes.
@@ -31,15 +31,15 @@ from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.schema import DoneEvent, ErrorEvent
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.session import Session
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.services.session import Session
+from streamfleet.gateway.admission.validation import Validator
 
 FINAL = (DoneEvent, ErrorEvent)  # the events that end a request's stream
 _ids = itertools.count()
 
 
 class ScriptedRequest:
-    """Stands in for ``gateway.requests.ClientRequest``: records what the session asks of
+    """Stands in for ``gateway.requests.lifecycle.ClientRequest``: records what the session asks of
     it; the test decides how its submit or resume goes (``refuse``, ``hold``) and feeds its
     events (``feed``: an exception fed is raised by ``events``)."""
 
@@ -110,7 +110,7 @@ class ScriptedRequest:
 
 
 class Admission:
-    """Stands in for ``gateway.admission.Admission``'s connection side."""
+    """Stands in for ``gateway.admission.gate.Admission``'s connection side."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []

@@ -1,4 +1,4 @@
-"""Admission's decisions that need no Redis (gateway/admission.py): who owns a request,
+"""Admission's decisions that need no Redis (gateway/admission/gate.py): who owns a request,
 the tier's lane and ceilings, the all-or-nothing checks of a request of several choices,
 the local "known dry" refusal, resumes with auth off, and revocation watches. Whatever
 would touch Redis (the bucket, the stream and connection slots) is left unset here, so
@@ -16,9 +16,9 @@ from streamfleet.shared.schema import SamplingParams
 from streamfleet.shared.settings import GatewaySettings
 from streamfleet.shared.tiers import Tier
 
-from streamfleet.gateway.admission import Admission, Ticket, owner_of, token_owner
-from streamfleet.gateway.auth import Identity
-from streamfleet.gateway.validation import Draft
+from streamfleet.gateway.admission.gate import Admission, Ticket, owner_of, token_owner
+from streamfleet.gateway.admission.auth import Identity
+from streamfleet.gateway.admission.validation import Draft
 
 FREE = Tier("free", requests_per_minute=60, burst=4, max_streams=2, max_lane="normal", max_tokens=100,
             max_timeout_s=30.0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamfleet.gateway.chat_template import encode_prompt
+from streamfleet.gateway.admission.chat_template import encode_prompt
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.modelimport import import_export
 from scripts.greedy import greedy_alone, greedy_scenario
@@ -121,7 +121,7 @@ def test_fixtures_cover_the_architectures():
 def test_a_chat_template_needs_its_special_tokens(imported):
     """A template that spells out a special token the tokenizer does not have as one
     token would feed the model a conversation split into pieces: named and refused."""
-    from streamfleet.gateway.chat_template import template_problem
+    from streamfleet.gateway.admission.chat_template import template_problem
 
     repo, _ = imported
     tok = load_tokenizer(repo.get("llama"))

@@ -11,11 +11,11 @@ import numpy as np
 import orjson
 import pytest
 
-from streamfleet.gateway.audio_files import decode_audio, resample_pcm16, sniff_format
-from streamfleet.gateway.multipart_form import FormLimits, FormReader
-from streamfleet.gateway.transcription_mapping import (Segment, check_form, delta_event, done_event, full_text,
+from streamfleet.gateway.services.audio_files import decode_audio, resample_pcm16, sniff_format
+from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader
+from streamfleet.gateway.protocols.transcription_mapping import (Segment, check_form, delta_event, done_event, full_text,
                                                        render, srt, timestamp, vtt)
-from streamfleet.gateway.transcriptions import split_utterances
+from streamfleet.gateway.doors.transcriptions import split_utterances
 from streamfleet.shared.errors import ValidationError
 from tests.support.audiofiles import flac_bytes
 from tests.support.audiofiles import wav_bytes as wav  # (short: the tests build many)

@@ -1,13 +1,13 @@
-"""The voice WebSocket's frame rules, without I/O (gateway/audio_protocol.py)."""
+"""The voice WebSocket's frame rules, without I/O (gateway/protocols/audio_protocol.py)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from streamfleet.gateway.audio_protocol import Audio, AudioProtocol, Start, Stop, TokenBucket
-from streamfleet.gateway.protocol import Send
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.protocols.audio_protocol import Audio, AudioProtocol, Start, Stop, TokenBucket
+from streamfleet.gateway.protocols.frames import Send
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamfleet.gateway.auth import extract_key, hash_key, parse_key
+from streamfleet.gateway.admission.auth import extract_key, hash_key, parse_key
 from streamfleet.shared.schema import KeyRecord
 
 

@@ -72,7 +72,7 @@ def test_group_summaries_name_their_commands():
 
 
 def test_a_model_kind_reads_as_english():
-    from streamfleet.gateway.validation import Validator
+    from streamfleet.gateway.admission.validation import Validator
 
     validator = Validator(GatewaySettings(), ModelRepository(REPO_ROOT / "engines"))
     with pytest.raises(ValidationError) as refused:
@@ -83,7 +83,7 @@ def test_a_model_kind_reads_as_english():
 
 @pytest.fixture(scope="module")
 def validator(tiny_spec, tmp_path_factory):
-    from streamfleet.gateway.validation import Validator
+    from streamfleet.gateway.admission.validation import Validator
 
     root = tmp_path_factory.mktemp("engines")
     shutil.copytree(tiny_spec.path, root / "tiny-gpt")
@@ -92,10 +92,10 @@ def validator(tiny_spec, tmp_path_factory):
 
 def test_every_door_applies_one_default_temperature(validator):
     """A request naming no temperature: the WebSocket frame, the OpenAI bodies (completions
-    and chat, mapped as gateway/openai_mapping.py maps them) and a gRPC GenerateRequest with the
+    and chat, mapped as gateway/protocols/openai_mapping.py maps them) and a gRPC GenerateRequest with the
     field unset all come out at ``DEFAULT_TEMPERATURE``; each still honours one it names."""
-    from streamfleet.gateway.grpc_server import generate_payload
-    from streamfleet.gateway.openai_mapping import request_payload
+    from streamfleet.gateway.doors.grpc_server import generate_payload
+    from streamfleet.gateway.protocols.openai_mapping import request_payload
     from streamfleet.shared.schema import DEFAULT_TEMPERATURE
     from streamfleet.v1 import inference_pb2 as pb
 

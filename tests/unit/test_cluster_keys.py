@@ -8,9 +8,9 @@ import re
 import pytest
 from redis.crc import key_slot
 
-from streamfleet.gateway.broker import ENQUEUE_LUA
-from streamfleet.gateway.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
-from streamfleet.gateway.voiceslots import VOICE_SLOTS_LUA
+from streamfleet.gateway.requests.broker import ENQUEUE_LUA
+from streamfleet.gateway.admission.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
+from streamfleet.gateway.admission.voiceslots import VOICE_SLOTS_LUA
 from streamfleet.shared.keys import TAG_LEN, Keys, affinity_source, split_source
 from streamfleet.shared.redis import RawBatch, RedisTarget, _route_key
 from streamfleet.shared.settings import CommonSettings

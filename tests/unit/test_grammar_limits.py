@@ -15,7 +15,7 @@ from streamfleet.shared.grammar import (COSTLY, GrammarError, GrammarLimits, Gra
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 

@@ -65,7 +65,7 @@ def test_stub_and_servicer_cover_every_method():
 
 def test_messages_carry_the_websocket_frames_fields():
     """The gRPC events hold what the WebSocket frames hold (docs/grpc.md)."""
-    from streamfleet.gateway.grpc_server import generate_event, server_frame
+    from streamfleet.gateway.doors.grpc_server import generate_event, server_frame
 
     done = {"type": "done", "id": "a", "request_id": "r1", "finish_reason": "length",
             "usage": {"prompt_tokens": 3, "completion_tokens": 4},
@@ -97,7 +97,7 @@ def test_messages_carry_the_websocket_frames_fields():
 
 
 def test_generate_requests_carry_tools_as_the_other_doors_take_them():
-    from streamfleet.gateway.grpc_server import generate_payload
+    from streamfleet.gateway.doors.grpc_server import generate_payload
 
     req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi"),
                                        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="f",
@@ -123,7 +123,7 @@ def test_generate_requests_carry_tools_as_the_other_doors_take_them():
 def test_status_codes():
     import grpc
 
-    from streamfleet.gateway.grpc_server import status_code
+    from streamfleet.gateway.doors.grpc_server import status_code
     from streamfleet.shared.errors import ErrorCode
 
     want = {
@@ -149,7 +149,7 @@ def test_status_codes():
 
 
 def test_traceparent():
-    from streamfleet.gateway.observe import trace_id_from
+    from streamfleet.gateway.requests.observe import trace_id_from
 
     assert trace_id_from("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01") == \
         "4bf92f3577b34da6a3ce929d0e0e4736"

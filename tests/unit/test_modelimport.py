@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.modelimport import import_export, inspect_export
 from streamfleet.shared.errors import FatalError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository, chat_template_source, folder_chat_template, load_tokenizer
@@ -222,7 +222,7 @@ def test_the_demo_model_chats_in_the_builtin_format_by_its_own_choice(tiny_spec)
 
 
 async def test_v1_models_says_where_each_template_comes_from(tmp_path):
-    from streamfleet.gateway.openai import models
+    from streamfleet.gateway.doors.openai import models
     from streamfleet.shared.schema import Heartbeat
 
     src = copy_export("llama", tmp_path / "export")

@@ -1,5 +1,5 @@
-"""The OpenAI door's pure mapping (gateway/openai_mapping.py) and SSE framing
-(gateway/sse.py): request bodies to the fleet's payload, the fleet's events to the
+"""The OpenAI door's pure mapping (gateway/protocols/openai_mapping.py) and SSE framing
+(gateway/protocols/sse.py): request bodies to the fleet's payload, the fleet's events to the
 objects and chunks OpenAI clients read. No process, Redis or network: the validator runs
 on the tiny-gpt folder where a test needs it."""
 
@@ -10,14 +10,14 @@ import json
 import orjson
 import pytest
 
-from streamfleet.gateway.openai_mapping import (KNOWN_CHAT, KNOWN_COMPLETIONS, MAX_CHOICES, MAX_HELD_CALL,
+from streamfleet.gateway.protocols.openai_mapping import (KNOWN_CHAT, KNOWN_COMPLETIONS, MAX_CHOICES, MAX_HELD_CALL,
                                                 MAX_PROMPTS, ChoiceStream, Gathered,
                                                 ResponseShape, best_of_order, choice_counts, completion_prompts,
                                                 could_be_call, finish_reason, request_payload, stream_flags, unknown_params,
                                                 usage_of)
-from streamfleet.gateway.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
-from streamfleet.gateway.tools import Tools
-from streamfleet.gateway.validation import UNSUPPORTED, Validator, check_unsupported
+from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
+from streamfleet.gateway.admission.tools import Tools
+from streamfleet.gateway.admission.validation import UNSUPPORTED, Validator, check_unsupported
 from streamfleet.shared.errors import OPENAI_CODE, ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, TokenEvent
@@ -271,7 +271,7 @@ def test_stream_flags():
 
 
 # -- a bad body, as the HTTP door reads it ------------------------------------------------
-# Each body below is a JSON object; the door (gateway/openai.py) reads its stream flags,
+# Each body below is a JSON object; the door (gateway/doors/openai.py) reads its stream flags,
 # its choice counts, maps it to the payload and runs ``Validator.check``, in that order,
 # and answers the first refusal as the OpenAI error body. (Bodies that are not JSON, or
 # not an object, and a bad Last-Event-ID are the door's own: tests/integration/

@@ -1,4 +1,4 @@
-"""The Origin rule that WebSockets and the HTTP API share (gateway/origin.py)."""
+"""The Origin rule that WebSockets and the HTTP API share (gateway/edge/origin.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from streamfleet.shared.errors import ErrorCode
 
-from streamfleet.gateway.origin import OriginGuard, origin_allowed, refused_origin
+from streamfleet.gateway.edge.origin import OriginGuard, origin_allowed, refused_origin
 
 
 @pytest.mark.parametrize("allowed", ["", "*", "https://app.example"])

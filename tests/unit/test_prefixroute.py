@@ -1,4 +1,4 @@
-"""Prefix-aware routing's choice, without I/O (gateway/prefixroute.py; docs/architecture.md,
+"""Prefix-aware routing's choice, without I/O (gateway/requests/prefixroute.py; docs/architecture.md,
 "Prefix-aware routing"): the worker where a task would start soonest wins (the prompt
 tokens it would prefill, plus a step's work for each task ahead there), a burst routed in
 one loop turn is spread by the gateway's own ledger, and only live, free, advertising
@@ -6,7 +6,7 @@ workers are candidates."""
 
 from __future__ import annotations
 
-from streamfleet.gateway.prefixroute import (LEDGER_S, MAX_ROUTE_BLOCKS, Ledger, candidates, choose, held_tokens,
+from streamfleet.gateway.requests.prefixroute import (LEDGER_S, MAX_ROUTE_BLOCKS, Ledger, candidates, choose, held_tokens,
                                              leading_run, lookup_plan, sample, sample_positions)
 from streamfleet.shared.prefixhash import block_hashes, namespace
 from streamfleet.shared.schema import Heartbeat, Wake
@@ -121,7 +121,7 @@ def test_a_long_conversation_goes_to_the_worker_holding_most_of_it() -> None:
 
 
 def test_the_work_ahead_is_the_routed_tasks_read_fresh_and_the_shared_ones() -> None:
-    from streamfleet.gateway.prefixroute import work_ahead
+    from streamfleet.gateway.requests.prefixroute import work_ahead
 
     # 4 slots in use by the last heartbeat, but the stream (read just now) holds 1:
     # three routed tasks ended since; one task came from the shared lanes

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamfleet.gateway.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, completion_echo,
+from streamfleet.gateway.protocols.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, completion_echo,
                                                 request_payload)
-from streamfleet.gateway.request_stream import RequestStream
-from streamfleet.gateway.validation import Validator, echo_of
+from streamfleet.gateway.requests.request_stream import RequestStream
+from streamfleet.gateway.admission.validation import Validator, echo_of
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.ggufimport import import_gguf
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer

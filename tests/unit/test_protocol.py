@@ -13,8 +13,8 @@ from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Resume, Send, Submit, render
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Resume, Send, Submit, render
+from streamfleet.gateway.admission.validation import Validator
 from tests.support.fuzzframes import frames, plausible
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamfleet.gateway.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
+from streamfleet.gateway.admission.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.tiers import DEFAULT_TIERS, Tier, parse_tiers
 

@@ -1,4 +1,4 @@
-"""The Responses API's pure mapping (gateway/responses_mapping.py): Responses bodies to the
+"""The Responses API's pure mapping (gateway/protocols/responses_mapping.py): Responses bodies to the
 chat door's body (and from there the validator's draft), the fleet's events to the typed
 events and response objects the official SDK parses. No process, Redis or network."""
 
@@ -10,11 +10,11 @@ import typing
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from streamfleet.gateway.openai_mapping import ResponseShape, request_payload
-from streamfleet.gateway.responses_mapping import (CHAT_ONLY, UNSUPPORTED, ResponseEvents, chat_body, input_items,
+from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
+from streamfleet.gateway.protocols.responses_mapping import (CHAT_ONLY, UNSUPPORTED, ResponseEvents, chat_body, input_items,
                                                    output_as_input, parse_request, renamed)
-from streamfleet.gateway.tools import parse_tools
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.tools import parse_tools
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.errors import ErrorCode, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, StoredResponse, TokenEvent

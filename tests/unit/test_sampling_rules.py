@@ -13,7 +13,7 @@ from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DEFAULT_MAX_TOKENS, RANGES, SamplingParams, sampling_problem
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.validation import Validator
 
 VOCAB = 1000
 #: RANGES names -> the request field the gateway reads it from

@@ -11,7 +11,7 @@ import inspect
 import numpy as np
 import pytest
 
-from streamfleet.gateway.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.shared.schema import StartedEvent, TokenEvent
 from streamfleet.workers.core import ANNOUNCE_EVERY_S, WorkerCore
 from streamfleet.workers.stepcost import PROBE, StepCosts, StepShape, pairs

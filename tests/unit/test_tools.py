@@ -1,4 +1,4 @@
-"""Tool calls read back out of a completion (gateway/tools.py)."""
+"""Tool calls read back out of a completion (gateway/admission/tools.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamfleet.gateway.tools import CallStream, parse_calls
+from streamfleet.gateway.admission.tools import CallStream, parse_calls
 
 NAMES = frozenset({"register", "get_weather"})
 
@@ -51,7 +51,7 @@ WEATHER = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Addr"}}, 
 def test_a_forced_call_keeps_each_tools_references_pointing_into_its_own_parameters():
     import jsonschema
 
-    from streamfleet.gateway.tools import parse_tools
+    from streamfleet.gateway.admission.tools import parse_tools
     from streamfleet.shared.grammar import build_grammar
 
     tools = parse_tools({"tools": [{"type": "function", "function": {"name": "register", "parameters": PERSON}},
@@ -83,7 +83,7 @@ WEATHER_CALL = '{"name":"get_weather","arguments":{"city":"Lima"}}'
 
 
 def test_parse_calls_reads_one_call_an_array_or_several_tagged_calls():
-    from streamfleet.gateway.tools import parse_calls
+    from streamfleet.gateway.admission.tools import parse_calls
 
     one = ("get_weather", '{"city":"Lima"}')
     assert parse_calls(WEATHER_CALL, NAMES) == [one]
@@ -105,7 +105,7 @@ def test_parse_calls_reads_one_call_an_array_or_several_tagged_calls():
 
 
 def _tools(**p):
-    from streamfleet.gateway.tools import parse_tools
+    from streamfleet.gateway.admission.tools import parse_tools
 
     return parse_tools({"tools": [{"type": "function", "function": {"name": "register", "parameters": PERSON}},
                                   {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
@@ -135,7 +135,7 @@ def test_parallel_tool_calls_says_whether_a_reply_holds_several_calls():
 def test_a_forced_reply_of_several_calls_is_a_constrained_array():
     import jsonschema
 
-    from streamfleet.gateway.tools import MAX_CALLS
+    from streamfleet.gateway.admission.tools import MAX_CALLS
     from streamfleet.shared.grammar import build_grammar
 
     schema = _tools(tool_choice="required").call_schema()
@@ -193,7 +193,7 @@ def _streamed(pieces: list[str], complete: bool = True) -> tuple[list[tuple[str,
 
 
 def test_an_array_of_calls_streams_call_by_call_however_it_is_split():
-    from streamfleet.gateway.tools import parse_calls
+    from streamfleet.gateway.admission.tools import parse_calls
 
     assert parse_calls(ARRAY, NAMES) == ARRAY_CALLS
     calls, want = _streamed([ARRAY])

@@ -1,4 +1,4 @@
-"""Voice activity detection (gateway/vad.py, docs/voice.md) on real speech synthesized by
+"""Voice activity detection (gateway/services/vad.py, docs/voice.md) on real speech synthesized by
 flite: each detector behind a Segmenter finds the utterances where the speech is, never
 in silence or low noise, whatever the chunking, and the audio it hands on is the
 stream's own bytes."""
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
-from streamfleet.gateway.silero import SileroDetector, silero_model
-from streamfleet.gateway.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd, VadEvent
-from streamfleet.gateway.vad_detectors import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector,
+from streamfleet.gateway.services.silero import SileroDetector, silero_model
+from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd, VadEvent
+from streamfleet.gateway.services.vad_detectors import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector,
                                                WebRtcDetector, make_detector)
 
 KINDS = ["silero", "webrtc", "energy"]

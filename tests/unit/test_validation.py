@@ -1,4 +1,4 @@
-"""The one validation path (gateway/validation.py) with the real tiny-gpt tokenizer."""
+"""The one validation path (gateway/admission/validation.py) with the real tiny-gpt tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from streamfleet.shared.errors import NotFoundError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.chat_template import render_chat
-from streamfleet.gateway.validation import Validator
+from streamfleet.gateway.admission.chat_template import render_chat
+from streamfleet.gateway.admission.validation import Validator
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
     """The gateway's fast path (the Rust tokenizer directly) gives exactly the ids of
     ``PreTrainedTokenizerFast.encode``, also for text that is not ASCII, and a tokenizer
     that configures truncation takes the slow path (which ignores it)."""
-    from streamfleet.gateway.chat_template import encode_prompt
+    from streamfleet.gateway.admission.chat_template import encode_prompt
     from streamfleet.shared.modelrepo import load_tokenizer
 
     tok = load_tokenizer(tiny_spec)
@@ -120,7 +120,7 @@ def test_a_template_without_tools_gets_them_in_the_messages():
     """A chat template that has no place for the offered tools (or an assistant's earlier
     calls) would drop them without a word: they are offered in the system message and the
     calls written into the assistant's turn, as the builtin format does."""
-    from streamfleet.gateway.tools import parse_tools, tools_prompt
+    from streamfleet.gateway.admission.tools import parse_tools, tools_prompt
 
     tok = _Templated(_CHATML)
     ask = [{"role": "user", "content": "Weather in Paris?"}]
@@ -147,7 +147,7 @@ def test_a_template_with_tools_takes_them_as_they_are():
     tok = _Templated("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
                      "{% for m in messages %}{{ m.role }}:{{ m.content }}"
                      "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>{% endfor %};{% endfor %}")
-    from streamfleet.gateway.tools import parse_tools
+    from streamfleet.gateway.admission.tools import parse_tools
 
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]

@@ -1,4 +1,4 @@
-"""The gateway's batched Silero decisions (``gateway.voice.SileroBatch``): connections
+"""The gateway's batched Silero decisions (``gateway.services.voice.SileroBatch``): connections
 whose audio arrives together are decided in one call, with exactly the decisions each
 would get frame by frame."""
 
@@ -10,11 +10,11 @@ import random
 import pytest
 
 from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
-from streamfleet.gateway.silero import SileroDetector
-from streamfleet.gateway.vad import Segmenter
-from streamfleet.gateway.vad_detectors import AlwaysSpeech
-from streamfleet.gateway.silero import SileroBatch
-from streamfleet.gateway.voice import new_detector
+from streamfleet.gateway.services.silero import SileroDetector
+from streamfleet.gateway.services.vad import Segmenter
+from streamfleet.gateway.services.vad_detectors import AlwaysSpeech
+from streamfleet.gateway.services.silero import SileroBatch
+from streamfleet.gateway.services.voice import new_detector
 
 pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")
 

@@ -1,10 +1,10 @@
-"""Fair voice slots without I/O (gateway/voiceslots.py; docs/voice.md, "Fair slots"): the
+"""Fair voice slots without I/O (gateway/admission/voiceslots.py; docs/voice.md, "Fair slots"): the
 fair share, the reserve, the tier cap, turns, and what lapses. The Redis script is held
 to the same answers in tests/integration/test_voice_slots.py."""
 
 from __future__ import annotations
 
-from streamfleet.gateway.voiceslots import SlotTable, Waiter, capacity_of, fair_share, next_grants
+from streamfleet.gateway.admission.voiceslots import SlotTable, Waiter, capacity_of, fair_share, next_grants
 from streamfleet.shared.schema import Heartbeat
 
 

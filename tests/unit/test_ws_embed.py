@@ -2,7 +2,7 @@
 or Redis.
 
 The frame is read by the real ``ConnectionProtocol`` with the HTTP door's real checks
-(``gateway.embeddings.check_body``, on a real ``Validator`` over tiny-gpt and a tiny
+(``gateway.doors.embeddings.check_body``, on a real ``Validator`` over tiny-gpt and a tiny
 random BERT): what it accepts, what it refuses and how (the ``error`` frame naming the
 parameter), the connection's limits it shares with ``generate``. The real ``Session``
 then submits it through the HTTP door's ``submit`` and reads it with its ``EmbedCall``;
@@ -30,11 +30,11 @@ from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, RequestRecord
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
-from streamfleet.gateway.protocol import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
-from streamfleet.gateway.reply_channel import ReplyChannel
-from streamfleet.gateway.requests import ClientRequest
-from streamfleet.gateway.validation import MAX_ID_CHARS, Validator
+from streamfleet.gateway.doors.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
+from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.admission.validation import MAX_ID_CHARS, Validator
 from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 from tests.support.tinybert import tiny_embedding_model
 
