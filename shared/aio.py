@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 __all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "run", "settle_heap"]
 
@@ -26,7 +27,7 @@ def mark_retrieved(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-async def cancel_and_wait(task: "asyncio.Task | None") -> None:
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
     """Stop a background task of a part that is closing: cancel it and wait until it has
     unwound, whatever it ends with (its errors were its own to log)."""
     if task is None:

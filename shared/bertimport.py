@@ -307,7 +307,9 @@ def read_checkpoint(path: Path) -> BertCheckpoint:
         raise FatalError(f"{where}: modules.json runs {' -> '.join(kinds)}; the import takes Transformer -> Pooling "
                          f"(-> Normalize)")
     base = str(modules[0].get("path") or "")
-    at = (lambda name: f"{base}/{name}" if base else name)
+    def at(name: str) -> str:
+        return f"{base}/{name}" if base else name
+
     config = src.json(at("config.json"))
     if not isinstance(config, dict):
         raise FatalError(f"{where} has no {at('config.json')}")

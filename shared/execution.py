@@ -39,8 +39,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -314,7 +315,8 @@ def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[
 
     folder = spec.path
     if not candidates_present(folder):
-        raise FatalError(f"{folder}: the graphs of weights = \"auto\" are missing ({', '.join(map(graph_file, CANDIDATES))})")
+        raise FatalError(f"{folder}: the graphs of weights = \"auto\" are missing "
+                         f"({', '.join(map(graph_file, CANDIDATES))})")
     record = _read(folder)
     if record.get("stamp") != stamp:
         record = {"version": RECORD_VERSION, "stamp": stamp}

@@ -50,8 +50,6 @@ from streamfleet.shared.ggufimport import (
     GgufModel,
     _apply_linear,
     _Graph,
-    _linear_init,
-    _projections,
     _rms_norm,
     attention_inputs,
     attention_residual,
@@ -68,8 +66,8 @@ from streamfleet.shared.ggufimport import (
 )
 from streamfleet.shared.packagefetch import sha256_of
 
-__all__ = ["GQA_GRAPH_FILE", "GQA_DIGEST_KEY", "POSITIONS_KEY", "CACHE_ROWS_KEY", "build_gqa_graph", "ensure_gqa_graph", "gqa_digest",
-           "rope_caches", "write_gqa_graph"]
+__all__ = ["GQA_GRAPH_FILE", "GQA_DIGEST_KEY", "POSITIONS_KEY", "CACHE_ROWS_KEY", "build_gqa_graph",
+           "ensure_gqa_graph", "gqa_digest", "rope_caches", "write_gqa_graph"]
 
 #: the GQA graph's name in a model folder (its weights beside it in ``model.gqa.onnx.data``)
 GQA_GRAPH_FILE = "model.gqa.onnx"
@@ -121,7 +119,6 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
         raise FatalError(f"{m.path}: {positions - 1} positions is beyond the sliding window of {m.window} tokens "
                          f"({m.architecture}.attention.sliding_window), which the graph does not mask")
     g = _Graph()
-    t = m.tensors
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
@@ -149,7 +146,6 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
     inv_sqrt = m.attn_scale  # 1/sqrt(head size) but for gemma's 27B models
     folded = math.log2(inv_sqrt).is_integer()
     for i in range(m.n_layer):
-        pre = f"blk.{i}"
         weights = layer_weights(model_weights, i, m.n_layer)  # q4-int8act's edge blocks: fp32
         ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 

@@ -298,7 +298,6 @@ class GgufModel(GgufTokenizer):
     def describe(self, weights: str, max_context: int, context_note: str) -> str:
         types = ", ".join(f"{n} {k}" for k, n in sorted(self.tensor_types.items(), key=lambda kv: -kv[1]))
         params = sum(int(np.prod(t.shape)) for t in self.tensors.values())
-        eos = self.token_text(self.eos_id)
         bos = self.token_text(self.bos_id)
         return "\n".join([
             f"source        {self.path}",
@@ -316,7 +315,8 @@ class GgufModel(GgufTokenizer):
             + (f"; logits soft-capped at {self.final_softcap:g}" if self.final_softcap else ""),
             f"architecture  {ARCH_NOTES[self.architecture]}"
             + (f"; sliding window {self.window} tokens" + (
-                f" in {'every layer' if not self.swa_pattern else f'{self.n_layer - self.n_layer // self.swa_pattern} of {self.n_layer} layers'}"
+                f" in {'every layer' if not self.swa_pattern else f'{self.n_layer - self.n_layer // self.swa_pattern}'}"
+                f"{'' if not self.swa_pattern else f' of {self.n_layer} layers'}"
                 " (masked by the GroupQueryAttention graph; the with-past graph's context is capped at it)"
                 if self.gemma else " (the context is capped at it)") if self.window else ""),
             f"output layer  {'tied to the embedding' if self.tied else 'its own matrix'}",
@@ -487,8 +487,8 @@ def read_gguf(path: Path) -> GgufModel:
     tok = _read_tokenizer(reader, path)
     if tok.tokenizer_model == "llama" and arch in ("gemma2", "gemma3"):
         raise FatalError(f"{path}: a SentencePiece tokenizer (tokenizer.ggml.model 'llama') in a {arch} file is not "
-                         f"supported (the import's SentencePiece tokenizer is checked on Llama-style vocabularies only, "
-                         f"Gemma's not yet: docs/models.md, \"Tokenizers\")")
+                         f"supported (the import's SentencePiece tokenizer is checked on Llama-style vocabularies "
+                         f"only, Gemma's not yet: docs/models.md, \"Tokenizers\")")
     tensors: dict[str, _Tensor] = {}
     types: dict[str, int] = {}
     for t in reader.tensors:
@@ -735,7 +735,7 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
 def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
     """Q8_0 raw rows (``w = d * q``, q int8) as two exact 4-bit products: q = 16*hi + lo
     with lo in 0..15 and hi in -8..7, so ``w = 16d * (hi + 8 - 8) + d * lo`` (ONNX
-    Runtime's 8-bit kernel keeps fp32 activations only on a path 20x slower)."""
+    Runtime's 8-bit kernel keeps fp32 activations only on a much slower path)."""
     n = rows.shape[0]
     blocks = rows.reshape(n, -1, 34)
     d = _f16(blocks, 0)
@@ -782,8 +782,8 @@ SUPPORTED_TYPES = {_F32: "F32", _F16: "F16", _BF16: "BF16", _Q4_0: "Q4_0", _Q4_1
                    _Q5_1: "Q5_1", _Q8_0: "Q8_0", _Q2_K: "Q2_K", _Q3_K: "Q3_K", _Q4_K: "Q4_K", _Q5_K: "Q5_K",
                    _Q6_K: "Q6_K"}
 #: bytes of one block of 256 weights (K types) or 32 (the others)
-_TYPE_BLOCK = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q5_0: (32, 22), _Q5_1: (32, 24), _Q2_K: (256, 84), _Q3_K: (256, 110), _Q4_K: (256, 144),
-               _Q5_K: (256, 176), _Q6_K: (256, 210)}
+_TYPE_BLOCK = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q5_0: (32, 22), _Q5_1: (32, 24), _Q2_K: (256, 84),
+               _Q3_K: (256, 110), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}
 
 
 def _split(b: np.ndarray, *sizes: int) -> list[np.ndarray]:
@@ -1016,7 +1016,7 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
 
     t = m.tensors["token_embd.weight"]
     compact = (_Q8_0, _F16, _BF16, *_TYPE_BLOCK)
-    if weights == "fp32" and m.tied or t.qtype not in compact:
+    if (weights == "fp32" and m.tied) or t.qtype not in compact:
         g.init("embed.weight", _dequantize(t))
         return g.op("Gather", ["embed.weight", input_ids], axis=0)
     vocab, hidden = t.shape
@@ -1048,9 +1048,9 @@ def embedding(g: _Graph, m: GgufModel, input_ids: str, weights: str) -> str:
 def _linear_parts(t: _Tensor, weights: str, permute_heads: int | None = None) -> list[tuple[Any, ...]]:
     """A matrix [N, K] as the terms of one projection, as numpy arrays: ``("matmul", W^T)``
     (fp32), ``("matmul16", W^T, f)`` (fp16) and ``("matmulbf16", W^T, f)`` (bf16 bits as
-    uint16), each widened to fp32 and times ``f`` (a power of two) before its product; ``("nbits", B, scales, zero points or None,
-    bits, block size)``; ``("blocksum", M^T, block size)``; their outputs add up to
-    ``x @ W^T``. In the 4-bit modes each type keeps the weights the file holds
+    uint16), each widened to fp32 and times ``f`` (a power of two) before its product;
+    ``("nbits", B, scales, zero points or None, bits, block size)``; ``("blocksum", M^T,
+    block size)``; their outputs add up to ``x @ W^T``. In the 4-bit modes each type keeps the weights the file holds
     (docs/models.md, "Weight types"); a block type whose weights are not exact as the sum
     of its terms is dequantized (``t.dequantized``)."""
     if weights in ("q4", "q4-int8act"):
@@ -1374,7 +1374,6 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     accuracy = 4 if weights == "q4-int8act" else 0
     g = _Graph()
     h, hd, nh, kvh = m.hidden, m.head_dim, m.n_head, m.n_kv_head
-    t = m.tensors
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]
@@ -1429,7 +1428,6 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
     bias_g = g.op("Tile", [bias, g.const([1, 1, group, 1])]) if group > 1 else bias
     model_weights = weights
     for i in range(m.n_layer):
-        pre = f"blk.{i}"
         weights = layer_weights(model_weights, i, m.n_layer)
         ln1, ln2, qkv, wo, gate_up, wd = block_weights(g, m, i, weights, inv_sqrt if folded else 1.0)
 
@@ -1534,8 +1532,9 @@ def build_tokenizer_json(m: GgufModel | GgufTokenizer) -> dict[str, Any]:
                 {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
                 {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
                                      if m.add_space_prefix else [])},
-            "model": {"type": "BPE", "dropout": None, "unk_token": m.token_text(m.unk_id), "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+            "model": {"type": "BPE", "dropout": None, "unk_token": m.token_text(m.unk_id),
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                      "byte_fallback": True, "ignore_merges": False,
                       "vocab": vocab, "merges": sentencepiece_merges(m.tokens, m.scores, m.token_types)},
         }
     return {

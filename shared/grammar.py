@@ -104,7 +104,7 @@ _LIMIT_ERRORS = (
 )
 #: how every "this constraint costs too much" message begins
 COSTLY = "the constraint is too costly to enforce"
-_STATE_DUMP = re.compile(r"<non-verbose/>|<state>.*?</state>", re.S)
+_STATE_DUMP = re.compile(r"<non-verbose/>|<state>.*?</state>", re.DOTALL)
 
 
 def plain_error(message: str, limits: GrammarLimits = DEFAULT_LIMITS) -> str:

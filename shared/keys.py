@@ -54,7 +54,7 @@ class LaneKeys(dict):
 
     __slots__ = ("_keys", "_model")
 
-    def __init__(self, keys: "Keys", model: str) -> None:
+    def __init__(self, keys: Keys, model: str) -> None:
         super().__init__((lane, keys.lane(model, lane)) for lane in LANES)
         self._keys, self._model = keys, model
 

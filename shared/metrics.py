@@ -17,7 +17,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-class gateway:  # noqa: N801 — a namespace
+class gateway:
     requests = Counter("streamfleet_requests_total", "Requests that ended, by outcome (stop, length, cancelled, "
                        "error) and error code", ["model", "lane", "transport", "outcome", "code"])
     refusals = Counter("streamfleet_refusals_total", "Requests refused before enqueueing, by code "
@@ -50,7 +50,7 @@ class gateway:  # noqa: N801 — a namespace
     redis_errors = Counter("streamfleet_redis_errors_total", "Redis errors seen by the gateway", ["operation"])
 
 
-class worker:  # noqa: N801 — a namespace
+class worker:
     admissions = Counter("streamfleet_worker_admissions_total", "Tasks admitted into the batch, by lane",
                          ["model", "lane"])
     tokens = Counter("streamfleet_worker_tokens_generated_total", "Completion tokens generated", ["model"])

@@ -68,17 +68,19 @@ import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from streamfleet.shared.errors import FatalError, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
            "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "kind_phrase",
-           "POCKETSPHINX_LANGUAGE", "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template", "chat_template_source"]
+           "POCKETSPHINX_LANGUAGE", "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template",
+           "chat_template_source"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,7 +145,7 @@ class ModelSpec:
         return self.path / self.tokenizer
 
     @classmethod
-    def from_toml(cls, toml_path: Path) -> "ModelSpec":
+    def from_toml(cls, toml_path: Path) -> ModelSpec:
         """Parse ``engine.toml``.
 
         Raises:
@@ -189,7 +191,7 @@ class ModelSpec:
             raise FatalError(f"invalid {toml_path}: {exc}") from exc
 
     @classmethod
-    def _speech_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> "ModelSpec":
+    def _speech_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> ModelSpec:
         """An asr model's spec: no EOS lookup (a speech folder has no tokenizer to ask),
         and the speech fields checked here so that a bad number stops the worker at
         start-up rather than when the pool is built."""
@@ -218,7 +220,7 @@ class ModelSpec:
             raise FatalError(f"invalid {toml_path}: {exc}") from exc
 
     @classmethod
-    def _embedding_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> "ModelSpec":
+    def _embedding_from_toml(cls, toml_path: Path, data: dict[str, Any], known: set[str]) -> ModelSpec:
         """An embedding model's spec: no EOS lookup and no chat template; its vector
         fields checked here, so that a bad value stops a worker at start-up."""
         from streamfleet.shared.bertimport import POOLING_MODES
@@ -692,6 +694,7 @@ def ensure_artifacts(spec: ModelSpec) -> None:
             [sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(spec.path)],
             capture_output=True,
             text=True,
+            check=False,
         )
     if proc.returncode != 0 or not spec.artifacts_present():
         raise FatalError(f"building {spec.name} failed: {proc.stderr.strip()[-2000:]}")

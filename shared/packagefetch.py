@@ -28,9 +28,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from streamfleet.shared.errors import FatalError
 
@@ -62,7 +63,7 @@ class PackageFile:
     bytes: int = 0
 
     @classmethod
-    def from_table(cls, table: dict[str, Any], where: str) -> "PackageFile":
+    def from_table(cls, table: dict[str, Any], where: str) -> PackageFile:
         """An ``engine.toml`` ``[source]`` table.
 
         Raises:
@@ -138,7 +139,7 @@ def fetch(src: PackageFile, *, say: Callable[[str], None] | None = None) -> Path
         try:
             proc = subprocess.run(cmd, stdout=None if interactive else subprocess.DEVNULL,
                                   stderr=None if interactive else subprocess.PIPE, text=True,
-                                  timeout=FETCH_TIMEOUT_S)
+                                  check=False, timeout=FETCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             raise FetchError(f"fetching {src.package} {src.version} took over {FETCH_TIMEOUT_S:.0f} s") from exc
         except OSError as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import hiredis
 from redis.asyncio.connection import parse_url
@@ -81,8 +81,7 @@ class PubSubConnection(asyncio.Protocol):
                         for fut in self._acks.pop(reply[1], ()):
                             if not fut.done():
                                 fut.set_result(None)
-                    elif kind == b"pong":
-                        if self._pongs:
+                    elif kind == b"pong" and self._pongs:
                             fut = self._pongs.popleft()
                             if not fut.done():
                                 fut.set_result(None)
@@ -316,7 +315,7 @@ class ShardSubscriptions:
                 break
             try:
                 await conn.ping(self.timeout)
-            except (RedisConnectionError, OSError, asyncio.TimeoutError, ResponseError):
+            except (TimeoutError, RedisConnectionError, OSError, ResponseError):
                 conn.close()
                 break
         if self._conns.get(name) is conn:

@@ -7,8 +7,8 @@ Adventures in Wonderland* (1865; public domain; the plain text of Project Gutenb
 eBook #11), 22,452 bytes, 5,902 SmolLM2 tokens. It is cut into chunks of ``n_ctx``
 tokens (512, llama-perplexity's usual ``-c``), each evaluated from an empty cache; the
 first half of a chunk is context and every later position but the last is scored
-(llama-perplexity's ``first = n_ctx/2``: 255 tokens a chunk of 512): the log probability of the next token, and, against the reference
-mode's distribution at that position,
+(llama-perplexity's ``first = n_ctx/2``: 255 tokens a chunk of 512): the log probability
+of the next token, and, against the reference mode's distribution at that position,
 
 * **perplexity**: ``exp`` of the mean negative log likelihood of the scored tokens;
 * **mean KL divergence** ``sum p_ref * (log p_ref - log p_mode)``, with its standard error;
@@ -22,9 +22,10 @@ to the scored half, one chunk at a time, so the memory is one chunk's logits per
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -7,17 +7,25 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import (AskError, ClusterDownError, MovedError, RedisClusterException, ResponseError,
-                              SlotNotCoveredError, TryAgainError)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry  # (the asyncio clients' own: the sync one is converted, with a warning)
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    MovedError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TimeoutError as RedisTimeoutError,
+    TryAgainError,
+)
 
 from streamfleet.shared.command_socket import close_command_link, command_link
 from streamfleet.shared.resp import pack, slot_of
@@ -46,10 +54,10 @@ class RedisTarget:
     seeds: tuple[tuple[str, int], ...]
 
     @classmethod
-    def parse(cls, url: str, cluster: bool = False) -> "RedisTarget":
+    def parse(cls, url: str, cluster: bool = False) -> RedisTarget:
         parts = urlsplit(url)
         netloc = parts.netloc
-        userinfo, _, hosts = netloc.rpartition("@")
+        _, _, hosts = netloc.rpartition("@")
         seeds = []
         for entry in filter(None, (h.strip() for h in hosts.split(","))):
             host, sep, port = entry.rpartition(":") if not entry.endswith("]") else (entry, "", "")
@@ -208,8 +216,9 @@ def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
     from redis.asyncio.connection import parse_url
 
     params = parse_url(target.first_url)
-    kw: dict = dict(username=params.get("username"), password=params.get("password"), decode_responses=False,
-                    socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+    kw: dict[str, Any] = {"username": params.get("username"), "password": params.get("password"),
+                          "decode_responses": False, "socket_timeout": socket_timeout,
+                          "socket_connect_timeout": socket_timeout}
     conn_class = params.get("connection_class")
     if conn_class is not None and "SSL" in conn_class.__name__:
         kw["ssl"] = True
@@ -378,7 +387,7 @@ class RawBatch:
         self._after.append(tuple(after))
         return len(self._parts) - 1
 
-    def take(self, indices: list[int]) -> "RawBatch":
+    def take(self, indices: list[int]) -> RawBatch:
         """A batch of the commands at ``indices`` (in that order), as they were queued
         here, their ``after`` keys included: what a partial run left to send again."""
         out = RawBatch()
@@ -428,7 +437,7 @@ class RawBatch:
             raise error from exc
 
     # -- Redis Cluster -------------------------------------------------------------------
-    async def _run_cluster(self, client: "FleetCluster", partial: bool) -> list:
+    async def _run_cluster(self, client: FleetCluster, partial: bool) -> list:
         await client.ready()
         nodes = client.nodes_manager
         out: list = [None] * len(self._parts)
@@ -477,7 +486,7 @@ class RawBatch:
             out[i] = RedisClusterException(f"redirected more than {MAX_REDIRECTS} times")
         return out
 
-    async def _round(self, client: "FleetCluster", group: list[int], node_of: dict[int, ClusterNode],
+    async def _round(self, client: FleetCluster, group: list[int], node_of: dict[int, ClusterNode],
                      asking: dict[int, ClusterNode], out: list, partial: bool, slots: list[int],
                      failed: dict[int, Exception]) -> list[int]:
         """Send ``group`` side by side, one pipeline per node; fill ``out``; return the

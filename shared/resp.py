@@ -72,7 +72,7 @@ async def open_socket(params: dict, proto, timeout: float,
                 tls = _ssl_context(params)
             await asyncio.wait_for(loop.create_connection(lambda: proto, params.get("host", "localhost"),
                                                           int(params.get("port", 6379)), ssl=tls), timeout)
-    except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+    except (TimeoutError, OSError, ssl.SSLError) as exc:
         raise RedisConnectionError(f"cannot connect to Redis for {what}: {exc}") from exc
     try:
         password = params.get("password")
@@ -93,6 +93,6 @@ async def open_socket(params: dict, proto, timeout: float,
                 or "invalid" in refused.lower():
             raise AuthenticationError(f"Redis refused the {what} connection's credentials: {exc}") from exc
         raise RedisConnectionError(f"Redis refused the {what} connection: {exc}") from exc
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         proto.close()
         raise RedisConnectionError(f"Redis did not answer the {what} handshake") from exc

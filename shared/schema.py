@@ -44,7 +44,7 @@ import base64
 import math
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import orjson
 
@@ -219,7 +219,7 @@ def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
             return in_range(name)
     if not (isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)):
         return "stop must be a list of strings"
-    if not (type(p.min_tokens) is int and 0 <= p.min_tokens):
+    if not (type(p.min_tokens) is int and p.min_tokens >= 0):
         return "min_tokens must be an integer >= 0"
     if not (isinstance(p.logit_bias, list) and all(
             isinstance(e, list) and len(e) == 2 and token(e[0]) and _number(e[1], "logit_bias") for e in p.logit_bias)):
@@ -288,7 +288,7 @@ class Task:
         return orjson.dumps(self, default=_task_fields, option=orjson.OPT_PASSTHROUGH_DATACLASS)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Task":
+    def decode(cls, raw: bytes | str) -> Task:
         """Parse a text task; raises ``ValueError`` on anything malformed or not text."""
         task = decode_task(raw)
         if not isinstance(task, Task):
@@ -354,7 +354,7 @@ class EmbedTask:
 
 
 #: what a lane holds: a text task, a speech model's utterance, or an embedding model's inputs
-AnyTask = Union[Task, SpeechTask, EmbedTask]
+AnyTask = Task | SpeechTask | EmbedTask
 
 
 def _task_fields(obj: Any) -> dict[str, Any]:
@@ -543,7 +543,7 @@ class ErrorEvent:
         return error_from_code(self.code, self.message, retry_after_ms=self.retry_after_ms, param=self.param)
 
 
-Event = Union[StartedEvent, TokenEvent, PromptEvent, TranscriptEvent, EmbeddingEvent, DoneEvent, ErrorEvent]
+Event = StartedEvent | TokenEvent | PromptEvent | TranscriptEvent | EmbeddingEvent | DoneEvent | ErrorEvent
 #: the events that carry a request's output, indexed from 0 (delivered once each, in order)
 PROGRESS = (TokenEvent, TranscriptEvent, EmbeddingEvent)
 #: the events that end a request: exactly one, last
@@ -599,7 +599,7 @@ class Cancel:
         return orjson.dumps(self)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Cancel":
+    def decode(cls, raw: bytes | str) -> Cancel:
         try:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
@@ -618,7 +618,7 @@ class Follow:
         return orjson.dumps(self)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Follow":
+    def decode(cls, raw: bytes | str) -> Follow:
         try:
             d = orjson.loads(raw)
             out = cls(**d)
@@ -657,7 +657,7 @@ class Wake:
         return f"{self.lane} {self.entry_id[0]}-{self.entry_id[1]}".encode()
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Wake":
+    def decode(cls, raw: bytes | str) -> Wake:
         try:
             text = raw.decode() if isinstance(raw, bytes) else raw
             lane, entry = text.rsplit(" ", 1)
@@ -690,7 +690,7 @@ class RequestRecord:
         return orjson.dumps(self)  # a dataclass, written as asdict would (without its deep copy)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "RequestRecord":
+    def decode(cls, raw: bytes | str) -> RequestRecord:
         try:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
@@ -714,7 +714,7 @@ class StoredResponse:
         return orjson.dumps(self)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "StoredResponse":
+    def decode(cls, raw: bytes | str) -> StoredResponse:
         try:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError) as exc:
@@ -743,7 +743,7 @@ class LogEntry:
         return out
 
     @classmethod
-    def decode(cls, fields: dict) -> "LogEntry":
+    def decode(cls, fields: dict) -> LogEntry:
         """From the field map ``XRANGE``/``XREAD`` return (bytes keys)."""
         try:
             events = decode_events(fields[b"e"])
@@ -769,7 +769,7 @@ class AudioChunk:
         return {b"end": b"1"} if self.end else {b"pcm": self.pcm}
 
     @classmethod
-    def decode(cls, fields: dict) -> "AudioChunk":
+    def decode(cls, fields: dict) -> AudioChunk:
         """From the field map ``XREAD`` returns (bytes keys); raises ``ValueError``."""
         if fields.get(b"end") == b"1":
             return cls(end=True)
@@ -864,7 +864,7 @@ class Heartbeat:
         return orjson.dumps(d)
 
     @classmethod
-    def decode(cls, raw: bytes | str, worker_id: bytes | str = "") -> "Heartbeat":
+    def decode(cls, raw: bytes | str, worker_id: bytes | str = "") -> Heartbeat:
         """Raises ``ValueError`` for anything but an object with a numeric ``heartbeat``."""
         try:
             d = orjson.loads(raw)
@@ -935,7 +935,7 @@ class DeadLetter:
         return {"task": self.task, "reason": self.reason, "lane": self.lane, "worker": self.worker}
 
     @classmethod
-    def decode(cls, fields: dict) -> "DeadLetter":
+    def decode(cls, fields: dict) -> DeadLetter:
         """From the field map ``XRANGE`` returns; missing fields read as empty."""
         f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): v for k, v in fields.items()}
 
@@ -975,7 +975,7 @@ class KeyRecord:
         return orjson.dumps(self)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "KeyRecord":
+    def decode(cls, raw: bytes | str) -> KeyRecord:
         try:
             d = orjson.loads(raw)
             return cls(key_id=str(d["key_id"]), name=str(d["name"]), tier=str(d["tier"]), hash=str(d["hash"]),

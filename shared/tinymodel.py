@@ -26,6 +26,15 @@ The first step passes an empty past (``past_sequence_length`` 0). Only standard 
 operators are used (LayerNormalization, Erf-based GELU, Range for the causal mask), so
 TensorRT's ONNX parser takes the same file.
 
+``attention = "gqa"`` (``--attention gqa``; engine.toml's ``attention`` key) writes the same
+weights in the layout of the GGUF import's GroupQueryAttention graph instead
+(shared/gguf_gqa.py: ``input_ids``, ``seqlens_k``, ``total_sequence_length``,
+``logits_to_keep`` and KV buffers the op updates in place; ONNX Runtime's
+``com.microsoft::GroupQueryAttention`` without rotary embedding, each token's position
+taken from ``seqlens_k``), which workers/engines/onnx_gqa.py serves: every row attends
+over exactly its own length, so batch invariance costs no extra run (docs/sampling.md).
+ONNX Runtime only (TensorRT's parser does not take the contrib op).
+
 Usage::
 
     python -m streamfleet.shared.tinymodel --model-dir engines/tiny-gpt     # [build] of its engine.toml
@@ -46,17 +55,22 @@ from pathlib import Path
 # Single-threaded training keeps the merges, and so the file, identical from run to run.
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-import numpy as np  # noqa: E402
-import onnx  # noqa: E402
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 
-from streamfleet.shared.modelrepo import GENERATOR_KEY, generator_digest  # noqa: E402
+from streamfleet.shared.modelrepo import GENERATOR_KEY, generator_digest
 
 OPSET = 17
 #: per-element std of what positions and each block add to the residual stream, next to
 #: the token embedding's 1.0
 BLOCK_MIX = 0.025
 EOS_TOKEN = "<|endoftext|>"
+#: the graph layouts (``BuildParams.attention``)
+ATTENTIONS = ("concat", "gqa")
+#: the GroupQueryAttention graph's metadata (shared/gguf_gqa.py's keys)
+_POSITIONS_KEY = "streamfleet.gqa.max_positions"
+_CACHE_ROWS_KEY = "streamfleet.gqa.cache_rows"
 
 
 @dataclass(frozen=True)
@@ -68,8 +82,12 @@ class BuildParams:
     d_model: int = 128
     max_context: int = 256
     max_batch: int = 16
+    #: "concat": Optimum's with-past layout (module docstring); "gqa": GroupQueryAttention
+    attention: str = "concat"
 
     def check(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise SystemExit(f"attention must be one of {', '.join(ATTENTIONS)}, not {self.attention!r}")
         if self.d_model % self.n_head:
             raise SystemExit(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
         if self.vocab_size < 300:
@@ -163,7 +181,8 @@ _CJK = (
     "设始版双历越史商千片容研像找友孩站广改议形委早房音火际则首单据导影失拿网香似斯专石若兵弟谁校读志飞观"
     "争究包组造落视济喜离虽坏兴切具夜医"
 )
-_EMOJI = "😀😃😄😁😆😂🤣😊😇🙂🙃😉😍🥰😘🤔🤗🤩😎🥳😭😡👍👎👏🙏💪🎉🎂🎁🌍🌎🌏🌞🌙⭐🔥💧🌊🍎🍕🍔🍣☕🍵🚀🚗🚲💙💚💛💜🖤✅❌"
+_EMOJI = ("😀😃😄😁😆😂🤣😊😇🙂🙃😉😍🥰😘🤔🤗🤩😎🥳😭😡👍👎👏🙏💪🎉🎂🎁🌍🌎🌏🌞🌙⭐🔥💧"
+          "🌊🍎🍕🍔🍣☕🍵🚀🚗🚲💙💚💛💜🖤✅❌")
 
 
 def _synthetic_corpus(rng: np.random.Generator, n_chars: int) -> str:
@@ -394,7 +413,8 @@ class _Graph:
 def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
     """The decoder graph (see the module docstring for the I/O): token embedding,
     unembedding and its bias fitted to the corpus (``fit_bigram``), small seeded random
-    weights everywhere else."""
+    weights everywhere else; the same weights in either ``params.attention`` layout."""
+    gqa = params.attention == "gqa"
     rng = np.random.default_rng(params.seed + 1)
     fit = fit_bigram(params, tokenizer_json, rng)
     d, h, v, n_ctx = params.d_model, params.n_head, params.vocab_size, params.max_context
@@ -423,28 +443,21 @@ def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
     # --- masks shared by every layer -----------------------------------------------------
     one_s = g.init("one_scalar", np.array(1, dtype=np.int64))
     seq_s = g.op("Gather", [g.op("Shape", ["input_ids"]), one_s], axis=0)         # scalar S
-    total_s = g.op("Gather", [g.op("Shape", ["attention_mask"]), one_s], axis=0)  # scalar T = past + S
-    past_s = g.op("Sub", [total_s, seq_s])
-    q_pos = g.op("Range", [past_s, total_s, one_s])                      # [S]: absolute query slots
-    k_pos = g.op("Range", [g.init("zero_scalar", np.array(0, dtype=np.int64)), total_s, one_s])  # [T]
-    q_col = g.op("Unsqueeze", [q_pos, g.const_i64("axes1", [1])])         # [S, 1]
-    k_row = g.op("Unsqueeze", [k_pos, g.const_i64("axes0", [0])])                           # [1, T]
-    causal = g.op("LessOrEqual", [k_row, q_col])                          # [S, T] key <= query
-    keep = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)          # [B, T]
-    keep = g.op("Unsqueeze", [keep, g.const_i64("axes12", [1, 2])])       # [B, 1, 1, T]
-    allowed = g.op("And", [causal, keep])                                 # [B, 1, S, T]
-    # A large finite negative: a fully masked row (a pad) softmaxes to uniform, not NaN.
-    attn_bias = g.op("Where", [allowed, g.init("zero_f", np.array(0.0, dtype=f32)),
-                               g.init("neg_big", np.array(-1e9, dtype=f32))], name="attn_bias")
+    if gqa:
+        positions = _gqa_positions(g, seq_s, one_s)
+    else:
+        positions = "position_ids"
+        attn_bias = _attention_bias(g, seq_s, one_s)
 
     # --- embeddings ----------------------------------------------------------------------
     x = g.op("Add", [g.op("Gather", [wte, "input_ids"], axis=0),
-                     g.op("Gather", [wpe, "position_ids"], axis=0)], name="embed")
+                     g.op("Gather", [wpe, positions], axis=0)], name="embed")
 
-    heads_shape = g.const_i64("heads_shape", [0, 0, h, hd])
-    model_shape = g.const_i64("model_shape", [0, 0, d])
-    split_sizes = g.const_i64("qkv_split", [d, d, d])
-    scale = g.init("attn_scale", np.array(1.0 / np.sqrt(hd), dtype=f32))
+    if not gqa:  # the with-past layout's attention, written out op by op
+        heads_shape = g.const_i64("heads_shape", [0, 0, h, hd])
+        model_shape = g.const_i64("model_shape", [0, 0, d])
+        split_sizes = g.const_i64("qkv_split", [d, d, d])
+        scale = g.init("attn_scale", np.array(1.0 / np.sqrt(hd), dtype=f32))
     half = g.init("half", np.array(0.5, dtype=f32))
     one_f = g.init("one_f", np.array(1.0, dtype=f32))
     inv_sqrt2 = g.init("inv_sqrt2", np.array(1.0 / np.sqrt(2.0), dtype=f32))
@@ -459,40 +472,62 @@ def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
         b = g.init(f"{prefix}.bias", normal((n_out,), bias_std))
         return g.op("Add", [g.op("MatMul", [inp, w]), b])
 
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
-                                      ["batch_size", "past_sequence_length + sequence_length"]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             ["batch_size", "sequence_length", v])]
+    cache_dims: list[str | int] = ["batch", h, "capacity", hd]
+    if gqa:  # shared/gguf_gqa.py's inputs; logits_to_keep is added with the output layer
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        ]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "keep", v])]
+    else:
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                          ["batch_size", "past_sequence_length + sequence_length"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        ]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                                 ["batch_size", "sequence_length", v])]
 
     for i in range(params.n_layer):
         p = f"transformer.h.{i}"
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
-        for name in (past_k, past_v):
-            inputs.append(helper.make_tensor_value_info(
-                name, TensorProto.FLOAT, ["batch_size", h, "past_sequence_length", hd]))
-        for name in (pres_k, pres_v):
-            outputs.append(helper.make_tensor_value_info(
-                name, TensorProto.FLOAT, ["batch_size", h, "past_sequence_length + sequence_length", hd]))
+        if gqa:
+            for name in (past_k, past_v):
+                inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_dims))
+            for name in (pres_k, pres_v):
+                outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_dims))
+        else:
+            for name in (past_k, past_v):
+                inputs.append(helper.make_tensor_value_info(
+                    name, TensorProto.FLOAT, ["batch_size", h, "past_sequence_length", hd]))
+            for name in (pres_k, pres_v):
+                outputs.append(helper.make_tensor_value_info(
+                    name, TensorProto.FLOAT, ["batch_size", h, "past_sequence_length + sequence_length", hd]))
 
         a = layer_norm(x, f"{p}.ln_1")
         qkv = linear(a, f"{p}.attn.c_attn", d, 3 * d, in_std)
-        q, k, vv = g.op("Split", [qkv, split_sizes], n_out=3, axis=-1)
+        if gqa:
+            # packed [B, S, 3d] (query, key and value heads in that order, as c_attn makes
+            # them); the op writes the new K/V into the buffers at each row's length
+            ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length"],
+                       domain="com.microsoft", outputs=[f"{p}.attn.out", pres_k, pres_v],
+                       num_heads=h, kv_num_heads=h, do_rotary=0, scale=float(1.0 / np.sqrt(hd)))
+        else:
+            q, k, vv = g.op("Split", [qkv, split_sizes], n_out=3, axis=-1)
 
-        def heads(t: str) -> str:  # [B, S, D] -> [B, H, S, hd]
-            return g.op("Transpose", [g.op("Reshape", [t, heads_shape])], perm=[0, 2, 1, 3])
+            def heads(t: str) -> str:  # [B, S, D] -> [B, H, S, hd]
+                return g.op("Transpose", [g.op("Reshape", [t, heads_shape])], perm=[0, 2, 1, 3])
 
-        q = g.op("Mul", [heads(q), scale])
-        g.op("Concat", [past_k, heads(k)], outputs=[pres_k], axis=2)
-        g.op("Concat", [past_v, heads(vv)], outputs=[pres_v], axis=2)
-        scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])  # [B, H, S, T]
-        probs = g.op("Softmax", [g.op("Add", [scores, attn_bias])], axis=-1)
-        ctx = g.op("MatMul", [probs, pres_v])                                         # [B, H, S, hd]
-        ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), model_shape])
+            q = g.op("Mul", [heads(q), scale])
+            g.op("Concat", [past_k, heads(k)], outputs=[pres_k], axis=2)
+            g.op("Concat", [past_v, heads(vv)], outputs=[pres_v], axis=2)
+            scores = g.op("MatMul", [q, g.op("Transpose", [pres_k], perm=[0, 1, 3, 2])])  # [B, H, S, T]
+            probs = g.op("Softmax", [g.op("Add", [scores, attn_bias])], axis=-1)
+            ctx = g.op("MatMul", [probs, pres_v])                                         # [B, H, S, hd]
+            ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), model_shape])
         x = g.op("Add", [x, linear(ctx, f"{p}.attn.c_proj", d, d, attn_proj_std, BLOCK_MIX)])
 
         m = layer_norm(x, f"{p}.ln_2")
@@ -503,22 +538,60 @@ def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
         x = g.op("Add", [x, linear(gelu, f"{p}.mlp.c_proj", 4 * d, d, mlp_proj_std, BLOCK_MIX)])
 
     x = layer_norm(x, "transformer.ln_f")
+    if gqa:  # the logits of the last logits_to_keep positions only, as shared/gguf_gqa.py's
+        inputs.append(helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]))
+        x = g.op("Slice", [x, g.op("Neg", ["logits_to_keep"]),
+                           g.const_i64("slice_end", [int(np.iinfo(np.int64).max)]), g.const_i64("slice_axis", [1])])
     # an untied lm_head with a bias: logits = x @ lm_head + lm_bias
     lm_head = g.init("lm_head.weight", fit.lm_head.astype(f32))
     lm_bias = g.init("lm_head.bias", fit.lm_bias.astype(f32))
     g.op("Add", [g.op("MatMul", [x, lm_head]), lm_bias], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, "tiny_gpt", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if gqa else [])
+    model = helper.make_model(graph, opset_imports=opsets,
                               producer_name="streamfleet.shared.tinymodel", producer_version="1")
     model.ir_version = 8  # readable by older runtimes and TensorRT's parser
     # which generator made it: a checkout with a newer generator regenerates the files
     # (streamfleet.shared.modelrepo.ensure_artifacts)
-    digest = generator_digest()
-    if digest is not None:
-        helper.set_model_props(model, {GENERATOR_KEY: digest})
-    onnx.checker.check_model(model, full_check=True)
+    props = {GENERATOR_KEY: generator_digest()}
+    if gqa:
+        # the positions the table holds (no RoPE caches bound the KV buffers' length; the
+        # rows are rounded up to whole 4 KiB pages of a head's slots as the import's are)
+        props |= {_POSITIONS_KEY: str(n_ctx), _CACHE_ROWS_KEY: str(-(-n_ctx // 64) * 64)}
+    helper.set_model_props(model, props)
+    # the contrib op has no schema in onnx's checker: a GQA graph is checked without
+    # shape inference
+    onnx.checker.check_model(model, full_check=not gqa)
     return model
+
+
+def _attention_bias(g: _Graph, seq_s: str, one_s: str) -> str:
+    """The with-past layout's additive mask [B, 1, S, T]: causal, and 0 where
+    ``attention_mask`` keeps a slot."""
+    total_s = g.op("Gather", [g.op("Shape", ["attention_mask"]), one_s], axis=0)  # scalar T = past + S
+    past_s = g.op("Sub", [total_s, seq_s])
+    q_pos = g.op("Range", [past_s, total_s, one_s])                      # [S]: absolute query slots
+    k_pos = g.op("Range", [g.init("zero_scalar", np.array(0, dtype=np.int64)), total_s, one_s])  # [T]
+    q_col = g.op("Unsqueeze", [q_pos, g.const_i64("axes1", [1])])         # [S, 1]
+    k_row = g.op("Unsqueeze", [k_pos, g.const_i64("axes0", [0])])                           # [1, T]
+    causal = g.op("LessOrEqual", [k_row, q_col])                          # [S, T] key <= query
+    keep = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)          # [B, T]
+    keep = g.op("Unsqueeze", [keep, g.const_i64("axes12", [1, 2])])       # [B, 1, 1, T]
+    allowed = g.op("And", [causal, keep])                                 # [B, 1, S, T]
+    # A large finite negative: a fully masked row (a pad) softmaxes to uniform, not NaN.
+    return g.op("Where", [allowed, g.init("zero_f", np.array(0.0, dtype=np.float32)),
+                          g.init("neg_big", np.array(-1e9, dtype=np.float32))], name="attn_bias")
+
+
+def _gqa_positions(g: _Graph, seq_s: str, one_s: str) -> str:
+    """The GroupQueryAttention layout's position ids [B, S]: a row's ``seqlens_k`` is its
+    length after the run minus one, so its tokens sit at ``seqlens_k + 1 - S + s``."""
+    last = g.op("Cast", ["seqlens_k"], to=TensorProto.INT64)              # [B]
+    first = g.op("Sub", [g.op("Add", [last, one_s]), seq_s])               # [B]
+    steps = g.op("Range", [g.init("zero_s_gqa", np.array(0, dtype=np.int64)), seq_s, one_s])  # [S]
+    return g.op("Add", [g.op("Unsqueeze", [first, g.const_i64("axes1", [1])]),
+                        g.op("Unsqueeze", [steps, g.const_i64("axes0", [0])])])  # [B, S]
 
 
 def param_count(model: onnx.ModelProto) -> int:
@@ -537,14 +610,23 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def graph_file(params: BuildParams) -> str:
+    """The graph's file name in a model folder: the GroupQueryAttention layout's is the
+    name workers/engines/onnx_gqa.py looks for (shared/gguf_gqa.py's ``GQA_GRAPH_FILE``)."""
+    return "model.gqa.onnx" if params.attention == "gqa" else "model.onnx"
+
+
 def engine_toml(name: str, params: BuildParams) -> str:
+    graph = graph_file(params)
+    attention = f'attention = "{params.attention}"\n' if params.attention != "concat" else ""
     return (
-        f"# Generated by streamfleet.shared.tinymodel; model.onnx and tokenizer.json are rebuilt\n"
+        f"# Generated by streamfleet.shared.tinymodel; {graph} and tokenizer.json are rebuilt\n"
         f"# from [build] when missing.\n"
         f'name = "{name}"\n'
         f'version = "1"\n'
         f'backend = "onnxruntime"\n'
-        f'onnx = "model.onnx"\n'
+        f'onnx = "{graph}"\n'
+        f"{attention}"
         f'tokenizer = "tokenizer.json"\n'
         f"max_batch = {params.max_batch}\n"
         f"max_context = {params.max_context}\n"
@@ -558,10 +640,12 @@ def engine_toml(name: str, params: BuildParams) -> str:
     )
 
 
-def write_model(out_dir: Path, params: BuildParams, *, onnx_name: str = "model.onnx",
+def write_model(out_dir: Path, params: BuildParams, *, onnx_name: str | None = None,
                 tokenizer_name: str = "tokenizer.json", toml: bool = False) -> dict[str, float]:
-    """Write the tokenizer and graph (and ``engine.toml`` when ``toml``) into ``out_dir``."""
+    """Write the tokenizer and graph (and ``engine.toml`` when ``toml``) into ``out_dir``;
+    the graph is ``onnx_name``, by default ``graph_file(params)``."""
     params.check()
+    onnx_name = onnx_name or graph_file(params)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tok_json = build_tokenizer(params)
@@ -585,14 +669,15 @@ def params_from_model_dir(model_dir: Path) -> tuple[BuildParams, str, str]:
     build = data.get("build")
     if not build:
         raise SystemExit(f"{toml_path} has no [build] table")
-    known = {f for f in BuildParams.__dataclass_fields__}
+    known = set(BuildParams.__dataclass_fields__)
     unknown = set(build) - known
     if unknown:
         raise SystemExit(f"{toml_path}: unknown [build] keys {sorted(unknown)}")
     params = replace(BuildParams(), **{k: int(v) for k, v in build.items()},
                      max_context=int(data.get("max_context", 256)),
-                     max_batch=int(data.get("max_batch", 16)))
-    return params, str(data.get("onnx", "model.onnx")), str(data.get("tokenizer", "tokenizer.json"))
+                     max_batch=int(data.get("max_batch", 16)),
+                     attention=str(data.get("attention", "concat")))
+    return params, str(data.get("onnx", graph_file(params))), str(data.get("tokenizer", "tokenizer.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -602,8 +687,12 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--out", type=Path, help="write a complete model folder, engine.toml included")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="with --out (default tiny)")
     for fld in BuildParams.__dataclass_fields__:
-        ap.add_argument(f"--{fld.replace('_', '-')}", type=int, dest=fld, default=None,
-                        help="with --out: override the preset")
+        if fld != "attention":
+            ap.add_argument(f"--{fld.replace('_', '-')}", type=int, dest=fld, default=None,
+                            help="with --out: override the preset")
+    ap.add_argument("--attention", choices=ATTENTIONS, default=None,
+                    help="with --out: the graph layout (default concat: the with-past layout; gqa: "
+                         "GroupQueryAttention, served by the onnx_gqa engine)")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
 

@@ -221,7 +221,7 @@ class _Run:
         if final:
             frac = 1.0 if total is None or self.done >= total else frac
         width = 24
-        filled = int(round(frac * width))
+        filled = round(frac * width)
         bar = "#" * filled + "." * (width - filled)
         errs = sum(1 for r in self.records if r.error is not None)
         tokens = sum(r.tokens or len(r.token_times) for r in self.records)

@@ -29,8 +29,7 @@ from grpc import aio
 from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import RequestRecord
 from streamfleet.client import fleet_error_code
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 __all__ = ["_GrpcChannel", "_HttpStream", "_SseClient", "_WsConn"]
 
@@ -121,7 +120,7 @@ class _WsConn:
             return
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.cfg.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self.live.pop(cid, None) is not None:
                 rec.error = "timeout"
                 try:

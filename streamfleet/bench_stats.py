@@ -10,6 +10,7 @@ transports' runs side by side; ``write_png`` plots the latency distributions.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -55,7 +56,7 @@ class RequestRecord:
 
     def itl_ms(self) -> list[float]:
         t = self.token_times
-        return [(b - a) * 1000 for a, b in zip(t, t[1:])]
+        return [(b - a) * 1000 for a, b in itertools.pairwise(t)]
 
 
 def percentile(values: list[float], p: float) -> float | None:

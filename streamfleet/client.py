@@ -16,8 +16,7 @@ import orjson
 import websockets
 from grpc import aio
 
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 #: the gateway's gRPC port unless SF_GRPC_PORT says otherwise
 GRPC_PORT = 50051

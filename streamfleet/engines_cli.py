@@ -20,7 +20,7 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -35,7 +35,7 @@ engines_app = App(no_args_is_help=True,
 
 
 
-def _settings(redis_url: Optional[str], state: Optional[str]) -> Any:
+def _settings(redis_url: str | None, state: str | None) -> Any:
     from streamfleet.local import admin_settings
 
     return admin_settings(redis_url, state)
@@ -69,15 +69,15 @@ def _when(ts: Any) -> str:
 @engines_app.command("build")
 def build(
     model: str = typer.Argument(..., help="model folder under engines/"),
-    queue: Optional[str] = typer.Option(None, "--queue", metavar="QUEUE", help="enqueue on this GPU-architecture "
+    queue: str | None = typer.Option(None, "--queue", metavar="QUEUE", help="enqueue on this GPU-architecture "
                                         "queue (e.g. sm90) for `streamfleet engines worker` instead of building here"),
     force: bool = typer.Option(False, "--force", help="rebuild even when the plan exists"),
     wait: bool = typer.Option(False, "--wait", help="with --queue: wait for the build and print its record"),
     timeout: float = typer.Option(3 * 3600, metavar="SECONDS", help="with --wait: seconds to wait"),
     option: list[str] = typer.Option([], "--option", metavar="KEY=VALUE",
                                      help="KEY=VALUE overriding the tensorrt table of engine.toml (repeatable)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Build MODEL's TensorRT plan for this host's GPU, or queue the build for a GPU host."""
     settings = _settings(redis_url, state)
@@ -110,7 +110,7 @@ def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[s
                 return 0
             try:
                 record = await job.result(timeout=timeout, poll_delay=1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 typer.echo(f"error: no result within {timeout:g}s (is `streamfleet engines worker --queue {queue}` "
                            f"running?)", err=True)
                 return 1
@@ -170,11 +170,11 @@ def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, A
 
 @engines_app.command("list")
 def list_(
-    model: Optional[str] = typer.Argument(None, help="only this model"),
+    model: str | None = typer.Argument(None, help="only this model"),
     as_json: bool = typer.Option(False, "--json", help="one JSON document instead of tables"),
     local: bool = typer.Option(False, "--local", help="also list plan files on this host's disk"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Show built plans (host, TensorRT, GPU arch, when, how long) and the build queues."""
     from streamfleet.shared.redis import BROKER_ERRORS, connect
@@ -183,7 +183,8 @@ def list_(
     settings = _settings(redis_url, state)
 
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_socket_timeout_s)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster,
+                         socket_timeout=settings.redis_socket_timeout_s)
         try:
             return (await list_plans(client, settings.key_prefix, model),
                     await list_queues(client, settings.key_prefix))
@@ -221,7 +222,7 @@ def list_(
             typer.echo("no plan files on this host", err=True)
 
 
-def _local_plans(settings: Any, model: Optional[str]) -> list[dict[str, Any]]:
+def _local_plans(settings: Any, model: str | None) -> list[dict[str, Any]]:
     from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.workers.engines.trt_plan import list_local_plans, tensorrt_options
@@ -250,8 +251,8 @@ def worker(
     burst: bool = typer.Option(False, "--burst", help="exit once the queue is empty"),
     check_arch: bool = typer.Option(True, "--check-arch/--no-check-arch",
                                     help="refuse to serve an smNN queue that is not this GPU's architecture"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Run build jobs from QUEUE on this GPU host (arq worker; one build at a time)."""
     import re
@@ -295,33 +296,33 @@ def import_(
                                          "text-generation-with-past`, a Llama GGUF file (FILE.gguf), or a "
                                          "sentence-transformers folder (modules.json, model.safetensors; or a "
                                          "zip of one)"),
-    name: Optional[str] = typer.Option(None, "--name", metavar="NAME", help="model name (default: the folder's name)"),
-    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
+    name: str | None = typer.Option(None, "--name", metavar="NAME", help="model name (default: the folder's name)"),
+    engines_dir: str | None = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
                                               "[SF_ENGINES_DIR, default engines/]"),
     backend: str = typer.Option("onnxruntime", "--backend", help="onnxruntime | tensorrt"),
-    max_batch: Optional[int] = typer.Option(None, "--max-batch", min=1, metavar="N",
+    max_batch: int | None = typer.Option(None, "--max-batch", min=1, metavar="N",
                                             help="sequences one worker runs at once (default 16; an embedding "
                                                  "model: inputs one run embeds, default 64)"),
-    max_context: Optional[int] = typer.Option(None, "--max-context", min=2, metavar="TOKENS",
-                                              help="prompt + completion tokens, or an embedding model's tokens per input "
-                                                   "(default: the model's, at most 4096)"),
+    max_context: int | None = typer.Option(None, "--max-context", min=2, metavar="TOKENS",
+                                              help="prompt + completion tokens, or an embedding model's tokens "
+                                                   "per input (default: the model's, at most 4096)"),
     check_only: bool = typer.Option(False, "--check", help="check and describe, copy nothing"),
     force: bool = typer.Option(False, "--force", help="replace a model folder of that name"),
     weights: str = typer.Option("q4", "--weights", help="GGUF only: q4 (4-bit weights, fp32 activations) | fp32 "
                                 "(the reference path) | int8 | q4-int8act (lossy) | auto (a graph each for q4, "
                                 "q4-int8act and fp32; the fastest that passes the quality gate serves, measured "
                                 "on each CPU; docs/models.md)"),
-    max_kld: Optional[float] = typer.Option(None, "--max-kld", min=0.0, metavar="KLD",
+    max_kld: float | None = typer.Option(None, "--max-kld", min=0.0, metavar="KLD",
                                             help="with --weights auto: the mean KL divergence from fp32 a lossy mode "
                                                  "(q4-int8act) may have and serve; without it only the modes exact "
                                                  "in the weights (q4, fp32) are candidates"),
 ) -> None:
     from pathlib import Path
 
+    from streamfleet.modelimport import import_export, inspect_export
     from streamfleet.shared.errors import FatalError
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.shared.settings import CommonSettings
-    from streamfleet.modelimport import import_export, inspect_export
 
     if backend not in ("onnxruntime", "tensorrt"):
         raise _fail(f"--backend must be onnxruntime or tensorrt, got {backend!r}", 2)
@@ -347,13 +348,13 @@ def import_(
         dest, found = import_export(source, root, model_name, backend=backend, max_batch=max_batch,
                                     max_context=max_context, force=force)
     except FatalError as exc:
-        raise _fail(str(exc))
+        raise _fail(str(exc)) from None
     typer.echo(found.describe())
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet worker --model {model_name}")
 
 
-def _import_embedding(source: Any, name: Optional[str], engines_dir: Optional[str], backend: str, max_batch: int,
-                      max_context: Optional[int], check_only: bool, force: bool) -> None:
+def _import_embedding(source: Any, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
+                      max_context: int | None, check_only: bool, force: bool) -> None:
     """A sentence-transformers model (a folder, or a zip of one) -> an embedding model
     folder (shared/bertimport.py; docs/models.md, "Embedding models")."""
     from streamfleet.shared.bertimport import context_for, import_sentence_transformers, read_checkpoint
@@ -375,7 +376,7 @@ def _import_embedding(source: Any, name: Optional[str], engines_dir: Optional[st
         dest, description = import_sentence_transformers(source, root, model_name, max_batch=max_batch,
                                                          max_context=max_context, force=force)
     except FatalError as exc:
-        raise _fail(str(exc))
+        raise _fail(str(exc)) from None
     typer.echo(description)
     typer.echo(f"\nimported as {model_name!r} into {dest}: an embedding model (vectors; no text generation)")
 
@@ -388,9 +389,9 @@ def _magic(path: Any) -> bytes:
         return b""
 
 
-def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], backend: str, max_batch: int,
-                 max_context: Optional[int], check_only: bool, force: bool, weights: str,
-                 max_kld: Optional[float] = None) -> None:
+def _import_gguf(source: Any, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
+                 max_context: int | None, check_only: bool, force: bool, weights: str,
+                 max_kld: float | None = None) -> None:
     import tempfile
     from pathlib import Path
 
@@ -431,7 +432,7 @@ def _import_gguf(source: Any, name: Optional[str], engines_dir: Optional[str], b
         if weights == AUTO:
             _measure_and_describe(ModelRepository(root).get(model_name))
     except FatalError as exc:
-        raise _fail(str(exc))
+        raise _fail(str(exc)) from None
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet serve --model {model_name}")
 
 
@@ -439,8 +440,8 @@ def _say(line: str) -> None:
     typer.echo(f"  {line}", err=True)
 
 
-def _measure_and_describe(spec: Any, *, threads: Optional[int] = None, fresh: bool = False,
-                          chunks: Optional[int] = None) -> None:
+def _measure_and_describe(spec: Any, *, threads: int | None = None, fresh: bool = False,
+                          chunks: int | None = None) -> None:
     """Measure an ``auto`` folder's modes (what its record lacks, everything with
     ``fresh``) and print the table: which mode serves on this CPU, and why."""
     from streamfleet.shared import execution
@@ -461,11 +462,11 @@ def _measure_and_describe(spec: Any, *, threads: Optional[int] = None, fresh: bo
     "which mode serves here, and why (docs/models.md, \"Execution modes\"). Rewrites the model's execution.json."))
 def quality(
     model: str = typer.Argument(..., help="a model folder with weights = \"auto\" (smollm2-135m)"),
-    engines_dir: Optional[str] = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
+    engines_dir: str | None = typer.Option(None, "--engines-dir", metavar="PATH", help="model repository "
                                               "[SF_ENGINES_DIR, default engines/]"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, metavar="N",
+    threads: int | None = typer.Option(None, "--threads", min=1, metavar="N",
                                           help="ONNX Runtime threads (default: all cores)"),
-    chunks: Optional[int] = typer.Option(None, "--chunks", min=1, metavar="N",
+    chunks: int | None = typer.Option(None, "--chunks", min=1, metavar="N",
                                          help="score only the first N chunks of 512 tokens (default: all 11)"),
 ) -> None:
     from streamfleet.shared import execution
@@ -477,7 +478,7 @@ def quality(
     try:
         spec = repo.get(model)
     except NotFoundError:
-        raise _fail(repo.missing(model), 2)
+        raise _fail(repo.missing(model), 2) from None
     if spec.options.get("weights") != execution.AUTO:
         raise _fail(f"model {model!r} has weights = {spec.options.get('weights', 'none')!r}, one mode pinned: "
                     f"`streamfleet engines quality` compares the modes of a weights = \"auto\" folder (import "
@@ -487,4 +488,4 @@ def quality(
         ensure_artifacts(spec)  # fetched, imported and measured on first use, as a worker would
         _measure_and_describe(spec, threads=threads, fresh=measured, chunks=chunks)
     except FatalError as exc:
-        raise _fail(str(exc))
+        raise _fail(str(exc)) from None

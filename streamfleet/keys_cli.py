@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Optional, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
@@ -29,12 +29,12 @@ keys_app = App(no_args_is_help=True, help="Manage API keys: add, list, revoke (s
 
 
 
-def _run(redis_url: Optional[str], state: Optional[str], action: Callable[["KeyStore"], Awaitable[T]]) -> T:
+def _run(redis_url: str | None, state: str | None, action: Callable[[KeyStore], Awaitable[T]]) -> T:
     """Run ``action(store)`` against a KeyStore built from the settings."""
     from streamfleet.gateway.admission.auth import KeyStore
+    from streamfleet.local import admin_settings, mask_url
     from streamfleet.shared.errors import FatalError
     from streamfleet.shared.redis import BROKER_ERRORS, connect
-    from streamfleet.local import admin_settings, mask_url
     from streamfleet.shared.tiers import parse_tiers
 
     settings = admin_settings(redis_url, state)
@@ -45,7 +45,8 @@ def _run(redis_url: Optional[str], state: Optional[str], action: Callable[["KeyS
         raise typer.Exit(2) from None
 
     async def main() -> T:
-        client = connect(settings.redis_url, cluster=settings.redis_cluster, socket_timeout=settings.redis_socket_timeout_s)
+        client = connect(settings.redis_url, cluster=settings.redis_cluster,
+                         socket_timeout=settings.redis_socket_timeout_s)
         try:
             return await action(KeyStore(client, settings.keys(), tiers=tiers, cache_ttl_s=0))
         finally:
@@ -65,8 +66,8 @@ def _run(redis_url: Optional[str], state: Optional[str], action: Callable[["KeyS
 def add(
     name: str = typer.Argument(..., help="who the key is for (unique among active keys)"),
     tier: str = typer.Option("free", "--tier", metavar="TIER", help="free | paid | internal (or a tier from SF_TIERS)"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Create a key and print it once (stdout); only its hash is stored."""
     plaintext, record = _run(redis_url, state, lambda store: store.add(name, tier))
@@ -78,8 +79,8 @@ def add(
 @keys_app.command("list")
 def list_(
     as_json: bool = typer.Option(False, "--json", help="one JSON array instead of a table"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """List keys (never the keys themselves): key_id, name, tier, created, revoked."""
     records = [r.public() for r in _run(redis_url, state, lambda store: store.list())]
@@ -99,8 +100,8 @@ def list_(
 @keys_app.command("revoke")
 def revoke(
     key_id_or_name: str = typer.Argument(..., help="key id (12 hex characters) or the name of an active key"),
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
-    state: Optional[str] = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", help=REDIS_FLAG_HELP),
+    state: str | None = typer.Option(None, "--state", metavar="PATH", help=STATE_FLAG_HELP),
 ) -> None:
     """Revoke a key; gateways stop accepting it within their key cache time (SF_KEY_CACHE_S)."""
     if _run(redis_url, state, lambda store: store.revoke(key_id_or_name)):

@@ -65,7 +65,7 @@ def free_port() -> int:
 def redis_server_version(binary: str) -> tuple[int, ...]:
     """``redis-server --version`` as a tuple, ``()`` when it cannot be read."""
     try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
     m = re.search(r"v=(\d+(?:\.\d+)*)", out)
@@ -108,7 +108,10 @@ def _die_with_parent() -> None:  # runs in the child before exec
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None, **kw)
+    # the child's parent-death signal (_die_with_parent) can only be set between fork and exec
+    return subprocess.Popen(args, env=env,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+                            **kw)
 
 
 def redis_reachable(url: str, timeout: float = 0.5) -> bool:
@@ -133,7 +136,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.proc = spawn(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning",
@@ -225,7 +228,7 @@ class EmbeddedCluster:
              "--client-output-buffer-limit", "pubsub", "64mb", "16mb", "60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def start(self, timeout: float = 30.0) -> "EmbeddedCluster":
+    def start(self, timeout: float = 30.0) -> EmbeddedCluster:
         for port in self.ports:
             self.start_node(port)
         deadline = time.monotonic() + timeout
@@ -236,7 +239,7 @@ class EmbeddedCluster:
                 time.sleep(0.05)
         out = subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                               "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                             capture_output=True, text=True, timeout=timeout)
+                             capture_output=True, text=True, check=False, timeout=timeout)
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
         self.wait_ok(deadline - time.monotonic(), replicated=True)
@@ -244,7 +247,7 @@ class EmbeddedCluster:
 
     def info(self, port: int) -> str:
         out = subprocess.run([self.cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True,
-                             timeout=5)
+                             check=False, timeout=5)
         return out.stdout
 
     def wait_ok(self, timeout: float = 30.0, replicated: bool = False) -> None:
@@ -265,7 +268,7 @@ class EmbeddedCluster:
 
     def _primaries_seen(self, port: int) -> set[int]:
         out = subprocess.run([self.cli, "-p", str(port), "cluster", "nodes"], capture_output=True, text=True,
-                             timeout=5).stdout
+                             check=False, timeout=5).stdout
         seen = set()
         for line in out.splitlines():
             parts = line.split()
@@ -279,7 +282,7 @@ class EmbeddedCluster:
         "loading", left out of CLUSTER SLOTS, until their primary's first ping)."""
         for port in live:
             info = subprocess.run([self.cli, "-p", str(port), "info", "replication"], capture_output=True,
-                                  text=True, timeout=5).stdout
+                                  text=True, check=False, timeout=5).stdout
             if "role:slave" in info and ("master_link_status:up" not in info
                                          or "slave_repl_offset:0\r" in info or "slave_repl_offset:0\n" in info):
                 return False
@@ -291,7 +294,7 @@ class EmbeddedCluster:
         for port, proc in self.procs.items():
             if proc.poll() is None:
                 role = subprocess.run([self.cli, "-p", str(port), "role"], capture_output=True, text=True,
-                                      timeout=5).stdout.split()
+                                      check=False, timeout=5).stdout.split()
                 if role and role[0] == "master":
                     out.append(port)
         return sorted(out)
@@ -353,9 +356,9 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
     runs, the fleet's Redis is recorded in ``serve-PORT.json`` in the state folder
     (``streamfleet/local.py``), and also at ``state`` when given."""
     from streamfleet.local import ServeRecord, clear_record, record_path, write_record
+    from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.logging import configure_logging, get_logger
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, kind_phrase, load_tokenizer
-    from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.packagefetch import FetchError
 
     configure_logging("info", log_format, process="serve")

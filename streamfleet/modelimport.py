@@ -83,7 +83,7 @@ class Imported:
             f"graph         {self.graph}{' (merged decoder: use_cache_branch is fed)' if self.merged else ''}",
             f"layers        {self.n_layer}, KV heads {self.kv_heads}, head size {self.head_dim}",
             f"KV cache      {self.kv_dtype}",
-            f"vocabulary    {self.vocab_size if self.vocab_size else 'symbolic in the graph'}",
+            f"vocabulary    {self.vocab_size or 'symbolic in the graph'}",
             f"position_ids  {pos}",
             f"context       {self.max_context} tokens ({self.context_note})",
             f"EOS ids       {list(self.eos_token_ids) or 'none declared: requests end at max_tokens'}"
@@ -282,7 +282,7 @@ def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: i
                     vocab_size=info.vocab_size, has_position_ids=info.has_position_ids,
                     merged="use_cache_branch" in info.inputs, max_context=ctx, context_note=note,
                     eos_token_ids=eos, eos_from=eos_from, adds_bos=adds_bos, backend=backend,
-                    options={k: v for k, v in options.items()}, external_data=external,
+                    options=dict(options), external_data=external,
                     chat_template_from=template_from)
 
 

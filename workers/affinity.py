@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Callable, Coroutine
+from collections.abc import Callable, Coroutine
 
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -44,7 +44,6 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Wake, live_workers
-
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
 

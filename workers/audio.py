@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import AudioChunk
-
 from streamfleet.workers.context import Part
 
 __all__ = ["AudioFeed", "READ_BLOCK_MS"]

@@ -26,9 +26,9 @@ class Sequence:
     """One request in the batch, with everything its generation needs."""
 
     task: Task
-    sampler: "Sampler"
-    detokenizer: "IncrementalDetokenizer"
-    stop: "StopMatcher"
+    sampler: Sampler
+    detokenizer: IncrementalDetokenizer
+    stop: StopMatcher
     lane: str = ""
     admitted_at: float = 0.0  # unix seconds, when the worker took it
     first_token_at: float | None = None  # unix seconds, when its first token was sampled
@@ -51,7 +51,7 @@ class Sequence:
     #: can still join it should the sequence end on EOS (no extra index for EOS)
     deferred: TokenEvent | None = None
     #: logits processing state (penalties, bias, min_p, min_tokens); None: none asked for
-    penalties: "Penalties | None" = None
+    penalties: Penalties | None = None
     #: tokens that end it like EOS (``SamplingParams.stop_token_ids``)
     stop_ids: frozenset[int] = frozenset()
     #: the llguidance matcher of a constrained output (``SamplingParams.grammar``),

@@ -16,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-
-from streamfleet.shared.logging import get_logger
 from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError
 
+from streamfleet.shared.logging import get_logger
 from streamfleet.shared.pubsub import ShardSubscriptions, open_pubsub
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import Cancel, Follow
-
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.intake import WakeState
@@ -108,7 +106,8 @@ class ControlChannel(Part):
     async def _run_sharded(self) -> None:
         """On a Redis Cluster: the model's three channels share its lanes' slot and are
         SSUBSCRIBEd on that shard's primary, moved with it on a failover or reshard."""
-        shards = ShardSubscriptions(self.redis, self.settings.redis_target().node_url, self._route, timeout=self.settings.redis_socket_timeout_s,
+        shards = ShardSubscriptions(self.redis, self.settings.redis_target().node_url, self._route,
+                                    timeout=self.settings.redis_socket_timeout_s,
                                     client_name=f"sf-worker-{self.worker_id}-control", on_restored=lambda chs: None,
                                     on_lost=lambda chs: None, failover_s=self.settings.redis_failover_s, log=log)
         for ch in (self._cancel, self._wake, self._follow):

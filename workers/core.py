@@ -41,11 +41,21 @@ from typing import Any
 
 import numpy as np
 
-from streamfleet.shared.logging import get_logger
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.grammar import COSTLY, DEFAULT_LIMITS, GrammarLimits, Grammars, plain_error
-from streamfleet.shared.schema import (AnyTask, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent,
-                                       StartedEvent, Task, TokenEvent, sampling_problem)
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.schema import (
+    AnyTask,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    PromptEvent,
+    StartedEvent,
+    Task,
+    TokenEvent,
+    sampling_problem,
+)
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
 from streamfleet.workers.engines.base import Engine, SequenceError
@@ -125,7 +135,7 @@ class _Prefix:
         """The first choice is still running (its cache is there) and has the same prompt."""
         return self.seq.prefilled and not self.seq.cancelled and prompt == self.prompt
 
-    def take(self, prefixes: dict[str, "_Prefix"], group: str) -> None:
+    def take(self, prefixes: dict[str, _Prefix], group: str) -> None:
         """One more choice started from it; forgotten after the last."""
         self.waiting -= 1
         if self.waiting <= 0:
@@ -1020,7 +1030,8 @@ class WorkerCore:
         return [s for s in live if s.request_id not in failed]
 
     def _fail_all(self, seqs: list[Sequence], exc: BaseException, kind: str, out: StepOutput) -> None:
-        log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs], exc_info=exc)
+        log.error("engine call failed", call=kind, sequences=len(seqs), request_ids=[q.request_id for q in seqs],
+                  exc_info=exc)
         for seq in seqs:
             self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
 

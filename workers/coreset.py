@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from streamfleet.shared.schema import AnyTask
-
 from streamfleet.workers.core import StepOutput
 
 __all__ = ["Core", "VersionedCore", "CoreSet"]

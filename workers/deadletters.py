@@ -6,13 +6,11 @@ delivered more than ``max_deliveries`` times without finishing, whose client is 
 
 from __future__ import annotations
 
-
 from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import DeadLetter, ErrorEvent, decode_task
-
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.publisher import Publisher
 

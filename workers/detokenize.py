@@ -52,8 +52,8 @@ class IncrementalDetokenizer:
         # clean-up of spaces): the wrapper's argument handling runs twice per token
         backend = getattr(tokenizer, "backend_tokenizer", None)
         raw = getattr(backend, "decode", None)
-        self._raw_decode = raw if raw is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False \
-            else None
+        plain = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+        self._raw_decode = raw if raw is not None and plain else None
         ctx = [int(i) for i in prompt_ids[-self.CONTEXT_TOKENS :]] if self.CONTEXT_TOKENS else []
         ctx_text = self._decode(ctx)
         if ctx_text.endswith(REPLACEMENT_CHAR):

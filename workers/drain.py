@@ -15,11 +15,9 @@ import asyncio
 import time
 from concurrent.futures import Executor
 
-
 from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
-
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlightTable

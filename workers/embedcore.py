@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import AnyTask, DoneEvent, EmbeddingEvent, EmbedTask, ErrorEvent
-
 from streamfleet.workers.core import StepOutput
 
 __all__ = ["EmbeddingCore"]

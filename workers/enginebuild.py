@@ -80,7 +80,7 @@ def plans_key(prefix: str, model: str) -> str:
     return f"{prefix}:plans:{model}"
 
 
-def tensorrt_builder(spec: ModelSpec, force: bool, options: dict[str, Any]) -> "BuildResult":
+def tensorrt_builder(spec: ModelSpec, force: bool, options: dict[str, Any]) -> BuildResult:
     """The real build: TensorRT on this host's GPU."""
     from streamfleet.workers.engines.trt_build import build_plan
 
@@ -111,7 +111,7 @@ async def build_engine(ctx: dict[str, Any], model: str, force: bool = False,
 
 def make_worker(*, redis_url: str, prefix: str, queue: str, builder: Builder = tensorrt_builder,
                 engines_dir: str | None = None, host: str | None = None, burst: bool = False,
-                handle_signals: bool = True, poll_delay: float = 0.5, job_timeout: float = 3 * 3600) -> "Worker":
+                handle_signals: bool = True, poll_delay: float = 0.5, job_timeout: float = 3 * 3600) -> Worker:
     """An arq worker on ``queue``'s build queue, one build at a time (a build uses the
     whole GPU). Run it with ``worker.run()`` or ``await worker.async_run()``."""
     from arq.connections import RedisSettings
@@ -133,8 +133,8 @@ def make_worker(*, redis_url: str, prefix: str, queue: str, builder: Builder = t
     )
 
 
-async def enqueue_build(redis: "ArqRedis", prefix: str, queue: str, model: str, *, force: bool = False,
-                        options: Mapping[str, Any] | None = None) -> "Job":
+async def enqueue_build(redis: ArqRedis, prefix: str, queue: str, model: str, *, force: bool = False,
+                        options: Mapping[str, Any] | None = None) -> Job:
     """Put a build of ``model`` on ``queue`` (``redis`` from ``arq.create_pool``).
 
     Raises:

@@ -65,7 +65,7 @@ def serve_metrics_and_health(host: str, port: int, liveness: Liveness) -> Thread
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 status, body, ctype = 200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST

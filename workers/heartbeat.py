@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
-
+from collections.abc import Callable
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.tiers import STREAM_SLOT_TTL_S
-
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Coroutine
+from collections.abc import Callable, Coroutine
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ReadOnlyError
 
+from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
 from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
-
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
@@ -328,7 +327,7 @@ class Intake(Part):
         block_ms = self.settings.block_ms if block_ms is None else block_ms
         streams = [self.lane_keys[source] for source in (sources or LANES)]
         if isinstance(self.redis, RedisCluster):
-            res = await self.redis.xreadgroup(GROUP, self.worker_id, {key: ">" for key in streams},
+            res = await self.redis.xreadgroup(GROUP, self.worker_id, dict.fromkeys(streams, ">"),
                                               count=1, block=block_ms)
             return [(key, items) for key, items in res or ()]
         link = blocking_link(self.redis, f"sf-worker-{self.worker_id}-reads")

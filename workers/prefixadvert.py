@@ -12,10 +12,9 @@ clean stop deletes it. At most ``MAX_ADVERTISED`` names, the most recently used.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from streamfleet.shared.logging import get_logger
-
 from streamfleet.workers.context import Part, WorkerContext
 
 __all__ = ["PrefixAdvert", "ADVERTISE_LUA", "MAX_ADVERTISED"]

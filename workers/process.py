@@ -45,7 +45,6 @@ from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load
 from streamfleet.shared.redis import BROKER_ERRORS, connect
 from streamfleet.shared.schema import Heartbeat
 from streamfleet.shared.settings import WorkerSettings
-
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.audio import AudioFeed
 from streamfleet.workers.context import WorkerContext

@@ -23,16 +23,24 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable, Coroutine
-
+from collections.abc import Callable, Coroutine
 
 from streamfleet.shared.keys import GROUP
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
-from streamfleet.shared.schema import (ENDS, AnyTask, Attach, DoneEvent, Event, LogEntry, PromptEvent, StartedEvent,
-                                       TokenEvent, encode_events)
-
+from streamfleet.shared.schema import (
+    ENDS,
+    AnyTask,
+    Attach,
+    DoneEvent,
+    Event,
+    LogEntry,
+    PromptEvent,
+    StartedEvent,
+    TokenEvent,
+    encode_events,
+)
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlightTable

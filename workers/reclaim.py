@@ -29,7 +29,6 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import ENDS, Heartbeat, LogEntry, TokenEvent, decode_task
-
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet

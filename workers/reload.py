@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -18,7 +18,6 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS
-
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet, VersionedCore
 

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import AnyTask, DoneEvent, ErrorEvent, SpeechTask, TranscriptEvent
-
 from streamfleet.workers.core import StepOutput
 
 __all__ = ["SpeechCore", "AUDIO_IDLE_S"]
@@ -265,7 +265,7 @@ class SpeechCore:
         """The final pass that ran on its own thread is done: the final (or the failure)."""
         try:
             text = u.finishing.result()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._decoding_failed(u, out, exc)
             return
         if u.cancelled:
@@ -293,7 +293,7 @@ class SpeechCore:
             self._decoding_failed(u, out, exc)
 
     def _decoding_failed(self, u: _Utterance, out: StepOutput, exc: Exception) -> None:
-        log.exception("speech decoding failed", request_id=u.task.request_id, trace_id=u.task.trace_id)
+        log.error("speech decoding failed", request_id=u.task.request_id, trace_id=u.task.trace_id, exc_info=exc)
         self._fail(u, out, ErrorCode.engine_error, f"speech decoding failed: {exc}")
 
     def _partial(self, u: _Utterance, out: StepOutput, now: float, text: str) -> None:

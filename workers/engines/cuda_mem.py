@@ -210,7 +210,7 @@ def detect_compute_capability(mem: CudaMem | None = None, device: int = 0) -> st
 
 
 class _RtStream:
-    def __init__(self, mem: "CudaPythonMem", native: Any) -> None:
+    def __init__(self, mem: CudaPythonMem, native: Any) -> None:
         self._mem, self.native = mem, native
         self.handle = int(native)
 
@@ -311,7 +311,7 @@ class CudaPythonMem:
 
 
 class _PyStream:
-    def __init__(self, mem: "PyCudaMem", native: Any) -> None:
+    def __init__(self, mem: PyCudaMem, native: Any) -> None:
         self._mem, self.native = mem, native
         self.handle = int(native.handle)
 

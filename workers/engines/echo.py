@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.modelrepo import ModelSpec
+
 # the shared argument checks (that module imports onnxruntime itself only when an engine is built)
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
 

@@ -37,7 +37,8 @@ The interface, for the worker and the gateway that will serve it::
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

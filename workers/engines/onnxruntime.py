@@ -37,7 +37,8 @@ fit, or padding grows too large, or idle rows have cost about two steps' work, i
 slab assembled (one copy of every member's cache, costlier than a decode step); one
 made for a newcomer longer than the last one is a quarter wider
 than its longest member, so that the longer sequences that join later (a conversation's
-next turn) fit into the rows others leave. Prefill runs prompts in groups of similar length (one run per
+next turn) fit into the rows others leave. Prefill runs prompts in groups of similar
+length (one run per
 group, left-padded) so a short prompt does not pay for a long one's padding. Faster
 (one run per step), but a sequence's logits then depend in their last bits on what
 shares its slab.
@@ -63,8 +64,14 @@ from streamfleet.shared.errors import FatalError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.prefixhash import block_hashes
-from streamfleet.workers.engines.base import (PAST_RE, SequenceError, count_past_layers, decodes_like_prefill,
-                                              ort_session, prefill_by_extend)
+from streamfleet.workers.engines.base import (
+    PAST_RE,
+    SequenceError,
+    count_past_layers,
+    decodes_like_prefill,
+    ort_session,
+    prefill_by_extend,
+)
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.prefixcache import PrefixCache
 
@@ -521,7 +528,7 @@ class OnnxRuntimeEngine:
                 fresh.append(i)
             else:
                 exact.setdefault((seq.length, len(chunk)), []).append(i)
-        groups = [g for g in exact.values()]
+        groups = list(exact.values())
         if fresh:
             lengths = [len(seqs[i][1]) for i in fresh]
             groups += [[fresh[j] for j in g] for g in self._prefill_groups(lengths)]

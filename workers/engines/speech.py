@@ -177,7 +177,7 @@ class SpeechDecoder(ABC):
         the backend already left the utterance."""
 
 
-class SpeechEngine(ABC):
+class SpeechEngine(ABC):  # noqa: B024 - a base for backends; every hook has a default
     """A speech model and its fixed pool of decoders (see the module docstring).
 
     Args:
@@ -263,7 +263,7 @@ class SpeechEngine(ABC):
                 decoder._close()
         self._close()
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - a hook a backend may leave out
         """Free what the engine holds besides its decoders (a backend hook)."""
 
 

@@ -14,8 +14,9 @@ over a ``multiprocessing`` pipe. Calls are pipelined: ``begin``, ``feed`` and ``
 are sent without waiting and get no reply (a failure of begin or feed comes back with
 the utterance's next ``hypothesis`` or ``finish``, the only calls that answer). Every
 call carries the utterance it belongs to, so the child drops what an aborted utterance
-still had queued and an error of one utterance never lands on the next. A child that dies fails its utterance (``engine_error``)
-and is started again before the slot's next utterance.
+still had queued and an error of one utterance never lands on the next. A child that
+dies fails its utterance (``engine_error``) and is started again before the slot's next
+utterance.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
     try:
         engine = load_backend(spec, **options, slots=1)
         decoder = engine.acquire()
-    except BaseException as exc:  # noqa: BLE001 — reported to the parent, which stops
+    except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
@@ -70,7 +71,7 @@ def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
             if failed is None:
                 try:
                     decoder.begin() if op == "begin" else decoder.feed(arg)
-                except Exception as exc:  # noqa: BLE001 — reported with the next hypothesis or finish
+                except Exception as exc:
                     failed = f"{type(exc).__name__}: {exc}"
             continue
         if op == "abort":
@@ -80,7 +81,7 @@ def _child_main(conn: Connection, spec: ModelSpec, options: dict[str, Any]) -> N
             if failed is not None:
                 raise RuntimeError(failed)
             reply = (gen, True, decoder.hypothesis() if op == "hypothesis" else decoder.finish())
-        except Exception as exc:  # noqa: BLE001 — the parent raises it for this utterance
+        except Exception as exc:
             reply = (gen, False, str(exc) if failed is not None else f"{type(exc).__name__}: {exc}")
             if op == "finish":
                 decoder.abort()

@@ -126,7 +126,7 @@ class TrtRunner:
         self._bound: dict[str, dict[str, int]] = {name: {} for name in self._contexts}
 
     @classmethod
-    def load(cls, spec: ModelSpec, opts: dict[str, Any], trt: Any, mem: CudaMem, stream: Stream) -> "TrtRunner":
+    def load(cls, spec: ModelSpec, opts: dict[str, Any], trt: Any, mem: CudaMem, stream: Stream) -> TrtRunner:
         """Find (or build) the plan for this GPU and TensorRT, deserialize it.
 
         Raises:

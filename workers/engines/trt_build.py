@@ -22,8 +22,14 @@ from typing import Any
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.workers.engines.trt_plan import (BuildResult, PlanRequest, plan_request, tensorrt_options,
-                                                  write_atomic, write_plan)
+from streamfleet.workers.engines.trt_plan import (
+    BuildResult,
+    PlanRequest,
+    plan_request,
+    tensorrt_options,
+    write_atomic,
+    write_plan,
+)
 
 __all__ = ["build_plan", "build_serialized", "import_tensorrt", "trt_logger"]
 

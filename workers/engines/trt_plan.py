@@ -522,7 +522,7 @@ class BuildResult:
                 "key": self.key, "model": self.model}
 
     @classmethod
-    def from_sidecar(cls, request: PlanRequest) -> "BuildResult":
+    def from_sidecar(cls, request: PlanRequest) -> BuildResult:
         side = read_sidecar(request.path) or {}
         built = side.get("built", {})
         try:
