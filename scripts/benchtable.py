@@ -46,11 +46,16 @@ FLAG = re.compile(r"^(avx2|fma|avx512\w*|amx\w*|avx_vnni)$")
 @dataclass(frozen=True)
 class Machine:
     cpu: str
-    flags: tuple[str, ...]
+    #: None: not recorded (a section copied from a run before this writer)
+    flags: tuple[str, ...] | None
     cores: int
 
     def describe(self) -> str:
-        return f"{self.cpu} ({', '.join(self.flags) or 'none of avx2, fma, avx512*, amx*'}), {self.cores} cores"
+        if self.flags is None:
+            flags = "flags not recorded"
+        else:
+            flags = ", ".join(self.flags) or "none of avx2, fma, avx512*, amx*"
+        return f"{self.cpu} ({flags}), {self.cores} cores"
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,9 @@ def end_marker(key: str) -> str:
     return f"<!-- /benchtable: {key} -->"
 
 
-def render_section(key: str, title: str, report: str, run: Run, note: str = "") -> str:
-    """One section: its heading, the run's facts as a list, the printed report verbatim."""
+def render_section(key: str, title: str, report: str, run: Run, note: str = "", fenced: bool = True) -> str:
+    """One section: its heading, the run's facts as a list, the printed report verbatim
+    (``fenced``: in a text block; else ``report`` is Markdown already, a table say)."""
     facts = [
         f"* command: `{run.command}`",
         f"* CPU: {run.machine.describe()}",
@@ -151,7 +157,11 @@ def render_section(key: str, title: str, report: str, run: Run, note: str = "") 
     parts = [begin_marker(key), f"## {title}", "", *facts, ""]
     if note:
         parts += [note.strip(), ""]
-    parts += ["<!-- snippet: skip: a benchmark's printed report -->", f"{fence}text", body, fence, end_marker(key)]
+    if fenced:
+        parts += ["<!-- snippet: skip: a benchmark's printed report -->", f"{fence}text", body, fence]
+    else:
+        parts += [body]
+    parts.append(end_marker(key))
     return "\n".join(parts) + "\n"
 
 
@@ -213,10 +223,10 @@ class _Tee(io.TextIOBase):
 
 
 def title_of(doc: str | None, fallback: str) -> str:
-    """A section's title: the first sentence of the script's docstring, on one line."""
-    first = (doc or "").strip().split("\n\n")[0]
-    first = " ".join(first.split())
-    return first.rstrip(".:") or fallback
+    """A section's title: the script docstring's first sentence (up to a colon), on one line."""
+    first = " ".join((doc or "").strip().split("\n\n")[0].split())
+    first = re.split(r"(?<=[a-z)])[.:] ", first + " ", maxsplit=1)[0]
+    return first.strip().rstrip(".:") or fallback
 
 
 def main(entry: Callable[[], int | None], argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 ``auto``) and on the standard asyncio loop otherwise or when asked (``SF_EVENT_LOOP=
 asyncio``). uvloop's C transports and scheduler roughly halve the per-message cost of the
 gateway's fan-out and the worker's publish loop, which is where a streaming fleet spends
-its CPU (see docs/benchmarks.md); behaviour is otherwise the same.
+its CPU (see docs/benchmarks/fleet.md); behaviour is otherwise the same.
 """
 
 from __future__ import annotations

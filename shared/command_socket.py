@@ -29,7 +29,7 @@ class CommandConnection(asyncio.Protocol):
     (taking the connection from the pool, a write that awaits ``drain``, a read through a
     stream reader) than a Redis round trip takes, and it is paid twice on a request's way
     to its first token (the enqueue, then the token's publish). Here a batch is one
-    ``transport.write`` and one future (docs/benchmarks.md measures the whole path).
+    ``transport.write`` and one future (docs/benchmarks/fleet.md measures the whole path).
 
     Error replies come back in place, as the exceptions redis-py would raise for them
     (``ResponseError`` and its kinds: ``NoScriptError``, ``ReadOnlyError``...). A batch whose caller

@@ -5,7 +5,7 @@ Every token a gateway delivers arrives as one pub/sub message, so this is the bu
 code path in the process. redis-py's ``PubSub.get_message`` costs a coroutine, a timeout
 context, a health check and a dict per message; here the socket's bytes go straight to
 hiredis in ``data_received`` and each parsed message is handed to
-``on_message(channel, data)`` synchronously (docs/benchmarks.md measures the path).
+``on_message(channel, data)`` synchronously (docs/benchmarks/fleet.md measures the path).
 
 The same kind of socket, for commands, is ``shared.command_socket``.
 
