@@ -15,6 +15,7 @@ import pytest
 import websockets
 
 from tests.support.keys import TIERS, add_key
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 PROMPT = "Once upon a time there was a fleet"
@@ -198,7 +199,8 @@ async def test_a_stream_slot_is_held_until_the_request_really_ends(fleet, rds):
         assert orjson.loads(await ws.recv())["type"] == "token"
     ws.transport.abort()
     c = await Client.connect(url)
-    await asyncio.sleep(0.5)
+    conns = f"{fleet.prefix}:conns:{_key_id(key)}"
+    await until_async(lambda: rds.zcard(conns) == 1, "the gateway to see the dropped connection", timeout=15)
     refused = await c.generate("more", PROMPT, max_tokens=2, timeout=10)
     assert refused.end["code"] == "too_many_requests", refused.end
     # the resume takes no second slot: the slot moves with the request
@@ -213,14 +215,11 @@ async def test_a_stream_slot_is_held_until_the_request_really_ends(fleet, rds):
                                 "ignore_eos": True}).decode())
     assert orjson.loads(await ws.recv())["type"] == "accepted"
     ws.transport.abort()
-    await asyncio.sleep(0.5)
+    await until_async(lambda: rds.zcard(conns) == 1, "the gateway to see the dropped connection", timeout=15)
     assert rds.zcard(slots) == 1
     refused = await c.generate("more2", PROMPT, max_tokens=2, timeout=10)
     assert refused.end["code"] == "too_many_requests"
-    deadline = time.monotonic() + 15
-    while rds.zcard(slots):
-        assert time.monotonic() < deadline, "the slot was never given back"
-        await asyncio.sleep(0.1)
+    await until_async(lambda: not rds.zcard(slots), "the slot given back after the grace", timeout=15)
     ok = await c.generate("after2", PROMPT, max_tokens=2, ignore_eos=True, timeout=10)
     assert ok.end["type"] == "done"
     await c.close()
@@ -238,7 +237,8 @@ async def test_revoking_a_key_ends_its_open_connections_and_streams(fleet):
                                 "ignore_eos": True, "stop": []}).decode())
     idle = await websockets.connect(b_gw.ws + "?api_key=" + key)
     kept = await Client.connect(b_gw.ws + "?api_key=" + other)
-    await asyncio.sleep(0.3)
+    accepted = orjson.loads(await asyncio.wait_for(ws.recv(), 15))  # the request runs
+    assert accepted["type"] == "accepted", accepted
 
     out = subprocess.run([sys.executable, "-m", "streamfleet", "keys", "revoke", "to-revoke"],
                          env=fleet.env(tiers=TENANT_TIERS), capture_output=True, text=True, timeout=60)
@@ -286,7 +286,7 @@ async def test_revoking_a_key_ends_its_sse_stream(fleet):
 
 
 @pytest.mark.slow
-async def test_connections_per_key_are_capped_across_gateways(fleet):
+async def test_connections_per_key_are_capped_across_gateways(fleet, rds):
     a_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
     b_gw = fleet.gateway(auth_enabled="true", tiers=TENANT_TIERS)
     key, other = _key(fleet, "conn-a", "one"), _key(fleet, "conn-b", "one")
@@ -302,7 +302,8 @@ async def test_connections_per_key_are_capped_across_gateways(fleet):
         assert orjson.loads(await ws.recv()) == {"type": "pong"}
     # a closed connection gives its slot back
     await first.close()
-    await asyncio.sleep(0.3)
+    conns = f"{fleet.prefix}:conns:{_key_id(key)}"
+    await until_async(lambda: rds.zcard(conns) == 1, "the closed connection's slot given back", timeout=15)
     fourth = await websockets.connect(a_gw.ws + "?api_key=" + key)
     await fourth.send('{"type": "ping"}')
     assert orjson.loads(await fourth.recv()) == {"type": "pong"}
