@@ -93,8 +93,12 @@ def machine() -> Machine:
                 key, sep, value = line.partition(":")
                 if sep:
                     fields.setdefault(key.strip().lower(), value.strip())
+    try:
+        cores = len(os.sched_getaffinity(0))  # what this process may run on (taskset), not the host's count
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
     return Machine(cpu=fields.get("model name", "unknown CPU"), flags=kernel_flags(fields.get("flags", "")),
-                   cores=os.cpu_count() or 0)
+                   cores=cores)
 
 
 def commit() -> str:
