@@ -33,6 +33,7 @@ from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.fleet import FleetFactory
 from tests.support.keys import add_key
+from tests.support.wait import until
 
 #: the HTTP/2 client preface and an empty SETTINGS frame: a connection that opens no call
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -88,6 +89,12 @@ def _h2_frame_types(data: bytes) -> list[int]:
 
 def _get(path: str = "/healthz", extra: bytes = b"") -> bytes:
     return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: gw\r\n" + extra + b"\r\n"
+
+
+def _until_status(port: int, status: int, what: str) -> None:
+    """Ask (``Connection: close``) until the answer is ``status``: the gateway has seen the
+    connections opened or closed before."""
+    until(lambda: _status(_exchange(port, _get(extra=b"Connection: close\r\n"))[1]) == status, what)
 
 
 class _Victim:
@@ -147,7 +154,7 @@ def test_a_huge_header_gets_431_at_once_and_costs_the_others_nothing(edge):
     gateway = psutil.Process(edge.popen.pid)
     cpu_before = sum(gateway.cpu_times()[:2])
     with _Victim(edge.port) as victim:
-        time.sleep(0.2)
+        until(lambda: len(victim.latencies) >= 3, "the victim's first answers")
         sock = _connect(edge.port, timeout=30)
         sent_at: list[float] = []
 
@@ -168,7 +175,8 @@ def test_a_huge_header_gets_431_at_once_and_costs_the_others_nothing(edge):
         answered = time.monotonic()
         sender.join(20)
         sock.close()
-        time.sleep(0.2)
+        seen = len(victim.latencies)
+        until(lambda: len(victim.latencies) >= seen + 3, "the victim's answers after the attack")
     assert _status(response) == 431 and _error_code(response) == "invalid_request", response[:300]
     assert eof
     assert answered - sent_at[0] < 1.0, f"431 came {answered - sent_at[0]:.2f} s after the header began"
@@ -216,7 +224,7 @@ def test_a_head_that_does_not_arrive_in_time_is_closed(edge):
             except OSError:
                 closed = time.monotonic() - start
                 break
-            time.sleep(0.2)
+            time.sleep(0.2)  # the drip's pace: a byte every 0.2 s, the header timeout is 1 s
         if closed is None:
             took, response, eof = _read_all(sock, timeout=10)
             assert eof and _status(response) == 408, response
@@ -236,7 +244,7 @@ def test_connections_past_the_per_address_cap_are_refused(fleet):
         await ws.send('{"type":"ping"}')
         assert orjson.loads(await ws.recv())["type"] == "pong"
         held = [_connect(gw.port) for _ in range(3)]  # idle, unauthenticated: the address's 3
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(_until_status, gw.port, 429, "the gateway to count the three held")
         took, response, eof = await asyncio.to_thread(_exchange, gw.port, _get())
         assert _status(response) == 429 and _error_code(response) == "too_many_requests", response
         assert b"retry-after: 1" in response.lower() and eof and took < 1.0, (took, response)
@@ -244,9 +252,7 @@ def test_connections_past_the_per_address_cap_are_refused(fleet):
             await websockets.connect(gw.ws, additional_headers={"Authorization": f"Bearer {key}"})
         assert refused.value.response.status_code == 429
         held.pop().close()
-        await asyncio.sleep(0.2)
-        took, response, _ = await asyncio.to_thread(_exchange, gw.port, _get(extra=b"Connection: close\r\n"))
-        assert _status(response) == 200, response
+        await asyncio.to_thread(_until_status, gw.port, 200, "the closed connection's place")
         await ws.send('{"type":"ping"}')  # the authenticated connection was never in question
         assert orjson.loads(await ws.recv())["type"] == "pong"
         await ws.close()
@@ -265,7 +271,7 @@ def test_connections_past_the_gateway_cap_are_refused_not_hung(fleet):
     async def scenario() -> None:
         sockets = [await websockets.connect(gw.ws) for _ in range(2)]
         held = [_connect(gw.port) for _ in range(2)]
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(_until_status, gw.port, 503, "the gateway to count the four open")
         took, response, eof = await asyncio.to_thread(_exchange, gw.port, _get())
         assert _status(response) == 503 and _error_code(response) == "overloaded", response
         assert b"retry-after: 1" in response.lower() and eof and took < 1.0, (took, response)
@@ -273,9 +279,7 @@ def test_connections_past_the_gateway_cap_are_refused_not_hung(fleet):
             await websockets.connect(gw.ws, open_timeout=5)
         assert refused.value.response.status_code == 503
         await sockets.pop().close()
-        await asyncio.sleep(0.3)
-        took, response, _ = await asyncio.to_thread(_exchange, gw.port, _get(extra=b"Connection: close\r\n"))
-        assert _status(response) == 200, response
+        await asyncio.to_thread(_until_status, gw.port, 200, "the closed WebSocket's place")
         await sockets[0].send('{"type":"ping"}')
         assert orjson.loads(await sockets[0].recv())["type"] == "pong"
         await sockets[0].close()
@@ -358,13 +362,15 @@ async def test_grpc_connections_past_the_cap_are_closed_at_once(grpc_capped):
     try:
         for sock in held:
             sock.sendall(H2_PREFACE)
-        await asyncio.sleep(0.3)
+        for sock in held:  # the server's SETTINGS: it took the connection, and counts it
+            sock.settimeout(20)
+            assert sock.recv(65536)
         with _connect(grpc_capped.grpc_port) as sock:
             took, data, eof = await asyncio.to_thread(_read_all, sock, 20)
         assert eof and data == b"" and took < 10, (took, data)  # the handshake timeout is 30 s
     finally:
         for sock in held:
             sock.close()
-    await asyncio.sleep(0.3)
-    async with grpc.aio.insecure_channel(grpc_capped.grpc) as channel:  # room again
-        assert (await pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)).models
+    async with grpc.aio.insecure_channel(grpc_capped.grpc) as channel:  # room again, once the server saw the closes
+        assert (await pb_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=20,
+                                                                wait_for_ready=True)).models
