@@ -27,9 +27,8 @@ from streamfleet.gateway.edge.httperror import openai_error_response
 from streamfleet.gateway.hub import Hub
 from streamfleet.gateway.edge.origin import OriginGuard, refused_origin
 from streamfleet.gateway.admission.validation import Validator
-from streamfleet.gateway.services.voice import audio_stream
 from streamfleet.gateway.admission.voiceslots import VoiceSlots, capacity_of
-from streamfleet.gateway.doors.ws import websocket_stream
+from streamfleet.gateway.doors.ws import audio_stream, websocket_stream
 
 __all__ = ["create_app", "front", "json_response"]
 

@@ -149,7 +149,7 @@ class Draft:
     #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
     #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
     constraint: tuple[str, Any] | None = None
-    #: an embeddings request (gateway/doors/embeddings.py): its inputs, each a text (tokenized by
+    #: an embeddings request (gateway/services/embeddings.py): its inputs, each a text (tokenized by
     #: ``finish``) or token ids (checked already); no prompt
     inputs: tuple[str | tuple[int, ...], ...] | None = None
     #: a completion that returns its prompt before it (the OpenAI door's ``echo``)

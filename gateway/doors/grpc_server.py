@@ -390,12 +390,13 @@ def voice_event(f: dict) -> pb.VoiceEvent:
     return ev
 
 
-class _ListenSession(VoiceConnection, Session):
-    """One ``Listen`` call: a voice WebSocket's session, over gRPC messages."""
+class _ListenSession(Session):
+    """One ``Listen`` call: a voice WebSocket's session, over gRPC messages; its frames are
+    read by its ``VoiceConnection`` (gateway/services/voice.py), as a voice WebSocket's are."""
 
     def __init__(self, hub: "Hub") -> None:
-        Session.__init__(self, hub, "grpc")
-        self.init_voice(hub)
+        super().__init__(hub, "voice")
+        self.voice = VoiceConnection(self)
         self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
 
     def send(self, frame: dict) -> None:
@@ -408,19 +409,20 @@ class _ListenSession(VoiceConnection, Session):
 
     async def read(self, frames: AsyncIterator[pb.VoiceClientFrame]) -> None:
         """Read the client's frames, in order, until it half-closes the call."""
+        voice = self.voice
         async for frame in frames:
             kind = frame.WhichOneof("frame")
             if kind == "audio":
-                await self.receive_bytes(frame.audio)
+                await voice.receive_bytes(frame.audio)
             elif kind == "start":
                 try:
                     start = voice_start_frame(frame.start)
                 except ValidationError as exc:
                     await self.outbox.put(exc.to_frame(frame.start.id or None))
                     continue
-                await self.receive_text(orjson.dumps(start).decode())
+                await voice.receive_text(orjson.dumps(start).decode())
             elif kind == "stop":
-                await self.receive_text('{"type":"stop"}')
+                await voice.receive_text('{"type":"stop"}')
             else:
                 await self.outbox.put(ValidationError("a VoiceClientFrame needs one of start, audio or stop",
                                                       code=ErrorCode.invalid_frame).to_frame(None))
@@ -566,12 +568,12 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Transcribe(self, request: pb.TranscribeRequest, context: aio.ServicerContext):
         """An audio file's transcript, a ``TranscriptSegment`` per utterance as each is
         known, then ``TranscribeDone``: the HTTP door's transcription
-        (``gateway.doors.transcriptions.open_transcription``: the same checks, admission, lanes
+        (``gateway.services.transcription.open_transcription``: the same checks, admission, lanes
         and speech workers), its failure the call's status. A call that ends early
         cancels every utterance still running."""
         # the HTTP door's audio decoders, imported on first use
         from streamfleet.gateway.protocols.transcription_mapping import full_text
-        from streamfleet.gateway.doors.transcriptions import open_transcription
+        from streamfleet.gateway.services.transcription import open_transcription
 
         hub = self.hub
         md = _metadata(context)
@@ -617,8 +619,8 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context: aio.ServicerContext) -> pb.EmbedResponse:
         """An embedding model's vectors: the HTTP door's ``/v1/embeddings`` (its checks,
-        limits, admission and lanes: ``gateway.doors.embeddings``), its failure the call's status."""
-        from streamfleet.gateway.doors.embeddings import check_body, submit
+        limits, admission and lanes: ``gateway.services.embeddings``), its failure the call's status."""
+        from streamfleet.gateway.services.embeddings import check_body, submit
 
         md = _metadata(context)
         try:

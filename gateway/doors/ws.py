@@ -1,8 +1,12 @@
-"""WebSocket adapter: forwards frames between the socket and the connection's
-``gateway.services.session.Session`` (its protocol state and its requests, one
+"""The WebSocket door: ``GET /v1/stream`` (docs/websocket.md) and the voice WebSocket,
+``GET /v1/audio/stream`` (docs/voice.md). It forwards frames between the socket and the
+connection's ``gateway.services.session.Session`` (its protocol state and its requests, one
 ``gateway.requests.lifecycle.ClientRequest`` per request id, all answered on the connection's reply
 channel); decisions live in ``gateway.protocols.frames``, ``gateway.requests.lifecycle``,
-``gateway.requests.request_stream`` and ``gateway.requests.reply_channel``."""
+``gateway.requests.request_stream`` and ``gateway.requests.reply_channel``; a voice
+WebSocket's frames mean what ``gateway.services.voice.VoiceConnection`` says, its
+connection handling (Origin, caps, the key, idle and age limits, drain) is the text
+WebSocket's."""
 
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ from streamfleet.gateway.admission.gate import revoked_error
 from streamfleet.gateway.edge.origin import origin_allowed
 from streamfleet.gateway.requests.observe import trace_id_from
 from streamfleet.gateway.services.session import Session
+from streamfleet.gateway.services.voice import VoiceConnection
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
 
-__all__ = ["websocket_stream"]
+__all__ = ["websocket_stream", "audio_stream", "WebSocketSession", "VoiceSession"]
 
 log = get_logger("gateway.ws")
 
@@ -89,7 +94,7 @@ class WebSocketSession(Session):
         #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
         self.write = ws.scope.get("streamfleet.send_text_frame") or self._send_text
         #: monotonic time of the client's last frame that counts as activity though no
-        #: request is in flight: the voice WebSocket's audio (gateway/services/voice.py). 0: none
+        #: request is in flight: the voice WebSocket's audio (``VoiceSession``). 0: none
         self.last_activity = 0.0
 
     def send(self, frame: dict) -> None:
@@ -111,7 +116,7 @@ class WebSocketSession(Session):
     async def _send_text(self, payload: bytes) -> None:
         await self.ws.send_text(payload.decode())
 
-    # -- what the frames mean (the voice WebSocket, gateway/services/voice.py, reads them otherwise) --
+    # -- what the frames mean (the voice WebSocket, ``VoiceSession``, reads them otherwise) --
     async def receive_text(self, text: str) -> None:
         self.dispatch(self.proto.receive_text(text))
 
@@ -272,3 +277,43 @@ class WebSocketSession(Session):
 
 async def websocket_stream(ws: WebSocket) -> None:
     await WebSocketSession(ws, ws.app.state.hub).run()
+
+
+class VoiceSession(WebSocketSession):
+    """A voice WebSocket: the text WebSocket's connection handling, its frames read by
+    the connection's ``VoiceConnection`` (gateway/services/voice.py)."""
+
+    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
+        self.voice: VoiceConnection | None = None
+        super().__init__(ws, hub)
+        self.transport = "voice"
+        self.voice = VoiceConnection(self)
+
+    @property  # type: ignore[override]
+    def last_activity(self) -> float:
+        return self.voice.last_activity if self.voice is not None else 0.0
+
+    @last_activity.setter
+    def last_activity(self, value: float) -> None:
+        pass  # (the voice connection keeps it: its audio is the activity)
+
+    async def receive_text(self, text: str) -> None:
+        await self.voice.receive_text(text)
+
+    async def receive_bytes(self, data: bytes) -> None:
+        await self.voice.receive_bytes(data)
+
+    @property
+    def busy(self) -> bool:
+        return self.voice.busy
+
+    @property
+    def in_flight(self) -> bool:
+        return self.voice.in_flight
+
+    def idle_reason(self, timeout_s: float) -> str:
+        return self.voice.idle_reason(timeout_s) or super().idle_reason(timeout_s)
+
+
+async def audio_stream(ws: WebSocket) -> None:
+    await VoiceSession(ws, ws.app.state.hub).run()

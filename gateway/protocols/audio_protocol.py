@@ -36,7 +36,7 @@ from streamfleet.shared.modelrepo import kind_phrase
 from streamfleet.gateway.protocols.frames import Send
 from streamfleet.gateway.admission.validation import check_lane
 
-__all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "ENCODINGS",
+__all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "same_language", "ENCODINGS",
            "MAX_FRAME_MS", "AUDIO_NOTICE_S"]
 
 #: the PCM encodings accepted (little-endian signed 16-bit mono)
@@ -276,7 +276,7 @@ class AudioProtocol:
         if language is not None:
             if not isinstance(language, str):
                 raise ValidationError("'language' must be a string", code=ErrorCode.invalid_type, param="language")
-            if not _same_language(language, spec.language):
+            if not same_language(language, spec.language):
                 raise ValidationError(f"model {model!r} transcribes {spec.language}, not {language!r}",
                                       code=ErrorCode.out_of_range, param="language")
         lane = check_lane(msg.get("priority"))
@@ -284,7 +284,7 @@ class AudioProtocol:
                            language=spec.language, lane=lane)
 
 
-def _same_language(asked: str, served: str) -> bool:
+def same_language(asked: str, served: str) -> bool:
     """``en`` and ``en-us`` ask for what ``en-US`` serves; ``de`` does not."""
     a, s = asked.lower().replace("_", "-"), served.lower().replace("_", "-")
     return a == s or a == s.split("-")[0]

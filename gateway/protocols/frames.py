@@ -6,7 +6,7 @@
 * ``Send(frame)``        write a JSON frame to the client
 * ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``Draft``)
 * ``Embed(client_id, body)``  admit, tokenize and enqueue an embeddings request (its
-  body passed the HTTP door's cheap checks: ``gateway.doors.embeddings.check_body``)
+  body passed the HTTP door's cheap checks: ``gateway.services.embeddings.check_body``)
 * ``Resume(...)``        follow a request started elsewhere
 * ``Cancel(client_id)``  interrupt a request in flight
 
@@ -31,7 +31,7 @@ __all__ = ["Send", "Submit", "Embed", "Cancel", "Resume", "Output", "ConnectionP
            "embeddings_frame", "resume_fields", "EMBED_FRAME_FIELDS"]
 
 #: the fields of an ``embed`` frame that are the frame's own, not the embeddings body's
-#: (the rest goes to ``gateway.doors.embeddings.check_body`` as an HTTP body would)
+#: (the rest goes to ``gateway.services.embeddings.check_body`` as an HTTP body would)
 EMBED_FRAME_FIELDS = ("type", "id")
 
 
@@ -48,7 +48,7 @@ class Submit:
 @dataclass(slots=True)
 class Embed:
     client_id: str
-    body: Any  # gateway.doors.embeddings.EmbeddingsBody
+    body: Any  # gateway.services.embeddings.EmbeddingsBody
 
 
 @dataclass(slots=True)
@@ -148,7 +148,7 @@ class ConnectionProtocol:
         max_inflight: most concurrent requests on this connection.
         max_frame_bytes: largest text frame accepted.
         check_embed: the cheap checks of an embeddings body
-            (``gateway.doors.embeddings.check_body`` with the process's hub), for ``embed``
+            (``gateway.services.embeddings.check_body`` with the process's hub), for ``embed``
             frames; None: they are refused (``unknown_type``).
     """
 

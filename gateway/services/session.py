@@ -6,7 +6,7 @@ into requests (``gateway.requests.lifecycle.ClientRequest``, one per client id: 
 on the process's shared channel, resumes on the session's own; docs/architecture.md,
 "Reply channels") and each request's events into protocol frames (the
 WebSocket's JSON objects, ``protocol.render``); an ``embed`` frame's request
-(``gateway.doors.embeddings``: the HTTP door's checks and submit) is answered with one
+(``gateway.services.embeddings``: the checks and submit every door shares) is answered with one
 ``embeddings`` frame (``protocol.embeddings_frame``). An adapter supplies two writes:
 
 * ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
@@ -23,7 +23,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 
-from streamfleet.gateway.doors.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
+from streamfleet.gateway.services.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
 from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Output, Resume, Send, Submit, \
     accepted_frame, embeddings_frame, render
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
@@ -216,7 +216,7 @@ class Session:
 
     async def _run_embed(self, req: ClientRequest, body: EmbeddingsBody) -> None:
         """An ``embed`` frame's request: submitted as the HTTP door submits one
-        (``gateway.doors.embeddings.submit``, under the client's id on this connection), then
+        (``gateway.services.embeddings.submit``, under the client's id on this connection), then
         ``accepted``, then one ``embeddings`` frame with every vector (or an ``error``;
         a ``cancel`` before the vectors came: ``done`` with ``finish_reason`` ``"cancelled"``)."""
         cid = req.client_id

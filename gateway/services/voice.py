@@ -1,4 +1,6 @@
-"""The voice WebSocket, ``GET /v1/audio/stream`` (docs/voice.md): audio in, transcripts out.
+"""What a voice connection's frames mean (docs/voice.md): audio in, transcripts out,
+whatever carries them: the voice WebSocket (``GET /v1/audio/stream``, ``gateway/doors/ws.py``)
+and gRPC's ``Listen`` call (``gateway/doors/grpc_server.py``) each hold one ``VoiceConnection``.
 
 A voice connection holds no inference slot while its client is silent. Every binary
 frame goes through the connection's voice activity segmenter (``gateway/services/vad.py``); only
@@ -11,8 +13,8 @@ the connection's reply channel, the way text events travel, and ``RequestStream`
 them exactly-once and in order.
 
 The connection itself — Origin, connection caps, the API key, revocation, idle and age
-limits, drain — is the text WebSocket's (``gateway.doors.ws.WebSocketSession``); only what
-its frames mean differs, and what keeps it from being idle: a started session that
+limits, drain — is its door's (the WebSocket door's, as for a text WebSocket); only what
+its frames mean lives here, and what keeps it from being idle: a started session that
 sends no audio for ``SF_WS_IDLE_TIMEOUT_S`` is closed as a text one with no request is.
 
 Fairness (docs/voice.md, "Limits" and "Fair slots"): ``AudioProtocol`` drops audio that
@@ -26,8 +28,6 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from starlette.websockets import WebSocket
-
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
@@ -40,12 +40,12 @@ from streamfleet.gateway.services.silero import SileroDetector
 from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech, Detector, make_detector
 from streamfleet.gateway.admission.validation import Draft
-from streamfleet.gateway.doors.ws import WebSocketSession
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
+    from streamfleet.gateway.services.session import Session
 
-__all__ = ["audio_stream", "VoiceConnection", "VoiceSession"]
+__all__ = ["VoiceConnection", "new_detector"]
 
 log = get_logger("gateway.voice")
 
@@ -59,7 +59,7 @@ class Utterance:
     """One utterance of a voice connection: its task, its audio on the way to Redis, and
     its transcript on the way back."""
 
-    def __init__(self, session: "VoiceSession", config: AudioConfig, index: int, start_ms: int,
+    def __init__(self, session: "VoiceConnection", config: AudioConfig, index: int, start_ms: int,
                  previous: "Utterance | None") -> None:
         self.session = session
         self.created = time.monotonic()  # its wait for a slot counts from here (high_load)
@@ -215,26 +215,52 @@ class Utterance:
 
 class VoiceConnection:
     """What a voice connection's frames mean, whatever carries them (the voice WebSocket,
-    ``VoiceSession``; gRPC's ``Listen`` call, ``gateway.doors.grpc_server``): a ``Session``
-    (``gateway.services.session``: ``hub``, ``identity``, ``channel``, ``send``, ``emit``,
-    ``_spawn``) mixes this in and calls ``init_voice`` in its constructor. Its frames come
-    in as the WebSocket's (``receive_text``: JSON, ``receive_bytes``: PCM) and go out as
-    its frames (dicts) through the session's ``send``/``emit``."""
+    ``gateway/doors/ws.py``; gRPC's ``Listen`` call, ``gateway/doors/grpc_server.py``): its
+    door holds one beside its ``Session`` (``gateway.services.session``: the connection's
+    ``hub``, ``identity``, ``channel``, ``trace_id``, its writes ``send``/``emit`` and its
+    tasks) and hands it every frame. Frames come in as the WebSocket's (``receive_text``:
+    JSON, ``receive_bytes``: PCM) and go out as its frames (dicts) through the session's
+    ``send``/``emit``."""
 
-    last_activity: float
-
-    def init_voice(self, hub: "Hub") -> None:
-        self.transport = "voice"
-        self.audio_proto = AudioProtocol(hub.validator, hub.settings)
+    def __init__(self, session: "Session") -> None:
+        self.session = session
+        self.audio_proto = AudioProtocol(session.hub.validator, session.hub.settings)
         self.segmenter: Segmenter | None = None
         self.config: AudioConfig | None = None
         self.current: Utterance | None = None
         self.utterances: list[Utterance] = []
         self.count = 0  # utterances of this connection so far
+        #: monotonic time of the client's last frame (audio, silent or not, included). 0: none
         self.last_activity = 0.0
 
-    # the read loop hands every frame here (gateway.doors.ws.WebSocketSession._serve) and reads
-    # the next one only once this one is handled: a connection's frames stay in order
+    # -- the connection's, as its session holds them ------------------------------------
+    @property
+    def hub(self) -> "Hub":
+        return self.session.hub
+
+    @property
+    def identity(self):
+        return self.session.identity
+
+    @property
+    def channel(self):
+        return self.session.channel
+
+    @property
+    def trace_id(self) -> str | None:
+        return self.session.trace_id
+
+    def send(self, frame: dict) -> None:
+        self.session.send(frame)
+
+    async def emit(self, frame: dict) -> None:
+        await self.session.emit(frame)
+
+    def track(self, task: asyncio.Task) -> None:
+        self.session.track(task)
+
+    # the door's read loop hands every frame here and reads the next one only once this
+    # one is handled: a connection's frames stay in order
     async def receive_text(self, text: str) -> None:
         await self._handle(self.audio_proto.receive_text(text))
 
@@ -253,10 +279,12 @@ class VoiceConnection:
         with none is idle unless audio keeps coming (``last_activity``)."""
         return any(not u.task.done() for u in self.utterances)
 
-    def idle_reason(self, timeout_s: float) -> str:
+    def idle_reason(self, timeout_s: float) -> str | None:
+        """The close reason of a started session closed for idleness; None when none is
+        started (the door's own reason then)."""
         if self.config is not None:
             return f"idle: no audio for {timeout_s:g} s"
-        return super().idle_reason(timeout_s)
+        return None
 
     @property
     def tenant(self) -> str:
@@ -279,7 +307,7 @@ class VoiceConnection:
             elif isinstance(out, Stop):
                 self.last_activity = time.monotonic()
                 self._segment(self.segmenter.flush())
-                self._spawn(self._stopped(self.config, list(self.utterances)))
+                self.track(asyncio.create_task(self._stopped(self.config, list(self.utterances))))
                 self.segmenter, self.config = None, None
 
     def _start(self, config: AudioConfig) -> None:
@@ -329,15 +357,3 @@ class VoiceConnection:
         """After ``stop``: once every utterance has its final, say so."""
         await asyncio.gather(*(u.task for u in utterances), return_exceptions=True)
         await self.emit({"type": "stopped", "id": config.client_id, "utterances": len(utterances)})
-
-
-class VoiceSession(VoiceConnection, WebSocketSession):
-    """A voice WebSocket: the text WebSocket's connection handling, with audio frames."""
-
-    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
-        WebSocketSession.__init__(self, ws, hub)
-        self.init_voice(hub)
-
-
-async def audio_stream(ws: WebSocket) -> None:
-    await VoiceSession(ws, ws.app.state.hub).run()

@@ -15,7 +15,7 @@ from streamfleet.gateway.services.audio_files import decode_audio, resample_pcm1
 from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader
 from streamfleet.gateway.protocols.transcription_mapping import (Segment, check_form, delta_event, done_event, full_text,
                                                        render, srt, timestamp, vtt)
-from streamfleet.gateway.doors.transcriptions import split_utterances
+from streamfleet.gateway.services.transcription import split_utterances
 from streamfleet.shared.errors import ValidationError
 from tests.support.audiofiles import flac_bytes
 from tests.support.audiofiles import wav_bytes as wav  # (short: the tests build many)

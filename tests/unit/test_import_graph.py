@@ -179,3 +179,52 @@ def test_the_test_import_check_sees_each_form():
     assert _test_imports_of(here, "from tests.integration.conftest import FleetFactory")
     assert _test_imports_of(here, "from test_core import make_core") == ["test_core"]
     assert _test_imports_of(here, "from tests.support.keys import add_key\nimport pytest") == []
+
+
+#: the gateway's doors, one adapter per protocol (docs/architecture.md, "Module map")
+DOORS = "streamfleet.gateway.doors"
+#: the modules that wire the doors into the process: they alone import doors
+DOOR_WIRING = {"streamfleet.gateway.app", "streamfleet.gateway.server"}
+
+
+def _door_of(module: str) -> str | None:
+    """The door a module name (or a name imported from it) is, or is inside; None when it
+    is no door."""
+    parts = module.split(".")
+    if parts[:3] == DOORS.split(".") and len(parts) > 3:
+        return ".".join(parts[:4])
+    return None
+
+
+def _door_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, mods in graph.items():
+        own = _door_of(name)
+        for m in mods:
+            door = _door_of(m)
+            if door is None or door == own:
+                continue
+            if own is not None:
+                bad.append(f"door {name} imports door {door}")
+            elif name not in DOOR_WIRING:
+                bad.append(f"{name} (not a door) imports door {door}")
+    return sorted(set(bad))
+
+
+def test_no_door_imports_another_door():
+    """Issue 51: what several doors use lives in ``gateway/services`` (or ``protocols``,
+    ``requests``, ``admission``, ``edge``), never in a door another door imports; and
+    nothing but the process's wiring imports a door."""
+    bad = _door_imports(_graph()[1])
+    assert not bad, bad
+
+
+def test_the_door_check_sees_a_door_importing_a_door():
+    graph = {"streamfleet.gateway.doors.grpc_server": {"streamfleet.gateway.doors.transcriptions.open_transcription",
+                                                       "streamfleet.gateway.services.voice"},
+             "streamfleet.gateway.services.session": {"streamfleet.gateway.doors.embeddings"},
+             "streamfleet.gateway.app": {"streamfleet.gateway.doors.ws"},
+             "streamfleet.gateway.doors.ws": {"streamfleet.gateway.doors.ws.WebSocketSession"}}
+    assert _door_imports(graph) == [
+        "door streamfleet.gateway.doors.grpc_server imports door streamfleet.gateway.doors.transcriptions",
+        "streamfleet.gateway.services.session (not a door) imports door streamfleet.gateway.doors.embeddings"]

@@ -30,7 +30,7 @@ from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, RequestRecord
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.doors.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
+from streamfleet.gateway.services.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
 from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.gateway.requests.lifecycle import ClientRequest
