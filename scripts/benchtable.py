@@ -52,9 +52,8 @@ class Machine:
 
     def describe(self) -> str:
         if self.flags is None:
-            flags = "flags not recorded"
-        else:
-            flags = ", ".join(self.flags) or "none of avx2, fma, avx512*, amx*"
+            return f"{self.cpu}, {self.cores} cores (flags not recorded)"
+        flags = ", ".join(self.flags) or "none of avx2, fma, avx512*, amx*"
         return f"{self.cpu} ({flags}), {self.cores} cores"
 
 
