@@ -185,7 +185,7 @@ def workload(engine: str, delay_ms: float) -> Workload:
     if engine == "echo":
         return Workload(write_model(Path(tempfile.mkdtemp(prefix="sf-bench-peers-"))), delay_ms=delay_ms)
     folder = REPO / "engines" / engine
-    if not (folder / "model.onnx").exists():
+    if not (folder / "engine.toml").exists():
         print(f"generating {engine} in {folder} ...", flush=True)
         subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(folder), "--preset", "bench"],
                        check=True)

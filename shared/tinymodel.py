@@ -51,6 +51,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # Single-threaded training keeps the merges, and so the file, identical from run to run.
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -98,9 +99,11 @@ class BuildParams:
 
 PRESETS: dict[str, BuildParams] = {
     "tiny": BuildParams(),
-    # tens of millions of parameters: a CPU throughput benchmark with real compute per token
+    # tens of millions of parameters: a CPU throughput benchmark with real compute per token,
+    # in the layout the default model serves in (GroupQueryAttention: docs/models.md,
+    # "The benchmark model"); `--attention concat` for TensorRT (scripts/gpu_check.py)
     "bench": BuildParams(seed=4321, vocab_size=8192, n_layer=8, n_head=8, d_model=512,
-                         max_context=512, max_batch=32),
+                         max_context=512, max_batch=32, attention="gqa"),
 }
 
 # ---------------------------------------------------------------------------------------
@@ -401,13 +404,19 @@ class _Graph:
     def const_i64(self, name: str, values: list[int]) -> str:
         return self.init(name, np.array(values, dtype=np.int64))
 
-    def op(self, op_type: str, inputs: list[str], name: str | None = None, n_out: int = 1,
-           outputs: list[str] | None = None, **attrs) -> str | list[str]:
+    def op(self, op_type: str, inputs: list[str], name: str | None = None,
+           outputs: list[str] | None = None, **attrs: Any) -> str:
+        """A node; the name of its (first) output."""
+        return self.ops(op_type, inputs, name, outputs=outputs, **attrs)[0]
+
+    def ops(self, op_type: str, inputs: list[str], name: str | None = None, n_out: int = 1,
+            outputs: list[str] | None = None, **attrs: Any) -> list[str]:
+        """A node of ``n_out`` outputs (or ``outputs``); their names."""
         self._n += 1
         base = name or f"{op_type.lower()}_{self._n}"
         outs = outputs or ([base] if n_out == 1 else [f"{base}_{i}" for i in range(n_out)])
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=f"n{self._n}_{base}", **attrs))
-        return outs[0] if n_out == 1 else outs
+        return outs
 
 
 def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
@@ -516,7 +525,7 @@ def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
                        domain="com.microsoft", outputs=[f"{p}.attn.out", pres_k, pres_v],
                        num_heads=h, kv_num_heads=h, do_rotary=0, scale=float(1.0 / np.sqrt(hd)))
         else:
-            q, k, vv = g.op("Split", [qkv, split_sizes], n_out=3, axis=-1)
+            q, k, vv = g.ops("Split", [qkv, split_sizes], n_out=3, axis=-1)
 
             def heads(t: str) -> str:  # [B, S, D] -> [B, H, S, hd]
                 return g.op("Transpose", [g.op("Reshape", [t, heads_shape])], perm=[0, 2, 1, 3])
