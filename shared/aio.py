@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
-def mark_retrieved(fut: asyncio.Future) -> None:
+def mark_retrieved(fut: asyncio.Future[Any]) -> None:
     """A done callback for a shared future that several callers may await (a read or a
     connection under way): its exception counts as retrieved, so that one no caller was
     left to await is not reported as never retrieved (those that awaited got it)."""
@@ -27,7 +29,7 @@ def mark_retrieved(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-async def cancel_and_wait(task: asyncio.Task | None) -> None:
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Stop a background task of a part that is closing: cancel it and wait until it has
     unwound, whatever it ends with (its errors were its own to log)."""
     if task is None:
@@ -54,7 +56,7 @@ def loop_factory(loop: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] 
     return uvloop.new_event_loop
 
 
-def run(coro: Coroutine[Any, Any, Any], loop: str = "auto") -> Any:
+def run(coro: Coroutine[Any, Any, T], loop: str = "auto") -> T:
     """``asyncio.run(coro)`` on the chosen loop."""
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
         return runner.run(coro)
@@ -94,7 +96,7 @@ def raise_open_files_limit(wanted: int = 0) -> dict[str, int]:
     return {"before": int(before), "soft": int(soft), "hard": int(hard) if hard != resource.RLIM_INFINITY else -1}
 
 
-class LightQueue:
+class LightQueue(Generic[T]):
     """A first-in-first-out queue for one consumer: ``put_nowait``, ``get``,
     ``get_nowait``, ``empty``, as a list and at most one waiting future. Every WebSocket
     holds two (uvicorn's receive queue and the connection's outbox) and every request
@@ -104,10 +106,10 @@ class LightQueue:
     __slots__ = ("_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
+        self._items: list[T] = []
+        self._waiter: asyncio.Future[None] | None = None
 
-    def put_nowait(self, item) -> None:
+    def put_nowait(self, item: T) -> None:
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -116,13 +118,13 @@ class LightQueue:
     def empty(self) -> bool:
         return not self._items
 
-    def get_nowait(self):
+    def get_nowait(self) -> T:
         """The first item; ``asyncio.QueueEmpty`` when there is none."""
         if not self._items:
             raise asyncio.QueueEmpty
         return self._items.pop(0)
 
-    async def get(self):
+    async def get(self) -> T:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:

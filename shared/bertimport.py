@@ -269,7 +269,7 @@ def _module_kind(entry: Any) -> str:
 def _pooling_mode(cfg: dict[str, Any], where: str) -> str:
     """The one pooling mode of a Pooling module's config.json."""
     if isinstance(cfg.get("pooling_mode"), str):  # a newer sentence-transformers' spelling
-        modes = [cfg["pooling_mode"]]
+        modes: list[str] = [cfg["pooling_mode"]]
     else:
         modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
                  for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
@@ -454,10 +454,16 @@ class _Graph:
         return f"{base}_{self._n}"
 
     def op(self, op_type: str, inputs: list[str], base: str | None = None, *, output: str | None = None,
-           n_out: int = 1, **attrs: Any) -> Any:
+           **attrs: Any) -> str:
+        """A node of one output; its name."""
+        return self.ops(op_type, inputs, base, output=output, **attrs)[0]
+
+    def ops(self, op_type: str, inputs: list[str], base: str | None = None, *, output: str | None = None,
+            n_out: int = 1, **attrs: Any) -> list[str]:
+        """A node of ``n_out`` outputs; their names."""
         outs = [output] if output else [self.name(base or op_type.lower()) for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op_type, inputs, outs, name=self.name(op_type), **attrs))
-        return outs[0] if len(outs) == 1 else outs
+        return outs
 
     def init(self, name: str, array: np.ndarray) -> str:
         # (np.ascontiguousarray would make a scalar 1-D)
@@ -516,7 +522,7 @@ def build_graph(m: BertCheckpoint, *, metadata: dict[str, str] | None = None) ->
         qkv_w = np.concatenate([w[a + "query.weight"] * f32(scale), w[a + "key.weight"], w[a + "value.weight"]])
         qkv_b = np.concatenate([w[a + "query.bias"] * f32(scale), w[a + "key.bias"], w[a + "value.bias"]])
         qkv = linear(x, qkv_w.astype(f32), qkv_b.astype(f32), p + "qkv")
-        q, k, v = g.op("Split", [qkv, g.const([h, h, h])], n_out=3, axis=2)
+        q, k, v = g.ops("Split", [qkv, g.const([h, h, h])], n_out=3, axis=2)
         heads = g.const([0, 0, nh, hd])
         q = g.op("Transpose", [g.op("Reshape", [q, heads])], perm=[0, 2, 1, 3])   # [B, nh, S, hd]
         k = g.op("Transpose", [g.op("Reshape", [k, heads])], perm=[0, 2, 3, 1])   # [B, nh, hd, S]

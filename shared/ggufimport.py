@@ -692,7 +692,8 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 def _pack4(q: np.ndarray) -> np.ndarray:
     """[rows, blocks, 32] values 0..15 -> [rows, blocks, 16] bytes, element 2i in the low nibble."""
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    packed: np.ndarray = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return packed
 
 
 def _pack_zeros4(zp: np.ndarray) -> np.ndarray:
@@ -700,10 +701,11 @@ def _pack_zeros4(zp: np.ndarray) -> np.ndarray:
     n, nb = zp.shape
     padded = np.zeros((n, nb + nb % 2), dtype=np.uint8)
     padded[:, :nb] = zp
-    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+    packed: np.ndarray = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)
+    return packed
 
 
-def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
+def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[Any, ...]]:
     """Q4_0 / Q4_1 raw rows as exact terms of ONNX Runtime's fast 4-bit kernel (integer
     zero points; a float zero point takes a much slower path: docs/models.md, "Weights"):
 
@@ -732,7 +734,7 @@ def _q4_parts(t: _Tensor, rows: np.ndarray) -> list[tuple[str, ...]]:
     return [("nbits", _pack4(q), d.reshape(-1), None, 4, 32), ("blocksum", np.ascontiguousarray(offset.T), 32)]
 
 
-def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
+def _q8_parts(rows: np.ndarray) -> list[tuple[Any, ...]]:
     """Q8_0 raw rows (``w = d * q``, q int8) as two exact 4-bit products: q = 16*hi + lo
     with lo in 0..15 and hi in -8..7, so ``w = 16d * (hi + 8 - 8) + d * lo`` (ONNX
     Runtime's 8-bit kernel keeps fp32 activations only on a much slower path)."""
@@ -747,7 +749,7 @@ def _q8_parts(rows: np.ndarray) -> list[tuple[str, ...]]:
             ("nbits", _pack4(lo), d.reshape(-1), zeros, 4, 32)]
 
 
-def _requant8_parts(w: np.ndarray) -> list[tuple[str, ...]]:
+def _requant8_parts(w: np.ndarray) -> list[tuple[Any, ...]]:
     """fp32 [N, K] -> 8 bits per block of 32, asymmetric (lossy): the ``int8`` mode."""
     n, k = w.shape
     b = w.reshape(n, k // 32, 32)
@@ -885,7 +887,8 @@ def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         s = a + b
         bb = s - a
         err = (a - (s - bb)) + (b - bb)
-    return (err == 0) & np.isfinite(s)
+    exact: np.ndarray = (err == 0) & np.isfinite(s)
+    return exact
 
 
 def _check_decoded(t: _Tensor, v: np.ndarray, scale: np.ndarray, c: np.ndarray | None) -> np.ndarray | None:
@@ -972,11 +975,17 @@ class _Graph:
         return f"{base}_{self._n}"
 
     def op(self, op_type: str, inputs: list[str], base: str | None = None, *, domain: str = "",
-           outputs: list[str] | None = None, n_out: int = 1, **attrs: Any) -> Any:
+           outputs: list[str] | None = None, **attrs: Any) -> str:
+        """A node; the name of its (first) output."""
+        return self.ops(op_type, inputs, base, domain=domain, outputs=outputs, **attrs)[0]
+
+    def ops(self, op_type: str, inputs: list[str], base: str | None = None, *, domain: str = "",
+            outputs: list[str] | None = None, n_out: int = 1, **attrs: Any) -> list[str]:
+        """A node of ``n_out`` outputs (or ``outputs``); their names."""
         outs = outputs or [self.name(base or op_type.lower()) for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op_type, inputs, outs, name=self.name(op_type), domain=domain,
                                                 **attrs))
-        return outs[0] if len(outs) == 1 else outs
+        return outs
 
     def init(self, name: str, array: np.ndarray) -> str:
         self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -1236,7 +1245,7 @@ def block_weights(g: _Graph, m: GgufModel, i: int, weights: str, q_scale: float)
     # a Q norm (qwen3) would undo a scale on the query rows: it goes into the norm's weight
     # instead (``attention_inputs``)
     row_scale = 1.0 if m.qk_norm else q_scale
-    permute = [m.n_head, m.n_kv_head, None] if m.permuted_qk else [None, None, None]
+    permute: list[int | None] = [m.n_head, m.n_kv_head, None] if m.permuted_qk else [None, None, None]
     qkv = _projections(g, [t[f"{pre}.attn_{n}.weight"] for n in "qkv"], weights, f"{pre}.qkv",
                        permute, first_scale=row_scale)
     wo = _linear_init(g, t[f"{pre}.attn_output.weight"], weights, f"{pre}.o")
@@ -1270,7 +1279,7 @@ def attention_inputs(g: _Graph, m: GgufModel, i: int, a: str, qkv: list[Any], ac
             out = [g.op("Add", [y, g.init(f"{pre}.{n}_bias", b)]) for y, n, b in zip(out, "qkv", biases)]
     if m.qk_norm:
         if len(out) == 1:
-            out = list(g.op("Split", [out[0], g.const(list(dims))], axis=-1, n_out=3))
+            out = list(g.ops("Split", [out[0], g.const(list(dims))], axis=-1, n_out=3))
         for j, (n, heads, f) in enumerate((("q", nh, q_scale), ("k", kvh, 1.0))):
             w = (_dequantize(t[f"{pre}.attn_{n}_norm.weight"]) * np.float32(f)).astype(np.float32)
             per_head = g.op("Reshape", [out[j], g.const([0, 0, heads, hd])])
@@ -1320,7 +1329,7 @@ def feed_forward(g: _Graph, m: GgufModel, x: str, norm: str, gate_up: list[Any],
     f = _rms_norm(g, x, norm, m.rms_eps)
     if len(gate_up) == 1:
         both = _apply_linear(g, f, gate_up[0], h, 2 * m.intermediate, accuracy)
-        gate, up = g.op("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
+        gate, up = g.ops("Split", [both, g.const([m.intermediate, m.intermediate])], axis=-1, n_out=2)
     else:
         gate, up = (_apply_linear(g, f, w, h, m.intermediate, accuracy) for w in gate_up)
     if m.gemma:
@@ -1435,12 +1444,12 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
         proj = attention_inputs(g, m, i, a, qkv, accuracy, inv_sqrt if folded else 1.0)
         if len(proj) == 1:  # [B, S, (nh + 2 kvh) * hd] -> heads; RoPE on Q and K together
             heads = g.op("Reshape", [proj[0], g.const([0, 0, nh + 2 * kvh, hd])])
-            qk, v = g.op("Split", [heads, g.const([nh + kvh, kvh])], axis=2, n_out=2)
+            qk, v = g.ops("Split", [heads, g.const([nh + kvh, kvh])], axis=2, n_out=2)
         else:
             q, k, v = (g.op("Reshape", [y, g.const([0, 0, n, hd])]) for y, n in zip(proj, (nh, kvh, kvh)))
             qk = g.op("Concat", [q, k], axis=2)
         qk = _rope(g, qk, *rope_table(*m.layer_rope(i)), hd)
-        q, k = g.op("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
+        q, k = g.ops("Split", [qk, g.const([nh, kvh])], axis=2, n_out=2)
         q, k, v = (g.op("Transpose", [z], perm=[0, 2, 1, 3]) for z in (q, k, v))
         k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2, outputs=[f"present.{i}.key"])
         v_all = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2, outputs=[f"present.{i}.value"])

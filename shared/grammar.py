@@ -30,11 +30,16 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    import llguidance
 
 __all__ = ["COSTLY", "CONSTRAINTS", "DEFAULT_LIMITS", "MAX_GRAMMAR_BYTES", "GrammarError", "GrammarLimits",
            "build_grammar", "check_constraint", "depth_problem", "grammar_of", "plain_error", "Grammars"]
@@ -81,11 +86,12 @@ class GrammarLimits:
     max_depth: int = 64
     cache_mb: float = 64.0
 
-    def llg(self):
+    def llg(self) -> llguidance.LLParserLimits:
         """The limits as llguidance's ``LLParserLimits`` (errors without parser state)."""
-        return _llg().LLParserLimits(
+        limits: llguidance.LLParserLimits = _llg().LLParserLimits(
             initial_lexer_fuel=self.lexer_fuel, step_lexer_fuel=self.step_fuel, step_max_items=self.step_items,
             max_lexer_states=self.lexer_states, max_grammar_size=self.grammar_size, verbose_errors=False)
+        return limits
 
 
 DEFAULT_LIMITS = GrammarLimits()
@@ -139,7 +145,7 @@ def depth_problem(value: Any, limit: int) -> int | None:
     return None
 
 
-def _llg():
+def _llg() -> ModuleType:
     import llguidance
 
     return llguidance
@@ -220,12 +226,12 @@ def build_grammar(name: str, value: Any) -> str:
     llg = _llg()
     try:
         if name in ("response_format", "guided_json"):
-            return llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_DEFAULTS)
+            return str(llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_DEFAULTS))
         if name == "guided_regex":
-            return llg.LLMatcher.grammar_from_regex(value)
+            return str(llg.LLMatcher.grammar_from_regex(value))
         if name == "guided_choice":
-            return llg.grammar_from("choice", orjson.dumps(value).decode())
-        return llg.grammar_from("grammar", value)
+            return str(llg.grammar_from("choice", orjson.dumps(value).decode()))
+        return str(llg.grammar_from("grammar", value))
     except Exception as exc:  # ValueError from the schema reader; a GBNF grammar that does not convert
         what = "is not a usable JSON schema" if name in ("response_format", "guided_json") else "does not parse"
         raise GrammarError(f"'{name}' {what}: {plain_error(str(exc))}", name) from exc
@@ -248,7 +254,7 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def _heap_reader():
+def _heap_reader() -> Callable[[], int] | None:
     """A function returning the bytes malloc has handed out (glibc's ``mallinfo2``:
     llguidance allocates through it), or None where there is no such call."""
     try:
@@ -290,7 +296,7 @@ class Grammars:
         self._eos = set(eos or ())
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
                                                       eos_token=eos if eos is None or len(eos) > 1 else eos[0])
-        self._executor = None
+        self._executor: llguidance.LLExecutor | None = None
         self._lock = threading.Lock()
         self._llg = llg
         self._words = (self.vocab_size + 31) // 32
@@ -350,7 +356,7 @@ class Grammars:
         return (f"{COSTLY}: one token's check took {took_s * 1000:.0f} ms; the "
                 f"limit is {self.limits.mask_budget_ms:g} ms (SF_GRAMMAR_MASK_BUDGET_MS)")
 
-    def matcher(self, grammar: str):
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A new matcher for one sequence: a copy of the grammar's cached pristine matcher,
         compiled (and its first mask built) on a miss, the cache then trimmed to
         ``limits.cache_mb`` by the memory that compile allocated.
@@ -362,7 +368,8 @@ class Grammars:
         entry = self._pristine.get(grammar)
         if entry is not None:
             self._pristine.move_to_end(grammar)
-            return entry[0].deep_copy()
+            copy: llguidance.LLMatcher = entry[0].deep_copy()
+            return copy
         before = _heap_bytes() if _heap_bytes is not None else 0
         m = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._llg_limits)
         if m.is_error():
@@ -385,7 +392,8 @@ class Grammars:
         while self.cached_bytes > budget and len(self._pristine) > 1:
             _, (_, freed) = self._pristine.popitem(last=False)
             self.cached_bytes -= freed
-        return m.deep_copy()
+        fresh: llguidance.LLMatcher = m.deep_copy()
+        return fresh
 
     def forget(self, grammar: str) -> None:
         """Drop a grammar's pristine matcher (a sequence of it broke a limit: the lexer it
@@ -394,12 +402,12 @@ class Grammars:
         if entry is not None:
             self.cached_bytes -= entry[1]
 
-    def masks(self, matchers: list) -> np.ndarray:
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
         """The allowed next tokens of each matcher: bool ``[len(matchers), vocab_size]``,
         computed in parallel by llguidance's executor."""
         return self.step_masks(matchers)[0]
 
-    def step_masks(self, matchers: list) -> tuple[np.ndarray, dict[int, str]]:
+    def step_masks(self, matchers: list[llguidance.LLMatcher]) -> tuple[np.ndarray, dict[int, str]]:
         """``masks``, and the matchers that must end (index -> why, in the project's words):
         those that broke a limit of llguidance's, and those whose mask took longer than
         ``limits.mask_budget_ms``. The executor computes the batch's masks in one call;

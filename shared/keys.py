@@ -47,7 +47,7 @@ def split_source(source: str) -> tuple[str, str]:
     return lane, worker
 
 
-class LaneKeys(dict):
+class LaneKeys(dict[str, str]):
     """Lane name -> its stream key, for one model (``Keys.lanes``), which also finds the
     key of an affinity source (``"normal@w1"``, ``affinity_source``) without listing it:
     iterating gives the shared lanes only."""

@@ -23,7 +23,7 @@ def configure_logging(level: str = "info", fmt: str = "json", process: str | Non
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         lvl = logging.INFO
-    processors: list = [
+    processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -31,7 +31,8 @@ def configure_logging(level: str = "info", fmt: str = "json", process: str | Non
     ]
     if fmt == "console":
         processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
-        factory = structlog.PrintLoggerFactory(file=sys.stderr)
+        factory: structlog.PrintLoggerFactory | structlog.BytesLoggerFactory = \
+            structlog.PrintLoggerFactory(file=sys.stderr)
     else:
         processors.append(structlog.processors.JSONRenderer(serializer=orjson.dumps))
         factory = structlog.BytesLoggerFactory(file=sys.stderr.buffer)
@@ -47,4 +48,5 @@ def configure_logging(level: str = "info", fmt: str = "json", process: str | Non
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger(name)
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger(name)
+    return logger

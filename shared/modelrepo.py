@@ -341,8 +341,8 @@ def token_id(tokenizer_json: dict[str, Any], text: str) -> int | None:
     """The id of ``text`` as one token of a ``tokenizer.json``: an added token, or a
     vocabulary entry; None when it is not one token."""
     for tok in tokenizer_json.get("added_tokens") or []:
-        if isinstance(tok, dict) and tok.get("content") == text and isinstance(tok.get("id"), int):
-            return tok["id"]
+        if isinstance(tok, dict) and tok.get("content") == text and isinstance(found := tok.get("id"), int):
+            return found
     vocab = (tokenizer_json.get("model") or {}).get("vocab")
     if isinstance(vocab, dict):
         v = vocab.get(text)

@@ -22,12 +22,19 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import hiredis
 from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError
 
-from streamfleet.shared.resp import fail_all, open_socket, pack, slot_of
+from streamfleet.shared.resp import RedisSocket, fail_all, open_socket, pack, slot_of
+
+if TYPE_CHECKING:
+    from redis.asyncio.cluster import ClusterNode
+    from structlog.stdlib import BoundLogger
+
+    from streamfleet.shared.redis import FleetCluster
 
 __all__ = ["PubSubConnection", "open_pubsub", "ShardSubscriptions"]
 
@@ -37,7 +44,7 @@ _PUSH_KINDS = frozenset((b"message", b"subscribe", b"unsubscribe", b"pmessage", 
                          b"punsubscribe", b"pong", b"smessage", b"ssubscribe", b"sunsubscribe"))
 
 
-class PubSubConnection(asyncio.Protocol):
+class PubSubConnection(RedisSocket):
     """One subscriber socket. ``on_message(channel, data)`` runs inside ``data_received``:
     it must be quick and must not raise (what it raises is logged by the caller's
     wrapper, never here)."""
@@ -50,11 +57,11 @@ class PubSubConnection(asyncio.Protocol):
         self._leaving: set[bytes] = set()  # channels this side asked to leave (sharded)
         self.transport: asyncio.Transport | None = None
         self._reader = hiredis.Reader(replyError=ResponseError)
-        self._replies: deque[asyncio.Future] = deque()  # plain command replies (AUTH), in order
-        self._acks: dict[bytes, list[asyncio.Future]] = {}  # channel -> SUBSCRIBE acknowledgements
-        self._pongs: deque[asyncio.Future] = deque()
+        self._replies: deque[asyncio.Future[Any]] = deque()  # plain command replies (AUTH), in order
+        self._acks: dict[bytes, list[asyncio.Future[Any]]] = {}  # channel -> SUBSCRIBE acknowledgements
+        self._pongs: deque[asyncio.Future[Any]] = deque()
         loop = asyncio.get_running_loop()
-        self.lost: asyncio.Future = loop.create_future()  # result: the exception, or None
+        self.lost: asyncio.Future[Exception | None] = loop.create_future()  # result: the exception, or None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -130,6 +137,7 @@ class PubSubConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if not self.is_open:
             raise RedisConnectionError("pub/sub connection is closed")
+        assert self.transport is not None  # is_open
         self.transport.write(data)
 
     async def command(self, *args: bytes | str | int, timeout: float) -> object:
@@ -161,7 +169,7 @@ class PubSubConnection(asyncio.Protocol):
 
     def unsubscribe(self, *channels: str | bytes, sharded: bool = False) -> None:
         """UNSUBSCRIBE without waiting (messages already in flight are dropped by the owner)."""
-        if channels and self.is_open:
+        if channels and self.transport is not None and self.is_open:
             if sharded:
                 self._leaving.update(c.encode() if isinstance(c, str) else c for c in channels)
             self.transport.write(pack(b"SUNSUBSCRIBE" if sharded else b"UNSUBSCRIBE", *channels))
@@ -215,9 +223,10 @@ class ShardSubscriptions:
         node_url: the URL of a node (credentials and TLS of the configured one).
     """
 
-    def __init__(self, cluster, node_url: Callable[[str, int], str], on_message: OnMessage, *, timeout: float,
-                 client_name: str, on_restored: Callable[[list[bytes]], None],
-                 on_lost: Callable[[list[bytes]], None], failover_s: float = 30.0, log=None) -> None:
+    def __init__(self, cluster: FleetCluster, node_url: Callable[[str, int], str], on_message: OnMessage, *,
+                 timeout: float, client_name: str, on_restored: Callable[[list[bytes]], None],
+                 on_lost: Callable[[list[bytes]], None], failover_s: float = 30.0,
+                 log: BoundLogger | None = None) -> None:
         self.cluster = cluster
         self.node_url = node_url
         self.on_message = on_message
@@ -233,13 +242,13 @@ class ShardSubscriptions:
         self._pending: dict[bytes, float] = {}  # channel -> monotonic time it lost its subscription
         self._reported: set[bytes] = set()  # pending channels already given to on_lost
         self._kick = asyncio.Event()
-        self._watchers: set[asyncio.Task] = set()
+        self._watchers: set[asyncio.Task[None]] = set()
 
-    async def _owner(self, channel: bytes):
+    async def _owner(self, channel: bytes) -> ClusterNode:
         await self.cluster.ready()
         return self.cluster.nodes_manager.get_node_from_slot(slot_of(channel))
 
-    async def _socket(self, node) -> PubSubConnection:
+    async def _socket(self, node: ClusterNode) -> PubSubConnection:
         conn = self._conns.get(node.name)
         if conn is not None and conn.is_open:
             return conn
@@ -248,7 +257,7 @@ class ShardSubscriptions:
             conn = self._conns.get(node.name)
             if conn is not None and conn.is_open:
                 return conn
-            conn = await open_pubsub(self.node_url(node.host, node.port), self.on_message, timeout=self.timeout,
+            conn = await open_pubsub(self.node_url(node.host, int(node.port)), self.on_message, timeout=self.timeout,
                                      client_name=self.client_name)
             conn.on_dropped = self._dropped
             self._conns[node.name] = conn

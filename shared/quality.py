@@ -93,7 +93,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     that a KL divergence of 1e-4 needs)."""
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    out: np.ndarray = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return out
 
 
 def chunk_windows(n_tokens: int, n_ctx: int, chunks: int | None = None) -> list[tuple[int, int]]:
@@ -162,7 +163,9 @@ def _chunk_logits(session: Any, ids: Sequence[int], keep: int) -> np.ndarray:
     """The logits of the last ``keep`` positions of ``ids`` run from an empty cache:
     ``[keep, vocab]``."""
     n = len(ids)
-    return SharedBufferRunner(session, 1, n).run(np.asarray([ids]), np.array([n]), keep)[0]
+    rows: np.ndarray = SharedBufferRunner(session, 1, n).run(np.asarray([ids]), np.array([n]), keep)
+    first: np.ndarray = rows[0]
+    return first
 
 
 def evaluate(graphs: dict[str, Path], reference: str, ids: Sequence[int], *, n_ctx: int = DEFAULT_CTX,

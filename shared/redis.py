@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 from collections import defaultdict
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry  # (the asyncio clients' own: the sync one is converted, with a warning)
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -113,13 +115,13 @@ class FleetCluster(RedisCluster):
     redis-py's connect retries). Its slots' new primary, after a failover, is another
     node and is tried as soon as the refreshed map names it."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.refresh_due = False
         self.refreshed_at = 0.0
-        self._refreshing: asyncio.Task | None = None
+        self._refreshing: asyncio.Future[None] | None = None
         #: node name -> (the error it failed with, the probe that clears it)
-        self._unreachable: dict[str, tuple[Exception, asyncio.Task]] = {}
+        self._unreachable: dict[str, tuple[Exception, asyncio.Task[None]]] = {}
         #: a node answered CLUSTERDOWN (a primary failed and ``cluster-require-full-coverage``
         #: is on: every shard refuses key commands until its replica is elected) and none
         #: has answered a key command since
@@ -149,7 +151,7 @@ class FleetCluster(RedisCluster):
             self.refreshed_at = time.monotonic()
             self._in_background(self._refresh())
 
-    def _in_background(self, coro) -> None:
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         if self._refreshing is not None and not self._refreshing.done():
             coro.close()  # one refresh at a time: the one under way answers this call too
             return
@@ -161,7 +163,7 @@ class FleetCluster(RedisCluster):
         except BROKER_ERRORS:
             self.refresh_due = True
 
-    async def _determine_slot(self, command: str, *args) -> int:
+    async def _determine_slot(self, command: str, *args: Any) -> int:
         """The slot of a command. ``XREAD``/``XREADGROUP`` (the gateway's log reads, an
         idle worker's wait on its lanes) by their first stream, here: redis-py asks a
         node for the keys of a command with movable keys (``COMMAND GETKEYS``) and always
@@ -212,10 +214,10 @@ class FleetCluster(RedisCluster):
         await super().aclose()
 
 
-def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict:
+def _cluster_kwargs(target: RedisTarget, socket_timeout: float | None) -> dict[str, Any]:
     from redis.asyncio.connection import parse_url
 
-    params = parse_url(target.first_url)
+    params: dict[str, Any] = dict(parse_url(target.first_url))
     kw: dict[str, Any] = {"username": params.get("username"), "password": params.get("password"),
                           "decode_responses": False, "socket_timeout": socket_timeout,
                           "socket_connect_timeout": socket_timeout}
@@ -255,10 +257,11 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
     """
     target = RedisTarget.parse(url, cluster)
     if target.cluster:
+        # the cluster client answers the same commands (docs/cluster.md); callers take it as one
         return FleetCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.seeds],
                             max_connections=max_connections, health_check_interval=15,
                             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
-                            **_cluster_kwargs(target, socket_timeout))
+                            **_cluster_kwargs(target, socket_timeout))  # type: ignore[return-value]
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         timeout=socket_timeout,  # wait this long for a free pooled connection, then fail
@@ -273,11 +276,12 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
         retry_on_error=[RedisConnectionError],
         max_connections=max_connections,
     )
-    pool._sf_command_name = command_name
+    pool._sf_command_name = command_name  # type: ignore[attr-defined]  # read by shared.command_socket
     return FleetRedis.from_pool(pool)  # the client closes the pool it owns
 
 
-def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0):
+def sync_client(url: str, *, cluster: bool = False,
+                socket_timeout: float | None = 5.0) -> redis.Redis | redis.RedisCluster:
     """A synchronous client (the command-line tools): ``redis.Redis``, or
     ``redis.RedisCluster`` in cluster mode."""
     target = RedisTarget.parse(url, cluster)
@@ -285,7 +289,7 @@ def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None
         return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
     from redis.cluster import ClusterNode as SyncNode
 
-    return redis.RedisCluster(startup_nodes=[SyncNode(h, p) for h, p in target.seeds],
+    return redis.RedisCluster(startup_nodes=[SyncNode(h, p) for h, p in target.seeds],  # type: ignore[no-untyped-call]
                               **_cluster_kwargs(target, socket_timeout))
 
 
@@ -312,20 +316,22 @@ async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]],
 MAX_REDIRECTS = 5
 
 
-def _route_key(args: tuple) -> bytes | str | None:
+def _route_key(args: tuple[Any, ...]) -> bytes | str | None:
     """The key (or sharded channel) a command is routed by in a cluster: its first
     argument, for EVAL/EVALSHA its first key, for XREAD/XREADGROUP its first stream."""
     name = args[0]
+    key: bytes | str | None = args[1] if len(args) > 1 else None
     if name in (b"EVALSHA", b"EVAL", "EVALSHA", "EVAL"):
-        return args[3] if int(args[2]) > 0 else None
-    if name in (b"XREADGROUP", b"XREAD", "XREADGROUP", "XREAD"):  # the first stream after STREAMS
+        key = args[3] if int(args[2]) > 0 else None
+    elif name in (b"XREADGROUP", b"XREAD", "XREADGROUP", "XREAD"):  # the first stream after STREAMS
         for i, a in enumerate(args):
             if a in (b"STREAMS", "STREAMS"):
-                return args[i + 1]
-    return args[1] if len(args) > 1 else None
+                key = args[i + 1]
+                break
+    return key
 
 
-async def _read_replies(conn, n: int) -> list:
+async def _read_replies(conn: Connection, n: int) -> list[Any]:
     """``n`` replies from ``conn`` (an error reply as its ``ResponseError``), all within the
     connection's socket timeout. redis-py's ``read_response`` would arm and cancel a
     timeout of its own for every reply — a timer per token in a step's publish batch, a
@@ -372,13 +378,13 @@ class RawBatch:
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
-        self._args: list[tuple] = []
-        self._after: list[tuple] = []
+        self._args: list[tuple[bytes | str | int, ...]] = []
+        self._after: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
         return len(self._parts)
 
-    def add(self, *args: bytes | str | int, after: tuple | list = ()) -> int:
+    def add(self, *args: bytes | str | int, after: tuple[Any, ...] | list[Any] = ()) -> int:
         """Queue a command; returns its index in the results. ``after``: keys whose
         commands in this batch must run before this one (they do when queued earlier on a
         single server; on a cluster see the class docstring)."""
@@ -396,7 +402,7 @@ class RawBatch:
         out._after = [self._after[i] for i in indices]
         return out
 
-    async def execute(self, client: aioredis.Redis, *, partial: bool = False) -> list:
+    async def execute(self, client: aioredis.Redis, *, partial: bool = False) -> list[Any]:
         """Run the batch; one result per command (error replies in place).
 
         Args:
@@ -419,7 +425,7 @@ class RawBatch:
         except (RedisConnectionError, RedisTimeoutError):
             return await self._run(client)
 
-    async def _run(self, client: aioredis.Redis) -> list:
+    async def _run(self, client: aioredis.Redis) -> list[Any]:
         """On the client's pipelined command socket (``shared.command_socket.CommandLink``), not
         a pooled connection: batches of concurrent callers go out back to back."""
         link = command_link(client)
@@ -437,10 +443,10 @@ class RawBatch:
             raise error from exc
 
     # -- Redis Cluster -------------------------------------------------------------------
-    async def _run_cluster(self, client: FleetCluster, partial: bool) -> list:
+    async def _run_cluster(self, client: FleetCluster, partial: bool) -> list[Any]:
         await client.ready()
         nodes = client.nodes_manager
-        out: list = [None] * len(self._parts)
+        out: list[Any] = [None] * len(self._parts)
         slots = [slot_of(k) if (k := _route_key(a)) is not None else 0 for a in self._args]
         asking: dict[int, ClusterNode] = {}
         failed: dict[int, Exception] = {}  # slot -> why its shard could not be reached (partial)
@@ -487,7 +493,7 @@ class RawBatch:
         return out
 
     async def _round(self, client: FleetCluster, group: list[int], node_of: dict[int, ClusterNode],
-                     asking: dict[int, ClusterNode], out: list, partial: bool, slots: list[int],
+                     asking: dict[int, ClusterNode], out: list[Any], partial: bool, slots: list[int],
                      failed: dict[int, Exception]) -> list[int]:
         """Send ``group`` side by side, one pipeline per node; fill ``out``; return the
         commands to send again (redirected, or refused while a slot moves). With
@@ -557,7 +563,7 @@ class RawBatch:
                 client.down = False
         return retry
 
-    async def _send_node(self, node: ClusterNode, idxs: list[int], asking: dict[int, ClusterNode]) -> list:
+    async def _send_node(self, node: ClusterNode, idxs: list[int], asking: dict[int, ClusterNode]) -> list[Any]:
         parts = []
         for i in idxs:
             if i in asking:
@@ -602,10 +608,10 @@ class Coalescer:
     def __init__(self, client: aioredis.Redis, max_batch: int = 256) -> None:
         self.client = client
         self.max_batch = max_batch
-        self._pending: list[tuple[tuple, asyncio.Future]] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._pending: list[tuple[tuple[bytes | str | int, ...], asyncio.Future[Any]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def send(self, *args: bytes | str | int) -> asyncio.Future:
+    def send(self, *args: bytes | str | int) -> asyncio.Future[Any]:
         """Queue a command without waiting; the future gets its reply (an error reply
         as a ``ResponseError`` value). Commands keep the order they were queued in."""
         loop = asyncio.get_running_loop()
@@ -617,7 +623,7 @@ class Coalescer:
             self._flush()
         return fut
 
-    async def call(self, *args: bytes | str | int):
+    async def call(self, *args: bytes | str | int) -> Any:
         result = await self.send(*args)
         if isinstance(result, ResponseError):
             raise result
@@ -631,7 +637,7 @@ class Coalescer:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _send(self, pending: list[tuple[tuple, asyncio.Future]]) -> None:
+    async def _send(self, pending: list[tuple[tuple[bytes | str | int, ...], asyncio.Future[Any]]]) -> None:
         batch = RawBatch()
         for args, _ in pending:
             batch.add(*args)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Mapping
+from typing import Any
 
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError, ResponseError
@@ -33,7 +35,7 @@ def slot_of(key: bytes | str) -> int:
     return key_slot(key.encode() if isinstance(key, str) else key)
 
 
-def fail_all(waiting: list[asyncio.Future], exc: Exception, lost: asyncio.Future) -> None:
+def fail_all(waiting: list[asyncio.Future[Any]], exc: Exception, lost: asyncio.Future[Exception | None]) -> None:
     """A socket is gone: every reply still awaited fails with ``exc``, and ``lost`` says so."""
     for fut in waiting:
         if not fut.done():
@@ -42,7 +44,7 @@ def fail_all(waiting: list[asyncio.Future], exc: Exception, lost: asyncio.Future
         lost.set_result(exc)
 
 
-def _ssl_context(params: dict) -> ssl.SSLContext:
+def _ssl_context(params: Mapping[str, Any]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=params.get("ssl_ca_certs"))
     reqs = params.get("ssl_cert_reqs")
     if isinstance(reqs, str):
@@ -55,7 +57,18 @@ def _ssl_context(params: dict) -> ssl.SSLContext:
     return ctx
 
 
-async def open_socket(params: dict, proto, timeout: float,
+class RedisSocket(asyncio.Protocol):
+    """What ``open_socket`` opens: a protocol that sends one command and awaits its reply,
+    and closes (``shared.pubsub.PubSubConnection``, ``shared.command_socket.CommandConnection``)."""
+
+    async def command(self, *args: bytes | str | int, timeout: float) -> object:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+async def open_socket(params: Mapping[str, Any], proto: RedisSocket, timeout: float,
                    client_name: str | None, what: str) -> None:
     """Open ``proto``'s socket (an ``asyncio.Protocol`` with an awaitable
     ``command(*args, timeout=)`` and ``close()``) as ``params`` say (redis-py's connection keywords: host and

@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import orjson
 
@@ -153,6 +154,9 @@ class SamplingParams:
     #: an llguidance grammar the output must match ("" for none): structured outputs
     #: (shared/grammar.py); the sequence ends when the grammar is complete
     grammar: str = ""
+    #: a stop string that ends the output stays at its end (vLLM's); off: cut before it.
+    #: Left off the wire when off (docs/architecture.md, "Adding a field to a request")
+    include_stop_str_in_output: bool = False
 
     @property
     def processed(self) -> bool:
@@ -182,7 +186,7 @@ RANGES: dict[str, tuple[float, float]] = {
 }
 
 
-def is_number(v: object) -> bool:
+def is_number(v: object) -> TypeGuard[int | float]:
     """A finite JSON number: an int or a float, not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -234,6 +238,8 @@ def sampling_problem(p: SamplingParams, vocab_size: int) -> str | None:
         return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
     if p.prompt_logprobs is not None and not _integer(p.prompt_logprobs, "logprobs"):
         return f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+    if type(p.include_stop_str_in_output) is not bool:
+        return "include_stop_str_in_output must be true or false"
     return None
 
 
@@ -283,7 +289,7 @@ class Task:
     def encode(self) -> bytes:
         """The lane entry; ``params.prompt_logprobs`` is left out when None (most tasks:
         a task that does not ask for it reads the same to a worker that predates it)."""
-        if self.params.prompt_logprobs is not None:
+        if self.params.prompt_logprobs is not None and self.params.include_stop_str_in_output:
             return orjson.dumps(self, option=orjson.OPT_SERIALIZE_DATACLASS)
         return orjson.dumps(self, default=_task_fields, option=orjson.OPT_PASSTHROUGH_DATACLASS)
 
@@ -365,6 +371,8 @@ def _task_fields(obj: Any) -> dict[str, Any]:
         d = {name: getattr(obj, name) for name in _PARAM_FIELDS}
         if obj.prompt_logprobs is None:
             del d["prompt_logprobs"]
+        if not obj.include_stop_str_in_output:
+            del d["include_stop_str_in_output"]
         return d
     if type(obj) is Task:
         return {name: getattr(obj, name) for name in _TASK_FIELDS}
@@ -428,7 +436,7 @@ class TokenEvent:
     text: str  # valid UTF-8; may be "" while a character or stop match is held back
     #: asked for (``SamplingParams.logprobs``): the token and its log probability, with the
     #: most likely alternatives (``workers.logits.TokenTable.entry``)
-    logprobs: dict | None = None
+    logprobs: dict[str, Any] | None = None
     type: str = "token"
 
 
@@ -444,7 +452,7 @@ class PromptEvent:
 
     request_id: str
     start: int
-    logprobs: list[dict]
+    logprobs: list[dict[str, Any]]
     type: str = "prompt"
 
 
@@ -549,7 +557,7 @@ PROGRESS = (TokenEvent, TranscriptEvent, EmbeddingEvent)
 #: the events that end a request: exactly one, last
 ENDS = (DoneEvent, ErrorEvent)
 
-_EVENT_TYPES: dict[str, type] = {"started": StartedEvent, "token": TokenEvent, "prompt": PromptEvent,
+_EVENT_TYPES: dict[str, Callable[..., Event]] = {"started": StartedEvent, "token": TokenEvent, "prompt": PromptEvent,
                                   "transcript": TranscriptEvent, "embedding": EmbeddingEvent, "done": DoneEvent,
                                   "error": ErrorEvent}
 
@@ -743,7 +751,7 @@ class LogEntry:
         return out
 
     @classmethod
-    def decode(cls, fields: dict) -> LogEntry:
+    def decode(cls, fields: dict[bytes, bytes]) -> LogEntry:
         """From the field map ``XRANGE``/``XREAD`` return (bytes keys)."""
         try:
             events = decode_events(fields[b"e"])
@@ -769,7 +777,7 @@ class AudioChunk:
         return {b"end": b"1"} if self.end else {b"pcm": self.pcm}
 
     @classmethod
-    def decode(cls, fields: dict) -> AudioChunk:
+    def decode(cls, fields: dict[bytes, bytes]) -> AudioChunk:
         """From the field map ``XREAD`` returns (bytes keys); raises ``ValueError``."""
         if fields.get(b"end") == b"1":
             return cls(end=True)
@@ -797,7 +805,7 @@ class Attach:
         return now_ms, "+inf"
 
     @staticmethod
-    def decode_members(members: list) -> set[str]:
+    def decode_members(members: list[bytes | str]) -> set[str]:
         """The connection ids of ``ZRANGEBYSCORE``'s answer; members that are not ids of
         the form a gateway writes are left out."""
         out = set()
@@ -899,7 +907,7 @@ def _costs(v: object) -> dict[str, float]:
     return {str(k)[:32]: float(x) for k, x in list(v.items())[:16] if is_number(x)}
 
 
-def live_workers(raw: dict, ttl_s: float, now: float) -> list[Heartbeat]:
+def live_workers(raw: dict[bytes, bytes] | dict[str, str], ttl_s: float, now: float) -> list[Heartbeat]:
     """The fresh entries of a ``sf:workers:{model}`` hash, as ``HGETALL`` returns it;
     unreadable or stale entries are left out.
 
@@ -935,7 +943,7 @@ class DeadLetter:
         return {"task": self.task, "reason": self.reason, "lane": self.lane, "worker": self.worker}
 
     @classmethod
-    def decode(cls, fields: dict) -> DeadLetter:
+    def decode(cls, fields: dict[bytes, bytes]) -> DeadLetter:
         """From the field map ``XRANGE`` returns; missing fields read as empty."""
         f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): v for k, v in fields.items()}
 

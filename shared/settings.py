@@ -6,12 +6,17 @@ environment (prefix ``SF_``) and command-line flags, then passed down explicitly
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streamfleet.shared.schema import DEFAULT_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from streamfleet.shared.grammar import GrammarLimits
+    from streamfleet.shared.keys import Keys
+    from streamfleet.shared.redis import RedisTarget
 
 __all__ = ["CommonSettings", "GatewaySettings", "WorkerSettings"]
 
@@ -73,17 +78,17 @@ class CommonSettings(BaseSettings):
     prefix_block_tokens: int = Field(32, ge=1, le=4096)
 
     @model_validator(mode="after")
-    def _cluster_from_url(self):
+    def _cluster_from_url(self) -> CommonSettings:
         self.redis_cluster = self.redis_target().cluster  # (a bad URL is refused here, by name)
         return self
 
-    def redis_target(self):
+    def redis_target(self) -> RedisTarget:
         """Where Redis is: ``shared.redis.RedisTarget`` (one server, or a cluster's seeds)."""
         from streamfleet.shared.redis import RedisTarget
 
         return RedisTarget.parse(self.redis_url, self.redis_cluster)
 
-    def grammar_limits(self):
+    def grammar_limits(self) -> GrammarLimits:
         """The ``SF_GRAMMAR_*`` settings as ``shared.grammar.GrammarLimits``."""
         from streamfleet.shared.grammar import GrammarLimits
 
@@ -92,7 +97,7 @@ class CommonSettings(BaseSettings):
                              grammar_size=self.grammar_size, mask_budget_ms=self.grammar_mask_budget_ms,
                              max_depth=self.grammar_max_depth, cache_mb=self.grammar_cache_mb)
 
-    def keys(self):
+    def keys(self) -> Keys:
         """The key names of this fleet (prefix, cluster or not): ``shared.keys.Keys``."""
         from streamfleet.shared.keys import Keys
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from streamfleet.shared.schema import Task, TokenEvent
 
 if TYPE_CHECKING:
+    import llguidance
+
     from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
     from streamfleet.workers.logits import Penalties
     from streamfleet.workers.sampling import Sampler
@@ -56,7 +58,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     #: the llguidance matcher of a constrained output (``SamplingParams.grammar``),
     #: created by its first step
-    matcher: object = None
+    matcher: llguidance.LLMatcher | None = None
     #: unix seconds when the worker last said it is computing its prompt (a
     #: ``StartedEvent``; None: not yet)
     announced_at: float | None = None
@@ -68,6 +70,12 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.task.prompt_ids)
+
+    @property
+    def to_feed(self) -> list[int]:
+        """``pending`` of a sequence whose prompt is being fed (never None there)."""
+        assert self.pending is not None
+        return self.pending
 
     @property
     def decoding(self) -> bool:

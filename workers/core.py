@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -58,11 +58,14 @@ from streamfleet.shared.schema import (
 )
 from streamfleet.workers.batcher import Scheduler, Sequence
 from streamfleet.workers.detokenize import IncrementalDetokenizer, StopMatcher
-from streamfleet.workers.engines.base import Engine, SequenceError
+from streamfleet.workers.engines.base import ChunkingEngine, Engine, ForkingEngine, SequenceError
 from streamfleet.workers.logits import Logprobs, Penalties, TokenTable, process
 from streamfleet.workers.replykeep import ReplyKeeper
 from streamfleet.workers.sampling import Sampler
 from streamfleet.workers.stepcost import StepCosts, StepShape
+
+if TYPE_CHECKING:
+    from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["WorkerCore", "StepOutput", "ANNOUNCE_EVERY_S"]
 
@@ -199,6 +202,8 @@ class WorkerCore:
         self._fed_steps = 0  # steps that fed a prompt with a step target (``_EXPLORE_EVERY``)
         #: the engine takes prompts in chunks (and from its prefix cache, when it has one)
         self._chunked = callable(getattr(engine, "start", None)) and callable(getattr(engine, "extend", None))
+        #: the engine, where it prefills in chunks (``_chunked``)
+        self._chunking = cast(ChunkingEngine, engine)
         #: finished replies whose blocks the prefix cache lacks, computed while idle
         #: (``idle_step``; None: the engine needs none)
         self._replies = ReplyKeeper(engine, chunk=self.max_step_tokens, most=int(engine.max_batch)) \
@@ -294,11 +299,12 @@ class WorkerCore:
             with self._lock:
                 self._rejected.append((task, *problem))
             return
+        assert isinstance(task, Task)  # _validate refuses the other kinds
         seq = Sequence(
             task=task,
             sampler=Sampler(task.params, self._vocab_size),
             detokenizer=IncrementalDetokenizer(self.tokenizer, task.prompt_ids),
-            stop=StopMatcher(task.params.stop),
+            stop=StopMatcher(task.params.stop, task.params.include_stop_str_in_output),
             lane=task.lane,
             admitted_at=now,
         )
@@ -459,7 +465,7 @@ class WorkerCore:
             forked, forked_logits = self._start(new, out)
             owed, self._decode_owed = self._decode_owed and bool(decode), False
             chunks = [] if owed else self._chunks(decode)
-            finishing = {id(seq) for seq, n in chunks if n == len(seq.pending)}
+            finishing = {id(seq) for seq, n in chunks if n == len(seq.to_feed)}
             if finishing and decode:
                 # a prompt is all in: its first token goes out now, and the running
                 # sequences' decodes make the next step, alone (docs/scheduling.md,
@@ -483,7 +489,8 @@ class WorkerCore:
         # the constrained sequences' token masks are computed while the engine runs (both
         # leave the GIL): only what the engine call did not cover waits
         constrained = [seq for seq in sampling if seq.matcher is not None]
-        masks = self._mask_pool().submit(self._grammar().step_masks, [q.matcher for q in constrained]) \
+        masks = self._mask_pool().submit(self._grammar().step_masks,
+                                         [q.matcher for q in constrained if q.matcher is not None]) \
             if constrained else None
         if self._chunked:
             calls = [(forked, forked_logits), self._feed(chunks, out),
@@ -508,6 +515,7 @@ class WorkerCore:
             if not seqs:
                 continue
             try:
+                assert logits is not None  # a call's sequences that are left have their logits
                 logits, lps = self._process(seqs, logits, allowed, out)
             except Exception as exc:  # a bug must not take the other call's sequences down
                 log.exception("logits processing failed", request_ids=[q.request_id for q in seqs])
@@ -552,8 +560,8 @@ class WorkerCore:
         """The batch's log probabilities (from the raw logits) where asked, then the token
         masks of the constrained sequences, then every sequence's logits processing, each
         vectorised over the batch (workers/logits.py, shared/grammar.py)."""
-        want = [i for i, s in enumerate(seqs) if s.task.params.logprobs is not None]
-        lps = Logprobs(logits, want, [seqs[i].task.params.logprobs for i in want]) if want else None
+        wanted = [(i, top) for i, s in enumerate(seqs) if (top := s.task.params.logprobs) is not None]
+        lps = Logprobs(logits, [i for i, _ in wanted], [top for _, top in wanted]) if wanted else None
         states = [s.penalties for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained or any(st is not None for st in states):
@@ -658,7 +666,7 @@ class WorkerCore:
             return self.engine.prefill([(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live])
         leader_of: dict[int, int] = {}  # a sequence of this call -> the one of this call it forks from
         earlier: dict[int, _Prefix] = {}  # a sequence of this call -> the earlier prefill it forks from
-        first: dict[tuple, int] = {}
+        first: dict[tuple[str, tuple[int, ...]], int] = {}
         for i, s in enumerate(live):
             if s.generated:
                 continue  # a takeover's replay: its own prefill
@@ -703,7 +711,7 @@ class WorkerCore:
 
     # -- chunked prefill (engines with ``start``/``extend``) ---------------------------
 
-    def _key(self, seq: Sequence) -> tuple:
+    def _key(self, seq: Sequence) -> tuple[str, tuple[int, ...]]:
         t = seq.task
         return (t.group or "", tuple(t.prompt_ids))
 
@@ -775,7 +783,7 @@ class WorkerCore:
         while live:
             try:
                 seqs = [(s.request_id, [*s.task.prompt_ids, *s.generated]) for s in live]
-                cached = self.engine.start(seqs) if from_cache else self.engine.start(seqs, from_cache=False)
+                cached = self._chunking.start(seqs) if from_cache else self._chunking.start(seqs, from_cache=False)
             except SequenceError as exc:
                 live = self._without_failed(live, exc, "prefill", out)
                 continue
@@ -816,7 +824,7 @@ class WorkerCore:
             budget = most if budget is None else min(budget, most)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._feeding.values():
-            need = len(seq.pending)
+            need = len(seq.to_feed)
             # a prompt whose logits are all kept goes in chunks of ``_score_chunk`` at most
             cap = self._score_chunk if seq.prompt_logprobs is not None else need
             if budget is None:
@@ -901,7 +909,7 @@ class WorkerCore:
         live = [(s, n) for s, n in chunks if s.prompt_logprobs is None]
         while live:
             try:
-                logits = np.asarray(self.engine.extend([(s.request_id, s.pending[:n]) for s, n in live]))
+                logits = np.asarray(self._chunking.extend([(s.request_id, s.to_feed[:n]) for s, n in live]))
                 if logits.ndim != 2 or logits.shape[0] != len(live):
                     raise RuntimeError(f"engine extend returned logits of shape {logits.shape} for {len(live)} "
                                        f"sequences")
@@ -927,7 +935,7 @@ class WorkerCore:
         """``seq`` took ``n`` more tokens of its prompt, ``row`` the logits after them: once
         its prompt is all in, it joins ``done`` (it samples from ``row``)."""
         out.prefill_tokens += n
-        seq.pending = seq.pending[n:] or None
+        seq.pending = seq.to_feed[n:] or None
         if seq.pending is None:
             del self._feeding[seq.request_id]
             done.append(seq)
@@ -943,10 +951,10 @@ class WorkerCore:
         logits are ever held. Returns the logits after the chunk's last token, or None
         when the engine failed (the request then ended)."""
         prompt = seq.task.prompt_ids
-        first = len(prompt) - len(seq.pending)  # the chunk's first prompt position
-        chunk = seq.pending[:n]
+        first = len(prompt) - len(seq.to_feed)  # the chunk's first prompt position
+        chunk = seq.to_feed[:n]
         try:
-            logits = np.asarray(self.engine.extend_all(seq.request_id, chunk))
+            logits = np.asarray(self._chunking.extend_all(seq.request_id, chunk))
             if logits.shape != (n, self._vocab_size):
                 raise RuntimeError(f"engine extend_all returned logits of shape {logits.shape} for a chunk of {n}")
         except Exception as exc:  # it runs alone: whatever failed, failed this sequence only
@@ -959,7 +967,9 @@ class WorkerCore:
         # row j predicts prompt position first + j + 1, while that is in the prompt
         rows = [j for j in range(n) if first + j + 1 < len(prompt)]
         if rows:
-            lps = Logprobs(logits, rows, [seq.prompt_logprobs] * len(rows))
+            top = seq.prompt_logprobs
+            assert top is not None  # only such a sequence's chunks come here
+            lps = Logprobs(logits, rows, [top] * len(rows))
             for j in rows:
                 entries.append(table.prompt_entry(prompt[first + j + 1], *lps.of(j, prompt[first + j + 1])))
         if entries:
@@ -985,7 +995,7 @@ class WorkerCore:
             if follower is None or follower.cancelled:
                 continue
             try:
-                self.engine.fork(seq.request_id, [fid])
+                cast(ForkingEngine, self.engine).fork(seq.request_id, [fid])
             except Exception as exc:
                 self._fail(follower, ErrorCode.engine_error, f"the engine failed on this request: {exc}"[:300], out)
                 continue
@@ -1010,7 +1020,7 @@ class WorkerCore:
                 self._orphans.append(follower)
 
     @property
-    def prefix_cache(self):
+    def prefix_cache(self) -> PrefixCache | None:
         """The engine's prefix cache (``workers.prefixcache.PrefixCache``), None without."""
         return getattr(self.engine, "prefix_cache", None)
 
@@ -1035,7 +1045,7 @@ class WorkerCore:
         for seq in seqs:
             self._fail(seq, ErrorCode.engine_error, f"the engine failed ({kind}): {type(exc).__name__}", out)
 
-    def _advance(self, seq: Sequence, token: int, logprobs: dict | None, now: float, out: StepOutput, *,
+    def _advance(self, seq: Sequence, token: int, logprobs: dict[str, Any] | None, now: float, out: StepOutput, *,
                  complete: bool = False) -> None:
         """Turn ``seq``'s sampled token into events; ``complete``: the token completed the
         output's grammar, so the sequence ends with it (``stop``)."""

@@ -124,11 +124,14 @@ class StopMatcher:
 
     Args:
         stop: the stop strings; empty strings are ignored.
+        include: the stop string found stays at the end of the text (vLLM's
+            ``include_stop_str_in_output``); otherwise the text ends just before it.
     """
 
-    __slots__ = ("_stops", "_max_hold", "_held", "_hit")
+    __slots__ = ("_stops", "_max_hold", "_held", "_hit", "_include")
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), include: bool = False) -> None:
+        self._include = include
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
@@ -149,7 +152,7 @@ class StopMatcher:
 
         Returns:
             ``(safe, hit)``: the text that can go to the client now, and whether a stop
-            string was found (``safe`` then ends just before it).
+            string was found (``safe`` then ends just before it, or with it: ``include``).
         """
         if self._hit:
             return "", True
@@ -166,7 +169,7 @@ class StopMatcher:
         if best is not None:
             self._hit = True
             self._held = ""
-            return buf[: best[1]], True
+            return buf[: best[0] if self._include else best[1]], True
         hold = 0
         for k in range(min(len(buf), self._max_hold), 0, -1):
             tail = buf[-k:]

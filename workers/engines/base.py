@@ -111,6 +111,25 @@ class Engine(Protocol):
         ...
 
 
+# The optional parts of an engine, each as a protocol of its own: the worker core asks an
+# engine for one (``getattr``/``hasattr``) before it calls it.
+
+class ForkingEngine(Engine, Protocol):
+    def fork(self, src_id: str, dst_ids: list[str], length: int | None = None) -> None: ...
+
+
+class ChunkingEngine(Engine, Protocol):
+    """Chunked prefill (``start`` and ``extend``, above), with a prompt's log
+    probabilities (``extend_all``) where ``every_position``."""
+
+    def start(self, seqs: list[tuple[str, list[int]]], *, from_cache: bool = True,
+              count: bool = True) -> list[int]: ...
+
+    def extend(self, seqs: list[tuple[str, list[int]]]) -> np.ndarray: ...
+
+    def extend_all(self, seq_id: str, chunk: list[int]) -> np.ndarray: ...
+
+
 #: an Optimum with-past KV-cache input name: ``past_key_values.<layer>.<key|value>``
 PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
