@@ -4,9 +4,9 @@ rate limit, its concurrent-stream and connection caps, and who owns a request
 adapter, the rest by ``gateway.requests.lifecycle.ClientRequest``)::
 
     identity = await admission.authenticate(authorization_header, api_key_param)
-    draft    = validator.check(payload)               # cheap rules only
-    ticket   = await admission.admit(identity, draft, request_id)  # lane, ceilings, rate, stream slot
-    valid    = validator.finish(ticket.request)        # tokenize: only what was admitted
+    request  = validator.check(payload)               # cheap rules only: a TextRequest
+    ticket, request = await admission.admit(identity, request, request_id)  # lane, ceilings, rate, slot
+    request  = validator.finish(request)              # tokenize: only what was admitted
     ...                                                # enqueue with ticket.owner, ticket.slot
     await admission.release(ticket)                    # once the gateway saw the request end
 
@@ -29,7 +29,7 @@ import itertools
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
@@ -37,16 +37,19 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
 
 from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
+from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
 from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 
 if TYPE_CHECKING:
     from streamfleet.gateway.requests.broker import Broker
-    from streamfleet.gateway.admission.validation import Draft
     from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
 
 log = get_logger("gateway.admission")
+
+#: a typed request of any kind (``gateway/admission/kinds.py``), kept as its own type
+R = TypeVar("R", TextRequest, SpeechRequest, EmbeddingsRequest)
 
 OnRevoked = Callable[[], Awaitable[None]]
 
@@ -64,12 +67,12 @@ def token_owner(resume_token: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """An admitted request: the id it will be enqueued under, its owner, the stream slot
-    it holds, and the request as admitted (a tier's ceilings may have lowered defaults)."""
+    """What admission granted a request: the id it will be enqueued under, its owner, the
+    stream slot it holds. Not a shape of the request: the request itself travels as its
+    typed kind (``gateway/admission/kinds.py``)."""
 
     request_id: str
     owner: str
-    request: "Draft"
     key_id: str | None = None
     holds_slot: bool = False
     #: with auth off: the secret that lets its client resume it (sent in ``accepted``)
@@ -162,10 +165,12 @@ class Admission:
                     self._spent[identity.key_id] = now + exc.retry_after_ms / 1000
             raise
 
-    async def admit(self, identity: Identity | None, draft: "Draft", request_id: str, *,
-                    charged: bool = False) -> Ticket:
+    async def admit(self, identity: Identity | None, request: R, request_id: str, *,
+                    charged: bool = False) -> tuple[Ticket, R]:
         """Check the tier's lane, ceilings, rate limit and stream cap for one request
-        (a ``gateway.admission.validation.Draft``), before its prompt is tokenized. ``request_id``:
+        (a typed request, ``gateway/admission/kinds.py``), before its prompt is tokenized.
+        Returns the ticket and the request as admitted (a tier's ceilings may have
+        lowered its defaults). ``request_id``:
         minted by ``shared.keys.Keys.new_request_id`` (its shard tag is the reply
         channel's; there is no other way to make one). ``charged``: the
         rate limit was taken already (``charge``: the choices of one request).
@@ -178,19 +183,19 @@ class Admission:
         rid = request_id
         if identity is None:
             token = secrets.token_hex(16)
-            return Ticket(rid, token_owner(token), draft, resume_token=token)
+            return Ticket(rid, token_owner(token), resume_token=token), request
         tier = identity.tier
-        if not tier.allows_lane(draft.lane):
-            raise AuthError(f"the {tier.name} tier may not use the {draft.lane} lane "
+        if not tier.allows_lane(request.lane):
+            raise AuthError(f"the {tier.name} tier may not use the {request.lane} lane "
                             f"(highest allowed: {tier.max_lane})", code=ErrorCode.forbidden, param="priority")
-        draft = self._within_ceilings(tier, draft)
+        request = self._within_ceilings(tier, request)
         if not charged:
             await self._take(identity)
         held = await self.slots.acquire(identity.key_id, rid, tier.max_streams)
-        return Ticket(rid, owner_of(identity), draft, identity.key_id, held)
+        return Ticket(rid, owner_of(identity), identity.key_id, held), request
 
     @staticmethod
-    def _within_ceilings(tier: Tier, draft):
+    def _within_ceilings(tier: Tier, draft: R) -> R:
         """Refuse a ``max_tokens`` or ``timeout`` the client set above the tier's ceiling;
         lower the gateway's defaults to it when the client set none."""
         params, timeout_s = draft.params, draft.timeout_s

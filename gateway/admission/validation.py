@@ -1,10 +1,10 @@
-"""One validation path for every protocol. Validation returns a new type: only a
-``ValidRequest`` can be enqueued.
-
-``Validator.generate(payload)`` turns a raw client payload (a WebSocket ``generate``
-frame, later an OpenAI request body mapped to the same shape) into a
-``ValidRequest``; only a ``ValidRequest`` can become a ``Task``. Each rule that can
-fail raises ``ValidationError`` with its own code and the offending ``param``.
+"""One validation path for every protocol. Validation makes the typed request of its
+kind (``gateway/admission/kinds.py``): ``Validator.check`` turns a door's generate
+payload (a WebSocket ``generate`` frame; an OpenAI body or a gRPC ``GenerateRequest``
+mapped to it) into a ``TextRequest`` with the rules that cost next to nothing, and
+``Validator.finish`` prepares an admitted request of any kind (renders, compiles,
+tokenizes); only a prepared request becomes a ``Task``. Each rule that can fail raises
+``ValidationError`` with its own code and the offending ``param``.
 
 Fields no rule knows are ignored, so clients can send fields newer gateways
 understand, except the parameters of the OpenAI API (and vLLM's extensions) that
@@ -21,29 +21,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-import time
-import uuid
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar, overload
 
 import orjson
 
 from streamfleet.gateway.admission.chat_template import encode_prompt, render_chat, template_problem
+from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
 from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
-from streamfleet.shared.grammar import GrammarError, Grammars, build_grammar, check_constraint, depth_problem
+from streamfleet.shared.grammar import CONSTRAINTS, GrammarError, Grammars, build_grammar, check_constraint, depth_problem
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
                                           kind_phrase, load_tokenizer)
-from streamfleet.shared.schema import (DEFAULT_TEMPERATURE, RANGES, AudioInput, EmbedTask, SamplingParams, SpeechTask,
-                                       Task, is_number)
+from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, SamplingParams, is_number
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Draft", "ValidRequest", "Validator", "check_lane", "UNSUPPORTED", "check_unsupported", "not_text_message",
+__all__ = ["Validator", "GENERATE_FIELDS", "check_lane", "UNSUPPORTED", "check_unsupported", "not_text_message",
            "encode_texts"]
 
 log = get_logger("gateway.validation")
+
+#: a typed request of any kind (``gateway/admission/kinds.py``), kept as its own type
+R = TypeVar("R", TextRequest, SpeechRequest, EmbeddingsRequest)
 
 #: request parameters of the OpenAI API, and of vLLM's extensions to it, that streamfleet
 #: does not implement, each with the values that ask for nothing (what a client sends when
@@ -96,6 +97,17 @@ def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
             return True
     return False
 
+#: every field of a generate payload ``Validator.check`` reads (the WebSocket's ``generate``
+#: frame, docs/websocket.md): each door maps its own wire to these, and
+#: tests/unit/test_request_fields.py fails when a door misses one (docs/architecture.md,
+#: "Adding a field to a request")
+GENERATE_FIELDS = frozenset({
+    "id", "model", "priority", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "ignore_eos", "include_stop_str_in_output", "timeout", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_p", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", *CONSTRAINTS, "n", "best_of", *UNSUPPORTED,
+})
+
 MAX_ID_CHARS = 128
 #: most entries of ``logit_bias`` (OpenAI's limit) and of ``stop_token_ids``
 MAX_LOGIT_BIAS = 300
@@ -114,97 +126,6 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 PROMPT_LOGPROB_BACKENDS = ("onnxruntime",)
 #: an ``echo`` of a prompt of token ids longer than this is detokenized in a thread
 INLINE_ECHO_TOKENS = 512
-
-
-@dataclass(frozen=True, slots=True)
-class Draft:
-    """A request that passed every rule that costs next to nothing (``Validator.check``);
-    the costly work (rendering a chat template, compiling and trying a constraint,
-    tokenizing the prompt: ``Validator.finish``) waits until the request is admitted, so a
-    refused request costs none of it (docs/security.md).
-
-    ``explicit`` names the limits the client set itself (``max_tokens``, ``timeout``): a
-    tier's ceiling refuses those, and lowers the gateway's defaults for the others."""
-
-    client_id: str
-    model: str
-    lane: str
-    params: SamplingParams
-    timeout_s: float
-    prompt_text: str
-    explicit: frozenset[str] = frozenset()
-    #: the text was rendered by a chat template (which carries its own special tokens)
-    chat: bool = False
-    #: a speech request: the utterance it transcribes (no prompt; nothing to tokenize)
-    audio: AudioInput | None = None
-    #: the tools a chat request offers (gateway/admission/tools.py), for reading calls back out
-    tools: Tools | None = None
-    #: one of the choices of a request (``n``): their shared id, and how many there are
-    group: str = ""
-    group_size: int = 1
-    #: a chat request's messages (checked, normalised), rendered by ``finish``
-    messages: tuple[dict[str, Any], ...] | None = None
-    #: a prompt given as token ids (checked against the vocabulary): nothing to tokenize
-    prompt_ids: tuple[int, ...] | None = None
-    #: the constraint on the output: ``(param, value)`` of ``shared.grammar.check_constraint``
-    #: (or ``("tools", call schema)`` for a forced call), compiled by ``finish``
-    constraint: tuple[str, Any] | None = None
-    #: an embeddings request (gateway/services/embeddings.py): its inputs, each a text (tokenized by
-    #: ``finish``) or token ids (checked already); no prompt
-    inputs: tuple[str | tuple[int, ...], ...] | None = None
-    #: a completion that returns its prompt before it (the OpenAI door's ``echo``)
-    echo: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ValidRequest:
-    """A request that passed every rule; ``to_task`` is the only way to a Task."""
-
-    client_id: str
-    model: str
-    lane: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    timeout_s: float
-    prompt_text: str
-    audio: AudioInput | None = None
-    group: str = ""
-    group_size: int = 1
-    #: an embeddings request's inputs, as token ids
-    inputs: tuple[tuple[int, ...], ...] | None = None
-    #: ``echo``: the prompt's text as the response shows it before the completion (a text
-    #: prompt as sent; token ids decoded), and where each of its tokens starts in it
-    #: (``text_offset``); None: no echo
-    echo_text: str | None = None
-    echo_offsets: tuple[int, ...] = ()
-
-    def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,
-                slot: str = "") -> Task | SpeechTask | EmbedTask:
-        now = time.time()
-        trace_id = trace_id or uuid.uuid4().hex[:16]
-        if self.inputs is not None:
-            return EmbedTask(request_id=request_id, model=self.model, lane=self.lane, reply_to=reply_to,
-                             client_id=self.client_id, inputs=[list(ids) for ids in self.inputs], created_at=now,
-                             deadline=now + self.timeout_s, trace_id=trace_id, slot=slot)
-        if self.audio is not None:
-            return SpeechTask(request_id=request_id, model=self.model, lane=self.lane, reply_to=reply_to,
-                              client_id=self.client_id, audio=self.audio, created_at=now,
-                              deadline=now + self.timeout_s, trace_id=trace_id, slot=slot)
-        return Task(
-            request_id=request_id,
-            model=self.model,
-            lane=self.lane,
-            reply_to=reply_to,
-            client_id=self.client_id,
-            prompt_ids=list(self.prompt_ids),
-            params=self.params,
-            created_at=now,
-            deadline=now + self.timeout_s,
-            trace_id=trace_id,
-            slot=slot,
-            group=self.group,
-            group_size=self.group_size,
-        )
 
 
 def not_text_message(spec: ModelSpec) -> str:
@@ -407,14 +328,15 @@ class Validator:
     def _grammar_key(self, spec: ModelSpec, grammar: str) -> tuple[Any, bytes]:
         return spec.tokenizer_path, hashlib.blake2b(grammar.encode(), digest_size=16).digest()
 
-    def _compile(self, draft: Draft, spec: ModelSpec) -> str | None:
-        """The llguidance grammar of an admitted draft's constraint (``verdict`` says
+    def _compile(self, request: TextRequest, spec: ModelSpec) -> str:
+        """The llguidance grammar of an admitted request's constraint (``verdict`` says
         whether it can be enforced).
 
         Raises:
             ValidationError: the schema or grammar cannot be read.
         """
-        param, value = draft.constraint
+        assert request.constraint is not None
+        param, value = request.constraint
         try:
             return build_grammar("guided_json" if param == "tools" else param, value)
         except GrammarError as exc:
@@ -439,16 +361,17 @@ class Validator:
             self._grammar_problems.pop(next(iter(self._grammar_problems)))
         self._grammar_problems[key] = problem
 
-    def _checked_grammar(self, draft: Draft, spec: ModelSpec, grammar: str) -> str:
+    def _checked_grammar(self, request: TextRequest, spec: ModelSpec, grammar: str) -> str:
         problem = self.verdict(spec, grammar)
         if problem is not None:
-            param = draft.constraint[0]
+            assert request.constraint is not None
+            param = request.constraint[0]
             raise ValidationError(f"'{param}' cannot constrain model {spec.name!r}: {problem}"[:500],
                                   code=ErrorCode.invalid_request, param=param)
         return grammar
 
     # -- the rules --------------------------------------------------------------
-    def generate(self, p: dict[str, Any]) -> ValidRequest:
+    def generate(self, p: dict[str, Any]) -> TextRequest:
         """Validate one generate payload completely (``check`` then ``finish``).
 
         Raises:
@@ -457,7 +380,7 @@ class Validator:
         """
         return self.finish(self.check(p))
 
-    def check(self, p: dict[str, Any], *, echo: bool = False) -> Draft:
+    def check(self, p: dict[str, Any], *, echo: bool = False) -> TextRequest:
         """Every rule but the prompt's token count: cheap, run before admission.
         ``echo``: a completion that returns its prompt before it (the OpenAI door's, which
         checked its type): ``max_tokens`` may be 0 (the prompt alone), and with
@@ -512,10 +435,8 @@ class Validator:
         if seed is None:
             seed = secrets.randbits(63)
         stop = self._stop(p.get("stop"))
-        ignore_eos = p.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise ValidationError("'ignore_eos' must be true or false", code=ErrorCode.invalid_type,
-                                  param="ignore_eos")
+        ignore_eos = self._bool(p, "ignore_eos")
+        include_stop = self._bool(p, "include_stop_str_in_output")
         timeout_s = self._float(p, "timeout", s.request_timeout_s, 0.001, 3600.0)
 
         prompt, messages = p.get("prompt"), p.get("messages")
@@ -556,7 +477,8 @@ class Validator:
                                       code=ErrorCode.invalid_request, param="messages")
             text = ""  # rendered by ``finish``, once admitted
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed, ignore_eos=ignore_eos, **self._processing(p, spec, max_tokens))
+                                stop=stop, seed=seed, ignore_eos=ignore_eos, include_stop_str_in_output=include_stop,
+                                **self._processing(p, spec, max_tokens))
         if echo and params.logprobs is not None:
             if spec.backend not in PROMPT_LOGPROB_BACKENDS:
                 raise ValidationError(f"model {spec.name!r} runs on the {spec.backend} engine, which cannot compute "
@@ -565,29 +487,31 @@ class Validator:
                                       f"{' or '.join(PROMPT_LOGPROB_BACKENDS)}", code=ErrorCode.invalid_request,
                                       param="echo")
             params = replace(params, prompt_logprobs=params.logprobs)
-        return Draft(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
+        return TextRequest(client_id=client_id, model=spec.name, lane=lane, params=params, timeout_s=timeout_s,
                      prompt_text=text, explicit=explicit, chat=messages is not None, prompt_ids=token_ids,
                      tools=tools if tools is not None and tools.mode != "none" else None,
                      messages=tuple(msgs) if msgs is not None else None,
                      constraint=self._constraint(p, ignore_eos, tools), echo=echo)
 
-    async def finish_async(self, draft: Draft) -> ValidRequest:
+    async def finish_async(self, request: R) -> R:
         """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
         limits, but not free) in a thread, off the event loop other clients share; an
         embeddings request's texts are tokenized in a thread too, unless they are short
         (``INLINE_TOKENIZE_CHARS``)."""
-        if draft.inputs is not None:
-            if sum(len(i) for i in draft.inputs if isinstance(i, str)) > INLINE_TOKENIZE_CHARS:
-                spec = self.spec(draft.model)
+        if isinstance(request, EmbeddingsRequest):
+            if sum(len(i) for i in request.inputs if isinstance(i, str)) > INLINE_TOKENIZE_CHARS:
+                spec = self.spec(request.model)
                 self.tokenizer(spec)  # loaded (and cached) on the loop, used in the thread
-                return await asyncio.to_thread(self.finish, draft)
-            return self.finish(draft)
-        if draft.echo and draft.prompt_ids is not None and len(draft.prompt_ids) > INLINE_ECHO_TOKENS:
-            self.tokenizer(self.spec(draft.model))  # loaded (and cached) on the loop, used in the thread
-            return await asyncio.to_thread(self.finish, draft)
-        if draft.constraint is not None and draft.audio is None:
-            spec = self.spec(draft.model)
-            grammar = self._compile(draft, spec)
+                return await asyncio.to_thread(self.finish, request)
+            return self.finish(request)
+        if not isinstance(request, TextRequest) or request.prepared:
+            return self.finish(request)
+        if request.echo and request.prompt_ids is not None and len(request.prompt_ids) > INLINE_ECHO_TOKENS:
+            self.tokenizer(self.spec(request.model))  # loaded (and cached) on the loop, used in the thread
+            return await asyncio.to_thread(self.finish, request)
+        if request.constraint is not None:
+            spec = self.spec(request.model)
+            grammar = self._compile(request, spec)
             key = self._grammar_key(spec, grammar)
             if key not in self._grammar_problems:
                 grammars = self._grammars_of(spec)  # built once, on the loop (it caches tokenizers)
@@ -596,33 +520,45 @@ class Validator:
                     trial = self._trials[key] = asyncio.ensure_future(asyncio.to_thread(grammars.trial, grammar))
                     trial.add_done_callback(lambda _: self._trials.pop(key, None))
                 self._remember(key, await asyncio.shield(trial))  # the verdicts change on the loop only
-            return self.finish(draft, grammar=grammar)
-        return self.finish(draft)
+            return self.finish(request, grammar=grammar)
+        return self.finish(request)
 
-    def finish(self, draft: Draft, *, grammar: str | None = None) -> ValidRequest:
-        """The costly part of validation, for an admitted draft: render its chat template,
-        compile and try its constraint (``grammar``: already compiled by the caller), then
-        tokenize its prompt and check it fits the model's context.
+    @overload
+    def finish(self, request: TextRequest, *, grammar: str | None = None) -> TextRequest: ...
+
+    @overload
+    def finish(self, request: SpeechRequest, *, grammar: str | None = None) -> SpeechRequest: ...
+
+    @overload
+    def finish(self, request: EmbeddingsRequest, *, grammar: str | None = None) -> EmbeddingsRequest: ...
+
+    def finish(self, request, *, grammar=None):
+        """The costly part of validation, for an admitted request, which it returns
+        ``prepared``: a text request's chat template rendered, its constraint compiled
+        and tried (``grammar``: already compiled by the caller), its prompt tokenized and
+        checked against the model's context; an embeddings request's texts tokenized; a
+        speech request as it is (its input is audio, sent separately). A prepared request
+        is returned as it is.
 
         Raises:
             ValidationError: a constraint that cannot be enforced; the prompt is too long,
                 encodes to nothing, or leaves no room to generate.
         """
-        if draft.audio is not None:  # a speech request: its input is audio, sent separately
-            return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
-                                params=draft.params, timeout_s=draft.timeout_s, prompt_text="", audio=draft.audio)
-        if draft.inputs is not None:  # an embeddings request: its texts tokenized and checked
-            spec = self.spec(draft.model)
-            return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=(),
-                                params=draft.params, timeout_s=draft.timeout_s, prompt_text="",
-                                inputs=self._embedding_inputs(draft.inputs, spec))
-        spec = self.spec(draft.model)
-        params, text = draft.params, draft.prompt_text
-        if draft.constraint is not None:
-            grammar = self._checked_grammar(draft, spec, grammar or self._compile(draft, spec))
+        if request.prepared:
+            return request
+        if isinstance(request, EmbeddingsRequest):
+            inputs = self._embedding_inputs(request.inputs, self.spec(request.model))
+            return replace(request, inputs=inputs, prepared=True)
+        return self._finish_text(request, grammar)
+
+    def _finish_text(self, request: TextRequest, grammar: str | None) -> TextRequest:
+        spec = self.spec(request.model)
+        params, text = request.params, request.prompt_text
+        if request.constraint is not None:
+            grammar = self._checked_grammar(request, spec, grammar or self._compile(request, spec))
             params = replace(params, grammar=grammar)
-        if draft.messages is not None:
-            text = render_chat(list(draft.messages), self.tokenizer(spec), draft.tools)
+        if request.messages is not None:
+            text = render_chat(list(request.messages), self.tokenizer(spec), request.tools)
             if not text:
                 raise ValidationError("the prompt is empty", code=ErrorCode.invalid_request, param="messages")
             if len(text) > self.settings.max_prompt_chars:
@@ -630,11 +566,11 @@ class Validator:
                                       f"{self.settings.max_prompt_chars}", code=ErrorCode.prompt_too_long,
                                       param="messages")
         echo_text, offsets = None, ()
-        if draft.echo:
-            echo_text, ids, offsets = echo_of(self.tokenizer(spec), text, draft.prompt_ids)
+        if request.echo:
+            echo_text, ids, offsets = echo_of(self.tokenizer(spec), text, request.prompt_ids)
         else:
-            ids = draft.prompt_ids if draft.prompt_ids is not None else \
-                encode_prompt(self.tokenizer(spec), text, special_tokens=not draft.chat)
+            ids = request.prompt_ids if request.prompt_ids is not None else \
+                encode_prompt(self.tokenizer(spec), text, special_tokens=not request.chat)
         if not ids:
             raise ValidationError("the prompt encodes to no tokens", code=ErrorCode.invalid_request, param="prompt")
         if len(ids) >= spec.max_context:
@@ -642,7 +578,7 @@ class Validator:
                 f"the prompt has {len(ids)} tokens; model {spec.name!r} has a context of {spec.max_context} "
                 f"and needs room for at least one completion token",
                 code=ErrorCode.prompt_too_long, param="prompt")
-        if "max_tokens" in draft.explicit and len(ids) + params.max_tokens > spec.max_context:
+        if "max_tokens" in request.explicit and len(ids) + params.max_tokens > spec.max_context:
             # as OpenAI and vLLM answer: a completion cut short to fit would look finished
             # ("length") and, constrained, would not parse. Left out, max_tokens fills the context
             raise ValidationError(
@@ -650,12 +586,11 @@ class Validator:
                 f"{len(ids) + params.max_tokens}: {len(ids)} in the prompt and {params.max_tokens} for the "
                 f"completion (max_tokens). Ask for at most {spec.max_context - len(ids)}, or leave max_tokens out",
                 code=ErrorCode.prompt_too_long, param="max_tokens")
-        return ValidRequest(client_id=draft.client_id, model=draft.model, lane=draft.lane, prompt_ids=tuple(ids),
-                            params=params, timeout_s=draft.timeout_s, prompt_text=text,
-                            group=draft.group, group_size=draft.group_size, echo_text=echo_text,
-                            echo_offsets=tuple(offsets))
+        return replace(request, prompt_ids=tuple(ids), params=params, prompt_text=text, echo_text=echo_text,
+                       echo_offsets=tuple(offsets), prepared=True)
 
-    def _embedding_inputs(self, inputs: tuple, spec: ModelSpec) -> tuple[tuple[int, ...], ...]:
+    def _embedding_inputs(self, inputs: tuple[str | tuple[int, ...], ...], spec: ModelSpec
+                          ) -> tuple[tuple[int, ...], ...]:
         """An embeddings request's inputs as token ids: its texts tokenized (special tokens
         included, as the model was trained), each within the model's ``max_context``
         (nothing is truncated: docs/openai.md, "Embeddings")."""
@@ -759,6 +694,15 @@ class Validator:
         return out
 
     # -- field helpers ----------------------------------------------------------
+    @staticmethod
+    def _bool(p: dict[str, Any], name: str) -> bool:
+        v = p.get(name)
+        if v is None:
+            return False
+        if not isinstance(v, bool):
+            raise ValidationError(f"'{name}' must be true or false", code=ErrorCode.invalid_type, param=name)
+        return v
+
     @staticmethod
     def _int(p: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
         v = p.get(name)

@@ -43,6 +43,7 @@ from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 
 from streamfleet.gateway.admission.gate import revoked_error
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
 from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests.lifecycle import ClientRequest
@@ -181,6 +182,8 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
         p["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
     if req.stop_token_ids:
         p["stop_token_ids"] = list(req.stop_token_ids)
+    if req.include_stop_str_in_output:
+        p["include_stop_str_in_output"] = True
     if req.logprobs:
         p["logprobs"] = True
     if req.json_schema:
@@ -304,8 +307,8 @@ def _metadata(context: aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
-def _within_deadline(draft, context: aio.ServicerContext):
-    """The draft with its queue deadline no later than the call's.
+def _within_deadline(draft: TextRequest, context: aio.ServicerContext) -> TextRequest:
+    """The checked request with its queue deadline no later than the call's.
 
     Raises:
         GenerationError: ``timeout`` — the call's deadline has already passed.

@@ -43,6 +43,7 @@ from streamfleet.gateway.protocols.openai_mapping import (ChoiceStream, Echo, Ga
                                                 stream_flags, unknown_params, usage_of)
 from streamfleet.gateway.requests.request_stream import TICK
 from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import Tools
 
 if TYPE_CHECKING:
@@ -128,8 +129,9 @@ async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
             await stop_events(pending, events)
 
 
-def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i: int, prompts: int):
-    """The draft of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
+def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i: int,
+             prompts: int) -> TextRequest:
+    """The checked request (``Validator.check``) of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
     refusal of one of several prompts names which."""
     strict = hub.settings.refuse_unsupported
     if not strict and i == 0 and (unknown := unknown_params(body, chat)):
@@ -144,9 +146,9 @@ def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i
         raise ValidationError(f"prompt {i}: {exc.message}", code=exc.code, param=exc.param) from exc
 
 
-async def _submit_choices(hub: "Hub", identity, prompts: list, k: int, *, scored: bool,
+async def _submit_choices(hub: "Hub", identity, prompts: list[TextRequest], k: int, *, scored: bool,
                           trace: str | None) -> list[ClientRequest]:
-    """Submit the ``k`` completions of each of a request's ``prompts`` (drafts), prompt by
+    """Submit the ``k`` completions of each of a request's ``prompts`` (checked requests), prompt by
     prompt: one task each (admitted, rate limited and run as any request), seeds ``seed``,
     ``seed + 1``, …, so that a prompt's choices differ and the same request gives the same
     choices again. A prompt's completions carry one group id: the worker that starts the

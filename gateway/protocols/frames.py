@@ -4,7 +4,7 @@
 (which ids are in flight, the per-connection limit); it returns what to do:
 
 * ``Send(frame)``        write a JSON frame to the client
-* ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``Draft``)
+* ``Submit(request)``    admit, tokenize and enqueue a checked request (a ``TextRequest``)
 * ``Embed(client_id, body)``  admit, tokenize and enqueue an embeddings request (its
   body passed the HTTP door's cheap checks: ``gateway.services.embeddings.check_body``)
 * ``Resume(...)``        follow a request started elsewhere
@@ -25,6 +25,7 @@ import orjson
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
 
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.validation import MAX_ID_CHARS
 
 __all__ = ["Send", "Submit", "Embed", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
@@ -42,7 +43,7 @@ class Send:
 
 @dataclass(slots=True)
 class Submit:
-    request: Any  # gateway.admission.validation.Draft
+    request: TextRequest  # checked (``Validator.check``), not yet admitted
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from streamfleet.shared.grammar import CONSTRAINTS
 from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, PromptEvent, TokenEvent
 
 from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.validation import UNSUPPORTED
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
@@ -37,8 +38,8 @@ __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH"
 
 #: the sampling and log-probability parameters passed through to the validator as they are
 PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-              "stop_token_ids", "logprobs", "top_logprobs", *CONSTRAINTS, "tools", "tool_choice",
-              "parallel_tool_calls")
+              "stop_token_ids", "include_stop_str_in_output", "logprobs", "top_logprobs", *CONSTRAINTS, "tools",
+              "tool_choice", "parallel_tool_calls")
 #: most choices (``n``, ``best_of``) one request may ask for
 MAX_CHOICES = 16
 #: prompts of one completions request (each gets its choices, charged as a request each)
@@ -63,7 +64,8 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 KNOWN_PARAMS = frozenset({
     "model", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "logit_bias",
     "presence_penalty", "frequency_penalty", "max_tokens", "user", "logprobs", "top_k", "min_p",
-    "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "timeout", "priority", *CONSTRAINTS,
+    "repetition_penalty", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "timeout",
+    "priority", *CONSTRAINTS,
     *UNSUPPORTED,
 })
 KNOWN_CHAT = KNOWN_PARAMS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -424,7 +426,7 @@ class ResponseShape:
 
 
 class Echo:
-    """What a completion with ``echo`` shows of its prompt (``ValidRequest.echo_text``):
+    """What a completion with ``echo`` shows of its prompt (``TextRequest.echo_text``):
     its text before the completion's, and with ``logprobs`` its tokens' log probabilities
     (``PromptEvent``s; the first token's ``null``), each at its ``text_offset``.
 
@@ -441,8 +443,8 @@ class Echo:
 
     @classmethod
     def of(cls, request: Any, logprobs: bool) -> "Echo | None":
-        """The echo of a submitted request (a ``ValidRequest``), None without one."""
-        if request is None or request.echo_text is None:
+        """The echo of a submitted request (a prepared ``TextRequest``), None without one."""
+        if not isinstance(request, TextRequest) or request.echo_text is None:
             return None
         return cls(request.echo_text, request.echo_offsets, logprobs)
 

@@ -71,7 +71,7 @@ CHAT_ONLY: dict[str, str | None] = {
 #: streamfleet's and vLLM's extras (the SDK's ``extra_body``), passed to the chat path as
 #: they are
 EXTRAS = ("seed", "top_k", "ignore_eos", "timeout", "priority", "stop", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "logit_bias")
+          "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias")
 #: a response's id: ``resp_`` and its request's id
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 #: OpenAI's limits on ``metadata``: keys, a key's and a value's characters

@@ -5,7 +5,7 @@ any later one) drives for one request; the lifecycle lives here once
 (docs/architecture.md, "A request's path")::
 
     req = hub.request(client_id, identity=identity, channel=channel)   # gateway.hub.Hub
-    depth = await req.submit(draft)               # admit, tokenize, enqueue; or:
+    depth = await req.submit(request)             # a typed request: admit, tokenize, enqueue; or:
     await req.resume(request_id, from_index, resume_token)  # admit the resume, follow it
     async for ev in req.events(transport):        # the stream's events, observed
         ...                                       # render TokenEvent / DoneEvent / ErrorEvent
@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from streamfleet.gateway.admission.gate import Admission
     from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.requests.broker import Broker
-    from streamfleet.gateway.admission.validation import Draft, Validator
+    from streamfleet.gateway.admission.kinds import AnyRequest
+    from streamfleet.gateway.admission.validation import Validator
 
 __all__ = ["ClientRequest"]
 
@@ -84,9 +85,9 @@ class ClientRequest:
         self.identity = identity
         self.channel = channel
         self.ticket: Ticket | None = None  # set once submitted (a resume has none)
-        #: the request as validated and enqueued (a ``ValidRequest``: its prompt, and the
+        #: the request as validated, admitted and prepared, as enqueued (its prompt, and the
         #: text an ``echo`` shows of it); None for a resume
-        self.submitted: Any = None
+        self.submitted: AnyRequest | None = None
         self.stream: RequestStream | None = None  # set once submitted or resumed
         self.model = ""
         self.lane = ""  # "" for a resume: the lane is not recorded
@@ -144,7 +145,7 @@ class ClientRequest:
             self._cancel_pending = False
             self.channel.cancel(stream)
 
-    async def submit(self, draft: "Draft", trace_id: str | None = None,
+    async def submit(self, request: "AnyRequest", trace_id: str | None = None,
                      before_enqueue: Callable[[], Awaitable[Any]] | None = None, *, charged: bool = False) -> int:
         """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
         a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
@@ -157,16 +158,16 @@ class ClientRequest:
             StreamfleetError: refused (``Admission.admit``, ``Validator.finish``, the
                 channel or the enqueue).
         """
-        await self._check_workers(draft.model)
+        await self._check_workers(request.model)
         if self._share and not self._shared:  # on the process's shared channel, where there is one
             shared = await self._shared_channel()
             if shared is not None:
                 self.channel, self._shared, self._own_channel = shared, True, False
-        ticket = await self.admission.admit(self.identity, draft,
-                                       request_id=self.broker.keys.new_request_id(self._channel_id()),
-                                       charged=charged)
+        ticket, request = await self.admission.admit(self.identity, request,
+                                                     request_id=self.broker.keys.new_request_id(self._channel_id()),
+                                                     charged=charged)
         try:
-            request = await self.validator.finish_async(ticket.request)
+            request = await self.validator.finish_async(request)
             channel = await self._open_channel()
             try:
                 if before_enqueue is not None:

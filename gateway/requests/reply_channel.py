@@ -18,12 +18,15 @@ import asyncio
 import hmac
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
+
+if TYPE_CHECKING:
+    from streamfleet.gateway.admission.kinds import AnyRequest
 
 __all__ = ["ReplyChannel"]
 
@@ -135,9 +138,10 @@ class ReplyChannel:
             return await self.broker.read_log(request_id, after, block_ms, replay=replay)
         return read
 
-    async def submit(self, request: Any, request_id: str | None = None, owner: str = "", slot: str = "",
+    async def submit(self, request: "AnyRequest", request_id: str | None = None, owner: str = "", slot: str = "",
                      trace_id: str | None = None) -> tuple[RequestStream, int]:
-        """Enqueue a validated request; returns its stream and the lane depth.
+        """Enqueue a prepared request (``Validator.finish``); returns its stream and the
+        lane depth. Its task (``to_task``) is the one serialized form it takes.
 
         Args:
             owner: the tenant the request belongs to (recorded with it; a resume must match).

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
-from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, SamplingParams
+from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
 
 from streamfleet.gateway.requests.observe import stop_events
-from streamfleet.gateway.admission.validation import Draft, check_lane
+from streamfleet.gateway.admission.kinds import EmbeddingsRequest
+from streamfleet.gateway.admission.validation import check_lane
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -176,10 +177,9 @@ async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, 
     own = req is None
     if own:
         req = hub.request(door, identity=identity)
-    draft = Draft(client_id="embeddings" if own else req.client_id, model=checked.spec.name, lane=checked.lane,
-                  params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=checked.timeout_s,
-                  prompt_text="", inputs=checked.inputs)
-    depth = await req.submit(draft, trace_id=trace_id)
+    request = EmbeddingsRequest(client_id="embeddings" if own else req.client_id, model=checked.spec.name,
+                                lane=checked.lane, timeout_s=checked.timeout_s, inputs=checked.inputs)
+    depth = await req.submit(request, trace_id=trace_id)
     return EmbedCall(req, door, len(checked.inputs), depth=depth, watch=own)
 
 

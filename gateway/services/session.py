@@ -28,6 +28,7 @@ from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Emb
     accepted_frame, embeddings_frame, render
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import Tools, call_id
 
 if TYPE_CHECKING:
@@ -177,9 +178,9 @@ class Session:
             raise UnavailableError("this gateway is shutting down; reconnect to another", retry_after_ms=0,
                                    code=ErrorCode.shutting_down)
 
-    async def _submit(self, req: ClientRequest, draft) -> None:
+    async def _submit(self, req: ClientRequest, request: TextRequest) -> None:
         self._check_draining()
-        depth = await req.submit(draft, trace_id=self.trace_id)
+        depth = await req.submit(request, trace_id=self.trace_id)
         await self.emit(accepted_frame(req.client_id, req.request_id, depth, req.resume_token))
 
     async def _resume(self, req: ClientRequest, r: Resume) -> None:

@@ -31,9 +31,9 @@ from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationErr
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.modelrepo import kind_phrase
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TranscriptEvent
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
-from streamfleet.gateway.admission.validation import Draft
+from streamfleet.gateway.admission.kinds import SpeechRequest
 from streamfleet.gateway.protocols.audio_protocol import same_language
 from streamfleet.gateway.protocols.transcription_mapping import Segment
 from streamfleet.gateway.requests.observe import stop_events
@@ -173,10 +173,10 @@ class Transcription:
         hub, s = self.hub, self.hub.settings
         start_ms, end_ms = self.spans[i]
         rate = self.audio.sample_rate
-        draft = Draft(client_id="transcription", model=self.model, lane=self.lane,
-                      params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=s.request_timeout_s,
-                      prompt_text="", audio=AudioInput(sample_rate=rate, encoding="pcm_s16le", language=self.language,
-                                                       utterance=i, start_ms=start_ms))
+        request = SpeechRequest(client_id="transcription", model=self.model, lane=self.lane,
+                                timeout_s=s.request_timeout_s,
+                                audio=AudioInput(sample_rate=rate, encoding="pcm_s16le", language=self.language,
+                                                 utterance=i, start_ms=start_ms))
         req = hub.request("transcription", identity=self.identity)
         grant: str | None = None
 
@@ -196,7 +196,7 @@ class Transcription:
         events = None
         try:
             try:
-                await req.submit(draft, trace_id=self.trace_id, before_enqueue=take_slot, charged=i == 0)
+                await req.submit(request, trace_id=self.trace_id, before_enqueue=take_slot, charged=i == 0)
             except StreamfleetError as exc:
                 metrics.refusals.labels("transcription", str(exc.code)).inc()
                 raise

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, SamplingParams, TranscriptEvent
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
 from streamfleet.gateway.protocols.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocols.frames import Send
@@ -39,7 +39,7 @@ from streamfleet.gateway.requests.observe import stop_events
 from streamfleet.gateway.services.silero import SileroDetector
 from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech, Detector, make_detector
-from streamfleet.gateway.admission.validation import Draft
+from streamfleet.gateway.admission.kinds import SpeechRequest
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -93,15 +93,13 @@ class Utterance:
 
     async def run(self) -> None:
         cfg, s = self.config, self.session.hub.settings
-        draft = Draft(client_id=cfg.client_id, model=cfg.model, lane=cfg.lane,
-                      params=SamplingParams(max_tokens=1, temperature=0.0), timeout_s=s.request_timeout_s,
-                      prompt_text="", audio=AudioInput(sample_rate=cfg.sample_rate, encoding=cfg.encoding,
-                                                       language=cfg.language, utterance=self.index,
-                                                       start_ms=self.start_ms))
+        request = SpeechRequest(client_id=cfg.client_id, model=cfg.model, lane=cfg.lane, timeout_s=s.request_timeout_s,
+                                audio=AudioInput(sample_rate=cfg.sample_rate, encoding=cfg.encoding,
+                                                 language=cfg.language, utterance=self.index, start_ms=self.start_ms))
         writer = None
         try:
             try:
-                await self.req.submit(draft, trace_id=self.session.trace_id, before_enqueue=self._take_slot)
+                await self.req.submit(request, trace_id=self.session.trace_id, before_enqueue=self._take_slot)
             except StreamfleetError as exc:
                 metrics.refusals.labels("voice", str(exc.code)).inc()
                 await self._release_slot()

@@ -18,7 +18,7 @@ from streamfleet.shared.tiers import Tier
 
 from streamfleet.gateway.admission.gate import Admission, Ticket, owner_of, token_owner
 from streamfleet.gateway.admission.auth import Identity
-from streamfleet.gateway.admission.validation import Draft
+from streamfleet.gateway.admission.kinds import TextRequest
 
 FREE = Tier("free", requests_per_minute=60, burst=4, max_streams=2, max_lane="normal", max_tokens=100,
             max_timeout_s=30.0)
@@ -26,9 +26,9 @@ WHO = Identity(key_id="k1", name="alice", tier=FREE)
 
 
 def draft(*, lane: str = "normal", max_tokens: int = 64, timeout_s: float = 10.0,
-          explicit: frozenset[str] = frozenset()) -> Draft:
-    return Draft(client_id="c", model="m", lane=lane, params=SamplingParams(max_tokens=max_tokens),
-                 timeout_s=timeout_s, prompt_text="hi", explicit=explicit)
+          explicit: frozenset[str] = frozenset()) -> TextRequest:
+    return TextRequest(client_id="c", model="m", lane=lane, params=SamplingParams(max_tokens=max_tokens),
+                       timeout_s=timeout_s, prompt_text="hi", explicit=explicit)
 
 
 def admission(auth: bool) -> Admission:
@@ -43,19 +43,19 @@ def test_owners_never_hold_the_secret():
 
 
 def test_a_ticket_carries_its_slot_only_when_it_holds_one():
-    d = draft()
-    assert Ticket("r", "key:k1", d, "k1", holds_slot=True).slot == "k1"
-    assert Ticket("r", "key:k1", d, "k1", holds_slot=False).slot == ""
-    assert Ticket("r", "tok:x", d).slot == ""
+    assert Ticket("r", "key:k1", "k1", holds_slot=True).slot == "k1"
+    assert Ticket("r", "key:k1", "k1", holds_slot=False).slot == ""
+    assert Ticket("r", "tok:x").slot == ""
 
 
 async def test_auth_off_admits_with_a_resume_token_and_no_redis():
     adm = admission(auth=False)
     assert await adm.authenticate("Bearer anything") is None
-    t = await adm.admit(None, draft(), "0123abcd" * 4)
+    t, admitted = await adm.admit(None, draft(), "0123abcd" * 4)
+    assert admitted == draft()  # auth off: no ceilings
     assert t.request_id == "0123abcd" * 4 and t.resume_token and t.owner == token_owner(t.resume_token)
     assert not t.holds_slot and t.key_id is None
-    other = await adm.admit(None, draft(), "f" * 32)
+    other, _ = await adm.admit(None, draft(), "f" * 32)
     assert other.resume_token != t.resume_token  # each request its own secret
     assert await adm.admit_resume(None, t.resume_token) == t.owner
     with pytest.raises(ValidationError) as err:
