@@ -3,32 +3,30 @@
 from __future__ import annotations
 
 import os
-
 from contextlib import asynccontextmanager
 
+import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.websockets import WebSocket
-import orjson
 
+from streamfleet.gateway.admission.gate import Admission
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.admission.voiceslots import VoiceSlots, capacity_of
+from streamfleet.gateway.doors import demo, embeddings, openai, responses, transcriptions
+from streamfleet.gateway.doors.ws import audio_stream, websocket_stream
+from streamfleet.gateway.edge import guard
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.edge.origin import OriginGuard, refused_origin
+from streamfleet.gateway.hub import Hub
+from streamfleet.gateway.requests.broker import Broker
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.doors import demo, embeddings, openai, responses, transcriptions
-from streamfleet.gateway.edge import guard
-from streamfleet.gateway.admission.gate import Admission
-from streamfleet.gateway.requests.broker import Broker
-from streamfleet.gateway.edge.httperror import openai_error_response
-from streamfleet.gateway.hub import Hub
-from streamfleet.gateway.edge.origin import OriginGuard, refused_origin
-from streamfleet.gateway.admission.validation import Validator
-from streamfleet.gateway.admission.voiceslots import VoiceSlots, capacity_of
-from streamfleet.gateway.doors.ws import audio_stream, websocket_stream
 
 __all__ = ["create_app", "front", "json_response"]
 
@@ -191,6 +189,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request, exc: Exception):
-        log.exception("unhandled error", path=request.url.path)
+        log.error("unhandled error", path=request.url.path, exc_info=exc)
         return openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
     return app

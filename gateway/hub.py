@@ -13,17 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from streamfleet.gateway.admission.gate import Admission
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.admission.voiceslots import VoiceSlots
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.services.silero import SileroBatch
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, UnavailableError
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.admission.gate import Admission
-from streamfleet.gateway.requests.broker import Broker
-from streamfleet.gateway.requests.reply_channel import ReplyChannel
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.services.silero import SileroBatch
-from streamfleet.gateway.admission.validation import Validator
-from streamfleet.gateway.admission.voiceslots import VoiceSlots
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -57,7 +56,7 @@ class Hub:
     #: model -> (monotonic time its workers were last read, last time one was live)
     _workers_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: the read of a model's live workers under way (check_workers)
-    _worker_reads: dict[str, "asyncio.Future[None]"] = field(default_factory=dict)
+    _worker_reads: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     _started: float = field(default_factory=time.monotonic)
     _shared_channel: ReplyChannel | None = None
     _shared_channel_opening: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -157,7 +156,7 @@ class Hub:
         """
         return [(name, len(beats)) for name, beats in await self.served_workers()]
 
-    async def served_workers(self) -> list[tuple[str, list["Heartbeat"]]]:
+    async def served_workers(self) -> list[tuple[str, list[Heartbeat]]]:
         """``(model, its live workers' heartbeats)`` for each model with at least one live
         worker (one read of each model's workers).
 
@@ -174,7 +173,7 @@ class Hub:
         """Live workers of each model served here."""
         return {name: len(await self.broker.live_workers(name)) for name in self.validator.model_names()}
 
-    def request(self, client_id: str, *, identity: "Identity | None" = None, channel: ReplyChannel | None = None,
+    def request(self, client_id: str, *, identity: Identity | None = None, channel: ReplyChannel | None = None,
                 share: bool = False) -> ClientRequest:
         """A new request of one client, handed this process's admission, validator and
         broker, its live-worker check and its shared reply channel (``ClientRequest``

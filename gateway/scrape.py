@@ -22,9 +22,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from streamfleet.shared.settings import GatewaySettings
-
 from streamfleet.gateway.hub import Hub, refresh_fleet_gauges
+from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["MetricsListenError", "MetricsServer", "listen", "metrics_app"]
 

@@ -15,17 +15,23 @@ from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFact
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from streamfleet.gateway.app import create_app, front
+from streamfleet.gateway.edge.guard import edge_protocol
+from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 from streamfleet.shared import aio
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
 
-from streamfleet.gateway.app import create_app, front
-from streamfleet.gateway.edge.guard import edge_protocol
-from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
-
 __all__ = ["run_gateway"]
 
 log = get_logger("gateway")
+
+
+def _write_port_file(port_file: str, port: int) -> None:
+    """Write the bound port where a launcher waits for it, whole or not at all."""
+    tmp = Path(port_file + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(port_file)
 
 
 async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door=None) -> None:
@@ -39,9 +45,7 @@ async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door=Non
     host, port = sock.getsockname()[:2]
     log.info("gateway listening", url=f"http://{host}:{port}")
     if port_file:
-        tmp = Path(port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(port_file)
+        _write_port_file(port_file, port)
 
 
 #: per-message deflate, when on (SF_WS_COMPRESSION): 512-byte windows and the smallest
@@ -139,10 +143,12 @@ class DrainingServer(uvicorn.Server):
         log.info("draining", streams=hub.active_streams(), connections=hub.connections,
                  drain_timeout_s=s.drain_timeout_s)
         deadline = asyncio.get_running_loop().time() + s.drain_timeout_s
-        while hub.active_streams() and asyncio.get_running_loop().time() < deadline:
+        # (polled: the counts change in every request and connection; a drain's 50 ms wait
+        # matters to no one)
+        while hub.active_streams() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         hub.drain_expired = True  # sessions close with 1001 now, whatever they still run
-        while hub.connections and asyncio.get_running_loop().time() < deadline + 3:
+        while hub.connections and asyncio.get_running_loop().time() < deadline + 3:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if self.grpc_door is not None:  # before the broker stops: calls still open are cancelled
             await self.grpc_door.stop(grace_s=1.0)

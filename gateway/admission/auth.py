@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import redis.asyncio as aioredis
 
@@ -136,7 +136,7 @@ class KeyStore:
             raise ValueError(f"unknown tier {tier!r}; known: {', '.join(self.tiers)}")
         if any(r.name == name and not r.revoked for r in await self.list()):
             raise ValueError(f"an active key named {name!r} exists; revoke it first or pick another name")
-        created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         while True:
             key_id = secrets.token_hex(6)
             plaintext = f"sf-{key_id}-{secrets.token_urlsafe(24)}"  # 24 bytes -> 32 characters

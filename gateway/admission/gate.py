@@ -31,14 +31,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
+from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
+from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
+from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, Tier, parse_tiers
-
-from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
-from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
-from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 
 if TYPE_CHECKING:
     from streamfleet.gateway.requests.broker import Broker
@@ -54,7 +53,7 @@ R = TypeVar("R", TextRequest, SpeechRequest, EmbeddingsRequest)
 OnRevoked = Callable[[], Awaitable[None]]
 
 
-def owner_of(identity: "Identity | None") -> str | None:
+def owner_of(identity: Identity | None) -> str | None:
     """The tenant of an authenticated caller: its API key. None with auth off."""
     return f"key:{identity.key_id}" if identity is not None else None
 
@@ -85,7 +84,7 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, settings: "GatewaySettings", broker: "Broker") -> None:
+    def __init__(self, settings: GatewaySettings, broker: Broker) -> None:
         self.settings = settings
         self.broker = broker
         self.enabled = settings.auth_enabled

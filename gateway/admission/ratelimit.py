@@ -26,9 +26,9 @@ gateway every 20 s and lapsing 60 s after the last refresh.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 

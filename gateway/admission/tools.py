@@ -33,10 +33,10 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 #: most calls a forced reply of several calls holds (``Tools.call_schema``'s ``maxItems``)
 MAX_CALLS = 8
-_TAGGED = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>\s*", re.S)
+_TAGGED = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>\s*", re.DOTALL)
 #: several tagged calls with only whitespace around and between them
-_TAGGED_MANY = re.compile(r"(?:\s*<tool_call>(?:(?!</tool_call>).)*</tool_call>)+\s*", re.S)
-_TAG_BODY = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_TAGGED_MANY = re.compile(r"(?:\s*<tool_call>(?:(?!</tool_call>).)*</tool_call>)+\s*", re.DOTALL)
+_TAG_BODY = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 #: the start of a call as the constraint writes it (``Tools.call_schema``, compact JSON)
 _CALL_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
 

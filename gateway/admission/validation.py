@@ -30,11 +30,24 @@ from streamfleet.gateway.admission.chat_template import encode_prompt, render_ch
 from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
 from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
-from streamfleet.shared.grammar import CONSTRAINTS, GrammarError, Grammars, build_grammar, check_constraint, depth_problem
+from streamfleet.shared.grammar import (
+    CONSTRAINTS,
+    GrammarError,
+    Grammars,
+    build_grammar,
+    check_constraint,
+    depth_problem,
+)
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.modelrepo import (BUILTIN_CHAT_TEMPLATE, ModelRepository, ModelSpec, chat_template_source,
-                                          kind_phrase, load_tokenizer)
+from streamfleet.shared.modelrepo import (
+    BUILTIN_CHAT_TEMPLATE,
+    ModelRepository,
+    ModelSpec,
+    chat_template_source,
+    kind_phrase,
+    load_tokenizer,
+)
 from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, SamplingParams, is_number
 from streamfleet.shared.settings import GatewaySettings
 
@@ -340,8 +353,8 @@ class Validator:
         try:
             return build_grammar("guided_json" if param == "tools" else param, value)
         except GrammarError as exc:
-            raise ValidationError(str(exc).replace("'guided_json'", "the tools' parameters") if param == "tools" else str(exc),
-                                  code=ErrorCode.invalid_request, param=param) from exc
+            message = str(exc).replace("'guided_json'", "the tools' parameters") if param == "tools" else str(exc)
+            raise ValidationError(message, code=ErrorCode.invalid_request, param=param) from exc
 
     def verdict(self, spec: ModelSpec, grammar: str) -> str | None:
         """Why ``grammar`` cannot constrain the model's output, or None: ``Grammars.trial``
@@ -796,8 +809,8 @@ class Validator:
         out = []
         for c in v:
             f = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str) \
-                    or not isinstance(c.get("id"), str):
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) \
+                    or not isinstance(f.get("arguments"), str) or not isinstance(c.get("id"), str):
                 raise ValidationError(f"messages[{i}].tool_calls entries need an 'id' and a 'function' with 'name' "
                                       f"and 'arguments' (a string)", code=ErrorCode.invalid_type, param="messages")
             out.append({"id": c["id"], "type": "function",

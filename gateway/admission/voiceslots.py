@@ -40,13 +40,12 @@ from dataclasses import dataclass
 import anyio
 import redis.asyncio as aioredis
 
+from streamfleet.gateway.admission.ratelimit import lua_now_ms
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, UnavailableError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
-
-from streamfleet.gateway.admission.ratelimit import lua_now_ms
 
 __all__ = ["SlotTable", "VoiceSlots", "Waiter", "capacity_of", "fair_share", "next_grants", "VOICE_SLOTS_LUA",
            "GRANT_TTL_S", "WAIT_TTL_S", "POLL_S"]

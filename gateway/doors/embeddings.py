@@ -20,15 +20,14 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from streamfleet.shared.errors import StreamfleetError
-from streamfleet.shared.logging import get_logger
-from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import DoneEvent, EmbeddingEvent
-
 from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, until_disconnect
 from streamfleet.gateway.edge.httperror import openai_error_response
 from streamfleet.gateway.requests.observe import trace_id_from
 from streamfleet.gateway.services.embeddings import check_body, submit
+from streamfleet.shared.errors import StreamfleetError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import DoneEvent, EmbeddingEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub

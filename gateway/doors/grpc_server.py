@@ -21,8 +21,9 @@ messages. A ``Stream`` call is a ``gateway.services.session.Session``, as a WebS
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import grpc
@@ -34,21 +35,18 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, \
-    UnavailableError, ValidationError
+from streamfleet.gateway.admission.gate import revoked_error
+from streamfleet.gateway.admission.kinds import TextRequest
+from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.services.session import CallReader, Session
+from streamfleet.gateway.services.voice import VoiceConnection
+from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
-
-from streamfleet.gateway.admission.gate import revoked_error
-from streamfleet.gateway.admission.kinds import TextRequest
-from streamfleet.gateway.requests.observe import stop_events, trace_id_from
-from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.services.session import CallReader, Session
-from streamfleet.gateway.services.voice import VoiceConnection
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -329,7 +327,7 @@ def _shutting_down() -> UnavailableError:
 class _StreamSession(Session):
     """One ``Stream`` call: a WebSocket connection's requests, over gRPC messages."""
 
-    def __init__(self, hub: "Hub") -> None:
+    def __init__(self, hub: Hub) -> None:
         super().__init__(hub, "grpc")
         self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
 
@@ -397,7 +395,7 @@ class _ListenSession(Session):
     """One ``Listen`` call: a voice WebSocket's session, over gRPC messages; its frames are
     read by its ``VoiceConnection`` (gateway/services/voice.py), as a voice WebSocket's are."""
 
-    def __init__(self, hub: "Hub") -> None:
+    def __init__(self, hub: Hub) -> None:
         super().__init__(hub, "voice")
         self.voice = VoiceConnection(self)
         self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
@@ -434,7 +432,7 @@ class _ListenSession(Session):
 class InferenceService(pb_grpc.InferenceServicer):
     """``streamfleet.v1.Inference`` over one gateway's ``Hub``."""
 
-    def __init__(self, hub: "Hub") -> None:
+    def __init__(self, hub: Hub) -> None:
         self.hub = hub
 
     async def _caller(self, md: dict[str, str]):
@@ -670,7 +668,7 @@ class GrpcDoor:
         GrpcListenError: the port cannot be bound.
     """
 
-    def __init__(self, hub: "Hub") -> None:
+    def __init__(self, hub: Hub) -> None:
         s = hub.settings
         self.hub = hub
         max_message = s.max_frame_bytes

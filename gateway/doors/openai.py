@@ -21,30 +21,40 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
-from streamfleet.shared.logging import get_logger
-
-from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, PromptEvent, TokenEvent
-
-from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
-from streamfleet.gateway.edge.httperror import openai_error_response
-from streamfleet.gateway.requests.observe import stop_events, trace_id_from
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.protocols.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, best_of_order,
-                                                choice_counts, completion_echo, completion_prompts, request_payload,
-                                                stream_flags, unknown_params, usage_of)
-from streamfleet.gateway.requests.request_stream import TICK
-from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import Tools
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.protocols.openai_mapping import (
+    ChoiceStream,
+    Echo,
+    Gathered,
+    ResponseShape,
+    best_of_order,
+    choice_counts,
+    completion_echo,
+    completion_prompts,
+    request_payload,
+    stream_flags,
+    unknown_params,
+    usage_of,
+)
+from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.requests.request_stream import TICK
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, PromptEvent, TokenEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -129,7 +139,7 @@ async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
             await stop_events(pending, events)
 
 
-def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i: int,
+def _checked(hub: Hub, body: dict, chat: bool, priority: str | None, prompt, i: int,
              prompts: int) -> TextRequest:
     """The checked request (``Validator.check``) of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
     refusal of one of several prompts names which."""
@@ -146,7 +156,7 @@ def _checked(hub: "Hub", body: dict, chat: bool, priority: str | None, prompt, i
         raise ValidationError(f"prompt {i}: {exc.message}", code=exc.code, param=exc.param) from exc
 
 
-async def _submit_choices(hub: "Hub", identity, prompts: list[TextRequest], k: int, *, scored: bool,
+async def _submit_choices(hub: Hub, identity, prompts: list[TextRequest], k: int, *, scored: bool,
                           trace: str | None) -> list[ClientRequest]:
     """Submit the ``k`` completions of each of a request's ``prompts`` (checked requests), prompt by
     prompt: one task each (admitted, rate limited and run as any request), seeds ``seed``,
@@ -227,7 +237,7 @@ async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, An
                 await stop_events(task, it)
 
 
-async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
+async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: bool, n: int, stream: bool,
                 include_usage: bool, tools: Tools | None, keep_logprobs: bool, prompts: int = 1) -> Response:
     """The response of a request of several choices (``n``, ``best_of``, several
     ``prompts``: ``reqs`` prompt by prompt, their choices numbered on, prompt ``p``'s
@@ -354,7 +364,7 @@ async def _many(request: Request, hub: "Hub", reqs: list[ClientRequest], chat: b
                     media_type="application/json")
 
 
-async def _sse_events(hub: "Hub", req: ClientRequest, events: AsyncIterator, shape: ResponseShape,
+async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncIterator, shape: ResponseShape,
                       include_usage: bool, echo: Echo | None = None) -> AsyncIterator[bytes]:
     """The SSE body of one choice. Keepalives come from the stream itself
     (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
@@ -458,7 +468,7 @@ async def model(request: Request, model_id: str) -> Response:
     return Response(orjson.dumps(_model_object(hub, model_id, served[model_id])), media_type="application/json")
 
 
-def _executions(beats: list["Heartbeat"]) -> list[dict] | None:
+def _executions(beats: list[Heartbeat]) -> list[dict] | None:
     """The execution modes live workers run (each once, with why and how many workers run
     it; shared/execution.py), or None where none says one."""
     seen: dict[tuple[str, str], int] = {}
@@ -468,7 +478,7 @@ def _executions(beats: list["Heartbeat"]) -> list[dict] | None:
     return [{"mode": mode, "why": why, "workers": n} for (mode, why), n in seen.items()] or None
 
 
-def _model_object(hub: "Hub", name: str, beats: list["Heartbeat"]) -> dict:
+def _model_object(hub: Hub, name: str, beats: list[Heartbeat]) -> dict:
     """OpenAI's model object (``created``: when the model's folder was last written), and
     beyond its fields: the live workers, what the model does ("text", or "asr": speech
     recognition, served on /v1/audio/stream and /v1/audio/transcriptions), where its chat template comes from (a

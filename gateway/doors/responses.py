@@ -21,30 +21,36 @@ whoever has its id): another tenant's ``GET``, ``DELETE`` or ``previous_response
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from streamfleet.shared.errors import (ErrorCode, NotFoundError, StreamfleetError, UnavailableError,
-                                       ValidationError)
+from streamfleet.gateway.admission.gate import owner_of
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end
+from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
+from streamfleet.gateway.protocols.responses_mapping import (
+    RESPONSE_ID,
+    ResponseEvents,
+    ResponsesRequest,
+    chat_body,
+    output_as_input,
+    parse_request,
+    renamed,
+)
+from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.requests.request_stream import TICK
+from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, TokenEvent
-
-from streamfleet.gateway.admission.gate import owner_of
-from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end
-from streamfleet.gateway.edge.httperror import openai_error_response
-from streamfleet.gateway.requests.observe import stop_events, trace_id_from
-from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
-from streamfleet.gateway.requests.request_stream import TICK
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.protocols.responses_mapping import (RESPONSE_ID, ResponseEvents, ResponsesRequest, chat_body,
-                                                   output_as_input, parse_request, renamed)
-from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -65,7 +71,7 @@ def _frames(events: list[dict[str, Any]]) -> bytes:
     return b"".join(b"event: " + ev["type"].encode() + b"\n" + sse_frame(ev) for ev in events)
 
 
-def _owner(identity: "Identity | None") -> str:
+def _owner(identity: Identity | None) -> str:
     """The tenant a response belongs to: the API key's; "" with auth off (whoever has its id)."""
     return owner_of(identity) or ""
 
@@ -74,7 +80,7 @@ def _not_found(response_id: str, param: str | None = None) -> NotFoundError:
     return NotFoundError(f"no response with id {response_id!r}", code=ErrorCode.unknown_request, param=param)
 
 
-async def _load(hub: "Hub", response_id: Any, owner: str, param: str | None = None) -> StoredResponse:
+async def _load(hub: Hub, response_id: Any, owner: str, param: str | None = None) -> StoredResponse:
     """The stored response ``response_id`` of ``owner``.
 
     Raises:
@@ -99,7 +105,7 @@ async def _load(hub: "Hub", response_id: Any, owner: str, param: str | None = No
     return stored
 
 
-async def _save(hub: "Hub", stored: StoredResponse) -> None:
+async def _save(hub: Hub, stored: StoredResponse) -> None:
     """Store a finished response (``store``), or say in it that it was not stored:
     larger than ``SF_RESPONSES_MAX_BYTES``, or Redis away (``"store": false``)."""
     response = stored.response
@@ -164,14 +170,14 @@ async def create(request: Request) -> Response:
         await creq.close(reason="http_disconnect")
 
 
-def _saver(hub: "Hub", req: ResponsesRequest, owner: str, conversation: list[dict[str, Any]]):
+def _saver(hub: Hub, req: ResponsesRequest, owner: str, conversation: list[dict[str, Any]]):
     async def save(response: dict[str, Any]) -> None:
         if req.store:
             await _save(hub, StoredResponse(owner, response, conversation))
     return save
 
 
-async def _sse(hub: "Hub", req: ClientRequest, events: AsyncIterator, out: ResponseEvents, save) -> AsyncIterator[bytes]:
+async def _sse(hub: Hub, req: ClientRequest, events: AsyncIterator, out: ResponseEvents, save) -> AsyncIterator[bytes]:
     """The event stream of one response; keepalives from the stream itself
     (``RequestStream.tick_s``). The response is stored before its last event goes out."""
     req.stream.tick_s = hub.settings.sse_keepalive_s

@@ -25,7 +25,8 @@ door and the text doors give).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -33,10 +34,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
-
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
-from streamfleet.shared.logging import get_logger
-from streamfleet.shared.metrics import gateway as metrics
 
 from streamfleet.gateway.admission.validation import check_lane
 from streamfleet.gateway.edge import guard
@@ -47,6 +44,9 @@ from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
 from streamfleet.gateway.protocols.transcription_mapping import Segment, check_form, delta_event, done_event, render
 from streamfleet.gateway.requests.observe import trace_id_from
 from streamfleet.gateway.services.transcription import Transcription, open_transcription
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, UnavailableError, ValidationError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -147,7 +147,7 @@ async def _gather(job: Transcription) -> list[Segment]:
     return [seg async for seg in job.segments()]
 
 
-async def _sse(hub: "Hub", job: Transcription) -> AsyncIterator[bytes]:
+async def _sse(hub: Hub, job: Transcription) -> AsyncIterator[bytes]:
     """A streamed transcription: a ``transcript.text.delta`` per utterance with text, as
     soon as it and every utterance before it are transcribed, then ``transcript.text.done``
     (or the error, in OpenAI's shape); a keepalive comment after ``SF_SSE_KEEPALIVE_S``

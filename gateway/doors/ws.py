@@ -20,18 +20,16 @@ import orjson
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamfleet.shared import aio
-from streamfleet.shared.errors import ErrorCode, StreamfleetError
-from streamfleet.shared.logging import get_logger
-
-from streamfleet.shared.metrics import gateway as metrics
-
-from streamfleet.gateway.edge import guard
 from streamfleet.gateway.admission.gate import revoked_error
+from streamfleet.gateway.edge import guard
 from streamfleet.gateway.edge.origin import origin_allowed
 from streamfleet.gateway.requests.observe import trace_id_from
 from streamfleet.gateway.services.session import Session
 from streamfleet.gateway.services.voice import VoiceConnection
+from streamfleet.shared import aio
+from streamfleet.shared.errors import ErrorCode, StreamfleetError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -85,7 +83,7 @@ class _Interrupt:
 
 
 class WebSocketSession(Session):
-    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
+    def __init__(self, ws: WebSocket, hub: Hub) -> None:
         super().__init__(hub, "ws")
         self.ws = ws
         self.outbox = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
@@ -283,7 +281,7 @@ class VoiceSession(WebSocketSession):
     """A voice WebSocket: the text WebSocket's connection handling, its frames read by
     the connection's ``VoiceConnection`` (gateway/services/voice.py)."""
 
-    def __init__(self, ws: WebSocket, hub: "Hub") -> None:
+    def __init__(self, ws: WebSocket, hub: Hub) -> None:
         self.voice: VoiceConnection | None = None
         super().__init__(ws, hub)
         self.transport = "voice"

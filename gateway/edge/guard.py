@@ -94,7 +94,7 @@ class EdgeLimits:
     header_timeout_s: float = 10.0
 
     @classmethod
-    def from_settings(cls, s: GatewaySettings) -> "EdgeLimits":
+    def from_settings(cls, s: GatewaySettings) -> EdgeLimits:
         return cls(s.max_request_line_bytes, s.max_header_bytes, s.max_header_count, s.header_timeout_s)
 
 
@@ -104,7 +104,7 @@ class Ticket:
 
     __slots__ = ("guard", "address", "released")
 
-    def __init__(self, guard: "EdgeGuard", address: str | None) -> None:
+    def __init__(self, guard: EdgeGuard, address: str | None) -> None:
         self.guard = guard
         #: the client address it counts against (None: not counted per address, or no longer)
         self.address = address

@@ -5,18 +5,17 @@ ends when its client leaves, and a request not streamed read to its end."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
-
-from starlette.requests import ClientDisconnect, Request
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 import structlog
-
-from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
-from streamfleet.shared.schema import PromptEvent, TokenEvent
+from starlette.requests import ClientDisconnect, Request
 
 from streamfleet.gateway.edge import guard
 from streamfleet.gateway.requests.observe import stop_events
+from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
+from streamfleet.shared.schema import PromptEvent, TokenEvent
 
 __all__ = ["DISCONNECTED", "read_body", "open_json", "until_disconnect", "read_to_end"]
 

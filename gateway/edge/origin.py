@@ -21,9 +21,8 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamfleet.shared.errors import ErrorCode, StreamfleetError
-
 from streamfleet.gateway.edge.httperror import openai_error_response
+from streamfleet.shared.errors import ErrorCode, StreamfleetError
 
 __all__ = ["refused_origin", "origin_allowed", "OriginGuard"]
 

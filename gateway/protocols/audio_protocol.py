@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 import orjson
 
+from streamfleet.gateway.admission.validation import check_lane
+from streamfleet.gateway.protocols.frames import Send
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import kind_phrase
-from streamfleet.gateway.protocols.frames import Send
-from streamfleet.gateway.admission.validation import check_lane
 
 __all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "same_language", "ENCODINGS",
            "MAX_FRAME_MS", "AUDIO_NOTICE_S"]
@@ -81,7 +82,7 @@ class Stop:
     pass
 
 
-Output = Union[Send, Start, Audio, Stop]
+Output = Send | Start | Audio | Stop
 
 
 class TokenBucket:

@@ -17,16 +17,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 import orjson
 
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
-from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
-
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.validation import MAX_ID_CHARS
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
 
 __all__ = ["Send", "Submit", "Embed", "Cancel", "Resume", "Output", "ConnectionProtocol", "render", "accepted_frame",
            "embeddings_frame", "resume_fields", "EMBED_FRAME_FIELDS"]
@@ -67,7 +67,7 @@ class Resume:
     token: str | None = None
 
 
-Output = Union[Send, Submit, Embed, Cancel, Resume]
+Output = Send | Submit | Embed | Cancel | Resume
 
 
 def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_token: str | None = None,

@@ -21,15 +21,15 @@ first chunks.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from streamfleet.gateway.admission.kinds import TextRequest
+from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
+from streamfleet.gateway.admission.validation import UNSUPPORTED
 from streamfleet.shared.errors import ErrorCode, GenerationError, ValidationError
 from streamfleet.shared.grammar import CONSTRAINTS
 from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, PromptEvent, TokenEvent
-
-from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
-from streamfleet.gateway.admission.kinds import TextRequest
-from streamfleet.gateway.admission.validation import UNSUPPORTED
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
            "KNOWN_COMPLETIONS", "unknown_params", "request_payload",
@@ -281,9 +281,9 @@ def could_be_call(text: str) -> bool:
     """Whether streamed text so far may still turn out to be a tool call, or an array of
     them (``auto``)."""
     head = text.lstrip()
-    return len(text) < MAX_HELD_CALL and (head.startswith("{") or head.startswith("<tool_call>")
+    return len(text) < MAX_HELD_CALL and (head.startswith(("{", "<tool_call>"))
                                           or "<tool_call>".startswith(head)
-                                          or head.startswith("[") and head[1:].lstrip()[:1] in ("", "{"))
+                                          or (head.startswith("[") and head[1:].lstrip()[:1] in ("", "{")))
 
 
 def _top_completion(e: dict) -> dict[str, float]:
@@ -390,7 +390,8 @@ class ResponseShape:
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage}
 
-    def choice_full(self, index: int, text: str, end: DoneEvent, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+    def choice_full(self, index: int, text: str, end: DoneEvent,
+                    logprobs: list[tuple[int, dict]] | None = None) -> dict:
         """One choice of a response that is not streamed: a chat message (tool calls'
         content null and its ``tool_calls`` set, every call with its own id, finishing
         ``tool_calls``) or a completion's text."""
@@ -442,7 +443,7 @@ class Echo:
         self.text, self.offsets, self.logprobs = text, tuple(offsets), logprobs
 
     @classmethod
-    def of(cls, request: Any, logprobs: bool) -> "Echo | None":
+    def of(cls, request: Any, logprobs: bool) -> Echo | None:
         """The echo of a submitted request (a prepared ``TextRequest``), None without one."""
         if not isinstance(request, TextRequest) or request.echo_text is None:
             return None
@@ -490,7 +491,7 @@ class Gathered:
         self.parts.append(ev.text)
         self.offset += len(ev.text)
 
-    def echoed(self, echo: "Echo | None", prompt: list[dict] | None = None
+    def echoed(self, echo: Echo | None, prompt: list[dict] | None = None
                ) -> tuple[str, list[tuple[int, dict]] | None]:
         """The choice's ``text`` and ``logprobs`` tokens with ``echo``'s prompt before the
         completion (``prompt``: the prompt's log probabilities, when another choice of the

@@ -27,10 +27,9 @@ from typing import Any
 
 import orjson
 
+from streamfleet.gateway.protocols.openai_mapping import ChoiceStream, ResponseShape
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, TokenEvent
-
-from streamfleet.gateway.protocols.openai_mapping import ChoiceStream, ResponseShape
 
 __all__ = ["UNSUPPORTED", "CHAT_ONLY", "EXTRAS", "RESPONSE_ID", "ResponsesRequest", "parse_request",
            "input_items", "output_as_input", "chat_body", "renamed", "response_id_of", "usage",

@@ -11,19 +11,28 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
+from streamfleet.gateway.requests.prefixroute import PrefixRouter
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
 from streamfleet.shared.keys import GROUP, affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
-from streamfleet.shared.schema import (Attach, AudioChunk, Cancel, Event, Follow, Heartbeat, LogEntry, RequestRecord,
-                                       AnyTask, decode_events, live_workers)
-from streamfleet.shared.settings import GatewaySettings
-
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
-
-from streamfleet.gateway.requests.prefixroute import PrefixRouter
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
+from streamfleet.shared.schema import (
+    AnyTask,
+    Attach,
+    AudioChunk,
+    Cancel,
+    Event,
+    Follow,
+    Heartbeat,
+    LogEntry,
+    RequestRecord,
+    decode_events,
+    live_workers,
+)
+from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["Broker"]
 

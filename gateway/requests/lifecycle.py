@@ -28,25 +28,24 @@ HTTP request).
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
-
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 
 from streamfleet.gateway.admission.gate import Ticket, revoked_error
 from streamfleet.gateway.requests.observe import observed
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.gateway.requests.request_stream import RequestStream, Tick
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 
 if TYPE_CHECKING:
-    from streamfleet.shared.schema import Event, RequestRecord
-
-    from streamfleet.gateway.admission.gate import Admission
     from streamfleet.gateway.admission.auth import Identity
-    from streamfleet.gateway.requests.broker import Broker
+    from streamfleet.gateway.admission.gate import Admission
     from streamfleet.gateway.admission.kinds import AnyRequest
     from streamfleet.gateway.admission.validation import Validator
+    from streamfleet.gateway.requests.broker import Broker
+    from streamfleet.shared.schema import Event, RequestRecord
 
 __all__ = ["ClientRequest"]
 
@@ -72,10 +71,10 @@ class ClientRequest:
             (``gateway.hub.Hub.shared_channel``).
     """
 
-    def __init__(self, client_id: str, *, admission: "Admission", validator: "Validator", broker: "Broker",
+    def __init__(self, client_id: str, *, admission: Admission, validator: Validator, broker: Broker,
                  check_workers: Callable[[str], Awaitable[None]],
                  shared_channel: Callable[[], Awaitable[ReplyChannel | None]],
-                 identity: "Identity | None" = None, channel: ReplyChannel | None = None, share: bool = False) -> None:
+                 identity: Identity | None = None, channel: ReplyChannel | None = None, share: bool = False) -> None:
         self.admission = admission
         self.validator = validator
         self.broker = broker
@@ -145,7 +144,7 @@ class ClientRequest:
             self._cancel_pending = False
             self.channel.cancel(stream)
 
-    async def submit(self, request: "AnyRequest", trace_id: str | None = None,
+    async def submit(self, request: AnyRequest, trace_id: str | None = None,
                      before_enqueue: Callable[[], Awaitable[Any]] | None = None, *, charged: bool = False) -> int:
         """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
         a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
@@ -205,7 +204,7 @@ class ClientRequest:
         self.model = stream.model
         self._attach(stream)
 
-    def _resumable(self, record: "RequestRecord") -> None:
+    def _resumable(self, record: RequestRecord) -> None:
         """Refuses to resume an embeddings request (its vectors are one answer, in the
         encoding its request asked for, which the record does not keep): checked once the
         request is known to be the caller's, before anything is followed.

@@ -6,13 +6,12 @@ import asyncio
 import functools
 import re
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
+from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as m
 from streamfleet.shared.schema import PROGRESS, DoneEvent, EmbeddingEvent, ErrorEvent, Event
-
-from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 
 __all__ = ["observed", "stop_events", "trace_id_from"]
 

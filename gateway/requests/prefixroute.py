@@ -353,8 +353,10 @@ class PrefixRouter:
         cold = [hb for hb in serving(view.workers, now_s, self.fresh_s) if hb.worker_id not in view.advertisers]
         live.update((hb.worker_id, hb) for hb in cold[:MAX_COLD])
         sent_at = time.monotonic()
-        sends = [(wid, self.coalescer.send(b"SMISMEMBER", self.keys.prefix_advert(task.model, wid), *plan[wid])
-                  if wid in plan else None, self.coalescer.send(b"XLEN", self.keys.affinity(task.model, task.lane, wid)))
+        sends = [(wid,
+                  self.coalescer.send(b"SMISMEMBER", self.keys.prefix_advert(task.model, wid), *plan[wid])
+                  if wid in plan else None,
+                  self.coalescer.send(b"XLEN", self.keys.affinity(task.model, task.lane, wid)))
                  for wid in live]
         count = len(task.prompt_ids) // self.block
         per = len(next(iter(plan.values())))  # (the same for every worker: ``lookup_plan``)

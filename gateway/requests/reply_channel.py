@@ -18,7 +18,8 @@ import asyncio
 import hmac
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
@@ -72,7 +73,7 @@ class ReplyChannel:
         #: ended itself, whose worker may not know (oldest first)
         self._let_go_ids: dict[str, list] = {}
 
-    async def open(self) -> "ReplyChannel":
+    async def open(self) -> ReplyChannel:
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
         await self.broker.register(self.connection_id, self)
         return self
@@ -138,7 +139,7 @@ class ReplyChannel:
             return await self.broker.read_log(request_id, after, block_ms, replay=replay)
         return read
 
-    async def submit(self, request: "AnyRequest", request_id: str | None = None, owner: str = "", slot: str = "",
+    async def submit(self, request: AnyRequest, request_id: str | None = None, owner: str = "", slot: str = "",
                      trace_id: str | None = None) -> tuple[RequestStream, int]:
         """Enqueue a prepared request (``Validator.finish``); returns its stream and the
         lane depth. Its task (``to_task``) is the one serialized form it takes.

@@ -37,13 +37,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import (PROGRESS, DoneEvent, ErrorEvent, Event, FinishReason, PromptEvent,
-                                       StartedEvent, TokenEvent, TranscriptEvent)
+from streamfleet.shared.schema import (
+    PROGRESS,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    FinishReason,
+    PromptEvent,
+    StartedEvent,
+    TokenEvent,
+    TranscriptEvent,
+)
 
 __all__ = ["TICK", "Tick", "RequestStream", "LogReader"]
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from streamfleet.gateway.admission.kinds import EmbeddingsRequest
+from streamfleet.gateway.admission.validation import check_lane
+from streamfleet.gateway.requests.observe import stop_events
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
-
-from streamfleet.gateway.requests.observe import stop_events
-from streamfleet.gateway.admission.kinds import EmbeddingsRequest
-from streamfleet.gateway.admission.validation import check_lane
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -112,7 +111,7 @@ def _inputs(value: Any, spec: ModelSpec, vocab: int, max_chars: int) -> tuple:
     return tuple(out)
 
 
-def check_body(hub: "Hub", body: dict, priority_header: str | None = None) -> EmbeddingsBody:
+def check_body(hub: Hub, body: dict, priority_header: str | None = None) -> EmbeddingsBody:
     """The cheap checks of an embeddings body, before admission (nothing is tokenized).
 
     Raises:
@@ -164,8 +163,8 @@ def check_body(hub: "Hub", body: dict, priority_header: str | None = None) -> Em
                           timeout_s)
 
 
-async def submit(hub: "Hub", door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None,
-                 req: Any = None) -> "EmbedCall":
+async def submit(hub: Hub, door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None,
+                 req: Any = None) -> EmbedCall:
     """Admit and enqueue a checked body (tokenizing its texts after admission): the
     embedding request's path shared by the HTTP, gRPC and WebSocket doors. ``req``: the
     ``ClientRequest`` to submit it as (a connection's, under the client's id: the

@@ -18,18 +18,27 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from streamfleet.gateway.admission.kinds import TextRequest
+from streamfleet.gateway.admission.tools import Tools, call_id
+from streamfleet.gateway.protocols.frames import (
+    Cancel,
+    ConnectionProtocol,
+    Embed,
+    Output,
+    Resume,
+    Send,
+    Submit,
+    accepted_frame,
+    embeddings_frame,
+    render,
+)
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.services.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, TokenEvent
-
-from streamfleet.gateway.services.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
-from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Output, Resume, Send, Submit, \
-    accepted_frame, embeddings_frame, render
-from streamfleet.gateway.requests.reply_channel import ReplyChannel
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.admission.kinds import TextRequest
-from streamfleet.gateway.admission.tools import Tools, call_id
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -70,7 +79,7 @@ class Session:
         transport: the metrics label ("ws", "grpc").
     """
 
-    def __init__(self, hub: "Hub", transport: str) -> None:
+    def __init__(self, hub: Hub, transport: str) -> None:
         self.hub = hub
         self.transport = transport
         s = hub.settings

@@ -14,8 +14,9 @@ import asyncio
 import functools
 import math
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
-
-from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
-from streamfleet.shared.logging import get_logger
-from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.modelrepo import kind_phrase
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
 from streamfleet.gateway.admission.kinds import SpeechRequest
 from streamfleet.gateway.protocols.audio_protocol import same_language
@@ -40,6 +35,11 @@ from streamfleet.gateway.requests.observe import stop_events
 from streamfleet.gateway.services.audio_files import FORMATS, DecodedAudio, decode_audio
 from streamfleet.gateway.services.vad import Segmenter, UtteranceEnd
 from streamfleet.gateway.services.voice import new_detector
+from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.modelrepo import kind_phrase
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -98,7 +98,7 @@ class Transcription:
     ``concurrency`` at once, admitted in the file's order; ``segments`` gives their
     transcripts in that order."""
 
-    def __init__(self, hub: "Hub", identity: "Identity | None", *, model: str, lane: str, language: str,
+    def __init__(self, hub: Hub, identity: Identity | None, *, model: str, lane: str, language: str,
                  audio: DecodedAudio, spans: list[tuple[int, int]], trace_id: str | None) -> None:
         self.hub = hub
         self.identity = identity
@@ -266,7 +266,7 @@ def _decode(data: bytes, sample_rate: int, max_seconds: float) -> DecodedAudio:
                               code=ErrorCode.invalid_request, param="file") from exc
 
 
-def _check_model(hub: "Hub", model: str | None, language: str | None):
+def _check_model(hub: Hub, model: str | None, language: str | None):
     """The speech model named (default ``SF_DEFAULT_ASR_MODEL``), which must transcribe
     ``language`` when one is given.
 
@@ -285,7 +285,7 @@ def _check_model(hub: "Hub", model: str | None, language: str | None):
     return spec
 
 
-async def open_transcription(hub: "Hub", identity: "Identity | None", data: bytes, *, model: str | None,
+async def open_transcription(hub: Hub, identity: Identity | None, data: bytes, *, model: str | None,
                              language: str | None, lane: str, trace_id: str | None,
                              log_fields: dict[str, Any] | None = None) -> tuple[Transcription, DecodedAudio, Any]:
     """A file's transcription, started: the model checked, its live workers, one request of

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector
 
@@ -68,7 +68,7 @@ class UtteranceEnd:
     end_ms: int
 
 
-VadEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped, UtteranceEnd]
+VadEvent = SpeechStarted | SpeechAudio | SpeechStopped | UtteranceEnd
 
 _SILENT, _SPEAKING, _GAP = "silent", "speaking", "gap"
 

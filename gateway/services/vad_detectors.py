@@ -10,7 +10,8 @@ name: ``make_detector(kind, **options)`` builds one, ``"silero"`` (the default) 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 

@@ -28,18 +28,17 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from streamfleet.shared.errors import StreamfleetError
-from streamfleet.shared.logging import get_logger
-from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
-
+from streamfleet.gateway.admission.kinds import SpeechRequest
 from streamfleet.gateway.protocols.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
 from streamfleet.gateway.protocols.frames import Send
 from streamfleet.gateway.requests.observe import stop_events
 from streamfleet.gateway.services.silero import SileroDetector
 from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech, Detector, make_detector
-from streamfleet.gateway.admission.kinds import SpeechRequest
+from streamfleet.shared.errors import StreamfleetError
+from streamfleet.shared.logging import get_logger
+from streamfleet.shared.metrics import gateway as metrics
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.hub import Hub
@@ -59,8 +58,8 @@ class Utterance:
     """One utterance of a voice connection: its task, its audio on the way to Redis, and
     its transcript on the way back."""
 
-    def __init__(self, session: "VoiceConnection", config: AudioConfig, index: int, start_ms: int,
-                 previous: "Utterance | None") -> None:
+    def __init__(self, session: VoiceConnection, config: AudioConfig, index: int, start_ms: int,
+                 previous: Utterance | None) -> None:
         self.session = session
         self.created = time.monotonic()  # its wait for a slot counts from here (high_load)
         self.warned = False
@@ -220,7 +219,7 @@ class VoiceConnection:
     JSON, ``receive_bytes``: PCM) and go out as its frames (dicts) through the session's
     ``send``/``emit``."""
 
-    def __init__(self, session: "Session") -> None:
+    def __init__(self, session: Session) -> None:
         self.session = session
         self.audio_proto = AudioProtocol(session.hub.validator, session.hub.settings)
         self.segmenter: Segmenter | None = None
@@ -233,7 +232,7 @@ class VoiceConnection:
 
     # -- the connection's, as its session holds them ------------------------------------
     @property
-    def hub(self) -> "Hub":
+    def hub(self) -> Hub:
         return self.session.hub
 
     @property
@@ -345,11 +344,10 @@ class VoiceConnection:
                     self.current.push(ev.audio)
             elif isinstance(ev, SpeechStopped):
                 self.send({"type": "speech_stopped", "id": cid, "offset_ms": ev.offset_ms})
-            elif isinstance(ev, UtteranceEnd):
-                if self.current is not None:
-                    self.current.start_ms = ev.start_ms
-                    self.current.end(ev.end_ms)
-                    self.current = None
+            elif isinstance(ev, UtteranceEnd) and self.current is not None:
+                self.current.start_ms = ev.start_ms
+                self.current.end(ev.end_ms)
+                self.current = None
 
     async def _stopped(self, config: AudioConfig, utterances: list[Utterance]) -> None:
         """After ``stop``: once every utterance has its final, say so."""
