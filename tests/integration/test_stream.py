@@ -12,11 +12,12 @@ import pytest
 import websockets
 
 from streamfleet.shared.schema import Wake
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 
 @pytest.mark.slow
-async def test_health_and_ready(fleet):
+async def test_health_and_ready(fleet, rds):
     """Readiness is the gateway's (and its Redis'): ready with no worker, listing the
     workers it sees. Requests queue for a worker within SF_NO_WORKER_GRACE_S and are
     refused with 503 no_workers and Retry-After past it."""
@@ -27,24 +28,25 @@ async def test_health_and_ready(fleet):
         assert (await http.get(gw.http + "/healthz")).status_code == 200
         r = await http.get(gw.http + "/readyz")
         assert r.status_code == 200 and r.json()["workers"]["tiny-gpt"] == 0, r.text
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # a real clock window: past the 1 s grace, counted from the gateway's start
         r = await http.post(strict.http + "/v1/completions", json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
         assert r.headers["retry-after"] == "5" and "tiny-gpt" in r.json()["error"]["message"]
         queued = asyncio.ensure_future(http.post(gw.http + "/v1/completions", json=body))
-        await asyncio.sleep(0.5)
+        lane = f"{fleet.prefix}:{{tiny-gpt}}:tasks:normal"
+        await until_async(lambda: rds.xlen(lane) >= 1, "the request queued with no worker")
         fleet.worker()  # a worker that comes within the grace serves what waited
         assert (await queued).status_code == 200
         r = await http.get(gw.http + "/readyz")
         assert r.status_code == 200 and r.json()["workers"]["tiny-gpt"] == 1
-        deadline = asyncio.get_running_loop().time() + 5
-        while (r := await http.post(strict.http + "/v1/completions", json=body)).status_code != 200:
-            assert asyncio.get_running_loop().time() < deadline, r.text
-            await asyncio.sleep(0.2)
+        async def served() -> bool:
+            return (await http.post(strict.http + "/v1/completions", json=body)).status_code == 200
+
+        await until_async(served, "the strict gateway to see the worker")
         # the first burst after a quiet spell longer than the grace: the requests that come
         # while the gateway reads the live workers wait for that read, none is refused
         for _ in range(3):
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # a real clock window: a quiet spell longer than the 1 s grace
             burst = await asyncio.gather(*(http.post(strict.http + "/v1/completions", json=body) for _ in range(12)))
             assert [r.status_code for r in burst] == [200] * 12, [r.text for r in burst if r.status_code != 200]
 
@@ -67,9 +69,9 @@ async def test_one_request_streams_in_order(fleet, rds, key_prefix):
     t = res.end["timing"]
     assert 0 <= t["queue_ms"] <= t["ttft_ms"] <= t["total_ms"]
     # the worker acked and deleted the task: the lane is empty again
-    await asyncio.sleep(0.2)
-    assert rds.xlen(f"{key_prefix}:{{tiny-gpt}}:tasks:normal") == 0
-    assert rds.xpending(f"{key_prefix}:{{tiny-gpt}}:tasks:normal", "workers")["pending"] == 0
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    await until_async(lambda: rds.xlen(lane) == 0 and rds.xpending(lane, "workers")["pending"] == 0,
+                      lambda: f"the task acked and deleted: {rds.xpending(lane, 'workers')}")
     # pings work on the same connection
     await c.send({"type": "ping"})
     assert (await c.next_other())["type"] == "pong"
@@ -179,8 +181,8 @@ async def test_cancel_stops_generation_and_frees_slot(fleet, rds, key_prefix):
     assert res.end["type"] == "done" and res.end["finish_reason"] == "cancelled"
     assert len(res.tokens) < 240
     assert res.end["usage"]["completion_tokens"] == len(res.tokens)
-    await asyncio.sleep(0.3)
-    assert rds.xpending(f"{key_prefix}:{{tiny-gpt}}:tasks:normal", "workers")["pending"] == 0
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    await until_async(lambda: rds.xpending(lane, "workers")["pending"] == 0, "the cancelled task acked")
     await c.close()
 
 
@@ -361,14 +363,12 @@ async def test_connections_submit_on_their_process_shared_channel(fleet, rds, ke
 
     long_a = a.start("long", max_tokens=240, ignore_eos=True)
     long_b = b.start("long", max_tokens=50, ignore_eos=True)
-    await asyncio.sleep(0.5)
+    await until_async(lambda: a.results["long"].tokens and b.results["long"].tokens, "both long requests' tokens")
     assert a.results["long"].tokens and not long_a.done(), a.results["long"]  # it runs
     await a.close()  # a clean close: a's request is cancelled at once, b's runs on
     res_b = await long_b
     assert res_b.end["type"] == "done" and res_b.end["finish_reason"] == "length" and len(res_b.tokens) == 50
     lane = keys.lane("tiny-gpt", "normal")
-    deadline = asyncio.get_running_loop().time() + 5
-    while rds.xlen(lane) or rds.xpending(lane, "workers")["pending"]:  # nothing left running or queued
-        assert asyncio.get_running_loop().time() < deadline, rds.xpending(lane, "workers")
-        await asyncio.sleep(0.1)
+    await until_async(lambda: not (rds.xlen(lane) or rds.xpending(lane, "workers")["pending"]),
+                      lambda: f"nothing left running or queued: {rds.xpending(lane, 'workers')}", timeout=5)
     await b.close()

@@ -16,6 +16,7 @@ from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
 from tests.support.ports import free_port
 from tests.support.keys import add_key
 from tests.support.metrics import value
+from tests.support.wait import until_async
 
 pytestmark = [pytest.mark.slow,  # speech synthesized by flite through the whole fleet
               pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")]
@@ -237,9 +238,12 @@ async def test_inbound_frame_rate_is_limited_per_connection(voice_fleet):
         await v.ws.send(b"\0\0" * 160)
     err = await v.wait_for(lambda f: f["type"] == "error")
     assert err["code"] == "rate_limited" and err["retry_after_ms"] > 0
-    await asyncio.sleep(1.0)  # the bucket refills; the connection is still there
-    await v.ws.send(orjson.dumps({"type": "ping"}).decode())
-    await v.wait_for(lambda f: f["type"] == "pong")
+    # the connection is still there: a ping is answered once the bucket has refilled
+    async def pinged() -> bool:
+        await v.ws.send(orjson.dumps({"type": "ping"}).decode())
+        return bool(v.of("pong"))
+
+    await until_async(pinged, "a pong once the bucket refills", interval=0.05)
     await v.close()
 
 
@@ -277,7 +281,7 @@ async def test_audio_faster_than_real_time_is_dropped_with_an_error_at_once(flee
     answered_s = v.arrived[v.frames.index(err)] - sent_at[over]
     assert answered_s < 0.1, f"the error came {answered_s * 1000:.0f} ms after the first frame over the limit"
     # back to real time after a pause: the same connection is served, without an error
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(1.5)  # a real clock window: the audio allowance refills at 1.5 s a second
     await v.send_audio(silence(1200) + speech(SENTENCES[0]) + silence(1200), realtime=True)
     await v.stop(timeout=60)
     finals = v.of("final")
@@ -353,9 +357,9 @@ async def test_a_tenant_talking_on_several_sockets_does_not_starve_another(fleet
     for v in a:
         await v.wait_for(lambda f: f["type"] == "started")
         talking.append(asyncio.create_task(v.send_audio(talk, realtime=True)))
-        await asyncio.sleep(0.2)
-    for v in a:
-        await v.wait_for(lambda f: f["type"] == "speech_started", timeout=10)
+        await v.wait_for(lambda f: f["type"] == "speech_started", timeout=10)  # first come: one after another
+    # a real clock window: A's other utterances have had a second to take the other slot if
+    # fairness failed (no event marks a slot not taken)
     await asyncio.sleep(1.0)
     held = rds.zrange(f"{key_prefix}:{{asr-en}}:voice:held", 0, -1)
     assert len(held) == 1, held  # A's share of the two slots; the third socket's utterance waits
@@ -409,10 +413,14 @@ async def test_a_long_utterance_does_not_stall_its_worker(fleet, rds, key_prefix
     await v.send_audio(silence(300) + b"".join(speech(s) + silence(250) for s in refs) + silence(1500))
     heartbeats = f"{key_prefix}:workers:asr-en"
     worst = 0.0
-    while not v.of("final"):  # every heartbeat stays fresh while the utterance decodes
+
+    def final_seen() -> bool:  # every heartbeat stays fresh while the utterance decodes
+        nonlocal worst
         for raw in rds.hvals(heartbeats):
             worst = max(worst, time.time() - orjson.loads(raw)["heartbeat"])
-        await asyncio.sleep(0.1)
+        return bool(v.of("final"))
+
+    await until_async(final_seen, "the long utterance's final", timeout=90, interval=0.05)
     await v.stop(timeout=60)
     finals = v.of("final")
     assert len(finals) == 1 and finals[0]["end_ms"] - finals[0]["start_ms"] > 12_000, v.frames
@@ -441,13 +449,17 @@ async def test_finals_come_in_utterance_order(fleet):
     assert wer(" ".join(sentences), finals[0]["text"]) <= 0.2 and wer(SENTENCES[4], finals[1]["text"]) <= 0.2
     # the order was the gateway's doing: the worker finished the short one first (it logs
     # each just after publishing its end, so the log may lag the frames a little)
-    t0, ids = time.monotonic(), {finals[0]["request_id"], finals[1]["request_id"]}
-    while True:
-        finished = [orjson.loads(line)["request_id"] for line in worker.log(tail=None).splitlines()
-                    if line.startswith("{") and '"task finished"' in line]
-        if ids <= set(finished) or time.monotonic() - t0 > 10:
-            break
-        await asyncio.sleep(0.1)
+    ids = {finals[0]["request_id"], finals[1]["request_id"]}
+
+    def finished_ids() -> list[str]:
+        return [orjson.loads(line)["request_id"] for line in worker.log(tail=None).splitlines()
+                if line.startswith("{") and '"task finished"' in line]
+
+    def both_finished() -> list[str] | None:
+        finished = finished_ids()
+        return finished if ids <= set(finished) else None
+
+    finished = await until_async(both_finished, "both finished in the worker's log")
     assert finished.index(finals[1]["request_id"]) < finished.index(finals[0]["request_id"]), finished
     await v.close()
 
@@ -501,11 +513,8 @@ async def test_a_gateway_that_dies_stops_its_utterances(fleet, rds, key_prefix):
     gw.popen.kill()  # mid-utterance: no end marker will ever come
     sending.cancel()
     # the worker notices nobody hears the utterance and frees its slot
-    t0 = time.monotonic()
-    while rds.xpending(lane, "workers")["pending"] and time.monotonic() - t0 < 20:
-        await asyncio.sleep(0.1)
-    assert rds.xpending(lane, "workers")["pending"] == 0, worker.log()
-    assert time.monotonic() - t0 < 12
+    await until_async(lambda: rds.xpending(lane, "workers")["pending"] == 0, lambda: "the slot freed\n" + worker.log(),
+                      timeout=12)
     assert worker.alive()
 
 
@@ -530,10 +539,10 @@ async def test_redis_outage_ends_utterances_clearly_and_voice_resumes(own_redis,
         await sending
         restarted = EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
         async with httpx.AsyncClient(timeout=15) as http:
-            deadline = time.monotonic() + 30
-            while (await http.get(gw.http + "/readyz")).status_code != 200:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
+            async def ready() -> bool:
+                return (await http.get(gw.http + "/readyz")).status_code == 200
+
+            await until_async(ready, "the gateway ready again", timeout=30)
         await v.send_audio(speech(SENTENCES[2]) + silence(1000))
         final = await v.wait_for(lambda f: f["type"] == "final", timeout=60)
         assert wer(SENTENCES[2], final["text"]) <= 0.25, final
