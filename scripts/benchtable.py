@@ -67,6 +67,9 @@ class Run:
     commit: str
     took_s: float | None = None
     load: tuple[float, float] | None = None
+    #: cores busy on average over the run, and how many of them by processes other than
+    #: the benchmark and its children (a shared machine's noise, said beside the figures)
+    busy: tuple[float, float] | None = None
 
 
 def kernel_flags(flags: str) -> tuple[str, ...]:
@@ -153,6 +156,9 @@ def render_section(key: str, title: str, report: str, run: Run, note: str = "", 
         if run.load is not None:
             took += f", load average {run.load[0]:.2f} before, {run.load[1]:.2f} after"
         facts.append(took)
+    if run.busy is not None:
+        facts.append(f"* machine during the run: {run.busy[0]:.2f} of {run.machine.cores} cores busy, "
+                     f"{run.busy[1]:.2f} of them by other work")
     body = report.rstrip("\n")
     fence = "```"
     while fence in body:
@@ -196,6 +202,29 @@ def write(target: str, default_key: str, title: str, report: str, run: Run, note
     path.write_text(replace_section(old, key, render_section(key, title, report, run, note), heading),
                     encoding="utf-8")
     return path
+
+
+def _cpu_s() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, of this process and its reaped children)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    tick = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return (sum(fields[:8]) - idle) / tick, t.user + t.system + t.children_user + t.children_system
+
+
+def busy_cores(before: tuple[float, float] | None, after: tuple[float, float] | None,
+               wall_s: float, cores: int) -> tuple[float, float] | None:
+    """Cores busy on average between two ``_cpu_s`` readings, and those not the benchmark's."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    total = max(0.0, after[0] - before[0]) / wall_s
+    own = max(0.0, after[1] - before[1]) / wall_s
+    total = min(total, float(cores)) if cores else total
+    return total, max(0.0, total - own)
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -244,15 +273,16 @@ def main(entry: Callable[[], int | None], argv: list[str] | None = None) -> int:
     name = Path(argv[0]).stem
     module = sys.modules.get(entry.__module__)
     run_cmd, when = command(argv), dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load0, t0 = os.getloadavg()[0], time.monotonic()
+    load0, t0, cpu0 = os.getloadavg()[0], time.monotonic(), _cpu_s()
     tee = _Tee(sys.stdout)  # type: ignore[arg-type]
     with contextlib.redirect_stdout(tee):
         code = entry() or 0
     if code:
         print(f"benchtable: exit status {code}, {known.write} not written", file=sys.stderr)
         return code
-    run = Run(command=run_cmd, machine=machine(), when=when, commit=commit(), took_s=time.monotonic() - t0,
-              load=(load0, os.getloadavg()[0]))
+    took, here = time.monotonic() - t0, machine()
+    run = Run(command=run_cmd, machine=here, when=when, commit=commit(), took_s=took, load=(load0, os.getloadavg()[0]),
+              busy=busy_cores(cpu0, _cpu_s(), took, here.cores))
     title = title_of(getattr(module, "__doc__", None), name)
     _, key = split_target(known.write, name)
     if key != name:

@@ -115,3 +115,11 @@ def test_main_writes_only_after_a_clean_exit(tmp_path, monkeypatch, capsys):
     assert "\nthe table\n```\n" in text and "* commit: abc1234" in text
     assert "the table" in capsys.readouterr().out  # still printed as usual
     assert sys.stdout is not None
+
+
+def test_busy_cores_says_how_much_was_other_work():
+    assert benchtable.busy_cores((100.0, 10.0), (116.0, 22.0), 10.0, 2) == pytest.approx((1.6, 0.4))
+    assert benchtable.busy_cores(None, (1.0, 1.0), 10.0, 2) is None
+    run = Run(RUN.command, RUN.machine, RUN.when, RUN.commit, busy=(1.6, 0.4))
+    assert "* machine during the run: 1.60 of 2 cores busy, 0.40 of them by other work" in \
+        render_section("k", "T", "x", run).splitlines()
