@@ -125,7 +125,7 @@ def plain_error(message: str, limits: GrammarLimits = DEFAULT_LIMITS) -> str:
     return text[:300]
 
 
-def depth_problem(value: Any, limit: int) -> int | None:
+def depth_problem(value: object, limit: int) -> int | None:
     """How deep ``value`` nests (objects and arrays) when that is more than ``limit``,
     else None; walks without recursion, and stops at the first level past the limit."""
     level, frontier = 0, [value]
@@ -151,7 +151,7 @@ def _llg() -> ModuleType:
     return llguidance
 
 
-def _size(value: Any, param: str, max_depth: int) -> None:
+def _size(value: object, param: str, max_depth: int) -> None:
     if isinstance(value, (dict, list)) and depth_problem(value, max_depth) is not None:
         raise GrammarError(f"'{param}' nests deeper than {max_depth} levels; the limit is {max_depth} "
                            f"(SF_GRAMMAR_MAX_DEPTH)", param)

@@ -321,7 +321,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: object) -> list[int]:
     if isinstance(value, bool):
         return []
     if isinstance(value, int):
@@ -331,7 +331,7 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: object) -> str | None:
     if isinstance(value, dict):  # {"content": "</s>", ...} (AddedToken)
         value = value.get("content")
     return value if isinstance(value, str) and value else None
@@ -459,7 +459,7 @@ def _safe(part: str) -> bool:
 BUILTIN_CHAT_TEMPLATE = "builtin"
 
 
-def _template_value(value: Any) -> str | dict[str, str] | None:
+def _template_value(value: object) -> str | dict[str, str] | None:
     """A chat template as transformers takes it: one Jinja string, or named templates
     (``[{"name", "template"}, ...]`` in tokenizer_config.json); None when empty."""
     if isinstance(value, str):

@@ -363,7 +363,7 @@ class EmbedTask:
 AnyTask = Task | SpeechTask | EmbedTask
 
 
-def _task_fields(obj: Any) -> dict[str, Any]:
+def _task_fields(obj: object) -> dict[str, Any]:
     """A text task's dataclasses as ``Task.encode`` writes them (``default`` of
     ``orjson.dumps`` with ``OPT_PASSTHROUGH_DATACLASS``): every field, but a
     ``SamplingParams``'s ``prompt_logprobs`` when None."""

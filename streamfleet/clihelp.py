@@ -12,10 +12,12 @@ terminal); a command's summary is its docstring's first paragraph, also on one l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+from typer.models import CommandFunctionType
 
 __all__ = ["App", "Command", "Group", "plain_params"]
 
@@ -90,6 +92,6 @@ class App(typer.Typer):
         kwargs.setdefault("add_completion", False)
         super().__init__(**kwargs)
 
-    def command(self, *args: Any, **kwargs: Any) -> Any:
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[CommandFunctionType], CommandFunctionType]:
         kwargs.setdefault("cls", Command)
         return super().command(*args, **kwargs)

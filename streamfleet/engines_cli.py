@@ -20,12 +20,15 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from streamfleet.clihelp import App
 from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
+
+if TYPE_CHECKING:
+    from streamfleet.shared.settings import CommonSettings
 
 __all__ = ["engines_app"]
 
@@ -35,7 +38,7 @@ engines_app = App(no_args_is_help=True,
 
 
 
-def _settings(redis_url: str | None, state: str | None) -> Any:
+def _settings(redis_url: str | None, state: str | None) -> CommonSettings:
     from streamfleet.local import admin_settings
 
     return admin_settings(redis_url, state)
@@ -87,7 +90,7 @@ def build(
     raise typer.Exit(_build_here(settings, model, force, options))
 
 
-def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[str, Any], wait: bool,
+def _enqueue(settings: CommonSettings, queue: str, model: str, force: bool, options: dict[str, Any], wait: bool,
              timeout: float) -> int:
     from streamfleet.shared.redis import BROKER_ERRORS
     from streamfleet.workers.enginebuild import enqueue_build, queue_key
@@ -128,7 +131,7 @@ def _enqueue(settings: Any, queue: str, model: str, force: bool, options: dict[s
         raise _fail(f"cannot reach Redis at {settings.redis_url}: {exc}") from None
 
 
-def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any]) -> int:
+def _build_here(settings: CommonSettings, model: str, force: bool, options: dict[str, Any]) -> int:
     from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
     from streamfleet.workers.engines.trt_build import build_plan
@@ -149,7 +152,7 @@ def _build_here(settings: Any, model: str, force: bool, options: dict[str, Any])
     return 0
 
 
-def _record_best_effort(settings: Any, model: str, key: str, record: dict[str, Any]) -> None:
+def _record_best_effort(settings: CommonSettings, model: str, key: str, record: dict[str, Any]) -> None:
     """Local builds show up in `engines list` too, when Redis is reachable."""
     from streamfleet.shared.redis import BROKER_ERRORS, connect
     from streamfleet.shared.schema import encode_plan_record
@@ -222,7 +225,7 @@ def list_(
             typer.echo("no plan files on this host", err=True)
 
 
-def _local_plans(settings: Any, model: str | None) -> list[dict[str, Any]]:
+def _local_plans(settings: CommonSettings, model: str | None) -> list[dict[str, Any]]:
     from streamfleet.shared.errors import FatalError, NotFoundError
     from streamfleet.shared.modelrepo import ModelRepository
     from streamfleet.workers.engines.trt_plan import list_local_plans, tensorrt_options

@@ -20,10 +20,13 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
+
+if TYPE_CHECKING:
+    from streamfleet.shared.settings import CommonSettings
 
 __all__ = ["ServeRecord", "AdminRedisError", "Resolution", "state_dir", "record_path", "write_record",
            "clear_record", "read_record", "serve_records", "resolve_redis", "admin_settings", "mask_url",
@@ -207,7 +210,7 @@ def resolve_redis(flag: str | None, state: str | None = None) -> Resolution:
                                          "nor REDIS_URL is set; pass --redis-url for another", notes)
 
 
-def admin_settings(flag: str | None, state: str | None = None, *, quiet: bool = False) -> Any:
+def admin_settings(flag: str | None, state: str | None = None, *, quiet: bool = False) -> CommonSettings:
     """The command's ``CommonSettings`` with its Redis resolved (``resolve_redis``); says
     on stderr which Redis that is, unless ``quiet``. A Redis it cannot tell ends the
     command with exit status 2 and the reason."""

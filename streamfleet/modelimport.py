@@ -102,11 +102,11 @@ _NO_TEMPLATE = ("none: chat requests are refused (completions only); `chat_templ
 _WHOLE_CACHE = "the engines attend to the whole cache, which equals {} only within {}"
 
 
-def _positive(value: Any) -> int | None:
+def _positive(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _strings(value: Any) -> list[str]:
+def _strings(value: object) -> list[str]:
     """Every string in a nest of lists (GPT-Neo's ``attention_types``: ``[[["global", "local"], 12]]``)."""
     if isinstance(value, str):
         return [value]

@@ -200,7 +200,7 @@ class FleetStatus:
         return out
 
 
-def _s(v: Any) -> str:
+def _s(v: object) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 

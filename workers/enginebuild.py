@@ -189,5 +189,5 @@ async def list_queues(redis: Any, prefix: str) -> list[dict[str, Any]]:
     return out
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

@@ -40,6 +40,10 @@ class PrefixStats:
     reply_tokens: int = 0
 
 
+#: the builtin, under a name ``PrefixCache.bytes`` (a property) does not hide
+_Bytes = bytes
+
+
 class PrefixCache:
     """Named KV blocks under a byte budget, least recently used out first.
 
@@ -74,15 +78,15 @@ class PrefixCache:
     def __contains__(self, name: object) -> bool:
         return name in self._blocks
 
-    def names(self) -> list[bytes]:
+    def names(self) -> list[_Bytes]:
         """Every block's name, least recently used first."""
         return list(self._blocks)
 
-    def hashes(self, ids: Sequence[int], limit: int | None = None) -> list[bytes]:
+    def hashes(self, ids: Sequence[int], limit: int | None = None) -> list[_Bytes]:
         """The names of the whole blocks of ``ids`` (at most ``limit``)."""
         return block_hashes(self.seed, ids, self.block, limit)
 
-    def lookup(self, ids: Sequence[int], *, count: bool = True) -> tuple[list[bytes], list[list[np.ndarray]]]:
+    def lookup(self, ids: Sequence[int], *, count: bool = True) -> tuple[list[_Bytes], list[list[np.ndarray]]]:
         """The longest run of cached blocks ``ids`` starts with, leaving at least two tokens
         of ``ids`` to compute: the last one's logits are needed, and a run of one token
         takes ONNX Runtime's one-row kernels, whose last bits differ from a prefill's
@@ -111,7 +115,7 @@ class PrefixCache:
 
     # -- writing -------------------------------------------------------------------------
 
-    def held(self, names: Sequence[bytes]) -> int:
+    def held(self, names: Sequence[_Bytes]) -> int:
         """How many of ``names`` (a chain, in order) the cache holds from the first on,
         without marking them used."""
         n = 0
@@ -121,14 +125,14 @@ class PrefixCache:
             n += 1
         return n
 
-    def touch(self, name: bytes) -> bool:
+    def touch(self, name: _Bytes) -> bool:
         """Mark a block used; whether the cache holds it."""
         if name in self._blocks:
             self._blocks.move_to_end(name)
             return True
         return False
 
-    def put(self, name: bytes, kv: list[np.ndarray]) -> bool:
+    def put(self, name: _Bytes, kv: list[np.ndarray]) -> bool:
         """Keep a block (its arrays are kept as given: pass copies); True when stored,
         False when already there (marked used) or larger than the whole budget."""
         if name in self._blocks:

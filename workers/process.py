@@ -30,8 +30,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ReadOnlyError, ResponseError
@@ -49,7 +51,7 @@ from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.audio import AudioFeed
 from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.control import ControlChannel
-from streamfleet.workers.core import WorkerCore
+from streamfleet.workers.core import StepOutput, WorkerCore
 from streamfleet.workers.coreset import CoreSet, VersionedCore
 from streamfleet.workers.deadletters import DeadLetters
 from streamfleet.workers.drain import Drain
@@ -63,6 +65,9 @@ from streamfleet.workers.prefixadvert import PrefixAdvert
 from streamfleet.workers.publisher import Publisher
 from streamfleet.workers.reclaim import Reclaimer, Takeover
 from streamfleet.workers.reload import Reloader, target_version
+
+if TYPE_CHECKING:
+    from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["WorkerProcess", "run_worker", "Takeover"]
 
@@ -95,9 +100,10 @@ MAX_BACKOFF_CLUSTER_S = 1.0
 class StepState:
     """What the main loop carries from one turn to the next."""
 
-    running: asyncio.Future | None = None  # the engine step in the executor
+    running: asyncio.Future[list[tuple[str, StepOutput]]] | None = None  # the engine step in the executor
     started_at: float = 0.0  # perf_counter() when it started
-    unpublished: list = field(default_factory=list)  # (version, StepOutput) of the last finished step
+    #: (version, StepOutput) of the last finished step
+    unpublished: list[tuple[str, StepOutput]] = field(default_factory=list)
     just_read: bool = False  # tasks were just read: the next step starts without another read
     idle_read: bool = False  # the loop waits on an idle worker's blocking read (nothing to lose if cut)
     redis_failed: bool = False  # the last turn failed on Redis (the loop is backing off)
@@ -114,6 +120,9 @@ class WorkerProcess:
     heartbeat: HeartbeatLoop
     drain: Drain
     affinity: Affinity | None = None  # a text model's (prefix-aware routing)
+    # connected and loaded by run, before anything else uses them
+    redis: aioredis.Redis
+    cores: CoreSet
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -126,13 +135,11 @@ class WorkerProcess:
         self.table = InFlightTable()
         self.wake = WakeState(self.worker_id)
         self.tokens = TokenRate()
-        self.redis: aioredis.Redis | None = None
-        self.cores: CoreSet | None = None
         self.max_batch = 0
         self.overlap_io = True
         self.audio: AudioFeed | None = None  # a speech model's audio input
         self._embedding = False  # an embedding model's worker (tokens_per_s counts input tokens)
-        self._bg: set[asyncio.Task] = set()
+        self._bg: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
         self._cut_short = False  # the main loop was cancelled by _bound_stop
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -162,15 +169,15 @@ class WorkerProcess:
             from streamfleet.workers.engines.speech_loader import load_speech_engine
             from streamfleet.workers.speechcore import SpeechCore
 
-            engine = load_speech_engine(spec, **({"slots": self.settings.max_batch} if self.settings.max_batch else {}))
-            return VersionedCore(spec.version, SpeechCore(engine))
+            speech = load_speech_engine(spec, **({"slots": self.settings.max_batch} if self.settings.max_batch else {}))
+            return VersionedCore(spec.version, SpeechCore(speech))
         if spec.kind == "embedding":  # an embedding model: whole tasks embedded together (workers/embedcore.py)
             from streamfleet.workers.embedcore import EmbeddingCore
             from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 
-            engine = OnnxEmbeddingEngine(spec, threads=self.settings.threads or None)
-            return VersionedCore(spec.version, EmbeddingCore(engine, slots=self.settings.max_batch or None))
-        options = {}
+            embedder = OnnxEmbeddingEngine(spec, threads=self.settings.threads or None)
+            return VersionedCore(spec.version, EmbeddingCore(embedder, slots=self.settings.max_batch or None))
+        options: dict[str, Any] = {}
         backend = self.settings.backend or spec.backend
         if backend == "onnxruntime" and self.settings.threads:
             options["threads"] = self.settings.threads
@@ -207,7 +214,7 @@ class WorkerProcess:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        if getattr(self, "affinity", None) is not None:
+        if self.affinity is not None:
             await self.affinity.ensure()
 
     async def _wait_for_redis(self) -> bool:
@@ -338,14 +345,15 @@ class WorkerProcess:
             await asyncio.wait({main, bound}, return_when=asyncio.FIRST_COMPLETED)
             if not main.done():  # cut short: a moment to unwind (a publish it awaits is cancelled below)
                 await asyncio.wait({main}, timeout=STOP_GRACE_S / 2)
-            if main.done() and not main.cancelled() and main.exception() is not None:
-                raise main.exception()
+            failure = main.exception() if main.done() and not main.cancelled() else None
+            if failure is not None:
+                raise failure
             await self._finish(st)
         finally:
             bound.cancel()
             main.cancel()
 
-    async def _bound_stop(self, main: asyncio.Task, st: StepState) -> None:
+    async def _bound_stop(self, main: asyncio.Task[None], st: StepState) -> None:
         """Bound a stopping worker's main loop whatever Redis does. Told to stop, the loop
         gets until the drain's deadline (its clock starts now) plus ``STOP_GRACE_S``;
         running nothing (no sequence, no step, no unsent events), until an idle read
@@ -414,7 +422,7 @@ class WorkerProcess:
         the engine computes this one, so publishing overlaps the model instead of adding
         to every step; without overlap (a CPU engine, whose cores the engine needs) the
         step finishes before any I/O."""
-        publishing: asyncio.Future | None = None
+        publishing: asyncio.Future[Any] | None = None
         if st.running is None:  # else a Redis error cut the last turn short mid-step
             self._apply_cancels()
             publishing = await self._boundary_read(st, stopping)
@@ -437,7 +445,7 @@ class WorkerProcess:
                 self.table.remember_cancel(rid, now)
         self.table.forget_old(now)
 
-    async def _boundary_read(self, st: StepState, stopping: bool) -> asyncio.Future | None:
+    async def _boundary_read(self, st: StepState, stopping: bool) -> asyncio.Future[Any] | None:
         """The step boundary: tasks that arrived while the last step computed (and held
         ones) join this step. With overlapped I/O the read is made only when a gateway
         announced a task not read yet (``sf:wake:{model}``), and the last step's events go
@@ -478,7 +486,7 @@ class WorkerProcess:
             # (the step's start delayed by as long).
             began.wait(STEP_HANDOFF_S)
 
-    def _run_step(self):
+    def _run_step(self) -> list[tuple[str, StepOutput]]:
         """The step, in the engine thread."""
         self._step_began.set()
         return self.cores.step()
@@ -525,7 +533,7 @@ class WorkerProcess:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.cores.idle_step)
             self._cache_metrics()
 
-    async def _admit_while_computing(self, running: asyncio.Future) -> None:
+    async def _admit_while_computing(self, running: asyncio.Future[list[tuple[str, StepOutput]]]) -> None:
         """Read and start the tasks gateways announce while the engine computes, until it
         returns (docs/architecture.md, "A request's path"): they are in the cores when
         the step ends, so the next one starts at once with them, instead of after a read
@@ -570,9 +578,10 @@ class WorkerProcess:
             self.tokens.add(out.prefill_tokens if self._embedding else out.new_tokens)
         self._cache_metrics()
 
-    def _prefix_cache(self):
+    def _prefix_cache(self) -> PrefixCache | None:
         """The current version's prefix cache (None: none)."""
-        return getattr(self.cores.current.core, "prefix_cache", None) if self.cores is not None else None
+        cores: CoreSet | None = getattr(self, "cores", None)  # (None before run loaded them)
+        return getattr(cores.current.core, "prefix_cache", None) if cores is not None else None
 
     def _cache_metrics(self) -> None:
         cache = self._prefix_cache()
@@ -645,17 +654,17 @@ class WorkerProcess:
                          shared_used=sum(1 for fl in self.table.running.values() if not split_source(fl.lane)[1]),
                          execution=self._execution[0], execution_why=self._execution[1], **self._step_costs())
 
-    def _step_costs(self) -> dict:
+    def _step_costs(self) -> dict[str, Any]:
         """The heartbeat's step target and learned step costs (a text model's core; the
         current version's), and the prompt tokens its last prefill step took."""
         core = self.cores.current.core
         costs = getattr(core, "costs", None)
-        if costs is None:
+        if costs is None or not isinstance(core, WorkerCore):
             return {}
         return {"step_target_ms": round(core.step_target_s * 1000.0, 1),
                 "step_costs": costs.describe() | {"chunk": float(core.last_chunk)}}
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         t = asyncio.create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)

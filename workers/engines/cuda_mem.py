@@ -29,6 +29,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -210,7 +211,7 @@ def detect_compute_capability(mem: CudaMem | None = None, device: int = 0) -> st
 
 
 class _RtStream:
-    def __init__(self, mem: CudaPythonMem, native: Any) -> None:
+    def __init__(self, mem: CudaPythonMem, native: ModuleType) -> None:
         self._mem, self.native = mem, native
         self.handle = int(native)
 
@@ -223,7 +224,7 @@ class CudaPythonMem:
 
     name = "cuda-python"
 
-    def __init__(self, rt: Any, importer: Importer | None = None) -> None:
+    def __init__(self, rt: ModuleType, importer: Importer | None = None) -> None:
         self._rt = rt
         self._h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
@@ -311,7 +312,7 @@ class CudaPythonMem:
 
 
 class _PyStream:
-    def __init__(self, mem: PyCudaMem, native: Any) -> None:
+    def __init__(self, mem: PyCudaMem, native: ModuleType) -> None:
         self._mem, self.native = mem, native
         self.handle = int(native.handle)
 
@@ -325,7 +326,7 @@ class PyCudaMem:
 
     name = "pycuda"
 
-    def __init__(self, drv: Any, importer: Importer | None = None) -> None:
+    def __init__(self, drv: ModuleType, importer: Importer | None = None) -> None:
         importer = importer or importlib.import_module
         # Retains the primary context (the one the CUDA runtime, and so TensorRT, uses)
         # and makes it current on this thread; pops it at interpreter exit.

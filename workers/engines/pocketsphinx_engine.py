@@ -195,7 +195,7 @@ class PocketSphinxEngine(SpeechEngine):
         self._full_pass = None
 
 
-def _as_bool(value: Any, spec: ModelSpec, key: str) -> bool:
+def _as_bool(value: object, spec: ModelSpec, key: str) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):

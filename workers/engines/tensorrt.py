@@ -31,6 +31,7 @@ GPU-related is imported until an engine is constructed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -84,7 +85,7 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def _trt_dtype(trt: Any, dt: Any) -> str:
+def _trt_dtype(trt: ModuleType, dt: Any) -> str:
     table = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64"}
     for attr, name in table.items():
         if getattr(trt.DataType, attr, None) == dt:
@@ -95,7 +96,7 @@ def _trt_dtype(trt: Any, dt: Any) -> str:
 class TrtRunner:
     """The plan, deserialized, with one execution context per profile."""
 
-    def __init__(self, trt: Any, runtime: Any, engine: Any, info: GraphInfo, profile_index: dict[str, int],
+    def __init__(self, trt: ModuleType, runtime: Any, engine: Any, info: GraphInfo, profile_index: dict[str, int],
                  stream: Stream) -> None:
         self._trt, self._runtime, self._engine = trt, runtime, engine  # the runtime must outlive the engine
         self.info = info
@@ -126,7 +127,7 @@ class TrtRunner:
         self._bound: dict[str, dict[str, int]] = {name: {} for name in self._contexts}
 
     @classmethod
-    def load(cls, spec: ModelSpec, opts: dict[str, Any], trt: Any, mem: CudaMem, stream: Stream) -> TrtRunner:
+    def load(cls, spec: ModelSpec, opts: dict[str, Any], trt: ModuleType, mem: CudaMem, stream: Stream) -> TrtRunner:
         """Find (or build) the plan for this GPU and TensorRT, deserialize it.
 
         Raises:
@@ -163,7 +164,7 @@ class TrtRunner:
         return cls(trt, runtime, engine, info, index, stream)
 
     @staticmethod
-    def _deserialize(trt: Any, path: Any) -> tuple[Any, Any]:
+    def _deserialize(trt: ModuleType, path: Any) -> tuple[Any, Any]:
         runtime = trt.Runtime(trt_build.trt_logger(trt))
         try:
             engine = runtime.deserialize_cuda_engine(path.read_bytes())

@@ -18,6 +18,7 @@ import fcntl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from streamfleet.shared.errors import FatalError
@@ -38,7 +39,7 @@ __all__ = ["build_plan", "build_serialized", "import_tensorrt", "trt_logger"]
 _LOGGERS: dict[int, Any] = {}
 
 
-def import_tensorrt() -> Any:
+def import_tensorrt() -> ModuleType:
     """``import tensorrt`` (10.x or 11.x).
 
     Raises:
@@ -58,7 +59,7 @@ def import_tensorrt() -> Any:
     return trt
 
 
-def trt_logger(trt: Any) -> Any:
+def trt_logger(trt: ModuleType) -> Any:
     """One ``trt.Logger`` per process (TensorRT expects a single logger)."""
     logger = _LOGGERS.get(id(trt))
     if logger is None:
@@ -66,7 +67,7 @@ def trt_logger(trt: Any) -> Any:
     return logger
 
 
-def _network_flags(trt: Any) -> int:
+def _network_flags(trt: ModuleType) -> int:
     major = int(str(trt.__version__).split(".")[0])
     if major >= 11:
         return 0  # every network is strongly typed; the creation flag is gone or ignored
@@ -88,7 +89,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def build_serialized(request: PlanRequest, trt: Any, log: Callable[[str], None] = lambda s: None) -> bytes:
+def build_serialized(request: PlanRequest, trt: ModuleType, log: Callable[[str], None] = lambda s: None) -> bytes:
     """Parse, configure and build; returns the serialized plan. Updates the timing cache.
 
     Raises:
@@ -149,7 +150,7 @@ def build_serialized(request: PlanRequest, trt: Any, log: Callable[[str], None] 
 
 
 def build_plan(spec: ModelSpec, *, force: bool = False, options: Mapping[str, Any] | None = None,
-               compute_capability: str | None = None, trt: Any = None,
+               compute_capability: str | None = None, trt: ModuleType | None = None,
                log: Callable[[str], None] = lambda s: None) -> BuildResult:
     """Build (or find) ``spec``'s plan for this host's TensorRT and GPU.
 

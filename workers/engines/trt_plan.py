@@ -142,7 +142,7 @@ def tensorrt_options(spec: ModelSpec, options: Mapping[str, Any] | None = None) 
     return merged
 
 
-def _as_bool(value: Any) -> bool:
+def _as_bool(value: object) -> bool:
     if isinstance(value, str):
         low = value.strip().lower()
         if low in ("1", "true", "yes", "on"):
@@ -389,7 +389,7 @@ def trt_major_minor(version: str) -> str:
     return ".".join(parts[:2]) if len(parts) >= 2 else version
 
 
-def _canonical(obj: Any) -> bytes:
+def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
