@@ -14,6 +14,7 @@ import redis
 from streamfleet.launcher import EmbeddedRedis
 from streamfleet.shared.schema import SamplingParams, Task
 from tests.support.fleet import FleetFactory
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # a Redis of its own stopped and restarted per test
@@ -51,11 +52,7 @@ async def test_redis_outage_ends_requests_and_service_resumes(own_redis, tiny_sp
 
         # Redis comes back (empty: it persisted nothing); everyone reconnects by themselves
         restarted = EmbeddedRedis(port=own_redis.port, binary=own_redis.binary).start()
-        async with httpx.AsyncClient(timeout=15) as http:
-            deadline = time.monotonic() + 30
-            while (await http.get(gw.http + "/readyz")).status_code != 200:
-                assert time.monotonic() < deadline, gw.log() + w.log()
-                await asyncio.sleep(0.2)
+        await until_async(lambda: _ready(gw), lambda: "readiness\n" + gw.log() + w.log(), timeout=30)
         try:
             again = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=30)
         except TimeoutError:
@@ -86,7 +83,9 @@ async def test_worker_told_to_stop_while_redis_is_down_still_stops(own_redis, ti
             await asyncio.sleep(0.01)
         own_redis.proc.terminate()
         own_redis.proc.wait(10)
-        await asyncio.sleep(0.5)  # the worker's next publish fails: its step is cut short
+        # a real clock window: the worker's next publish (every 30 ms) fails and cuts its step
+        # short; the worker cannot tell anyone so
+        await asyncio.sleep(0.5)
         t0 = time.monotonic()
         w.popen.terminate()
         code = await asyncio.to_thread(w.popen.wait, 30)
@@ -122,15 +121,13 @@ async def test_worker_told_to_stop_while_redis_does_not_answer_stops_within_its_
                         prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200, ignore_eos=True, seed=i),
                         created_at=time.time())
             rds.xadd(lane, {"task": task.encode()})
-        deadline = time.monotonic() + 15
-        while rds.xpending(lane, "workers")["pending"] < 4 or "task admitted" not in busy.log(None):
-            assert time.monotonic() < deadline, busy.log()
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # all four run
+        await until_async(lambda: rds.xpending(lane, "workers")["pending"] == 4
+                          and busy.log(None).count("task admitted") >= 4, lambda: "all four run\n" + busy.log(),
+                          timeout=15)
 
         os.kill(own_redis.proc.pid, signal.SIGSTOP)  # Redis stops answering
         paused = True
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a real clock window: the busy worker's next publish (every 100 ms) hangs on Redis
         t0 = time.monotonic()
         busy.popen.terminate()
         idle.popen.terminate()
@@ -180,13 +177,9 @@ def _sockets(rds, suffix: str, prefix: str) -> list[dict]:
     return [cl for cl in rds.client_list() if cl.get("name", "").startswith(prefix) and cl["name"].endswith(suffix)]
 
 
-async def _until(pred, timeout: float, what) -> None:
-    """Wait for ``pred()``; ``what`` (a string, or a callable giving one when it fails)
-    says what did not happen."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what() if callable(what) else what
-        await asyncio.sleep(0.05)
+async def _ready(gw) -> bool:
+    async with httpx.AsyncClient(timeout=15) as http:
+        return (await http.get(gw.http + "/readyz")).status_code == 200
 
 
 async def test_a_request_ended_by_the_gateway_is_stopped_when_its_events_keep_coming(own_redis, tiny_spec,
@@ -205,7 +198,7 @@ async def test_a_request_ended_by_the_gateway_is_stopped_when_its_events_keep_co
         w = fleet.worker(backend="echo", echo_delay_ms=100, orphan_grace_s=30)  # 24 s for the request
         c = await Client.connect(gw.ws)
         fut = c.start("r", "Once upon a time", max_tokens=240, ignore_eos=True)
-        await _until(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), 30, "no tokens")
+        await until_async(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), "tokens", timeout=30)
         assert not fut.done(), c.results["r"].end
         assert rds.xlen(lane) == 1
         _refuse_new_connections(rds, True)
@@ -216,12 +209,8 @@ async def test_a_request_ended_by_the_gateway_is_stopped_when_its_events_keep_co
             assert res.end["type"] == "error" and res.end["code"] == "broker_unavailable", res.end
         finally:
             _refuse_new_connections(rds, False)
-        async with httpx.AsyncClient(timeout=15) as http:
-            deadline = time.monotonic() + 30
-            while (await http.get(gw.http + "/readyz")).status_code != 200:
-                assert time.monotonic() < deadline, gw.log()
-                await asyncio.sleep(0.1)
-        await _until(lambda: rds.xlen(lane) == 0, 10, lambda: "the request still runs\n" + gw.log() + w.log())
+        await until_async(lambda: _ready(gw), lambda: "readiness\n" + gw.log(), timeout=30)
+        await until_async(lambda: rds.xlen(lane) == 0, lambda: "the request ended\n" + gw.log() + w.log(), timeout=10)
         assert "still running after its stream ended here; cancelling" in gw.log(None)
         # the fleet serves on
         again = await c.generate("after", "Once upon a time", max_tokens=3, ignore_eos=True, timeout=30)
@@ -246,16 +235,17 @@ async def test_a_cancel_lost_while_the_worker_reconnects_is_sent_again(own_redis
         w = fleet.worker(backend="echo", echo_delay_ms=100)  # 24 s for the request
         c = await Client.connect(gw.ws)
         fut = c.start("r", "Once upon a time", max_tokens=240, ignore_eos=True)
-        await _until(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), 30, "no tokens")
+        await until_async(lambda: len(c.results["r"].tokens) >= 5 or fut.done(), "tokens", timeout=30)
         assert not fut.done(), c.results["r"].end
         _refuse_new_connections(rds, True)
         try:
             [control] = _sockets(rds, "-control", "sf-worker-")
             rds.client_kill_filter(_id=control["id"])
-            await _until(lambda: rds.pubsub_numsub("sfcan:cancel") == [("sfcan:cancel", 0)], 5, "still subscribed")
+            await until_async(lambda: rds.pubsub_numsub("sfcan:cancel") == [("sfcan:cancel", 0)], "unsubscribed",
+                              timeout=5)
             t0 = time.monotonic()
             await c.send({"type": "cancel", "id": "r"})
-            await asyncio.sleep(0.5)  # published and lost meanwhile
+            await asyncio.sleep(0.5)  # a real clock window: the cancel is published, and lost, while the worker is away
         finally:
             _refuse_new_connections(rds, False)
         res = await asyncio.wait_for(fut, 10)
@@ -263,7 +253,7 @@ async def test_a_cancel_lost_while_the_worker_reconnects_is_sent_again(own_redis
         assert res.end["type"] == "done" and res.end["finish_reason"] == "cancelled", res.end
         assert res.end["timing"].get("total_ms"), ("ended by the gateway's grace, not the worker", res.end)
         assert took < 4.5, took
-        await _until(lambda: rds.xlen(lane) == 0, 5, w.log())
+        await until_async(lambda: rds.xlen(lane) == 0, w.log, timeout=5)
         await c.close()
     finally:
         rds.close()
@@ -283,15 +273,16 @@ async def test_workers_survive_their_lanes_deleted_while_pooled_sockets_are_dead
         c = await Client.connect(gw.ws)
         warm = await c.generate("warm", "hi", max_tokens=2, ignore_eos=True)
         assert warm.end["type"] == "done", warm.end
-        await _until(lambda: any(cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")
-                                 for cl in _sockets(rds, "-reads", "sf-worker-")), 10, "not waiting")
+        await until_async(lambda: any(cl.get("cmd") == "xreadgroup" and "b" in cl.get("flags", "")
+                                      for cl in _sockets(rds, "-reads", "sf-worker-")), "the worker's blocking read",
+                          timeout=10)
         me = rds.client_id()
         for cl in rds.client_list():  # every pooled (unnamed) connection of the fleet
             if not cl.get("name") and int(cl["id"]) != me:
                 rds.client_kill_filter(_id=cl["id"])
         assert rds.delete("sfdel:{tiny-gpt}:tasks:high", "sfdel:{tiny-gpt}:tasks:normal") == 2
-        await _until(lambda: rds.exists("sfdel:{tiny-gpt}:tasks:normal", "sfdel:{tiny-gpt}:tasks:high") == 2, 15,
-                     lambda: "the lanes were not recreated\n" + w.log())
+        await until_async(lambda: rds.exists("sfdel:{tiny-gpt}:tasks:normal", "sfdel:{tiny-gpt}:tasks:high") == 2,
+                          lambda: "the lanes recreated\n" + w.log(), timeout=15)
         assert w.alive(), w.log()
         res = await c.generate("after", "Once upon a time", max_tokens=5, ignore_eos=True, timeout=30)
         assert res.end["type"] == "done" and len(res.tokens) == 5, res.end
