@@ -19,6 +19,7 @@ from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.redis import connect
 from streamfleet.shared.tiers import DEFAULT_TIERS, Tier
+from tests.support.wait import until_async
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -176,7 +177,7 @@ async def test_bucket_burst_then_refusal_then_refill(ards, keys, rds):
         await limiter.check("k1", TEN_PER_S)
     await limiter.check("k2", TEN_PER_S)  # another key, another bucket
 
-    await asyncio.sleep(0.35)  # refills to burst, not beyond
+    await asyncio.sleep(0.35)  # a real clock window: longer than a refill to burst, which it does not pass
     decisions = [await limiter.take("k1", TEN_PER_S) for _ in range(4)]
     assert [d.allowed for d in decisions] == [True, True, True, False]
 
@@ -307,15 +308,17 @@ async def test_stream_slots_of_a_dead_gateway_lapse(ards, keys, rds):
     await slots.acquire("k", "r2", 2)
     with pytest.raises(RefusedError):
         await slots.acquire("k", "r3", 2)
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.6)  # a real clock window: r2's touch must come well after r1's last word
     await slots.touch("k", "r2")  # a live stream keeps its slot
-    await asyncio.sleep(0.5)
-    assert await slots.count("k") == 1  # r1 lapsed
+
+    async def one_left() -> bool:
+        return await slots.count("k") == 1
+
+    await until_async(one_left, "r1's slot lapsed", timeout=5)
     assert await slots.acquire("k", "r3", 2) is True
     await slots.touch("k", "r1")  # a lapsed slot is not revived
     assert sorted(rds.zrange(keys.streams("k"), 0, -1)) == [b"r2", b"r3"]
-    await asyncio.sleep(1.05)
-    assert not rds.exists(keys.streams("k"))  # the key itself expires when idle
+    await until_async(lambda: not rds.exists(keys.streams("k")), "the idle key expired", timeout=2)
 
 
 # -- CLI -------------------------------------------------------------------------------
