@@ -43,11 +43,14 @@ import struct
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["BertCheckpoint", "POOLING_MODES", "DIGEST_KEY", "GRAPH_FILE", "read_safetensors", "read_checkpoint",
            "build_graph", "write_model_files", "import_sentence_transformers", "importer_digest",
@@ -261,7 +264,7 @@ def _int(config: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _module_kind(entry: Any) -> str:
+def _module_kind(entry: object) -> str:
     kind = entry.get("type", "") if isinstance(entry, dict) else ""
     return str(kind).rsplit(".", 1)[-1]
 
@@ -478,7 +481,7 @@ class _Graph:
         return self._consts[key]
 
 
-def build_graph(m: BertCheckpoint, *, metadata: dict[str, str] | None = None) -> Any:
+def build_graph(m: BertCheckpoint, *, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
     """The embedding graph as an ``onnx.ModelProto`` (weights inside)."""
     from onnx import TensorProto, helper
 

@@ -41,13 +41,16 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.folder import ModelFolder
-from streamfleet.shared.ggufimport import AUTO, AUTO_GRAPH_FILE, AUTO_MODES as CANDIDATES
+from streamfleet.shared.ggufimport import AUTO, AUTO_GRAPH_FILE, AUTO_MODES as CANDIDATES, GgufModel
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 __all__ = ["AUTO", "CANDIDATES", "EXECUTION_FILE", "Served", "cpu_signature", "describe", "graph_file",
            "graph_path", "import_auto", "measure", "needs_measuring", "served", "time_graph",
@@ -160,7 +163,7 @@ def graph_file(mode: str) -> str:
     return AUTO_GRAPH_FILE if mode == "q4" else f"model.gqa.{mode}.onnx"
 
 
-def write_auto_graphs(m: Any, dest: Path, *, max_context: int, sha256: str | None = None,
+def write_auto_graphs(m: GgufModel, dest: Path, *, max_context: int, sha256: str | None = None,
                       say: Callable[[str], None] = lambda _: None) -> None:
     """Every candidate's GroupQueryAttention graph of the GGUF model ``m`` in ``dest``, and
     the tokenizer and config files, stamped ``auto`` (``importer_digest``)."""
@@ -203,7 +206,7 @@ def candidates_present(folder: Path) -> bool:
 
 # -- timing -------------------------------------------------------------------------------------
 
-def time_graph(session: Any, prompt: list[int], batches: tuple[int, ...] = (1, 16), steps: int = 12,
+def time_graph(session: ort.InferenceSession, prompt: list[int], batches: tuple[int, ...] = (1, 16), steps: int = 12,
                min_rows: int = 1) -> dict[int, float]:
     """The median decode step (ms) of a GroupQueryAttention graph's session at each batch
     size, run as its engine runs it (the KV buffer updated in place; at least

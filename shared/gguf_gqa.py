@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,6 +66,9 @@ from streamfleet.shared.ggufimport import (
     scaled_embedding,
 )
 from streamfleet.shared.packagefetch import sha256_of
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["GQA_GRAPH_FILE", "GQA_DIGEST_KEY", "POSITIONS_KEY", "CACHE_ROWS_KEY", "build_gqa_graph",
            "ensure_gqa_graph", "gqa_digest", "rope_caches", "write_gqa_graph"]
@@ -98,7 +101,7 @@ def rope_caches(head_dim: int, base: float, positions: int, factor: float = 1.0)
 
 
 def build_gqa_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, max_positions: int | None = None,
-                    metadata: dict[str, str] | None = None) -> Any:
+                    metadata: dict[str, str] | None = None) -> onnx.ModelProto:
     """The decoder with ``GroupQueryAttention`` as an ``onnx.ModelProto`` (see the module
     docstring); ``max_positions`` (default: the file's context) sizes the RoPE caches, the
     longest sequence the graph can run.

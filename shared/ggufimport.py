@@ -65,14 +65,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.packagefetch import sha256_of
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["AUTO", "AUTO_GRAPH_FILE", "AUTO_MODES", "GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf",
            "write_model_files", "write_tokenizer_files", "import_gguf", "importer_digest", "build_tokenizer_json",
@@ -1370,7 +1374,8 @@ def output_layer(g: _Graph, m: GgufModel, x: str, inputs: list[Any], weights: st
         g.op("Identity", [_softcap(g, out[0], m.final_softcap)], outputs=["logits"])
 
 
-def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[str, str] | None = None) -> Any:
+def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *,
+                metadata: dict[str, str] | None = None) -> onnx.ModelProto:
     """The decoder as an ``onnx.ModelProto`` (weights inside; saved with external data).
 
     Raises:
@@ -1473,7 +1478,7 @@ def build_graph(m: GgufModel, weights: str = DEFAULT_WEIGHTS, *, metadata: dict[
 
 
 def model_of(g: _Graph, name: str, inputs: list[Any], outputs: list[Any], producer: str,
-             metadata: dict[str, str]) -> Any:
+             metadata: dict[str, str]) -> onnx.ModelProto:
     """The ``onnx.ModelProto`` of a built graph (opset 17 and com.microsoft's), with
     ``metadata`` in its properties (every graph layout's)."""
     from onnx import helper
@@ -1647,7 +1652,7 @@ def write_model_files(m: GgufModel, dest: Path, *, weights: str = DEFAULT_WEIGHT
         write_tokenizer_files(m, dest, max_context=max_context)
 
 
-def save_graph(model: Any, dest: Path, graph_file: str) -> Path:
+def save_graph(model: onnx.ModelProto, dest: Path, graph_file: str) -> Path:
     """``dest/graph_file`` with its weights beside it in ``graph_file + ".data"``, written
     under a temporary name first (a reader never sees half a graph)."""
     import onnx
@@ -1706,7 +1711,7 @@ def write_tokenizer_files(m: GgufModel, dest: Path, *, max_context: int) -> None
 
 def import_gguf(source: Path, dest_root: Path, name: str, *, weights: str = DEFAULT_WEIGHTS, max_batch: int = 16,
                 max_context: int | None = None, force: bool = False, max_kld: float | None = None,
-                write_graphs: Any = None) -> tuple[Path, str]:
+                write_graphs: Callable[..., object] | None = None) -> tuple[Path, str]:
     """Import ``source`` as ``dest_root/name`` with an ``engine.toml``; returns the folder
     and the description printed by the CLI.
 

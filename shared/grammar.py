@@ -160,7 +160,7 @@ def _size(value: object, param: str, max_depth: int) -> None:
         raise GrammarError(f"'{param}' is {size} bytes; the limit is {MAX_GRAMMAR_BYTES}", param)
 
 
-def _schema(schema: Any, param: str, max_depth: int) -> dict[str, Any]:
+def _schema(schema: object, param: str, max_depth: int) -> dict[str, Any]:
     if isinstance(schema, str):
         if len(schema) > MAX_GRAMMAR_BYTES:
             raise GrammarError(f"'{param}' is {len(schema)} characters; the limit is {MAX_GRAMMAR_BYTES}", param)
@@ -216,7 +216,7 @@ def check_constraint(p: dict[str, Any], max_depth: int = DEFAULT_LIMITS.max_dept
     return name, value
 
 
-def build_grammar(name: str, value: Any) -> str:
+def build_grammar(name: str, value: object) -> str:
     """The llguidance grammar of a constraint ``check_constraint`` passed (about a
     millisecond for a large schema: run after admission).
 

@@ -72,10 +72,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from streamfleet.shared.errors import FatalError, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from streamfleet.shared.packagefetch import PackageFile
 
 __all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
            "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "kind_phrase",
@@ -742,7 +745,7 @@ def _ensure_imported(spec: ModelSpec) -> None:
         _ensure_measured(spec)
 
 
-def _import_locked(spec: ModelSpec, src: Any, weights: str, current: Callable[[], bool]) -> None:
+def _import_locked(spec: ModelSpec, src: PackageFile, weights: str, current: Callable[[], bool]) -> None:
     """``_ensure_imported``'s import of ``src`` in ``weights`` mode, under the folder's lock
     (nothing when ``current()`` says another process did it meanwhile)."""
     import fcntl

@@ -25,9 +25,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 __all__ = ["QUALITY_TEXT", "ModeQuality", "SharedBufferRunner", "chunk_windows", "evaluate", "open_graph",
            "log_softmax"]
@@ -108,7 +111,7 @@ def chunk_windows(n_tokens: int, n_ctx: int, chunks: int | None = None) -> list[
     return [(i * n_ctx, (i + 1) * n_ctx) for i in range(count)]
 
 
-def open_graph(path: Path, threads: int | None, providers: list[str] | None = None) -> Any:
+def open_graph(path: Path, threads: int | None, providers: list[str] | None = None) -> ort.InferenceSession:
     """An ONNX Runtime session on a graph, as every ONNX Runtime engine opens one (their
     ``ort_session``): all graph optimisations, sequential execution, ``threads`` intra-op
     threads (None: the runtime's default, all cores) and one inter-op thread, on
@@ -129,7 +132,7 @@ class SharedBufferRunner:
     buffer per past input, [rows, kv_heads, capacity, head_dim], bound as both the past
     and the present, each run writing its tokens in place at each row's own length."""
 
-    def __init__(self, session: Any, rows: int, capacity: int) -> None:
+    def __init__(self, session: ort.InferenceSession, rows: int, capacity: int) -> None:
         self.session = session
         inputs = {i.name: i for i in session.get_inputs()}
         self.pasts = [n for n in inputs if n.startswith("past_key_values.")]
@@ -159,7 +162,7 @@ class SharedBufferRunner:
         return np.array(self.io.get_outputs()[0].numpy(), copy=True)
 
 
-def _chunk_logits(session: Any, ids: Sequence[int], keep: int) -> np.ndarray:
+def _chunk_logits(session: ort.InferenceSession, ids: Sequence[int], keep: int) -> np.ndarray:
     """The logits of the last ``keep`` positions of ``ids`` run from an empty cache:
     ``[keep, vocab]``."""
     n = len(ids)

@@ -28,6 +28,9 @@ from streamfleet.clihelp import App
 from streamfleet.local import REDIS_FLAG_HELP, STATE_FLAG_HELP
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from streamfleet.shared.modelrepo import ModelSpec
     from streamfleet.shared.settings import CommonSettings
 
 __all__ = ["engines_app"]
@@ -62,7 +65,9 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _when(ts: Any) -> str:
+def _when(ts: str | float | None) -> str:
+    if ts is None:
+        return "-"
     try:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
     except (TypeError, ValueError):
@@ -356,7 +361,7 @@ def import_(
     typer.echo(f"\nimported as {model_name!r} into {dest}; serve it with: streamfleet worker --model {model_name}")
 
 
-def _import_embedding(source: Any, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
+def _import_embedding(source: Path, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
                       max_context: int | None, check_only: bool, force: bool) -> None:
     """A sentence-transformers model (a folder, or a zip of one) -> an embedding model
     folder (shared/bertimport.py; docs/models.md, "Embedding models")."""
@@ -384,7 +389,7 @@ def _import_embedding(source: Any, name: str | None, engines_dir: str | None, ba
     typer.echo(f"\nimported as {model_name!r} into {dest}: an embedding model (vectors; no text generation)")
 
 
-def _magic(path: Any) -> bytes:
+def _magic(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read(4)
@@ -392,7 +397,7 @@ def _magic(path: Any) -> bytes:
         return b""
 
 
-def _import_gguf(source: Any, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
+def _import_gguf(source: Path, name: str | None, engines_dir: str | None, backend: str, max_batch: int,
                  max_context: int | None, check_only: bool, force: bool, weights: str,
                  max_kld: float | None = None) -> None:
     import tempfile
@@ -443,7 +448,7 @@ def _say(line: str) -> None:
     typer.echo(f"  {line}", err=True)
 
 
-def _measure_and_describe(spec: Any, *, threads: int | None = None, fresh: bool = False,
+def _measure_and_describe(spec: ModelSpec, *, threads: int | None = None, fresh: bool = False,
                           chunks: int | None = None) -> None:
     """Measure an ``auto`` folder's modes (what its record lacks, everything with
     ``fresh``) and print the table: which mode serves on this CPU, and why."""

@@ -31,12 +31,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import AnyTask, DoneEvent, EmbeddingEvent, EmbedTask, ErrorEvent
 from streamfleet.workers.core import StepOutput
+
+if TYPE_CHECKING:
+    from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 
 __all__ = ["EmbeddingCore"]
 
@@ -60,7 +63,8 @@ class EmbeddingCore:
         clock: unix seconds (``created_at`` of a task is on the same scale).
     """
 
-    def __init__(self, engine: Any, *, slots: int | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: OnnxEmbeddingEngine, *, slots: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
         self.slots = int(slots or engine.max_batch)
         self._clock = clock

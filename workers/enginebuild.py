@@ -31,6 +31,7 @@ from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_arti
 from streamfleet.shared.schema import decode_plan_record, encode_plan_record
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
     from arq.connections import ArqRedis
     from arq.jobs import Job
     from arq.worker import Worker
@@ -148,7 +149,7 @@ async def enqueue_build(redis: ArqRedis, prefix: str, queue: str, model: str, *,
     return job
 
 
-async def list_plans(redis: Any, prefix: str, model: str | None = None) -> list[dict[str, Any]]:
+async def list_plans(redis: aioredis.Redis, prefix: str, model: str | None = None) -> list[dict[str, Any]]:
     """Every recorded plan (of ``model``, or of all models), oldest first per model."""
     keys = [plans_key(prefix, model)] if model else sorted(
         [k async for k in redis.scan_iter(match=f"{prefix}:plans:*", count=200)], key=_text)
@@ -168,7 +169,7 @@ async def list_plans(redis: Any, prefix: str, model: str | None = None) -> list[
     return out
 
 
-async def list_queues(redis: Any, prefix: str) -> list[dict[str, Any]]:
+async def list_queues(redis: aioredis.Redis, prefix: str) -> list[dict[str, Any]]:
     """Build queues: jobs waiting, and the worker's last health check (arq writes one
     every ``health_check_interval`` under ``<queue>:health-check``)."""
     base = f"{prefix}:arq:build:"

@@ -70,7 +70,7 @@ class ReplyKeeper:
         self._todo: deque[tuple[np.ndarray, int]] = deque(maxlen=max(1, int(most)))
 
     @staticmethod
-    def wanted(engine: Any) -> bool:
+    def wanted(engine: object) -> bool:
         """Whether ``engine`` needs it: a prefix cache, prompts in chunks (``start``,
         ``extend``), and decoded blocks it does not keep itself."""
         return (getattr(engine, "prefix_cache", None) is not None and not getattr(engine, "decoded_blocks", False)

@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import AnyTask, DoneEvent, ErrorEvent, SpeechTask, TranscriptEvent
 from streamfleet.workers.core import StepOutput
+
+if TYPE_CHECKING:
+    from streamfleet.workers.engines.speech import SpeechEngine
 
 __all__ = ["SpeechCore", "AUDIO_IDLE_S"]
 
@@ -75,7 +78,7 @@ class SpeechCore:
         clock: unix seconds (``created_at`` of a task is on the same scale).
     """
 
-    def __init__(self, engine: Any, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: SpeechEngine, *, clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
         self._clock = clock
         self._utts: dict[str, _Utterance] = {}

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import onnxruntime as ort
 
 __all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers", "decodes_like_prefill", "ort_session"]
 
@@ -152,7 +157,8 @@ def count_past_layers(input_names: Iterable[str], where: object) -> int:
     return n_layer
 
 
-def ort_session(spec: ModelSpec, threads: int | None, options: dict, path: Any = None) -> Any:
+def ort_session(spec: ModelSpec, threads: int | None, options: dict[str, Any], path: Path | None = None
+                ) -> ort.InferenceSession:
     """An ONNX Runtime session on ``spec``'s graph (``path``: another graph of its folder;
     default: the one ``shared/execution.graph_path`` names), as every ONNX Runtime engine
     opens it (``shared/quality.open_graph``: all graph optimisations, sequential
@@ -173,7 +179,7 @@ def ort_session(spec: ModelSpec, threads: int | None, options: dict, path: Any =
         raise FatalError(f"cannot load {path}: {exc}") from exc
 
 
-def prefill_by_extend(engine: Any, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
+def prefill_by_extend(engine: ChunkingEngine, seqs: list[tuple[str, list[int]]]) -> np.ndarray:
     """``Engine.prefill`` as ``start`` then ``extend`` with each prompt's part the prefix
     cache did not have (both ONNX Runtime engines'); the sequences are released if the
     extend fails."""

@@ -31,6 +31,7 @@ GPU-related is imported until an engine is constructed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -164,7 +165,7 @@ class TrtRunner:
         return cls(trt, runtime, engine, info, index, stream)
 
     @staticmethod
-    def _deserialize(trt: ModuleType, path: Any) -> tuple[Any, Any]:
+    def _deserialize(trt: ModuleType, path: Path) -> tuple[Any, Any]:
         runtime = trt.Runtime(trt_build.trt_logger(trt))
         try:
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
