@@ -86,10 +86,10 @@ def front(app: FastAPI):
                     log.exception("websocket session failed", path=scope["path"])
                 return
         elif kind == "http" and scope["method"] == "POST":
-            handler = streams.get(scope["path"])
-            if handler is not None:
+            route = streams.get(scope["path"])
+            if route is not None:
                 scope["app"] = app
-                await _stream_route(handler, allowed, scope, receive, send)
+                await _stream_route(route, allowed, scope, receive, send)
                 return
         await app(scope, receive, send)
 

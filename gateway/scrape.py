@@ -78,7 +78,7 @@ class MetricsServer(uvicorn.Server):
     def capture_signals(self):
         yield  # the main server handles SIGTERM / SIGINT (drain) and then stops this one
 
-    async def run(self) -> None:
+    async def run(self) -> None:  # type: ignore[override]  # (uvicorn's runs its own loop; this one is awaited)
         await self.serve(sockets=[self.sock])
 
     def stop(self) -> None:

@@ -63,7 +63,8 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, config, server_state, app_state, _loop=None) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.queue = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
+        # (an asyncio.Queue holds ~3 KiB per connection; uvicorn only puts and gets)
+        self.queue = aio.LightQueue()  # type: ignore[assignment]
         #: the connection's place in the edge's counts (``gateway.edge.guard.Ticket``), handed
         #: over by the HTTP protocol at the upgrade and given back when the connection closes
         self.edge_ticket = None
@@ -83,7 +84,7 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
     async def send(self, message) -> None:
         await super().send(message)
         if self.handshake_complete and getattr(self, "response", None) is not None:
-            self.request = self.response = None  # (the handshake's headers, ~2 KiB)
+            self.request = self.response = None  # type: ignore[assignment]  # (the handshake's headers, ~2 KiB)
 
     async def send_text_frame(self, payload: bytes) -> None:
         """Send one text message, ``payload`` being its UTF-8 bytes (a JSON frame), as one
@@ -220,7 +221,7 @@ async def serve(settings: GatewaySettings, port_file: str | None = None) -> int:
         announce.cancel()
         if grpc_door is not None:  # it served through the drain; calls still open are cancelled
             await grpc_door.stop(grace_s=1.0)
-        if metrics is not None:  # it served through the drain; now it stops too
+        if metrics is not None and metrics_task is not None:  # it served through the drain; now it stops too
             metrics.stop()
             await asyncio.gather(metrics_task, return_exceptions=True)
     return 0

@@ -83,7 +83,7 @@ def _generic_tools(messages: list[dict[str, Any]], tools: Tools | None, offer: b
     out = [{**m, "content": m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
                                                    for c in m["tool_calls"])} if calls and m.get("tool_calls") else m
            for m in messages]
-    if offer:
+    if offer and tools is not None:
         text = tools_prompt(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
@@ -106,10 +106,11 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | N
         text = _template_text(template)
         takes_tools = bool(_TAKES_TOOLS.search(text))
         extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} \
-            if offered and takes_tools else {}
+            if tools is not None and offered and takes_tools else {}
         messages = _generic_tools(messages, tools, offered and not takes_tools, not _TAKES_CALLS.search(text))
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-    parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] if offered else []
+    parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] \
+        if tools is not None and offered else []
     for m in messages:
         content = m["content"] + "".join(call_text(c["function"]["name"], c["function"]["arguments"])
                                          for c in m.get("tool_calls", ()))

@@ -29,10 +29,10 @@ import itertools
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
-from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
+from streamfleet.gateway.admission.kinds import AnyRequest
 from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
 from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
@@ -48,9 +48,17 @@ __all__ = ["Admission", "Ticket", "owner_of", "token_owner"]
 log = get_logger("gateway.admission")
 
 #: a typed request of any kind (``gateway/admission/kinds.py``), kept as its own type
-R = TypeVar("R", TextRequest, SpeechRequest, EmbeddingsRequest)
+R = TypeVar("R", bound=AnyRequest)
 
 OnRevoked = Callable[[], Awaitable[None]]
+
+
+@overload
+def owner_of(identity: Identity) -> str: ...
+
+
+@overload
+def owner_of(identity: None) -> None: ...
 
 
 def owner_of(identity: Identity | None) -> str | None:
@@ -105,6 +113,7 @@ class Admission:
     def start(self) -> None:
         """Bind to the broker's Redis client (after ``Broker.start``)."""
         r, keys = self.broker.redis, self.broker.keys
+        assert r is not None, "Broker.start first"
         self.store = KeyStore(r, keys, tiers=self.tiers, cache_ttl_s=self.settings.key_cache_s)
         self.limiter = RateLimiter(r, keys)
         self.slots = StreamSlots(r, keys)
@@ -124,6 +133,7 @@ class Admission:
         """
         if not self.enabled:
             return None
+        assert self.store is not None, "Admission.start first"
         return await self.store.verify(extract_key(authorization, api_key))
 
     # -- requests ---------------------------------------------------------------------
@@ -153,6 +163,7 @@ class Admission:
         """One request from the key's bucket (``RateLimiter.check``), remembering when it
         is empty (``spent``)."""
         self.spent(identity)
+        assert self.limiter is not None, "Admission.start first"
         try:
             await self.limiter.check(identity)
         except RefusedError as exc:
@@ -190,6 +201,7 @@ class Admission:
         request = self._within_ceilings(tier, request)
         if not charged:
             await self._take(identity)
+        assert self.slots is not None, "Admission.start first"
         held = await self.slots.acquire(identity.key_id, rid, tier.max_streams)
         return Ticket(rid, owner_of(identity), identity.key_id, held), request
 
@@ -233,6 +245,7 @@ class Admission:
             raise ValidationError(f"{choices} choices need {choices} streams at once; the {tier.name} tier allows "
                                   f"{tier.max_streams}", code=ErrorCode.out_of_range, param=param)
         self.spent(identity)
+        assert self.limiter is not None, "Admission.start first"
         await self.limiter.check(identity, cost=choices)
 
     async def refund(self, identity: Identity | None, choices: int) -> None:
@@ -240,6 +253,7 @@ class Admission:
         of one request (its checks cost the gateway work), the rest goes back."""
         if identity is not None and choices > 1:
             self._spent.pop(identity.key_id, None)
+            assert self.limiter is not None, "Admission.start first"
             try:
                 await self.limiter.refund(identity, choices - 1)
             except StreamfleetError as exc:  # Redis away: the charge stays, as it would for a request
@@ -264,7 +278,8 @@ class Admission:
     async def release(self, ticket: Ticket | None) -> None:
         """Give a request's stream slot back (the gateway saw it end). A request whose
         client left before its end keeps the slot until the worker gives it back."""
-        if ticket is not None and ticket.holds_slot:
+        if ticket is not None and ticket.holds_slot and ticket.key_id is not None:
+            assert self.slots is not None, "Admission.start first"
             await self.slots.release(ticket.key_id, ticket.request_id)
 
     # -- connections --------------------------------------------------------------------
@@ -279,6 +294,7 @@ class Admission:
         """
         if identity is None or identity.tier.max_connections is None:
             return False
+        assert self.connections is not None, "Admission.start first"
         held = await self.connections.acquire(identity.key_id, connection_id, identity.tier.max_connections)
         self._held_connections.add((identity.key_id, connection_id))
         return held
@@ -287,6 +303,7 @@ class Admission:
         if identity is None or (identity.key_id, connection_id) not in self._held_connections:
             return
         self._held_connections.discard((identity.key_id, connection_id))
+        assert self.connections is not None, "Admission.start first"
         await self.connections.release(identity.key_id, connection_id)
 
     # -- revocation ---------------------------------------------------------------------
@@ -316,6 +333,7 @@ class Admission:
         refresh_every = CONNECTION_SLOT_TTL_S / 3
         loop = asyncio.get_running_loop()
         next_refresh = loop.time() + refresh_every
+        assert self.store is not None and self.connections is not None, "Admission.start first"
         while True:
             await asyncio.sleep(period)
             try:

@@ -75,7 +75,7 @@ class Tools:
         defs = {f"call_{n}": _rerooted(by_name[n]["parameters"], f"#/$defs/call_{n}") for n in self.choices}
         shapes = [{"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/call_{n}"}},
                    "required": ["name", "arguments"], "additionalProperties": False} for n in self.choices]
-        root = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
+        root: dict[str, Any] = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
         if self.parallel:
             root = {"type": "array", "items": root, "minItems": 1, "maxItems": MAX_CALLS}
         return {**root, "$defs": defs}
@@ -118,7 +118,7 @@ def parse_tools(p: dict[str, Any]) -> Tools | None:
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise _bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools", ErrorCode.invalid_type)
-    functions = []
+    functions: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
@@ -134,7 +134,7 @@ def parse_tools(p: dict[str, Any]) -> Tools | None:
         if not isinstance(description, str):
             raise _bad(f"tools[{i}].function.description must be a string", "tools")
         functions.append({"name": name, "description": description, "parameters": params})
-    names = tuple(f["name"] for f in functions)
+    names: tuple[str, ...] = tuple(f["name"] for f in functions)
     if choice is None or choice == "auto":
         return Tools("auto", tuple(functions), names, parallel)
     if choice == "none":
@@ -380,4 +380,5 @@ def _could_be_head(text: str) -> bool:
         return False
     rest = text[len(_HEAD_START):]
     name = re.match(r"[A-Za-z0-9_-]{0,64}", rest)
+    assert name is not None  # (it matches the empty string)
     return '","arguments":'.startswith(rest[name.end():])

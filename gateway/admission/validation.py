@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
 import orjson
 
 from streamfleet.gateway.admission.chat_template import encode_prompt, render_chat, template_problem
-from streamfleet.gateway.admission.kinds import EmbeddingsRequest, SpeechRequest, TextRequest
+from streamfleet.gateway.admission.kinds import AnyRequest, EmbeddingsRequest, SpeechRequest, TextRequest
 from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.grammar import (
@@ -55,9 +56,6 @@ __all__ = ["Validator", "GENERATE_FIELDS", "check_lane", "UNSUPPORTED", "check_u
            "encode_texts"]
 
 log = get_logger("gateway.validation")
-
-#: a typed request of any kind (``gateway/admission/kinds.py``), kept as its own type
-R = TypeVar("R", TextRequest, SpeechRequest, EmbeddingsRequest)
 
 #: request parameters of the OpenAI API, and of vLLM's extensions to it, that streamfleet
 #: does not implement, each with the values that ask for nothing (what a client sends when
@@ -320,7 +318,9 @@ class Validator:
                     raise GrammarError(f"a forced tool call and '{found[0]}' both constrain the output; send one",
                                        "tool_choice")
                 try:
-                    found = "tools", check_constraint({"guided_json": tools.call_schema()}, depth)[1]
+                    forced = check_constraint({"guided_json": tools.call_schema()}, depth)
+                    assert forced is not None  # (a guided_json is a constraint)
+                    found = "tools", forced[1]
                 except GrammarError as exc:
                     raise GrammarError(str(exc).replace("'guided_json'", "the tools' parameters"), "tools") from exc
         except GrammarError as exc:
@@ -506,7 +506,7 @@ class Validator:
                      messages=tuple(msgs) if msgs is not None else None,
                      constraint=self._constraint(p, ignore_eos, tools), echo=echo)
 
-    async def finish_async(self, request: R) -> R:
+    async def finish_async(self, request: AnyRequest) -> AnyRequest:
         """``finish``, with a new constraint's trial (``verdict``: bounded by the grammar
         limits, but not free) in a thread, off the event loop other clients share; an
         embeddings request's texts are tokenized in a thread too, unless they are short
@@ -545,7 +545,7 @@ class Validator:
     @overload
     def finish(self, request: EmbeddingsRequest, *, grammar: str | None = None) -> EmbeddingsRequest: ...
 
-    def finish(self, request, *, grammar=None):
+    def finish(self, request: AnyRequest, *, grammar: str | None = None) -> AnyRequest:
         """The costly part of validation, for an admitted request, which it returns
         ``prepared``: a text request's chat template rendered, its constraint compiled
         and tried (``grammar``: already compiled by the caller), its prompt tokenized and
@@ -557,7 +557,7 @@ class Validator:
             ValidationError: a constraint that cannot be enforced; the prompt is too long,
                 encodes to nothing, or leaves no room to generate.
         """
-        if request.prepared:
+        if request.prepared or isinstance(request, SpeechRequest):
             return request
         if isinstance(request, EmbeddingsRequest):
             inputs = self._embedding_inputs(request.inputs, self.spec(request.model))
@@ -578,7 +578,9 @@ class Validator:
                 raise ValidationError(f"the prompt has {len(text)} characters; the limit is "
                                       f"{self.settings.max_prompt_chars}", code=ErrorCode.prompt_too_long,
                                       param="messages")
-        echo_text, offsets = None, ()
+        echo_text: str | None = None
+        offsets: Sequence[int] = ()
+        ids: Sequence[int]
         if request.echo:
             echo_text, ids, offsets = echo_of(self.tokenizer(spec), text, request.prompt_ids)
         else:
@@ -609,9 +611,9 @@ class Validator:
         (nothing is truncated: docs/openai.md, "Embeddings")."""
         texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
         encoded = dict(zip((i for i, _ in texts), encode_texts(self.tokenizer(spec), [t for _, t in texts])))
-        out = []
+        out: list[tuple[int, ...]] = []
         for i, item in enumerate(inputs):
-            ids = tuple(encoded[i]) if i in encoded else item
+            ids = tuple(encoded[i]) if isinstance(item, str) else item
             if not ids:
                 raise ValidationError(f"input {i} encodes to no tokens", code=ErrorCode.invalid_request, param="input")
             if len(ids) > spec.max_context:
@@ -716,8 +718,16 @@ class Validator:
             raise ValidationError(f"'{name}' must be true or false", code=ErrorCode.invalid_type, param=name)
         return v
 
+    @overload
     @staticmethod
-    def _int(p: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    def _int(p: dict[str, Any], name: str, default: int, lo: float, hi: float) -> int: ...
+
+    @overload
+    @staticmethod
+    def _int(p: dict[str, Any], name: str, default: None, lo: float, hi: float) -> int | None: ...
+
+    @staticmethod
+    def _int(p: dict[str, Any], name: str, default: int | None, lo: float, hi: float) -> int | None:
         v = p.get(name)
         if v is None:
             return default
@@ -761,7 +771,7 @@ class Validator:
         return list(v)
 
     @staticmethod
-    def _messages(v: Any) -> list[dict[str, str]]:
+    def _messages(v: Any) -> list[dict[str, Any]]:
         if not isinstance(v, list) or not v:
             raise ValidationError("'messages' must be a non-empty list", code=ErrorCode.invalid_type,
                                   param="messages")
@@ -778,7 +788,7 @@ class Validator:
             if content is None and calls:  # an assistant turn that only called tools
                 content = ""
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+                texts: list[Any] = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
                 if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                     raise ValidationError(f"messages[{i}].content parts must all be text",
                                           code=ErrorCode.invalid_type, param="messages")

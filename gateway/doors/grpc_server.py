@@ -30,7 +30,7 @@ import grpc
 import orjson
 import structlog
 from google.protobuf import any_pb2, duration_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -40,6 +40,7 @@ from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests.lifecycle import ClientRequest
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
+from streamfleet.gateway.requests.request_stream import Tick
 from streamfleet.gateway.services.session import CallReader, Session
 from streamfleet.gateway.services.voice import VoiceConnection
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError, ValidationError
@@ -86,7 +87,8 @@ _BY_STATUS: dict[int, grpc.StatusCode] = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
-_PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high"}
+_PRIORITY: dict[int, str | None] = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_NORMAL: "normal",
+                                    pb.PRIORITY_HIGH: "high"}
 
 
 def _lane(priority: int) -> str | None:
@@ -142,6 +144,7 @@ def error_trailers(exc: StreamfleetError) -> tuple[tuple[str, str | bytes], ...]
 
 async def abort(context: aio.ServicerContext, exc: StreamfleetError) -> NoReturn:
     await context.abort(status_code(exc.code), exc.message, trailing_metadata=error_trailers(exc))
+    raise AssertionError("ServicerContext.abort returned")  # (it raises)
 
 
 # -- messages <-> the WebSocket's frames ----------------------------------------------------
@@ -496,6 +499,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 if isinstance(ev, ErrorEvent):
                     req.delivered()
                     await abort(context, ev.error())
+                if isinstance(ev, Tick):  # (a gRPC call's request has no keepalive ticks)
+                    continue
                 frame = render("grpc", req.request_id, ev)
                 if calls is not None:
                     calls.read(ev, frame)
@@ -546,8 +551,9 @@ class InferenceService(pb_grpc.InferenceServicer):
                 if hub.draining and (quiet or hub.drain_expired):
                     await abort(context, _shutting_down())
                 if reader.done() and quiet:
-                    if not reader.cancelled() and reader.exception() is not None:
-                        raise reader.exception()
+                    failed = None if reader.cancelled() else reader.exception()
+                    if failed is not None:
+                        raise failed
                     return  # the client half-closed and the session's work is over: OK
                 if getter is None:
                     getter = asyncio.ensure_future(session.outbox.get())

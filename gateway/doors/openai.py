@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -109,7 +109,7 @@ async def _generate(request: Request, chat: bool) -> Response:
 
     req.watch()  # a revoked key ends the stream
     events = req.events("sse" if stream_mode else "http")
-    shape = ResponseShape(chat, req.request_id, req.model, tools)
+    shape = ResponseShape(chat, req.id, req.model, tools)
     echo = Echo.of(req.submitted, draft.params.logprobs is not None) if drafts else None
     if stream_mode:
         return StreamingResponse(_sse_events(hub, req, events, shape, include_usage, echo),
@@ -120,7 +120,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         await req.close(reason="http_disconnect")
 
 
-async def _ticking(events: AsyncIterator, every_s: float) -> AsyncIterator[Any]:
+async def _ticking(events: AsyncGenerator, every_s: float) -> AsyncGenerator[Any, None]:
     """``events``, with a None whenever ``every_s`` pass without one (an SSE keepalive is
     due); closing it stops the read under way and closes ``events``."""
     pending: asyncio.Future | None = None
@@ -213,11 +213,11 @@ async def _submit_choices(hub: Hub, identity, prompts: list[TextRequest], k: int
     return reqs
 
 
-async def _merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(iterators: list[AsyncGenerator]) -> AsyncGenerator[tuple[int, Any], None]:
     """``(choice, event)`` of several streams as they come, until every one has ended."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, it: AsyncIterator) -> None:
+    async def pump(i: int, it: AsyncGenerator) -> None:
         async for ev in it:
             await queue.put((i, ev))
 
@@ -250,7 +250,7 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
     (``_submit_choices``), and streamed, a later one's chunks wait until they are out."""
     for req in reqs:
         req.watch()
-    shape = ResponseShape(chat, reqs[0].request_id, reqs[0].model, tools)
+    shape = ResponseShape(chat, reqs[0].id, reqs[0].model, tools)
     events = _merged([req.events("sse" if stream else "http") for req in reqs])
     per = len(reqs) // prompts  # the completions of each prompt: ``first`` gets its log probabilities
     echoes = [Echo.of(req.submitted, keep_logprobs) for req in reqs]
@@ -292,8 +292,7 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
             try:
                 if shape.chat:
                     for i in range(len(reqs)):
-                        out = shape.chunk(None, None, role=True, usage_null=include_usage, index=i)
-                        yield sse_frame(out)
+                        yield sse_frame(shape.chunk(None, None, role=True, usage_null=include_usage, index=i))
                 for choice in choices:
                     for chunk in choice.opening():
                         yield sse_frame(chunk)
@@ -364,7 +363,7 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
                     media_type="application/json")
 
 
-async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncIterator, shape: ResponseShape,
+async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncGenerator, shape: ResponseShape,
                       include_usage: bool, echo: Echo | None = None) -> AsyncIterator[bytes]:
     """The SSE body of one choice. Keepalives come from the stream itself
     (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
@@ -372,6 +371,7 @@ async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncIterator, shape
     comes first: in one chunk, or with log probabilities in a chunk per ``PromptEvent``
     (no ``id:`` line: a resume continues from a token)."""
     choice = ChoiceStream(shape, 0, include_usage, echo)
+    assert req.stream is not None  # (submitted)
     req.stream.tick_s = hub.settings.sse_keepalive_s
     try:
         if shape.chat:
@@ -388,7 +388,7 @@ async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncIterator, shape
             elif isinstance(ev, TokenEvent):
                 chunks = choice.token(ev)
                 if chunks:
-                    eid = event_id(req.request_id, req.resume_token, ev.index)
+                    eid = event_id(req.id, req.resume_token, ev.index)
                     yield b"".join(sse_frame(chunk, eid) for chunk in chunks)
             elif isinstance(ev, DoneEvent):
                 tail = [sse_frame(chunk) for chunk in choice.end(ev)]
@@ -410,7 +410,7 @@ async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncIterator, shape
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
-async def _collect(request: Request, events: AsyncIterator, shape: ResponseShape, echo: Echo | None = None
+async def _collect(request: Request, events: AsyncGenerator, shape: ResponseShape, echo: Echo | None = None
                    ) -> Response:
     """Non-streamed: gather the whole completion (after an ``echo``'s prompt), cancelling
     if the client leaves."""

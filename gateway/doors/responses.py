@@ -21,7 +21,7 @@ whoever has its id): another tenant's ``GET``, ``DELETE`` or ``previous_response
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -158,7 +158,7 @@ async def create(request: Request) -> Response:
 
     creq.watch()  # a revoked key ends the stream
     events = creq.events("sse" if req.stream else "http")
-    shape = ResponseShape(True, creq.request_id, creq.model, draft.tools)
+    shape = ResponseShape(True, creq.id, creq.model, draft.tools)
     out = ResponseEvents(shape, req, draft.params.temperature, draft.params.top_p)
     save = _saver(hub, req, owner, conversation)
     if req.stream:
@@ -177,9 +177,10 @@ def _saver(hub: Hub, req: ResponsesRequest, owner: str, conversation: list[dict[
     return save
 
 
-async def _sse(hub: Hub, req: ClientRequest, events: AsyncIterator, out: ResponseEvents, save) -> AsyncIterator[bytes]:
+async def _sse(hub: Hub, req: ClientRequest, events: AsyncGenerator, out: ResponseEvents, save) -> AsyncIterator[bytes]:
     """The event stream of one response; keepalives from the stream itself
     (``RequestStream.tick_s``). The response is stored before its last event goes out."""
+    assert req.stream is not None  # (submitted)
     req.stream.tick_s = hub.settings.sse_keepalive_s
     try:
         yield _frames(out.start())
@@ -208,7 +209,7 @@ async def _sse(hub: Hub, req: ClientRequest, events: AsyncIterator, out: Respons
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
-async def _collect(request: Request, events: AsyncIterator, out: ResponseEvents, save) -> Response:
+async def _collect(request: Request, events: AsyncGenerator, out: ResponseEvents, save) -> Response:
     """Not streamed: the whole response, cancelled if the client leaves."""
     ev = await read_to_end(request, events, out.token)
     if ev is DISCONNECTED:

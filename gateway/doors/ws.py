@@ -86,7 +86,7 @@ class WebSocketSession(Session):
     def __init__(self, ws: WebSocket, hub: Hub) -> None:
         super().__init__(hub, "ws")
         self.ws = ws
-        self.outbox = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
+        self.outbox: aio.LightQueue[dict | None] = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
         self.broken = False  # a write failed: the socket is gone
         #: writes a JSON frame's bytes as one text frame (the server's direct writer,
         #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
@@ -204,7 +204,9 @@ class WebSocketSession(Session):
         # above, at least once a second), a failed sender or a revoked key interrupt its read
         # by cancelling it (docs/operations.md, "Idle connections")
         loop = asyncio.get_running_loop()
-        interrupt = _Interrupt(asyncio.current_task())
+        me = asyncio.current_task()
+        assert me is not None  # (the connection's own task)
+        interrupt = _Interrupt(me)
         sender.add_done_callback(interrupt)
         self.revoked.add_done_callback(interrupt)
         try:
@@ -281,15 +283,16 @@ class VoiceSession(WebSocketSession):
     """A voice WebSocket: the text WebSocket's connection handling, its frames read by
     the connection's ``VoiceConnection`` (gateway/services/voice.py)."""
 
+    voice: VoiceConnection
+
     def __init__(self, ws: WebSocket, hub: Hub) -> None:
-        self.voice: VoiceConnection | None = None
         super().__init__(ws, hub)
         self.transport = "voice"
         self.voice = VoiceConnection(self)
 
-    @property  # type: ignore[override]
+    @property
     def last_activity(self) -> float:
-        return self.voice.last_activity if self.voice is not None else 0.0
+        return self.voice.last_activity
 
     @last_activity.setter
     def last_activity(self, value: float) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from asyncio import TimerHandle, Transport
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,7 +58,7 @@ class Refusal:
     #: ``Retry-After`` (seconds), for refusals that a retry may pass
     retry_after_s: int | None = None
 
-    def response(self, default_headers: list[tuple[bytes, bytes]] = ()) -> bytes:
+    def response(self, default_headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
         """The whole HTTP/1.1 response: status line, headers (``Connection: close``), body."""
         kind = "rate_limit_error" if self.status == 429 else \
             "invalid_request_error" if self.status < 500 else "server_error"
@@ -162,7 +163,7 @@ class EdgeGuard:
             self.pre_auth.pop(address, None)
 
 
-def authenticated(scope: dict[str, Any]) -> None:
+def authenticated(scope: MutableMapping[str, Any]) -> None:
     """The connection of ``scope`` presented a valid API key (``Ticket.authenticated``);
     nothing when the server counts no connections (an in-process test client)."""
     ticket = scope.get(SCOPE_KEY)

@@ -5,7 +5,7 @@ ends when its client leaves, and a request not streamed read to its end."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
@@ -104,8 +104,8 @@ async def until_disconnect(request: Request, work) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def read_to_end(request: Request, events: AsyncIterator,
-                      on_token: Callable[[TokenEvent | PromptEvent], Any]) -> Any:
+async def read_to_end(request: Request, events: AsyncGenerator,
+                      on_token: Callable[[Any], Any]) -> Any:
     """A request not streamed: its events read, each token (and each ``PromptEvent`` of a
     request that asked for its prompt's log probabilities) handed to ``on_token``, until
     its end (the ``DoneEvent`` or ``ErrorEvent``, returned), or ``DISCONNECTED`` when the

@@ -150,19 +150,21 @@ class FormReader:
                 raise ValidationError(f"the file is larger than {self.limits.max_file_bytes} bytes, the limit "
                                       f"(SF_TRANSCRIPTION_MAX_BYTES)", code=ErrorCode.frame_too_large, param="file")
         elif len(self._buffer) > self.limits.max_field_bytes:
-            raise ValidationError(f"the form field {self._name[:32]!r} is longer than {self.limits.max_field_bytes} "
-                                  f"bytes", code=ErrorCode.frame_too_large, param=self._name)
+            name = self._name or ""  # (set by ``_headers_finished`` before any data)
+            raise ValidationError(f"the form field {name[:32]!r} is longer than {self.limits.max_field_bytes} "
+                                  f"bytes", code=ErrorCode.frame_too_large, param=name)
 
     def _part_end(self) -> None:
         if self._is_file:
             self.form.file = bytes(self._buffer)
         else:
+            name = self._name or ""  # (set by ``_headers_finished`` before any data)
             try:
                 value = self._buffer.decode("utf-8")
             except UnicodeDecodeError:
-                raise ValidationError(f"the form field {self._name[:32]!r} is not UTF-8 text",
-                                      code=ErrorCode.invalid_request, param=self._name) from None
-            self.form.fields.setdefault(self._name, []).append(value)
+                raise ValidationError(f"the form field {name[:32]!r} is not UTF-8 text",
+                                      code=ErrorCode.invalid_request, param=name) from None
+            self.form.fields.setdefault(name, []).append(value)
         self._buffer = bytearray()
 
     def _end(self) -> None:

@@ -162,9 +162,9 @@ class AudioProtocol:
                                          code=ErrorCode.frame_too_large, param="audio").to_frame(cfg.client_id))]
         if not data:
             return []
-        refused = self._over_realtime(data, cfg)
-        if refused is not None:
-            return refused
+        dropped = self._over_realtime(data, cfg)
+        if dropped is not None:
+            return dropped
         return [Audio(data)]
 
     def _over_realtime(self, data: bytes, cfg: AudioConfig) -> list[Output] | None:

@@ -70,7 +70,7 @@ class Resume:
 Output = Send | Submit | Embed | Cancel | Resume
 
 
-def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_token: str | None = None,
+def accepted_frame(client_id: str, request_id: str | None, queue_depth: int, resume_token: str | None = None,
                    ) -> dict[str, Any]:
     frame = {"type": "accepted", "id": client_id, "request_id": request_id, "queue_depth": queue_depth}
     if resume_token:
@@ -78,7 +78,7 @@ def accepted_frame(client_id: str, request_id: str, queue_depth: int, resume_tok
     return frame
 
 
-def render(client_id: str, request_id: str, ev: Event) -> dict[str, Any]:
+def render(client_id: str, request_id: str | None, ev: Event) -> dict[str, Any]:
     """The client's frame of one stream event. A ``done`` the gateway made itself (a
     cancel no worker answered: ``DoneEvent.timed`` false) has an empty ``timing``."""
     if isinstance(ev, TokenEvent):
@@ -95,7 +95,7 @@ def render(client_id: str, request_id: str, ev: Event) -> dict[str, Any]:
     return ev.error().to_frame(client_id)
 
 
-def embeddings_frame(client_id: str, request_id: str, model: str, vectors: list[str], done: DoneEvent,
+def embeddings_frame(client_id: str, request_id: str | None, model: str, vectors: list[str], done: DoneEvent,
                      encoding: str) -> dict[str, Any]:
     """An embeddings request's one answer (docs/websocket.md, "Embeddings"): the vectors
     (base64 float32, as the worker sent them) in input order, as lists of numbers or,
@@ -103,7 +103,7 @@ def embeddings_frame(client_id: str, request_id: str, model: str, vectors: list[
     if encoding == "base64":
         data = [{"index": i, "embedding": v} for i, v in enumerate(vectors)]
     else:  # each float32 as the shortest decimal that reads back as its double (as the HTTP door prints it)
-        data = [{"index": i, "embedding": EmbeddingEvent(request_id, i, v).values().astype("float64").tolist()}
+        data = [{"index": i, "embedding": EmbeddingEvent(request_id or "", i, v).values().astype("float64").tolist()}
                 for i, v in enumerate(vectors)]
     frame = {"type": "embeddings", "id": client_id, "request_id": request_id, "model": model, "data": data,
              "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens},
@@ -250,6 +250,7 @@ class ConnectionProtocol:
     def _embed(self, msg: dict[str, Any], cid: str | None) -> list[Output]:
         """An ``embed`` frame: the connection's limits as for ``generate``, its ``id`` as a
         generate frame's, the rest exactly an HTTP embeddings body (``check_embed``)."""
+        assert self.check_embed is not None  # (``receive`` reads embed frames only with it)
         refused = self._admissible(cid)
         if refused:
             return refused

@@ -248,7 +248,7 @@ def finish_reason(reason: str) -> str:
     return FINISH.get(reason, reason)
 
 
-def usage_of(ends: Sequence[DoneEvent], prompts: int = 1) -> dict[str, int]:
+def usage_of(ends: Sequence[DoneEvent], prompts: int = 1) -> dict[str, Any]:
     """The ``usage`` of a request of one or several choices, ``ends`` in choice order: each
     prompt once (``prompts`` of them, each with an equal share of the choices, which
     all have its prompt), the completion tokens of every choice, and in
@@ -477,13 +477,13 @@ class Gathered:
 
     def __init__(self) -> None:
         self.parts: list[str] = []
-        self.logprobs: list[tuple[int, dict]] = []
+        self.logprobs: list[tuple[int, Any]] = []
         self.offset = 0
         #: the prompt's log probabilities (``PromptEvent``s), in position order
         self.prompt: list[dict] = []
 
     def add(self, ev: TokenEvent | PromptEvent) -> None:
-        if type(ev) is PromptEvent:
+        if isinstance(ev, PromptEvent):
             self.prompt.extend(ev.logprobs)
             return
         if ev.logprobs is not None:

@@ -516,10 +516,11 @@ class ResponseEvents:
                 out.append(self._event("response.output_item.added", output_index=len(self.output),
                                        item=dict(self._open)))
             else:
-                piece = call["function"]["arguments"]
+                piece, item = call["function"]["arguments"], self._open
                 if piece:
-                    self._open["arguments"] += piece
-                    out.append(self._event("response.function_call_arguments.delta", item_id=self._open["id"],
+                    assert item is not None  # (a call's pieces follow its name)
+                    item["arguments"] += piece
+                    out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                            output_index=len(self.output), delta=piece))
             return
         text = delta.get("content")

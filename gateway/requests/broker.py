@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
@@ -18,7 +18,7 @@ from streamfleet.shared.keys import GROUP, affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
-from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, RawBatch, connect
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, FleetCluster, RawBatch, connect
 from streamfleet.shared.schema import (
     AnyTask,
     Attach,
@@ -102,7 +102,7 @@ class Broker:
         self.settings = settings
         self.keys = settings.keys()
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.redis: aioredis.Redis | None = None
+        self._redis: aioredis.Redis | None = None  # ``redis`` once started
         self._pubsub: PubSubConnection | None = None
         self._routes: dict[bytes, Listener] = {}
         self._reader: asyncio.Task | None = None
@@ -112,6 +112,13 @@ class Broker:
         self.target = settings.redis_target()
         #: a cluster's sharded subscriptions (docs/cluster.md); None on a single server
         self._shards: ShardSubscriptions | None = None
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The command client (``start`` makes it)."""
+        if self._redis is None:
+            raise UnavailableError("the gateway's broker is not started", retry_after_ms=1000)
+        return self._redis
 
     @property
     def outage_grace_s(self) -> float:
@@ -127,11 +134,11 @@ class Broker:
     async def start(self) -> None:
         s = self.settings
         cluster = self.target.cluster
-        self.redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s,
-                             command_name=f"sf-gateway-{self.gateway_id}-commands")
-        self._enqueue = self.redis.register_script(ENQUEUE_LUA)
-        self._coalescer = Coalescer(self.redis)
-        self.router = PrefixRouter(s, self.keys, self.redis, self._coalescer)
+        self._redis = r = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s,
+                                  command_name=f"sf-gateway-{self.gateway_id}-commands")
+        self._enqueue = r.register_script(ENQUEUE_LUA)
+        self._coalescer = Coalescer(r)
+        self.router = PrefixRouter(s, self.keys, r, self._coalescer)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
         self.tail_redis = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s + 2,
                                   max_connections=512)
@@ -149,7 +156,7 @@ class Broker:
     async def _start_shards(self) -> None:
         s = self.settings
         self._shards = ShardSubscriptions(
-            self.redis, self.target.node_url, self._on_message, timeout=s.redis_socket_timeout_s,
+            cast("FleetCluster", self.redis), self.target.node_url, self._on_message, timeout=s.redis_socket_timeout_s,
             client_name=f"sf-gateway-{self.gateway_id}-pubsub", on_restored=self._shards_restored,
             on_lost=self._shards_lost, failover_s=s.redis_failover_s, log=log)
         self._reader = asyncio.create_task(self._shards.run(), name="pubsub-shards")
@@ -190,8 +197,8 @@ class Broker:
             await aio.cancel_and_wait(self._reader)
         if self._pubsub is not None:
             self._pubsub.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()
             await self.tail_redis.aclose()
 
     # -- connections --------------------------------------------------------------
@@ -210,6 +217,7 @@ class Broker:
             if self._shards is not None:
                 await self._shards.subscribe(channel.encode())
             else:
+                assert self._pubsub is not None  # (started)
                 await self._pubsub.subscribe(channel, timeout=self.settings.redis_socket_timeout_s)
         except _PUBSUB_ERRORS as exc:
             self._routes.pop(channel.encode(), None)
@@ -280,6 +288,7 @@ class Broker:
         backoff = 0.05
         while not self._closing:
             conn = self._pubsub
+            error: BaseException | None
             if self.healthy and conn is not None and conn.is_open:
                 done, _ = await asyncio.wait({conn.lost}, timeout=PUBSUB_PING_S)
                 if not done:
@@ -341,6 +350,7 @@ class Broker:
         """
         keys = self.keys
         worker = await self.router.route(task) if self.router.applies(task) else None
+        extra: tuple[str, ...]
         if worker is None:
             lane_key, source, extra = keys.lane(task.model, task.lane), task.lane, ()
         else:
@@ -515,7 +525,7 @@ class Broker:
                                                      *Attach.live_range(int(time.time() * 1000)))
         except BROKER_ERRORS:
             return True  # cannot tell: do not cancel what someone may be following
-        return bool(Attach.decode_members(members) - {connection_id})
+        return bool(Attach.decode_members(cast("list[bytes | str]", members)) - {connection_id})
 
     # -- fleet state ----------------------------------------------------------------
     async def ping(self) -> bool:
@@ -527,4 +537,4 @@ class Broker:
     async def live_workers(self, model: str) -> list[Heartbeat]:
         """Workers of ``model`` whose heartbeat is fresh."""
         raw = await self.redis.hgetall(self.keys.workers(model))
-        return live_workers(raw, self.settings.worker_ttl_s, time.time())
+        return live_workers(cast("dict[bytes, bytes]", raw), self.settings.worker_ttl_s, time.time())

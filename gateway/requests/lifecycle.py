@@ -28,7 +28,7 @@ HTTP request).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -113,6 +113,15 @@ class ClientRequest:
         return self.ticket.request_id if self.ticket is not None else None
 
     @property
+    def id(self) -> str:
+        """``request_id`` once submitted or resumed: what the doors' frames and response
+        ids carry."""
+        rid = self.request_id
+        if rid is None:
+            raise StreamfleetError("the request has no id before it is submitted", code=ErrorCode.internal)
+        return rid
+
+    @property
     def resume_token(self) -> str | None:
         """With auth off, the secret that lets the client resume the request: the ticket's
         for a submit, the one it was resumed with for a resume."""
@@ -142,6 +151,7 @@ class ClientRequest:
         self.stream = stream
         if self._cancel_pending:
             self._cancel_pending = False
+            assert self.channel is not None  # (a stream comes from a channel)
             self.channel.cancel(stream)
 
     async def submit(self, request: AnyRequest, trace_id: str | None = None,
@@ -222,15 +232,16 @@ class ClientRequest:
                                   f"send the request again", code=ErrorCode.invalid_request, param="request_id")
 
     # -- while it runs ------------------------------------------------------------------
-    def events(self, transport: str) -> AsyncIterator[Event | Tick]:
+    def events(self, transport: str) -> AsyncGenerator[Event | Tick, None]:
         """The stream's events, with its metrics and its "request ended" log line
         (``gateway.requests.observe.observed``); ``aclose`` it when stopping early."""
+        assert self.stream is not None, "submit or resume first"
         return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane)
 
     def cancel(self, reason: str = "client") -> None:
         """The client asked to stop the request (``ReplyChannel.cancel``); before the
         stream exists, as soon as it does."""
-        if self.stream is None:
+        if self.stream is None or self.channel is None:
             self._cancel_pending = True
         else:
             self.channel.cancel(self.stream, reason)
@@ -240,12 +251,13 @@ class ClientRequest:
         self._watch = self.admission.watch(self.identity, self._key_revoked)
 
     async def _key_revoked(self) -> None:  # end the stream: the key may not read it any more
+        assert self.stream is not None  # (watched once submitted)
         await self.broker.cancel(self.stream.request_id, self.stream.model, "key_revoked")
         self.stream.fail(revoked_error())
 
     def delivered(self) -> None:
         """The adapter delivered the stream's final event."""
-        if self.stream is not None:
+        if self.stream is not None and self.channel is not None:
             self.channel.release(self.stream)
 
     # -- the end ------------------------------------------------------------------------
@@ -268,7 +280,7 @@ class ClientRequest:
             self.admission.unwatch(self.identity, self._watch)
             self._watch = None
             await self._close_own_channel(reason, grace_s)
-            if self._shared and self.stream is not None and not self._left:
+            if self._shared and self.stream is not None and self.channel is not None and not self._left:
                 self._left = True
                 await self.channel.leave(self.stream, reason, grace_s)
             await self.release()

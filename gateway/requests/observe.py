@@ -6,7 +6,8 @@ import asyncio
 import functools
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 from streamfleet.shared.logging import get_logger
@@ -51,7 +52,8 @@ def _requests(model: str, lane: str, transport: str, outcome: str, code: str):
     return m.requests.labels(model, lane, transport, outcome, code)
 
 
-async def observed(stream: RequestStream, *, transport: str, model: str, lane: str) -> AsyncIterator[Event | Tick]:
+async def observed(stream: RequestStream, *, transport: str, model: str, lane: str
+                   ) -> AsyncGenerator[Event | Tick, None]:
     """Yield the stream's events, recording TTFT, inter-token latency, tokens and the outcome."""
     streams, ttft, itl, tokens, queue_time = _children(transport, model, lane)
     streams.inc()
@@ -91,7 +93,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
                  duration_ms=round((time.monotonic() - started) * 1000, 1))
 
 
-async def stop_events(pending: asyncio.Future | None, events: AsyncIterator) -> None:
+async def stop_events(pending: asyncio.Future | None, events: AsyncGenerator[Any, None]) -> None:
     """Stop reading a stream's ``observed`` events (``pending``: a read still under way)
     and let the observer record the outcome."""
     if pending is not None and not pending.done():

@@ -324,7 +324,7 @@ class PrefixRouter:
         """The worker to send ``task`` to, or None for the shared lane. Looks Redis up
         (one round trip) only when a candidate exists. A task routed here is reported
         back with ``enqueued`` once its enqueue returned."""
-        if not self.applies(task):
+        if not self.applies(task) or not isinstance(task, Task):  # (``applies``: a text task)
             return None
         view = self.view(task.model)
         if view is None or time.monotonic() - view.read_at > STALE_S:

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
@@ -171,7 +172,8 @@ class ReplyChannel:
             self.streams.pop(rid, None)  # and on a channel others keep listening to nobody would stop it
             self._spawn_detached(self.broker.cancel(rid, task.model, "disconnect"))
             raise
-        extra = {"prompt": request.prompt_text} if self.broker.settings.log_prompts else {}
+        extra = {"prompt": request.prompt_text} if self.broker.settings.log_prompts and \
+            isinstance(request, TextRequest) else {}
         log.info("request accepted", request_id=rid, trace_id=task.trace_id, model=task.model, lane=task.lane,
                  prompt_tokens=task.prompt_tokens, queue_depth=depth, connection_id=self.connection_id, **extra)
         return stream, depth

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
@@ -45,6 +46,7 @@ from streamfleet.shared.logging import get_logger
 from streamfleet.shared.schema import (
     PROGRESS,
     DoneEvent,
+    EmbeddingEvent,
     ErrorEvent,
     Event,
     FinishReason,
@@ -167,8 +169,9 @@ class RequestStream:
         self.gaps_skipped = 0
         self.trace_id = ""
         self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
-        self._queue = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
-        self._ahead: dict[int, TokenEvent | TranscriptEvent] = {}  # tokens past a gap, waiting for it to fill
+        self._queue: aio.LightQueue[Any] = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
+        #: tokens past a gap, waiting for it to fill
+        self._ahead: dict[int, TokenEvent | TranscriptEvent | EmbeddingEvent] = {}
         self._final: DoneEvent | None = None  # an end that arrived while a gap was open
         self.prompt_positions = prompt_positions
         self._prompt_next = 0  # the first prompt position not yet delivered
@@ -254,7 +257,7 @@ class RequestStream:
         self._queue.put_nowait(ev)
         self._prompt_next = ev.start + len(ev.logprobs)
 
-    def _deliver(self, tok: TokenEvent | TranscriptEvent) -> None:
+    def _deliver(self, tok: TokenEvent | TranscriptEvent | EmbeddingEvent) -> None:
         self._queue.put_nowait(tok)
         self.next_index = tok.index + 1
         self._deliver_ahead()
@@ -370,11 +373,12 @@ class RequestStream:
         re-arms itself for the wait under way — one timer event per stream every few
         seconds instead of two heap operations per token."""
         now = time.monotonic()
-        if self._wait_until is None:
-            self._wait_until = now + wait
+        wait_until = self._wait_until
+        if wait_until is None:
+            self._wait_until = wait_until = now + wait
         tick_at = self._yielded + self.tick_s if self.tick_s is not None else None
-        ticking = tick_at is not None and tick_at < self._wait_until
-        self._due = due = tick_at if ticking else self._wait_until
+        ticking = tick_at is not None and tick_at < wait_until
+        self._due = due = tick_at if ticking and tick_at is not None else wait_until
         if self._timer is None or self._timer_at > due:
             self._arm(due)
         try:
@@ -408,7 +412,7 @@ class RequestStream:
         else:  # the wait it was armed for was met; this one ends later
             self._arm(due)
 
-    async def _next(self) -> Event:
+    async def _next(self) -> Event | Tick:
         if self._resync and not self.finished:
             self._resync = False
             await self._read_log()

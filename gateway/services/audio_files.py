@@ -183,7 +183,7 @@ def resample_pcm16(pcm: bytes, source_rate: int, target_rate: int) -> bytes:
     if source_rate == target_rate or not pcm:
         return pcm
     try:
-        import miniaudio
+        import miniaudio  # type: ignore[import-untyped]  # (it ships no type information)
     except ImportError as exc:  # a dependency; only a broken install lacks it
         raise _refuse(f"resampling from {source_rate} Hz is not available on this server (miniaudio is not "
                       f"installed); send {target_rate} Hz audio") from exc

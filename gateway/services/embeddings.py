@@ -83,7 +83,7 @@ def _inputs(value: Any, spec: ModelSpec, vocab: int, max_chars: int) -> tuple:
                    "token ids", "input", ErrorCode.invalid_type)
     if len(items) > MAX_INPUTS:
         raise _bad(f"'input' holds {len(items)} inputs; the limit is {MAX_INPUTS}", "input")
-    out = []
+    out: list[str | tuple[int, ...]] = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
@@ -236,4 +236,4 @@ class EmbedCall:
             reason = end.finish_reason if isinstance(end, DoneEvent) else "no end"
             raise StreamfleetError(f"the embeddings request ended ({reason}) without all of its vectors",
                                    code=ErrorCode.internal)
-        return vectors, end
+        return [v for v in vectors if v is not None], end  # (every one, checked above)

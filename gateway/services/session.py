@@ -34,6 +34,7 @@ from streamfleet.gateway.protocols.frames import (
 )
 from streamfleet.gateway.requests.lifecycle import ClientRequest
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.requests.request_stream import Tick
 from streamfleet.gateway.services.embeddings import EmbeddingsBody, check_body, submit as submit_embeddings
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
@@ -41,6 +42,7 @@ from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.schema import DoneEvent, TokenEvent
 
 if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
 
 log = get_logger("gateway.session")
@@ -57,7 +59,8 @@ class CallReader:
     __slots__ = ("tools", "req", "text")
 
     def __init__(self, tools: Tools, req: ClientRequest) -> None:
-        self.tools, self.req, self.text = tools, req, []  # (the request's id is known once it is opened)
+        self.tools, self.req = tools, req  # (the request's id is known once it is opened)
+        self.text: list[str] = []
 
     def read(self, ev, frame: dict) -> None:
         if isinstance(ev, TokenEvent):
@@ -66,7 +69,7 @@ class CallReader:
             calls = self.tools.calls("".join(self.text))
             if calls is not None:
                 frame["finish_reason"] = "tool_calls"
-                frame["tool_calls"] = [{"id": call_id(self.req.request_id, 0, k), "type": "function",
+                frame["tool_calls"] = [{"id": call_id(self.req.request_id or "", 0, k), "type": "function",
                                         "function": {"name": name, "arguments": args}}
                                        for k, (name, args) in enumerate(calls)]
 
@@ -89,7 +92,7 @@ class Session:
         #: client id -> the request in flight under it (from its submit or resume frame on)
         self.requests: dict[str, ClientRequest] = {}
         self.tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
-        self.identity = None  # the API key's identity (None with auth off)
+        self.identity: Identity | None = None  # the API key's identity (None with auth off)
         self.trace_id: str | None = None  # from the connection's traceparent, when it sent one
         #: done once the API key is revoked while connected (it also wakes the adapter's loop)
         self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -157,9 +160,9 @@ class Session:
                 req = self._request(out.client_id)
                 self._spawn(self._run(req, self._resume(req, out)))
             elif isinstance(out, Cancel):
-                req = self.requests.get(out.client_id)
-                if req is not None:  # the protocol only cancels ids in flight
-                    req.cancel()
+                running = self.requests.get(out.client_id)
+                if running is not None:  # the protocol only cancels ids in flight
+                    running.cancel()
 
     def _request(self, client_id: str) -> ClientRequest:
         req = self.hub.request(client_id, identity=self.identity, channel=self.channel, share=True)
@@ -213,6 +216,8 @@ class Session:
                 await self.emit(exc.to_frame(cid))
                 return
             async for ev in req.events(self.transport):
+                if isinstance(ev, Tick):  # (a connection's requests have no keepalive ticks)
+                    continue
                 frame = render(cid, req.request_id, ev)
                 if calls is not None:
                     calls.read(ev, frame)

@@ -159,7 +159,7 @@ def _read_ggml(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     _, hidden, _, _ = ints(4)
     header = {"type": model_type, "version": f"{major}.{minor}.{patch}", "n_window": n_window,
               "n_context": n_context, "lstm_hidden_size": hidden}
-    dtypes = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
+    dtypes: dict[int, np.dtype[Any]] = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
     tensors: dict[str, np.ndarray] = {}
     while pos < len(data):
         n_dims, name_len, ttype = ints(3)

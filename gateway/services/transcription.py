@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -136,7 +136,8 @@ class Transcription:
             # what never finished fails with the error that ended the transcription (an
             # earlier utterance cancelled because a later one failed included), or is
             # cancelled when the door closed it (nobody waits for it then)
-            for fut in (*self._results, self.first_submitted):
+            futures: list[asyncio.Future[Any]] = [*self._results, self.first_submitted]
+            for fut in futures:
                 if not fut.done():
                     if self._error is not None:
                         fut.set_exception(self._error)
@@ -190,7 +191,7 @@ class Transcription:
         async def release_slot() -> None:
             nonlocal grant
             held, grant = grant, None
-            if held is not None:
+            if held is not None and hub.voice_slots is not None:
                 await hub.voice_slots.release(self.model, held)
 
         events = None
@@ -206,7 +207,9 @@ class Transcription:
             pcm = self.audio.pcm[start_ms * rate * 2 // 1000:end_ms * rate * 2 // 1000]
             step = int(APPEND_SECONDS * rate) * 2
             chunks = [AudioChunk(pcm=pcm[j:j + step]) for j in range(0, len(pcm), step)] + [AudioChunk(end=True)]
-            await hub.broker.append_audio(req.request_id, req.stream.model, chunks, s.request_timeout_s + s.log_ttl_s)
+            stream = req.stream
+            assert stream is not None  # (submitted)
+            await hub.broker.append_audio(stream.request_id, stream.model, chunks, s.request_timeout_s + s.log_ttl_s)
             events = req.events("transcription")
             text = ""
             async for ev in events:
@@ -229,7 +232,7 @@ class Transcription:
                 await release_slot()
                 await req.close(reason="http_disconnect")
 
-    async def segments(self) -> AsyncIterator[Segment]:
+    async def segments(self) -> AsyncGenerator[Segment, None]:
         """The transcript of each utterance, in the file's order, as each is known.
 
         Raises:
@@ -248,7 +251,8 @@ class Transcription:
         if self._runner is not None:
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(self._runner, return_exceptions=True)
-        for fut in (*self._results, self.first_submitted):  # (a failure nobody awaited is not "never retrieved")
+        futures: list[asyncio.Future[Any]] = [*self._results, self.first_submitted]
+        for fut in futures:  # (a failure nobody awaited is not "never retrieved")
             if fut.done() and not fut.cancelled():
                 fut.exception()
 

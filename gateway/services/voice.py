@@ -129,8 +129,9 @@ class Utterance:
     async def _release_slot(self) -> None:
         """Give the fair slot back (once): the worker is done with the utterance."""
         grant, self.grant = self.grant, None
-        if grant is not None:
-            await self.session.hub.voice_slots.release(self.config.model, grant)
+        slots = self.session.hub.voice_slots
+        if grant is not None and slots is not None:
+            await slots.release(self.config.model, grant)
 
     def _waited(self) -> float:
         return time.monotonic() - self.created
@@ -154,7 +155,9 @@ class Utterance:
     async def _write_audio(self, ttl_s: float) -> None:
         """Append the audio as it comes, whatever has queued since the last append in one
         entry (about one per round trip), then the end marker."""
-        rid = self.req.request_id
+        stream = self.req.stream
+        assert stream is not None  # (submitted)
+        rid = stream.request_id
         while True:
             pieces = [await self.audio.get()]
             while not self.audio.empty():
@@ -163,14 +166,16 @@ class Utterance:
             pcm = b"".join(p for p in pieces if p)
             chunks = ([AudioChunk(pcm=pcm)] if pcm else []) + ([AudioChunk(end=True)] if ended else [])
             try:
-                await self.session.hub.broker.append_audio(rid, self.req.stream.model, chunks, ttl_s)
+                await self.session.hub.broker.append_audio(rid, stream.model, chunks, ttl_s)
             except StreamfleetError as exc:
-                self.req.stream.fail(exc)
+                stream.fail(exc)
                 return
             if ended:
                 return
 
     async def _transcript(self, warn_after_s: float) -> None:
+        stream = self.req.stream
+        assert stream is not None  # (submitted)
         events = self.req.events("voice")
         pending: asyncio.Future | None = None
         transcript = ""  # the final one; none when the gateway ended the utterance itself
@@ -179,7 +184,7 @@ class Utterance:
                 if pending is None:
                     pending = asyncio.ensure_future(anext(events))
                 timeout = None
-                if not self.warned and not self.req.stream.started:
+                if not self.warned and not stream.started:
                     timeout = max(0.0, warn_after_s - self._waited())
                 done, _ = await asyncio.wait({pending}, timeout=timeout)
                 if not done:
@@ -303,6 +308,7 @@ class VoiceConnection:
                 await self._audio(out.pcm)
             elif isinstance(out, Stop):
                 self.last_activity = time.monotonic()
+                assert self.segmenter is not None and self.config is not None  # (AudioProtocol: started)
                 self._segment(self.segmenter.flush())
                 self.track(asyncio.create_task(self._stopped(self.config, list(self.utterances))))
                 self.segmenter, self.config = None, None
@@ -318,6 +324,7 @@ class VoiceConnection:
 
     async def _audio(self, pcm: bytes) -> None:
         seg = self.segmenter
+        assert seg is not None  # (AudioProtocol: audio only once started)
         if isinstance(seg.detector, SileroDetector):
             frames = seg.frames(pcm)
             flags = await self.hub.silero.decide(seg.detector, frames)
@@ -326,7 +333,9 @@ class VoiceConnection:
             self._segment(seg.feed(pcm))
 
     def _segment(self, events: list) -> None:
-        cid = self.config.client_id
+        config = self.config
+        assert config is not None  # (started)
+        cid = config.client_id
         for ev in events:
             if isinstance(ev, SpeechStarted):
                 self.send({"type": "speech_started", "id": cid, "offset_ms": ev.offset_ms})
@@ -334,7 +343,7 @@ class VoiceConnection:
                     # its final waits for the newest one still running (finals end in order, so
                     # every utterance before that one has had its final)
                     running = [u for u in self.utterances if not u.task.done()]
-                    self.current = Utterance(self, self.config, self.count, ev.offset_ms,
+                    self.current = Utterance(self, config, self.count, ev.offset_ms,
                                              running[-1] if running else None)
                     self.count += 1
                     self.utterances = running + [self.current]
