@@ -20,6 +20,7 @@ from redis.crc import key_slot
 from streamfleet.launcher import EmbeddedCluster
 from streamfleet.shared.keys import Keys
 from tests.support.fleet import FleetFactory
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # cluster primaries killed, failovers
@@ -58,6 +59,15 @@ def _reset_stats(cluster: EmbeddedCluster) -> None:
             r.close()
 
 
+def _reply_channels(r, prefix: str) -> set[str]:
+    """The reply channels of ``prefix`` the gateways have subscribed, on every shard."""
+    channels = set()
+    for node in r.get_primaries():
+        channels |= {ch.decode() for ch in r.execute_command("PUBSUB SHARDCHANNELS", f"{prefix}:reply:*",
+                                                             target_nodes=node)}
+    return channels
+
+
 async def test_a_token_message_is_handled_only_by_the_shard_owning_its_channel(redis_cluster, tiny_spec,
                                                                                tmp_path):
     prefix = f"sfc{time.monotonic_ns() % 10**8}"
@@ -73,17 +83,14 @@ async def test_a_token_message_is_handled_only_by_the_shard_owning_its_channel(r
             c = await Client.connect(gw.ws)
             warm = await c.generate("warm", max_tokens=2, ignore_eos=True)
             assert warm.end["type"] == "done", warm.end
-            channels = set()  # the connection's reply channel, as the gateway subscribed it
-            for node in r.get_primaries():
-                channels |= {ch.decode() for ch in r.execute_command(
-                    "PUBSUB SHARDCHANNELS", f"{prefix}:reply:*", target_nodes=node)}
+            channels = _reply_channels(r, prefix)  # the connection's reply channel, as the gateway subscribed it
             assert len(channels) == 1, channels
             channel = channels.pop()
             reply_port = _port_of(r, key_slot(channel.encode()))
             if reply_port != lanes_port:
                 break
             await c.close()
-            await asyncio.sleep(0.2)  # (the closed connection's channel goes away)
+            await until_async(lambda: not _reply_channels(r, prefix), "the closed connection's channel gone")
         assert reply_port != lanes_port
         # its requests' logs share its shard
         assert key_slot(channel.encode()) == key_slot(keys.log(warm.accepted["request_id"]).encode())
@@ -95,7 +102,7 @@ async def test_a_token_message_is_handled_only_by_the_shard_owning_its_channel(r
         results = await asyncio.gather(*(c.generate(f"r{i}", max_tokens=tokens, ignore_eos=True) for i in range(n)))
         assert all(res.end["type"] == "done" and len(res.tokens) == tokens for res in results)
         await c.close()
-        await asyncio.sleep(0.3)
+        await until_async(lambda: not _reply_channels(r, prefix), "the closed connection's channel gone")
         stats = {port: {k: v - before[port][k] if k.startswith("bus_") else v for k, v in
                         _stats(redis_cluster, port).items()} for port in redis_cluster.primary_ports()}
         # no classic PUBLISH anywhere, so nothing is broadcast over the cluster bus
@@ -182,14 +189,13 @@ async def test_the_lanes_primary_killed_mid_stream_fails_over_without_restarting
         assert intact + errors == len(results)
         # a replica took over; new requests succeed with the same processes
         own_cluster.wait_ok(30)
-        ok = None
-        while time.monotonic() - killed_at < 60:
+        async def served():
             res = await clients[0].generate(f"after{time.monotonic_ns()}", max_tokens=8, ignore_eos=True)
-            if res.end["type"] == "done":
-                ok = res
-                break
-            await asyncio.sleep(0.5)
-        assert ok is not None and len(ok.tokens) == 8, (gw.log(), worker.log())
+            return res if res.end["type"] == "done" else None
+
+        ok = await until_async(served, lambda: "a request served after the failover\n" + gw.log() + worker.log(),
+                               timeout=max(1.0, 60 - (time.monotonic() - killed_at)), interval=0.5)
+        assert len(ok.tokens) == 8, (gw.log(), worker.log())
         # a new connection too (a fresh reply channel, on whichever shard its tag hashes to)
         fresh = await Client.connect(gw.ws)
         res = await fresh.generate("fresh", max_tokens=8, ignore_eos=True)

@@ -20,6 +20,7 @@ from streamfleet.shared.schema import LogEntry, TokenEvent
 from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.keys import TIERS, add_key
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 from tests.support.grpcclient import aio_channel, sync_channel
 
@@ -320,13 +321,12 @@ async def test_deadline_shorter_than_the_queue_wait(fleet, rds, key_prefix):
     assert waited < 3
     rid = c.accepted.request_id
     fleet.worker(backend="echo")
-    t0 = time.monotonic()
-    while rds.xlen(lane) and time.monotonic() - t0 < 10:
-        await asyncio.sleep(0.05)
-    assert rds.xlen(lane) == 0
+    # the worker is done with it: deleted from the lane, nothing pending (it writes the
+    # request's log before it acks)
+    await until_async(lambda: rds.xlen(lane) == 0 and rds.xpending(lane, "workers")["pending"] == 0,
+                      "the worker done with the task", timeout=10)
     # the task never ran: whatever the worker did with it (a cancel, or its deadline at
     # admission), the request's log holds no token
-    await asyncio.sleep(0.3)
     events = [LogEntry.decode(fields).event for _, fields in rds.xrange(f"{key_prefix}:log:{rid}")]
     assert not [e for e in events if isinstance(e, TokenEvent)], events
 
@@ -376,11 +376,11 @@ async def test_health_flips_to_not_serving_while_draining_and_reflection_lists_t
         health = health_pb2_grpc.HealthStub(ch)
         # no live worker yet, and serving all the same, as /readyz says: readiness is about
         # the gateway and its Redis (requests queue for the workers)
-        t0 = time.monotonic()
-        while (await health.Check(health_pb2.HealthCheckRequest(service=""))).status != \
-                health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() - t0 < 10, "never SERVING"
-            await asyncio.sleep(0.1)
+        async def serving() -> bool:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status == \
+                health_pb2.HealthCheckResponse.SERVING
+
+        await until_async(serving, "SERVING", timeout=10)
         assert (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))).status == \
             health_pb2.HealthCheckResponse.SERVING
         fleet.worker(backend="echo", echo_delay_ms=20)
@@ -443,8 +443,10 @@ async def test_traceparent_names_the_request_in_gateway_and_worker_logs(fleet):
         c = await generate(pb_grpc.InferenceStub(ch), prompt=PROMPT, max_tokens=2,
                            metadata=(("traceparent", f"00-{trace}-00f067aa0ba902b7-01"),))
     assert c.code == grpc.StatusCode.OK
-    await asyncio.sleep(0.3)
     rid = c.accepted.request_id
+    # (the worker logs the task's end just after publishing it)
+    await until_async(lambda: any(rid in line and '"task finished"' in line for line in worker.log(tail=None).splitlines()),
+                      "the worker's log of the task's end")
     for proc in (gw, worker):
         lines = [orjson.loads(line) for line in proc.log(tail=None).splitlines() if rid in line]
         assert lines and all(line["trace_id"] == trace for line in lines if "trace_id" in line), proc.name

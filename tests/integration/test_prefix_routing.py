@@ -35,6 +35,7 @@ from streamfleet.workers.prefixcache import PrefixCache
 from streamfleet.workers.publisher import Publisher
 from tests.support.fleet import Proc
 from tests.support.routing import advertise, holders, prompt_names, served_by
+from tests.support.wait import until, until_async
 from tests.support.wsclient import Client
 
 BLOCK = 16
@@ -161,27 +162,21 @@ async def test_a_worker_advertises_the_blocks_its_current_cache_holds(redis_serv
     loop = asyncio.create_task(HeartbeatLoop(WorkerContext(r, ws, keys, "wA", keys.lanes(MODEL)), InFlightTable(),
                                              lambda: beat, advert=advert).run())
 
-    async def until(check, what: str) -> None:
-        deadline = time.monotonic() + 5
-        while not await check():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.02)
-
     try:
         names = prompt_names(PREFIX, BLOCK)
         for name in names[:3]:
             old.put(name, kv)
-        await until(lambda: r.smembers(key), "no advert")
+        await until_async(lambda: r.smembers(key), "an advert", timeout=5)
         assert await r.smembers(key) == set(names[:3]) and 0 < await r.pttl(key) <= ws.worker_ttl_s * 3000 + 1000
         old.put(names[3], kv)
-        await until(lambda: r.sismember(key, names[3]), "the advert did not follow the cache")
+        await until_async(lambda: r.sismember(key, names[3]), "the advert to follow the cache", timeout=5)
         serving[0] = new  # a hot reload: the new version's cache, its own names
         new_names = prompt_names(PREFIX, BLOCK, version="2")
         new.put(new_names[0], kv)
-        await until(lambda: r.sismember(key, new_names[0]), "the new version's cache is not advertised")
+        await until_async(lambda: r.sismember(key, new_names[0]), "the new version's cache advertised", timeout=5)
         assert await r.smembers(key) == {new_names[0]}
         await r.delete(key)  # (Redis restarted empty): written again
-        await until(lambda: r.exists(key), "a lost advert was not written again")
+        await until_async(lambda: r.exists(key), "a lost advert written again", timeout=5)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -233,7 +228,8 @@ async def test_worker_parts_treat_an_affinity_delivery_as_a_lanes(redis_server, 
         late = await r.xadd(own, {"task": raw})
         await theirs._take({own}, 4)
         assert not theirs_table.held and 0 < theirs._due[own] - time.monotonic() <= 0.3
-        await asyncio.sleep(0.35)
+        due = theirs._due[own]
+        await until_async(lambda: time.monotonic() > due, "the routed task's due time", timeout=5)
         await theirs._take({own}, 4)
         assert [(d.lane, d.message_id) for d in theirs_table.held] == [("normal@w1", late)]
         assert (await r.xpending_range(own, GROUP, "-", "+", 10, consumername="w2"))[0]["message_id"] == late
@@ -299,15 +295,17 @@ async def generate(url: str, prompts: list[list[int]], max_tokens: int = 8) -> l
 def wait_for_holder(f, workers: dict[str, Proc], name: bytes, timeout: float = 20.0) -> str:
     r = sync_client(f.redis_url, cluster=f.cluster)
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = holders(r, f.prefix, list(workers), name)
-            if found:
-                return found[0]
-            time.sleep(0.05)
+        return until(lambda: holders(r, f.prefix, list(workers), name),
+                     lambda: "a worker advertising the prefix:\n" + "\n".join(p.log() for p in workers.values()),
+                     timeout=timeout)[0]
     finally:
         r.close()
-    raise AssertionError("no worker advertised the prefix:\n" + "\n".join(p.log() for p in workers.values()))
+
+
+async def routed_to(url: str, workers: dict[str, Proc], prompt: list[int]) -> str | None:
+    """The worker a one-token request for ``prompt`` was routed to (None: the shared lane)."""
+    [rid] = await generate(url, [prompt], max_tokens=1)
+    return served_by(workers, rid)[1].get("routed_to")
 
 
 async def prime(cached) -> str:
@@ -320,7 +318,10 @@ async def prime(cached) -> str:
     # older than VIEW_TTL_S: one that does, then time for the read
     await asyncio.sleep(VIEW_TTL_S)
     await generate(gw.ws, [ids(2 * BLOCK, 99)])
-    await asyncio.sleep(0.3)
+    async def to_holder() -> bool:
+        return await routed_to(gw.ws, workers, PREFIX + [3, 1, 5]) == holder
+
+    await until_async(to_holder, "the gateway's view to name the holder")
     return holder
 
 
@@ -354,7 +355,10 @@ async def echo_fleet(fleet, rds) -> tuple[Proc, dict[str, Proc]]:
     advertise(rds, fleet.prefix, "wA", prompt_names(PREFIX, BLOCK))
     gw = fleet.gateway(prefix_block_tokens=BLOCK, prefix_routing="true", route_task_tokens=BLOCK)
     await generate(gw.ws, [ids(2 * BLOCK, 5)], max_tokens=2)  # (a request the gateway reads its view for)
-    await asyncio.sleep(0.3)
+    async def to_wa() -> bool:
+        return await routed_to(gw.ws, workers, PREFIX + [0]) == "wA"
+
+    await until_async(to_wa, "the gateway's view to name wA")
     return gw, workers
 
 
@@ -426,7 +430,5 @@ async def test_a_routed_request_completes_after_its_worker_is_killed(fleet, rds)
     assert "reclaimed a task" in workers["wB"].log(None)
     # the dead worker's affinity stream, empty once the request ended, leaves the registry
     stream = keys.affinity(MODEL, "normal", "wA")
-    deadline = time.monotonic() + 15
-    while rds.sismember(keys.affinity_streams(MODEL), stream) or rds.exists(stream):
-        assert time.monotonic() < deadline, "the dead worker's affinity stream was not retired"
-        await asyncio.sleep(0.1)
+    await until_async(lambda: not (rds.sismember(keys.affinity_streams(MODEL), stream) or rds.exists(stream)),
+                      "the dead worker's affinity stream retired", timeout=15)
