@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, ClassVar, TypeGuard
@@ -907,7 +907,8 @@ def _costs(v: object) -> dict[str, float]:
     return {str(k)[:32]: float(x) for k, x in list(v.items())[:16] if is_number(x)}
 
 
-def live_workers(raw: dict[bytes, bytes] | dict[str, str], ttl_s: float, now: float) -> list[Heartbeat]:
+def live_workers(raw: Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str], ttl_s: float,
+                 now: float) -> list[Heartbeat]:
     """The fresh entries of a ``sf:workers:{model}`` hash, as ``HGETALL`` returns it;
     unreadable or stale entries are left out.
 

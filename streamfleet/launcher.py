@@ -484,8 +484,8 @@ def serve(host: str, port: int, model: str | None, redis_url: str | None, log_fo
         gateway = fleet.start("gateway", ["gateway", "--host", host, "--port", str(port), "--metrics-host",
                                           "127.0.0.1", "--metrics-port", str(metrics_port),
                                           "--grpc-port", str(grpc_port)], env)
-        served = tuple(m for m in (model, speech_model, embedding) if m)  # ready once every worker is
-        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid, models=served):
+        serving = tuple(m for m in (model, speech_model, embedding) if m)  # ready once every worker is
+        if not wait_ready(base, lambda: stop or bool(fleet.dead()), timeout=120, pid=gateway.pid, models=serving):
             if not stop:
                 log.error("the fleet did not become ready", dead=fleet.dead())
                 return 1

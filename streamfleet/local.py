@@ -141,7 +141,8 @@ def read_record(path: Path) -> ServeRecord | None:
 def serve_records() -> tuple[list[tuple[Path, ServeRecord]], list[tuple[Path, ServeRecord]]]:
     """The records in the state folder: ``(live, stale)``, each ``(path, record)`` in
     name order; stale: its `serve` is no longer running."""
-    live, stale = [], []
+    live: list[tuple[Path, ServeRecord]] = []
+    stale: list[tuple[Path, ServeRecord]] = []
     try:
         paths = sorted(state_dir().glob("serve*.json"))
     except OSError:

@@ -92,7 +92,7 @@ class HeartbeatLoop(Part):
                         pipe.expire(key, int(self.settings.worker_ttl_s * 3) + 1)
                         advertised = self.advert is not None and self.advert.refresh(pipe)
                         results = await pipe.execute()
-                    if advertised:
+                    if advertised and self.advert is not None:
                         self.advert.refreshed(results[-1])
                 except BROKER_ERRORS as exc:
                     log.warning("heartbeat failed", error=str(exc))

@@ -79,11 +79,12 @@ class LanePolicy:
         credit = dict(self._credit)
         counts = dict.fromkeys(self._lanes, 0)
         for _ in range(free):
-            best = None
+            best: str | None = None
             for lane in self._lanes:
                 credit[lane] += self._weights[lane]
                 if best is None or credit[lane] > credit[best]:
                     best = lane
+            assert best is not None  # there is a lane
             credit[best] -= 1.0
             counts[best] += 1
         return counts

@@ -13,9 +13,13 @@ clean stop deletes it. At most ``MAX_ADVERTISED`` names, the most recently used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.workers.context import Part, WorkerContext
+
+if TYPE_CHECKING:
+    from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["PrefixAdvert", "ADVERTISE_LUA", "MAX_ADVERTISED"]
 
@@ -46,7 +50,7 @@ class PrefixAdvert(Part):
             (``WorkerCore.prefix_cache``), or None (no cache: nothing is advertised).
     """
 
-    def __init__(self, ctx: WorkerContext, cache: Callable[[], object | None]) -> None:
+    def __init__(self, ctx: WorkerContext, cache: Callable[[], PrefixCache | None]) -> None:
         super().__init__(ctx)
         self.cache = cache
         self.key = self.keys.prefix_advert(self.model, self.worker_id)

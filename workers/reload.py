@@ -32,7 +32,7 @@ LOCK_MS = 120_000
 async def target_version(redis: aioredis.Redis, keys: Keys, model: str) -> str | None:
     """The version the fleet should run, if one is set."""
     raw = await redis.get(keys.target_version(model))
-    return raw.decode() if raw else None
+    return (raw.decode() if isinstance(raw, bytes) else raw) or None
 
 
 class Reloader(Part):

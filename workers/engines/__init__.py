@@ -63,6 +63,6 @@ def load_engine(spec: ModelSpec, backend: str | None = None, **options: Any) -> 
         if attention not in ATTENTION:
             raise FatalError(f"{spec.path / 'engine.toml'}: attention must be one of {', '.join(ATTENTION)}, "
                              f"not {attention!r}")
-        target = ATTENTION[attention]
+        target = ATTENTION[attention] or target  # (None only for "concat")
     cls = import_from_string(target)
     return cls(spec, **options)

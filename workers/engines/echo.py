@@ -108,6 +108,7 @@ class EchoEngine:
         bad.update({d: "is already live" for d in dst_ids if d in self._seqs})
         if bad:
             raise InvalidSequenceError("; ".join(f"sequence {k!r} {v}" for k, v in bad.items()), list(bad))
+        assert src is not None  # (else it is in bad)
         if len(self._seqs) + len(dst_ids) > self.max_batch:
             raise ValueError(f"forked sequences exceed max_batch {self.max_batch}")
         for d in dst_ids:

@@ -167,12 +167,12 @@ class OnnxEmbeddingEngine:
             return out
         for rows in self._runs([len(ids) for ids in batch]):
             width = len(batch[rows[-1]])
-            ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+            fed = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
             mask = np.zeros((len(rows), width), dtype=np.int64)
             for r, i in enumerate(rows):
-                ids[r, :len(batch[i])] = batch[i]
+                fed[r, :len(batch[i])] = batch[i]
                 mask[r, :len(batch[i])] = 1
-            out[rows] = self._session.run(["embeddings"], {"input_ids": ids, "attention_mask": mask})[0]
+            out[rows] = self._session.run(["embeddings"], {"input_ids": fed, "attention_mask": mask})[0]
         return out
 
     def close(self) -> None:
