@@ -5,7 +5,7 @@ reflection, on its own port of every gateway process (``SF_GRPC_PORT``; docs/grp
 It is a third thin door over the same request lifecycle as the WebSocket and the OpenAI
 HTTP API: a ``GenerateRequest`` is mapped to the WebSocket's generate payload and goes
 through ``Validator.check``; ``gateway.requests.lifecycle.ClientRequest`` admits, enqueues, resumes
-and cancels; events are rendered by ``protocol.render`` and copied field for field into
+and cancels; events are rendered by ``frames.render`` and copied field for field into
 messages. A ``Stream`` call is a ``gateway.services.session.Session``, as a WebSocket is.
 
 * ``Generate`` / ``Resume``: ``Accepted``, ``Token``\\*, then ``Done`` (status OK) or an

@@ -5,9 +5,9 @@ A ``Session`` turns the outputs of its ``ConnectionProtocol`` (``gateway/protoco
 into requests (``gateway.requests.lifecycle.ClientRequest``, one per client id: submits answered
 on the process's shared channel, resumes on the session's own; docs/architecture.md,
 "Reply channels") and each request's events into protocol frames (the
-WebSocket's JSON objects, ``protocol.render``); an ``embed`` frame's request
+WebSocket's JSON objects, ``frames.render``); an ``embed`` frame's request
 (``gateway.services.embeddings``: the checks and submit every door shares) is answered with one
-``embeddings`` frame (``protocol.embeddings_frame``). An adapter supplies two writes:
+``embeddings`` frame (``frames.embeddings_frame``). An adapter supplies two writes:
 
 * ``send(frame)``   a frame decided while reading the client (queued; errors, pong)
 * ``emit(frame)``   a request's frame, from that request's own task, in order
