@@ -107,7 +107,7 @@ class BenchResult:
         return [x for r in self.ok for x in r.itl_ms()]
 
     def e2e_ms(self) -> list[float]:
-        return [r.e2e_ms for r in self.ok]
+        return [r.e2e_ms for r in self.ok if r.e2e_ms is not None]
 
     def sample(self) -> str | None:
         """The text the first request streamed (None when it kept none)."""
@@ -186,7 +186,7 @@ class Comparison:
         table = []
         for r in self.results:
             figures = self._figures(r)
-            ratios = {k: (v / base[k] if v is not None and base[k] else None) for k, v in figures.items()}
+            ratios = {k: (v / b if v is not None and (b := base[k]) else None) for k, v in figures.items()}
             table.append({"transport": r.config.transport, "ok": len(r.ok), "failed": len(r.records) - len(r.ok),
                           **figures, "ratios": ratios})
         return {"baseline": self.baseline.config.transport, "table": table, "runs": [r.to_dict() for r in self.results]}

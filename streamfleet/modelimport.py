@@ -167,7 +167,8 @@ def attention_limits(config: dict[str, Any], where: Path | str = "config.json") 
         raise refuse("use_bidirectional_attention", "makes attention see later tokens; the engines decode causally")
     # MPT (llm-foundry's attn_config): transformers' MPT, which the export traced, applies
     # none of these; a window equals full attention within it
-    attn = config.get("attn_config") if isinstance(config.get("attn_config"), dict) else {}
+    raw_attn = config.get("attn_config")
+    attn: dict[str, Any] = raw_attn if isinstance(raw_attn, dict) else {}
     if attn.get("prefix_lm"):
         raise refuse("attn_config.prefix_lm", "(attention both ways over the prompt) is in neither the export "
                      "nor the engines")
@@ -256,9 +257,9 @@ def inspect_export(source: Path, *, backend: str = "onnxruntime", max_context: i
 
     # context: the model's, capped by the operator, and where the model's attention is
     # local (a window the engines do not apply: they attend to the whole cache) at the window
-    key = next((k for k in CONTEXT_KEYS if _positive(config.get(k))), None)
-    ctx = int(config[key]) if key else None
-    note = key or "the model declares none"
+    declared = next((k for k in CONTEXT_KEYS if _positive(config.get(k))), None)
+    ctx = int(config[declared]) if declared else None
+    note = declared or "the model declares none"
     if ctx is None:
         ctx = max_context or 2048
         note = "the model declares none; --max-context or 2048"

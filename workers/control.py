@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError
 
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.pubsub import ShardSubscriptions, open_pubsub
-from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.redis import BROKER_ERRORS, FleetCluster
 from streamfleet.shared.schema import Cancel, Follow
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import InFlightTable
@@ -106,7 +107,8 @@ class ControlChannel(Part):
     async def _run_sharded(self) -> None:
         """On a Redis Cluster: the model's three channels share its lanes' slot and are
         SSUBSCRIBEd on that shard's primary, moved with it on a failover or reshard."""
-        shards = ShardSubscriptions(self.redis, self.settings.redis_target().node_url, self._route,
+        # (on a cluster, the context's client is a FleetCluster: shared.redis.connect)
+        shards = ShardSubscriptions(cast(FleetCluster, self.redis), self.settings.redis_target().node_url, self._route,
                                     timeout=self.settings.redis_socket_timeout_s,
                                     client_name=f"sf-worker-{self.worker_id}-control", on_restored=lambda chs: None,
                                     on_lost=lambda chs: None, failover_s=self.settings.redis_failover_s, log=log)
