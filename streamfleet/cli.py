@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import typer
 
@@ -150,6 +152,7 @@ def client(
         raise typer.BadParameter("--transport must be ws, sse or grpc")
     if priority not in PRIORITIES:
         raise typer.BadParameter("--priority must be high or normal")
+    fn: Callable[..., Coroutine[Any, Any, int]]
     if transport == "grpc":
         fn, where = stream_grpc, grpc_target or default_grpc_target(url)
     else:
@@ -240,7 +243,7 @@ def bench(
 
     from streamfleet.bench import run_bench, run_comparison
     from streamfleet.bench_config import BenchConfig, BenchError
-    from streamfleet.bench_stats import write_png
+    from streamfleet.bench_stats import BenchResult, Comparison, write_png
 
     cfg = BenchConfig(url=url, grpc_target=grpc_target, concurrency=concurrency, requests=requests,
                       duration=duration, rate=rate, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens,
@@ -256,7 +259,8 @@ def bench(
 
         aio.settle_heap()  # the client's own full collections would land in its latency figures
         # uvloop when installed: the load generator must not be the limit
-        result = aio.run(run_bench(configs[0]) if len(configs) == 1 else run_comparison(configs))
+        result: BenchResult | Comparison = aio.run(run_bench(configs[0])) if len(configs) == 1 \
+            else aio.run(run_comparison(configs))
     except BenchError as exc:
         print(f"streamfleet bench: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -267,7 +271,7 @@ def bench(
         print(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2).decode())
     else:
         print(result.render())
-    runs = result.results if len(configs) > 1 else [result]
+    runs = result.results if isinstance(result, Comparison) else [result]
     if png:
         problem = write_png(runs, png)
         print(f"streamfleet bench: {problem}" if problem else f"latency plot written to {png}", file=sys.stderr)
