@@ -23,7 +23,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, overload
+from typing import Any, Literal, get_args, overload
 
 import orjson
 
@@ -32,7 +32,6 @@ from streamfleet.gateway.admission.kinds import AnyRequest, EmbeddingsRequest, S
 from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
 from streamfleet.shared.grammar import (
-    CONSTRAINTS,
     GrammarError,
     Grammars,
     build_grammar,
@@ -52,8 +51,8 @@ from streamfleet.shared.modelrepo import (
 from streamfleet.shared.schema import DEFAULT_TEMPERATURE, RANGES, SamplingParams, is_number
 from streamfleet.shared.settings import GatewaySettings
 
-__all__ = ["Validator", "GENERATE_FIELDS", "check_lane", "UNSUPPORTED", "check_unsupported", "not_text_message",
-           "encode_texts"]
+__all__ = ["Validator", "GenerateField", "GENERATE_FIELDS", "check_lane", "UNSUPPORTED", "check_unsupported",
+           "not_text_message", "encode_texts"]
 
 log = get_logger("gateway.validation")
 
@@ -109,15 +108,21 @@ def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
     return False
 
 #: every field of a generate payload ``Validator.check`` reads (the WebSocket's ``generate``
-#: frame, docs/websocket.md): each door maps its own wire to these, and
-#: tests/unit/test_request_fields.py fails when a door misses one (docs/architecture.md,
+#: frame, docs/websocket.md). Each door says how it carries each one, as an exhaustive
+#: ``match`` over this type (``openai_carries``, ``responses_carries``, ``grpc_carries``):
+#: a field added here is a type error in every door until it does, and
+#: tests/unit/test_request_fields.py checks that each door then maps it (docs/architecture.md,
 #: "Adding a field to a request")
-GENERATE_FIELDS = frozenset({
+GenerateField = Literal[
     "id", "model", "priority", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "ignore_eos", "include_stop_str_in_output", "timeout", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_p", "stop_token_ids", "min_tokens", "logprobs", "top_logprobs",
-    "tools", "tool_choice", "parallel_tool_calls", *CONSTRAINTS, "n", "best_of", *UNSUPPORTED,
-})
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "n", "best_of",
+]
+#: the names a generate payload may hold: its fields, and the parameters refused by name
+#: (``UNSUPPORTED``)
+GENERATE_FIELDS = frozenset({*get_args(GenerateField), *UNSUPPORTED})
 
 MAX_ID_CHARS = 128
 #: most entries of ``logit_bias`` (OpenAI's limit) and of ``stop_token_ids``

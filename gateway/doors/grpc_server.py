@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, assert_never, get_args
 
 import anyio
 import grpc
@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from streamfleet.gateway.admission.gate import revoked_error
 from streamfleet.gateway.admission.kinds import TextRequest
+from streamfleet.gateway.admission.validation import GenerateField
 from streamfleet.gateway.protocols.frames import accepted_frame, render, resume_fields
 from streamfleet.gateway.requests.lifecycle import ClientRequest
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
@@ -101,8 +102,37 @@ def _lane(priority: int) -> str | None:
         raise ValidationError(f"'priority' {priority} is not a Priority value; use PRIORITY_NORMAL or "
                               f"PRIORITY_HIGH", code=ErrorCode.out_of_range, param="priority")
     return _PRIORITY[priority]
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "top_logprobs")
+
+
+def grpc_carries(name: GenerateField) -> Literal["optional", "flag", "repeated", "own", "no"]:
+    """How a ``GenerateRequest`` carries each field of the generate payload: a field of
+    the same name that is ``optional`` (copied when set), a ``flag`` (a bool: true when
+    set), ``repeated`` (copied when not empty), or ``own`` (``generate_payload`` maps it
+    itself: the frame's id, renamed structured outputs, the priority enum, messages,
+    tools); ``no``: not a field here. Exhaustive: a field added to ``GenerateField`` is a
+    type error here until it is placed (docs/architecture.md, "Adding a field to a
+    request")."""
+    match name:
+        case ("max_tokens" | "temperature" | "top_p" | "top_k" | "seed" | "timeout" | "presence_penalty"
+              | "frequency_penalty" | "repetition_penalty" | "min_p" | "min_tokens" | "top_logprobs"
+              | "parallel_tool_calls"):
+            return "optional"
+        case "ignore_eos" | "logprobs" | "include_stop_str_in_output":
+            return "flag"
+        case "stop" | "stop_token_ids":
+            return "repeated"
+        case ("id" | "model" | "prompt" | "messages" | "tools" | "tool_choice" | "logit_bias" | "priority"
+              | "response_format" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"):
+            return "own"
+        case "n" | "best_of":
+            return "no"
+        case _:
+            assert_never(name)
+
+
+_OPTIONAL = tuple(f for f in get_args(GenerateField) if grpc_carries(f) == "optional")
+_FLAGS = tuple(f for f in get_args(GenerateField) if grpc_carries(f) == "flag")
+_REPEATED = tuple(f for f in get_args(GenerateField) if grpc_carries(f) == "repeated")
 
 
 class GrpcListenError(Exception):
@@ -170,23 +200,17 @@ def generate_payload(req: pb.GenerateRequest, client_id: str | None) -> dict[str
         choice = req.tool_choice
         p["tool_choice"] = choice if choice in ("none", "auto", "required") else \
             {"type": "function", "function": {"name": choice}}
-    if req.HasField("parallel_tool_calls"):
-        p["parallel_tool_calls"] = req.parallel_tool_calls
     for name in _OPTIONAL:
         if req.HasField(name):
             p[name] = getattr(req, name)
-    if req.stop:
-        p["stop"] = list(req.stop)
-    if req.ignore_eos:
-        p["ignore_eos"] = True
+    for name in _FLAGS:
+        if getattr(req, name):
+            p[name] = True
+    for name in _REPEATED:
+        if getattr(req, name):
+            p[name] = list(getattr(req, name))
     if req.logit_bias:
         p["logit_bias"] = {str(t): b for t, b in req.logit_bias.items()}
-    if req.stop_token_ids:
-        p["stop_token_ids"] = list(req.stop_token_ids)
-    if req.include_stop_str_in_output:
-        p["include_stop_str_in_output"] = True
-    if req.logprobs:
-        p["logprobs"] = True
     if req.json_schema:
         p["guided_json"] = req.json_schema
     if req.json_object:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, assert_never, get_args
 
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
-from streamfleet.gateway.admission.validation import UNSUPPORTED
+from streamfleet.gateway.admission.validation import UNSUPPORTED, GenerateField
 from streamfleet.shared.errors import ErrorCode, GenerationError, ValidationError
-from streamfleet.shared.grammar import CONSTRAINTS
 from streamfleet.shared.schema import MAX_TOP_LOGPROBS, DoneEvent, PromptEvent, TokenEvent
 
 __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH", "KNOWN_CHAT",
@@ -36,10 +35,33 @@ __all__ = ["PROCESSING", "MAX_CHOICES", "MAX_PROMPTS", "MAX_HELD_CALL", "FINISH"
            "completion_prompts", "choice_counts", "stream_flags", "completion_echo", "finish_reason", "usage_of",
            "best_of_order", "could_be_call", "Echo", "ResponseShape", "ChoiceStream", "Gathered"]
 
-#: the sampling and log-probability parameters passed through to the validator as they are
-PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-              "stop_token_ids", "include_stop_str_in_output", "logprobs", "top_logprobs", *CONSTRAINTS, "tools",
-              "tool_choice", "parallel_tool_calls")
+
+
+def openai_carries(name: GenerateField) -> Literal["as_is", "chat_as_is", "own", "no"]:
+    """How the OpenAI door carries each field of the generate payload: ``as_is`` (the
+    body's parameter of the same name, on both endpoints), ``chat_as_is`` (the same, a
+    parameter of chat only), ``own`` (``request_payload`` maps it itself), ``no`` (not a
+    parameter of one request: the door spreads ``n`` and ``best_of`` over requests).
+    Exhaustive: a field added to ``GenerateField`` is a type error here until it is placed
+    (docs/architecture.md, "Adding a field to a request")."""
+    match name:
+        case ("model" | "temperature" | "top_p" | "top_k" | "stop" | "seed" | "ignore_eos" | "timeout"
+              | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" | "min_p"
+              | "min_tokens" | "stop_token_ids" | "include_stop_str_in_output" | "logprobs" | "response_format"
+              | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"):
+            return "as_is"
+        case "top_logprobs" | "tools" | "tool_choice" | "parallel_tool_calls":
+            return "chat_as_is"
+        case "id" | "priority" | "max_tokens" | "prompt" | "messages":
+            return "own"
+        case "n" | "best_of":
+            return "no"
+        case _:
+            assert_never(name)
+
+
+#: the parameters passed through to the validator as they are (``openai_carries``)
+PROCESSING = tuple(f for f in get_args(GenerateField) if openai_carries(f) in ("as_is", "chat_as_is"))
 #: most choices (``n``, ``best_of``) one request may ask for
 MAX_CHOICES = 16
 #: prompts of one completions request (each gets its choices, charged as a request each)
@@ -62,14 +84,11 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 #: nowhere). A parameter outside these is refused, as OpenAI refuses one it does not know
 #: (docs/openai.md, "Parameters")
 KNOWN_PARAMS = frozenset({
-    "model", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "logit_bias",
-    "presence_penalty", "frequency_penalty", "max_tokens", "user", "logprobs", "top_k", "min_p",
-    "repetition_penalty", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "timeout",
-    "priority", *CONSTRAINTS,
-    *UNSUPPORTED,
+    "stream", "stream_options", "n", "max_tokens", "user", "priority",
+    *(f for f in get_args(GenerateField) if openai_carries(f) == "as_is"), *UNSUPPORTED,
 })
-KNOWN_CHAT = KNOWN_PARAMS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                             "parallel_tool_calls", "metadata", "safety_identifier"}
+KNOWN_CHAT = KNOWN_PARAMS | {"messages", "max_completion_tokens", "metadata", "safety_identifier",
+                             *(f for f in get_args(GenerateField) if openai_carries(f) == "chat_as_is")}
 KNOWN_COMPLETIONS = KNOWN_PARAMS | {"prompt", "best_of"}
 
 
@@ -95,8 +114,7 @@ def request_payload(body: dict[str, Any], chat: bool, *, priority_header: str | 
     p: dict[str, Any] = {"id": "http"}
     # the parameters streamfleet does not implement go along, for the validator to refuse
     # (a completion's echo is the door's own: ``completion_echo``)
-    for name in ("model", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
-                 *PROCESSING, *UNSUPPORTED):
+    for name in (*PROCESSING, *UNSUPPORTED):
         if name in body and (chat or name != "echo"):
             p[name] = body[name]
     if not chat and body.get("logprobs") is not None:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, assert_never, get_args
 
 import orjson
 
+from streamfleet.gateway.admission.validation import GenerateField
 from streamfleet.gateway.protocols.openai_mapping import ChoiceStream, ResponseShape
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, TokenEvent
@@ -67,10 +68,33 @@ CHAT_ONLY: dict[str, str | None] = {
     "prediction": None, "guided_json": "text.format", "guided_regex": None, "guided_choice": None,
     "guided_grammar": None,
 }
+
+
+def responses_carries(name: GenerateField) -> Literal["extra", "own", "no"]:
+    """How the Responses door carries each field of the generate payload to the chat path
+    (``chat_body``): ``extra`` (streamfleet's and vLLM's extras, the SDK's ``extra_body``,
+    passed on as they are), ``own`` (the Responses API's own field, mapped), ``no`` (not
+    taken: ``CHAT_ONLY`` names the field to use; the chat door adds the id). Exhaustive: a
+    field added to ``GenerateField`` is a type error here until it is placed
+    (docs/architecture.md, "Adding a field to a request")."""
+    match name:
+        case ("seed" | "top_k" | "ignore_eos" | "timeout" | "priority" | "stop" | "presence_penalty"
+              | "frequency_penalty" | "repetition_penalty" | "min_p" | "min_tokens" | "stop_token_ids"
+              | "include_stop_str_in_output" | "logit_bias"):
+            return "extra"
+        case ("model" | "temperature" | "top_p" | "max_tokens" | "messages" | "tools" | "tool_choice"
+              | "parallel_tool_calls" | "response_format"):
+            return "own"
+        case ("id" | "prompt" | "n" | "best_of" | "logprobs" | "top_logprobs" | "guided_json" | "guided_regex"
+              | "guided_choice" | "guided_grammar"):
+            return "no"
+        case _:
+            assert_never(name)
+
+
 #: streamfleet's and vLLM's extras (the SDK's ``extra_body``), passed to the chat path as
-#: they are
-EXTRAS = ("seed", "top_k", "ignore_eos", "timeout", "priority", "stop", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "logit_bias")
+#: they are (``responses_carries``)
+EXTRAS = tuple(f for f in get_args(GenerateField) if responses_carries(f) == "extra")
 #: a response's id: ``resp_`` and its request's id
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 #: OpenAI's limits on ``metadata``: keys, a key's and a value's characters

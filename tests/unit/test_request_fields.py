@@ -6,6 +6,8 @@ request, the task on the wire, the worker's re-check and its stop matcher."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import orjson
 import pytest
 
@@ -17,10 +19,11 @@ from streamfleet.v1 import inference_pb2 as pb
 from streamfleet.workers.detokenize import StopMatcher
 
 from streamfleet.gateway.admission.kinds import TextRequest
-from streamfleet.gateway.admission.validation import GENERATE_FIELDS, UNSUPPORTED, Validator
-from streamfleet.gateway.doors.grpc_server import generate_payload
-from streamfleet.gateway.protocols.openai_mapping import request_payload
-from streamfleet.gateway.protocols.responses_mapping import chat_body, parse_request
+from streamfleet.gateway.admission.validation import GENERATE_FIELDS, UNSUPPORTED, GenerateField, Validator
+from streamfleet.gateway.doors.grpc_server import generate_payload, grpc_carries
+from streamfleet.gateway.protocols.openai_mapping import openai_carries, request_payload
+from streamfleet.gateway.protocols.responses_mapping import chat_body, parse_request, responses_carries
+from streamfleet.shared.grammar import CONSTRAINTS
 
 FIELD = "include_stop_str_in_output"
 #: what a door does not take, and why: each entry is a decision, not an oversight
@@ -65,6 +68,19 @@ def test_generate_fields_are_what_validation_reads(validator):
         validator.check(rec)
         assert rec.read <= GENERATE_FIELDS, sorted(rec.read - GENERATE_FIELDS)
         assert FIELD in rec.read
+
+
+def test_each_door_places_every_field():
+    """The type checker sees each door's ``match`` over ``GenerateField`` exhausted (a
+    field it misses is an ``assert_never`` error); here, each placement is one it knows."""
+    fields = get_args(GenerateField)
+    assert set(CONSTRAINTS) <= set(fields) and len(set(fields)) == len(fields)
+    for f in fields:
+        assert openai_carries(f) in ("as_is", "chat_as_is", "own", "no")
+        assert responses_carries(f) in ("extra", "own", "no")
+        assert grpc_carries(f) in ("optional", "flag", "repeated", "own", "no")
+        if grpc_carries(f) != "own" and grpc_carries(f) != "no":
+            assert f in pb.GenerateRequest.DESCRIPTOR.fields_by_name, f
 
 
 def test_every_door_maps_every_generate_field():
