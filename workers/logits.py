@@ -137,13 +137,13 @@ def process(logits: np.ndarray, states: list[Penalties | None], emitted: list[in
         pp = np.repeat(np.asarray([s.p.presence_penalty for _, s in freq], dtype=np.float32), lens)
         counts = np.concatenate([s.generated_counts for _, s in freq])
         logits[r, c] -= counts * fp + pp
-    minp = [(i, s) for i, s in live if s.log_min_p is not None and s.p.temperature > 0]
+    minp = [(i, s, lmp) for i, s in live if (lmp := s.log_min_p) is not None and s.p.temperature > 0]
     if minp:
         # one masked write over the batch (a floor of -inf for rows without min_p): no copy
         # of the rows, which costs more than the comparison
         floor = np.full((logits.shape[0], 1), ninf, dtype=np.float32)
-        rows = np.asarray([i for i, _ in minp], dtype=np.int64)
-        temp = np.asarray([s.p.temperature * s.log_min_p for _, s in minp], dtype=np.float32)
+        rows = np.asarray([i for i, _, _ in minp], dtype=np.int64)
+        temp = np.asarray([s.p.temperature * lmp for _, s, lmp in minp], dtype=np.float32)
         if 2 * len(minp) > logits.shape[0]:
             top = logits.max(axis=1)[rows]
         else:  # a few rows: their maxima alone

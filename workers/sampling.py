@@ -55,7 +55,7 @@ class Sampler:
     def skip(self, n: int) -> None:
         """Advance past ``n`` tokens sampled elsewhere (a request taken over mid-way):
         the next ``sample`` draws what the ``n+1``-th would have."""
-        if n > 0 and not self.greedy:
+        if n > 0 and self._rng is not None:  # (None when greedy)
             self._rng.random(n)
 
     def sample(self, logits: np.ndarray) -> int:
@@ -64,14 +64,14 @@ class Sampler:
         Args:
             logits: float array ``[vocab]``, one row of the engine's output (not modified).
         """
-        if self.greedy:
+        if self.greedy or self._rng is None:  # (None exactly when greedy)
             return int(np.argmax(logits))
         u = self._rng.random()  # the one draw of this token, whichever path follows
         x = np.asarray(logits, dtype=np.float32)
         top = x.max()
         if not np.isfinite(top):
             # NaN/+inf from a broken engine row: never pick NaN, never crash
-            x = np.nan_to_num(x, nan=-np.inf, posinf=np.finfo(np.float32).max, neginf=-np.inf)
+            x = np.nan_to_num(x, nan=-np.inf, posinf=float(np.finfo(np.float32).max), neginf=-np.inf)
             top = x.max()
             if not np.isfinite(top):
                 return int(np.argmax(x))

@@ -62,7 +62,7 @@ class _Utterance:
     first_partial_at: float | None = None
     fed_at: float = 0.0  # when audio last arrived
     begun: bool = False  # the decoder's begin() ran (in the step, never on the event loop)
-    finishing: Future | None = None  # the final pass, running on a thread of its own
+    finishing: Future[str] | None = None  # the final pass, running on a thread of its own
 
     @property
     def final_pending(self) -> bool:
@@ -133,6 +133,7 @@ class SpeechCore:
             with self._lock:
                 self._rejected.append((task, *problem))
             return
+        assert isinstance(task, SpeechTask)  # _validate refuses the other kinds
         with self._lock:
             if task.request_id in self._utts:
                 raise ValueError(f"request {task.request_id} is already running")
@@ -237,7 +238,7 @@ class SpeechCore:
             except Exception as exc:  # a decoder failure ends this utterance, not the worker
                 self._decoding_failed(u, out, exc)
                 failed.add(u.task.request_id)
-        todo = []
+        todo: list[tuple[_Utterance, list[bytes], bool, bool]] = []
         for u, pcm, ended, cancelled in work:
             if u.task.request_id in failed:
                 continue
@@ -252,20 +253,25 @@ class SpeechCore:
                 todo.append((u, pcm, ended, cancelled))
         if self._pool is not None and len(todo) > 1:
             # decoders that run side by side: each slot waited for on a thread of its own
-            list(self._pool.map(lambda w: self._conclude(*w, now, out), todo))
+            def conclude(w: tuple[_Utterance, list[bytes], bool, bool]) -> None:
+                self._conclude(*w, now, out)
+
+            list(self._pool.map(conclude, todo))
         else:
             for w in todo:
                 self._conclude(*w, now, out)
         if not out.events and not out.batch_size:
             # nothing to do but wait for final passes: wait here (the event loop is free
             # meanwhile) rather than come straight back
-            pending = [u.finishing for u in [w[0] for w in work] + still_finishing if u.final_pending]
+            pending = [u.finishing for u in [w[0] for w in work] + still_finishing
+                       if u.final_pending and u.finishing is not None]
             if pending:
                 wait(pending, timeout=FINISH_POLL_S, return_when=FIRST_COMPLETED)
         return out
 
     def _finished(self, u: _Utterance, out: StepOutput, now: float) -> None:
         """The final pass that ran on its own thread is done: the final (or the failure)."""
+        assert u.finishing is not None  # (its final pass is done)
         try:
             text = u.finishing.result()
         except Exception as exc:
