@@ -289,4 +289,7 @@ def main(entry: Callable[[], int | None], argv: list[str] | None = None) -> int:
         title += f" ({key})"
     path = write(known.write, name, title, tee.buf.getvalue(), run)
     print(f"wrote {path}", file=sys.stderr)
+    if run.busy is not None and run.busy[1] > 0.25:
+        print(f"benchtable: {run.busy[1]:.2f} of {here.cores} cores were other work during the run (the table says "
+              "so): rerun on a quiet machine before quoting it", file=sys.stderr)
     return 0
