@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import jsonschema
@@ -54,6 +53,7 @@ from tests.support.deploy import (
     render,
     scaled_objects,
 )
+from tests.support.wait import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -518,10 +518,7 @@ def with_path(bindir: Path, **env: str) -> dict[str, str]:
 
 
 def _wait(what: str, check, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.1)
+    until(check, what, timeout=timeout, interval=0.1)
 
 
 class LocalNodes:

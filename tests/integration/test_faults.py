@@ -12,6 +12,7 @@ import orjson
 import pytest
 import websockets
 
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # kills, drains and resumes: fresh processes each
@@ -201,7 +202,16 @@ async def test_gateway_sigterm_drains_then_closes_1001(fleet):
     fut = c.start("r", PROMPT, max_tokens=40, ignore_eos=True)
     await wait_tokens(c, "r", 3)
     gw.popen.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
+
+    async def not_listening() -> bool:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        except OSError:
+            return True
+        writer.close()
+        return False
+
+    await until_async(not_listening, "the gateway to stop listening", timeout=5)
     with pytest.raises(OSError):  # it stopped listening
         await websockets.connect(gw.ws, open_timeout=2)
     res = await asyncio.wait_for(fut, 30)  # the stream in flight still finishes

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.ports import free_port
 from tests.support.metrics import value
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 
@@ -131,10 +132,11 @@ async def test_worker_healthz_sees_a_step_that_does_not_finish(fleet):
         assert r.status_code == 200 and r.json()["status"] == "ok", r.text
         c = await Client.connect(gw.ws)
         slow = c.start("slow", "abc", max_tokens=2)
-        deadline = asyncio.get_running_loop().time() + 10
-        while (r := await http.get(base + "/healthz")).status_code == 200:
-            assert asyncio.get_running_loop().time() < deadline, "never stalled"
-            await asyncio.sleep(0.2)
+        async def stalled():
+            r = await http.get(base + "/healthz")
+            return r if r.status_code != 200 else None
+
+        r = await until_async(stalled, "the worker's /healthz to say it stalled", timeout=10)
         assert r.status_code == 503 and r.json()["reason"] == "sequences in flight and no step finished", r.text
         assert r.json()["in_flight"] == 1
         assert (await http.get(base + "/metrics")).status_code == 200  # what a /metrics probe would see

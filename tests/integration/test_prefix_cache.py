@@ -8,13 +8,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import orjson
 import pytest
 
 from tests.support.ports import free_port
+from tests.support.wait import until
 
 SYSTEM = [(7 * i + 3) % 500 for i in range(100)]  # tiny-gpt: 512 tokens, context 256
 
@@ -56,15 +56,14 @@ def test_a_shared_prefix_is_computed_once_and_changes_nothing(module_fleet):
         # its 6 whole blocks (96 tokens) and compute the rest
         assert cached == 2 * 96 and computed == 103 + (108 - 96) + (102 - 96)
         assert after.get("hit", 0) - before.get("hit", 0) == 2
-        deadline = time.monotonic() + 20
-        while True:  # the next heartbeat (every 0.5 s) carries the cache's figures
+        def figures() -> list[dict] | None:  # the next heartbeat (every 0.5 s) carries the cache's figures
             out = subprocess.run([sys.executable, "-m", "streamfleet", "status", "--json"], capture_output=True,
                                  text=True, timeout=60, env=module_fleet.env())
             mine = [w for m in orjson.loads(out.stdout)["models"] if m["name"] == "tiny-gpt" for w in m["workers"]
                     if w["pid"] == worker.popen.pid]
-            if mine and mine[0]["cache_blocks"] is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+            return mine if mine and mine[0]["cache_blocks"] is not None else None
+
+        mine = until(figures, "the cache's figures in the worker's heartbeat", timeout=20)
         assert mine and mine[0]["cache_blocks"] >= 6 and 0 < mine[0]["cache_hit_rate"] <= 1
     finally:
         worker.terminate()

@@ -25,6 +25,7 @@ from streamfleet.workers.context import WorkerContext
 from streamfleet.workers.core import StepOutput
 from streamfleet.workers.inflight import InFlightTable
 from streamfleet.workers.publisher import Publisher
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 
@@ -133,10 +134,7 @@ async def test_a_worker_says_it_took_a_long_prompt_in_a_message_of_its_own(fleet
             [w] = st.models[0].workers
             return w if w.step_costs and w.step_costs["steps"] > 0 else None
 
-        deadline = time.monotonic() + 10
-        while (w := await asyncio.to_thread(costs)) is None:
-            assert time.monotonic() < deadline, "no learned costs in the heartbeat"
-            await asyncio.sleep(0.1)
+        w = await until_async(lambda: asyncio.to_thread(costs), "learned costs in the heartbeat", timeout=10)
         assert w.step_target_ms == WorkerSettings().step_target_ms and w.step_costs["chunk"] > 0
     finally:
         await pubsub.aclose()

@@ -64,7 +64,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +75,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.support.ports import free_port
+from tests.support.wait import until
 from streamfleet.shared.modelrepo import REPO_ROOT, ModelSpec
 
 #: the pages whose blocks this test runs, in the order it runs them (see the docstring)
@@ -361,11 +361,9 @@ def served(tiny_spec, tmp_path_factory):
                              "--port", str(s.http_port), "--grpc-port", str(s.grpc_port), "--metrics-port", "0"],
                             env=env, cwd=home, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops everything." not in s.log.read_text(errors="replace"):
-            assert proc.poll() is None, f"serve exited:\n{s.log.read_text(errors='replace')[-4000:]}"
-            assert time.monotonic() < deadline, f"serve did not come up:\n{s.log.read_text(errors='replace')[-4000:]}"
-            time.sleep(0.2)
+        until(lambda: "Ctrl-C stops everything." in s.log.read_text(errors="replace") or proc.poll() is not None,
+              lambda: f"serve to come up:\n{s.log.read_text(errors='replace')[-4000:]}", timeout=120)
+        assert proc.poll() is None, f"serve exited:\n{s.log.read_text(errors='replace')[-4000:]}"
         assert httpx.get(f"http://127.0.0.1:{s.http_port}/readyz", timeout=5).status_code == 200
         yield s
     finally:

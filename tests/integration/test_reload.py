@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.versions import two_versions as two_versions_repo
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # a model reloaded under load
@@ -37,7 +38,7 @@ async def test_hot_reload_while_serving(fleet, two_versions):
             i += 1
 
     load = [asyncio.create_task(traffic(k)) for k in range(6)]
-    await asyncio.sleep(1.0)
+    await until_async(lambda: len(results) >= 12, "traffic before the reload", timeout=30)
     before = len(results)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "streamfleet", "reload", "tiny-gpt", "--to", "2", "--timeout", "90",
@@ -46,7 +47,7 @@ async def test_hot_reload_while_serving(fleet, two_versions):
     assert proc.returncode == 0, err.decode()
     assert b"every live worker serves version 2" in out
     n_at_switch = len(results)
-    await asyncio.sleep(1.0)
+    await until_async(lambda: len(results) >= n_at_switch + 12, "traffic after the reload", timeout=30)
     stop.set()
     await asyncio.gather(*load)
     await c.close()

@@ -19,6 +19,7 @@ from streamfleet.gateway.hub import Hub
 from streamfleet.gateway.requests.broker import Broker
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.gateway.admission.validation import Validator
+from tests.support.wait import until_async
 
 
 @pytest.fixture
@@ -169,10 +170,7 @@ async def test_http_calls_share_one_subscribed_channel(hub, rds):
     await c.submit(draft(hub))  # with a resume grace: held (and heard) until it is over
     await c.close(0.3, reason="http_disconnect")
     assert c.request_id in channel.streams and not c.stream.finished
-    for _ in range(40):
-        if c.request_id not in channel.streams:
-            break
-        await asyncio.sleep(0.1)
+    await until_async(lambda: c.request_id not in channel.streams, "the stream let go after the grace", timeout=4)
     assert c.request_id not in channel.streams and c.stream.finished and c.stream.cancel_requested
     assert not channel.closed and (await rds.pubsub_numsub(keys.reply(channel.connection_id)))[0][1] == 1
     await c.release()  # (a worker gives the slot back when it ends the request; there is none here)

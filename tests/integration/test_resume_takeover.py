@@ -14,6 +14,7 @@ import websockets
 
 from streamfleet.launcher import EmbeddedRedis
 from tests.support.fleet import FleetFactory
+from tests.support.wait import until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # dead gateways, takeovers and Redis stalls: fresh processes each
@@ -153,7 +154,9 @@ async def test_a_slow_worker_is_not_robbed(fleet, rds, key_prefix):
     slow = fleet.worker(backend="echo", echo_delay_ms=2500, max_batch=1)
     c = await Client.connect(gw.ws)
     fut = c.start("r", PROMPT, max_tokens=3, ignore_eos=True)
-    await asyncio.sleep(0.5)  # the slow worker took it; now a fast one joins
+    lane = f"{key_prefix}:{{tiny-gpt}}:tasks:normal"
+    await until_async(lambda: rds.xpending(lane, "workers")["pending"] == 1, "the slow worker to take it")
+    # now a fast one joins
     fast = fleet.worker(backend="echo")
     res = await asyncio.wait_for(fut, 30)
     assert res.end["type"] == "done" and res.indices == [0, 1, 2]
@@ -210,13 +213,11 @@ async def test_a_redis_stall_past_the_bound_fails_clearly_and_recovers(own_redis
         assert res.end["type"] == "error" and res.end["code"] == "broker_unavailable", res.end
         assert failed_after < 8.5, failed_after
         await stall
-        deadline = time.monotonic() + 30
-        while True:
+        async def served() -> bool:
             again = await c.generate(f"after{time.monotonic()}", PROMPT, max_tokens=5, ignore_eos=True)
-            if again.end["type"] == "done":
-                break
-            assert time.monotonic() < deadline, again.end
-            await asyncio.sleep(0.5)
+            return again.end["type"] == "done"
+
+        await until_async(served, "a request served once Redis is back", timeout=30, interval=0.5)
         await c.close()
     finally:
         fleet.close()

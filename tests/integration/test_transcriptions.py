@@ -17,6 +17,7 @@ from streamfleet.gateway.services.audio_files import resample_pcm16
 from streamfleet.shared.keys import Keys
 from tests.support.audiofiles import flac_bytes, wav_bytes
 from tests.support.keys import TIERS, add_key
+from tests.support.wait import until
 
 pytestmark = [pytest.mark.slow,  # speech synthesized by flite, decoded by PocketSphinx in real processes
               pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")]
@@ -258,13 +259,12 @@ def test_a_client_that_leaves_cancels_its_utterances(fleet_parts, rds):
     keys = Keys(gw.prefix)
     held, waiting, _ = keys.voice_slots("asr-en")
     lane = keys.lane("asr-en", "normal")
-    deadline = time.monotonic() + 20
-    while True:  # every utterance it started is cancelled, acknowledged, its slot given back
-        pending = rds.xpending(lane, "workers")["pending"] if rds.exists(lane) else 0
-        if pending == 0 and rds.zcard(held) == 0 and rds.zcard(waiting) == 0:
-            break
-        assert time.monotonic() < deadline, (pending, rds.zrange(held, 0, -1))
-        time.sleep(0.2)
+    def pending() -> int:
+        return rds.xpending(lane, "workers")["pending"] if rds.exists(lane) else 0
+
+    # every utterance it started is cancelled, acknowledged, its slot given back
+    until(lambda: pending() == 0 and rds.zcard(held) == 0 and rds.zcard(waiting) == 0,
+          lambda: f"the utterances ended: {pending()} pending, held {rds.zrange(held, 0, -1)}", timeout=20)
     # and the utterances after those were never submitted
     assert lane_entries(rds, gw.prefix) - before < len(SENTENCES)
     # the fleet is free for the next request
@@ -275,7 +275,7 @@ def test_a_client_that_leaves_cancels_its_utterances(fleet_parts, rds):
 def test_no_speech_worker_is_the_voice_doors_error(module_fleets):
     fleet = module_fleets()
     gw = fleet.gateway(no_worker_grace_s=0.5)
-    time.sleep(0.6)
+    time.sleep(0.6)  # a real clock window: past the 0.5 s grace, counted from the gateway's start
     with pytest.raises(openai.APIStatusError) as info:
         sdk(gw).audio.transcriptions.create(model="asr-en", file=("s.wav", wav_bytes(speech(REFS[0]))))
     assert info.value.status_code == 503 and info.value.code == "no_workers"

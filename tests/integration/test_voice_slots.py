@@ -14,6 +14,7 @@ from streamfleet.gateway.admission.voiceslots import POLL_S, VOICE_SLOTS_LUA, Sl
 from streamfleet.shared.errors import ErrorCode, GenerationError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.redis import connect
+from tests.support.wait import until_async
 
 
 @pytest.fixture
@@ -58,10 +59,15 @@ async def test_a_waiter_gets_the_slot_given_back_in_turn(ards, key_prefix):
     a0 = await slots.acquire("asr-en", "key:a", None, timeout_s=5)
     b0 = await slots.acquire("asr-en", "key:b", None, timeout_s=5)  # a's share is one of two
     assert len(slots.held()) == 2
+    _, waiting_key, _ = Keys(key_prefix).voice_slots("asr-en")
+
+    async def waiters(n: int) -> bool:
+        return await ards.zcard(waiting_key) == n
+
     waiting_a = asyncio.create_task(slots.acquire("asr-en", "key:a", None, timeout_s=10))
-    await asyncio.sleep(0.3)
+    await until_async(lambda: waiters(1), "a waiting")  # a waits first
     waiting_c = asyncio.create_task(slots.acquire("asr-en", "key:c", None, timeout_s=10))
-    await asyncio.sleep(0.3)
+    await until_async(lambda: waiters(2), "c waiting")
     assert not waiting_a.done() and not waiting_c.done()
     t0 = time.monotonic()
     await slots.release("asr-en", b0)
