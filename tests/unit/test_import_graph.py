@@ -6,6 +6,7 @@ reader follows is an arrow."""
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def _modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path) -> set[str]:
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -46,6 +47,14 @@ def _imports(name: str, path: Path) -> set[str]:
     return out
 
 
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a module, parsed once for all the tests here (the files do not change
+    during a run)."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
+@functools.cache
 def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     mods = _modules()
     edges, raw = {}, {}
@@ -125,7 +134,7 @@ def test_product_code_runs_no_module_of_an_uninstalled_folder():
     generator ran as ``scripts.make_tiny_model``)."""
     bad = []
     for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and node.value.split(".")[0] in ("scripts", "tests") and "." in node.value \
                     and " " not in node.value and "/" not in node.value:

@@ -33,12 +33,12 @@ def test_readiness_wait_recognises_its_own_gateway():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        assert not wait_ready(base, timeout=0.5, pid=1234), "another process's gateway is not ours"
+        assert not wait_ready(base, timeout=0.1, pid=1234), "another process's gateway is not ours"
         assert wait_ready(base, timeout=5.0, pid=4242)
         assert wait_ready(base, timeout=5.0)
-        assert not wait_ready(base, timeout=0.5, models=("asr-en",)), "a model without a worker is not ready"
+        assert not wait_ready(base, timeout=0.1, models=("asr-en",)), "a model without a worker is not ready"
         _Fleet.workers = {"tiny-gpt": 0}
-        assert not wait_ready(base, timeout=0.5), "a gateway with no live worker anywhere is not a ready fleet"
+        assert not wait_ready(base, timeout=0.1), "a gateway with no live worker anywhere is not a ready fleet"
     finally:
         _Fleet.workers = {"tiny-gpt": 1}
         server.shutdown()

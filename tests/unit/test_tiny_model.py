@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import string
 import subprocess
 import sys
@@ -23,26 +24,33 @@ def make(out: Path, *args: str) -> None:
     subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(out), "-q", *args], check=True)
 
 
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory) -> Path:
+    """The small model of seed 7, made once for the tests that compare against it."""
+    out = tmp_path_factory.mktemp("seven") / "a"
+    make(out, *SMALL)
+    return out
+
+
 @pytest.mark.slow
-def test_same_seed_same_bytes(tmp_path):
-    make(tmp_path / "a", *SMALL)
+def test_same_seed_same_bytes(seven, tmp_path):
     make(tmp_path / "b", *SMALL)  # a separate process: another hash seed, same files
     for name in ("model.onnx", "tokenizer.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    toml = tomllib.loads((tmp_path / "a" / "engine.toml").read_text())
+        assert (seven / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    toml = tomllib.loads((seven / "engine.toml").read_text())
     assert toml["name"] == "a" and toml["max_context"] == 64 and toml["eos_token_ids"] == [0]
     assert toml["build"] == {"seed": 7, "vocab_size": 512, "n_layer": 1, "n_head": 2, "d_model": 32}
-    # --model-dir rebuilds the same files from that engine.toml
+    # --model-dir rebuilds the same files from that engine.toml (in a copy: the fixture is shared)
+    shutil.copytree(seven, tmp_path / "a")
     (tmp_path / "a" / "model.onnx").unlink()
     subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(tmp_path / "a"), "-q"], check=True)
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
 @pytest.mark.slow
-def test_other_seed_other_weights(tmp_path):
-    make(tmp_path / "a", *SMALL)
+def test_other_seed_other_weights(seven, tmp_path):
     make(tmp_path / "c", *SMALL[:1], "8", *SMALL[2:])
-    assert (tmp_path / "a" / "model.onnx").read_bytes() != (tmp_path / "c" / "model.onnx").read_bytes()
+    assert (seven / "model.onnx").read_bytes() != (tmp_path / "c" / "model.onnx").read_bytes()
 
 
 def test_graph_layout(tiny_spec):
