@@ -6,9 +6,9 @@ import asyncio
 import math
 import time
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -33,7 +33,9 @@ from streamfleet.shared.command_socket import close_command_link, command_link
 from streamfleet.shared.resp import pack, slot_of
 
 __all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
-           "Coalescer", "refresh_members", "slot_of"]
+           "Coalescer", "refresh_members", "slot_of", "StreamEntry", "ClaimedEntry", "Pending", "ConsumerInfo",
+           "as_bytes", "as_str", "stream_entries", "claimed_entries", "autoclaimed_entries", "pending_entries",
+           "consumer_infos"]
 
 #: exceptions meaning "the broker is not reachable right now" (a cluster whose slot map
 #: cannot be read, or whose slot has no live primary during a failover, included)
@@ -310,6 +312,103 @@ async def refresh_members(redis: aioredis.Redis, members: list[tuple[str, str]],
             pipe.zadd(key, {member: expiry_ms}, xx=True)
             pipe.pexpire(key, ttl_ms)
         await pipe.execute()
+
+
+# -- redis-py's replies, typed ------------------------------------------------------------
+# redis-py types its stream replies loosely (bytes or str, fields that may be None): the
+# fleet's clients return bytes (``connect``, ``sync_client``), and these read a reply into
+# the types the callers use, in one place.
+
+#: a stream entry as XRANGE, XREAD and XREADGROUP return it: (entry id, field map)
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+#: ... as XCLAIM and XAUTOCLAIM return it: the fields are None for an entry deleted while
+#: it was pending
+ClaimedEntry = tuple[bytes, dict[bytes, bytes] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """One row of ``XPENDING <key> <group> <start> <end> <count> [consumer]``."""
+
+    message_id: bytes
+    consumer: bytes
+    idle_ms: int
+    times_delivered: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerInfo:
+    """One consumer of ``XINFO CONSUMERS <key> <group>``: its name and how many
+    deliveries it holds."""
+
+    name: str
+    pending: int
+
+
+def as_bytes(value: object) -> bytes:
+    """A reply's string as bytes (a str, from a client that decodes, is encoded)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise TypeError(f"expected a Redis string reply, not {type(value).__name__}")
+
+
+def as_str(value: object) -> str:
+    """A reply's string as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _field_map(fields: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    if isinstance(fields, dict) and all(isinstance(k, bytes) and isinstance(v, bytes) for k, v in fields.items()):
+        return cast("dict[bytes, bytes]", fields)  # (the common case, checked just above: no copy)
+    return {as_bytes(k): as_bytes(v) for k, v in fields.items()}
+
+
+def stream_entries(reply: Iterable[tuple[bytes | str | None, Mapping[bytes | str, bytes | str] | None]] | None,
+                   ) -> list[StreamEntry]:
+    """The entries of an ``XRANGE``/``XREVRANGE`` reply (or one stream's of ``XREAD``);
+    none for a missing reply."""
+    return [(as_bytes(mid), _field_map(fields) if fields is not None else {}) for mid, fields in reply or ()]
+
+
+def claimed_entries(reply: Iterable[object] | None) -> list[ClaimedEntry]:
+    """The entries of an ``XCLAIM`` reply (not ``JUSTID``), or the entry list (the second
+    item) of an ``XAUTOCLAIM`` reply; an entry deleted while pending has no fields."""
+    out: list[ClaimedEntry] = []
+    for entry in reply or ():
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"expected a stream entry, not {entry!r}")
+        mid, fields = entry
+        out.append((as_bytes(mid), _field_map(fields) if fields is not None else None))
+    return out
+
+
+def autoclaimed_entries(reply: Sequence[object] | None) -> list[ClaimedEntry]:
+    """The claimed entries of an ``XAUTOCLAIM`` reply (``[next id, entries, ...]``)."""
+    if not reply:
+        return []
+    entries = reply[1]
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(f"expected XAUTOCLAIM's entries, not {entries!r}")
+    return claimed_entries(entries)
+
+
+def pending_entries(reply: Iterable[Mapping[str, object]] | None) -> list[Pending]:
+    """The rows of an ``XPENDING`` reply with a range (redis-py's dicts)."""
+    return [Pending(as_bytes(row["message_id"]), as_bytes(row["consumer"]), _int(row["time_since_delivered"]),
+                    _int(row["times_delivered"])) for row in reply or ()]
+
+
+def consumer_infos(reply: Iterable[Mapping[str, object]] | None) -> list[ConsumerInfo]:
+    """The consumers of an ``XINFO CONSUMERS`` reply (redis-py's dicts)."""
+    return [ConsumerInfo(as_str(row["name"]), _int(row.get("pending") or 0)) for row in reply or ()]
+
+
+def _int(value: object) -> int:
+    if isinstance(value, (int, str, bytes)):
+        return int(value)
+    raise TypeError(f"expected an integer reply, not {value!r}")
 
 
 #: a cluster command redirected (MOVED, ASK, TRYAGAIN) this often in one batch fails

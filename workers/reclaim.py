@@ -23,11 +23,22 @@ import asyncio
 import time
 
 from redis.exceptions import ResponseError
+from redis.typing import StreamIdT
 
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS
+from streamfleet.shared.redis import (
+    BROKER_ERRORS,
+    ConsumerInfo,
+    as_bytes,
+    as_str,
+    autoclaimed_entries,
+    claimed_entries,
+    consumer_infos,
+    pending_entries,
+    stream_entries,
+)
 from streamfleet.shared.schema import ENDS, Heartbeat, LogEntry, TokenEvent, decode_task
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
@@ -80,16 +91,17 @@ class Takeover:
     def observe(self, heartbeats: dict[str, bytes], now: float, wall: float | None = None) -> None:
         """Record one read of the heartbeat hash (worker id -> entry) made at ``now``
         (monotonic; ``wall``: the unix time of the read, by default now's)."""
-        first = self._last_look is None
-        if first or now - self._last_look > self.dead_after_s / 2:
+        last = self._last_look
+        first = last is None
+        if last is None or now - last > self.dead_after_s / 2:
             self._seen = {w: (blob, now, now) for w, (blob, _, _) in self._seen.items()}
         self._last_look = now
-        if first and wall is None:
-            wall = time.time()
+        # (only the first look reads the heartbeats' own ages)
+        read_at = (time.time() if wall is None else wall) if first else 0.0
         for worker, blob in heartbeats.items():
             prev = self._seen.get(worker)
             if prev is None or prev[0] != blob:
-                start = now - self._age(blob, wall) if first and prev is None else now
+                start = now - self._age(blob, read_at) if first and prev is None else now
                 self._seen[worker] = (blob, start, now)
         stale = now - 60 * self.dead_after_s
         for worker in [w for w, (_, t, _) in self._seen.items() if t < stale and w not in heartbeats]:
@@ -163,9 +175,9 @@ class Reclaimer(Part):
                 pipe.xpending_range(self.lane_keys[lane], GROUP, "-", "+", len(by_lane[lane]) + 64,
                                     consumername=self.worker_id)
             owned = await pipe.execute()
-        keep: dict[str, list[bytes]] = {}
+        keep: dict[str, list[StreamIdT]] = {}
         for lane, pending in zip(lanes, owned):
-            mine = {p["message_id"] for p in pending}
+            mine = {p.message_id for p in pending_entries(pending)}
             keep[lane] = [m for m in by_lane[lane] if m in mine]
             lost = set(by_lane[lane]) - mine
             if lost:
@@ -189,37 +201,38 @@ class Reclaimer(Part):
             for lane in LANES:
                 pipe.xinfo_consumers(self.lane_keys[lane], GROUP)
             pipe.smembers(self.keys.affinity_streams(self.model))
-            heartbeats, *consumers, streams = await pipe.execute()
-        beats = {k.decode(): v for k, v in heartbeats.items()}
+            heartbeats, *consumers, members = await pipe.execute()
+        beats = {as_str(k): as_bytes(v) for k, v in heartbeats.items()}
         self.takeover.observe(beats, now, wall)
-        streams = {k.decode() if isinstance(k, bytes) else k for k in streams}
+        streams = {as_str(k) for k in members}
         if self.affinity is not None:
             self.affinity.seen(streams)
         for lane, infos in zip(LANES, consumers):
-            if not await self._take_over(lane, infos, now):
+            if not await self._take_over(lane, consumer_infos(infos), now):
                 break  # no free slot left (a dead worker's empty affinity streams are still retired)
         if streams:
             await self._look_at_affinity(streams, beats, now)
 
-    async def _take_over(self, source: str, infos: list[dict], now: float) -> bool:
+    async def _take_over(self, source: str, infos: list[ConsumerInfo], now: float) -> bool:
         """Claim what the dead consumers among ``infos`` (``XINFO CONSUMERS`` of the stream
         of ``source``: a lane, or an affinity stream) left pending, as free slots allow.
         Returns False once this worker has no free slot left."""
         min_idle = int(self.settings.worker_dead_after_s * 500)  # a racing claimer's XCLAIM just reset it to 0
         for info in infos:
-            name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
-            if name == self.worker_id or not info.get("pending") or not self.takeover.dead(name, now):
+            name = info.name
+            if name == self.worker_id or not info.pending or not self.takeover.dead(name, now):
                 continue
             free = self._free()
             if free <= 0:
                 return False
             key = self.lane_keys[source]
-            pending = await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info["pending"]),
-                                                      consumername=name)
+            pending = pending_entries(await self.redis.xpending_range(key, GROUP, "-", "+", min(free, info.pending),
+                                                                      consumername=name))
             if not pending:
                 continue
-            deliveries = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
-            claimed = await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, list(deliveries))
+            deliveries = {p.message_id: p.times_delivered + 1 for p in pending}
+            ids: list[StreamIdT] = [*deliveries]
+            claimed = claimed_entries(await self.redis.xclaim(key, GROUP, self.worker_id, min_idle, ids))
             if claimed:
                 log.warning("took over the tasks of a dead worker", dead_worker=name, lane=source,
                             count=len(claimed))
@@ -234,8 +247,8 @@ class Reclaimer(Part):
         Bounded: only while some worker is dead (at once when another dies, else every
         ``AFFINITY_SWEEP_S``) or every ``claim_idle_ms / 2`` for the idle claims, and only
         the streams that hold something are looked into (one ``XLEN`` each first)."""
-        owners = {key: split_source(src)[1] for key in streams
-                  if (src := self.keys.affinity_source_of(self.model, key)) is not None}
+        sources = {key: src for key in streams if (src := self.keys.affinity_source_of(self.model, key)) is not None}
+        owners = {key: split_source(src)[1] for key, src in sources.items()}
         dead = frozenset(w for w in {*beats, *owners.values()} if w != self.worker_id and self.takeover.dead(w, now))
         idle_due = now - self._affinity_idle_look >= self.settings.claim_idle_ms / 2000
         if not idle_due and not (dead and (dead - self._dead_seen or now - self._affinity_look >= AFFINITY_SWEEP_S)):
@@ -261,14 +274,13 @@ class Reclaimer(Part):
                 pipe.xinfo_consumers(key, GROUP)
             consumers = await pipe.execute(raise_on_error=False)
         for key, infos in zip(held, consumers):
-            source = self.keys.affinity_source_of(self.model, key)
-            if isinstance(infos, Exception) or source is None:
+            if isinstance(infos, Exception):
                 continue
-            if not await self._take_over(source, infos, now):
+            if not await self._take_over(sources[key], consumer_infos(infos), now):
                 return
         if idle_due:
             for key in held:
-                if not await self._claim_idle(self.keys.affinity_source_of(self.model, key)):
+                if not await self._claim_idle(sources[key]):
                     return
 
     async def reclaim_idle(self) -> None:
@@ -286,16 +298,16 @@ class Reclaimer(Part):
             return False
         key = self.lane_keys[source]
         res = await self.redis.xautoclaim(key, GROUP, self.worker_id, self.settings.claim_idle_ms, "0-0", count=free)
-        entries = res[1] if res else []
-        for mid, fields in entries:
+        for mid, fields in autoclaimed_entries(res):
             if fields is None:
                 continue
-            info = await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1)
-            deliveries = info[0]["times_delivered"] if info else 1
+            info = pending_entries(await self.redis.xpending_range(key, GROUP, min=mid, max=mid, count=1))
+            deliveries = info[0].times_delivered if info else 1
             await self._adopt(source, mid, fields, deliveries, "silent worker")
         return True
 
-    async def _adopt(self, lane: str, mid: bytes, fields: dict | None, deliveries: int, source: str) -> None:
+    async def _adopt(self, lane: str, mid: bytes, fields: dict[bytes, bytes] | None, deliveries: int,
+                     source: str) -> None:
         """A delivery this worker just claimed: hold it to run, ack it if it already ended,
         or dead-letter it after too many deliveries."""
         if fields is None:
@@ -327,7 +339,8 @@ class Reclaimer(Part):
         it generated (indices 0..n-1, as far as they run without a hole). Unreadable
         entries are skipped."""
         try:
-            entries = await self.redis.xrange(self.keys.log(rid), "-", "+", count=self.settings.log_maxlen)
+            reply = await self.redis.xrange(self.keys.log(rid), "-", "+", count=self.settings.log_maxlen)
+            entries = stream_entries(reply)
         except BROKER_ERRORS:
             return False, []
         by_index: dict[int, int] = {}
@@ -342,7 +355,7 @@ class Reclaimer(Part):
                     not isinstance(entry.event.index, int):
                 continue
             by_index[entry.event.index] = entry.token_id
-        replay = []
+        replay: list[int] = []
         while len(replay) in by_index:
             replay.append(by_index[len(replay)])
         return False, replay
