@@ -90,7 +90,7 @@ class Hub:
         """Requests this process still streams (WebSocket, HTTP and gRPC)."""
         return self.broker.active_streams()
 
-    async def readiness(self) -> tuple[bool, dict]:
+    async def readiness(self) -> tuple[bool, dict[str, str | dict[str, int]]]:
         """Whether this process can serve a request now, and why (``GET /readyz``'s body;
         the gRPC health service reports the same)."""
         if self.draining:

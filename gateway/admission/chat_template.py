@@ -13,11 +13,31 @@ template comes from is ``shared.modelrepo.chat_template_source``.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from streamfleet.gateway.admission.tools import Tools, call_text, tools_prompt
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "encode_prompt", "render_chat", "template_problem"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "PromptTokenizer", "encode_prompt", "render_chat", "template_problem"]
+
+
+class PromptTokenizer(Protocol):
+    """What the gateway asks of a model's tokenizer (``shared.modelrepo.load_tokenizer``'s, a
+    transformers ``PreTrainedTokenizerFast``): its ids for a text, a text for ids, its
+    vocabulary's size and its chat template rendered. ``backend_tokenizer`` (the Rust
+    tokenizer) and ``chat_template`` are read with ``getattr``: a tokenizer may lack them."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def __call__(self, text: str, *, add_special_tokens: bool = ..., return_offsets_mapping: bool = ...) -> Any:
+        """a transformers ``BatchEncoding`` (``input_ids``, ``offset_mapping``)"""
+
+    def __len__(self) -> int: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], *, tokenize: bool,
+                            add_generation_prompt: bool, **kwargs: Any) -> str | list[int]: ...
 
 
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -28,7 +48,7 @@ no chat template and no such line is served no chat requests (``Validator.check`
 does not make up a format the model was never trained on."""
 
 
-def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
+def encode_prompt(tokenizer: PromptTokenizer, text: str, special_tokens: bool = True) -> list[int]:
     """The prompt's token ids, with the special tokens the tokenizer's own post-processor
     adds (a BOS for Llama-style tokenizers, none for GPT-2's): what the model was trained
     to see. ``special_tokens=False`` for text a chat template rendered, which carries its
@@ -37,7 +57,8 @@ def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> lis
     this runs on the gateway's event loop."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.truncation is None and backend.padding is None:
-        return backend.encode(text, add_special_tokens=special_tokens).ids
+        ids: list[int] = backend.encode(text, add_special_tokens=special_tokens).ids
+        return ids
     # a tokenizer.json that configures truncation or padding: let transformers switch them off
     return tokenizer.encode(text, add_special_tokens=special_tokens)
 
@@ -46,7 +67,7 @@ def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> lis
 _TEMPLATE_TOKEN = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?[A-Za-z][\w.-]{0,39}>|\[/?[A-Z][A-Z_]{1,20}\]")
 
 
-def template_problem(tokenizer: Any) -> str | None:
+def template_problem(tokenizer: PromptTokenizer) -> str | None:
     """Why the tokenizer's chat template cannot be trusted, or None: a special token it
     spells out (``<|im_start|>``…) that the tokenizer does not have as one token would be
     split into pieces, and the model would see a conversation it was never trained on."""
@@ -70,7 +91,7 @@ _TAKES_TOOLS = re.compile(r"\btools\b")
 _TAKES_CALLS = re.compile(r"\btool_calls\b")
 
 
-def _template_text(template: Any) -> str:
+def _template_text(template: str | dict[str, object]) -> str:
     """A tokenizer's chat template as one text (transformers allows several, by name)."""
     return "\n".join(v for v in template.values() if isinstance(v, str)) if isinstance(template, dict) else template
 
@@ -92,7 +113,7 @@ def _generic_tools(messages: list[dict[str, Any]], tools: Tools | None, offer: b
     return out
 
 
-def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | None = None) -> str:
+def render_chat(messages: list[dict[str, Any]], tokenizer: PromptTokenizer, tools: Tools | None = None) -> str:
     """The prompt of a conversation: the tokenizer's chat template (given the offered
     tools, as templates that know tools take them), or the builtin format
     (``DEFAULT_CHAT_TEMPLATE``; the caller checks the model chooses it), where the tools
@@ -108,7 +129,9 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Any, tools: Tools | N
         extra = {"tools": [{"type": "function", "function": f} for f in tools.functions]} \
             if tools is not None and offered and takes_tools else {}
         messages = _generic_tools(messages, tools, offered and not takes_tools, not _TAKES_CALLS.search(text))
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        assert isinstance(rendered, str)  # tokenize=False: the rendered text
+        return rendered
     parts = [DEFAULT_CHAT_TEMPLATE.format(role="system", content=tools_prompt(tools))] \
         if tools is not None and offered else []
     for m in messages:

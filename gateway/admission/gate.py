@@ -105,7 +105,7 @@ class Admission:
         self._watched: dict[str, dict[int, OnRevoked]] = {}
         #: connection slots this process holds: (key id, connection id)
         self._held_connections: set[tuple[str, str]] = set()
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._handles = itertools.count(1)
         #: key id -> monotonic time until which its bucket is known empty (``spent``)
         self._spent: dict[str, float] = {}

@@ -23,11 +23,12 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal, get_args, overload
 
 import orjson
 
-from streamfleet.gateway.admission.chat_template import encode_prompt, render_chat, template_problem
+from streamfleet.gateway.admission.chat_template import PromptTokenizer, encode_prompt, render_chat, template_problem
 from streamfleet.gateway.admission.kinds import AnyRequest, EmbeddingsRequest, SpeechRequest, TextRequest
 from streamfleet.gateway.admission.tools import Tools, parse_tools
 from streamfleet.shared.errors import ErrorCode, FatalError, NotFoundError, ValidationError
@@ -153,7 +154,7 @@ def not_text_message(spec: ModelSpec) -> str:
     return f"model {spec.name!r} is {kind_phrase(spec.kind)}, not a text model; {where}"
 
 
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def encode_texts(tokenizer: PromptTokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, special tokens included (``encode_prompt``'s, in one batch
     call where the tokenizer allows it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -162,7 +163,7 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [encode_prompt(tokenizer, t) for t in texts]
 
 
-def echo_of(tokenizer: Any, text: str, prompt_ids: tuple[int, ...] | None
+def echo_of(tokenizer: PromptTokenizer, text: str, prompt_ids: tuple[int, ...] | None
             ) -> tuple[str, list[int], list[int]]:
     """``(text shown, token ids, each token's start in that text)`` of a completion's prompt
     that the response echoes: a text prompt as it was sent, tokenized as ``encode_prompt``
@@ -195,7 +196,7 @@ def echo_of(tokenizer: Any, text: str, prompt_ids: tuple[int, ...] | None
 _ECHO_HELD = 32
 
 
-def _decoded(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], list[int]]:
+def _decoded(tokenizer: PromptTokenizer, ids: list[int]) -> tuple[str, list[int], list[int]]:
     """``echo_of`` for a prompt of token ids: the text each token adds, as a completion's
     tokens are decoded (vLLM's prefix and read offsets: a window of the tokens before it
     as context), special tokens shown; a token that is only part of a character adds
@@ -220,7 +221,7 @@ def _decoded(tokenizer: Any, ids: list[int]) -> tuple[str, list[int], list[int]]
     return "".join(parts), ids, offsets
 
 
-def check_lane(value: Any) -> str:
+def check_lane(value: object) -> str:
     """The lane a request's ``priority`` names (absent or null: ``normal``).
 
     Raises:
@@ -232,10 +233,11 @@ def check_lane(value: Any) -> str:
         raise ValidationError(f"'priority' must be one of {', '.join(LANES)}",
                               code=ErrorCode.out_of_range if isinstance(value, str) else ErrorCode.invalid_type,
                               param="priority")
+    assert isinstance(value, str)  # one of LANES
     return value
 
 
-def _listed(items: list, most: int = 20) -> str:
+def _listed(items: list[Any], most: int = 20) -> str:
     """``items`` for a message: each ``repr``, the first ``most`` of them and how many more."""
     shown = ", ".join(repr(i) for i in items[:most])
     return shown + (f" and {len(items) - most} more" if len(items) > most else "")
@@ -252,13 +254,15 @@ class Validator:
         self.settings = settings
         self.repo = repo
         self._allowed = {m.strip() for m in settings.models.split(",") if m.strip()}
-        self._tokenizers: dict[Any, Any] = {}  # (model folder, tokenizer file) -> loaded tokenizer
-        self._template_problems: dict[Any, str | None] = {}  # (tokenizer, engine.toml template) -> problem
-        self._template_sources: dict[Any, str | None] = {}  # (folder, tokenizer, engine.toml's) -> source
-        self._grammars: dict[Any, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
-        self._grammar_problems: dict[tuple[Any, bytes], str | None] = {}  # recent grammars (digests) checked
+        # (model folder, tokenizer file) -> loaded tokenizer
+        self._tokenizers: dict[tuple[Path, str], PromptTokenizer] = {}
+        self._template_problems: dict[tuple[Path, str | None], str | None] = {}  # (tokenizer, engine.toml template)
+        # (folder, tokenizer, engine.toml's) -> source
+        self._template_sources: dict[tuple[Path, str, str | None], str | None] = {}
+        self._grammars: dict[Path, Grammars] = {}  # tokenizer file -> the model's llguidance tokenizer
+        self._grammar_problems: dict[tuple[Path, bytes], str | None] = {}  # recent grammars (digests) checked
         self._limits = settings.grammar_limits()
-        self._trials: dict[tuple[Any, bytes], asyncio.Future] = {}  # grammars being tried now
+        self._trials: dict[tuple[Path, bytes], asyncio.Future[str | None]] = {}  # grammars being tried now
 
     # -- models -----------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -270,13 +274,14 @@ class Validator:
             raise NotFoundError(f"model {model!r} is not served here", param="model")
         return self.repo.get(model)
 
-    def tokenizer(self, spec: ModelSpec) -> Any:
+    def tokenizer(self, spec: ModelSpec) -> PromptTokenizer:
         key = (spec.path, spec.tokenizer)  # the spec's own Path keeps its hash: no new Path per request
         tok = self._tokenizers.get(key)
         if tok is not None:
             return tok
         try:
-            tok = self._tokenizers[key] = load_tokenizer(spec)
+            loaded: PromptTokenizer = load_tokenizer(spec)  # transformers' tokenizer (untyped: Any)
+            tok = self._tokenizers[key] = loaded
         except FatalError as exc:
             raise NotFoundError(f"model {spec.name!r} is not available: {exc.message}", param="model") from exc
         return tok
@@ -343,7 +348,7 @@ class Validator:
                                                                       self._limits)
         return grammars
 
-    def _grammar_key(self, spec: ModelSpec, grammar: str) -> tuple[Any, bytes]:
+    def _grammar_key(self, spec: ModelSpec, grammar: str) -> tuple[Path, bytes]:
         return spec.tokenizer_path, hashlib.blake2b(grammar.encode(), digest_size=16).digest()
 
     def _compile(self, request: TextRequest, spec: ModelSpec) -> str:
@@ -372,7 +377,7 @@ class Validator:
             self._remember(key, self._grammars_of(spec).trial(grammar))
         return self._grammar_problems[key]
 
-    def _remember(self, key: tuple[Any, bytes], problem: str | None) -> None:
+    def _remember(self, key: tuple[Path, bytes], problem: str | None) -> None:
         if key in self._grammar_problems:
             return
         if len(self._grammar_problems) >= 256:
@@ -628,7 +633,7 @@ class Validator:
             out.append(ids)
         return tuple(out)
 
-    def _token_ids(self, prompt: list, spec: ModelSpec) -> tuple[int, ...]:
+    def _token_ids(self, prompt: list[Any], spec: ModelSpec) -> tuple[int, ...]:
         """A prompt of token ids: integers of the model's vocabulary, at most its context
         (the worker checks the same again)."""
         if not prompt:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
@@ -46,6 +46,7 @@ from streamfleet.shared.errors import ErrorCode, GenerationError, UnavailableErr
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
+from streamfleet.shared.schema import Heartbeat
 
 __all__ = ["SlotTable", "VoiceSlots", "Waiter", "capacity_of", "fair_share", "next_grants", "VOICE_SLOTS_LUA",
            "GRANT_TTL_S", "WAIT_TTL_S", "POLL_S"]
@@ -255,9 +256,9 @@ class VoiceSlots:
         self._clock = clock
         self._script = redis.register_script(VOICE_SLOTS_LUA)
         self._capacity: dict[str, tuple[float, int]] = {}  # model -> (read at, slots)
-        self._capacity_reads: dict[str, asyncio.Future] = {}
+        self._capacity_reads: dict[str, asyncio.Future[int]] = {}
         self._held: dict[tuple[str, str], None] = {}  # (model, member) granted here
-        self._refresher: asyncio.Task | None = None
+        self._refresher: asyncio.Task[None] | None = None
 
     # -- the fleet's slots ----------------------------------------------------------------
     async def capacity(self, model: str) -> int:
@@ -375,7 +376,7 @@ class VoiceSlots:
         await aio.cancel_and_wait(self._refresher)
 
 
-def capacity_of(heartbeats) -> int:
+def capacity_of(heartbeats: Iterable[Heartbeat]) -> int:
     """The decoder slots of live workers that take new work (not draining)."""
     return sum(max(0, int(hb.max_batch)) for hb in heartbeats if not hb.draining)
 

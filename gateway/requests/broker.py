@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
@@ -105,7 +105,7 @@ class Broker:
         self._redis: aioredis.Redis | None = None  # ``redis`` once started
         self._pubsub: PubSubConnection | None = None
         self._routes: dict[bytes, Listener] = {}
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self.healthy = False
         self._replays = asyncio.Semaphore(REPLAY_READS)
@@ -446,7 +446,7 @@ class Broker:
         return await self._read_log(self.redis if block_ms is None else self.tail_redis, request_id, after,
                                     block_ms)
 
-    async def _read_log(self, client, request_id: str, after: bytes, block_ms: int | None,
+    async def _read_log(self, client: aioredis.Redis, request_id: str, after: bytes, block_ms: int | None,
                         ) -> list[tuple[bytes, Event]]:
         try:
             res = await client.xread({self.keys.log(request_id): after}, count=1000, block=block_ms)
@@ -458,8 +458,10 @@ class Broker:
             # rides out or reports; it must never end the connection
             log.warning("log read failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
-        out = []
-        for _key, entries in res or []:
+        # [[key, [(entry id, fields), ...]]]: RESP2, which the fleet's clients speak (shared.redis.connect)
+        reply = cast("list[list[Any]] | None", res)
+        out: list[tuple[bytes, Event]] = []
+        for _key, entries in reply or []:
             for entry_id, fields in entries:
                 try:
                     out.append((entry_id, LogEntry.decode(fields).event))

@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as m
@@ -40,14 +42,14 @@ def trace_id_from(traceparent: str | None) -> str | None:
 # A label lookup (``labels()``: a lock and a dict per call) once per kind of stream, not seven per
 # request; the caches hold no more label sets than the metrics themselves keep.
 @functools.cache
-def _children(transport: str, model: str, lane: str) -> tuple:
+def _children(transport: str, model: str, lane: str) -> tuple[Gauge, Histogram, Histogram, Counter, Histogram]:
     """The metric children a stream of ``(transport, model, lane)`` records into."""
     return (m.streams.labels(transport), m.ttft.labels(model, lane, transport), m.itl.labels(model, transport),
             m.tokens.labels(model, transport), m.queue_time.labels(model, lane))
 
 
 @functools.cache
-def _requests(model: str, lane: str, transport: str, outcome: str, code: str):
+def _requests(model: str, lane: str, transport: str, outcome: str, code: str) -> Counter:
     """The ``requests`` child of a stream that ended so."""
     return m.requests.labels(model, lane, transport, outcome, code)
 
@@ -93,7 +95,7 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
                  duration_ms=round((time.monotonic() - started) * 1000, 1))
 
 
-async def stop_events(pending: asyncio.Future | None, events: AsyncGenerator[Any, None]) -> None:
+async def stop_events(pending: asyncio.Future[Any] | None, events: AsyncGenerator[Any, None]) -> None:
     """Stop reading a stream's ``observed`` events (``pending``: a read still under way)
     and let the observer record the outcome."""
     if pending is not None and not pending.done():

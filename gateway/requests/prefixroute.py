@@ -86,7 +86,7 @@ class FleetView:
     affinity: frozenset[str] = frozenset()
 
 
-def leading_run(hits: Iterable) -> int:
+def leading_run(hits: Iterable[object]) -> int:
     """How many of ``hits`` are true before the first false one (``SMISMEMBER``'s 1s and
     0s): the blocks of a prompt's start that a worker holds. A block is usable only after
     every block before it, so a hit after a miss counts for nothing."""
@@ -255,7 +255,7 @@ class PrefixRouter:
         self.block = settings.prefix_block_tokens
         self.fresh_s = min(settings.worker_ttl_s, ROUTE_FRESH_S)
         self._views: dict[str, FleetView] = {}
-        self._reads: dict[str, asyncio.Future] = {}
+        self._reads: dict[str, asyncio.Future[None]] = {}
         self.ledger = Ledger()
 
     # -- the view --------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class PrefixRouter:
                     pipe.hgetall(self.keys.workers(model))
                 streams, *rest = await pipe.execute()
             live = live_workers(rest[0], self.settings.worker_ttl_s, time.time()) if routing else []
-            sizes: list = []
+            sizes: list[int] = []
             if live:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for hb in live:

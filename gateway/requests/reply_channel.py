@@ -18,7 +18,8 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from streamfleet.gateway.admission.kinds import TextRequest
@@ -29,6 +30,7 @@ from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.kinds import AnyRequest
+    from streamfleet.gateway.requests.broker import Broker
 
 __all__ = ["ReplyChannel"]
 
@@ -46,6 +48,17 @@ LET_GO_REMEMBERED = 4096
 LET_GO_REMEMBER_S = 600.0
 
 
+@dataclass(slots=True)
+class _LetGo:
+    """A request a shared channel ended by itself (``ReplyChannel._remember_let_go``)."""
+
+    model: str
+    #: monotonic time the channel let it go
+    let_go: float
+    #: monotonic time before which no cancel is sent again
+    next_cancel: float
+
+
 class ReplyChannel:
     """A subscribed ``sf:reply:{connection_id}`` and the requests answered on it.
 
@@ -61,18 +74,18 @@ class ReplyChannel:
             itself when its events keep arriving (``_unheard``).
     """
 
-    def __init__(self, broker: Any, connection_id: str | None = None, *, stall_timeout_s: float = 60.0,
+    def __init__(self, broker: Broker, connection_id: str | None = None, *, stall_timeout_s: float = 60.0,
                  shared: bool = False) -> None:
         self.broker = broker
         self.connection_id = connection_id or uuid.uuid4().hex
         self.stall_timeout_s = stall_timeout_s
         self.shared = shared
         self.streams: dict[str, RequestStream] = {}
-        self._tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
+        self._tasks: dict[asyncio.Task[Any], None] = {}  # (a dict as a set: lighter when empty)
         self.closed = False
         #: request id -> [model, when let go, next cancel at]: requests this shared channel
         #: ended itself, whose worker may not know (oldest first)
-        self._let_go_ids: dict[str, list] = {}
+        self._let_go_ids: dict[str, _LetGo] = {}
 
     async def open(self) -> ReplyChannel:
         """Subscribe. Raises ``UnavailableError`` when Redis is unreachable."""
@@ -102,10 +115,10 @@ class ReplyChannel:
             del self._let_go_ids[rid]
             return
         now = time.monotonic()
-        if now < entry[2]:
+        if now < entry.next_cancel:
             return
-        entry[2] = now + CANCEL_RESEND_S
-        self._spawn_detached(self._cancel_unheard(rid, entry[0]))
+        entry.next_cancel = now + CANCEL_RESEND_S
+        self._spawn_detached(self._cancel_unheard(rid, entry.model))
 
     async def _cancel_unheard(self, rid: str, model: str) -> None:
         if await self.broker.followed_elsewhere(rid, self.connection_id):
@@ -119,10 +132,10 @@ class ReplyChannel:
         now = time.monotonic()
         while ids:  # forget the oldest past the bounds
             first = next(iter(ids))
-            if len(ids) < LET_GO_REMEMBERED and now - ids[first][1] < LET_GO_REMEMBER_S:
+            if len(ids) < LET_GO_REMEMBERED and now - ids[first].let_go < LET_GO_REMEMBER_S:
                 break
             del ids[first]
-        ids[stream.request_id] = [stream.model, now, 0.0]
+        ids[stream.request_id] = _LetGo(stream.model, now, 0.0)
 
     def resync(self) -> None:
         """The subscription was re-established: events may have been missed; check the logs."""
@@ -260,10 +273,10 @@ class ReplyChannel:
                 break
         stream.end_cancelled()
 
-    def _forget(self, task: asyncio.Task) -> None:
+    def _forget(self, task: asyncio.Task[Any]) -> None:
         self._tasks.pop(task, None)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         t = asyncio.create_task(coro)
         self._tasks[t] = None
         t.add_done_callback(self._forget)
@@ -306,7 +319,7 @@ class ReplyChannel:
             s.end_cancelled()
         return [s for s, f in zip(own, followed) if f]
 
-    def _spawn_detached(self, coro) -> None:
+    def _spawn_detached(self, coro: Coroutine[Any, Any, object]) -> None:
         # outlives the connection's own tasks; kept referenced until done
         t = asyncio.create_task(coro)
         _DETACHED.add(t)
@@ -368,4 +381,4 @@ class ReplyChannel:
                 deadline = time.monotonic() + grace_s
 
 
-_DETACHED: set[asyncio.Task] = set()
+_DETACHED: set[asyncio.Task[Any]] = set()

@@ -36,9 +36,10 @@ is a ``gateway.requests.lifecycle.ClientRequest``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final, Literal
 
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, GenerationError, StreamfleetError, UnavailableError
@@ -75,10 +76,17 @@ LOG_PAGE = 1000
 LogReader = Callable[[bytes, "int | None"], Awaitable[list[tuple[bytes, Event]]]]
 
 
+class _Mark(enum.Enum):
+    """What a stream queues besides its events; never yielded."""
+
+    WAKE = "wake"
+    TIMER = "timer"
+
+
 #: queued to wake a waiting consumer (see ``RequestStream.resync``); never yielded
-_WAKE = object()
+_WAKE: Final = _Mark.WAKE
 #: queued by a stream's timer when the wait it was armed for may be over; never yielded
-_TIMER = object()
+_TIMER: Final = _Mark.TIMER
 
 
 class Tick:
@@ -169,7 +177,7 @@ class RequestStream:
         self.gaps_skipped = 0
         self.trace_id = ""
         self.model = ""  # the request's model as recorded at submit (a resume learns it from the record)
-        self._queue: aio.LightQueue[Any] = aio.LightQueue()  # an Event, TICK, _WAKE or _TIMER; one consumer
+        self._queue: aio.LightQueue[Event | Tick | _Mark] = aio.LightQueue()  # one consumer
         #: tokens past a gap, waiting for it to fill
         self._ahead: dict[int, TokenEvent | TranscriptEvent | EmbeddingEvent] = {}
         self._final: DoneEvent | None = None  # an end that arrived while a gap was open
@@ -362,7 +370,7 @@ class RequestStream:
                     self._yielded = time.monotonic()
                 return ev
 
-    async def _get(self, wait: float) -> Event | Tick | None:
+    async def _get(self, wait: float) -> Event | Tick | Literal[_Mark.WAKE] | None:
         """The next queued event within ``wait`` seconds (None: the wait passed), or
         ``TICK`` first when one falls due sooner; the wait it interrupted goes on from where
         it was at the next call.
@@ -412,7 +420,7 @@ class RequestStream:
         else:  # the wait it was armed for was met; this one ends later
             self._arm(due)
 
-    async def _next(self) -> Event | Tick:
+    async def _next(self) -> Event | Tick | _Mark:
         if self._resync and not self.finished:
             self._resync = False
             await self._read_log()
@@ -448,10 +456,10 @@ class RequestStream:
                     self.fail(GenerationError("the request timed out without a token", code=ErrorCode.timeout))
         return self._queue.get_nowait()
 
-    def __aiter__(self):
+    def __aiter__(self) -> AsyncIterator[Event | Tick]:
         return self._iterate()
 
-    async def _iterate(self):
+    async def _iterate(self) -> AsyncIterator[Event | Tick]:
         while True:
             ev = await self.next()
             yield ev
