@@ -35,7 +35,7 @@ from streamfleet.shared.resp import pack, slot_of
 __all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
            "Coalescer", "refresh_members", "slot_of", "StreamEntry", "ClaimedEntry", "Pending", "ConsumerInfo",
            "as_bytes", "as_str", "stream_entries", "claimed_entries", "autoclaimed_entries", "pending_entries",
-           "consumer_infos"]
+           "consumer_infos", "raw_entries", "raw_streams", "read_streams"]
 
 #: exceptions meaning "the broker is not reachable right now" (a cluster whose slot map
 #: cannot be read, or whose slot has no live primary during a failover, included)
@@ -392,6 +392,40 @@ def autoclaimed_entries(reply: Sequence[object] | None) -> list[ClaimedEntry]:
     if not isinstance(entries, (list, tuple)):
         raise TypeError(f"expected XAUTOCLAIM's entries, not {entries!r}")
     return claimed_entries(entries)
+
+
+def raw_entries(items: object) -> list[StreamEntry]:
+    """One stream's entries as a raw ``XREADGROUP`` reply (or a script) has them
+    (``[id, [field, value, ...]]``; no fields for an entry deleted since it was
+    delivered) as ``(id, fields)``."""
+    if not items:
+        return []
+    if not isinstance(items, list):
+        raise TypeError(f"expected a list of stream entries, not {items!r}")
+    return [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items]
+
+
+def raw_streams(reply: object) -> list[tuple[bytes, list[StreamEntry]]]:
+    """A raw ``XREAD``/``XREADGROUP`` reply, per stream: RESP2 ``[[stream, entries]]``,
+    RESP3 ``{stream: entries}``; none for a nil reply (nothing came)."""
+    if not reply:
+        return []
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    if not isinstance(pairs, Iterable):
+        raise TypeError(f"expected a stream read reply, not {reply!r}")
+    return [(as_bytes(key), raw_entries(items)) for key, items in pairs]
+
+
+def read_streams(reply: object) -> list[tuple[bytes, list[ClaimedEntry]]]:
+    """An ``XREAD``/``XREADGROUP`` reply as redis-py parses it, per stream (RESP2
+    ``[[stream, entries]]``, or a dict of stream -> entries); an entry deleted since it
+    was delivered has no fields."""
+    if not reply:
+        return []
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    if not isinstance(pairs, Iterable):
+        raise TypeError(f"expected a stream read reply, not {reply!r}")
+    return [(as_bytes(key), claimed_entries(items)) for key, items in pairs]
 
 
 def pending_entries(reply: Iterable[Mapping[str, object]] | None) -> list[Pending]:

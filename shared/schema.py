@@ -45,11 +45,14 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, ClassVar, TypeGuard
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
 import orjson
 
 from streamfleet.shared.errors import RequestError, error_from_code
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 __all__ = [
     "AudioInput",
@@ -939,8 +942,8 @@ class DeadLetter:
     lane: str = ""
     worker: str = ""
 
-    def fields(self) -> dict[str, bytes | str]:
-        """The field map for ``XADD``."""
+    def fields(self) -> dict[FieldT, EncodableT]:
+        """The field map for ``XADD`` (redis-py's)."""
         return {"task": self.task, "reason": self.reason, "lane": self.lane, "worker": self.worker}
 
     @classmethod

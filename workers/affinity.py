@@ -42,7 +42,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from streamfleet.shared.keys import GROUP, LANES, affinity_source, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, as_bytes, raw_entries, read_streams
 from streamfleet.shared.schema import Wake, live_workers
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -145,11 +145,6 @@ return 1
 """
 
 
-def _entries(items) -> list[tuple[bytes, dict]]:
-    """A script's entries (``[id, [field, value, ...]]``) as ``(id, fields)``."""
-    return [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items or ()]
-
-
 class Affinity(Part):
     """This worker's affinity streams, and its taking of other workers' overdue ones.
 
@@ -232,7 +227,7 @@ class Affinity(Part):
         if not self.active and any(key in streams for key in self.own_keys.values()):
             self.activate()
 
-    async def read(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict]]]:
+    async def read(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]]:
         """Each lane's entries (up to its count): this worker's affinity stream first, then
         the shared lane; ``lane -> [(source, entry id, fields)]``. One script, one round
         trip on the command socket (as the plain reads of ``Intake._read_new``).
@@ -243,13 +238,13 @@ class Affinity(Part):
         """
         lanes = list(counts)
         script_keys = [k for lane in lanes for k in (self.own_keys[lane], self.lane_keys[lane])]
-        args = (GROUP, self.worker_id, *(counts[lane] for lane in lanes))
+        args: tuple[bytes | str | int, ...] = (GROUP, self.worker_id, *(counts[lane] for lane in lanes))
         for attempt in range(2):
-            if self._read_sha is None:
-                self._read_sha = await self.redis.script_load(READ_LUA)
-                self._read_sha = self._read_sha.encode() if isinstance(self._read_sha, str) else self._read_sha
+            sha = self._read_sha
+            if sha is None:
+                sha = self._read_sha = as_bytes(await self.redis.script_load(READ_LUA))
             batch = RawBatch()
-            batch.add(b"EVALSHA", self._read_sha, len(script_keys), *script_keys, *args)
+            batch.add(b"EVALSHA", sha, len(script_keys), *script_keys, *args)
             [res] = await batch.execute(self.redis, partial=True)
             if isinstance(res, NoScriptError) and attempt == 0:  # a restarted or flushed Redis
                 self._read_sha = None
@@ -257,10 +252,10 @@ class Affinity(Part):
             if isinstance(res, Exception):
                 raise res
             break
-        out: dict[str, list[tuple[str, bytes, dict]]] = {}
+        out: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {}
         for lane, (own, shared) in zip(lanes, res):
-            out[lane] = [(self.own[lane], mid, f) for mid, f in _entries(own)] + \
-                        [(lane, mid, f) for mid, f in _entries(shared)]
+            out[lane] = [(self.own[lane], mid, f) for mid, f in raw_entries(own)] + \
+                        [(lane, mid, f) for mid, f in raw_entries(shared)]
         return out
 
     async def read_own(self, free: int) -> list[Delivery]:
@@ -276,8 +271,7 @@ class Affinity(Part):
                 break
             res = await self.redis.xreadgroup(GROUP, self.worker_id, {self.own_keys[lane]: ">"},
                                               count=free - len(out))
-            streams = res.values() if isinstance(res, dict) else (items for _key, items in res or ())
-            out += [Delivery(self.own[lane], mid, f or {}) for items in streams for mid, f in items]
+            out += [Delivery(self.own[lane], mid, f or {}) for _key, items in read_streams(res) for mid, f in items]
         return out
 
     async def retire_own(self) -> None:
@@ -410,7 +404,7 @@ class Affinity(Part):
                     self._due[key] = at
             if source is None:
                 continue
-            for mid, fields in _entries(taken):
+            for mid, fields in raw_entries(taken):
                 log.info("took a task routed to another worker", stream=key, message_id=mid.decode(),
                          waited_past_ms=waited)
                 metrics.affinity_taken.labels(self.model).inc()

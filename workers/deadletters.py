@@ -39,7 +39,7 @@ class DeadLetters(Part):
         except BROKER_ERRORS as exc:
             log.warning("dead-lettering failed", error=str(exc))
 
-    async def give_up(self, lane: str, msg_id: bytes, fields: dict, deliveries: int) -> None:
+    async def give_up(self, lane: str, msg_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> None:
         """A task delivered ``deliveries`` times without finishing: dead-letter it and end
         the request with a ``delivery_failed`` error.
 

@@ -10,6 +10,7 @@ heard for them, applied if they start within ``MEMORY_S``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from streamfleet.shared.logging import get_logger
@@ -46,7 +47,7 @@ class Delivery:
 
     lane: str
     message_id: bytes
-    fields: dict
+    fields: dict[bytes, bytes]
     #: token ids the request generated before this worker took it over (from its log)
     replay: list[int] | None = None
 
@@ -68,7 +69,7 @@ class InFlightTable:
         self._cancel_memory: dict[str, float] = {}
         self._follow_memory: dict[str, tuple[set[str], float]] = {}
         #: called when a delivery is held (an idle worker's wait on its lanes ends for it)
-        self.on_hold = None
+        self.on_hold: Callable[[], None] | None = None
 
     # -- running requests ------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:

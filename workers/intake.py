@@ -26,7 +26,7 @@ from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, raw_streams, read_streams
 from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
@@ -153,7 +153,7 @@ class Intake(Part):
         self._tolerant = ctx.keys.cluster
         #: monotonic time since when the lanes' shard could not be read (None: it can)
         self.unreachable_since: float | None = None
-        self._idle_read: asyncio.Future | None = None  # an idle worker's blocking read, still out
+        self._idle_read: asyncio.Future[list[Delivery]] | None = None  # an idle worker's blocking read, still out
         self._idle_read_own = False  # ... and whether it waits on this worker's affinity streams too
         self._held_wake = asyncio.Event()  # a delivery was held: an idle wait ends
         table.on_hold = self._held_wake.set
@@ -172,7 +172,7 @@ class Intake(Part):
             ResponseError: a lane refused the read (NOGROUP, UNBLOCKED).
         """
         if self._idle_read is not None and self._idle_read.done():
-            self._collect_idle_read(tolerant=not block)
+            self._collect_idle_read(self._idle_read, tolerant=not block)
         free = self.cores.free_slots
         entries = self.table.take_held(free)
         free -= len(entries)
@@ -198,30 +198,32 @@ class Intake(Part):
         is held meanwhile (the reclaim loop took over a dead worker's tasks), so that those
         start at once instead of after ``block_ms``. A read cut short stays out, and what
         it returns later is held (``_collect_idle_read``)."""
-        if self._idle_read is None:
+        read = self._idle_read
+        if read is None:
             self._idle_read_own = self.affinity is not None and self.affinity.active
-            if self._idle_read_own:
+            if self.affinity is not None and self._idle_read_own:
                 await self.affinity.ready()
-            self._idle_read = asyncio.ensure_future(self._read(free, True, block_ms))
+            read = self._idle_read = asyncio.ensure_future(self._read(free, True, block_ms))
         self._held_wake.clear()  # (a hold from now on ends the wait; one before is in ``held``)
         if self.table.held:
             return []
         waiter = asyncio.ensure_future(self._held_wake.wait())
         try:
-            await asyncio.wait((self._idle_read, waiter), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((read, waiter), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             self.close()  # (the worker stops: its read goes with it)
             raise
         finally:
             waiter.cancel()
-        if not self._idle_read.done():
+        if not read.done():
             return []
-        read, self._idle_read = self._idle_read, None
+        self._idle_read = None
         return read.result()
 
-    def _collect_idle_read(self, tolerant: bool) -> None:
-        """What a blocking read cut short returned since: held, to start first."""
-        read, self._idle_read = self._idle_read, None
+    def _collect_idle_read(self, read: asyncio.Future[list[Delivery]], tolerant: bool) -> None:
+        """What a blocking read cut short (``read``, the one still out) returned since:
+        held, to start first."""
+        self._idle_read = None
         try:
             got = read.result()
         except (*BROKER_ERRORS, ReadOnlyError) as exc:
@@ -232,20 +234,28 @@ class Intake(Part):
         for delivery in got:
             self.table.hold(delivery)
 
+    @property
+    def _routed(self) -> Affinity:
+        """The affinity streams' part: the callbacks that use it (``_own_wake``,
+        ``_read_own_beside``) are installed only with prefix-aware routing on."""
+        if self.affinity is None:
+            raise RuntimeError("prefix-aware routing is off: this worker has no affinity streams")
+        return self.affinity
+
     def _own_wake(self) -> None:
         """A gateway routed a task to this worker (a wake naming it): from now on its reads
         take its affinity streams (``Affinity.activate``)."""
-        if self.affinity.active:
+        if self._routed.active:
             self._read_own_beside()
         else:
-            self.affinity.activate()  # (calls _read_own_beside)
+            self._routed.activate()  # (calls _read_own_beside)
 
     def _read_own_beside(self) -> None:
         """An idle read under way that began before gateways routed tasks here covers the
         lanes only: this worker's affinity streams are read at once beside it (what comes
         is held, which ends the idle wait)."""
         if self._idle_read is not None and not self._idle_read.done() and not self._idle_read_own:
-            self.affinity.spawn_read_own(self.spawn)
+            self._routed.spawn_read_own(self.spawn)
 
     def close(self) -> None:
         """Cancel a blocking read still out (the worker stops)."""
@@ -276,7 +286,7 @@ class Intake(Part):
         """Each lane's share of ``free`` (``LanePolicy``), what a lane lacked given to the
         lanes that had more; an idle worker (``block``) waits on them all."""
         asked = self.policy.split(free)
-        got: dict[str, list] = {lane: [] for lane in LANES}
+        got: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {lane: [] for lane in LANES}
         lanes = {lane: asked[lane] for lane in LANES if asked.get(lane, 0) > 0}
         if lanes:
             got.update(await self._read_new(lanes))
@@ -311,7 +321,7 @@ class Intake(Part):
         return {self.lane_keys[lane].encode(): lane for lane in LANES}
 
     async def _read_blocking(self, block_ms: int | None = None, sources: list[str] | None = None,
-                             ) -> list[tuple[bytes, list[tuple[bytes, dict]]]]:
+                             ) -> list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]:
         """An idle worker's wait for a task on any lane (``XREADGROUP ... BLOCK``):
         ``[(stream, [(entry id, fields)])]``, empty when ``block_ms`` passed. On a single
         server it goes out on a socket of its own (``sf-worker-<id>-reads``), written and
@@ -329,14 +339,14 @@ class Intake(Part):
         if isinstance(self.redis, RedisCluster):
             res = await self.redis.xreadgroup(GROUP, self.worker_id, dict.fromkeys(streams, ">"),
                                               count=1, block=block_ms)
-            return [(key, items) for key, items in res or ()]
+            return [(key, [(mid, fields or {}) for mid, fields in items]) for key, items in read_streams(res)]
         link = blocking_link(self.redis, f"sf-worker-{self.worker_id}-reads")
         res = await link.blocking(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", 1, b"BLOCK", block_ms,
                                   b"STREAMS", *streams, *(b">" for _ in streams),
                                   block_s=block_ms / 1000)
-        return [(key, _entries(items)) for key, items in res or ()]
+        return raw_streams(res)
 
-    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict]]]:
+    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]]:
         """New entries of each lane (up to its count), without blocking, as ``(source,
         entry id, fields)``: one ``XREADGROUP`` per lane, all in one ``RawBatch`` on the
         worker's command socket (their replies read raw: no redis-py pipeline and
@@ -354,14 +364,13 @@ class Intake(Part):
         for lane, n in counts.items():
             batch.add(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", n, b"STREAMS",
                       self.lane_keys[lane], b">")
-        out = {}
+        out: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {}
         # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
         for lane, res in zip(counts, await batch.execute(self.redis, partial=True)):
             if isinstance(res, Exception):
                 raise res
             # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}
-            streams = res.values() if isinstance(res, dict) else (items for _key, items in res or ())
-            out[lane] = [(lane, mid, f) for items in streams for mid, f in _entries(items)]
+            out[lane] = [(lane, mid, f) for _key, entries in raw_streams(res) for mid, f in entries]
         return out
 
     def _start(self, d: Delivery) -> None:
@@ -387,8 +396,3 @@ class Intake(Part):
         log.info("task admitted", request_id=task.request_id, trace_id=task.trace_id, lane=lane,
                  queue_ms=round((now - task.created_at) * 1000, 2), **({"routed_to": routed_to} if routed_to else {}))
 
-
-def _entries(items) -> list[tuple[bytes, dict]]:
-    """A stream's entries as a raw ``XREADGROUP`` reply has them (``[id, [field, value,
-    ...]]``; no fields for an entry deleted since it was delivered) as ``(id, fields)``."""
-    return [(mid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for mid, flat in items]
