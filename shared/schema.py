@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
@@ -808,7 +808,7 @@ class Attach:
         return now_ms, "+inf"
 
     @staticmethod
-    def decode_members(members: list[bytes | str]) -> set[str]:
+    def decode_members(members: Iterable[object]) -> set[str]:
         """The connection ids of ``ZRANGEBYSCORE``'s answer; members that are not ids of
         the form a gateway writes are left out."""
         out = set()

@@ -43,11 +43,17 @@ from streamfleet.shared.schema import (
 )
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
-from streamfleet.workers.inflight import InFlightTable
+from streamfleet.workers.inflight import InFlight, InFlightTable
 
 __all__ = ["Publisher"]
 
 log = get_logger("worker")
+
+#: what a kept command of a cluster's batch does once it went out: a publish, the set of
+#: the request ids it carries; an ack, ``(request id, its InFlight, its outcome)``
+_Tag = set[str] | tuple[str, InFlight, str]
+#: the events whose log entry always refreshes the log's expiry (a token's, every 64th)
+_EXPIRE_EACH = (*ENDS, PromptEvent, StartedEvent)
 
 
 class Publisher(Part):
@@ -62,7 +68,7 @@ class Publisher(Part):
         # what to do once each publish or ack among them went out (index -> the set of
         # the request ids a publish carries, or an ack's (request id, InFlight, outcome))
         self._kept: RawBatch | None = None
-        self._kept_tags: dict[int, object] = {}
+        self._kept_tags: dict[int, _Tag] = {}
         self._stuck: dict[str, float] = {}  # request id -> since when its events do not reach its shard
         #: request id -> when its events reached its shard again after a failover: its
         #: gateways re-subscribe on the new primary meanwhile (a longer orphan grace)
@@ -92,7 +98,7 @@ class Publisher(Part):
             await self.publish(out, version)
             self.unsent.pop(0)
 
-    def _build(self, batch: RawBatch, out, version: str, tags: dict | None = None):
+    def _build(self, batch: RawBatch, out, version: str, tags: dict[int, _Tag] | None = None):
         """Append one step's commands to ``batch``: its log entries, each channel's
         publish, the finished tasks' acks. Returns ``(channels, rids_by_channel, acked,
         first_publish)``; with ``tags``, each publish's index maps to the set of the
@@ -132,13 +138,13 @@ class Publisher(Part):
                 tags[i] = rids_by_channel[ch]
         if acked:
             ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
-                    for _, ev in out.events if isinstance(ev, ENDS)} if tags is not None else None
+                    for _, ev in out.events if isinstance(ev, ENDS)} if tags is not None else {}
             for rid, fl in acked:
                 after = (keys.log(rid),) if cluster else ()
                 i = batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
                 batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
                 fl.acking = True
-                if ends is not None:
+                if tags is not None:
                     tags[i] = (rid, fl, ends.get(rid, "unknown"))
         return channels, rids_by_channel, acked, first_publish
 
@@ -205,7 +211,7 @@ class Publisher(Part):
         stuck = self._stuck
         now = time.monotonic()
         for i, tag in tags.items():
-            if type(tag) is tuple:  # an ack: (request id, its InFlight, its outcome)
+            if isinstance(tag, tuple):  # an ack: (request id, its InFlight, its outcome)
                 if i not in not_sent:
                     if stuck:
                         stuck.pop(tag[0], None)
@@ -269,7 +275,7 @@ class Publisher(Part):
             key = self.keys.log(ev.request_id)
             tid = ids.get((ev.request_id, ev.index)) if isinstance(ev, TokenEvent) else None
             batch.add(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", *LogEntry(ev, tid).fields())
-            if isinstance(ev, ENDS) or type(ev) in (PromptEvent, StartedEvent) or ev.index % 64 == 0:
+            if isinstance(ev, _EXPIRE_EACH) or ev.index % 64 == 0:
                 batch.add(b"EXPIRE", key, ttl)
             if isinstance(ev, ENDS):  # the request's record lives as long as its log
                 batch.add(b"EXPIRE", self.keys.request(ev.request_id), ttl)
