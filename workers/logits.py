@@ -50,13 +50,16 @@ class Penalties:
         self.ids = np.zeros(16, dtype=np.int64)  # distinct generated ids [: len(_slot)]
         self.counts = np.zeros(16, dtype=np.float32)
         self._slot: dict[int, int] = {}
+        # the ids the repetition penalty applies to ([: _rep_n]), and them as a set (None:
+        # the sequence has no repetition penalty, and the array stays empty)
+        self._rep_seen: set[int] | None
         if params.repetition_penalty != 1.0:
             seen = np.unique(np.asarray(prompt_ids, dtype=np.int64))
             self._rep_seen = set(seen.tolist())
             self.rep_ids = np.concatenate([seen, np.zeros(16, dtype=np.int64)])
             self._rep_n = seen.shape[0]
         else:
-            self._rep_seen, self.rep_ids, self._rep_n = None, None, 0
+            self._rep_seen, self.rep_ids, self._rep_n = None, np.zeros(0, dtype=np.int64), 0
         self.bias_ids = np.asarray([int(t) for t, _ in params.logit_bias], dtype=np.int64)
         self.bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
         self.ban_ids = np.asarray(sorted(end_ids | {int(t) for t in params.stop_token_ids}), dtype=np.int64)
@@ -179,8 +182,9 @@ class Logprobs:
             order = np.lexsort((part, -vals), axis=1)  # most likely first, then lower id
             self.top_ids = np.take_along_axis(part, order, axis=1)
             self.top_lps = np.take_along_axis(vals, order, axis=1) - self.lse[:, None]
-        else:
-            self.top_ids = self.top_lps = None
+        else:  # (no row asked for alternatives: ``of`` never reads them)
+            self.top_ids = np.zeros((raw.shape[0], 0), dtype=np.int64)
+            self.top_lps = np.zeros((raw.shape[0], 0), dtype=np.float32)
 
     def __contains__(self, row: int) -> bool:
         return row in self._row
