@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import orjson
@@ -50,17 +50,22 @@ from streamfleet.gateway.protocols.openai_mapping import (
 from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.requests.lifecycle import ClientRequest
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
-from streamfleet.gateway.requests.request_stream import TICK
+from streamfleet.gateway.requests.request_stream import TICK, Tick
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, PromptEvent, TokenEvent
+from streamfleet.shared.schema import MAX_SEED, DoneEvent, ErrorEvent, Event, PromptEvent, TokenEvent
 
 if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
     from streamfleet.shared.schema import Heartbeat
 
 __all__ = ["router"]
+
+T = TypeVar("T")
+#: a request's events (``ClientRequest.events``)
+Events = AsyncGenerator[Event | Tick, None]
 
 log = get_logger("gateway.openai")
 router = APIRouter()
@@ -78,7 +83,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         n, best_of = choice_counts(body, chat, stream_mode)
         resume = parse_last_event_id(request.headers.get("last-event-id"))
         req = hub.request("http", identity=identity)
-        tools, drafts = None, []
+        tools: Tools | None = None
+        drafts: list[TextRequest] = []
         if resume is not None:  # a reconnecting SSE client: continue that request
             if not stream_mode:
                 raise ValidationError("Last-Event-ID needs \"stream\": true", code=ErrorCode.invalid_request,
@@ -89,7 +95,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             # the model is the recorded one, validated at submit: never the body's
             await req.resume(resume[0], resume[2] + 1, resume[1])
         else:
-            prompts = [None] if chat else completion_prompts(body)
+            prompts: list[str | list[int] | None] = [None] if chat else [*completion_prompts(body)]
             drafts = [_checked(hub, body, chat, request.headers.get("x-priority"), prompt, i, len(prompts))
                       for i, prompt in enumerate(prompts)]
             draft = drafts[0]
@@ -120,10 +126,10 @@ async def _generate(request: Request, chat: bool) -> Response:
         await req.close(reason="http_disconnect")
 
 
-async def _ticking(events: AsyncGenerator, every_s: float) -> AsyncGenerator[Any, None]:
+async def _ticking(events: AsyncGenerator[T, None], every_s: float) -> AsyncGenerator[T | None, None]:
     """``events``, with a None whenever ``every_s`` pass without one (an SSE keepalive is
     due); closing it stops the read under way and closes ``events``."""
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[T] | None = None
     try:
         while True:
             if pending is None:
@@ -139,8 +145,8 @@ async def _ticking(events: AsyncGenerator, every_s: float) -> AsyncGenerator[Any
             await stop_events(pending, events)
 
 
-def _checked(hub: Hub, body: dict, chat: bool, priority: str | None, prompt, i: int,
-             prompts: int) -> TextRequest:
+def _checked(hub: Hub, body: dict[str, Any], chat: bool, priority: str | None, prompt: str | list[int] | None,
+             i: int, prompts: int) -> TextRequest:
     """The checked request (``Validator.check``) of prompt ``i`` of ``prompts`` (None: the chat request's messages); a
     refusal of one of several prompts names which."""
     strict = hub.settings.refuse_unsupported
@@ -156,7 +162,7 @@ def _checked(hub: Hub, body: dict, chat: bool, priority: str | None, prompt, i: 
         raise ValidationError(f"prompt {i}: {exc.message}", code=exc.code, param=exc.param) from exc
 
 
-async def _submit_choices(hub: Hub, identity, prompts: list[TextRequest], k: int, *, scored: bool,
+async def _submit_choices(hub: Hub, identity: Identity | None, prompts: list[TextRequest], k: int, *, scored: bool,
                           trace: str | None) -> list[ClientRequest]:
     """Submit the ``k`` completions of each of a request's ``prompts`` (checked requests), prompt by
     prompt: one task each (admitted, rate limited and run as any request), seeds ``seed``,
@@ -193,7 +199,7 @@ async def _submit_choices(hub: Hub, identity, prompts: list[TextRequest], k: int
         if state["broken"]:
             raise asyncio.BrokenBarrierError
 
-    async def one(req: ClientRequest, d) -> None:
+    async def one(req: ClientRequest, d: TextRequest) -> None:
         try:
             await req.submit(d, trace_id=trace, before_enqueue=together, charged=True)
         except BaseException:
@@ -213,11 +219,11 @@ async def _submit_choices(hub: Hub, identity, prompts: list[TextRequest], k: int
     return reqs
 
 
-async def _merged(iterators: list[AsyncGenerator]) -> AsyncGenerator[tuple[int, Any], None]:
+async def _merged(iterators: list[Events]) -> AsyncGenerator[tuple[int, Event | Tick], None]:
     """``(choice, event)`` of several streams as they come, until every one has ended."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Event | Tick]] = asyncio.Queue()
 
-    async def pump(i: int, it: AsyncGenerator) -> None:
+    async def pump(i: int, it: Events) -> None:
         async for ev in it:
             await queue.put((i, ev))
 
@@ -270,9 +276,9 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
             ends: dict[int, DoneEvent] = {}
             #: events of a choice whose prompt's log probabilities (its first choice's) are
             #: not all out yet: they follow them
-            waiting: dict[int, list] = {}
+            waiting: dict[int, list[TokenEvent | PromptEvent | DoneEvent]] = {}
 
-            def frames(i: int, ev) -> list[bytes]:
+            def frames(i: int, ev: TokenEvent | PromptEvent | DoneEvent) -> list[bytes]:
                 if isinstance(ev, TokenEvent):
                     return [sse_frame(chunk) for chunk in choices[i].token(ev)]
                 if isinstance(ev, PromptEvent):  # the prompt's first choice: shown for all of them
@@ -329,7 +335,7 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
     got = [Gathered() for _ in reqs]
     ends: dict[int, DoneEvent] = {}
 
-    async def consume():
+    async def consume() -> ErrorEvent | None:
         async for i, ev in events:
             if isinstance(ev, (TokenEvent, PromptEvent)):
                 got[i].add(ev)
@@ -363,7 +369,7 @@ async def _many(request: Request, hub: Hub, reqs: list[ClientRequest], chat: boo
                     media_type="application/json")
 
 
-async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncGenerator, shape: ResponseShape,
+async def _sse_events(hub: Hub, req: ClientRequest, events: Events, shape: ResponseShape,
                       include_usage: bool, echo: Echo | None = None) -> AsyncIterator[bytes]:
     """The SSE body of one choice. Keepalives come from the stream itself
     (``RequestStream.tick_s``: no task or timer per token), and the end of the stream (the
@@ -410,7 +416,7 @@ async def _sse_events(hub: Hub, req: ClientRequest, events: AsyncGenerator, shap
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
-async def _collect(request: Request, events: AsyncGenerator, shape: ResponseShape, echo: Echo | None = None
+async def _collect(request: Request, events: Events, shape: ResponseShape, echo: Echo | None = None
                    ) -> Response:
     """Non-streamed: gather the whole completion (after an ``echo``'s prompt), cancelling
     if the client leaves."""
@@ -468,7 +474,7 @@ async def model(request: Request, model_id: str) -> Response:
     return Response(orjson.dumps(_model_object(hub, model_id, served[model_id])), media_type="application/json")
 
 
-def _executions(beats: list[Heartbeat]) -> list[dict] | None:
+def _executions(beats: list[Heartbeat]) -> list[dict[str, object]] | None:
     """The execution modes live workers run (each once, with why and how many workers run
     it; shared/execution.py), or None where none says one."""
     seen: dict[tuple[str, str], int] = {}
@@ -478,7 +484,7 @@ def _executions(beats: list[Heartbeat]) -> list[dict] | None:
     return [{"mode": mode, "why": why, "workers": n} for (mode, why), n in seen.items()] or None
 
 
-def _model_object(hub: Hub, name: str, beats: list[Heartbeat]) -> dict:
+def _model_object(hub: Hub, name: str, beats: list[Heartbeat]) -> dict[str, object]:
     """OpenAI's model object (``created``: when the model's folder was last written), and
     beyond its fields: the live workers, what the model does ("text", or "asr": speech
     recognition, served on /v1/audio/stream and /v1/audio/transcriptions), where its chat template comes from (a

@@ -50,7 +50,7 @@ from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.redis import BROKER_ERRORS
-from streamfleet.shared.schema import DoneEvent, ErrorEvent, StoredResponse, TokenEvent
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, PromptEvent, StoredResponse, TokenEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -211,7 +211,11 @@ async def _sse(hub: Hub, req: ClientRequest, events: AsyncGenerator, out: Respon
 
 async def _collect(request: Request, events: AsyncGenerator, out: ResponseEvents, save) -> Response:
     """Not streamed: the whole response, cancelled if the client leaves."""
-    ev = await read_to_end(request, events, out.token)
+    def token(ev: TokenEvent | PromptEvent) -> None:
+        assert isinstance(ev, TokenEvent)  # a Responses request asks for no prompt log probabilities
+        out.token(ev)
+
+    ev = await read_to_end(request, events, token)
     if ev is DISCONNECTED:
         return Response(status_code=499)
     if isinstance(ev, ErrorEvent):

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
@@ -39,7 +39,7 @@ __all__ = ["websocket_stream", "audio_stream", "WebSocketSession", "VoiceSession
 log = get_logger("gateway.ws")
 
 #: queued by a failed direct write: the sender stops and the session ends
-_BROKEN: dict = {}
+_BROKEN: dict[str, Any] = {}
 
 
 class _QuietInvalidUtf8(logging.Filter):
@@ -65,12 +65,12 @@ class _Interrupt:
 
     __slots__ = ("task", "armed", "fired")
 
-    def __init__(self, task: asyncio.Task) -> None:
+    def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.armed = False
         self.fired = False
 
-    def __call__(self, _future=None) -> None:
+    def __call__(self, _future: object = None) -> None:
         if self.armed and not self.fired:
             self.fired = True
             self.task.cancel()
@@ -86,7 +86,8 @@ class WebSocketSession(Session):
     def __init__(self, ws: WebSocket, hub: Hub) -> None:
         super().__init__(hub, "ws")
         self.ws = ws
-        self.outbox: aio.LightQueue[dict | None] = aio.LightQueue()  # (an asyncio.Queue holds ~3 KiB per connection)
+        # (an asyncio.Queue holds ~3 KiB per connection)
+        self.outbox: aio.LightQueue[dict[str, Any] | None] = aio.LightQueue()
         self.broken = False  # a write failed: the socket is gone
         #: writes a JSON frame's bytes as one text frame (the server's direct writer,
         #: ``gateway.server.LeanWebSocketProtocol.send_text_frame``, where it has one)
@@ -95,11 +96,11 @@ class WebSocketSession(Session):
         #: request is in flight: the voice WebSocket's audio (``VoiceSession``). 0: none
         self.last_activity = 0.0
 
-    def send(self, frame: dict) -> None:
+    def send(self, frame: dict[str, Any]) -> None:
         """Queue a frame for the sender task (frames decided while reading the socket)."""
         self.outbox.put_nowait(frame)
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: dict[str, Any]) -> None:
         """Write a request's frame from that request's own task: its frames keep their order
         (``accepted`` first) and a token takes no extra hop through the outbox. A failed
         write ends the session the way a failed queued one does."""

@@ -5,8 +5,9 @@ ends when its client leaves, and a request not streamed read to its end."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+import enum
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import orjson
 import structlog
@@ -14,13 +15,27 @@ from starlette.requests import ClientDisconnect, Request
 
 from streamfleet.gateway.edge import guard
 from streamfleet.gateway.requests.observe import stop_events
+from streamfleet.gateway.requests.request_stream import Tick
 from streamfleet.shared.errors import ErrorCode, UnavailableError, ValidationError
-from streamfleet.shared.schema import PromptEvent, TokenEvent
+from streamfleet.shared.schema import DoneEvent, ErrorEvent, Event, PromptEvent, TokenEvent
 
-__all__ = ["DISCONNECTED", "read_body", "open_json", "until_disconnect", "read_to_end"]
+if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
+    from streamfleet.gateway.hub import Hub
+
+__all__ = ["DISCONNECTED", "Disconnected", "read_body", "open_json", "until_disconnect", "read_to_end"]
+
+T = TypeVar("T")
+
+
+class Disconnected(enum.Enum):
+    """The type of ``DISCONNECTED`` (one value: ``x is DISCONNECTED`` narrows a result)."""
+
+    DISCONNECTED = "disconnected"
+
 
 #: what ``until_disconnect`` returns when the client left before the work was done
-DISCONNECTED = object()
+DISCONNECTED: Final = Disconnected.DISCONNECTED
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
@@ -49,7 +64,7 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-async def open_json(request: Request, hub: Any) -> tuple[Any, dict | None]:
+async def open_json(request: Request, hub: Hub) -> tuple[Identity | None, dict[str, Any] | None]:
     """The opening every JSON door of the OpenAI API shares, cheapest first: refused while
     the gateway drains; who is asking (its key's identity, None with auth off) before a
     byte of the body is read, so an unauthenticated body costs nothing; a key known out of
@@ -81,7 +96,7 @@ async def open_json(request: Request, hub: Any) -> tuple[Any, dict | None]:
     return identity, body
 
 
-async def until_disconnect(request: Request, work) -> Any:
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | Disconnected:
     """``work``'s result, or ``DISCONNECTED`` when the client leaves first (the work is
     cancelled, and awaited); the work's exception is raised."""
     async def disconnected() -> None:
@@ -104,18 +119,26 @@ async def until_disconnect(request: Request, work) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def read_to_end(request: Request, events: AsyncGenerator,
-                      on_token: Callable[[Any], Any]) -> Any:
+async def read_to_end(request: Request, events: AsyncGenerator[Event | Tick, None],
+                      on_token: Callable[[TokenEvent | PromptEvent], object]) -> DoneEvent | ErrorEvent | Disconnected:
     """A request not streamed: its events read, each token (and each ``PromptEvent`` of a
     request that asked for its prompt's log probabilities) handed to ``on_token``, until
     its end (the ``DoneEvent`` or ``ErrorEvent``, returned), or ``DISCONNECTED`` when the
-    client leaves first (the read is cancelled). The events are closed either way."""
-    async def consume():
+    client leaves first (the read is cancelled). The events are closed either way.
+
+    Raises:
+        RuntimeError: the events broke ``RequestStream``'s promise (another event where
+            the end belongs, or no end); a request not streamed has no ``tick_s``.
+    """
+    async def consume() -> DoneEvent | ErrorEvent:
         async for ev in events:
             if isinstance(ev, (TokenEvent, PromptEvent)):
                 on_token(ev)
-            else:
+            elif isinstance(ev, (DoneEvent, ErrorEvent)):
                 return ev
+            else:
+                raise RuntimeError(f"a request not streamed got {ev!r} before its end")
+        raise RuntimeError("a request's events stopped before its end")
 
     try:
         return await until_disconnect(request, consume())

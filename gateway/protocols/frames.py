@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from streamfleet.gateway.admission.kinds import TextRequest
-from streamfleet.gateway.admission.validation import MAX_ID_CHARS
+from streamfleet.gateway.admission.validation import MAX_ID_CHARS, Validator
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, Event, TokenEvent
 
@@ -49,7 +49,9 @@ class Submit:
 @dataclass(slots=True)
 class Embed:
     client_id: str
-    body: Any  # gateway.services.embeddings.EmbeddingsBody
+    #: what ``check_embed`` made of the frame (``gateway.services.embeddings.EmbeddingsBody``;
+    #: opaque here: a protocol module imports no service)
+    body: object
 
 
 @dataclass(slots=True)
@@ -153,8 +155,8 @@ class ConnectionProtocol:
             frames; None: they are refused (``unknown_type``).
     """
 
-    def __init__(self, validator: Any, *, max_inflight: int = 64, max_frame_bytes: int = 1 << 20,
-                 check_embed: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def __init__(self, validator: Validator, *, max_inflight: int = 64, max_frame_bytes: int = 1 << 20,
+                 check_embed: Callable[[dict[str, Any]], object] | None = None) -> None:
         self.validator = validator
         self.check_embed = check_embed
         self.max_inflight = max_inflight

@@ -280,7 +280,7 @@ def usage_of(ends: Sequence[DoneEvent], prompts: int = 1) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict]]], n: int, prompts: int = 1) -> list[int]:
+def best_of_order(logprobs: Sequence[Sequence[tuple[int, dict[str, Any]]]], n: int, prompts: int = 1) -> list[int]:
     """Which completions a request of ``n`` choices per prompt returns, in order, given each
     one's tokens' log probabilities (the completions of each prompt together, prompt by
     prompt): all in order when there are ``n`` per prompt; with ``best_of`` more, each
@@ -304,7 +304,7 @@ def could_be_call(text: str) -> bool:
                                           or (head.startswith("[") and head[1:].lstrip()[:1] in ("", "{")))
 
 
-def _top_completion(e: dict) -> dict[str, float]:
+def _top_completion(e: dict[str, Any]) -> dict[str, float]:
     """A completion token's ``top_logprobs``: the most likely tokens and, as OpenAI's
     legacy API gives it, the sampled one among them (up to ``logprobs + 1`` entries),
     most likely first."""
@@ -314,7 +314,7 @@ def _top_completion(e: dict) -> dict[str, float]:
     return dict(sorted(top, key=lambda t: -t[1]))
 
 
-def _top_chat(e: dict) -> dict:
+def _top_chat(e: dict[str, Any]) -> dict[str, Any]:
     return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
 
 
@@ -344,12 +344,12 @@ class ResponseShape:
         """The tool calls a finished completion holds (``Tools.calls``), if any."""
         return self.tools.calls(text) if self.tools is not None else None
 
-    def tool_calls(self, index: int, calls: list[tuple[str, str]]) -> list[dict]:
+    def tool_calls(self, index: int, calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """A message's ``tool_calls`` of choice ``index``: each call with its own id."""
         return [{"id": self.call_id_of(index, k), "type": "function", "function": {"name": name, "arguments": args}}
                 for k, (name, args) in enumerate(calls)]
 
-    def logprobs(self, tokens: list[tuple[int, dict]] | None) -> dict | None:
+    def logprobs(self, tokens: list[tuple[int, dict[str, Any]]] | None) -> dict[str, Any] | None:
         """The ``logprobs`` of a choice: each token (``(text_offset, TokenEvent.logprobs)``,
         or a ``PromptEvent``'s entry: the first prompt token's has no ``logprob``, shown
         ``null``) in the chat API's shape or the completions API's; None when none were
@@ -364,7 +364,7 @@ class ResponseShape:
                 "text_offset": [o for o, _ in tokens]}
 
     def chunk(self, text: str | None, finish: str | None, *, role: bool = False, usage_null: bool = False,
-              logprobs: list[tuple[int, dict]] | None = None, index: int = 0) -> dict:
+              logprobs: list[tuple[int, dict[str, Any]]] | None = None, index: int = 0) -> dict[str, Any]:
         """A streamed chunk of choice ``index``: ``role`` (chat) the first, announcing the
         assistant; otherwise a piece of text, and ``finish`` on the last. ``usage_null``:
         ``"usage": null``, as OpenAI sends on every chunk but the usage chunk when
@@ -389,8 +389,8 @@ class ResponseShape:
             out["usage"] = None
         return out
 
-    def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict]] | None = None,
-                   usage_null: bool = False, index: int = 0, call: int = 0) -> dict:
+    def tool_chunk(self, kind: str, value: str, logprobs: list[tuple[int, dict[str, Any]]] | None = None,
+                   usage_null: bool = False, index: int = 0, call: int = 0) -> dict[str, Any]:
         """A streamed chunk of choice ``index``'s call number ``call`` (its ``index`` in
         ``tool_calls``): its name (``kind == "name"``, with the call's id and type) or a
         piece of its arguments."""
@@ -403,13 +403,13 @@ class ResponseShape:
         out["choices"][0]["delta"] = {"tool_calls": [delta]}
         return out
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict:
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk of a stream with ``include_usage``: no choices, the usage."""
         return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage}
 
     def choice_full(self, index: int, text: str, end: DoneEvent,
-                    logprobs: list[tuple[int, dict]] | None = None) -> dict:
+                    logprobs: list[tuple[int, dict[str, Any]]] | None = None) -> dict[str, Any]:
         """One choice of a response that is not streamed: a chat message (tool calls'
         content null and its ``tool_calls`` set, every call with its own id, finishing
         ``tool_calls``) or a completion's text."""
@@ -433,11 +433,12 @@ class ResponseShape:
             return {"index": index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
 
-    def full(self, text: str, end: DoneEvent, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+    def full(self, text: str, end: DoneEvent, logprobs: list[tuple[int, dict[str, Any]]] | None = None
+             ) -> dict[str, Any]:
         """The response of one choice, not streamed."""
         return self.full_many([self.choice_full(0, text, end, logprobs)], usage_of([end]))
 
-    def full_many(self, choices: list[dict], usage: dict[str, int]) -> dict:
+    def full_many(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         """The response of ``choices`` (``choice_full``'s), not streamed."""
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
@@ -475,7 +476,7 @@ class Echo:
         """Where prompt position ``position`` starts in the text (its end past the last)."""
         return self.offsets[position] if position < len(self.offsets) else len(self.text)
 
-    def pairs(self, ev: PromptEvent) -> list[tuple[int, dict]]:
+    def pairs(self, ev: PromptEvent) -> list[tuple[int, dict[str, Any]]]:
         """``(text_offset, entry)`` of each prompt position ``ev`` covers."""
         return [(self.at(ev.start + j), e) for j, e in enumerate(ev.logprobs)]
 
@@ -498,7 +499,7 @@ class Gathered:
         self.logprobs: list[tuple[int, Any]] = []
         self.offset = 0
         #: the prompt's log probabilities (``PromptEvent``s), in position order
-        self.prompt: list[dict] = []
+        self.prompt: list[dict[str, Any]] = []
 
     def add(self, ev: TokenEvent | PromptEvent) -> None:
         if isinstance(ev, PromptEvent):
@@ -509,8 +510,8 @@ class Gathered:
         self.parts.append(ev.text)
         self.offset += len(ev.text)
 
-    def echoed(self, echo: Echo | None, prompt: list[dict] | None = None
-               ) -> tuple[str, list[tuple[int, dict]] | None]:
+    def echoed(self, echo: Echo | None, prompt: list[dict[str, Any]] | None = None
+               ) -> tuple[str, list[tuple[int, dict[str, Any]]] | None]:
         """The choice's ``text`` and ``logprobs`` tokens with ``echo``'s prompt before the
         completion (``prompt``: the prompt's log probabilities, when another choice of the
         same prompt gathered them; default its own).
@@ -546,7 +547,7 @@ class ChoiceStream:
 
     def __init__(self, shape: ResponseShape, index: int, include_usage: bool, echo: Echo | None = None) -> None:
         self.shape, self.index, self.usage_null = shape, index, include_usage
-        self.held: list[tuple[int, dict]] = []
+        self.held: list[tuple[int, dict[str, Any]]] = []
         self.echo = echo
         self.offset = len(echo.text) if echo is not None else 0  # the completion comes after the prompt
         self.prompt_shown = 0  # the prompt positions streamed (``prompt``)
@@ -555,12 +556,12 @@ class ChoiceStream:
         self.call_count = 0  # the calls begun: a name delta starts the next
         self.maybe_call: list[str] | None = [] if tools is not None and tools.mode == "auto" else None
 
-    def _text(self, text: str | None, finish: str | None = None) -> dict:
+    def _text(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
         out = self.shape.chunk(text, finish, usage_null=self.usage_null, logprobs=self.held, index=self.index)
         self.held = []
         return out
 
-    def _call(self, kind: str, value: str) -> dict:
+    def _call(self, kind: str, value: str) -> dict[str, Any]:
         if kind == "name":
             self.call_count += 1
         out = self.shape.tool_chunk(kind, value, self.held, self.usage_null, index=self.index,
@@ -568,14 +569,14 @@ class ChoiceStream:
         self.held = []
         return out
 
-    def opening(self) -> list[dict]:
+    def opening(self) -> list[dict[str, Any]]:
         """The chunks that open the stream: an ``echo`` without log probabilities shows its
         prompt in one (with them, the prompt comes as its ``PromptEvent``s do: ``prompt``)."""
         if self.echo is None or self.echo.logprobs:
             return []
         return [self.shape.chunk(self.echo.text, None, usage_null=self.usage_null, index=self.index)]
 
-    def prompt(self, ev: PromptEvent) -> list[dict]:
+    def prompt(self, ev: PromptEvent) -> list[dict[str, Any]]:
         """The chunk of some of the prompt's tokens (an ``echo`` with log probabilities):
         their text, and their log probabilities."""
         if self.echo is None or not self.echo.logprobs:
@@ -589,7 +590,7 @@ class ChoiceStream:
         """Every prompt token it shows was streamed (true without ``echo`` log probabilities)."""
         return self.echo is None or not self.echo.logprobs or self.prompt_shown >= self.echo.positions
 
-    def token(self, ev: TokenEvent) -> list[dict]:
+    def token(self, ev: TokenEvent) -> list[dict[str, Any]]:
         """The chunks a token gives out now (none while its text is held)."""
         if ev.logprobs is not None:
             self.held.append((self.offset, ev.logprobs))
@@ -607,7 +608,7 @@ class ChoiceStream:
             self.maybe_call = None  # it is text after all: out it goes, and the rest as it comes
         return [self._text(text)]
 
-    def end(self, ev: DoneEvent) -> list[dict]:
+    def end(self, ev: DoneEvent) -> list[dict[str, Any]]:
         """The last chunks: what was held, then the one with ``finish_reason``."""
         finish = finish_reason(ev.finish_reason)
         out = []

@@ -16,7 +16,8 @@ WebSocket's JSON objects, ``frames.render``); an ``embed`` frame's request
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import Tools, call_id
@@ -39,7 +40,7 @@ from streamfleet.gateway.services.embeddings import EmbeddingsBody, check_body, 
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import DoneEvent, TokenEvent
+from streamfleet.shared.schema import DoneEvent, Event, TokenEvent
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -62,7 +63,7 @@ class CallReader:
         self.tools, self.req = tools, req  # (the request's id is known once it is opened)
         self.text: list[str] = []
 
-    def read(self, ev, frame: dict) -> None:
+    def read(self, ev: Event, frame: dict[str, Any]) -> None:
         if isinstance(ev, TokenEvent):
             self.text.append(ev.text)
         elif isinstance(ev, DoneEvent) and ev.finish_reason == "stop":
@@ -91,11 +92,11 @@ class Session:
         self.channel = ReplyChannel(hub.broker)
         #: client id -> the request in flight under it (from its submit or resume frame on)
         self.requests: dict[str, ClientRequest] = {}
-        self.tasks: dict[asyncio.Task, None] = {}  # (a dict as a set: lighter when empty)
+        self.tasks: dict[asyncio.Task[None], None] = {}  # (a dict as a set: lighter when empty)
         self.identity: Identity | None = None  # the API key's identity (None with auth off)
         self.trace_id: str | None = None  # from the connection's traceparent, when it sent one
         #: done once the API key is revoked while connected (it also wakes the adapter's loop)
-        self.revoked: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.revoked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._watch: int | None = None  # the revocation watch ``connect`` set
 
     # -- the connection ------------------------------------------------------------------
@@ -134,15 +135,15 @@ class Session:
         if not self.revoked.done():
             self.revoked.set_result(None)
 
-    def _check_embed(self, body: dict) -> EmbeddingsBody:
+    def _check_embed(self, body: dict[str, Any]) -> EmbeddingsBody:
         """An ``embed`` frame's body, checked as the HTTP door checks one (``check_body``)."""
         return check_body(self.hub, body)
 
     # -- the adapter's writes ----------------------------------------------------------
-    def send(self, frame: dict) -> None:
+    def send(self, frame: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: dict[str, Any]) -> None:
         raise NotImplementedError
 
     # -- requests ------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class Session:
                 req = self._request(out.request.client_id)
                 self._spawn(self._run(req, self._submit(req, out.request), out.request.tools))
             elif isinstance(out, Embed):
+                assert isinstance(out.body, EmbeddingsBody)  # (what ``_check_embed`` made)
                 req = self._request(out.client_id)
                 self._spawn(self._run_embed(req, out.body))
             elif isinstance(out, Resume):
@@ -181,7 +183,7 @@ class Session:
                 log.error("letting a request go failed", request_id=req.request_id, exc_info=result)
         await self.channel.close("disconnect", grace_s=grace_s)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.create_task(coro)
         self.track(t)
 
@@ -201,7 +203,7 @@ class Session:
         frame["resumed_from"] = r.from_index
         await self.emit(frame)
 
-    async def _run(self, req: ClientRequest, opening, tools: Tools | None = None) -> None:
+    async def _run(self, req: ClientRequest, opening: Coroutine[Any, Any, None], tools: Tools | None = None) -> None:
         """Open the request (submit or resume), then render its events until it ends. A
         request that offered tools has its completion read for calls at the end: the
         ``done`` frame then carries ``tool_calls`` (every call) and ``finish_reason: "tool_calls"``
@@ -265,12 +267,12 @@ class Session:
         # the stream slot goes back only if the request ended (ClientRequest.release)
         await req.close()
 
-    def track(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task[None]) -> None:
         """Hold a task of this connection until it ends (``cancel_tasks`` stops them all)."""
         self.tasks[task] = None
         task.add_done_callback(self._untrack)
 
-    def _untrack(self, task: asyncio.Task) -> None:
+    def _untrack(self, task: asyncio.Task[None]) -> None:
         self.tasks.pop(task, None)
 
     def cancel_tasks(self) -> None:
