@@ -13,26 +13,33 @@ terminal); a command's summary is its docstring's first paragraph, also on one l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperCommand, TyperGroup, TyperOption
 from typer.models import CommandFunctionType
+
+if TYPE_CHECKING:
+    # typer carries its own copy of click: its commands' parameters and contexts are
+    # these classes (not the click package's)
+    from typer._click.core import Command as _ClickCommand, Context, Parameter
+else:
+    _ClickCommand = object  # (a mixin: the command class it is mixed into comes after it)
 
 __all__ = ["App", "Command", "Group", "plain_params"]
 
 
-def _placeholder(param: Any) -> str:
+def _placeholder(param: Parameter) -> str:
     longs = [o for o in param.opts if o.startswith("--")]
     name = (longs[0] if longs else param.opts[0]).lstrip("-")
     return name.rsplit("-", 1)[-1].upper()
 
 
-def _no_type(ctx: Any) -> None:
+def _no_type(ctx: Context) -> None:
     return None
 
 
-def plain_params(params: list[Any]) -> None:
+def plain_params(params: list[Parameter]) -> None:
     """Give each parameter without a ``metavar`` one that names its value, and none to a
     flag; an argument's type is not shown."""
     for param in params:
@@ -46,7 +53,7 @@ def plain_params(params: list[Any]) -> None:
             param.metavar = "" if getattr(param, "is_flag", False) else _placeholder(param)
 
 
-def _usage(params: list[Any], ctx: Any, pieces: list[str]) -> list[str]:
+def _usage(params: list[Parameter], ctx: Context, pieces: list[str]) -> list[str]:
     """The usage line with arguments as ``NAME`` (``[NAME]`` when optional)."""
     out = []
     for param in params:
@@ -60,7 +67,7 @@ def _usage(params: list[Any], ctx: Any, pieces: list[str]) -> list[str]:
     return pieces + out
 
 
-class _Plain:
+class _Plain(_ClickCommand):
     """What commands and groups both do: named values for their options (``plain_params``)
     and no value shown for ``--help``."""
 
@@ -68,7 +75,7 @@ class _Plain:
         super().__init__(*args, **kwargs)
         plain_params(self.params)
 
-    def get_help_option(self, ctx: Any) -> Any:
+    def get_help_option(self, ctx: Context) -> TyperOption | None:
         option = super().get_help_option(ctx)
         if option is not None:
             option.metavar = ""
@@ -76,7 +83,7 @@ class _Plain:
 
 
 class Command(_Plain, TyperCommand):
-    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    def collect_usage_pieces(self, ctx: Context) -> list[str]:
         return _usage(self.get_params(ctx), ctx, [self.options_metavar] if self.options_metavar else [])
 
 
