@@ -96,7 +96,7 @@ def check_unsupported(p: dict[str, Any], strict: bool = True) -> list[str]:
     return asked
 
 
-def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
+def _inert(value: object, inert: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``inert`` (booleans are not numbers here: ``logprobs: 0``
     asks for something, ``logprobs: false`` does not)."""
     for v in inert:
@@ -243,7 +243,7 @@ def _listed(items: list[Any], most: int = 20) -> str:
     return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -762,7 +762,7 @@ class Validator:
                                   code=ErrorCode.out_of_range, param=name)
         return float(v)
 
-    def _stop(self, v: Any) -> list[str]:
+    def _stop(self, v: object) -> list[str]:
         s = self.settings
         if v is None:
             return []
@@ -781,7 +781,7 @@ class Validator:
         return list(v)
 
     @staticmethod
-    def _messages(v: Any) -> list[dict[str, Any]]:
+    def _messages(v: object) -> list[dict[str, Any]]:
         if not isinstance(v, list) or not v:
             raise ValidationError("'messages' must be a non-empty list", code=ErrorCode.invalid_type,
                                   param="messages")
@@ -819,7 +819,7 @@ class Validator:
         return out
 
     @staticmethod
-    def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:
+    def _tool_calls(v: object, i: int) -> list[dict[str, Any]]:
         """An assistant message's earlier ``tool_calls``, normalised."""
         if v is None:
             return []

@@ -62,7 +62,7 @@ log = get_logger("gateway.responses")
 router = APIRouter()
 
 
-def _json(data: Any, status: int = 200) -> Response:
+def _json(data: object, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
@@ -80,7 +80,7 @@ def _not_found(response_id: str, param: str | None = None) -> NotFoundError:
     return NotFoundError(f"no response with id {response_id!r}", code=ErrorCode.unknown_request, param=param)
 
 
-async def _load(hub: Hub, response_id: Any, owner: str, param: str | None = None) -> StoredResponse:
+async def _load(hub: Hub, response_id: object, owner: str, param: str | None = None) -> StoredResponse:
     """The stored response ``response_id`` of ``owner``.
 
     Raises:

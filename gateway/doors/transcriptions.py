@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -39,7 +39,7 @@ from streamfleet.gateway.admission.validation import check_lane
 from streamfleet.gateway.edge import guard
 from streamfleet.gateway.edge.httpbody import DISCONNECTED, until_disconnect
 from streamfleet.gateway.edge.httperror import openai_error_response
-from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader
+from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader, UploadedForm
 from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
 from streamfleet.gateway.protocols.transcription_mapping import Segment, check_form, delta_event, done_event, render
 from streamfleet.gateway.requests.observe import trace_id_from
@@ -59,7 +59,7 @@ router = APIRouter()
 #: the form's bytes beyond the file: its other fields, part headers, boundaries
 FORM_OVERHEAD_BYTES = 65_536
 
-async def _read_form(request: Request, limits: FormLimits) -> Any:
+async def _read_form(request: Request, limits: FormLimits) -> UploadedForm | None:
     """The form of ``request``, read within ``limits`` (the body past the file's limit and
     the form's overhead is refused before it is kept). None when the client left mid-body.
 
@@ -108,6 +108,7 @@ async def transcriptions(request: Request) -> Response:
         form = check_form(form_data.fields)
         lane = check_lane(form.priority or request.headers.get("x-priority"))
         data, form_data.file = form_data.file, None  # (the upload's bytes go with the decode)
+        assert data is not None  # (``FormReader.finish`` refuses a form without a file)
         job, audio, spec = await open_transcription(
             hub, identity, data, model=form.model, language=form.language, lane=lane,
             trace_id=trace_id_from(request.headers.get("traceparent")),

@@ -32,10 +32,11 @@ from typing import Any
 
 import orjson
 
-from streamfleet.gateway.admission.validation import check_lane
+from streamfleet.gateway.admission.validation import Validator, check_lane
 from streamfleet.gateway.protocols.frames import Send
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import kind_phrase
+from streamfleet.shared.settings import GatewaySettings
 
 __all__ = ["AudioConfig", "AudioProtocol", "Start", "Audio", "Stop", "TokenBucket", "same_language", "ENCODINGS",
            "MAX_FRAME_MS", "AUDIO_NOTICE_S"]
@@ -118,7 +119,8 @@ class AudioProtocol:
             ``audio_realtime_burst_s``).
     """
 
-    def __init__(self, validator: Any, settings: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, validator: Validator, settings: GatewaySettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.validator = validator
         self.settings = settings
         self.clock = clock

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal, assert_never, get_args
 
-from streamfleet.gateway.admission.kinds import TextRequest
+from streamfleet.gateway.admission.kinds import AnyRequest, TextRequest
 from streamfleet.gateway.admission.tools import CallStream, Tools, call_id
 from streamfleet.gateway.admission.validation import UNSUPPORTED, GenerateField
 from streamfleet.shared.errors import ErrorCode, GenerationError, ValidationError
@@ -462,7 +462,7 @@ class Echo:
         self.text, self.offsets, self.logprobs = text, tuple(offsets), logprobs
 
     @classmethod
-    def of(cls, request: Any, logprobs: bool) -> Echo | None:
+    def of(cls, request: AnyRequest | None, logprobs: bool) -> Echo | None:
         """The echo of a submitted request (a prepared ``TextRequest``), None without one."""
         if not isinstance(request, TextRequest) or request.echo_text is None:
             return None

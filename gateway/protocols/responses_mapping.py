@@ -110,7 +110,7 @@ def _bad(message: str, param: str, code: ErrorCode = ErrorCode.invalid_request) 
     return ValidationError(message, code=code, param=param)
 
 
-def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
+def _inert(value: object, inert: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``inert`` (``False`` is not ``0``)."""
     return any(value is None if v is None else type(value) is type(v) and value == v for v in inert)
 
@@ -205,7 +205,7 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return v
 
 
-def _tools(v: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], bool]:
+def _tools(v: object) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], bool]:
     """``(chat tools, echoed tools, any strict)``: the Responses API's flat function
     tools; a built-in tool (``web_search``, ``file_search``, ``mcp``…) is refused."""
     if v is None:
@@ -236,7 +236,7 @@ def _tools(v: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], b
     return chat, echo, strict
 
 
-def _tool_choice(v: Any) -> tuple[Any, Any]:
+def _tool_choice(v: object) -> tuple[Any, Any]:
     """``(chat tool_choice, echoed)``."""
     if v is None:
         return None, "auto"
@@ -252,7 +252,7 @@ def _tool_choice(v: Any) -> tuple[Any, Any]:
                + (f"; {kind!r} is not supported by streamfleet" if kind else ""), "tool_choice")
 
 
-def _text(v: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _text(v: object) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``(chat response_format, echoed text)`` of ``text``."""
     if v is None:
         return None, {"format": {"type": "text"}}
@@ -290,7 +290,7 @@ def _text(v: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     raise _bad(f"'text.format' must be of type text, json_object or json_schema, not {kind!r}", "text.format")
 
 
-def _metadata(v: Any) -> dict[str, str]:
+def _metadata(v: object) -> dict[str, str]:
     if v is None:
         return {}
     keys, key_chars, value_chars = MAX_METADATA
@@ -302,7 +302,7 @@ def _metadata(v: Any) -> dict[str, str]:
     return v
 
 
-def _text_of(content: Any, where: str, parts: tuple[str, ...] = _TEXT_PARTS) -> str:
+def _text_of(content: object, where: str, parts: tuple[str, ...] = _TEXT_PARTS) -> str:
     """The text of an item's ``content`` (or a call output's ``output``): a string, or a
     list of text parts."""
     if isinstance(content, str):
@@ -326,7 +326,7 @@ def _str(item: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
-def input_items(v: Any) -> list[dict[str, Any]]:
+def input_items(v: object) -> list[dict[str, Any]]:
     """``input`` (a string, or a list of items) as normalised items: ``{"type":
     "message", "role", "content": text}``, ``{"type": "function_call", "call_id",
     "name", "arguments"}``, ``{"type": "function_call_output", "call_id", "output":

@@ -20,7 +20,8 @@ within ``max_context``, never truncated), then enqueued. The worker
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from streamfleet.gateway.admission.kinds import EmbeddingsRequest
 from streamfleet.gateway.admission.validation import check_lane
@@ -31,7 +32,13 @@ from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
 
 if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
+    from streamfleet.gateway.requests.lifecycle import ClientRequest
+
+T = TypeVar("T")
+#: how an embeddings request's events end (None: they stopped without an end)
+End = DoneEvent | ErrorEvent | None
 
 __all__ = ["check_body", "submit", "EmbedCall", "MAX_INPUTS", "ENCODINGS", "EmbeddingsBody"]
 
@@ -59,7 +66,7 @@ def _bad(message: str, param: str, code: ErrorCode = ErrorCode.invalid_request) 
     return ValidationError(message, code=code, param=param)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return type(v) is int
 
 
@@ -163,8 +170,8 @@ def check_body(hub: Hub, body: dict, priority_header: str | None = None) -> Embe
                           timeout_s)
 
 
-async def submit(hub: Hub, door: str, identity: Any, checked: EmbeddingsBody, trace_id: str | None,
-                 req: Any = None) -> EmbedCall:
+async def submit(hub: Hub, door: str, identity: Identity | None, checked: EmbeddingsBody, trace_id: str | None,
+                 req: ClientRequest | None = None) -> EmbedCall:
     """Admit and enqueue a checked body (tokenizing its texts after admission): the
     embedding request's path shared by the HTTP, gRPC and WebSocket doors. ``req``: the
     ``ClientRequest`` to submit it as (a connection's, under the client's id: the
@@ -174,7 +181,7 @@ async def submit(hub: Hub, door: str, identity: Any, checked: EmbeddingsBody, tr
         StreamfleetError: refused (admission, tokenizing, the lane's backpressure).
     """
     own = req is None
-    if own:
+    if req is None:
         req = hub.request(door, identity=identity)
     request = EmbeddingsRequest(client_id="embeddings" if own else req.client_id, model=checked.spec.name,
                                 lane=checked.lane, timeout_s=checked.timeout_s, inputs=checked.inputs)
@@ -188,10 +195,18 @@ class EmbedCall:
     ``watch``: ``result`` ends the request if the API key is revoked meanwhile (a
     connection's request is not watched: its connection is)."""
 
-    def __init__(self, req: Any, door: str, n: int, *, depth: int = 0, watch: bool = True) -> None:
+    def __init__(self, req: ClientRequest, door: str, n: int, *, depth: int = 0, watch: bool = True) -> None:
         self.req, self.door, self.n, self.depth, self.watch = req, door, n, depth, watch
 
-    async def result(self, guard=None, *, cancelled_ok: bool = False) -> tuple[list[str], Any]:
+    @overload
+    async def result(self, guard: None = None, *, cancelled_ok: bool = False) -> tuple[list[str], DoneEvent]: ...
+
+    @overload
+    async def result(self, guard: Callable[[Awaitable[End]], Awaitable[End | T]], *,
+                     cancelled_ok: bool = False) -> tuple[list[str], DoneEvent | T]: ...
+
+    async def result(self, guard: Callable[[Awaitable[End]], Awaitable[End | T]] | None = None, *,
+                     cancelled_ok: bool = False) -> tuple[list[str], DoneEvent | T]:
         """The vectors (base64 float32, in input order) and the ``DoneEvent``; ``guard``
         wraps the wait (the HTTP door's ``until_disconnect``: then the end may be
         ``DISCONNECTED``). The request is closed whatever happens (cancelled if it has
@@ -209,7 +224,7 @@ class EmbedCall:
         vectors: list[str | None] = [None] * self.n
         events = req.events(self.door)
 
-        async def consume() -> Any:
+        async def consume() -> End:
             async for ev in events:
                 if isinstance(ev, EmbeddingEvent):
                     if 0 <= ev.index < self.n:
@@ -226,7 +241,7 @@ class EmbedCall:
                 await stop_events(None, events)
         finally:
             await req.close(reason=f"{self.door}_disconnect")
-        if guard is not None and end is not None and not isinstance(end, (DoneEvent, ErrorEvent)):
+        if end is not None and not isinstance(end, (DoneEvent, ErrorEvent)):
             return [], end  # the guard's own end (the HTTP door's ``DISCONNECTED``)
         if isinstance(end, ErrorEvent):
             raise end.error()
