@@ -32,7 +32,7 @@ from redis.exceptions import (
 from streamfleet.shared.command_socket import close_command_link, command_link
 from streamfleet.shared.resp import pack, slot_of
 
-__all__ = ["connect", "sync_client", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
+__all__ = ["connect", "sync_client", "SyncRedis", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
            "Coalescer", "refresh_members", "slot_of", "StreamEntry", "ClaimedEntry", "Pending", "ConsumerInfo",
            "as_bytes", "as_str", "stream_entries", "claimed_entries", "autoclaimed_entries", "pending_entries",
            "consumer_infos", "raw_entries", "raw_streams", "read_streams"]
@@ -282,8 +282,11 @@ def connect(url: str, *, cluster: bool = False, socket_timeout: float | None = 5
     return FleetRedis.from_pool(pool)  # the client closes the pool it owns
 
 
-def sync_client(url: str, *, cluster: bool = False,
-                socket_timeout: float | None = 5.0) -> redis.Redis | redis.RedisCluster:
+#: what ``sync_client`` returns: either answers the commands the command-line tools send
+SyncRedis = redis.Redis | redis.RedisCluster
+
+
+def sync_client(url: str, *, cluster: bool = False, socket_timeout: float | None = 5.0) -> SyncRedis:
     """A synchronous client (the command-line tools): ``redis.Redis``, or
     ``redis.RedisCluster`` in cluster mode."""
     target = RedisTarget.parse(url, cluster)

@@ -45,7 +45,7 @@ import redis
 from streamfleet.local import mask_url
 from streamfleet.shared.keys import GROUP, LANES, Keys, split_source
 from streamfleet.shared.modelrepo import ModelRepository
-from streamfleet.shared.redis import sync_client
+from streamfleet.shared.redis import SyncRedis, stream_entries, sync_client
 from streamfleet.shared.schema import DeadLetter, Heartbeat
 from streamfleet.shared.settings import CommonSettings
 
@@ -208,7 +208,7 @@ def _id_ms(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
-def _model_names(r: redis.Redis, keys: Keys, repo: ModelRepository) -> list[str]:
+def _model_names(r: SyncRedis, keys: Keys, repo: ModelRepository) -> list[str]:
     names = set(repo.names())
     head = keys.workers("")
     for key in r.scan_iter(match=head.replace("*", r"\*").replace("?", r"\?") + "*", count=200):
@@ -218,7 +218,7 @@ def _model_names(r: redis.Redis, keys: Keys, repo: ModelRepository) -> list[str]
     return sorted(names)
 
 
-def _lane(r: redis.Redis, lane: str, key: str, now_ms: int) -> LaneStatus:
+def _lane(r: SyncRedis, lane: str, key: str, now_ms: int) -> LaneStatus:
     st = LaneStatus(lane=lane, key=key, exists=bool(r.exists(key)))
     if not st.exists:
         st.lag = 0
@@ -283,7 +283,7 @@ def _add_affinity(st: LaneStatus, aff: LaneStatus) -> None:
         st.oldest_queued = aff.oldest_queued
 
 
-def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerStatus]:
+def _workers(r: SyncRedis, key: str, now: float, ttl_s: float) -> list[WorkerStatus]:
     out = []
     for wid, blob in sorted(r.hgetall(key).items()):
         try:
@@ -292,30 +292,31 @@ def _workers(r: redis.Redis, key: str, now: float, ttl_s: float) -> list[WorkerS
             out.append(WorkerStatus(_s(wid), None, None, None, None, None, None, False, True))
             continue
         age = hb.age(now)
+        cached = bool(hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate)  # (else None: no cache)
         out.append(WorkerStatus(
             id=hb.worker_id, slots_used=hb.slots_used, max_batch=hb.max_batch, tokens_per_s=hb.tokens_per_s,
             heartbeat_age_s=age, pid=hb.pid, host=hb.host, draining=hb.draining, stale=age > ttl_s,
-            **({"cache_blocks": hb.cache_blocks, "cache_bytes": hb.cache_bytes, "cache_hit_rate": hb.cache_hit_rate}
-               if hb.cache_blocks or hb.cache_bytes or hb.cache_hit_rate else {}),
-            **({"execution": hb.execution, "execution_why": hb.execution_why} if hb.execution else {}),
-            **({"step_target_ms": hb.step_target_ms, "step_costs": hb.step_costs} if hb.step_costs else {})))
+            cache_blocks=hb.cache_blocks if cached else None, cache_bytes=hb.cache_bytes if cached else None,
+            cache_hit_rate=hb.cache_hit_rate if cached else None,
+            execution=hb.execution or None, execution_why=hb.execution_why if hb.execution else None,
+            step_target_ms=hb.step_target_ms if hb.step_costs else None, step_costs=hb.step_costs or None))
     return out
 
 
-def _dead(r: redis.Redis, key: str, now_ms: int, n: int) -> tuple[int, list[DeadLetterStatus]]:
+def _dead(r: SyncRedis, key: str, now_ms: int, n: int) -> tuple[int, list[DeadLetterStatus]]:
     count = int(r.xlen(key))
     latest = []
     if count:
-        for eid, fields in r.xrevrange(key, max="+", min="-", count=n):
+        for entry_id, fields in stream_entries(r.xrevrange(key, max="+", min="-", count=n)):
             dead = DeadLetter.decode(fields)
-            eid = _s(eid)
+            eid = _s(entry_id)
             latest.append(DeadLetterStatus(id=eid, age_s=max(0.0, (now_ms - _id_ms(eid)) / 1000),
                                            reason=dead.reason or "?", lane=dead.lane or None,
                                            worker=dead.worker or None, request_id=dead.request_id))
     return count, latest
 
 
-def collect(r: redis.Redis, settings: CommonSettings, models: list[str] | None = None) -> FleetStatus:
+def collect(r: SyncRedis, settings: CommonSettings, models: list[str] | None = None) -> FleetStatus:
     """One snapshot of the fleet (read-only commands only).
 
     Args:
@@ -508,7 +509,7 @@ def render(st: FleetStatus) -> str:
                 hb = f"{_age(w.heartbeat_age_s)} ago" if w.heartbeat_age_s is not None else "?"
                 state = "STALE" if w.stale else ("draining" if w.draining else "live")
                 cache = (f"{w.cache_blocks} blocks, {w.cache_bytes / 2**20:.0f} MiB, hit {w.cache_hit_rate:.0%}"
-                         if w.cache_blocks is not None else "-")
+                         if w.cache_blocks is not None and w.cache_bytes is not None else "-")  # (set together)
                 rows.append([w.id, state, slots, *([tps] if rate else []), *([cache] if cached else []), hb,
                              str(w.pid or "?"), str(w.host or "?")])
             right = {headers.index(h) for h in ("slots", rate, "heartbeat", "pid") if h}
