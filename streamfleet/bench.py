@@ -69,8 +69,6 @@ class _Run:
         self.on_start = on_start
         self.ws_url = ws_url
         self.base = base
-        #: a request's payload in the transport's form: ``(number, lane) -> payload``
-        self.payload = {"ws": self._frame, "sse": self._body, "grpc": self._message}[cfg.transport]
         self.records: list[RequestRecord] = []
         self.rng = random.Random(cfg.seed)
         self.n = itertools.count()
@@ -113,8 +111,11 @@ class _Run:
         if c.transport == "ws":
             return [_WsConn(self.ws_url, c) for _ in range(c.concurrency)], self.ws_url
         if c.transport == "grpc":
+            target = c.grpc_target
+            if target is None:
+                raise BenchError("no gRPC target (prepare() fills in the default)")
             n = math.ceil(c.concurrency / GRPC_CALLS_PER_CHANNEL)
-            return [_GrpcChannel(c.grpc_target, c) for _ in range(n)], c.grpc_target
+            return [_GrpcChannel(target, c) for _ in range(n)], target
         return [_SseClient(self.base, c)], self.base
 
     def _claim(self, deadline: float | None, limit: int | None) -> int | None:
@@ -133,7 +134,13 @@ class _Run:
             if not self.records:
                 rec.text = []  # the sample: what the model streamed for the first request
             self.records.append(rec)
-        await conn.request(rec, self.payload(i, lane))
+        # (each transport's connection takes the request in its own form)
+        if isinstance(conn, _GrpcChannel):
+            await conn.request(rec, self._message(i, lane))
+        elif isinstance(conn, _WsConn):
+            await conn.request(rec, self._frame(i, lane))
+        else:
+            await conn.request(rec, self._body(i, lane))
         if keep:
             self.done += 1
 
@@ -156,7 +163,7 @@ class _Run:
             deadline = self.t0 + c.duration if c.duration else None
             try:
                 if c.rate:
-                    await self._open(conns, deadline)
+                    await self._open(conns, deadline, c.rate)
                 else:
                     await self._closed(conns, limit=c.total_requests, deadline=deadline, keep=True)
             finally:
@@ -180,13 +187,13 @@ class _Run:
 
         await asyncio.gather(*(client(k) for k in range(self.cfg.concurrency)))
 
-    async def _open(self, conns: list[_Conn], deadline: float | None) -> None:
+    async def _open(self, conns: list[_Conn], deadline: float | None, rate: float) -> None:
         limit = self.cfg.total_requests
         tasks: set[asyncio.Task] = set()
         arrival = self.t0
         k = 0
         while True:
-            arrival += self.rng.expovariate(self.cfg.rate)
+            arrival += self.rng.expovariate(rate)
             if deadline is not None and arrival >= deadline:
                 break
             delay = arrival - time.perf_counter()
@@ -306,10 +313,11 @@ async def _prepare(config: BenchConfig, preflight: bool, warn: TextIO | None) ->
     config.check()
     ws_url, base = urls(config.url)
     grpc = config.transport == "grpc"
-    if grpc:
-        config = replace(config, grpc_target=config.grpc_target or default_grpc_target(config.url))
+    grpc_target = (config.grpc_target or default_grpc_target(config.url)) if grpc else None
+    if grpc_target is not None:
+        config = replace(config, grpc_target=grpc_target)
     if preflight:
-        note = await (_grpc_preflight(config.grpc_target) if grpc else _preflight(config, ws_url, base))
+        note = await (_grpc_preflight(grpc_target) if grpc_target is not None else _preflight(config, ws_url, base))
         if note and warn is not None:
             print(f"warning: {note}", file=warn)
     return config, ws_url, base

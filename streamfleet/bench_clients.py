@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import orjson
 import websockets
 from grpc import aio
+from websockets.asyncio.client import ClientConnection
 
 from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import RequestRecord
@@ -40,8 +41,8 @@ class _WsConn:
     def __init__(self, url: str, cfg: BenchConfig) -> None:
         self.url = url
         self.cfg = cfg
-        self.ws = None
-        self.live: dict[str, tuple[RequestRecord, asyncio.Future]] = {}
+        self.ws: ClientConnection | None = None
+        self.live: dict[str, tuple[RequestRecord, asyncio.Future[None]]] = {}
         self.reader: asyncio.Task | None = None
         self._ids = itertools.count()
 
@@ -51,6 +52,13 @@ class _WsConn:
                                            compression="deflate" if self.cfg.compression else None,
                                            open_timeout=10, ping_interval=None)
         self.reader = asyncio.create_task(self._read())
+
+    @property
+    def socket(self) -> ClientConnection:
+        """The open WebSocket (``open``)."""
+        if self.ws is None:
+            raise RuntimeError("the WebSocket is not open: open() first")
+        return self.ws
 
     async def close(self) -> None:
         if self.ws is not None:
@@ -76,7 +84,7 @@ class _WsConn:
     async def _read(self) -> None:
         loads, perf = orjson.loads, time.perf_counter
         try:
-            async for raw in self.ws:
+            async for raw in self.socket:
                 now = perf()
                 msg = loads(raw)
                 item = self.live.get(msg.get("id"))
@@ -110,10 +118,10 @@ class _WsConn:
     async def request(self, rec: RequestRecord, frame: dict) -> None:
         cid = f"b{next(self._ids)}"
         frame["id"] = cid
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.live[cid] = (rec, fut)
         try:
-            await self.ws.send(orjson.dumps(frame).decode())
+            await self.socket.send(orjson.dumps(frame).decode())
         except websockets.ConnectionClosed:
             self.live.pop(cid, None)
             rec.error = "connection_closed"
@@ -124,7 +132,7 @@ class _WsConn:
             if self.live.pop(cid, None) is not None:
                 rec.error = "timeout"
                 try:
-                    await self.ws.send(orjson.dumps({"type": "cancel", "id": cid}).decode())
+                    await self.socket.send(orjson.dumps({"type": "cancel", "id": cid}).decode())
                 except websockets.ConnectionClosed:
                     pass
 
@@ -142,7 +150,7 @@ class _HttpStream(asyncio.Protocol):
         self.got_bytes = False
         self.buf = bytearray()
         self.rec: RequestRecord | None = None
-        self.done: asyncio.Future | None = None
+        self.done: asyncio.Future[None] | None = None
         self.state = "head"
         self.status = 0
         self.keep_alive = True
@@ -177,20 +185,30 @@ class _HttpStream(asyncio.Protocol):
             self.done.set_exception(ConnectionError(f"malformed response: {exc}"))
 
     # -- one request ----------------------------------------------------------------------
-    def start(self, rec: RequestRecord, head: bytes, body: bytes) -> asyncio.Future:
+    def start(self, rec: RequestRecord, head: bytes, body: bytes) -> asyncio.Future[None]:
         self.rec, self.state, self.status, self.chunks = rec, "head", 0, 0
         self.keep_alive, self.chunked, self.left, self.until_close = True, False, 0, False
         self.got_bytes = False
         self.buf.clear()
         self.body.clear()
         self.events.clear()
-        self.done = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done = done
+        if self.transport is None:
+            raise RuntimeError("start() before the connection was made")
         self.transport.write(head + body)
-        return self.done
+        return done
+
+    def _under_way(self) -> tuple[RequestRecord, asyncio.Future[None]]:
+        """The request being read (``start``)."""
+        if self.rec is None or self.done is None:
+            raise RuntimeError("no request under way: start() one first")
+        return self.rec, self.done
 
     def _parse(self, now: float) -> None:
         buf = self.buf
-        while not self.done.done():
+        _, done = self._under_way()
+        while not done.done():
             if self.state == "head":
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
@@ -255,7 +273,7 @@ class _HttpStream(asyncio.Protocol):
             return
         self.events += data
         ev = self.events
-        rec = self.rec
+        rec, _ = self._under_way()
         while (end := ev.find(b"\n\n")) >= 0:
             block = bytes(ev[:end])
             del ev[:end + 2]
@@ -280,7 +298,7 @@ class _HttpStream(asyncio.Protocol):
                     rec.tokens = int(chunk["usage"].get("completion_tokens", self.chunks))
 
     def _finish(self) -> None:
-        rec = self.rec
+        rec, done = self._under_way()
         if self.status != 200:
             try:
                 rec.error = str(orjson.loads(bytes(self.body))["error"]["code"])
@@ -292,7 +310,7 @@ class _HttpStream(asyncio.Protocol):
             if not rec.tokens:
                 rec.tokens = self.chunks
         self.state = "done"
-        self.done.set_result(None)
+        done.set_result(None)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -410,6 +428,8 @@ class _GrpcChannel:
 
     async def request(self, rec: RequestRecord, message: pb.GenerateRequest) -> None:
         perf = time.perf_counter
+        if self.stub is None:
+            raise RuntimeError("the gRPC channel is not open: open() first")
         call = self.stub.Generate(message, metadata=self.metadata)
         try:
             async with asyncio.timeout(self.cfg.timeout):
