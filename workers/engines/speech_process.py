@@ -125,13 +125,16 @@ class ProcessDecoder(SpeechDecoder):
             FatalError: it failed to load, exited, or took longer than ``timeout``.
         """
         what = f"speech model {self._spec.name!r}, decoder {self._index}"
+        conn = self._conn
+        if conn is None:
+            raise FatalError(f"{what}: the decoder process was not started")
         try:
-            if not self._conn.poll(timeout):
+            if not conn.poll(timeout):
                 raise FatalError(f"{what}: the decoder process did not load in {timeout:g} s")
-            status, detail = self._conn.recv()
+            status, detail = conn.recv()
         except (EOFError, OSError) as exc:
             raise FatalError(f"{what}: the decoder process exited while loading "
-                             f"(exit code {self._proc.exitcode})") from exc
+                             f"(exit code {self._proc.exitcode if self._proc else None})") from exc
         if status != "ready":
             raise FatalError(f"{what}: {detail}")
 
@@ -166,14 +169,17 @@ class ProcessDecoder(SpeechDecoder):
     # begin, feed and abort get no reply (a failure of begin or feed comes back with the
     # utterance's next hypothesis or finish); only those two answer, and the parent reads
     # each answer before it sends the next, so neither side ever waits on a full pipe
-    def _send(self, op: str, arg: Any = None) -> None:
+    def _send(self, op: str, arg: bytes | None = None) -> None:
+        conn = self._conn
         try:
-            self._conn.send((self._gen, op, arg))
+            if conn is None:  # (stopped: as gone as a broken pipe)
+                raise EOFError("no pipe to the decoder process")
+            conn.send((self._gen, op, arg))
         except (OSError, EOFError, AttributeError) as exc:
             self._broken = True
             raise DecoderProcessDied(f"speech decoder process {self._index} is gone") from exc
 
-    def _call(self, op: str) -> Any:
+    def _call(self, op: str) -> str | None:
         """Send ``op`` (hypothesis or finish) and return its answer.
 
         Raises:
@@ -181,9 +187,12 @@ class ProcessDecoder(SpeechDecoder):
             RuntimeError: this utterance's begin, feed or this call failed in the child.
         """
         self._send(op)
+        conn = self._conn
         try:
+            if conn is None:  # (stopped: as gone as a broken pipe)
+                raise EOFError("no pipe to the decoder process")
             while True:  # (every answer is read before the next call: only a stray one is skipped)
-                gen, ok, value = self._conn.recv()
+                gen, ok, value = conn.recv()
                 if gen == self._gen:
                     break
         except (EOFError, OSError) as exc:
@@ -253,9 +262,10 @@ class ProcessSpeechEngine(SpeechEngine):
                 d._stop_child(wait_s=1.0)
             raise
         super().__init__(spec, decoders)
+        self._children = decoders
         log.info("speech decoder processes ready", model=spec.name, slots=n,
                  pids=[d.pid for d in decoders], load_s=round(time.monotonic() - started, 2))
 
     @property
     def pids(self) -> list[int | None]:
-        return [d.pid for d in self._decoders]
+        return [d.pid for d in self._children]
