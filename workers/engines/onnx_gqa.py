@@ -315,18 +315,18 @@ class OnnxGqaEngine:
         """One run over rows ``[lo, hi)`` of the buffers: ``ids`` [hi - lo, S], each row's
         length after the run minus one in ``seqlens``; returns the logits [rows, keep, vocab]."""
         io = self._io
-        if io is None or self._bound != (lo, hi, id(self._kv[0])):
+        if io is None or self._bound != (lo, hi, id(self._buffers[0])):
             io = self._io = self._session.io_binding()
             io.bind_output("logits", "cpu")  # first: output 0
-            for past, present, buf in zip(self._past_names, self._present_names, self._kv):
+            for past, present, buf in zip(self._past_names, self._present_names, self._buffers):
                 view = buf[lo:hi]
                 shape = list(view.shape)
                 io.bind_input(past, "cpu", 0, np.float32, shape, view.ctypes.data)
                 io.bind_output(present, "cpu", 0, np.float32, shape, view.ctypes.data)
-            self._bound = (lo, hi, id(self._kv[0]))
+            self._bound = (lo, hi, id(self._buffers[0]))
         # the fed arrays stay referenced here until the run is over
-        fed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64),
-               "seqlens_k": np.ascontiguousarray(seqlens, dtype=np.int32)}
+        fed: dict[str, np.ndarray] = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64),
+                                      "seqlens_k": np.ascontiguousarray(seqlens, dtype=np.int32)}
         fed["total_sequence_length"] = np.array(int(fed["seqlens_k"].max()) + 1, dtype=np.int32)
         fed["logits_to_keep"] = _KEEP_LAST if keep == 1 else np.array([keep], dtype=np.int64)
         for name, value in fed.items():
@@ -337,10 +337,19 @@ class OnnxGqaEngine:
         assert logits.shape[-1] == self.vocab_size, logits.shape
         return np.array(logits, copy=True)
 
+    @property
+    def _buffers(self) -> list[np.ndarray]:
+        """The KV buffers, one per past input (``_ensure`` makes them; None while nothing
+        is live)."""
+        kv = self._kv
+        if kv is None:
+            raise RuntimeError("no KV buffers: _ensure() makes them")
+        return kv
+
     def _kv_of(self, seq_id: str) -> list[np.ndarray]:
         """A live sequence's slots, ``[kv_heads, length, head_dim]`` per past input (views)."""
         seq = self._seqs[seq_id]
-        return [buf[seq.row, :, :seq.length] for buf in self._kv]
+        return [buf[seq.row, :, :seq.length] for buf in self._buffers]
 
     def _scratch_range(self, lo: int, hi: int) -> tuple[int, int]:
         """``[lo, hi)`` widened to ``min_rows`` rows (a neighbouring row, live or spare)."""
@@ -385,15 +394,16 @@ class OnnxGqaEngine:
         check_prefill(seqs, self._seqs, self.max_context, self.vocab_size, self.max_batch)
         cache = self.prefix_cache if from_cache else None
         self._ensure(len(self._order) + len(seqs), max(len(p) for _, p in seqs))
+        block = cache.block if cache is not None else 0
         out = []
         for seq_id, prompt in seqs:
             names, run = cache.lookup(prompt, count=count) if cache is not None else ([], [])
-            n = len(run) * (cache.block if cache is not None else 0)
+            n = len(run) * block
             row = len(self._order)
             if run:
-                for k, buf in enumerate(self._kv):
+                for k, buf in enumerate(self._buffers):
                     for j, blk in enumerate(run):  # each block straight into its slots
-                        buf[row, :, j * cache.block:(j + 1) * cache.block, :] = blk[k]
+                        buf[row, :, j * block:(j + 1) * block, :] = blk[k]
             self._order.append(seq_id)
             self._seqs[seq_id] = _Seq(length=n, row=row, ids=list(prompt[:n]), names=names[:len(run)])
             out.append(n)
@@ -479,7 +489,7 @@ class OnnxGqaEngine:
         block = self.prefix_cache.block if self.prefix_cache is not None else 1
         for d in dst_ids:
             row = len(self._order)
-            for buf in self._kv:
+            for buf in self._buffers:
                 buf[row, :, :n] = buf[src.row, :, :n]
                 self.copied_bytes += buf[row, :, :n].nbytes
             self._order.append(d)
@@ -494,7 +504,7 @@ class OnnxGqaEngine:
         last = len(self._order) - 1
         if seq.row != last:
             moved = self._seqs[self._order[last]]
-            for buf in self._kv:
+            for buf in self._buffers:
                 buf[seq.row, :, :moved.length] = buf[last, :, :moved.length]
                 self.copied_bytes += buf[last, :, :moved.length].nbytes
             moved.row = seq.row
@@ -507,10 +517,10 @@ class OnnxGqaEngine:
         # moved sequence's slots, the last row none (one more slot: a scratch token's)
         if self._maps is not None:
             kept = self._seqs[self._order[seq.row]].length + 1 if seq.row != last else 0
-            for buf in self._maps:
-                buf.trim(seq.row, kept)
+            for kv_map in self._maps:
+                kv_map.trim(seq.row, kept)
                 if seq.row != last:
-                    buf.trim(last, 0)
+                    kv_map.trim(last, 0)
 
     def close(self) -> None:
         self._seqs.clear()
@@ -522,15 +532,15 @@ class OnnxGqaEngine:
     def _keep_blocks(self, seq: _Seq) -> None:
         """Name the sequence's blocks completed since the last call and give the prefix
         cache a copy of those it does not hold."""
-        cache = self.prefix_cache
-        if cache is None or seq.ids is None:
+        cache, ids, names = self.prefix_cache, seq.ids, seq.names
+        if cache is None or ids is None or names is None:  # (ids and names are None together)
             return
         block = cache.block
         done = seq.length // block
-        for k in range(len(seq.names), done):
-            chain = seq.names[-1] if seq.names else cache.seed
-            name = block_hashes(chain, seq.ids[k * block:(k + 1) * block], block)[0]
-            seq.names.append(name)
+        for k in range(len(names), done):
+            chain = names[-1] if names else cache.seed
+            name = block_hashes(chain, ids[k * block:(k + 1) * block], block)[0]
+            names.append(name)
             if cache.touch(name):
                 continue
-            cache.put(name, [buf[seq.row, :, k * block:(k + 1) * block, :].copy() for buf in self._kv])
+            cache.put(name, [buf[seq.row, :, k * block:(k + 1) * block, :].copy() for buf in self._buffers])

@@ -210,7 +210,7 @@ def check_fork(src_id: str, dst_ids: list[str], live: dict[str, Any], max_batch:
     src = live.get(src_id)
     bad = {src_id: "is not live"} if src is None else {}
     bad.update({d: "is already live" for d in dst_ids if d in live})
-    if bad:
+    if bad or src is None:  # (src None: in ``bad``)
         raise InvalidSequenceError(_describe(bad), list(bad))
     if len(live) + len(dst_ids) > max_batch:
         raise ValueError(f"{len(live)} live + {len(dst_ids)} forked sequences exceed max_batch {max_batch}")
@@ -251,6 +251,12 @@ class _Seq:
     #: names of its whole blocks so far (shared/prefixhash.py); the prefix cache holds
     #: each unless it was evicted
     names: list[bytes] | None = None
+
+    def own_kv(self) -> list[np.ndarray]:
+        """``kv``, which a sequence has while it is not in the slab."""
+        if self.kv is None:
+            raise RuntimeError("the sequence's cache is in the slab: take it out first (_unslab)")
+        return self.kv
 
 
 @dataclass(slots=True)
@@ -445,6 +451,8 @@ class OnnxRuntimeEngine:
         feed: dict[str, Any] = {"input_ids": ids.astype(dt["input_ids"], copy=False),
                                 "attention_mask": mask.astype(dt["attention_mask"], copy=False)}
         if self._has_positions:
+            if positions is None:
+                raise ValueError(f"{self.spec.onnx_path} takes position ids: a run needs them")
             feed["position_ids"] = positions.astype(dt["position_ids"], copy=False)
         if self._has_branch:  # a merged decoder: the no-past branch for a prefill
             feed["use_cache_branch"] = np.array([past[0].shape[2] > 0])
@@ -581,9 +589,9 @@ class OnnxRuntimeEngine:
             mask[r, past_len + width - n:] = 1
             positions[r, width - n:] = np.arange(past_len, past_len + n)
         if past_len and rows == 1:  # its own cache as the past, not a copy (a view; contiguous if it is)
-            past = [np.ascontiguousarray(kv[None]) for kv in members[0].kv]
+            past = [np.ascontiguousarray(kv[None]) for kv in members[0].own_kv()]
         elif past_len:
-            past = [np.stack([m.kv[k] for m in members]) for k in range(len(self._past_names))]
+            past = [np.stack([m.own_kv()[k] for m in members]) for k in range(len(self._past_names))]
         else:
             past = [self._empty_past(rows)] * len(self._past_names)
         logits, *presents = self._run(ids, mask, positions, past, keep=keep)
@@ -596,25 +604,26 @@ class OnnxRuntimeEngine:
             m.kv = [p[r, :, total - past_len - n:, :] for p in presents]
             m.length += n
             m.src, m.src_row = (presents, r) if unpadded else (None, -1)
-            m.ids.extend(chunk)
+            if m.ids is not None:  # (None: its blocks are no longer named, ``_decoded``)
+                m.ids.extend(chunk)
             self._keep_blocks(m)
         return logits
 
     def _keep_blocks(self, seq: _Seq) -> None:
         """Name the sequence's blocks completed since the last call and give the prefix
         cache a copy of those it does not hold."""
-        cache = self.prefix_cache
-        if cache is None or seq.ids is None:
+        cache, ids, names = self.prefix_cache, seq.ids, seq.names
+        if cache is None or ids is None or names is None:  # (ids and names are None together)
             return
         block = cache.block
         done = seq.length // block
-        if done <= len(seq.names):
+        if done <= len(names):
             return
         cached = None
-        for k in range(len(seq.names), done):
-            chain = seq.names[-1] if seq.names else cache.seed
-            name = block_hashes(chain, seq.ids[k * block:(k + 1) * block], block)[0]
-            seq.names.append(name)
+        for k in range(len(names), done):
+            chain = names[-1] if names else cache.seed
+            name = block_hashes(chain, ids[k * block:(k + 1) * block], block)[0]
+            names.append(name)
             if cache.touch(name):
                 continue
             if cached is None:
@@ -757,12 +766,12 @@ class OnnxRuntimeEngine:
         it by one gather per input (none at all when that run was exactly this group at
         this width), the others row by row."""
         rows = len(members)
-        by_src: dict[int, list[int]] = {}
+        by_src: dict[int, tuple[list[np.ndarray], list[int]]] = {}  # id(src) -> (src, its rows here)
         for r, m in enumerate(members):
             if m.src is not None and m.src[0].shape[2] >= width:
-                by_src.setdefault(id(m.src), []).append(r)
-        if len(by_src) == 1 and len(next(iter(by_src.values()))) == rows:
-            src = members[0].src
+                by_src.setdefault(id(m.src), (m.src, []))[1].append(r)
+        if len(by_src) == 1 and len((only := next(iter(by_src.values())))[1]) == rows:
+            src = only[0]
             cut = src[0].shape[2] - width
             if [m.src_row for m in members] == list(range(src[0].shape[0])):
                 return [np.ascontiguousarray(p[:, :, cut:, :]) if cut else p for p in src]
@@ -770,16 +779,15 @@ class OnnxRuntimeEngine:
             return [p[idx, :, cut:, :] for p in src]
         past = [np.zeros((rows, self.kv_heads, width, self.head_dim), dtype=self._kv_dtype)
                 for _ in self._past_names]
-        for rs in by_src.values():
-            src = members[rs[0]].src
+        for src, rs in by_src.values():
             cut = src[0].shape[2] - width
             idx = np.array([members[r].src_row for r in rs], dtype=np.int64)
             for buf, p in zip(past, src):
                 buf[rs] = p[idx, :, cut:, :]
-        taken = {r for rs in by_src.values() for r in rs}
+        taken = {r for _, rs in by_src.values() for r in rs}
         for r, m in enumerate(members):
             if r not in taken:
-                for buf, kv in zip(past, m.kv):
+                for buf, kv in zip(past, m.own_kv()):
                     buf[r, :, width - m.length:, :] = kv
         return past
 
