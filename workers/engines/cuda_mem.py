@@ -77,6 +77,8 @@ class DeviceBuffer:
 class Stream(Protocol):
     #: the ``cudaStream_t`` as an int, what TensorRT's ``execute_async_v3`` takes
     handle: int
+    #: the CUDA library's own stream object (what its asynchronous calls take)
+    native: Any
 
     def synchronize(self) -> None: ...
 
@@ -167,13 +169,16 @@ def select(name: str = "auto", importer: Importer | None = None) -> CudaMem:
             module, _ = _probe(cand, importer)
             if module is None:
                 continue
-            log.warning("CUDA library cannot initialise; falling back", failed=failed[0], error=failed[1],
-                        using=cand)
+            if failed is not None:  # (always: the library before this one failed)
+                log.warning("CUDA library cannot initialise; falling back", failed=failed[0], error=failed[1],
+                            using=cand)
         try:
             return IMPLEMENTATIONS[cand](module, importer)
         except Exception as exc:
             failed = (cand, exc.message if isinstance(exc, FatalError) else f"{cand} cannot initialise CUDA: {exc}")
             cause = exc
+    if failed is None:  # (never: ``candidates`` holds at least the chosen library)
+        raise FatalError(f"no CUDA library to try for {name!r}")
     raise FatalError(failed[1]) from cause
 
 
@@ -201,8 +206,8 @@ def detect_compute_capability(mem: CudaMem | None = None, device: int = 0) -> st
     try:
         out = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader", "-i", str(device)],
                              capture_output=True, text=True, timeout=30, check=True).stdout
-        major, _, minor = out.strip().splitlines()[0].strip().partition(".")
-        return f"{int(major)}{int(minor or 0)}"
+        smi_major, _, smi_minor = out.strip().splitlines()[0].strip().partition(".")
+        return f"{int(smi_major)}{int(smi_minor or 0)}"
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
         raise FatalError(f"cannot read the GPU's compute capability from nvidia-smi: {exc}") from exc
 
@@ -268,29 +273,29 @@ class CudaPythonMem:
         self._streams.append(native)
         return _RtStream(self, native)
 
-    def copy_htod(self, dst: int, src: np.ndarray, stream: _RtStream) -> None:
+    def copy_htod(self, dst: int, src: np.ndarray, stream: Stream) -> None:
         self._call("cudaMemcpyAsync", dst, src.ctypes.data, src.nbytes, self._h2d, stream.native)
 
-    def copy_dtoh(self, dst: np.ndarray, src: int, stream: _RtStream) -> None:
+    def copy_dtoh(self, dst: np.ndarray, src: int, stream: Stream) -> None:
         self._call("cudaMemcpyAsync", dst.ctypes.data, src, dst.nbytes, self._d2h, stream.native)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: _RtStream) -> None:
+    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         self._call("cudaMemcpyAsync", dst, src, nbytes, self._d2d, stream.native)
 
     def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
-                stream: _RtStream) -> None:
+                stream: Stream) -> None:
         self._call("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height, self._d2d, stream.native)
 
     def copy_dtoh_2d(self, dst: np.ndarray, src: int, spitch: int, width: int, height: int,
-                     stream: _RtStream) -> None:
+                     stream: Stream) -> None:
         assert dst.nbytes >= width * height
         self._call("cudaMemcpy2DAsync", dst.ctypes.data, width, src, spitch, width, height, self._d2h,
                    stream.native)
 
-    def memset(self, ptr: int, value: int, nbytes: int, stream: _RtStream) -> None:
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Stream) -> None:
         self._call("cudaMemsetAsync", ptr, value, nbytes, stream.native)
 
-    def memset_2d(self, ptr: int, pitch: int, value: int, width: int, height: int, stream: _RtStream) -> None:
+    def memset_2d(self, ptr: int, pitch: int, value: int, width: int, height: int, stream: Stream) -> None:
         self._call("cudaMemset2DAsync", ptr, pitch, value, width, height, stream.native)
 
     def compute_capability(self, device: int = 0) -> tuple[int, int]:
@@ -367,15 +372,15 @@ class PyCudaMem:
         self._enter()
         return _PyStream(self, self._drv.Stream())
 
-    def copy_htod(self, dst: int, src: np.ndarray, stream: _PyStream) -> None:
+    def copy_htod(self, dst: int, src: np.ndarray, stream: Stream) -> None:
         self._enter()
         self._drv.memcpy_htod_async(dst, src, stream.native)
 
-    def copy_dtoh(self, dst: np.ndarray, src: int, stream: _PyStream) -> None:
+    def copy_dtoh(self, dst: np.ndarray, src: int, stream: Stream) -> None:
         self._enter()
         self._drv.memcpy_dtoh_async(dst, src, stream.native)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: _PyStream) -> None:
+    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         self._enter()
         self._drv.memcpy_dtod_async(dst, src, nbytes, stream.native)
 
@@ -394,21 +399,21 @@ class PyCudaMem:
         return c
 
     def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
-                stream: _PyStream) -> None:
+                stream: Stream) -> None:
         self._enter()
         self._copy2d(height, width, spitch, dpitch, src, dst)(stream.native)
 
     def copy_dtoh_2d(self, dst: np.ndarray, src: int, spitch: int, width: int, height: int,
-                     stream: _PyStream) -> None:
+                     stream: Stream) -> None:
         assert dst.nbytes >= width * height
         self._enter()
         self._copy2d(height, width, spitch, width, src, dst)(stream.native)
 
-    def memset(self, ptr: int, value: int, nbytes: int, stream: _PyStream) -> None:
+    def memset(self, ptr: int, value: int, nbytes: int, stream: Stream) -> None:
         self._enter()
         self._drv.memset_d8_async(ptr, value, nbytes, stream.native)
 
-    def memset_2d(self, ptr: int, pitch: int, value: int, width: int, height: int, stream: _PyStream) -> None:
+    def memset_2d(self, ptr: int, pitch: int, value: int, width: int, height: int, stream: Stream) -> None:
         self._enter()
         self._drv.memset_d2d8_async(ptr, pitch, value, width, height, stream.native)
 

@@ -240,8 +240,12 @@ class TensorRTEngine:
         self._mem = mem
         try:
             self._stream = mem.stream()
-            self._runner = runner or TrtRunner.load(spec, self._opts, trt, mem, self._stream)
-            self._setup(self._runner)
+            if runner is None:
+                if trt is None:  # (imported above whenever no runner is given)
+                    raise FatalError("TensorRT was not imported")
+                runner = TrtRunner.load(spec, self._opts, trt, mem, self._stream)
+            self._runner = runner
+            self._setup(runner)
         except BaseException:
             self.close()
             raise
@@ -270,13 +274,13 @@ class TensorRTEngine:
         b, c, v = self.max_batch, self.max_context, self.vocab_size
         tokens = int(self._opts["max_prefill_tokens"]) or min(b * c, 8192)
         self._prefill_tokens = max(c, min(tokens, b * c))
-        mem = self._mem
+        mem = self._dev_mem
         slab_bytes = b * self.kv_heads * c * self._col
         #: the two slab buffers, one DeviceBuffer per past input each
         self._kv = [[self._alloc(slab_bytes) for _ in self._past] for _ in range(2)]
         for side in self._kv:
             for buf in side:
-                mem.memset(buf.ptr, 0, buf.nbytes, self._stream)  # pads must hold finite values
+                mem.memset(buf.ptr, 0, buf.nbytes, self._dev_stream)  # pads must hold finite values
         self._ids_dev = self._alloc(b * c * np.dtype(self._ids_np).itemsize)
         self._mask_dev = self._alloc(b * c * np.dtype(self._mask_np).itemsize)
         self._pos_dev = self._alloc(b * c * np.dtype(self._pos_np).itemsize)
@@ -285,7 +289,7 @@ class TensorRTEngine:
         self._mask_h = mem.host_empty(b * c, self._mask_np)
         self._pos_h = mem.host_empty(b * c, self._pos_np)
         self._logits_h = mem.host_empty(b * v, self._logits_np)
-        self._stream.synchronize()
+        self._dev_stream.synchronize()
         log.info("tensorrt engine ready", model=self.spec.name,
                  kv_cache_mb=round(2 * slab_bytes * len(self._past) / 2**20),
                  logits_mb=round(self._logits_dev.nbytes / 2**20), cuda=getattr(mem, "name", "?"))
@@ -296,8 +300,22 @@ class TensorRTEngine:
         self._positions = np.zeros(0, dtype=np.int64)
         self._seqs: dict[str, _Seq] = {}
 
+    @property
+    def _dev_mem(self) -> CudaMem:
+        """The CUDA memory API the engine runs on (set before ``_setup``)."""
+        if self._mem is None:
+            raise RuntimeError("the engine has no CUDA memory API")
+        return self._mem
+
+    @property
+    def _dev_stream(self) -> Stream:
+        """The CUDA stream the engine runs on (set before ``_setup``)."""
+        if self._stream is None:
+            raise RuntimeError("the engine has no CUDA stream")
+        return self._stream
+
     def _alloc(self, nbytes: int) -> DeviceBuffer:
-        buf = self._mem.alloc(nbytes)
+        buf = self._dev_mem.alloc(nbytes)
         self._bufs.append(buf)
         return buf
 
@@ -381,8 +399,8 @@ class TensorRTEngine:
         cur = self._cur
         self._run(DECODE, n, 1, width, self._kv[cur], self._kv[1 - cur])
         host = self._logits_h[: n * v]
-        self._mem.copy_dtoh(host, self._logits_dev.ptr, self._stream)
-        self._stream.synchronize()
+        self._dev_mem.copy_dtoh(host, self._logits_dev.ptr, self._dev_stream)
+        self._dev_stream.synchronize()
         self._cur = 1 - cur
         self._mask = mask
         self._positions = self._positions + active
@@ -418,7 +436,7 @@ class TensorRTEngine:
     # -- steps ---------------------------------------------------------------------------
 
     def _upload(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> None:
-        mem, s = self._mem, self._stream
+        mem, s = self._dev_mem, self._dev_stream
         for host, values, dev in ((self._ids_h, ids, self._ids_dev), (self._mask_h, mask, self._mask_dev),
                                   (self._pos_h, positions, self._pos_dev)):
             if dev is self._pos_dev and not self._has_positions:
@@ -430,7 +448,7 @@ class TensorRTEngine:
     def _run(self, profile: str, rows: int, seq: int, past: int, past_bufs: list[DeviceBuffer],
              present_bufs: list[DeviceBuffer]) -> None:
         h, d = self.kv_heads, self.head_dim
-        shapes = {"input_ids": (rows, seq), "attention_mask": (rows, past + seq)}
+        shapes: dict[str, tuple[int, ...]] = {"input_ids": (rows, seq), "attention_mask": (rows, past + seq)}
         addresses = {"input_ids": self._ids_dev.ptr, "attention_mask": self._mask_dev.ptr,
                      "logits": self._logits_dev.ptr}
         if self._has_positions:
@@ -442,7 +460,7 @@ class TensorRTEngine:
         for name, buf in zip(self._present, present_bufs):
             addresses[name] = buf.ptr
         assert self._runner is not None
-        self._runner.run(profile, shapes, addresses, self._stream)
+        self._runner.run(profile, shapes, addresses, self._dev_stream)
 
     def _prefill_group(self, seqs: list[tuple[str, list[int]]], lengths: list[int], group: list[int],
                        rows: dict[int, int], out: np.ndarray) -> None:
@@ -458,7 +476,7 @@ class TensorRTEngine:
         self._upload(ids, mask, positions)
         slab, scratch = self._kv[self._cur], self._kv[1 - self._cur]
         self._run(PREFILL, m, wp, 0, slab, scratch)  # presents land in the spare buffer
-        mem, s, col, h = self._mem, self._stream, self._col, self.kv_heads
+        mem, s, col, h = self._dev_mem, self._dev_stream, self._col, self.kv_heads
         width = self._width
         for g, i in enumerate(group):
             r = rows.get(i)
@@ -511,7 +529,7 @@ class TensorRTEngine:
         2D copy per past input into the spare buffer, which becomes the slab."""
         n, width = len(self._rows), self._width
         if n and width:
-            mem, s, col, h = self._mem, self._stream, self._col, self.kv_heads
+            mem, s, col, h = self._dev_mem, self._dev_stream, self._col, self.kv_heads
             for src, dst in zip(self._kv[self._cur], self._kv[1 - self._cur]):
                 if new_width >= width:
                     shift = (new_width - width) * col
@@ -535,7 +553,7 @@ class TensorRTEngine:
         lengths = [self._seqs[self._rows[r]].length for r in live]  # type: ignore[index]
         n2, width = len(live), self._width
         new_width = max(lengths)
-        mem, s, col, h = self._mem, self._stream, self._col, self.kv_heads
+        mem, s, col, h = self._dev_mem, self._dev_stream, self._col, self.kv_heads
         src_side, dst_side = self._kv[self._cur], self._kv[1 - self._cur]
         for dst in dst_side:
             mem.memset(dst.ptr, 0, n2 * h * new_width * col, s)
