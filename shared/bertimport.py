@@ -46,6 +46,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from streamfleet.shared.errors import FatalError
 
@@ -473,7 +474,7 @@ class _Graph:
         self.inits.append(self.numpy_helper.from_array(np.require(array, requirements="C"), name))
         return name
 
-    def const(self, value: Any, dtype: Any = np.int64) -> str:
+    def const(self, value: ArrayLike, dtype: DTypeLike = np.int64) -> str:
         array = np.asarray(value, dtype=dtype)
         key = (array.dtype.str + str(array.shape), array.tobytes())
         if key not in self._consts:

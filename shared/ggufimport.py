@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.packagefetch import sha256_of
@@ -1003,7 +1004,7 @@ class _Graph:
         self.inits.append(self.helper.make_tensor(name, TensorProto.BFLOAT16, bits.shape, bits.tobytes(), raw=True))
         return name
 
-    def const(self, value: Any, dtype: Any = np.int64) -> str:
+    def const(self, value: ArrayLike, dtype: DTypeLike = np.int64) -> str:
         array = np.asarray(value, dtype=dtype)
         key = (array.dtype.str + str(array.shape), array.tobytes())
         name = self._consts.get(key)

@@ -33,13 +33,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import orjson
 
 if TYPE_CHECKING:
     import llguidance
+    from transformers import PreTrainedTokenizerFast
+
+    from streamfleet.shared.modelrepo import Tokenizer
 
 __all__ = ["COSTLY", "CONSTRAINTS", "DEFAULT_LIMITS", "MAX_GRAMMAR_BYTES", "GrammarError", "GrammarLimits",
            "build_grammar", "check_constraint", "depth_problem", "grammar_of", "plain_error", "Grammars"]
@@ -284,7 +287,7 @@ class Grammars:
         limits: what one constraint may cost (``GrammarLimits``).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int],
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int],
                  limits: GrammarLimits = DEFAULT_LIMITS) -> None:
         llg = _llg()
         import llguidance.hf
@@ -294,7 +297,10 @@ class Grammars:
         self._llg_limits = limits.llg()
         eos = [int(t) for t in eos_ids] or None
         self._eos = set(eos or ())
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+        # (llguidance reads a transformers tokenizer's own parts: the worker's is one,
+        # ``load_tokenizer``'s; the Tokenizer protocol names what the worker itself calls)
+        hf = cast("PreTrainedTokenizerFast", tokenizer)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                                       eos_token=eos if eos is None or len(eos) > 1 else eos[0])
         self._executor: llguidance.LLExecutor | None = None
         self._lock = threading.Lock()

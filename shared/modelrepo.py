@@ -72,7 +72,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from streamfleet.shared.errors import FatalError, NotFoundError, StreamfleetError
 from streamfleet.shared.logging import get_logger
@@ -80,7 +80,8 @@ from streamfleet.shared.logging import get_logger
 if TYPE_CHECKING:
     from streamfleet.shared.packagefetch import PackageFile
 
-__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "ensure_artifacts", "declared_eos", "token_id",
+__all__ = ["ModelSpec", "ModelRepository", "load_tokenizer", "Tokenizer", "ensure_artifacts", "declared_eos",
+           "token_id",
            "read_json", "generator_digest", "GENERATOR_KEY", "REPO_ROOT", "KINDS", "kind_phrase",
            "POCKETSPHINX_LANGUAGE", "pocketsphinx_model", "BUILTIN_CHAT_TEMPLATE", "folder_chat_template",
            "chat_template_source"]
@@ -523,6 +524,17 @@ def chat_template_source(spec: ModelSpec) -> str | None:
             return BUILTIN_CHAT_TEMPLATE
         return "engine.toml" if spec.chat_template.strip() else None
     return folder_chat_template(spec.tokenizer_path.parent)[1] or None
+
+
+class Tokenizer(Protocol):
+    """What a worker asks of a model's tokenizer (``load_tokenizer``'s, a transformers
+    ``PreTrainedTokenizerFast``): the text of token ids. Its Rust tokenizer
+    (``backend_tokenizer``), special ids (``all_special_ids``) and clean-up setting are
+    read with ``getattr`` where used (a tokenizer may lack them); the structured outputs
+    hand it to llguidance, which reads a transformers tokenizer (shared/grammar.py). The
+    gateway's side is ``PromptTokenizer`` (gateway/admission/chat_template.py)."""
+
+    def decode(self, ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
 
 
 @lru_cache(maxsize=16)

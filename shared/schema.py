@@ -52,6 +52,8 @@ import orjson
 from streamfleet.shared.errors import RequestError, error_from_code
 
 if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import ArrayLike, NDArray
     from redis.typing import EncodableT, FieldT
 
 __all__ = [
@@ -487,13 +489,13 @@ class EmbeddingEvent:
     type: str = "embedding"
 
     @staticmethod
-    def pack(values: Any) -> str:
+    def pack(values: ArrayLike) -> str:
         """A float32 vector (anything ``numpy.asarray`` takes) as ``vector`` holds it."""
         import numpy as np
 
         return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
 
-    def values(self) -> Any:
+    def values(self) -> NDArray[np.float32]:
         """The vector as a numpy float32 array."""
         import numpy as np
 

@@ -65,6 +65,7 @@ from streamfleet.workers.sampling import Sampler
 from streamfleet.workers.stepcost import StepCosts, StepShape
 
 if TYPE_CHECKING:
+    from streamfleet.shared.modelrepo import Tokenizer
     from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["WorkerCore", "StepOutput", "ANNOUNCE_EVERY_S"]
@@ -180,7 +181,7 @@ class WorkerCore:
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         max_batch: int | None = None,
         clock: Callable[[], float] = time.time,

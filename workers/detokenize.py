@@ -10,7 +10,10 @@ that might turn out to be the start of one, so a stop string never reaches the c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamfleet.shared.modelrepo import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "StopMatcher", "REPLACEMENT_CHAR"]
 
@@ -44,7 +47,7 @@ class IncrementalDetokenizer:
     MAX_PENDING = 32
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens

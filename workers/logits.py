@@ -23,11 +23,14 @@ token's text and bytes (``TokenTable``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamfleet.shared.schema import SamplingParams
+
+if TYPE_CHECKING:
+    from streamfleet.shared.modelrepo import Tokenizer
 
 __all__ = ["Penalties", "process", "Logprobs", "TokenTable"]
 
@@ -251,7 +254,7 @@ class TokenTable:
     whole UTF-8 (part of a character) shows its bytes as ``\\xNN`` escapes, as OpenAI's.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)

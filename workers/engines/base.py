@@ -15,7 +15,7 @@ Rows of the returned logits follow the order of the input list.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import onnxruntime as ort
+
+    from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["Engine", "SequenceError", "PAST_RE", "count_past_layers", "decodes_like_prefill", "ort_session"]
 
@@ -194,7 +196,18 @@ def prefill_by_extend(engine: ChunkingEngine, seqs: list[tuple[str, list[int]]])
         raise
 
 
-def decodes_like_prefill(engine: Any, kv_of: Any) -> bool:
+class PrefixCachedEngine(Engine, Protocol):
+    """An engine with a prefix cache (None: off): what ``decodes_like_prefill`` puts aside
+    while it measures (and, where the engine counts them, its copied bytes: optional)."""
+
+    prefix_cache: PrefixCache | None
+
+
+#: the optional count of bytes an engine copied (``PrefixCachedEngine``)
+_COPIED_BYTES = "copied_bytes"
+
+
+def decodes_like_prefill(engine: PrefixCachedEngine, kv_of: Callable[[str], list[np.ndarray]]) -> bool:
     """Whether a decode step gives a token the K/V bits a prefill of it gives (measured on
     ``engine``, a batch-invariant ONNX Runtime engine, with its prefix cache put aside):
     four tokens prefilled in one run, against the first two prefilled and the other two
@@ -212,7 +225,7 @@ def decodes_like_prefill(engine: Any, kv_of: Any) -> bool:
     v = engine.vocab_size
     ids = [1 % v, 3 % v, 5 % v, 7 % v]
     cache, engine.prefix_cache = engine.prefix_cache, None
-    copied = getattr(engine, "copied_bytes", None)
+    copied = getattr(engine, _COPIED_BYTES, None)
     try:
         engine.prefill([("\x00probe-prefill", ids)])
         want = [np.array(a[:, 2:4]) for a in kv_of("\x00probe-prefill")]
@@ -225,5 +238,5 @@ def decodes_like_prefill(engine: Any, kv_of: Any) -> bool:
     finally:
         engine.prefix_cache = cache
         if copied is not None:
-            engine.copied_bytes = copied
+            setattr(engine, _COPIED_BYTES, copied)
     return all(np.array_equal(a, b) for a, b in zip(want, got))

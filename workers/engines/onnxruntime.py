@@ -55,6 +55,7 @@ does not know how to feed is refused at load, by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +145,7 @@ def check_prefill(seqs: list[tuple[str, list[int]]], live: dict[str, Any], max_c
 
 
 def check_decode(seqs: list[tuple[str, int]], live: dict[str, Any], max_context: int,
-                 vocab_size: int, release: Any) -> set[str]:
+                 vocab_size: int, release: Callable[[str], None]) -> set[str]:
     """Refuse a decode call, or the sequences of it that cannot go on; returns the ids.
 
     ``live`` maps ids to objects with a ``length``; ``release`` frees a refused one.

@@ -34,11 +34,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.workers.engines.base import PAST_RE, count_past_layers
+
+if TYPE_CHECKING:
+    from onnx import ModelProto, ValueInfoProto
 
 __all__ = [
     "BUILD_DEFAULTS",
@@ -181,14 +184,14 @@ class GraphInfo:
         return [f"present.{i}.{kv}" for i in range(self.n_layer) for kv in ("key", "value")]
 
 
-def _dims(value_info: Any) -> list[int | str]:
+def _dims(value_info: ValueInfoProto) -> list[int | str]:
     out: list[int | str] = []
     for d in value_info.type.tensor_type.shape.dim:
         out.append(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?"))
     return out
 
 
-def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str, Any] | None = None, *,
+def graph_info_from_model(model: ModelProto, where: str = "graph", options: Mapping[str, Any] | None = None, *,
                           tensorrt: bool = True) -> GraphInfo:
     """``GraphInfo`` from an ``onnx.ModelProto`` (weights need not be loaded). With
     ``tensorrt=False`` (any backend: ``streamfleet engines import``) a merged decoder's
@@ -226,7 +229,7 @@ def graph_info_from_model(model: Any, where: str = "graph", options: Mapping[str
     if missing:
         raise FatalError(f"{where} lacks outputs {missing}")
 
-    def elem(vi: Any) -> str:
+    def elem(vi: ValueInfoProto) -> str:
         t = vi.type.tensor_type.elem_type
         if t not in _ONNX_TYPES:
             raise FatalError(f"{where}: {vi.name} has an unsupported element type ({t})")
