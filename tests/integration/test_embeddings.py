@@ -26,6 +26,7 @@ from streamfleet.shared.modelrepo import load_tokenizer
 from streamfleet.shared.schema import DeadLetter, DoneEvent, EmbeddingEvent, EmbedTask, LogEntry
 from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 from tests.support.tinybert import tiny_embedding_model
+from tests.support.wait import until
 from tests.support.wsclient import Client
 
 MODEL = "tiny-embed"
@@ -195,13 +196,7 @@ def test_langchain(parts):
 
 
 def _until(what, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+    return until(what, timeout=timeout)
 
 
 def test_a_dead_consumers_task_is_taken_over_and_a_malformed_one_dead_lettered(module_fleets, parts, redis_server):

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import websockets
 
-from tests.support.wait import until_async
+from tests.support.wait import until, until_async
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # kills, drains and resumes: fresh processes each
@@ -35,18 +35,19 @@ def holder(fleet, rds, prefix: str):
 
 
 async def wait_tokens(c: Client, id: str, n: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while len(c.results[id].tokens) < n:
-        assert time.monotonic() < deadline, c.results[id]
+    def enough() -> bool:
+        if len(c.results[id].tokens) >= n:
+            return True
         assert c.results[id].end is None, c.results[id].end
-        await asyncio.sleep(0.005)
+        return False
+
+    await until_async(enough, f"{id}: {n} tokens", timeout=timeout, interval=0.005)
 
 
 def wait_pending(rds, key: str, want: int, timeout: float) -> float:
     t0 = time.monotonic()
-    while rds.xpending(key, "workers")["pending"] != want:
-        assert time.monotonic() - t0 < timeout, rds.xpending(key, "workers")
-        time.sleep(0.005)
+    until(lambda: rds.xpending(key, "workers")["pending"] == want, lambda: str(rds.xpending(key, "workers")),
+          timeout=timeout, interval=0.005)
     return time.monotonic() - t0
 
 

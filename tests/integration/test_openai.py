@@ -13,6 +13,7 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from streamfleet.shared.errors import OPENAI_CODE
+from tests.support.wait import until
 from tests.support.wsclient import Client
 
 
@@ -242,9 +243,8 @@ def test_sse_keepalive_comment(fleet):
 
 def _wait_pending(rds, lane: str, want: int, timeout: float) -> float:
     t0 = time.monotonic()
-    while rds.xpending(lane, "workers")["pending"] != want and time.monotonic() - t0 < timeout:
-        time.sleep(0.005)
-    assert rds.xpending(lane, "workers")["pending"] == want
+    until(lambda: rds.xpending(lane, "workers")["pending"] == want, lambda: str(rds.xpending(lane, "workers")),
+          timeout=timeout, interval=0.005)
     return time.monotonic() - t0
 
 

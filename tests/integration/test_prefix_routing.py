@@ -363,11 +363,13 @@ async def echo_fleet(fleet, rds) -> tuple[Proc, dict[str, Proc]]:
 
 
 async def wait_tokens(c: Client, id: str, n: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(c.results[id].tokens) < n:
+    def enough() -> bool:
+        if len(c.results[id].tokens) >= n:
+            return True
         assert c.results[id].end is None, c.results[id].end
-        assert time.monotonic() < deadline, f"{id}: fewer than {n} tokens"
-        await asyncio.sleep(0.005)
+        return False
+
+    await until_async(enough, f"{id}: {n} tokens", timeout=timeout, interval=0.005)
 
 
 @pytest.mark.slow

@@ -30,10 +30,7 @@ from tests.support.wsclient import Client
 
 
 async def _until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
+    await until_async(check, what, timeout=timeout)
 
 
 @pytest.mark.slow

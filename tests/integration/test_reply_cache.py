@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 
 from tests.support.ports import free_port
 from tests.support.versions import two_versions as two_versions_repo
+from tests.support.wait import until_async
 from tests.support.wsclient import Client, Result
 
 pytestmark = pytest.mark.slow  # workers started, killed and reloaded for each test
@@ -39,11 +39,7 @@ def reply_tokens(port: int) -> float:
 
 
 async def until(check, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    await until_async(check, what, timeout=timeout)
 
 
 def start_chat(c: Client, rid: str, messages: list[dict], **fields) -> asyncio.Future:

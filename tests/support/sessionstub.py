@@ -33,6 +33,7 @@ from streamfleet.shared.settings import GatewaySettings
 
 from streamfleet.gateway.services.session import Session
 from streamfleet.gateway.admission.validation import Validator
+from tests.support.wait import until_async
 
 FINAL = (DoneEvent, ErrorEvent)  # the events that end a request's stream
 _ids = itertools.count()
@@ -193,10 +194,9 @@ class Conn(Session):
 
 
 async def until(cond, timeout: float = 2.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
+    """``until_async`` (tests/support/wait.py) polled every millisecond: nothing here waits
+    on another process."""
+    await until_async(cond, timeout=timeout, interval=0.001)
 
 
 async def idle(conn: Conn) -> None:
