@@ -78,6 +78,7 @@ from streamfleet.shared.packagefetch import sha256_of
 
 if TYPE_CHECKING:
     import onnx
+    from gguf import GGUFReader
 
 __all__ = ["AUTO", "AUTO_GRAPH_FILE", "AUTO_MODES", "GgufModel", "WEIGHT_MODES", "DEFAULT_WEIGHTS", "read_gguf",
            "write_model_files", "write_tokenizer_files", "import_gguf", "importer_digest", "build_tokenizer_json",
@@ -413,7 +414,7 @@ def type_note(qtype: int, weights: str) -> str:
     return f"{what}{where}{mins} ({act})"
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -595,7 +596,7 @@ def read_gguf_tokenizer(path: Path) -> GgufTokenizer:
     return _read_tokenizer(reader, path)
 
 
-def _read_tokenizer(reader: Any, path: Path) -> GgufTokenizer:
+def _read_tokenizer(reader: GGUFReader, path: Path) -> GgufTokenizer:
     """``tokenizer.ggml.*`` and ``tokenizer.chat_template``: a byte-level BPE (``gpt2``) with a
     pre-tokenizer of ``_PRE_TOKENIZERS``, or a SentencePiece vocabulary (``llama``) with its
     scores; anything else is refused by name (docs/models.md, "Tokenizers")."""

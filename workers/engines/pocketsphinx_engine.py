@@ -32,10 +32,13 @@ the final pass a fraction of the utterance's: docs/voice.md).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec, ensure_artifacts, pocketsphinx_model
+
+if TYPE_CHECKING:
+    from pocketsphinx import Decoder
 from streamfleet.workers.engines.speech import SAMPLE_RATE, SpeechDecoder, SpeechEngine
 
 __all__ = ["PocketSphinxEngine", "PocketSphinxDecoder"]
@@ -44,7 +47,7 @@ __all__ = ["PocketSphinxEngine", "PocketSphinxDecoder"]
 FINAL_PASS_MAX_S = 30.0
 
 
-def _text(decoder: Any) -> str:
+def _text(decoder: Decoder) -> str:
     hyp = decoder.hyp()
     return " ".join(hyp.hypstr.split()) if hyp is not None else ""
 
@@ -52,7 +55,7 @@ def _text(decoder: Any) -> str:
 class _FullPass:
     """The decoder that runs every slot's final pass, one at a time."""
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder
         self._lock = threading.Lock()
 
@@ -81,7 +84,7 @@ class PocketSphinxDecoder(SpeechDecoder):
         max_retained: most bytes of audio kept for the final pass.
     """
 
-    def __init__(self, decoder: Any, full_pass: _FullPass | None, max_retained: int) -> None:
+    def __init__(self, decoder: Decoder, full_pass: _FullPass | None, max_retained: int) -> None:
         super().__init__()
         self._ps = decoder
         self._full_pass = full_pass

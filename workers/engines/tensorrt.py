@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from streamfleet.workers.engines.cuda_mem import CudaMem, DeviceBuffer, Stream
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, check_decode, check_prefill
 from streamfleet.workers.engines.prefill import prefill_groups
 from streamfleet.workers.engines.trt_plan import DECODE, PREFILL, GraphInfo
+
+if TYPE_CHECKING:  # (TensorRT ships no type information: to the checker these are Any)
+    from tensorrt import DataType, ICudaEngine, Runtime
 
 __all__ = ["InvalidSequenceError", "Runner", "TensorRTEngine", "TrtRunner", "prefill_groups"]
 
@@ -86,7 +89,7 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def _trt_dtype(trt: ModuleType, dt: Any) -> str:
+def _trt_dtype(trt: ModuleType, dt: DataType) -> str:
     table = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64"}
     for attr, name in table.items():
         if getattr(trt.DataType, attr, None) == dt:
@@ -97,8 +100,8 @@ def _trt_dtype(trt: ModuleType, dt: Any) -> str:
 class TrtRunner:
     """The plan, deserialized, with one execution context per profile."""
 
-    def __init__(self, trt: ModuleType, runtime: Any, engine: Any, info: GraphInfo, profile_index: dict[str, int],
-                 stream: Stream) -> None:
+    def __init__(self, trt: ModuleType, runtime: Runtime, engine: ICudaEngine, info: GraphInfo,
+                 profile_index: dict[str, int], stream: Stream) -> None:
         self._trt, self._runtime, self._engine = trt, runtime, engine  # the runtime must outlive the engine
         self.info = info
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]

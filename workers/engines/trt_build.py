@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
@@ -31,6 +31,9 @@ from streamfleet.workers.engines.trt_plan import (
     write_atomic,
     write_plan,
 )
+
+if TYPE_CHECKING:  # (TensorRT ships no type information: to the checker this is Any)
+    from tensorrt import ILogger
 
 __all__ = ["build_plan", "build_serialized", "import_tensorrt", "trt_logger"]
 
@@ -59,7 +62,7 @@ def import_tensorrt() -> ModuleType:
     return trt
 
 
-def trt_logger(trt: ModuleType) -> Any:
+def trt_logger(trt: ModuleType) -> ILogger:
     """One ``trt.Logger`` per process (TensorRT expects a single logger)."""
     logger = _LOGGERS.get(id(trt))
     if logger is None:
