@@ -32,7 +32,7 @@ def namespace(model: str, version: str) -> bytes:
     return hashlib.blake2b(f"{model}\x00{version}".encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def block_hashes(seed: bytes, ids: Sequence[int], block: int, limit: int | None = None) -> list[bytes]:
+def block_hashes(seed: bytes, ids: Sequence[int] | np.ndarray, block: int, limit: int | None = None) -> list[bytes]:
     """The names of the whole blocks of ``ids`` (at most ``limit`` of them), in order.
 
     Cost: one pass over the ids (a C conversion to int32 bytes and one blake2b per block).

@@ -82,7 +82,7 @@ class PrefixCache:
         """Every block's name, least recently used first."""
         return list(self._blocks)
 
-    def hashes(self, ids: Sequence[int], limit: int | None = None) -> list[_Bytes]:
+    def hashes(self, ids: Sequence[int] | np.ndarray, limit: int | None = None) -> list[_Bytes]:
         """The names of the whole blocks of ``ids`` (at most ``limit``)."""
         return block_hashes(self.seed, ids, self.block, limit)
 

@@ -32,11 +32,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
 from streamfleet.shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from streamfleet.workers.engines.base import CachingEngine
+    from streamfleet.workers.prefixcache import PrefixCache
 
 __all__ = ["CHUNK", "ReplyKeeper"]
 
@@ -62,7 +66,7 @@ class ReplyKeeper:
         most: most replies remembered; the oldest goes first.
     """
 
-    def __init__(self, engine: Any, *, chunk: int = 0, most: int = 16) -> None:
+    def __init__(self, engine: CachingEngine, *, chunk: int = 0, most: int = 16) -> None:
         self.engine = engine
         self.chunk = min(CHUNK, int(chunk)) if chunk > 0 else CHUNK
         #: (prompt and generated ids, prompt length), oldest first: the oldest reply's
@@ -70,7 +74,7 @@ class ReplyKeeper:
         self._todo: deque[tuple[np.ndarray, int]] = deque(maxlen=max(1, int(most)))
 
     @staticmethod
-    def wanted(engine: object) -> bool:
+    def wanted(engine: object) -> TypeGuard[CachingEngine]:
         """Whether ``engine`` needs it: a prefix cache, prompts in chunks (``start``,
         ``extend``), and decoded blocks it does not keep itself."""
         return (getattr(engine, "prefix_cache", None) is not None and not getattr(engine, "decoded_blocks", False)
@@ -79,10 +83,18 @@ class ReplyKeeper:
     def __len__(self) -> int:
         return len(self._todo)
 
+    @property
+    def _cache(self) -> PrefixCache:
+        """The engine's prefix cache (there is one: ``wanted``)."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            raise RuntimeError("the engine's prefix cache is off: it needs no ReplyKeeper (wanted)")
+        return cache
+
     def finished(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
         """A sequence ended with ``generated`` after ``prompt``: remember it if that makes
         a whole block past the prompt's whole blocks."""
-        block = self.engine.prefix_cache.block
+        block = self._cache.block
         total = len(prompt) + len(generated)
         if not generated or total // block <= len(prompt) // block:
             return
@@ -98,7 +110,7 @@ class ReplyKeeper:
         """Compute one chunk of the first remembered reply the cache lacks (those it holds
         already, or whose prompt it no longer holds, are dropped on the way). Returns the
         tokens computed (0: nothing was left to do)."""
-        cache = self.engine.prefix_cache
+        cache = self._cache
         block = cache.block
         while self._todo:
             ids, prompt_len = self._todo[0]
@@ -115,7 +127,7 @@ class ReplyKeeper:
     def _feed(self, ids: list[int]) -> int:
         """One chunk of ``ids`` (whole blocks, starting with those the cache holds) through
         the engine; the reply is dropped when it fails or is done."""
-        engine, cache = self.engine, self.engine.prefix_cache
+        engine, cache = self.engine, self._cache
         block = cache.block
         try:
             n = engine.start([(_SEQ_ID, ids)], count=False)[0]

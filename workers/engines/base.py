@@ -203,6 +203,11 @@ class PrefixCachedEngine(Engine, Protocol):
     prefix_cache: PrefixCache | None
 
 
+class CachingEngine(ChunkingEngine, PrefixCachedEngine, Protocol):
+    """Chunked prefill from a prefix cache: what ``workers.replykeep.ReplyKeeper`` feeds
+    finished replies through."""
+
+
 #: the optional count of bytes an engine copied (``PrefixCachedEngine``)
 _COPIED_BYTES = "copied_bytes"
 
