@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import orjson
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from streamfleet.gateway.admission.gate import Admission
@@ -44,7 +46,11 @@ STREAM_ROUTES = {"/v1/completions": openai.completions, "/v1/chat/completions": 
                  "/v1/responses": responses.create, "/v1/audio/transcriptions": transcriptions.transcriptions}
 
 
-def front(app: FastAPI):
+#: a door's handler of one POST (``STREAM_ROUTES``)
+RouteHandler = Callable[[Request], Awaitable[Response]]
+
+
+def front(app: FastAPI) -> ASGIApp:
     """The ASGI app uvicorn runs: a WebSocket to one of ``WEBSOCKET_ROUTES`` goes straight
     to its session, a POST to one of ``STREAM_ROUTES`` straight to its handler;
     everything else (other HTTP routes, lifespan, any other path) to ``app``.
@@ -65,7 +71,7 @@ def front(app: FastAPI):
     sockets, streams = WEBSOCKET_ROUTES, STREAM_ROUTES
     allowed = app.state.hub.settings.allowed_origins
 
-    async def serve(scope, receive, send) -> None:
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "websocket":
             handler = sockets.get(scope["path"])
@@ -96,7 +102,8 @@ def front(app: FastAPI):
     return serve
 
 
-async def _stream_route(handler, allowed_origins: str, scope, receive, send) -> None:
+async def _stream_route(handler: RouteHandler, allowed_origins: str, scope: Scope, receive: Receive,
+                        send: Send) -> None:
     """One POST to a generation door, as ``app`` would serve it."""
     refusal = refused_origin(scope, allowed_origins)
     if refusal is not None:
@@ -126,7 +133,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
               admission=Admission(settings, broker))
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await hub.broker.start()
         hub.admission.start()
         if settings.voice_fair_slots:
@@ -157,11 +164,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(OriginGuard, allowed_origins=settings.allowed_origins)
 
     @app.get("/healthz")
-    async def healthz():
+    async def healthz() -> Response:
         return json_response({"status": "ok", "gateway_id": hub.broker.gateway_id, "pid": os.getpid()})
 
     @app.get("/readyz")
-    async def readyz():
+    async def readyz() -> Response:
         ready, body = await hub.readiness()
         return json_response(body, status_code=200 if ready else 503)
 
@@ -174,21 +181,21 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(demo.router)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: ErrorCode.invalid_request, 405: ErrorCode.invalid_request}.get(exc.status_code, ErrorCode.internal)
         body = {"error": {"message": str(exc.detail), "type": "invalid_request_error" if exc.status_code < 500
                           else "server_error", "param": None, "code": str(code)}}
         return json_response(body, exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
-    async def client_left(request, exc: ClientDisconnect):
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
         # the client went away mid-request (a body cut short): nothing is wrong here and
         # nobody reads the answer, so no traceback and no "unhandled error"
         log.debug("client left mid-request", path=request.url.path)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def internal_error(request, exc: Exception):
+    async def internal_error(request: Request, exc: Exception) -> Response:
         log.error("unhandled error", path=request.url.path, exc_info=exc)
         return openai_error_response(StreamfleetError("internal error", code=ErrorCode.internal))
     return app

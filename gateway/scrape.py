@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -75,7 +76,7 @@ class MetricsServer(uvicorn.Server):
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield  # the main server handles SIGTERM / SIGINT (drain) and then stops this one
 
     async def run(self) -> None:  # type: ignore[override]  # (uvicorn's runs its own loop; this one is awaited)

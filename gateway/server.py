@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from uvicorn.config import Config
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
@@ -16,11 +19,18 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from streamfleet.gateway.app import create_app, front
-from streamfleet.gateway.edge.guard import edge_protocol
+from streamfleet.gateway.edge.guard import Ticket, edge_protocol
 from streamfleet.gateway.scrape import MetricsListenError, MetricsServer, listen
 from streamfleet.shared import aio
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGISendEvent
+    from uvicorn.server import ServerState
+
+    from streamfleet.gateway.doors.grpc_server import GrpcDoor
+    from streamfleet.gateway.hub import Hub
 
 __all__ = ["run_gateway"]
 
@@ -34,7 +44,7 @@ def _write_port_file(port_file: str, port: int) -> None:
     tmp.replace(port_file)
 
 
-async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door=None) -> None:
+async def _announce(server: uvicorn.Server, port_file: str | None, grpc_door: GrpcDoor | None = None) -> None:
     while not server.started:
         if server.should_exit:
             return
@@ -61,13 +71,14 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
     the handshake's request and response let go once the handshake is done, and small
     per-message-deflate windows when compression is on."""
 
-    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         # (an asyncio.Queue holds ~3 KiB per connection; uvicorn only puts and gets)
         self.queue = aio.LightQueue()  # type: ignore[assignment]
         #: the connection's place in the edge's counts (``gateway.edge.guard.Ticket``), handed
         #: over by the HTTP protocol at the upgrade and given back when the connection closes
-        self.edge_ticket = None
+        self.edge_ticket: Ticket | None = None
         if config.ws_per_message_deflate:
             self.conn = ServerProtocol(
                 extensions=[ServerPerMessageDeflateFactory(
@@ -81,7 +92,7 @@ class LeanWebSocketProtocol(WebSocketsSansIOProtocol):
         if ticket is not None:
             ticket.release()
 
-    async def send(self, message) -> None:
+    async def send(self, message: ASGISendEvent) -> None:
         await super().send(message)
         if self.handshake_complete and getattr(self, "response", None) is not None:
             self.request = self.response = None  # type: ignore[assignment]  # (the handshake's headers, ~2 KiB)
@@ -121,13 +132,13 @@ class DrainingServer(uvicorn.Server):
     streams finish until ``drain_timeout_s``, close WebSockets with 1001, then exit. A
     second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, hub, grpc_door=None) -> None:
+    def __init__(self, config: uvicorn.Config, hub: Hub, grpc_door: GrpcDoor | None = None) -> None:
         super().__init__(config)
         self.hub = hub
         self.grpc_door = grpc_door
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[None] | None = None
 
-    def handle_exit(self, sig, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.hub.draining or not self.started:
             return super().handle_exit(sig, frame)
         self.hub.draining = True

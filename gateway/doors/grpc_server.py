@@ -21,9 +21,9 @@ messages. A ``Stream`` call is a ``gateway.services.session.Session``, as a WebS
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, assert_never, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, assert_never, get_args
 
 import anyio
 import grpc
@@ -51,12 +51,16 @@ from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent
 from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
 
 __all__ = ["SERVICE", "GrpcDoor", "GrpcListenError", "InferenceService", "status_code", "generate_payload",
            "server_frame", "generate_event"]
 
 log = get_logger("gateway.grpc")
+
+#: a message a session call (``Stream``, ``Listen``) sends
+M = TypeVar("M")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "streamfleet.v1.Inference"
 #: ErrorInfo.domain of the fleet's errors
@@ -275,12 +279,12 @@ def client_message(frame: pb.ClientFrame) -> dict[str, Any]:
     raise ValidationError("a ClientFrame needs one of generate, cancel or resume", code=ErrorCode.invalid_frame)
 
 
-def _accepted(f: dict) -> pb.Accepted:
+def _accepted(f: dict[str, Any]) -> pb.Accepted:
     return pb.Accepted(request_id=f["request_id"], queue_depth=f["queue_depth"],
                        resume_token=f.get("resume_token") or "", resumed_from=f.get("resumed_from"))
 
 
-def _token(f: dict) -> pb.Token:
+def _token(f: dict[str, Any]) -> pb.Token:
     lp = f.get("logprobs")
     if lp is None:
         return pb.Token(index=f["index"], text=f["text"])
@@ -290,19 +294,19 @@ def _token(f: dict) -> pb.Token:
              for t in lp["top"]]))
 
 
-def _done(f: dict) -> pb.Done:
+def _done(f: dict[str, Any]) -> pb.Done:
     return pb.Done(request_id=f["request_id"], finish_reason=f["finish_reason"], usage=pb.Usage(**f["usage"]),
                    timing=pb.Timing(**f["timing"]), model_version=f.get("model_version") or "",
                    tool_calls=[pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
                                for c in f.get("tool_calls", ())])
 
 
-def _error(f: dict) -> pb.Error:
+def _error(f: dict[str, Any]) -> pb.Error:
     return pb.Error(code=f["code"], status=f["status"], message=f["message"], param=f.get("param") or "",
                     retry_after_ms=f.get("retry_after_ms"))
 
 
-def server_frame(f: dict) -> pb.ServerFrame:
+def server_frame(f: dict[str, Any]) -> pb.ServerFrame:
     """The ``ServerFrame`` of a WebSocket frame (accepted, token, done or error)."""
     kind, cid = f["type"], f.get("id") or ""
     if kind == "token":
@@ -316,7 +320,7 @@ def server_frame(f: dict) -> pb.ServerFrame:
     raise ValueError(f"no ServerFrame for a {kind!r} frame")
 
 
-def generate_event(f: dict) -> pb.GenerateEvent:
+def generate_event(f: dict[str, Any]) -> pb.GenerateEvent:
     """The ``GenerateEvent`` of a WebSocket frame (accepted, token or done)."""
     kind = f["type"]
     if kind == "token":
@@ -356,12 +360,12 @@ class _StreamSession(Session):
 
     def __init__(self, hub: Hub) -> None:
         super().__init__(hub, "grpc")
-        self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
+        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(STREAM_OUTBOX)
 
-    def send(self, frame: dict) -> None:
+    def send(self, frame: dict[str, Any]) -> None:
         self.outbox.put_nowait(frame)
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: dict[str, Any]) -> None:
         await self.outbox.put(frame)
 
     async def read(self, frames: AsyncIterator[pb.ClientFrame]) -> None:
@@ -404,7 +408,7 @@ _VOICE_FIELDS = ("text", "offset_ms", "start_ms", "end_ms", "finish_reason", "re
                  "sample_rate", "encoding", "vad")
 
 
-def voice_event(f: dict) -> pb.VoiceEvent:
+def voice_event(f: dict[str, Any]) -> pb.VoiceEvent:
     """A voice WebSocket frame (``gateway/services/voice.py``, ``gateway/protocols/audio_protocol.py``) as a
     ``VoiceEvent``: its type, id and utterance, the fields it has, an error's ``Error``."""
     ev = pb.VoiceEvent(type=f["type"], id=f.get("id") or "", utterance=f.get("utterance", -1))
@@ -425,14 +429,14 @@ class _ListenSession(Session):
     def __init__(self, hub: Hub) -> None:
         super().__init__(hub, "voice")
         self.voice = VoiceConnection(self)
-        self.outbox: asyncio.Queue[dict] = asyncio.Queue(STREAM_OUTBOX)
+        self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue(STREAM_OUTBOX)
 
-    def send(self, frame: dict) -> None:
+    def send(self, frame: dict[str, Any]) -> None:
         if frame.get("type") == "pong":  # a WebSocket ping's answer: gRPC has its own keepalive
             return
         self.outbox.put_nowait(frame)
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: dict[str, Any]) -> None:
         await self.outbox.put(frame)
 
     async def read(self, frames: AsyncIterator[pb.VoiceClientFrame]) -> None:
@@ -462,14 +466,14 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
 
-    async def _caller(self, md: dict[str, str]):
+    async def _caller(self, md: dict[str, str]) -> Identity | None:
         """The caller of a call that would start work: refused while draining, else its
         API key's identity (None with auth off)."""
         if self.hub.draining:
             raise _shutting_down()
         return await self._identity(md)
 
-    async def _identity(self, md: dict[str, str]):
+    async def _identity(self, md: dict[str, str]) -> Identity | None:
         identity = await self.hub.admission.authenticate(md.get("authorization"))
         if identity is not None:  # every log line of this call names its key
             structlog.contextvars.bind_contextvars(key_id=identity.key_id)
@@ -479,7 +483,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         metrics.refusals.labels("grpc", str(exc.code)).inc()
         await abort(context, exc)
 
-    async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext,
+                       ) -> AsyncIterator[pb.GenerateEvent]:
         hub = self.hub
         md = _metadata(context)
         try:
@@ -494,7 +499,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         async for event in self._events(req, context, first, calls):
             yield event
 
-    async def Resume(self, request: pb.ResumeRequest, context: aio.ServicerContext):
+    async def Resume(self, request: pb.ResumeRequest, context: aio.ServicerContext,
+                     ) -> AsyncIterator[pb.GenerateEvent]:
         md = _metadata(context)
         try:
             identity = await self._caller(md)
@@ -509,8 +515,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         async for event in self._events(req, context, first):
             yield event
 
-    async def _events(self, req: ClientRequest, context: aio.ServicerContext, first: dict,
-                      calls: CallReader | None = None):
+    async def _events(self, req: ClientRequest, context: aio.ServicerContext, first: dict[str, Any],
+                      calls: CallReader | None = None) -> AsyncIterator[pb.GenerateEvent]:
         """A submitted or resumed request's events; a failure ends the call with its status
         (``calls``: a request that offered tools has its completion read for calls, which
         its ``Done`` carries). However the call ends, the request is given back
@@ -536,14 +542,17 @@ class InferenceService(pb_grpc.InferenceServicer):
                 await stop_events(None, events)
                 await req.close(reason="grpc_call_ended")
 
-    async def Stream(self, request_iterator: AsyncIterator[pb.ClientFrame], context: aio.ServicerContext):
+    async def Stream(self, request_iterator: AsyncIterator[pb.ClientFrame], context: aio.ServicerContext,
+                     ) -> AsyncIterator[pb.ServerFrame]:
         session = _StreamSession(self.hub)
         # idle: every request ended (the client may have half-closed the call before)
         async for message in self._serve(session, request_iterator, context, server_frame,
                                          lambda: not session.proto.in_flight):
             yield message
 
-    async def _serve(self, session, request_iterator, context: aio.ServicerContext, convert, idle):
+    async def _serve(self, session: _StreamSession | _ListenSession, request_iterator: AsyncIterator[Any],
+                     context: aio.ServicerContext, convert: Callable[[dict[str, Any]], M],
+                     idle: Callable[[], bool]) -> AsyncIterator[M]:
         """A call that is a session (``Stream``: a WebSocket's requests; ``Listen``: a voice
         WebSocket's): the caller admitted as a connection, the client's messages read by
         ``session.read``, the frames its outbox gets sent as ``convert`` makes them, until
@@ -560,8 +569,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         except StreamfleetError as exc:
             await self._refuse(context, exc)
         session.trace_id = trace_id_from(md.get("traceparent"))
-        reader: asyncio.Task | None = None
-        getter: asyncio.Future | None = None
+        reader: asyncio.Task[None] | None = None
+        getter: asyncio.Future[dict[str, Any]] | None = None
         try:
             try:
                 await session.channel.open()
@@ -581,7 +590,9 @@ class InferenceService(pb_grpc.InferenceServicer):
                     return  # the client half-closed and the session's work is over: OK
                 if getter is None:
                     getter = asyncio.ensure_future(session.outbox.get())
-                wait = {getter, session.revoked} | ({reader} if not reader.done() else set())
+                wait: set[asyncio.Future[Any]] = {getter, session.revoked}
+                if not reader.done():
+                    wait.add(reader)
                 done, _ = await asyncio.wait(wait, timeout=STREAM_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     frame, getter = getter.result(), None
@@ -596,7 +607,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 session.cancel_tasks()
                 await session.disconnect()
 
-    async def Transcribe(self, request: pb.TranscribeRequest, context: aio.ServicerContext):
+    async def Transcribe(self, request: pb.TranscribeRequest, context: aio.ServicerContext,
+                         ) -> AsyncIterator[pb.TranscribeEvent]:
         """An audio file's transcript, a ``TranscriptSegment`` per utterance as each is
         known, then ``TranscribeDone``: the HTTP door's transcription
         (``gateway.services.transcription.open_transcription``: the same checks, admission, lanes
@@ -640,7 +652,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 with anyio.CancelScope(shield=True):
                     await job.close()
 
-    async def Listen(self, request_iterator: AsyncIterator[pb.VoiceClientFrame], context: aio.ServicerContext):
+    async def Listen(self, request_iterator: AsyncIterator[pb.VoiceClientFrame], context: aio.ServicerContext,
+                     ) -> AsyncIterator[pb.VoiceEvent]:
         """The voice WebSocket over one call (docs/grpc.md, "Calls"): the same session
         (``gateway.services.voice.VoiceConnection``), admission, limits and frames, as messages."""
         session = _ListenSession(self.hub)
@@ -735,7 +748,8 @@ class GrpcDoor:
                         ("grpc.max_connection_age_grace_ms", int(s.grpc_max_connection_age_grace_s * 1000))]
         # every call holds an asyncio task: past this many, more are refused (RESOURCE_EXHAUSTED)
         self.server = aio.server(options=options, maximum_concurrent_rpcs=s.max_connections)
-        pb_grpc.add_InferenceServicer_to_server(InferenceService(hub), self.server)
+        # (grpcio-tools generates this function without annotations: streamfleet/v1/)
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(hub), self.server)  # type: ignore[no-untyped-call]
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
@@ -749,7 +763,7 @@ class GrpcDoor:
         if not self.port:
             raise GrpcListenError(f"cannot listen for gRPC on {self.address}; set SF_GRPC_PORT to a free port, "
                                   f"or 0 for no gRPC")
-        self._health_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start()

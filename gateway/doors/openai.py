@@ -48,7 +48,7 @@ from streamfleet.gateway.protocols.openai_mapping import (
     usage_of,
 )
 from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, SSE_HEADERS, event_id, parse_last_event_id, sse_frame
-from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.lifecycle import ClientRequest, Events
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests.request_stream import TICK, Tick
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, ValidationError
@@ -64,8 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["router"]
 
 T = TypeVar("T")
-#: a request's events (``ClientRequest.events``)
-Events = AsyncGenerator[Event | Tick, None]
 
 log = get_logger("gateway.openai")
 router = APIRouter()

@@ -21,7 +21,7 @@ whoever has its id): another tenant's ``GET``, ``DELETE`` or ``previous_response
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -43,7 +43,7 @@ from streamfleet.gateway.protocols.responses_mapping import (
     renamed,
 )
 from streamfleet.gateway.protocols.sse import KEEPALIVE, SSE_HEADERS, sse_frame
-from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.lifecycle import ClientRequest, Events
 from streamfleet.gateway.requests.observe import stop_events, trace_id_from
 from streamfleet.gateway.requests.request_stream import TICK
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError, ValidationError
@@ -170,14 +170,18 @@ async def create(request: Request) -> Response:
         await creq.close(reason="http_disconnect")
 
 
-def _saver(hub: Hub, req: ResponsesRequest, owner: str, conversation: list[dict[str, Any]]):
+#: stores a response once it is whole (``_saver``)
+Save = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def _saver(hub: Hub, req: ResponsesRequest, owner: str, conversation: list[dict[str, Any]]) -> Save:
     async def save(response: dict[str, Any]) -> None:
         if req.store:
             await _save(hub, StoredResponse(owner, response, conversation))
     return save
 
 
-async def _sse(hub: Hub, req: ClientRequest, events: AsyncGenerator, out: ResponseEvents, save) -> AsyncIterator[bytes]:
+async def _sse(hub: Hub, req: ClientRequest, events: Events, out: ResponseEvents, save: Save) -> AsyncIterator[bytes]:
     """The event stream of one response; keepalives from the stream itself
     (``RequestStream.tick_s``). The response is stored before its last event goes out."""
     assert req.stream is not None  # (submitted)
@@ -209,7 +213,7 @@ async def _sse(hub: Hub, req: ClientRequest, events: AsyncGenerator, out: Respon
         await req.close(hub.settings.sse_resume_grace_s, "http_disconnect")
 
 
-async def _collect(request: Request, events: AsyncGenerator, out: ResponseEvents, save) -> Response:
+async def _collect(request: Request, events: Events, out: ResponseEvents, save: Save) -> Response:
     """Not streamed: the whole response, cancelled if the client leaves."""
     def token(ev: TokenEvent | PromptEvent) -> None:
         assert isinstance(ev, TokenEvent)  # a Responses request asks for no prompt log probabilities

@@ -155,7 +155,7 @@ async def _sse(hub: Hub, job: Transcription) -> AsyncIterator[bytes]:
     without an event."""
     segments = job.segments()
     got: list[Segment] = []
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[Segment] | None = None
     try:
         while True:
             if pending is None:

@@ -20,14 +20,16 @@ The gRPC port has no hook per connection in grpcio: it is bounded by its own opt
 from __future__ import annotations
 
 import time
-from asyncio import TimerHandle, Transport
+from asyncio import AbstractEventLoop, TimerHandle, Transport
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
 import orjson
+from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.logging import get_logger
@@ -213,7 +215,8 @@ class EdgeHttpToolsProtocol(HttpToolsProtocol):
     limits: ClassVar[EdgeLimits] = EdgeLimits()
     guard: ClassVar[EdgeGuard] = EdgeGuard()
 
-    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.ticket: Ticket | None = None
         self._in_head = True  # the bytes arriving now belong to a request head

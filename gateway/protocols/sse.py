@@ -9,6 +9,8 @@ Framing only: what goes in each event is ``gateway/protocols/openai_mapping.py``
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from streamfleet.shared.errors import ErrorCode, ValidationError
@@ -23,7 +25,7 @@ KEEPALIVE = b": keepalive\n\n"
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_frame(data: dict | str, event_id: str | None = None) -> bytes:
+def sse_frame(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
     """One event: ``data`` (a dict as compact JSON, a string as it is), with an ``id:``
     line when ``event_id`` is given."""
     head = f"id: {event_id}\n".encode() if event_id is not None else b""

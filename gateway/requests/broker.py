@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
@@ -18,7 +18,7 @@ from streamfleet.shared.keys import GROUP, affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
-from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, FleetCluster, RawBatch, connect
+from streamfleet.shared.redis import BROKER_ERRORS, Coalescer, FleetCluster, RawBatch, connect, read_streams
 from streamfleet.shared.schema import (
     AnyTask,
     Attach,
@@ -458,11 +458,11 @@ class Broker:
             # rides out or reports; it must never end the connection
             log.warning("log read failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc
-        # [[key, [(entry id, fields), ...]]]: RESP2, which the fleet's clients speak (shared.redis.connect)
-        reply = cast("list[list[Any]] | None", res)
         out: list[tuple[bytes, Event]] = []
-        for _key, entries in reply or []:
+        for _key, entries in read_streams(res):
             for entry_id, fields in entries:
+                if fields is None:  # (an entry deleted since: a log's entries are not)
+                    continue
                 try:
                     out.append((entry_id, LogEntry.decode(fields).event))
                 except ValueError:

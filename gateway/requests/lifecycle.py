@@ -38,6 +38,7 @@ from streamfleet.gateway.requests.observe import observed
 from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.gateway.requests.request_stream import RequestStream, Tick
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
+from streamfleet.shared.schema import Event
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
@@ -45,9 +46,12 @@ if TYPE_CHECKING:
     from streamfleet.gateway.admission.kinds import AnyRequest
     from streamfleet.gateway.admission.validation import Validator
     from streamfleet.gateway.requests.broker import Broker
-    from streamfleet.shared.schema import Event, RequestRecord
+    from streamfleet.shared.schema import RequestRecord
 
-__all__ = ["ClientRequest"]
+__all__ = ["ClientRequest", "Events"]
+
+#: a request's events as the doors read them (``ClientRequest.events``)
+Events = AsyncGenerator[Event | Tick, None]
 
 
 class ClientRequest:
@@ -232,7 +236,7 @@ class ClientRequest:
                                   f"send the request again", code=ErrorCode.invalid_request, param="request_id")
 
     # -- while it runs ------------------------------------------------------------------
-    def events(self, transport: str) -> AsyncGenerator[Event | Tick, None]:
+    def events(self, transport: str) -> Events:
         """The stream's events, with its metrics and its "request ended" log line
         (``gateway.requests.observe.observed``); ``aclose`` it when stopping early."""
         assert self.stream is not None, "submit or resume first"

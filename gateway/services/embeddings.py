@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 #: how an embeddings request's events end (None: they stopped without an end)
 End = DoneEvent | ErrorEvent | None
+#: an embeddings request's inputs: texts, and token ids (``EmbeddingsRequest.inputs``)
+Inputs = tuple[str | tuple[int, ...], ...]
 
 __all__ = ["check_body", "submit", "EmbedCall", "MAX_INPUTS", "ENCODINGS", "EmbeddingsBody"]
 
@@ -58,7 +60,7 @@ class EmbeddingsBody:
 
     __slots__ = ("spec", "inputs", "encoding", "lane", "timeout_s")
 
-    def __init__(self, spec: ModelSpec, inputs: tuple, encoding: str, lane: str, timeout_s: float) -> None:
+    def __init__(self, spec: ModelSpec, inputs: Inputs, encoding: str, lane: str, timeout_s: float) -> None:
         self.spec, self.inputs, self.encoding, self.lane, self.timeout_s = spec, inputs, encoding, lane, timeout_s
 
 
@@ -70,7 +72,7 @@ def _is_int(v: object) -> bool:
     return type(v) is int
 
 
-def _inputs(value: Any, spec: ModelSpec, vocab: int, max_chars: int) -> tuple:
+def _inputs(value: object, spec: ModelSpec, vocab: int, max_chars: int) -> Inputs:
     """``input`` as a tuple of texts and token-id tuples, each checked as far as it can be
     without tokenizing.
 
@@ -80,7 +82,7 @@ def _inputs(value: Any, spec: ModelSpec, vocab: int, max_chars: int) -> tuple:
     if value is None:
         raise _bad("'input' is required", "input", ErrorCode.missing_field)
     if isinstance(value, str):
-        items: list = [value]
+        items: list[Any] = [value]
     elif isinstance(value, list):
         if not value:
             raise _bad("'input' is empty: send a string, a list of strings or a list of token-id lists", "input")
@@ -118,7 +120,7 @@ def _inputs(value: Any, spec: ModelSpec, vocab: int, max_chars: int) -> tuple:
     return tuple(out)
 
 
-def check_body(hub: Hub, body: dict, priority_header: str | None = None) -> EmbeddingsBody:
+def check_body(hub: Hub, body: dict[str, Any], priority_header: str | None = None) -> EmbeddingsBody:
     """The cheap checks of an embeddings body, before admission (nothing is tokenized).
 
     Raises:

@@ -131,7 +131,8 @@ class SileroModel:
         np.maximum(h_new, 0, out=h_new)
         logit = h_new @ self._out_w
         logit += self._out_b
-        return 1 / (1 + np.exp(-logit))
+        out: np.ndarray = 1 / (1 + np.exp(-logit))
+        return out
 
 
 def _read_ggml(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -263,7 +264,7 @@ class SileroBatch:
 
     def __init__(self, max_streams: int = 512) -> None:
         self.max_streams = max_streams
-        self._waiting: list[tuple[SileroDetector, list[bytes], asyncio.Future]] = []
+        self._waiting: list[tuple[SileroDetector, list[bytes], asyncio.Future[list[bool]]]] = []
         self._scheduled = False
         self.batches = 0  # calls so far, and the streams they decided (for tests and benchmarks)
         self.streams = 0
@@ -272,7 +273,7 @@ class SileroBatch:
         if not frames:
             return []
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[list[bool]] = loop.create_future()
         self._waiting.append((detector, frames, fut))
         if not self._scheduled:
             self._scheduled = True

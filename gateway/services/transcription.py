@@ -38,7 +38,7 @@ from streamfleet.gateway.services.voice import new_detector
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.modelrepo import kind_phrase
+from streamfleet.shared.modelrepo import ModelSpec, kind_phrase
 from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class Transcription:
         self.first_submitted: asyncio.Future[None] = loop.create_future()
         self._next = 0
         self._error: StreamfleetError | None = None  # the failure that ended the transcription
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if not self.spans:
@@ -270,7 +270,7 @@ def _decode(data: bytes, sample_rate: int, max_seconds: float) -> DecodedAudio:
                               code=ErrorCode.invalid_request, param="file") from exc
 
 
-def _check_model(hub: Hub, model: str | None, language: str | None):
+def _check_model(hub: Hub, model: str | None, language: str | None) -> ModelSpec:
     """The speech model named (default ``SF_DEFAULT_ASR_MODEL``), which must transcribe
     ``language`` when one is given.
 
@@ -291,7 +291,7 @@ def _check_model(hub: Hub, model: str | None, language: str | None):
 
 async def open_transcription(hub: Hub, identity: Identity | None, data: bytes, *, model: str | None,
                              language: str | None, lane: str, trace_id: str | None,
-                             log_fields: dict[str, Any] | None = None) -> tuple[Transcription, DecodedAudio, Any]:
+                             log_fields: dict[str, Any] | None = None) -> tuple[Transcription, DecodedAudio, ModelSpec]:
     """A file's transcription, started: the model checked, its live workers, one request of
     the key's rate limit, the file decoded and segmented (in a thread, behind the
     process's decode gate), its utterances submitted. Returns ``(job, audio, spec)``

@@ -26,22 +26,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamfleet.gateway.admission.kinds import SpeechRequest
-from streamfleet.gateway.protocols.audio_protocol import Audio, AudioConfig, AudioProtocol, Start, Stop
+from streamfleet.gateway.protocols.audio_protocol import (
+    Audio,
+    AudioConfig,
+    AudioProtocol,
+    Output as AudioOutput,
+    Start,
+    Stop,
+)
 from streamfleet.gateway.protocols.frames import Send
 from streamfleet.gateway.requests.observe import stop_events
+from streamfleet.gateway.requests.request_stream import Tick
 from streamfleet.gateway.services.silero import SileroDetector
-from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd
+from streamfleet.gateway.services.vad import (
+    Segmenter,
+    SpeechAudio,
+    SpeechStarted,
+    SpeechStopped,
+    UtteranceEnd,
+    VadEvent,
+)
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech, Detector, make_detector
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
-from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, TranscriptEvent
+from streamfleet.shared.schema import AudioChunk, AudioInput, DoneEvent, ErrorEvent, Event, TranscriptEvent
 
 if TYPE_CHECKING:
+    from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
+    from streamfleet.gateway.requests.reply_channel import ReplyChannel
     from streamfleet.gateway.services.session import Session
 
 __all__ = ["VoiceConnection", "new_detector"]
@@ -83,10 +100,10 @@ class Utterance:
         self.end_ms = end_ms
         self.audio.put_nowait(None)
 
-    def frame(self, kind: str, **fields) -> dict:
+    def frame(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "id": self.config.client_id, "utterance": self.index, **fields}
 
-    def error_frame(self, error: StreamfleetError) -> dict:
+    def error_frame(self, error: StreamfleetError) -> dict[str, Any]:
         """The text protocol's ``error`` frame, naming this utterance."""
         return error.to_frame(self.config.client_id) | {"utterance": self.index}
 
@@ -177,7 +194,7 @@ class Utterance:
         stream = self.req.stream
         assert stream is not None  # (submitted)
         events = self.req.events("voice")
-        pending: asyncio.Future | None = None
+        pending: asyncio.Future[Event | Tick] | None = None
         transcript = ""  # the final one; none when the gateway ended the utterance itself
         try:
             while True:
@@ -241,24 +258,24 @@ class VoiceConnection:
         return self.session.hub
 
     @property
-    def identity(self):
+    def identity(self) -> Identity | None:
         return self.session.identity
 
     @property
-    def channel(self):
+    def channel(self) -> ReplyChannel:
         return self.session.channel
 
     @property
     def trace_id(self) -> str | None:
         return self.session.trace_id
 
-    def send(self, frame: dict) -> None:
+    def send(self, frame: dict[str, Any]) -> None:
         self.session.send(frame)
 
-    async def emit(self, frame: dict) -> None:
+    async def emit(self, frame: dict[str, Any]) -> None:
         await self.session.emit(frame)
 
-    def track(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task[None]) -> None:
         self.session.track(task)
 
     # the door's read loop hands every frame here and reads the next one only once this
@@ -296,7 +313,7 @@ class VoiceConnection:
             return f"key:{self.identity.key_id}"
         return f"conn:{self.channel.connection_id}"
 
-    async def _handle(self, outputs: list) -> None:
+    async def _handle(self, outputs: list[AudioOutput]) -> None:
         for out in outputs:
             if isinstance(out, Send):
                 self.send(out.frame)
@@ -332,7 +349,7 @@ class VoiceConnection:
         else:
             self._segment(seg.feed(pcm))
 
-    def _segment(self, events: list) -> None:
+    def _segment(self, events: list[VadEvent]) -> None:
         config = self.config
         assert config is not None  # (started)
         cid = config.client_id
