@@ -371,19 +371,23 @@ def _field_map(fields: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
 def stream_entries(reply: Iterable[tuple[bytes | str | None, Mapping[bytes | str, bytes | str] | None]] | None,
                    ) -> list[StreamEntry]:
     """The entries of an ``XRANGE``/``XREVRANGE`` reply (or one stream's of ``XREAD``);
-    none for a missing reply."""
-    return [(as_bytes(mid), _field_map(fields) if fields is not None else {}) for mid, fields in reply or ()]
+    none for a missing reply. (A nil entry, which redis-py reads as ``(None, None)``,
+    names nothing and is left out.)"""
+    return [(as_bytes(mid), _field_map(fields) if fields is not None else {}) for mid, fields in reply or ()
+            if mid is not None]
 
 
 def claimed_entries(reply: Iterable[object] | None) -> list[ClaimedEntry]:
     """The entries of an ``XCLAIM`` reply (not ``JUSTID``), or the entry list (the second
-    item) of an ``XAUTOCLAIM`` reply; an entry deleted while pending has no fields."""
+    item) of an ``XAUTOCLAIM`` reply; an entry deleted while pending has no fields. (A
+    nil entry, which redis-py reads as ``(None, None)``, names nothing and is left out.)"""
     out: list[ClaimedEntry] = []
     for entry in reply or ():
         if not isinstance(entry, (tuple, list)) or len(entry) != 2:
             raise TypeError(f"expected a stream entry, not {entry!r}")
         mid, fields = entry
-        out.append((as_bytes(mid), _field_map(fields) if fields is not None else None))
+        if mid is not None:
+            out.append((as_bytes(mid), _field_map(fields) if fields is not None else None))
     return out
 
 
