@@ -81,8 +81,8 @@ import redis
 import websockets
 
 from scripts.bench_fleet import table
-from scripts.flite import SENTENCES, flite_missing, silence, speech
 from scripts.procstats import cpu_s, family, rss_mib, stop
+from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech
 from streamfleet.launcher import EmbeddedRedis, free_port, spawn, stop_processes, wait_ready
 from streamfleet.shared.aio import raise_open_files_limit
 from streamfleet.shared.keys import Keys

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
-from scripts.flite import SENTENCES, flite_missing, silence, speech
 from scripts.procstats import cpu_s, family
+from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.workers.engines.speech_loader import load_speech_engine
 

@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+from streamfleet.devkit.structured import SCHEMA
 from streamfleet.shared.grammar import grammar_of
 from streamfleet.shared.modelrepo import ModelSpec, ensure_artifacts, load_tokenizer
 from streamfleet.shared.schema import SamplingParams, Task
@@ -35,18 +36,6 @@ from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "member": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "member"],
-    "additionalProperties": False,
-}
 
 
 def run(spec: ModelSpec, tokenizer, concurrency: int, share: float, steps: int, warmup: int,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The voice activity detectors side by side (gateway/services/vad_detectors.py, gateway/services/silero.py, docs/voice.md).
 
-Test speech is every sentence of ``scripts.flite.SENTENCES`` with a second of silence
+Test speech is every sentence of ``streamfleet.devkit.speech.SENTENCES`` with a second of silence
 between them, at several noise levels (white noise from ``noise(ms, amplitude=...)``
 mixed under the whole clip, speech included). For each detector:
 
@@ -43,7 +43,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from scripts.flite import SENTENCES, flite_missing, noise, silence, speech  # noqa: E402
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech  # noqa: E402
 from streamfleet.gateway.services.silero import SileroDetector  # noqa: E402
 from streamfleet.gateway.services.vad import Segmenter, SpeechStarted, UtteranceEnd  # noqa: E402
 from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector, EnergyDetector, WebRtcDetector  # noqa: E402

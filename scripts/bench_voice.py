@@ -41,8 +41,8 @@ import psutil
 import redis
 import websockets
 
-from scripts.flite import SENTENCES, flite_missing, noise, speech
 from scripts.procstats import cpu_s, family
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, speech
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.schema import Heartbeat

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from streamfleet.devkit.structured import SCHEMA
 from streamfleet.shared.modelrepo import ModelSpec, ensure_artifacts, load_tokenizer
 from streamfleet.workers.logits import TokenTable
-from scripts.bench_structured import SCHEMA
 
 REPO = Path(__file__).resolve().parent.parent
 

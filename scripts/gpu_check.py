@@ -11,7 +11,7 @@
    memory-bandwidth bound (formula printed; H200 HBM ~4.8 TB/s, ``--bandwidth-tbs``).
 
 ``--dry-run`` needs no GPU: the TensorRT engine's data path runs emulated (device
-memory in host memory, ONNX Runtime in place of the plan; scripts/trt_emulation.py) and
+memory in host memory, ONNX Runtime in place of the plan; streamfleet/devkit/trt_emulation.py) and
 the throughput table is ONNX Runtime's on this CPU. Exit status: 0 all equal, 1 a
 mismatch, 2 the environment lacks something (message says what).
 
@@ -37,10 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
+from streamfleet.devkit.greedy import Outcome, compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts  # noqa: E402
 from streamfleet.shared.errors import FatalError  # noqa: E402
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts  # noqa: E402
-from scripts.greedy import (Outcome, compare, greedy_alone, greedy_batched, greedy_staggered,  # noqa: E402
-                              random_prompts)
 from streamfleet.workers.engines import trt_build, trt_plan  # noqa: E402
 
 T0 = time.perf_counter()
@@ -114,7 +113,7 @@ def build_plans(specs: list[ModelSpec]) -> None:
 
 def make_engine(spec: ModelSpec, dry: bool, cuda: str) -> Any:
     if dry:
-        from scripts.trt_emulation import emulated_engine
+        from streamfleet.devkit.trt_emulation import emulated_engine
 
         return emulated_engine(spec)
     from streamfleet.workers.engines.tensorrt import TensorRTEngine

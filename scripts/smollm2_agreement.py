@@ -9,7 +9,7 @@ this imports the same file into a scratch folder and, on the ONNX Runtime engine
 ``--threads`` threads:
 
 * greedy tokens of every prompt alone, then all prompts batched with staggered joins
-  and leaves (``scripts.greedy.greedy_staggered``), against the reference: prompts equal
+  and leaves (``streamfleet.devkit.greedy.greedy_staggered``), against the reference: prompts equal
   over all 64 tokens, tokens equal up to the first divergence, and where a prompt
   diverges, the index and the reference's top-1/top-2 margin there;
 * the time of one decode step at batch 1 and 16 (median of 20), and of the 158-token
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from scripts.greedy import greedy_alone, greedy_staggered
+from streamfleet.devkit.greedy import greedy_alone, greedy_staggered
 from streamfleet.shared.ggufimport import WEIGHT_MODES, import_gguf
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.packagefetch import PackageFile, cached_path

@@ -16,7 +16,7 @@ import pytest
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
-from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
 
 def _why_skip() -> str | None:

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, write_wav
+from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech, wer, write_wav
 
 try:
     from playwright.sync_api import expect

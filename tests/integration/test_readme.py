@@ -379,7 +379,7 @@ def served(tiny_spec, tmp_path_factory):
 def _given(name: str, home: Path) -> None:
     """A file a block takes from the user."""
     if name == "speech.wav":
-        from scripts.flite import SENTENCES, flite_missing, silence, speech, write_wav
+        from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech, write_wav
 
         if flite_missing():
             pytest.skip(f"the docs' speech.wav is a recording of the user's own; to make one here: {flite_missing()}")

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from scripts.bench_structured import SCHEMA
+from streamfleet.devkit.structured import SCHEMA
 from tests.support.keys import add_key
 
 TIERS = '{"big": {"requests_per_minute": 6000, "burst": 500, "max_streams": null}}'

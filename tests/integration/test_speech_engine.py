@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scripts.flite import SENTENCES, flite_missing, silence, speech, wer, words
+from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech, wer, words
 from streamfleet.shared.errors import ErrorCode, FatalError
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts, load_tokenizer
 from streamfleet.workers.engines.speech import NoFreeDecoder, SpeechDecoder, SpeechStateError

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from scripts.bench_structured import SCHEMA  # the benchmark's schema: what is measured is what is tested
+from streamfleet.devkit.structured import SCHEMA  # the benchmark's schema: what is measured is what is tested
 from tests.support.grpcclient import sync_channel
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from scripts.flite import SENTENCES, flite_missing, silence, speech, wer
+from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech, wer
 from streamfleet.gateway.services.audio_files import resample_pcm16
 from streamfleet.shared.keys import Keys
 from tests.support.audiofiles import flac_bytes, wav_bytes

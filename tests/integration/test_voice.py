@@ -12,7 +12,7 @@ import orjson
 import pytest
 import websockets
 
-from scripts.flite import SENTENCES, flite_missing, noise, silence, speech, wer
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech, wer
 from tests.support.ports import free_port
 from tests.support.keys import add_key
 from tests.support.metrics import value
@@ -468,7 +468,7 @@ def test_transcribe_command_prints_a_line_per_utterance(voice_fleet, tmp_path):
     import subprocess
     import sys
 
-    from scripts.flite import write_wav
+    from streamfleet.devkit.speech import write_wav
 
     wav = write_wav(tmp_path / "two.wav", silence(200) + speech(SENTENCES[1]) + silence(1200)
                     + speech(SENTENCES[4]) + silence(800))

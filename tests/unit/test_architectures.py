@@ -19,7 +19,7 @@ import pytest
 from streamfleet.gateway.admission.chat_template import encode_prompt
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.modelimport import import_export
-from scripts.greedy import greedy_alone, greedy_scenario
+from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "archs"

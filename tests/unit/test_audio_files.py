@@ -127,7 +127,7 @@ def test_segment_times_without_vad_are_fixed_spans():
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
 def test_segment_times_follow_the_speech(vad):
-    from scripts.flite import SENTENCES, flite_missing, silence, speech
+    from streamfleet.devkit.speech import SENTENCES, flite_missing, silence, speech
 
     if flite_missing():
         pytest.skip(flite_missing())

@@ -237,3 +237,57 @@ def test_the_door_check_sees_a_door_importing_a_door():
     assert _door_imports(graph) == [
         "door streamfleet.gateway.doors.grpc_server imports door streamfleet.gateway.doors.transcriptions",
         "streamfleet.gateway.services.session (not a door) imports door streamfleet.gateway.doors.embeddings"]
+
+
+#: tools for benchmarks, checks and tests, installed with the package (docs/architecture.md,
+#: "Layout"); no part of the product
+DEVKIT = "streamfleet.devkit"
+#: the product's code, which never imports the devkit
+PRODUCT = ("streamfleet.gateway", "streamfleet.shared", "streamfleet.workers")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _devkit_imports(graph: dict[str, set[str]], strings: dict[str, set[str]]) -> list[str]:
+    """Each product module that imports the devkit (``import``/``from``, or a module name
+    in a string: ``importlib.import_module``, ``python -m``)."""
+    bad = []
+    for name in graph.keys() | strings.keys():
+        if not _in(name, PRODUCT):
+            continue
+        bad += [f"{name} imports {m}" for m in graph.get(name, ()) if _in(m, (DEVKIT,))]
+        bad += [f"{name} names {s!r}" for s in strings.get(name, ()) if _in(s, (DEVKIT,))]
+    return sorted(set(bad))
+
+
+def _strings() -> dict[str, set[str]]:
+    """Each module's string constants that are one dotted name (no spaces: prose that
+    mentions a module is not an import)."""
+    return {name: {n.value for n in _nodes(path) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and " " not in n.value and "." in n.value}
+            for name, path in _modules().items()}
+
+
+def test_product_code_imports_no_devkit():
+    """Issue 51: the devkit (test speech, greedy drivers, the TensorRT emulation, the
+    benchmark's schema) is installed so that ``scripts/`` and ``tests/`` share it, but the
+    gateway, the workers and ``shared/`` never import it."""
+    bad = _devkit_imports(_graph()[1], _strings())
+    assert not bad, bad
+
+
+def test_the_devkit_check_sees_each_form():
+    graph = {"streamfleet.gateway.services.voice": {"streamfleet.devkit.speech", "streamfleet.devkit.speech.wer"},
+             "streamfleet.workers.core": {"streamfleet", "streamfleet.devkit"},
+             "streamfleet.shared.grammar": {"streamfleet.shared.schema"},
+             "streamfleet.cli": {"streamfleet.devkit.greedy"},
+             "streamfleet.devkit.trt_emulation": {"streamfleet.devkit.greedy"}}
+    strings = {"streamfleet.shared.tinymodel": {"streamfleet.devkit.structured", "streamfleet.devkitchen"},
+               "streamfleet.launcher": {"streamfleet.devkit.speech"}}
+    assert _devkit_imports(graph, strings) == [
+        "streamfleet.gateway.services.voice imports streamfleet.devkit.speech",
+        "streamfleet.gateway.services.voice imports streamfleet.devkit.speech.wer",
+        "streamfleet.shared.tinymodel names 'streamfleet.devkit.structured'",
+        "streamfleet.workers.core imports streamfleet.devkit"]

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from scripts.greedy import greedy_alone, greedy_scenario, greedy_staggered, random_prompts
+from streamfleet.devkit.greedy import greedy_alone, greedy_scenario, greedy_staggered, random_prompts
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.gguf_gqa import GQA_GRAPH_FILE, build_gqa_graph, write_gqa_graph
 from streamfleet.shared.ggufimport import import_gguf, read_gguf

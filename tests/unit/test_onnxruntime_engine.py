@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from scripts.greedy import greedy_alone, greedy_scenario
+from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
 
 from streamfleet.workers.engines import Engine, SequenceError, load_engine
 from streamfleet.workers.engines.echo import EchoEngine

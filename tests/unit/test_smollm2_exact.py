@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.greedy import greedy_alone, greedy_staggered
+from streamfleet.devkit.greedy import greedy_alone, greedy_staggered
 from streamfleet.shared.ggufimport import import_gguf
 from streamfleet.shared.modelrepo import REPO_ROOT, ModelRepository, load_tokenizer
 from streamfleet.shared.packagefetch import PackageFile, cached_path

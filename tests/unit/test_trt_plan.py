@@ -2,7 +2,7 @@
 cache invalidation, options, backend and CUDA-library selection, lazy imports; and the
 engine's device data path (slab, joins, leaves, compaction, logits copies) with device
 memory emulated in host memory and the plan replaced by ONNX Runtime
-(scripts/trt_emulation.py), checked against the ONNX Runtime engine."""
+(streamfleet/devkit/trt_emulation.py), checked against the ONNX Runtime engine."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from onnx import TensorProto, helper
 
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
-from scripts.trt_emulation import HostMem, OrtRunner, emulated_engine
-from scripts.greedy import greedy_alone, greedy_scenario
+from streamfleet.devkit.trt_emulation import HostMem, OrtRunner, emulated_engine
+from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
 from streamfleet.workers.engines import cuda_mem, load_engine, trt_build, trt_plan
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
 from streamfleet.workers.engines.tensorrt import TensorRTEngine, prefill_groups
@@ -551,8 +551,8 @@ def test_custom_runner_needs_its_memory(tiny_spec):
 
 
 def test_emulated_greedy_drivers_agree_with_onnxruntime(engine, ort_engine):
-    """The drivers the GPU check uses (scripts/greedy.py), run on the emulation."""
-    from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+    """The drivers the GPU check uses (streamfleet/devkit/greedy.py), run on the emulation."""
+    from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
     prompts = random_prompts(7, [1, 2, 5, 17, 40, 63, 100, 180], engine.vocab_size)
     ref = {k: greedy_alone(ort_engine, p, 12) for k, p in prompts.items()}
@@ -575,7 +575,7 @@ def test_emulated_greedy_drivers_agree_with_onnxruntime(engine, ort_engine):
 
 @pytest.fixture
 def fake_trt(monkeypatch):
-    from scripts.trt_emulation import fake_tensorrt
+    from streamfleet.devkit.trt_emulation import fake_tensorrt
 
     mem = HostMem()
     trt = fake_tensorrt(mem)
@@ -604,7 +604,7 @@ def test_build_plan_drives_the_builder(model_copy, fake_trt):
 def test_engine_over_the_real_runner(model_copy, fake_trt, ort_engine):
     """TensorRTEngine with its own TrtRunner (plan lookup, build, deserialize, contexts,
     shapes and addresses) on the stand-in module: same tokens as ONNX Runtime."""
-    from scripts.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
+    from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
     trt, mem = fake_trt
     with pytest.raises(FatalError, match="no TensorRT plan for tiny-gpt .*streamfleet engines build tiny-gpt"):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech
 from streamfleet.gateway.services.silero import SileroDetector, silero_model
 from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd, VadEvent
 from streamfleet.gateway.services.vad_detectors import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector,

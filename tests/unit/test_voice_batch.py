@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from scripts.flite import SENTENCES, flite_missing, noise, silence, speech
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech
 from streamfleet.gateway.services.silero import SileroDetector
 from streamfleet.gateway.services.vad import Segmenter
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech

@@ -33,7 +33,10 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32":
 
 
 class _Stream:
-    handle = 0
+    """``cuda_mem.Stream`` with nothing behind it: the host copies are synchronous."""
+
+    handle: int = 0
+    native: Any = None
 
     def synchronize(self) -> None:
         pass
@@ -197,7 +200,7 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
 
     import onnxruntime as ort
 
-    trt = types.ModuleType("tensorrt")
+    trt: Any = types.ModuleType("tensorrt")
     trt.__version__ = version
     trt.calls = Counter()
 
@@ -220,7 +223,9 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
 
     class Network:
         def __init__(self, flags: int) -> None:
-            self.flags, self.inputs, self.onnx = flags, [], None
+            self.flags = flags
+            self.inputs: list[str] = []
+            self.onnx: str | None = None
 
         @property
         def num_inputs(self) -> int:
@@ -231,7 +236,8 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
 
     class OnnxParser:
         def __init__(self, network: Network, logger: Logger) -> None:
-            self.network, self.errors = network, []
+            self.network = network
+            self.errors: list[str] = []
 
         def parse_from_file(self, path: str) -> bool:
             try:
@@ -252,7 +258,7 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
 
     class Profile:
         def __init__(self) -> None:
-            self.shapes = {}
+            self.shapes: dict[str, list[list[int]]] = {}
 
         def set_shape(self, name: str, lo: Any, opt: Any, hi: Any) -> None:
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), (name, lo, opt, hi)
@@ -267,7 +273,10 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
 
     class Config:
         def __init__(self) -> None:
-            self.profiles, self.cleared, self.cache, self.pools = [], [], None, {}
+            self.profiles: list[dict[str, list[list[int]]]] = []
+            self.cleared: list[Any] = []
+            self.cache: TimingCache | None = None
+            self.pools: dict[int, int] = {}
             self.builder_optimization_level = 3
 
         def set_memory_pool_limit(self, pool: int, size: int) -> None:
@@ -287,7 +296,7 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
             self.cache = cache
             return True
 
-        def get_timing_cache(self) -> TimingCache:
+        def get_timing_cache(self) -> TimingCache | None:
             return self.cache
 
     class Builder:
@@ -310,8 +319,10 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
             return b"FAKEPLAN" + json.dumps(plan).encode()
 
     class Context:
-        def __init__(self, engine: "Engine") -> None:
-            self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
+        def __init__(self, engine: Engine) -> None:
+            self.engine, self.profile = engine, 0
+            self.shapes: dict[str, tuple[int, ...]] = {}
+            self.addresses: dict[str, int] = {}
 
         def set_optimization_profile_async(self, index: int, stream: int) -> bool:
             if not 0 <= index < engine_profiles(self.engine):
@@ -343,7 +354,7 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
             trt.calls[f"execute-{self.profile}"] += 1
             return True
 
-    def engine_profiles(engine: "Engine") -> int:
+    def engine_profiles(engine: Engine) -> int:
         return len(engine.plan["profiles"])
 
     class Engine:
@@ -358,8 +369,13 @@ def fake_tensorrt(mem: HostMem, version: str = "10.8.0.43") -> Any:
             self._names = [*self.inputs, *self.outputs]
             self._shapes = {t.name: t.shape for t in [*self.session.get_inputs(), *self.session.get_outputs()]}
 
-        num_io_tensors = property(lambda self: len(self._names))
-        num_optimization_profiles = property(lambda self: engine_profiles(self))
+        @property
+        def num_io_tensors(self) -> int:
+            return len(self._names)
+
+        @property
+        def num_optimization_profiles(self) -> int:
+            return engine_profiles(self)
 
         def get_tensor_name(self, i: int) -> str:
             return self._names[i]
