@@ -30,9 +30,8 @@ import time
 
 import orjson
 
-
-from streamfleet.bench_config import BenchConfig  # noqa: E402
-from streamfleet.bench_stats import BenchResult, RequestRecord  # noqa: E402
+from streamfleet.bench_config import BenchConfig
+from streamfleet.bench_stats import BenchResult, RequestRecord
 
 __all__ = ["run_arq_bench", "worker_main", "QUEUE", "CHANNEL"]
 
@@ -139,7 +138,7 @@ async def run_arq_bench(redis_url: str, *, concurrency: int, requests: int, max_
         await pool.enqueue_job("generate", rid, prompt, max_tokens, _job_id=rid)
         try:
             await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rec.error = "timeout"
         live.pop(channel.encode(), None)
         await ps.unsubscribe(channel)

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-
-from streamfleet.shared import aio  # noqa: E402
-from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer  # noqa: E402
-from streamfleet.workers.engines.echo import EchoEngine  # noqa: E402
+from streamfleet.shared import aio
+from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
+from streamfleet.workers.engines.echo import EchoEngine
 
 __all__ = ["EchoBatcher", "Gen", "serve"]
 
@@ -83,7 +82,7 @@ class EchoBatcher:
         self._task: asyncio.Task | None = None
         self._text: dict[int, str] = {}
 
-    def start(self) -> "EchoBatcher":
+    def start(self) -> EchoBatcher:
         self._task = asyncio.create_task(self._loop())
         return self
 

@@ -70,9 +70,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import httpx
 import orjson
@@ -186,7 +186,7 @@ class AbuseFleet:
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
-    def view(self) -> "FleetView":
+    def view(self) -> FleetView:
         return FleetView(self.http, self.voice_url, self.port, self.grpc_port, self.victim_key, self.attacker_key,
                          self.bulk_key, {n: p.pid for n, p in self.procs.items()})
 
@@ -369,7 +369,7 @@ class VoiceSocket:
         self.reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def open(cls, fleet: AbuseFleet, key: str) -> "VoiceSocket":
+    async def open(cls, fleet: AbuseFleet, key: str) -> VoiceSocket:
         ws = await websockets.connect(f"{fleet.voice_url}?api_key={key}", max_size=None, open_timeout=20,
                                       ping_interval=None, compression=None)
         v = cls(ws)
@@ -405,7 +405,7 @@ class VoiceSocket:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def send_realtime(self, pcm: bytes, frame_ms: int = 20, until: Callable[[], bool] = lambda: False) -> None:
@@ -421,7 +421,7 @@ class VoiceSocket:
         self.reader.cancel()
         try:
             await asyncio.wait_for(self.ws.close(), 5)
-        except (asyncio.TimeoutError, websockets.WebSocketException, OSError):
+        except (TimeoutError, websockets.WebSocketException, OSError):
             pass
 
 
@@ -433,7 +433,7 @@ async def voice_victim(fleet: AbuseFleet, runs: int, window_s: float, over=None,
     out: list[Answer] = []
     try:
         v = await VoiceSocket.open(fleet, fleet.victim_key)
-    except (OSError, websockets.WebSocketException, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, websockets.WebSocketException) as exc:
         return [Answer(0, f"connect: {type(exc).__name__}", 0.0)]
     try:
         if await v.wait_for(lambda f: f.get("type") in ("started", "error"), 20) is None:
@@ -724,7 +724,7 @@ async def _hold_connections(ctx: AttackContext, port: int, count: int, opening: 
     async def open_one() -> None:
         try:
             r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             refused_at_connect[0] += 1
             return
         w.write(opening)
@@ -821,7 +821,7 @@ async def _voice_attack(ctx: AttackContext, sockets: int, frame_ms: int, frames_
     for _ in range(sockets):
         try:
             v = await VoiceSocket.open(fleet, fleet.attacker_key)
-        except (OSError, websockets.WebSocketException, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, websockets.WebSocketException) as exc:
             refusals.append((time.monotonic(), f"connect: {type(exc).__name__}"))
             continue
         if await v.wait_for(lambda f: f.get("type") in ("started", "error"), 20) is None:
@@ -1043,7 +1043,7 @@ def report(rows: list[Row], env: dict) -> str:
     out += table(headers, body)
     out.append("")
     for r in rows:
-        notes = [k for k in r.unmet]
+        notes = list(r.unmet)
         figures = {k: v for k, v in r.extra.items() if k != "checks" and v not in (None, {}, "")}
         line = f"  {r.attack}: " + ("; ".join(notes) if notes else "all goals met")
         if figures:

@@ -31,14 +31,13 @@ from pathlib import Path
 import httpx
 import orjson
 
+from scripts.bench_fleet import MODEL, write_model
+from scripts.fleetstack import wait_until
 from streamfleet.bench import run_bench
 from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis, Fleet, free_port
 from streamfleet.shared.redis import sync_client
-
-from scripts.bench_fleet import MODEL, write_model
-from scripts.fleetstack import wait_until
 
 
 def fleet_env(url: str, cluster: bool, engines: Path, delay_ms: float, **settings: object) -> dict[str, str]:
@@ -83,7 +82,7 @@ class Broker:
                 r.close()
         return out
 
-    def start(self, engines: Path, delay_ms: float) -> "Broker":
+    def start(self, engines: Path, delay_ms: float) -> Broker:
         self.server = (EmbeddedCluster(3, self.replicas) if self.cluster else EmbeddedRedis()).start()
         env = fleet_env(self.url, self.cluster, engines, delay_ms)
         self.fleet.start("worker", ["worker"], env)
@@ -106,7 +105,7 @@ class Broker:
 
 async def measure(b: Broker, args) -> dict:
     url = f"http://127.0.0.1:{b.port}"
-    base = dict(url=url, model=MODEL, max_tokens=args.tokens, prompt_tokens=8)
+    base = {"url": url, "model": MODEL, "max_tokens": args.tokens, "prompt_tokens": 8}
     c1 = await run_bench(BenchConfig(concurrency=1, requests=args.c1_requests, warmup=3, **base), warn=None)
     before = b.redis_cpu()
     load = await run_bench(BenchConfig(concurrency=args.concurrency, duration=args.seconds,

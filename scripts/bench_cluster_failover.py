@@ -62,13 +62,12 @@ import redis
 import websockets
 from redis.crc import key_slot
 
-from streamfleet.launcher import EmbeddedCluster, free_port, spawn, stop_processes
-from streamfleet.shared.keys import GROUP, TAG_LEN, Keys
-from streamfleet.shared.redis import sync_client
-
 from scripts.bench_cluster import fleet_env
 from scripts.bench_fleet import MODEL, write_model
 from scripts.fleetstack import wait_until
+from streamfleet.launcher import EmbeddedCluster, free_port, spawn, stop_processes
+from streamfleet.shared.keys import GROUP, TAG_LEN, Keys
+from streamfleet.shared.redis import sync_client
 
 SCENARIOS = ("shard-kill", "lanes-kill", "shard-kill-full-coverage", "worker-kills")
 PROMPT = "Once upon a time there was a fleet of workers"
@@ -116,7 +115,7 @@ class FailoverBench:
     def dead(self) -> list[str]:
         return [f"pid {p.pid}" for p in (self.worker, *self.gateways) if p is not None and p.poll() is not None]
 
-    def start(self) -> "FailoverBench":
+    def start(self) -> FailoverBench:
         self.cluster = EmbeddedCluster(3, 1, node_timeout_ms=self.plan.node_timeout_ms).start()
         engines = write_model(Path(tempfile.mkdtemp(prefix="sf-bench-failover-")))
         self.env = fleet_env(self.cluster.url, True, engines, self.plan.delay_ms, log_level="info",
@@ -247,7 +246,7 @@ class Stream:
 
     @property
     def lost(self) -> int:
-        return self.tokens - len(set(i for i in self.indices if 0 <= i < self.tokens))
+        return self.tokens - len({i for i in self.indices if 0 <= i < self.tokens})
 
     @property
     def in_order(self) -> bool:
@@ -302,7 +301,7 @@ async def open_streams(bench: FailoverBench, plan: Plan, tokens: int, name: str)
     conns: dict[int, list[Conn]] = {p: [] for p in primaries}
     streams: list[Stream] = []
     try:
-        for attempt in range(40 * plan.per_shard):
+        for _attempt in range(40 * plan.per_shard):
             if all(len(v) >= plan.per_shard for v in conns.values()):
                 break
             ws = await websockets.connect(url, max_size=None)

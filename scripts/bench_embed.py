@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -54,10 +55,9 @@ import time
 import httpx
 import orjson
 
-from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-
-from scripts.fleetstack import ModelStack, threads
 from scripts import benchtable
+from scripts.fleetstack import ModelStack, threads
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 EMBED_MODEL = "minilm-l6-v2"
 CHAT_MODEL = "smollm2-135m"
@@ -75,7 +75,7 @@ def pctl(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 # -- texts ----------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def batch_counters(stack: ModelStack, model: str) -> tuple[float, float]:
     """The worker's ``streamfleet_worker_batch_size`` histogram: (sum, count) of its steps."""
     [text] = stack.metrics(model)
     got = {m.group(1): float(m.group(2)) for m in
-           re.finditer(r'^streamfleet_worker_batch_size_(sum|count)\{[^}]*\} ([0-9.e+]+)$', text, re.M)}
+           re.finditer(r'^streamfleet_worker_batch_size_(sum|count)\{[^}]*\} ([0-9.e+]+)$', text, re.MULTILINE)}
     return got.get("sum", 0.0), got.get("count", 0.0)
 
 
@@ -221,7 +221,7 @@ async def one_process(engine, tokenizer, texts: list[str], c: int, window: Windo
                 wake.clear()
                 try:
                     await asyncio.wait_for(wake.wait(), 0.1)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             batch, rest, n, tokens = [], [], 0, 0
@@ -350,7 +350,7 @@ async def beside_chat(stack: ModelStack, texts: list[str], streams: int, max_tok
             while not window.over():
                 arrivals = await chat_stream(client, stack.url, PROMPTS[i % len(PROMPTS)], max_tokens)
                 inside = [t for t in arrivals if window.start <= t <= window.end]
-                gaps.extend(b - a for a, b in zip(inside, inside[1:]))
+                gaps.extend(b - a for a, b in itertools.pairwise(inside))
                 tokens += len(inside)
                 i += streams
 

@@ -44,18 +44,19 @@ from pathlib import Path
 
 import psutil
 import redis
+
 from scripts import benchtable
 
 SCRIPTS = Path(__file__).resolve().parent
 
-from streamfleet.shared import aio  # noqa: E402
-from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
+from scripts.fleetstack import StackLife, clean_env, wait_fleet, wait_until  # noqa: E402
+from scripts.procstats import cpu_s, stop  # noqa: E402
 from streamfleet.bench import run_bench  # noqa: E402
 from streamfleet.bench_config import BenchConfig  # noqa: E402
 from streamfleet.bench_stats import BenchResult, summarize  # noqa: E402
 from streamfleet.launcher import EmbeddedRedis, Fleet, find_redis_server, free_port, spawn  # noqa: E402
-from scripts.fleetstack import StackLife, clean_env, wait_fleet, wait_until  # noqa: E402
-from scripts.procstats import cpu_s, stop  # noqa: E402
+from streamfleet.shared import aio  # noqa: E402
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
 
 BENCHES = ("overhead", "throughput", "scaleout", "arq")
 MODEL = "echo-bench"
@@ -75,7 +76,7 @@ class Plan:
     arq_c1_requests: int = 16
 
     @classmethod
-    def quick(cls) -> "Plan":
+    def quick(cls) -> Plan:
         return cls(overhead_c1_requests=20, overhead_c64_requests=128, throughput_s=5.0, throughput_tokens=32,
                    scaleout_s=5.0, arq_c1_requests=6)
 
@@ -180,7 +181,7 @@ def bench(url: str, *, concurrency: int, max_tokens: int, requests: int | None =
     return aio.run(run_bench(cfg, preflight=preflight, on_start=on_start))
 
 
-def lat(result: BenchResult, meter: "CpuMeter | None" = None) -> dict:
+def lat(result: BenchResult, meter: CpuMeter | None = None) -> dict:
     d = result.to_dict()
     out = {"ttft_p50": d["ttft_ms"]["p50"], "ttft_p99": d["ttft_ms"]["p99"], "itl_p50": d["itl_ms"]["p50"],
            "itl_p99": d["itl_ms"]["p99"], "tokens_per_s": d["tokens_per_s"], "ok": d["requests"]["ok"],
@@ -221,7 +222,7 @@ class MachineMeter:
     """Cores busy on the whole machine during a section, and how many of them were not
     this benchmark (this process and its reaped children): other work skews the figures."""
 
-    def __enter__(self) -> "MachineMeter":
+    def __enter__(self) -> MachineMeter:
         self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
         return self
 
@@ -353,7 +354,8 @@ def verdict(ok: bool) -> str:
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
@@ -470,7 +472,8 @@ def main() -> int:
     env = {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
            "python": platform.python_version(), "quick": args.quick,
            "load": " ".join(f"{x:.2f}" for x in os.getloadavg())}
-    env["redis"] = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True).stdout.split()[2][2:]
+    version = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True).stdout
+    env["redis"] = version.split()[2][2:]
     results: dict = {}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sf-bench-") as tmp:

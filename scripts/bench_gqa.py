@@ -43,11 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from streamfleet.shared.ggufimport import import_gguf, read_gguf
+from scripts import benchtable
 from streamfleet.shared.gguf_gqa import GQA_GRAPH_FILE, write_gqa_graph
+from streamfleet.shared.ggufimport import import_gguf, read_gguf
 from streamfleet.shared.modelrepo import REPO_ROOT, ModelRepository
 from streamfleet.shared.packagefetch import PackageFile, cached_path
-from scripts import benchtable
 
 ENGINES = ("cur", "cur-slab", "gqa", "gqa-fast")
 
@@ -131,7 +131,7 @@ def bench_decode(engines: dict, prompt: list[int], batch: int, context: int, rep
 
 def bench_prefill(engines: dict, prompt: list[int], reps: int) -> dict:
     times: dict[str, list[float]] = {n: [] for n in engines}
-    for n, e in engines.items():  # warm-up
+    for e in engines.values():  # warm-up
         e.prefill([("w", prompt)])
         e.release("w")
     order = list(engines)

@@ -30,7 +30,6 @@ import time
 import psutil
 import websockets
 
-
 from streamfleet.bench import run_bench
 from streamfleet.bench_config import BenchConfig
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, wait_ready
@@ -76,7 +75,7 @@ async def idle_cost(http: str, pid: int, n: int, compression: str | None) -> tup
 async def main_async(args, urls: list[str], pids: list[int]) -> None:
     # the same load on every gateway first: the "alone" figures (on A), and each heap warmed
     # alike, so that the three memory figures compare
-    alone = [await active(url, args.active, args.requests) for url in urls][0]
+    alone = next(await active(url, args.active, args.requests) for url in urls)
     t0 = time.perf_counter()
     rows, idle = [], []
     for (name, comp), url, pid in zip((("no compression offered", None), ("deflate offered, declined (default)",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import statistics
@@ -37,14 +38,13 @@ import httpx
 import orjson
 import redis
 
-from streamfleet.shared.keys import Keys
-from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-from streamfleet.shared.schema import Heartbeat
-
+from scripts import benchtable
 from scripts.bench_prefix import WORDS, chat, log, pctl
 from scripts.fleetstack import ModelStack, threads
 from scripts.procstats import cpu_line
-from scripts import benchtable
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
+from streamfleet.shared.schema import Heartbeat
 
 MODEL = "smollm2-135m"
 
@@ -141,7 +141,8 @@ async def stream_arrivals(stack: ModelStack, tokenizer, args) -> dict:
             c = hb.step_costs
             print(f"  {t - t0:7.2f}s step_ms(max of 16) {hb.step_ms:7.1f} last chunk {int(c.get('chunk', 0)):4d}  "
                   f"base {c.get('base_ms', 0):.1f} seq {c.get('seq_ms', 0):.2f} chunk {c.get('chunk_ms', 0):.1f} "
-                  f"token {c.get('token_ms', 0):.3f} +{c.get('token_kpos_ms', 0):.3f}/kpos kpos {c.get('kpos_ms', 0):.2f}",
+                  f"token {c.get('token_ms', 0):.3f} +{c.get('token_kpos_ms', 0):.3f}/kpos "
+                  f"kpos {c.get('kpos_ms', 0):.2f}",
                   file=sys.stderr)
     return {"t0": t0, "steady_until": steady_until, "end": end, "longs": longs, "arrivals": arrivals,
             "heartbeat": beat}
@@ -150,7 +151,7 @@ async def stream_arrivals(stack: ModelStack, tokenizer, args) -> dict:
 def gaps(times: list[float], lo: float, hi: float) -> list[float]:
     """Gaps between consecutive arrivals that both fall in [lo, hi]."""
     inside = [t for t in times if lo <= t <= hi]
-    return [b - a for a, b in zip(inside, inside[1:])]
+    return [b - a for a, b in itertools.pairwise(inside)]
 
 
 def summarize(r: dict) -> dict:

@@ -22,8 +22,8 @@ from streamfleet.shared.schema import SamplingParams
 from streamfleet.workers.logits import Logprobs, Penalties, process
 from streamfleet.workers.sampling import Sampler
 
-PARAMS = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.05, min_tokens=1,
-              logit_bias=[[7, 2.0], [11, -5.0]], temperature=0.8, seed=1)
+PARAMS = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 1,
+              "logit_bias": [[7, 2.0], [11, -5.0]], "temperature": 0.8, "seed": 1}
 
 
 def timed(fn, repeat: int) -> float:
@@ -70,7 +70,7 @@ def main() -> None:
                         vocab) for _ in range(a.batch)]
         sample_ms = timed(lambda: [s.sample(base[i]) for i, s in enumerate(samplers)], a.repeat)
         for share in (0.0, 0.5, 1.0):
-            n = int(round(a.batch * share))
+            n = round(a.batch * share)
             states = []
             for i in range(a.batch):
                 if i < n:

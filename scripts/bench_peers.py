@@ -83,26 +83,25 @@ import sys
 import tempfile
 import textwrap
 import time
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 
+from scripts import benchtable
+from scripts.bench_fleet import MODEL, write_model
+from scripts.fleetstack import wait_until
+from scripts.procstats import cpu_s, rss_mib, stop, tree
 from streamfleet.bench import _prepare, _Run, run_bench
 from streamfleet.bench_clients import _SseClient
 from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import summarize
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port, spawn
 
-from scripts.bench_fleet import MODEL, write_model
-from scripts.fleetstack import wait_until
-from scripts import benchtable
-
 REPO = Path(__file__).resolve().parent.parent
-from scripts.procstats import cpu_s, rss_mib, stop, tree
 
 SERVERS = ("one-process", "ray-serve", "streamfleet")
 #: engines that are real models imported from a GGUF file ([source] in engine.toml): the
@@ -187,7 +186,8 @@ def workload(engine: str, delay_ms: float) -> Workload:
     folder = REPO / "engines" / engine
     if not (folder / "engine.toml").exists():
         print(f"generating {engine} in {folder} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(folder), "--preset", "bench"],
+        subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(folder),
+                        "--preset", "bench"],
                        check=True)
     return Workload(folder.parent, model=engine, backend="onnxruntime")
 

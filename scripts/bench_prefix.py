@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -44,10 +45,9 @@ import time
 
 import httpx
 
-from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
-
-from scripts.fleetstack import ModelStack, threads
 from scripts import benchtable
+from scripts.fleetstack import ModelStack, threads
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 MODEL = "smollm2-135m"
 RUNS = ("off", "on", "shared", "routing")
@@ -77,16 +77,16 @@ def pctl(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def counters(stack: ModelStack) -> dict[str, float]:
     """The workers' prompt-token and prefix-cache counters, summed."""
     total: dict[str, float] = {}
     pattern = re.compile(r'^(streamfleet_worker_(?:prompt_tokens_total|prefix_cache_lookups_total)'
-                         r'\{[^}]*(?:source|result)="(\w+)"[^}]*\}) ([0-9.e+]+)$', re.M)
-    taken = re.compile(r'^streamfleet_worker_affinity_taken_total\{[^}]*\} ([0-9.e+]+)$', re.M)
-    idle = re.compile(r'^streamfleet_worker_prefix_cache_reply_tokens_total\{[^}]*\} ([0-9.e+]+)$', re.M)
+                         r'\{[^}]*(?:source|result)="(\w+)"[^}]*\}) ([0-9.e+]+)$', re.MULTILINE)
+    taken = re.compile(r'^streamfleet_worker_affinity_taken_total\{[^}]*\} ([0-9.e+]+)$', re.MULTILINE)
+    idle = re.compile(r'^streamfleet_worker_prefix_cache_reply_tokens_total\{[^}]*\} ([0-9.e+]+)$', re.MULTILINE)
     for text in stack.metrics():
         for m in pattern.finditer(text):
             key = m.group(2)
@@ -191,7 +191,7 @@ async def long_prompt(stack: ModelStack, tokenizer, n_streams: int, long_tokens:
     gaps = []
     for _, _, arrivals in results:
         during = [t for t in arrivals if sent - 1.0 <= t <= first + 1.0]
-        gaps += [b - a for a, b in zip(during, during[1:])]
+        gaps += [b - a for a, b in itertools.pairwise(during)]
     return {"longest_gap_s": max(gaps) if gaps else float("nan"), "long_ttft_s": ttft,
             "prompt_tokens": len(tokenizer.encode(text))}
 
@@ -286,7 +286,7 @@ def main() -> int:
                 r = asyncio.run(long_prompt(stack, tokenizer, args.streams, args.long_tokens))
             results[name] = r
             rows.append((name, r))
-        (cn, c), (on_, o) = rows
+        (_cn, c), (_on, o) = rows
         lines.append(f"\n{args.streams} streams decoding while a {c['prompt_tokens']}-token prompt arrives")
         head = "run".ljust(40) + "streams' longest gap s".rjust(24) + "long prompt TTFT s".rjust(22)
         lines += [head, "-" * len(head)]

@@ -27,13 +27,13 @@ import time
 import uuid
 from pathlib import Path
 
+from scripts import benchtable
 from streamfleet.devkit.structured import SCHEMA
 from streamfleet.shared.grammar import grammar_of
 from streamfleet.shared.modelrepo import ModelSpec, ensure_artifacts, load_tokenizer
 from streamfleet.shared.schema import SamplingParams, Task
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
-from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The voice activity detectors side by side (gateway/services/vad_detectors.py, gateway/services/silero.py, docs/voice.md).
+"""The voice activity detectors side by side (gateway/services/vad_detectors.py,
+gateway/services/silero.py, docs/voice.md).
 
 Test speech is every sentence of ``streamfleet.devkit.speech.SENTENCES`` with a second of silence
 between them, at several noise levels (white noise from ``noise(ms, amplitude=...)``
@@ -34,19 +35,20 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # one BLAS thread, as in a gateway (docs/voice.md): batched Silero matmuls are large
 # enough for OpenBLAS to start threads, which costs far more than it saves here
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech  # noqa: E402
-from streamfleet.gateway.services.silero import SileroDetector  # noqa: E402
-from streamfleet.gateway.services.vad import Segmenter, SpeechStarted, UtteranceEnd  # noqa: E402
-from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector, EnergyDetector, WebRtcDetector  # noqa: E402
+from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech
+from streamfleet.gateway.services.silero import SileroDetector
+from streamfleet.gateway.services.vad import Segmenter, SpeechStarted, UtteranceEnd
+from streamfleet.gateway.services.vad_detectors import BYTES_PER_MS, Detector, EnergyDetector, WebRtcDetector
 
 #: noise amplitude (PCM16 units, uniform white noise) by name; flite speech is about
 #: -16 dBFS RMS, so the levels are roughly SNR 44, 30, 20 and 10 dB

@@ -138,7 +138,7 @@ async def run_conn(url: str, c: Conn, frame_ms: int, started: asyncio.Event, dra
         await ws.send('{"type":"stop"}')
         try:
             await asyncio.wait_for(rd, drain_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -192,7 +192,7 @@ async def sample_slots(rds: redis.Redis, keys: Keys, metrics_url: str, out: list
         out.append((sum(h.slots_used for h in hbs), sum(h.max_batch for h in hbs), waiting, needed))
         try:
             await asyncio.wait_for(done.wait(), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

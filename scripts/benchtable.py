@@ -178,8 +178,8 @@ def replace_section(text: str, key: str, section: str, heading: str) -> str:
     """``text`` with section ``key`` replaced by ``section`` (which carries its markers):
     in place when ``text`` has it, appended otherwise; a new file (empty ``text``) gets
     ``heading`` first. Other sections and the text around them are kept as they are."""
-    begin = re.compile(r"^<!-- benchtable: " + re.escape(key) + r"(?: [^\n]*)? -->$", re.M)
-    end = re.compile(r"^" + re.escape(end_marker(key)) + r"\n?", re.M)
+    begin = re.compile(r"^<!-- benchtable: " + re.escape(key) + r"(?: [^\n]*)? -->$", re.MULTILINE)
+    end = re.compile(r"^" + re.escape(end_marker(key)) + r"\n?", re.MULTILINE)
     m = begin.search(text)
     if m:
         e = end.search(text, m.end())

@@ -16,10 +16,9 @@ import argparse
 import json
 import sys
 
-
-from streamfleet.shared.errors import FatalError, NotFoundError  # noqa: E402
-from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts  # noqa: E402
-from streamfleet.workers.engines import trt_build, trt_plan  # noqa: E402
+from streamfleet.shared.errors import FatalError, NotFoundError
+from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts
+from streamfleet.workers.engines import trt_build, trt_plan
 
 
 def _options(pairs: list[str]) -> dict:

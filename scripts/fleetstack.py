@@ -13,8 +13,8 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import httpx
 import redis
@@ -25,7 +25,7 @@ __all__ = ["ModelStack", "StackLife", "clean_env", "threads", "wait_fleet", "wai
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str,
-               dead: Callable[[], list[str]] = lambda: []) -> None:
+               dead: Callable[[], list[str]] = list) -> None:
     """Poll ``check`` every 0.1 s until it is true (an exception counts as not yet).
 
     Raises:

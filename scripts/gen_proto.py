@@ -25,8 +25,9 @@ OUTPUTS = ("streamfleet/v1/inference_pb2.py", "streamfleet/v1/inference_pb2.pyi"
 
 def generate(out: Path) -> None:
     """Run protoc (grpc_tools) on PROTO, writing the modules under ``out``."""
-    from grpc_tools import protoc
     import importlib.resources
+
+    from grpc_tools import protoc
 
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     rc = protoc.main(["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}",
@@ -37,8 +38,9 @@ def generate(out: Path) -> None:
 
 def descriptor_set() -> bytes:
     """The .proto's FileDescriptorProto as protoc parses it (serialized)."""
-    from grpc_tools import protoc
     import importlib.resources
+
+    from grpc_tools import protoc
 
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,9 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts import benchtable
 from scripts.procstats import cpu_line
 from streamfleet.shared.quality import QUALITY_TEXT
-from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -134,7 +134,7 @@ def main() -> int:
         print(build(args.dir, args.source, args.jobs, args.avx2))
         return 0
     found = find()
-    print(found if found else "no llama-server found (python -m scripts.llama_server build)")
+    print(found or "no llama-server found (python -m scripts.llama_server build)")
     return 0 if found else 1
 
 

@@ -162,17 +162,17 @@ PROMPTS = [
 # seeds because with the same one they would be the very same network.
 # eos_list: generation_config.eos_token_id is a list [</s>, other] (else the int </s>).
 ARCHS: dict[str, dict] = {
-    "gpt2": dict(model_type="gpt2", seed=SEED + 8, add_bos=False, eos_list=False),
-    "llama": dict(model_type="llama", seed=SEED + 8, add_bos=True, eos_list=True),
-    "qwen2": dict(model_type="qwen2", seed=SEED + 7, add_bos=False, eos_list=True),
-    "mistral": dict(model_type="mistral", seed=SEED, add_bos=True, eos_list=True),
-    "phi3": dict(model_type="phi3", seed=SEED + 11, add_bos=False, eos_list=True),
-    "qwen3": dict(model_type="qwen3", seed=SEED + 5, add_bos=False, eos_list=True),
-    "gemma": dict(model_type="gemma", seed=SEED + 11, add_bos=True, eos_list=False),
-    "gemma3": dict(model_type="gemma3_text", seed=SEED, add_bos=True, eos_list=True),
+    "gpt2": {"model_type": "gpt2", "seed": SEED + 8, "add_bos": False, "eos_list": False},
+    "llama": {"model_type": "llama", "seed": SEED + 8, "add_bos": True, "eos_list": True},
+    "qwen2": {"model_type": "qwen2", "seed": SEED + 7, "add_bos": False, "eos_list": True},
+    "mistral": {"model_type": "mistral", "seed": SEED, "add_bos": True, "eos_list": True},
+    "phi3": {"model_type": "phi3", "seed": SEED + 11, "add_bos": False, "eos_list": True},
+    "qwen3": {"model_type": "qwen3", "seed": SEED + 5, "add_bos": False, "eos_list": True},
+    "gemma": {"model_type": "gemma", "seed": SEED + 11, "add_bos": True, "eos_list": False},
+    "gemma3": {"model_type": "gemma3_text", "seed": SEED, "add_bos": True, "eos_list": True},
     # the same weights as "gpt2" (same seed), exported in Optimum's legacy merged-decoder layout
-    "gpt2-merged": dict(model_type="gpt2", seed=SEED + 8, add_bos=False, eos_list=False, merged=True,
-                        same_as="gpt2"),
+    "gpt2-merged": {"model_type": "gpt2", "seed": SEED + 8, "add_bos": False, "eos_list": False, "merged": True,
+                        "same_as": "gpt2"},
 }
 
 
@@ -219,11 +219,11 @@ def build_tokenizer(add_bos: bool):
 def make_config(model_type: str, tok):
     import transformers as tf
 
-    ids = dict(
-        bos_token_id=tok.convert_tokens_to_ids("<s>"),
-        eos_token_id=tok.convert_tokens_to_ids("</s>"),
-        pad_token_id=tok.convert_tokens_to_ids("<pad>"),
-    )
+    ids = {
+        "bos_token_id": tok.convert_tokens_to_ids("<s>"),
+        "eos_token_id": tok.convert_tokens_to_ids("</s>"),
+        "pad_token_id": tok.convert_tokens_to_ids("<pad>"),
+    }
     vocab = len(tok)
     common = dict(
         vocab_size=vocab,
@@ -364,7 +364,7 @@ def _legacy_decoder_models_for_export(model, config):
     """
     from optimum.exporters.utils import DECODER_NAME, DECODER_WITH_PAST_NAME
 
-    kw = dict(task=config.task, int_dtype=config.int_dtype, float_dtype=config.float_dtype)
+    kw = {"task": config.task, "int_dtype": config.int_dtype, "float_dtype": config.float_dtype}
     no_past = config.__class__(model.config, use_past=config.use_past, use_past_in_inputs=False, **kw)
     with_past = config.__class__(model.config, use_past=True, use_past_in_inputs=True, **kw)
     return {DECODER_NAME: (model, no_past), DECODER_WITH_PAST_NAME: (model, with_past)}
@@ -420,14 +420,14 @@ def graph_info(onnx_path: Path) -> dict:
     ins = sess.get_inputs()
     pkv = [i for i in ins if i.name.startswith("past_key_values.")]
     kv_dtype = _ORT_NP[pkv[0].type] if pkv else None
-    return dict(
-        inputs=[i.name for i in ins],
-        outputs=[o.name for o in sess.get_outputs()],
-        has_position_ids=any(i.name == "position_ids" for i in ins),
-        has_use_cache_branch=any(i.name == "use_cache_branch" for i in ins),
-        kv_dtype=kv_dtype,
-        n_layer=len(pkv) // 2,
-    )
+    return {
+        "inputs": [i.name for i in ins],
+        "outputs": [o.name for o in sess.get_outputs()],
+        "has_position_ids": any(i.name == "position_ids" for i in ins),
+        "has_use_cache_branch": any(i.name == "use_cache_branch" for i in ins),
+        "kv_dtype": kv_dtype,
+        "n_layer": len(pkv) // 2,
+    }
 
 
 def ort_greedy(onnx_path: Path, prompt_ids: list[int], n: int, kv_heads: int, head_dim: int) -> list[int]:
@@ -546,15 +546,15 @@ def make_arch(arch: str, spec: dict, out_root: Path, cache: dict) -> dict:
         first = next((k for k, t in enumerate(g) if t in eos_set), None)
         expect = g if first is None else g[: first + 1]
         assert stop == expect, (arch, text, stop, expect)
-        cases.append(dict(
-            prompt_text=text,
-            prompt_ids=ids,
-            greedy_ids=g,
-            greedy_ids_min_new_tokens=masked,
-            stop_at_eos_ids=stop,
-            stopped_on_eos=None if first is None else g[first],
-            min_logit_margin=round(margin, 6),
-        ))
+        cases.append({
+            "prompt_text": text,
+            "prompt_ids": ids,
+            "greedy_ids": g,
+            "greedy_ids_min_new_tokens": masked,
+            "stop_at_eos_ids": stop,
+            "stopped_on_eos": None if first is None else g[first],
+            "min_logit_margin": round(margin, 6),
+        })
 
     dest = out_root / arch
     with tempfile.TemporaryDirectory(prefix=f"fix-{arch}-") as tmp:
@@ -587,36 +587,36 @@ def make_arch(arch: str, spec: dict, out_root: Path, cache: dict) -> dict:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert info["n_layer"] == cfg.num_hidden_layers
-    ref = dict(
-        arch=arch,
-        model_type=model_type,
-        export_file=onnx_src.name,
-        inputs=info["inputs"],
-        outputs=info["outputs"],
-        has_position_ids=info["has_position_ids"],
-        has_use_cache_branch=info["has_use_cache_branch"],
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        n_layer=cfg.num_hidden_layers,
-        vocab_size=cfg.vocab_size,
-        kv_dtype=info["kv_dtype"],
-        bos_token_id=bos,
-        add_bos=spec["add_bos"],
-        eos_token_ids=eos_set,
-        versions=versions(),
-        ort_verified=False,
-        cases=cases,
-    )
+    ref = {
+        "arch": arch,
+        "model_type": model_type,
+        "export_file": onnx_src.name,
+        "inputs": info["inputs"],
+        "outputs": info["outputs"],
+        "has_position_ids": info["has_position_ids"],
+        "has_use_cache_branch": info["has_use_cache_branch"],
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "n_layer": cfg.num_hidden_layers,
+        "vocab_size": cfg.vocab_size,
+        "kv_dtype": info["kv_dtype"],
+        "bos_token_id": bos,
+        "add_bos": spec["add_bos"],
+        "eos_token_ids": eos_set,
+        "versions": versions(),
+        "ort_verified": False,
+        "cases": cases,
+    }
     (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     ok, problems = ort_verify(dest)
     ref["ort_verified"] = ok
     (dest / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     size = sum(p.stat().st_size for p in dest.iterdir())
-    return dict(arch=arch, ok=ok, problems=problems, size=size, inputs=info["inputs"],
-                has_position_ids=info["has_position_ids"], kv_dtype=info["kv_dtype"],
-                eos=eos_set, min_margin=min(margins),
-                prompt_lens=[len(c["prompt_ids"]) for c in cases],
-                stopped=[c["stopped_on_eos"] for c in cases])
+    return {"arch": arch, "ok": ok, "problems": problems, "size": size, "inputs": info["inputs"],
+                "has_position_ids": info["has_position_ids"], "kv_dtype": info["kv_dtype"],
+                "eos": eos_set, "min_margin": min(margins),
+                "prompt_lens": [len(c["prompt_ids"]) for c in cases],
+                "stopped": [c["stopped_on_eos"] for c in cases]}
 
 
 def main(argv=None) -> int:

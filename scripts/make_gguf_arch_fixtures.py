@@ -104,9 +104,10 @@ def make_model(arch: str, folder: Path, vocab: int, seed: int):
     import torch
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    common = {"vocab_size": vocab, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                  "rms_norm_eps": 1e-6,
+                  "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"}
     if arch == "qwen2":
         config = tf.Qwen2Config(**common, rope_theta=100000.0, tie_word_embeddings=True)
         cls = tf.Qwen2ForCausalLM

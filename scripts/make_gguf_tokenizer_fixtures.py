@@ -14,8 +14,8 @@ small:
   merges, control tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and a
   user-defined ``<think>``), written once per pre-tokenizer name (``tokenizer.ggml.pre``);
 * ``spm.gguf`` (and ``spm-no-prefix.gguf``, the same without ``add_space_prefix``, and
-  ``spm-phi3.gguf``, the same in a phi3 file): a SentencePiece BPE (``tokenizer.ggml.model = llama``: scores, token types,
-  ``<0xNN>`` byte-fallback tokens, ``▁`` for spaces, a dummy prefix), trained the way
+  ``spm-phi3.gguf``, the same in a phi3 file): a SentencePiece BPE (``tokenizer.ggml.model =
+  llama``: scores, token types, ``<0xNN>`` byte-fallback tokens, ``▁`` for spaces, a dummy prefix), trained the way
   Llama's was (identity normalization, digits split, byte fallback, whitespace pieces).
 
 ``reference.json`` holds, per file (under ``tokenizers``), transformers' ids of every text (without and with the
@@ -75,14 +75,16 @@ def texts() -> list[str]:
         "<|im_start|>user\nhi<|im_end|>", "<think>reasoning</think> answer", "<|endoftext|><|endoftext|>",
         "hello<|im_end|>world", "ﬁ ligature and Å vs Å (composed / decomposed)", "e\u0301 combining accent",
         "zero\u200bwidth joiner\u200d", "\u00a0non-breaking\u00a0space", "\u3000ideographic space",
-        "mixed中文English混合123", "😀😀😀", "👨‍👩‍👧‍👦 family", "<0x41> literal byte token text", "▁ lower one eighth block",
+        "mixed中文English混合123", "😀😀😀", "👨‍👩‍👧‍👦 family", "<0x41> literal byte token text",
+        "▁ lower one eighth block",
         "    indented code\n        more indented\n", "x\n \n  \n   \ny", "end with newline\n", "   ", "\t\t\t",
         "ALL CAPS SENTENCE HERE", "snake_case_identifier camelCaseIdentifier kebab-case-id",
         "https://example.com/path?query=1&b=2#frag", "user@example.org", "$100.00 or €85,50", "50% off!!!",
         "...", "?!?!", "--flag=value -x", "((nested (parens)))", "[1, 2, 3]", "{\"key\": \"value\"}",
     ]
     rng = random.Random(50)
-    pieces = [w for ln in lines[:80] for w in ln.split()] + "中 文 字 😀 é ß ñ 12 345 6789 \t \n  ,.;: ' \" {}".split(" ")
+    pieces = [w for ln in lines[:80] for w in ln.split()] + ["中", "文", "字", "😀", "é", "ß", "ñ", "12", "345", "6789",
+                                                            "\t", "\n", "", ",.;:", "'", '"', "{}"]
     seps = [" ", "  ", "\n", "\t", "", "   ", " \n "]
     while len(out) < 320:
         n = rng.randint(1, 12)

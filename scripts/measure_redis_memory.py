@@ -28,12 +28,11 @@ import sys
 import time
 import uuid
 
+import orjson
+import redis
 
-import orjson  # noqa: E402
-import redis  # noqa: E402
-
-from streamfleet.shared.schema import DoneEvent, SamplingParams, Task, TokenEvent  # noqa: E402
-from streamfleet.launcher import EmbeddedRedis  # noqa: E402
+from streamfleet.launcher import EmbeddedRedis
+from streamfleet.shared.schema import DoneEvent, SamplingParams, Task, TokenEvent
 
 # common English sub-word pieces, ~4 characters a token as for real BPE vocabularies
 PIECES = [" the", " of", " and", " to", " in", " a", " is", " that", " for", " it", "ing", "ed",

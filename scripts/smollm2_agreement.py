@@ -34,12 +34,12 @@ from pathlib import Path
 
 import psutil
 
+from scripts import benchtable
 from streamfleet.devkit.greedy import greedy_alone, greedy_staggered
 from streamfleet.shared.ggufimport import WEIGHT_MODES, import_gguf
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.packagefetch import PackageFile, cached_path
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
-from scripts import benchtable
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "tests" / "fixtures" / "smollm2" / "reference.json"
@@ -111,7 +111,7 @@ def main() -> None:
             # staggered sequences leave early by design: pad to the reference's length with
             # their alone tokens only for counting is wrong; compare what each produced
             a = agreement(ref, alone)
-            b = agreement(ref, {k: v for k, v in staggered.items()})
+            b = agreement(ref, dict(staggered.items()))
             long_prompt = max(prompts.values(), key=len)
             t = time.perf_counter()
             engine.prefill([("pf", long_prompt)])
@@ -131,7 +131,8 @@ def main() -> None:
     print(f"\n{'weights':<11} {'alone: prompts / tokens':>24} {'staggered':>18} {'step b=1':>9} {'b=16':>8} "
           f"{'prefill 158':>12} {'on disk':>8} {'RSS':>7}")
     for weights, a, b, d1, d16, prefill, size, rss in rows:
-        print(f"{weights:<11} {f'{a[0]}/10 / {100 * a[1] / a[2]:.1f} %':>24} {f'{b[0]}/10 / {100 * b[1] / b[2]:.1f} %':>18} "
+        print(f"{weights:<11} {f'{a[0]}/10 / {100 * a[1] / a[2]:.1f} %':>24} "
+              f"{f'{b[0]}/10 / {100 * b[1] / b[2]:.1f} %':>18} "
               f"{d1:>7.1f}ms {d16:>6.1f}ms {prefill:>10.0f}ms {size:>6.0f}MB {rss:>5.0f}MB")
     print(f"\n{psutil.cpu_count()} cores, {args.threads} ONNX Runtime threads; reference: {REFERENCE.name} "
           f"({ref['versions']})")

@@ -51,13 +51,13 @@ import orjson
 import redis.asyncio as aioredis
 import websockets
 
+from scripts.bench_fleet import MODEL, write_model
+from scripts.bench_peers import Workload, streamfleet
+from scripts.procstats import rss_mib
 from streamfleet.bench import run_bench
 from streamfleet.bench_clients import _SseClient
 from streamfleet.bench_config import BenchConfig
 from streamfleet.bench_stats import RequestRecord, percentile
-from scripts.bench_fleet import MODEL, write_model
-from scripts.bench_peers import Workload, streamfleet
-from scripts.procstats import rss_mib
 
 SHORT, LONG = 16, 128
 #: the client mix: kind -> (share of arrivals, tokens asked for)
@@ -118,7 +118,7 @@ class WsConn:
         self.handlers: dict[str, asyncio.Queue] = {}
         self.reader: asyncio.Task | None = None
 
-    async def open(self) -> "WsConn":
+    async def open(self) -> WsConn:
         self.ws = await websockets.connect(self.url, max_size=2**22, compression=None, ping_interval=None)
         self.reader = asyncio.create_task(self._read())
         return self
