@@ -128,7 +128,7 @@ def compose_merge(base: dict, over: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def override_raw() -> dict:
-    return yaml.load(CLUSTER_OVERRIDE.read_text(), Loader=_ComposeLoader)  # noqa: S506 (a SafeLoader)
+    return yaml.load(CLUSTER_OVERRIDE.read_text(), Loader=_ComposeLoader)  # a SafeLoader
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def seed_hosts(url: str) -> list[tuple[str, int]]:
 
 
 def init_script_nodes(script: str) -> list[str]:
-    m = re.search(r'^\s*nodes="([^"]+)"', script, re.M)
+    m = re.search(r'^\s*nodes="([^"]+)"', script, re.MULTILINE)
     assert m, "the init script lists its nodes in nodes=\"...\""
     return m.group(1).split()
 
@@ -614,14 +614,14 @@ class LocalNodes:
         assert replies.count("0") == 2, replies  # the shard that owns the slot: its primary and replica
         for r in replies:
             # the others redirect to it by name
-            assert r == "0" or re.fullmatch(r"MOVED \d+ (\S+):\d+", r) and r.split()[2].rsplit(":", 1)[0] in wanted, r
+            assert r == "0" or (re.fullmatch(r"MOVED \d+ (\S+):\d+", r) and r.split()[2].rsplit(":", 1)[0] in wanted), r
 
 
 def run_init(script: str, nodes: LocalNodes, local: list[str], env: dict[str, str] | None = None):
     env = with_path(nodes.bindir, REDIS_CLUSTER_INIT_TIMEOUT_S="60", **(env or {}))
     if nodes.password:
         env["REDISCLI_AUTH"] = nodes.password
-    m = re.search(r'^(\s*nodes=")[^"]+(")', script, re.M)
+    m = re.search(r'^(\s*nodes=")[^"]+(")', script, re.MULTILINE)
     script = script[:m.start()] + m.group(1) + " ".join(local) + m.group(2) + script[m.end():]
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=90, env=env)
 
@@ -706,7 +706,7 @@ def test_k8s_cluster_forms_with_the_rendered_config(cluster, local_nodes):
         local_path[path] = str(etc / Path(path).name)
         # Redis changes into `dir` while it reads the file, before --dir applies: the
         # node's working directory (its own folder here) stands in for the volume
-        Path(local_path[path]).write_text(re.sub(r"^dir /data$", "dir .", text, flags=re.M))
+        Path(local_path[path]).write_text(re.sub(r"^dir /data$", "dir .", text, flags=re.MULTILINE))
 
     def localize(s: str) -> str:
         for path, here in local_path.items():

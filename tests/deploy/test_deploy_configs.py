@@ -171,7 +171,7 @@ def test_dockerfile_multi_stage(name):
     st = stages(instrs)
     assert len(st) >= 2, f"{name}: a builder stage and a runtime stage"
     froms = [s[0].args for s in st]
-    assert re.search(r"\bAS\s+builder$", froms[0], re.I), f"{name}: first stage is the builder: {froms[0]}"
+    assert re.search(r"\bAS\s+builder$", froms[0], re.IGNORECASE), f"{name}: first stage is the builder: {froms[0]}"
     final = st[-1]
     assert any(i.cmd == "COPY" and "--from=builder" in i.args and "/opt/venv" in i.args for i in final), \
         f"{name}: the runtime stage takes the virtualenv from the builder"
@@ -279,7 +279,8 @@ def test_dockerfile_build_context(name):
                 for p in py:
                     assert not dockerignore_excludes(patterns, str(p.relative_to(REPO))), p
     for out in (".venv", "tests/unit/test_core.py", "engines/tiny-gpt/model.onnx", "engines/tiny-gpt/tokenizer.json",
-                "engines/bench-gpt/engine.toml", ".git", "scripts/bench_fleet.py", "gateway/__pycache__/app.cpython-311.pyc", "docs/operations.md"):
+                "engines/bench-gpt/engine.toml", ".git", "scripts/bench_fleet.py",
+                "gateway/__pycache__/app.cpython-311.pyc", "docs/operations.md"):
         assert dockerignore_excludes(patterns, out), f".dockerignore lets {out} into the build context"
 
 
@@ -405,7 +406,7 @@ def test_compose_workers(compose):
         assert dev == [{"driver": "nvidia", "device_ids": [str(i)], "capabilities": ["gpu"]}], dev
         # the one GPU a container is given is device 0 inside it
         assert w["environment"]["CUDA_VISIBLE_DEVICES"] == "0"
-        assert "Dockerfile.gpu" == w["build"]["dockerfile"]
+        assert w["build"]["dockerfile"] == "Dockerfile.gpu"
     for name in ("worker-cpu", "worker-gpu0", "worker-gpu1"):
         env = services[name]["environment"]
         assert env["SF_METRICS_PORT"] == "9100" and env["SF_METRICS_HOST"] == "0.0.0.0"
@@ -447,14 +448,15 @@ def nginx_text() -> str:
 
 def test_nginx_streaming_directives():
     conf = nginx_text()
-    upstream = re.search(r"upstream\s+(\w+)\s*\{(.*?)\}", conf, re.S)
+    upstream = re.search(r"upstream\s+(\w+)\s*\{(.*?)\}", conf, re.DOTALL)
     assert upstream, "an upstream block"
     name, body = upstream.groups()
-    assert re.search(r"^\s*least_conn;", body, re.M)
-    assert re.search(r"^\s*server\s+gateway:8000\b[^;]*\bresolve\b", body, re.M), "re-resolves the compose service"
-    assert re.search(r"^\s*resolver\s+127\.0\.0\.11\b", conf, re.M), "Docker's embedded DNS"
-    assert re.search(r"^\s*zone\s+\w+\s+\d+[km];", body, re.M), "`resolve` needs a shared zone"
-    assert re.search(r"^\s*keepalive\s+\d+;", body, re.M)
+    assert re.search(r"^\s*least_conn;", body, re.MULTILINE)
+    assert re.search(r"^\s*server\s+gateway:8000\b[^;]*\bresolve\b", body, re.MULTILINE), \
+        "re-resolves the compose service"
+    assert re.search(r"^\s*resolver\s+127\.0\.0\.11\b", conf, re.MULTILINE), "Docker's embedded DNS"
+    assert re.search(r"^\s*zone\s+\w+\s+\d+[km];", body, re.MULTILINE), "`resolve` needs a shared zone"
+    assert re.search(r"^\s*keepalive\s+\d+;", body, re.MULTILINE)
     assert re.search(rf"proxy_pass\s+http://{name};", conf)
 
     for directive in ("proxy_http_version 1.1;", "proxy_buffering off;", "proxy_set_header Upgrade $http_upgrade;",
@@ -470,7 +472,7 @@ def test_nginx_streaming_directives():
     assert "non_idempotent" not in conf, "a POST that reached a gateway is never replayed on another"
     assert re.search(r"location\s+=\s+/nginx-health", conf), "a health endpoint for the container check"
     # the gateway's same-origin check compares Origin with Host: the port must reach it
-    assert re.search(r"^\s*proxy_set_header\s+Host\s+\$http_host;", conf, re.M)
+    assert re.search(r"^\s*proxy_set_header\s+Host\s+\$http_host;", conf, re.MULTILINE)
     assert "9100" not in conf, "the gateways' metrics port is not proxied"
 
 
@@ -491,19 +493,20 @@ def test_nginx_grpc_server():
     gRPC ports, with timeouts that never cut a long stream."""
     conf = nginx_text()
     servers = [body for _, body in nginx_blocks(conf, "server")]
-    grpc = [body for body in servers if re.search(rf"^\s*listen\s+{GRPC_PORT}\b", body, re.M)]
+    grpc = [body for body in servers if re.search(rf"^\s*listen\s+{GRPC_PORT}\b", body, re.MULTILINE)]
     assert len(grpc) == 1 and len(servers) == 2, "one server for HTTP, one for gRPC"
     [grpc] = grpc
-    assert re.search(r"^\s*http2\s+on;", grpc, re.M), "gRPC needs HTTP/2 (cleartext: `http2 on`)"
-    m = re.search(r"^\s*grpc_pass\s+grpc://(\w+);", grpc, re.M)
+    assert re.search(r"^\s*http2\s+on;", grpc, re.MULTILINE), "gRPC needs HTTP/2 (cleartext: `http2 on`)"
+    m = re.search(r"^\s*grpc_pass\s+grpc://(\w+);", grpc, re.MULTILINE)
     assert m, "grpc_pass grpc://<upstream>"
     upstream = dict(nginx_blocks(conf, "upstream"))[m.group(1)]
-    assert re.search(rf"^\s*server\s+gateway:{GRPC_PORT}\b[^;]*\bresolve\b", upstream, re.M), \
+    assert re.search(rf"^\s*server\s+gateway:{GRPC_PORT}\b[^;]*\bresolve\b", upstream, re.MULTILINE), \
         "the gateways' gRPC port, re-resolved as they scale"
-    assert re.search(r"^\s*zone\s+\w+\s+\d+[km];", upstream, re.M) and re.search(r"^\s*least_conn;", upstream, re.M)
+    assert re.search(r"^\s*zone\s+\w+\s+\d+[km];", upstream, re.MULTILINE)
+    assert re.search(r"^\s*least_conn;", upstream, re.MULTILINE)
     # a Stream call's client half may be silent as long as its requests run
     for directive in ("grpc_read_timeout", "grpc_send_timeout", "client_body_timeout"):
-        m = re.search(rf"^\s*{directive}\s+(\d+)s;", grpc, re.M)
+        m = re.search(rf"^\s*{directive}\s+(\d+)s;", grpc, re.MULTILINE)
         assert m and int(m.group(1)) >= 3600, directive
     assert "non_idempotent" not in grpc, "a call that reached a gateway is never replayed on another"
     [http] = [body for body in servers if body is not grpc]
@@ -529,11 +532,11 @@ def test_nginx_conf_syntax(tmp_path):
     if version < (1, 27, 3):
         # upstream `resolve` / `resolver` are open source since 1.27.3 (the image is 1.28);
         # check everything else with the nginx at hand
-        conf = re.sub(r"^[ \t]*resolver(_timeout)?[ \t][^;\n]*;.*$", "", conf, flags=re.M)
+        conf = re.sub(r"^[ \t]*resolver(_timeout)?[ \t][^;\n]*;.*$", "", conf, flags=re.MULTILINE)
         conf = re.sub(r"(server 127\.0\.0\.1:\d+)\s+resolve\b", r"\1", conf)
     if version < (1, 25, 1):
         # before `http2 on`, HTTP/2 was a parameter of `listen`
-        conf = re.sub(r"^[ \t]*http2 on;\n", "", conf, flags=re.M)
+        conf = re.sub(r"^[ \t]*http2 on;\n", "", conf, flags=re.MULTILINE)
         conf = conf.replace(f"listen {GRPC_PORT} ", f"listen {GRPC_PORT} http2 ")
     (tmp_path / "logs").mkdir()
     path = tmp_path / "nginx.conf"
@@ -670,7 +673,8 @@ def test_k8s_gateway(k8s_docs):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "grpc": GRPC_PORT, "metrics": 9100}, ports
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == env["SF_METRICS_PORT"] and annotations["prometheus.io/path"] == "/metrics"
+    assert annotations["prometheus.io/port"] == env["SF_METRICS_PORT"]
+    assert annotations["prometheus.io/path"] == "/metrics"
     svc = find(k8s_docs, "Service", "streamfleet-gateway")
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http", "grpc"]
     grpc = next(p for p in svc["spec"]["ports"] if p["targetPort"] == "grpc")
@@ -836,24 +840,24 @@ def test_nginx_access_log_never_holds_an_api_key():
     fmt = re.search(r"log_format\s+(\w+)\s+((?:'[^']*'\s*)+);", conf)
     assert fmt, "a log_format of its own"
     name, body = fmt.group(1), "".join(re.findall(r"'([^']*)'", fmt.group(2)))
-    assert re.search(rf"^\s*access_log\s+\S+\s+{name}\s*;", conf, re.M), "the access log uses it"
-    assert not re.findall(r"^\s*access_log\s+\S+\s+combined\s*;", conf, re.M)
+    assert re.search(rf"^\s*access_log\s+\S+\s+{name}\s*;", conf, re.MULTILINE), "the access log uses it"
+    assert not re.findall(r"^\s*access_log\s+\S+\s+combined\s*;", conf, re.MULTILINE)
     for raw in ("$request ", "$request_uri", "$args", "$query_string", "$arg_api_key", "$http_referer"):
         assert raw not in body, f"the log format logs {raw.strip()}"
     maps = {dst: src for src, dst in re.findall(r"map\s+\$(\w+)\s+\$(\w+)\s*\{", conf)}
     for var in re.findall(r"\$(sf_\w+)", body):
         source = maps.get(var)
         assert source in ("request_uri", "http_referer"), var
-        block = re.search(rf"map\s+\${source}\s+\${var}\s*\{{(.*?)\n\s*\}}", conf, re.S).group(1)
+        block = re.search(rf"map\s+\${source}\s+\${var}\s*\{{(.*?)\n\s*\}}", conf, re.DOTALL).group(1)
         (pattern, repl), = re.findall(r'"~\*(.*?)"\s+"(.*?)";', block)
         # nginx's PCRE and Python's re agree on this pattern: apply it as nginx would
-        rx = re.compile(pattern.replace("(?<", "(?P<"), re.I)
+        rx = re.compile(pattern.replace("(?<", "(?P<"), re.IGNORECASE)
         for uri, logged in (("/v1/stream?api_key=sk-live-123", "/v1/stream?REDACTED"),
                             ("/v1/stream?x=1&API_KEY=sk-live-123&y=2", "/v1/stream?REDACTED"),
                             ("/v1/stream?api_key=a&api_key=b", "/v1/stream?REDACTED"),
                             ("/v1/completions", None), ("/v1/stream?model=tiny-gpt", None)):
             m = rx.search(uri)
-            got = re.sub(r"\$\{(\w+)\}", lambda g: m.group(g.group(1)), repl) if m else None
+            got = re.sub(r"\$\{(\w+)\}", lambda g, m=m: m.group(g.group(1)), repl) if m else None
             assert got == logged, (var, uri, got)
             assert got is None or "sk-live" not in got
 

@@ -91,7 +91,8 @@ def test_apply_never_resets_autoscaled_replicas(overlays_root):
         assert not hpas & keda, "one autoscaler per Deployment"
         for d in docs:
             if d["kind"] == "Deployment" and d["metadata"]["name"] in hpas | keda:
-                assert "replicas" not in d["spec"], f"{comps}: {d['metadata']['name']} sets replicas under an autoscaler"
+                assert "replicas" not in d["spec"], \
+                    f"{comps}: {d['metadata']['name']} sets replicas under an autoscaler"
     gw = find(render(overlays_root), "HorizontalPodAutoscaler", "streamfleet-gateway")
     assert gw["spec"]["minReplicas"] >= 2
 
@@ -222,7 +223,7 @@ def test_plans_are_built_by_a_job_that_ends(base):
         c = container(cron)
         model = cron["metadata"]["labels"]["streamfleet.io/model"]
         assert c["args"] == ["engines", "build", model], "a local build that exits, not a queue worker"
-        assert [p.name for p in build_cmd.params][0] == "model", "`streamfleet engines build MODEL` exists"
+        assert build_cmd.params[0].name == "model", "`streamfleet engines build MODEL` exists"
         assert str(c["resources"]["limits"][GPU]) == "1"
         worker = next(w for w in worker_deployments(base) if env_value(container(w), "SF_MODEL") == model)
         # the same image (TensorRT version) and the same GPU model (architecture) as the workers
@@ -384,7 +385,7 @@ def _check_formula(spec: dict, names: set[str]) -> None:
     assert mod.get("metricType", "AverageValue") == "AverageValue"
 
     def value(**lens: int) -> float:
-        return eval(formula, {"__builtins__": {}}, {n: lens.get(n, 0) for n in names})  # noqa: S307
+        return eval(formula, {"__builtins__": {}}, {n: lens.get(n, 0) for n in names})
 
     def desired(**lens: int) -> int:
         v = value(**lens)
@@ -530,7 +531,8 @@ def test_ingress_nginx_component(overlays_root):
                     assert port["appProtocol"] == "kubernetes.io/h2c"
                 else:
                     assert port["name"] == "http"
-                    assert ann["nginx.ingress.kubernetes.io/proxy-buffering"] == "off", "SSE tokens would arrive in bursts"
+                    assert ann["nginx.ingress.kubernetes.io/proxy-buffering"] == "off", \
+                        "SSE tokens would arrive in bursts"
                     assert f"https://{rule['host']}" in origins, "browsers' https origin must be allowed"
     assert grpc_seen, "a gRPC Ingress"
 

@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import pytest
 
+from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
 
 def _why_skip() -> str | None:

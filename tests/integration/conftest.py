@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 
 from streamfleet.launcher import EmbeddedCluster, EmbeddedRedis
-from tests.support.ports import free_port
 from tests.support.fleet import Broker, FleetFactory, new_prefix
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ def sdk(gw):
 
 def shared_prefills(gw) -> float:
     text = httpx.get(gw.extra["worker"].metrics_url).text
-    m = re.search(r'^streamfleet_worker_shared_prefills_total\{model="tiny-gpt"\} (\S+)$', text, re.M)
+    m = re.search(r'^streamfleet_worker_shared_prefills_total\{model="tiny-gpt"\} (\S+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 

@@ -37,7 +37,7 @@ def _stats(cluster: EmbeddedCluster, port: int) -> dict[str, int]:
     r = redis.Redis(port=port)
     try:
         cmd = r.info("commandstats")
-        bus = {k: v for k, v in r.execute_command("CLUSTER INFO").items()}
+        bus = dict(r.execute_command("CLUSTER INFO").items())
     finally:
         r.close()
     return {

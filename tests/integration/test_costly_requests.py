@@ -13,9 +13,9 @@ import grpc
 import httpx
 import pytest
 
-from tests.support.wsclient import Client
-from tests.support.keys import add_key
 from tests.support.grpcclient import aio_channel
+from tests.support.keys import add_key
+from tests.support.wsclient import Client
 
 TIERS = ('{"victim": {"requests_per_minute": 6000, "burst": 100, "max_streams": null, "max_lane": "normal"},'
          ' "scant": {"requests_per_minute": 1, "burst": 3, "max_streams": null, "max_lane": "normal"}}')
@@ -158,8 +158,7 @@ async def test_nesting_past_the_limit_is_a_400_on_every_door(tenants):
     assert good.end["type"] == "done"
     await ws.close()
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
     async with aio_channel(gw.grpc) as ch:
         stub = pb_grpc.InferenceStub(ch)

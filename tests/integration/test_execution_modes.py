@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from streamfleet.shared import execution
-from streamfleet.shared.ggufimport import import_gguf
 from streamfleet.shared.modelrepo import ModelRepository
 from tests.support.gguf_models import TinyLlama, write_tiny_gguf
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import httpx
 import orjson
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from websockets.sync.client import connect
 
 from streamfleet.shared.schema import Task

@@ -17,12 +17,11 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from streamfleet.shared.schema import LogEntry, TokenEvent
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+from tests.support.grpcclient import aio_channel, sync_channel
 from tests.support.keys import TIERS, add_key
 from tests.support.wait import until_async
 from tests.support.wsclient import Client
-from tests.support.grpcclient import aio_channel, sync_channel
 
 PROMPT = "Once upon a time"
 SERVICE = "streamfleet.v1.Inference"
@@ -52,7 +51,7 @@ class Call:
     def trailer(self, key: str):
         return dict(self.error.trailing_metadata() or ()).get(key) if self.error is not None else None
 
-    async def read(self, call, upto: int | None = None) -> "Call":
+    async def read(self, call, upto: int | None = None) -> Call:
         """Read events (until ``upto`` tokens when given); a failed call's status is kept."""
         try:
             async for ev in call:
@@ -110,12 +109,11 @@ async def test_same_seed_same_text_over_websocket_sse_and_grpc(fleet):
     await ws.close()
     assert ref.end["type"] == "done" and len(ref.tokens) == 24
     sse_text = ""
-    async with httpx.AsyncClient(timeout=60) as http:
-        async with http.stream("POST", gw.http + "/v1/completions",
-                               json={"prompt": PROMPT, "stream": True, **params}) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    sse_text += "".join(c["text"] for c in orjson.loads(line[6:])["choices"])
+    async with httpx.AsyncClient(timeout=60) as http, http.stream(
+            "POST", gw.http + "/v1/completions", json={"prompt": PROMPT, "stream": True, **params}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                sse_text += "".join(c["text"] for c in orjson.loads(line[6:])["choices"])
     async with channel(gw) as ch:
         stub = pb_grpc.InferenceStub(ch)
         g = await generate(stub, prompt=PROMPT, **params)
@@ -135,7 +133,7 @@ async def test_same_seed_same_text_over_websocket_sse_and_grpc(fleet):
         (done["usage"]["prompt_tokens"], done["usage"]["completion_tokens"])
     assert g.done.request_id == g.accepted.request_id and g.done.model_version == done["model_version"]
     assert g.done.timing.total_ms > 0 and set(done["timing"]) == {"queue_ms", "ttft_ms", "total_ms"}
-    assert [f.WhichOneof("frame") for f in frames][0] == "accepted" and frames[-1].HasField("done")
+    assert frames[0].WhichOneof("frame") == "accepted" and frames[-1].HasField("done")
     assert all(f.id == "s" for f in frames)
 
 
@@ -445,7 +443,8 @@ async def test_traceparent_names_the_request_in_gateway_and_worker_logs(fleet):
     assert c.code == grpc.StatusCode.OK
     rid = c.accepted.request_id
     # (the worker logs the task's end just after publishing it)
-    await until_async(lambda: any(rid in line and '"task finished"' in line for line in worker.log(tail=None).splitlines()),
+    await until_async(lambda: any(rid in line and '"task finished"' in line
+                                  for line in worker.log(tail=None).splitlines()),
                       "the worker's log of the task's end")
     for proc in (gw, worker):
         lines = [orjson.loads(line) for line in proc.log(tail=None).splitlines() if rid in line]

@@ -331,7 +331,8 @@ def test_gateway_raises_its_open_files_limit(fleet, tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamfleet", "gateway", "--port", "0", "--port-file", str(port_file)],
             env=fleet.env(metrics_port=0, grpc_port=0), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+            # the gateway starts under a container's low soft limit: set in the child, before exec
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))  # noqa: PLW1509
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():

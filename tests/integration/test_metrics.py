@@ -4,15 +4,14 @@ the API docs switch, and trace ids in the logs."""
 from __future__ import annotations
 
 import asyncio
-
 import subprocess
 
 import httpx
 import orjson
 import pytest
 
-from tests.support.ports import free_port
 from tests.support.metrics import value
+from tests.support.ports import free_port
 from tests.support.wait import until_async
 from tests.support.wsclient import Client
 

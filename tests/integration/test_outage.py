@@ -115,7 +115,7 @@ async def test_worker_told_to_stop_while_redis_does_not_answer_stops_within_its_
         idle = idle_fleet.worker(backend="echo", drain_timeout_s=1, wait=False)
         busy_fleet.wait_worker(busy)
         idle_fleet.wait_worker(idle)
-        lane = f"sfhung:{{tiny-gpt}}:tasks:normal"
+        lane = "sfhung:{tiny-gpt}:tasks:normal"
         for i in range(4):
             task = Task(request_id=f"held-{i}", model="tiny-gpt", lane="normal", reply_to="nobody", client_id=str(i),
                         prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=200, ignore_eos=True, seed=i),

@@ -11,7 +11,6 @@ import sys
 
 import httpx
 import orjson
-import pytest
 
 from tests.support.ports import free_port
 from tests.support.wait import until
@@ -23,7 +22,7 @@ def counters(port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     out = {}
     for m in re.finditer(r'^streamfleet_worker_(prompt_tokens_total|prefix_cache_lookups_total)'
-                         r'\{model="tiny-gpt",(?:source|result)="(\w+)"\} (\S+)$', text, re.M):
+                         r'\{model="tiny-gpt",(?:source|result)="(\w+)"\} (\S+)$', text, re.MULTILINE):
         out[m.group(2)] = float(m.group(3))
     return out
 

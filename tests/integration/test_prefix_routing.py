@@ -326,7 +326,7 @@ async def prime(cached) -> str:
 
 
 async def test_requests_sharing_a_long_prefix_go_to_the_worker_that_holds_it(cached):
-    f, gw, _, workers = cached
+    _f, gw, _, workers = cached
     holder = await prime(cached)
     rids = await generate(gw.ws, [PREFIX + ids(5, 10 + i) for i in range(4)])
     for rid in rids:
@@ -338,7 +338,7 @@ async def test_requests_sharing_a_long_prefix_go_to_the_worker_that_holds_it(cac
 
 
 async def test_with_routing_off_everything_goes_through_the_shared_lanes(cached):
-    f, gw, gw_off, workers = cached
+    _f, _gw, gw_off, workers = cached
     await prime(cached)
     rids = await generate(gw_off.ws, [PREFIX + ids(5, 20 + i) for i in range(4)])
     for rid in rids:

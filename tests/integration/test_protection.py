@@ -28,8 +28,8 @@ import pytest
 import websockets
 
 from streamfleet.shared.schema import Task
-from tests.support.rawws import RawWebSocket
 from tests.support.metrics import value
+from tests.support.rawws import RawWebSocket
 from tests.support.wait import until, until_async
 from tests.support.wsclient import Client
 

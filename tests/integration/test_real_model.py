@@ -26,11 +26,10 @@ import pytest
 
 from streamfleet.shared.modelrepo import load_tokenizer
 from streamfleet.shared.redis import sync_client
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
-from tests.support.wsclient import Client
-from tests.support.smollm2 import GGUF, MODEL, SPEC, private_repository
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 from tests.support.grpcclient import aio_channel
+from tests.support.smollm2 import GGUF, MODEL, SPEC, private_repository
+from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 model served
 

@@ -34,7 +34,7 @@ QUESTIONS = ["Tell me about the cat.", "And then what happened?", "Why did the d
 def reply_tokens(port: int) -> float:
     """The worker's count of reply tokens computed into its prefix cache while idle."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    m = re.search(r'^streamfleet_worker_prefix_cache_reply_tokens_total\{model="tiny-gpt"\} (\S+)$', text, re.M)
+    m = re.search(r'^streamfleet_worker_prefix_cache_reply_tokens_total\{model="tiny-gpt"\} (\S+)$', text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
@@ -49,7 +49,7 @@ def start_chat(c: Client, rid: str, messages: list[dict], **fields) -> asyncio.F
     fut = asyncio.get_running_loop().create_future()
     c.waiters[rid] = fut
     frame = {"type": "generate", "id": rid, "messages": messages, "temperature": 0, "min_tokens": 20, **fields}
-    asyncio.ensure_future(c.send(frame))
+    c.send_soon(frame)
     return fut
 
 
@@ -151,7 +151,7 @@ async def test_after_a_takeover_the_text_is_the_same_and_the_reply_is_cached(fle
     assert res.indices == list(range(70))
     log = b.log(tail=None)
     assert "took over the tasks of a dead worker" in log
-    replayed = next(e["replay_tokens"] for e in map(orjson.loads, re.findall(r"^\{.*\}$", log, re.M))
+    replayed = next(e["replay_tokens"] for e in map(orjson.loads, re.findall(r"^\{.*\}$", log, re.MULTILINE))
                     if e.get("event") == "reclaimed a task")
     assert 0 < replayed < 70
     await kept(pb, 0.0, chat, 2, replayed)
@@ -184,7 +184,7 @@ async def test_after_a_hot_reload_the_cache_starts_empty_and_the_text_is_the_sam
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "streamfleet", "reload", "tiny-gpt", "--to", "2", "--timeout", "90",
         env=fleet.env(engines_dir=engines), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    _out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()
     await chat.turn(2, max_tokens=24)
     assert c.results["r-2"].end.get("model_version") == "2"

@@ -8,17 +8,16 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from streamfleet.gateway.admission.gate import Admission
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.hub import Hub
+from streamfleet.gateway.requests.broker import Broker
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
 from streamfleet.shared.errors import ErrorCode, NotFoundError, RefusedError, ValidationError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent, encode_events
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.admission.gate import Admission
-from streamfleet.gateway.hub import Hub
-from streamfleet.gateway.requests.broker import Broker
-from streamfleet.gateway.requests.reply_channel import ReplyChannel
-from streamfleet.gateway.admission.validation import Validator
 from tests.support.wait import until_async
 
 
@@ -73,7 +72,8 @@ async def test_submit_carries_ticket_model_lane_and_slot_until_the_end(hub, rds)
 
     await publish(rds, hub, channel, TokenEvent(rid, 0, "a"), DoneEvent(rid, "stop", 2, 1))
     events = [ev async for ev in req.events("ws")]
-    assert isinstance(events[0], TokenEvent) and isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "stop"
+    assert isinstance(events[0], TokenEvent) and isinstance(events[-1], DoneEvent)
+    assert events[-1].finish_reason == "stop"
     assert rid in channel.streams
     req.delivered()
     assert rid not in channel.streams

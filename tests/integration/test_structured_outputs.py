@@ -137,8 +137,7 @@ def test_bad_constraints_are_refused_by_name(gw, fields, param):
 def test_grpc_takes_a_schema_and_refuses_a_bad_one(gw):
     import grpc
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
     with sync_channel(gw.grpc) as ch:
         stub = pb_grpc.InferenceStub(ch)

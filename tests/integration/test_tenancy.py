@@ -269,17 +269,17 @@ async def test_revoking_a_key_ends_its_sse_stream(fleet):
     fleet.worker(backend="echo", echo_delay_ms=50)
     key = _key(fleet, "to-revoke", "one")
     lines: list[str] = []
-    async with httpx.AsyncClient(timeout=30) as http:
-        async with http.stream("POST", gw.http + "/v1/completions",
-                               json={"prompt": PROMPT, "stream": True, "max_tokens": 240, "ignore_eos": True},
-                               headers={"Authorization": f"Bearer {key}"}) as r:
-            async for line in r.aiter_lines():
-                lines.append(line)
-                if len(lines) == 10:
-                    out = await asyncio.to_thread(
-                        subprocess.run, [sys.executable, "-m", "streamfleet", "keys", "revoke", "to-revoke"],
-                        env=fleet.env(tiers=TENANT_TIERS), capture_output=True, text=True, timeout=60)
-                    assert out.returncode == 0, out.stderr
+    async with httpx.AsyncClient(timeout=30) as http, http.stream(
+            "POST", gw.http + "/v1/completions",
+            json={"prompt": PROMPT, "stream": True, "max_tokens": 240, "ignore_eos": True},
+            headers={"Authorization": f"Bearer {key}"}) as r:
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if len(lines) == 10:
+                out = await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-m", "streamfleet", "keys", "revoke", "to-revoke"],
+                    env=fleet.env(tiers=TENANT_TIERS), capture_output=True, text=True, timeout=60)
+                assert out.returncode == 0, out.stderr
     text = "\n".join(lines)
     assert "revoked" in text and [line for line in lines if line][-1] == "data: [DONE]"
     assert text.count("data: {") < 200  # ended well before its 240 tokens

@@ -147,7 +147,8 @@ def test_tools_need_a_chat_and_the_websocket_reports_the_call(gw):
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
     # the token frames carry the call's text as it was generated
     text = "".join(f["text"] for f in frames if f["type"] == "token")
-    assert json.loads(text) == {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}
+    assert json.loads(text) == {"name": call["function"]["name"],
+                                "arguments": json.loads(call["function"]["arguments"])}
 
 
 
@@ -266,8 +267,7 @@ async def test_tools_on_grpc_generate_and_stream(gw):
     gives the same calls as the OpenAI door."""
     import grpc
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
     from tests.support.grpcclient import aio_channel
 
     tools = [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),

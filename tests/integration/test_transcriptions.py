@@ -109,7 +109,7 @@ def test_sdk_formats_are_accurate_and_agree(gw, speech_wav):
     for n, (cue, seg) in enumerate(zip(cues, verbose.segments), 1):
         number, times, words = cue.split("\n")
         assert number == str(n) and re.fullmatch(f"{stamp} --> {stamp}", times) and words == seg.text
-        h, m, s = times.split(" --> ")[0].replace(",", ".").split(":")
+        _h, m, s = times.split(" --> ")[0].replace(",", ".").split(":")
         assert float(s) + 60 * int(m) == pytest.approx(seg.start, abs=0.001)
 
     with open(path, "rb") as f:
@@ -134,8 +134,7 @@ async def test_grpc_transcribe_gives_the_http_doors_segments(gw, speech_wav):
     the HTTP door, a TranscriptSegment per utterance, then TranscribeDone."""
     import grpc
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
     from tests.support.grpcclient import aio_channel
 
     path, spans = speech_wav

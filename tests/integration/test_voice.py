@@ -13,9 +13,9 @@ import pytest
 import websockets
 
 from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech, wer
-from tests.support.ports import free_port
 from tests.support.keys import add_key
 from tests.support.metrics import value
+from tests.support.ports import free_port
 from tests.support.wait import until_async
 
 pytestmark = [pytest.mark.slow,  # speech synthesized by flite through the whole fleet
@@ -39,7 +39,7 @@ class Voice:
         self.changed = asyncio.Event()
 
     @classmethod
-    async def connect(cls, gw, api_key: str | None = None, **start) -> "Voice":
+    async def connect(cls, gw, api_key: str | None = None, **start) -> Voice:
         url = gw.ws.replace("/v1/stream", "/v1/audio/stream") + (f"?api_key={api_key}" if api_key else "")
         v = cls(await websockets.connect(url, max_size=None))
         if start is not None:
@@ -78,7 +78,7 @@ class Voice:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def of(self, kind: str) -> list[dict]:
@@ -145,8 +145,7 @@ async def test_grpc_listen_is_the_voice_websocket_as_messages(voice_fleet, rds, 
     is an error event and the call goes on; a half-close after the last final is OK."""
     import grpc
 
-    from streamfleet.v1 import inference_pb2 as pb
-    from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+    from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
     from tests.support.grpcclient import aio_channel
 
     refs = list(SENTENCES[:2])
@@ -260,7 +259,7 @@ async def test_audio_faster_than_real_time_is_dropped_with_an_error_at_once(flee
     await v.wait_for(lambda f: f["type"] == "started")
     fast = b"".join(speech(s) + silence(1000) for s in (SENTENCES[2], SENTENCES[3], SENTENCES[4]))
     step = 100 * BYTES_PER_MS
-    sent, sent_at = 0.0, []
+    sent_at = []
     t0 = time.monotonic()
     for n, i in enumerate(range(0, len(fast), step), 1):
         await v.ws.send(fast[i:i + step])

@@ -16,9 +16,22 @@ from streamfleet.gateway.admission.auth import KeyStore
 from streamfleet.gateway.requests.broker import Broker
 from streamfleet.shared.keys import GROUP, Keys
 from streamfleet.shared.redis import RawBatch, connect
-from streamfleet.shared.schema import (Cancel, DeadLetter, DoneEvent, Follow, Heartbeat, KeyRecord, LogEntry,
-                                       RequestRecord, SamplingParams, Task, TokenEvent, Wake, decode_events,
-                                       stream_entry_id)
+from streamfleet.shared.schema import (
+    Cancel,
+    DeadLetter,
+    DoneEvent,
+    Follow,
+    Heartbeat,
+    KeyRecord,
+    LogEntry,
+    RequestRecord,
+    SamplingParams,
+    Task,
+    TokenEvent,
+    Wake,
+    decode_events,
+    stream_entry_id,
+)
 from streamfleet.shared.settings import CommonSettings, GatewaySettings, WorkerSettings
 from streamfleet.status import collect
 from streamfleet.workers.context import WorkerContext

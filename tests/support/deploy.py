@@ -305,7 +305,8 @@ def allowed(policies: list[dict], src: Peer, dst: Peer, port: int, protocol: str
                 and selects(p["spec"]["podSelector"], pod_.labels) and kind in p["spec"].get("policyTypes", [])]
         if not mine:
             return True
-        return any(_peer_ok(r.get(key), other, pol["metadata"]["namespace"]) and _port_ok(r.get("ports"), port, protocol, dst)
+        return any(_peer_ok(r.get(key), other, pol["metadata"]["namespace"])
+                   and _port_ok(r.get("ports"), port, protocol, dst)
                    for pol in mine for r in pol["spec"].get(rules_key, []))
     return side(src, dst, "Egress", "to", "egress") and side(dst, src, "Ingress", "from", "ingress")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamfleet.launcher import stop_processes
-from tests.support.ports import free_port
 from streamfleet.shared.redis import sync_client
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _prefix_counter = itertools.count()
@@ -115,7 +115,7 @@ class FleetFactory:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
         log_path = self.tmp / f"{name}-{next(self._n)}.log"
-        fh = open(log_path, "wb")
+        fh = open(log_path, "wb")  # noqa: SIM115 (the process's log, closed when it is stopped)
         p = subprocess.Popen([sys.executable, "-m", "streamfleet", *args], env=env, cwd=REPO,
                              stdout=fh, stderr=subprocess.STDOUT)
         proc = Proc(name, p, log_path, prefix=self.prefix)

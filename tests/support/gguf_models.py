@@ -1,4 +1,5 @@
-"""Small random GGUF files (llama, qwen2, qwen3, phi3, gemma2 and gemma3 architectures) for the import's tests, written with ``gguf.GGUFWriter``
+"""Small random GGUF files (llama, qwen2, qwen3, phi3, gemma2 and gemma3 architectures)
+for the import's tests, written with ``gguf.GGUFWriter``
 (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors quantized by ``gguf`` as
 llama.cpp lays them out; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K ones, which ``gguf`` cannot
 quantize, as random blocks with finite fp16 scales: ``random_blocks``; Q/K rows permuted
@@ -89,7 +90,8 @@ class TinyLlama:
         self.rope_scale = rope_scale  # linear RoPE scaling: positions divided by it
         self.head_dim = head_dim or hidden // n_head
         qd = n_head * self.head_dim
-        self.intermediate, self.tied, self.rope_base, self.eps, self.context = intermediate, tied, rope_base, eps, context
+        self.intermediate, self.tied, self.rope_base = intermediate, tied, rope_base
+        self.eps, self.context = eps, context
         kinds = {name: T[name] for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
                                             "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
         self.tensors: dict[str, tuple[np.ndarray, Any]] = {}  # name -> (stored data, type)

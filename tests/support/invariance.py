@@ -133,8 +133,8 @@ def forced_staggered(engine, prompts: dict[str, list[int]], tokens: dict[str, li
     rng = np.random.default_rng(seed)
     waiting = list(prompts)
     rows: dict[str, list[np.ndarray]] = {}
-    fed = {k: 0 for k in prompts}
-    while waiting or rows and any(fed[k] < len(tokens[k]) for k in rows):
+    fed = dict.fromkeys(prompts, 0)
+    while waiting or (rows and any(fed[k] < len(tokens[k]) for k in rows)):
         live = [k for k in rows if fed[k] < len(tokens[k])]
         step = [k for k in live if rng.random() >= pause] or live[:1]
         rng.shuffle(step)

@@ -27,12 +27,11 @@ import itertools
 import orjson
 from prometheus_client import REGISTRY
 
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.services.session import Session
 from streamfleet.shared.errors import StreamfleetError
 from streamfleet.shared.schema import DoneEvent, ErrorEvent
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.services.session import Session
-from streamfleet.gateway.admission.validation import Validator
 from tests.support.wait import until_async
 
 FINAL = (DoneEvent, ErrorEvent)  # the events that end a request's stream
@@ -44,7 +43,7 @@ class ScriptedRequest:
     it; the test decides how its submit or resume goes (``refuse``, ``hold``) and feeds its
     events (``feed``: an exception fed is raised by ``events``)."""
 
-    def __init__(self, hub: "Hub", client_id: str, identity, channel, share: bool) -> None:
+    def __init__(self, hub: Hub, client_id: str, identity, channel, share: bool) -> None:
         self.hub = hub
         self.client_id = client_id
         self.identity, self.channel, self.share = identity, channel, share

@@ -16,9 +16,10 @@ import json
 import math
 import struct
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -206,7 +207,7 @@ def numpy_embeddings(model: TinyBert, batch: Sequence[Sequence[int]]) -> np.ndar
         for i in range(c["num_hidden_layers"]):
             p = f"encoder.layer.{i}."
 
-            def lin(v: np.ndarray, name: str) -> np.ndarray:
+            def lin(v: np.ndarray, name: str, p: str = p) -> np.ndarray:
                 return v @ w[p + name + ".weight"].T + w[p + name + ".bias"]
 
             q, k, v = (lin(x, f"attention.self.{t}").reshape(n, nh, hd).transpose(1, 0, 2)

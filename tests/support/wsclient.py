@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import orjson
 import websockets
@@ -33,7 +34,7 @@ class Client:
     """One connection; `generate` many requests concurrently; frames routed by id."""
 
     #: request_id -> resume_token of every ``accepted`` frame any client here received
-    tokens: dict[str, str] = {}
+    tokens: ClassVar[dict[str, str]] = {}
 
     def __init__(self, ws) -> None:
         self.ws = ws
@@ -41,10 +42,11 @@ class Client:
         self.waiters: dict[str, asyncio.Future] = {}
         self.other: asyncio.Queue = asyncio.Queue()
         self.end_order: list[str] = []  # ids in the order their final frame arrived
+        self._sending: set[asyncio.Future] = set()
         self.reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, **kw) -> "Client":
+    async def connect(cls, url: str, **kw) -> Client:
         return cls(await websockets.connect(url, max_size=None, **kw))
 
     async def _read(self) -> None:
@@ -83,12 +85,19 @@ class Client:
             frame = orjson.dumps(frame).decode()
         await self.ws.send(frame)
 
+    def send_soon(self, frame: dict | str | bytes) -> None:
+        """Send ``frame`` without waiting for it; the task is held until it is done (the
+        event loop keeps only a weak reference to it)."""
+        task = asyncio.ensure_future(self.send(frame))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
     def start(self, id: str, prompt: str = "Once upon a time", **fields) -> asyncio.Future:
         self.results[id] = Result(id)
         fut = asyncio.get_running_loop().create_future()
         self.waiters[id] = fut
         frame = {"type": "generate", "id": id, "prompt": prompt, **fields}
-        asyncio.ensure_future(self.send(frame))
+        self.send_soon(frame)
         return fut
 
     def start_embed(self, id: str, input, model: str, **fields) -> asyncio.Future:
@@ -97,7 +106,7 @@ class Client:
         self.results[id] = Result(id)
         fut = asyncio.get_running_loop().create_future()
         self.waiters[id] = fut
-        asyncio.ensure_future(self.send({"type": "embed", "id": id, "model": model, "input": input, **fields}))
+        self.send_soon({"type": "embed", "id": id, "model": model, "input": input, **fields})
         return fut
 
     async def embed(self, id: str, input, model: str, timeout: float = 60, **fields) -> Result:
@@ -113,7 +122,7 @@ class Client:
         token = Client.tokens.get(request_id) if resume_token is KNOWN else resume_token
         if token is not None:
             frame["resume_token"] = token
-        asyncio.ensure_future(self.send(frame))
+        self.send_soon(frame)
         return fut
 
     async def generate(self, id: str, prompt: str = "Once upon a time", timeout: float = 60, **fields) -> Result:

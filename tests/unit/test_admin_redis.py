@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamfleet.local import (DEFAULT_REDIS_URL, AdminRedisError, ServeRecord, record_path, resolve_redis,
-                               write_record)
+from streamfleet.local import DEFAULT_REDIS_URL, AdminRedisError, ServeRecord, record_path, resolve_redis, write_record
 
 
 @pytest.fixture

@@ -11,14 +11,13 @@ import asyncio
 
 import pytest
 
+from streamfleet.gateway.admission.auth import Identity
+from streamfleet.gateway.admission.gate import Admission, Ticket, owner_of, token_owner
+from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, ValidationError
 from streamfleet.shared.schema import SamplingParams
 from streamfleet.shared.settings import GatewaySettings
 from streamfleet.shared.tiers import Tier
-
-from streamfleet.gateway.admission.gate import Admission, Ticket, owner_of, token_owner
-from streamfleet.gateway.admission.auth import Identity
-from streamfleet.gateway.admission.kinds import TextRequest
 
 FREE = Tier("free", requests_per_minute=60, burst=4, max_streams=2, max_lane="normal", max_tokens=100,
             max_timeout_s=30.0)

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamfleet.gateway.admission.chat_template import encode_prompt
-from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
-from streamfleet.modelimport import import_export
 from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
+from streamfleet.gateway.admission.chat_template import encode_prompt
+from streamfleet.modelimport import import_export
+from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "archs"

@@ -11,14 +11,25 @@ import numpy as np
 import orjson
 import pytest
 
-from streamfleet.gateway.services.audio_files import decode_audio, resample_pcm16, sniff_format
 from streamfleet.gateway.edge.multipart_form import FormLimits, FormReader
-from streamfleet.gateway.protocols.transcription_mapping import (Segment, check_form, delta_event, done_event, full_text,
-                                                       render, srt, timestamp, vtt)
+from streamfleet.gateway.protocols.transcription_mapping import (
+    Segment,
+    check_form,
+    delta_event,
+    done_event,
+    full_text,
+    render,
+    srt,
+    timestamp,
+    vtt,
+)
+from streamfleet.gateway.services.audio_files import decode_audio, resample_pcm16, sniff_format
 from streamfleet.gateway.services.transcription import split_utterances
 from streamfleet.shared.errors import ValidationError
-from tests.support.audiofiles import flac_bytes
-from tests.support.audiofiles import wav_bytes as wav  # (short: the tests build many)
+from tests.support.audiofiles import (
+    flac_bytes,
+    wav_bytes as wav,  # (short: the tests build many)
+)
 
 
 def tone(seconds: float, rate: int = 16000, hz: float = 440.0) -> bytes:
@@ -174,7 +185,8 @@ def test_render_every_format():
     verbose = orjson.loads(render("verbose_json", SEGMENTS, duration_s=3725.2, language="en-US")[0])
     assert verbose["language"] == "english" and verbose["duration"] == 3725.2 and verbose["text"] == text
     assert verbose["segments"] == [
-        {"id": 0, "seek": 20, "start": 0.2, "end": 3.04, "text": "the quick brown fox", "tokens": [], "temperature": 0.0},
+        {"id": 0, "seek": 20, "start": 0.2, "end": 3.04, "text": "the quick brown fox", "tokens": [],
+         "temperature": 0.0},
         {"id": 1, "seek": 6101, "start": 61.01, "end": 3725.999, "text": "please call me back", "tokens": [],
          "temperature": 0.0}]
     # the streamed events add up to the done event's text

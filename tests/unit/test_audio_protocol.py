@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.gateway.protocols.audio_protocol import Audio, AudioProtocol, Start, Stop, TokenBucket
 from streamfleet.gateway.protocols.frames import Send
-from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
 

@@ -97,7 +97,8 @@ def test_gguf_imports_batch_invariant_unless_4bit(tmp_path, weights, invariant):
     engine = OnnxRuntimeEngine(ModelRepository(tmp_path / "engines").get("tiny"), threads=1)
     assert engine.batch_invariant is invariant and engine.rows_independent() is invariant
     rng = np.random.default_rng(4)
-    prompts = {f"s{i}": [int(t) for t in rng.integers(3, engine.vocab_size, n)] for i, n in enumerate((1, 6, 9, 20, 33))}
+    prompts = {f"s{i}": [int(t) for t in rng.integers(3, engine.vocab_size, n)]
+               for i, n in enumerate((1, 6, 9, 20, 33))}
     tokens = {k: [int(t) for t in rng.integers(3, engine.vocab_size, 25)] for k in prompts}
     alone = {k: forced_alone(engine, k, prompts[k], tokens[k]) for k in prompts}
     batched = forced_staggered(engine, prompts, tokens)
@@ -138,7 +139,8 @@ def test_a_decode_step_runs_once_per_width(specs):
     engine._run = run
     for step in range(3):
         engine.decode([(k, 9) for k in lengths])
-        widths = collections.Counter(invariant_width(n + step, engine.invariant_quantum, spec.max_context) for n in lengths.values())
+        widths = collections.Counter(invariant_width(n + step, engine.invariant_quantum, spec.max_context)
+                                     for n in lengths.values())
         assert sorted(runs) == sorted((rows, w) for w, rows in widths.items())
         runs.clear()
     engine.close()

@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from streamfleet.bench_config import BenchConfig, BenchError
 from streamfleet.bench_stats import BenchResult, Comparison, RequestRecord, percentile, summarize, write_png

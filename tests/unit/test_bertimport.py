@@ -153,11 +153,11 @@ def test_the_engine_refuses_a_graph_that_disagrees_with_engine_toml(tmp_path):
     spec, _model = _import(tmp_path)
     toml = spec.path / "engine.toml"
     toml.write_text(toml.read_text().replace('pooling = "mean"', 'pooling = "cls"'))
-    with pytest.raises(FatalError, match="the graph's pooling is 'mean', engine.toml says 'cls'"):
+    with pytest.raises(FatalError, match=r"the graph's pooling is 'mean', engine\.toml says 'cls'"):
         OnnxEmbeddingEngine(ModelSpec.from_toml(toml))
     toml.write_text(toml.read_text().replace('pooling = "cls"', 'pooling = "mean"').replace("dimensions = 32",
                                                                                            "dimensions = 16"))
-    with pytest.raises(FatalError, match="gives 32-dimensional vectors, engine.toml says dimensions = 16"):
+    with pytest.raises(FatalError, match=r"gives 32-dimensional vectors, engine\.toml says dimensions = 16"):
         OnnxEmbeddingEngine(ModelSpec.from_toml(toml))
     text_spec = ModelRepository(Path(__file__).resolve().parents[2] / "engines").get("tiny-gpt")
     with pytest.raises(FatalError, match="not an embedding model"):
@@ -210,14 +210,14 @@ def test_a_pooling_or_module_the_graph_does_not_compute_is_refused_by_name(tmp_p
 def test_a_folder_that_is_not_a_sentence_transformers_bert_is_refused_by_name(tmp_path):
     model = write_tiny_bert(tmp_path / "plain")
     (model.folder / "modules.json").unlink()  # a plain transformers checkpoint
-    with pytest.raises(FatalError, match="no modules.json: not a sentence-transformers model"):
+    with pytest.raises(FatalError, match=r"no modules\.json: not a sentence-transformers model"):
         read_checkpoint(model.folder)
     model = write_tiny_bert(tmp_path / "bin")
     (model.folder / "model.safetensors").rename(model.folder / "pytorch_model.bin")
-    with pytest.raises(FatalError, match="only pytorch_model.bin, which needs torch"):
+    with pytest.raises(FatalError, match=r"only pytorch_model\.bin, which needs torch"):
         read_checkpoint(model.folder)
     model = write_tiny_bert(tmp_path / "extra", extra_tensors={"encoder.layer.0.attention.self.distance": np.ones(3)})
-    with pytest.raises(FatalError, match="holds encoder.layer.0.attention.self.distance, which is not part"):
+    with pytest.raises(FatalError, match=r"holds encoder\.layer\.0\.attention\.self\.distance, which is not part"):
         read_checkpoint(model.folder)
     model = write_tiny_bert(tmp_path / "notok")
     (model.folder / "tokenizer.json").unlink()

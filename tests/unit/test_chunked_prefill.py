@@ -92,8 +92,8 @@ def test_extend_refuses_by_name(tiny_spec):
 def task(rid: str, prompt: list[int], max_tokens: int = 12, temperature: float = 1.0, **params) -> Task:
     # (the seed from the id, the same in every process: ``hash`` of a str is salted per process)
     return Task(request_id=rid, model="tiny-gpt", lane="normal", reply_to="c", client_id=rid, prompt_ids=list(prompt),
-                params=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=zlib.crc32(rid.encode()) % 1000,
-                                      ignore_eos=True, **params),
+                params=SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                      seed=zlib.crc32(rid.encode()) % 1000, ignore_eos=True, **params),
                 created_at=time.time())
 
 
@@ -120,7 +120,9 @@ def test_a_long_prompt_goes_in_chunks_beside_the_running_streams(tiny_spec, toke
     """Budget 40: two streams decode every step while a 200-token prompt goes in over
     several steps; everyone's text is what it is with no budget and no cache."""
     long_prompt = RNG.integers(3, 500, 200).tolist()
-    tasks = lambda: [task("s1", SYSTEM[:20], 40), task("s2", SYSTEM[20:50], 40), task("long", long_prompt, 8)]
+    def tasks():
+        return [task("s1", SYSTEM[:20], 40), task("s2", SYSTEM[20:50], 40), task("long", long_prompt, 8)]
+
     plain = WorkerCore(OnnxRuntimeEngine(tiny_spec, threads=1), tokenizer)
     want = run(plain, *tasks())
 
@@ -173,7 +175,7 @@ def test_choices_wait_for_their_prompts_chunks_and_fork_it(tiny_spec, tokenizer)
     others fork its cache when it is all in; each draws what it draws alone."""
     prompt = RNG.integers(3, 500, 150).tolist()
     choices = [task(f"c{i}", prompt, 10) for i in range(3)]
-    for i, t in enumerate(choices):
+    for t in choices:
         t.group, t.group_size = "g", 3
     alone = {}
     for t in choices:

@@ -107,7 +107,7 @@ def test_every_door_applies_one_default_temperature(validator):
         "grpc": lambda extra: generate_payload(pb.GenerateRequest(prompt="Once upon a time", **extra), "grpc"),
     }
     defaults = {door: validator.generate(make({})).params.temperature for door, make in doors.items()}
-    assert defaults == {door: DEFAULT_TEMPERATURE for door in doors}
+    assert defaults == dict.fromkeys(doors, DEFAULT_TEMPERATURE)
     assert DEFAULT_TEMPERATURE == 1.0  # OpenAI's; docs/sampling.md says so
     for door, make in doors.items():
         assert validator.generate(make({"temperature": 0.25})).params.temperature == 0.25, door
@@ -123,7 +123,7 @@ def test_client_tools_say_their_own_default_temperature():
     assert cli_default == 0.0
     for fn in (client.stream_ws, client.stream_sse, client.stream_grpc):
         assert inspect.signature(fn).parameters["temperature"].default == cli_default, fn.__name__
-    assert client.CLIENT_TEMPERATURE == cli_default
+    assert cli_default == client.CLIENT_TEMPERATURE
     DEFAULT_TEMPERATURE = 1.0  # the gateway's (the test above)
     for command in ("client", "bench"):
         temp = next(p for p in ROOT.commands[command].params if p.name == "temperature")

@@ -8,9 +8,9 @@ import re
 import pytest
 from redis.crc import key_slot
 
-from streamfleet.gateway.requests.broker import ENQUEUE_LUA
 from streamfleet.gateway.admission.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
 from streamfleet.gateway.admission.voiceslots import VOICE_SLOTS_LUA
+from streamfleet.gateway.requests.broker import ENQUEUE_LUA
 from streamfleet.shared.keys import TAG_LEN, Keys, affinity_source, split_source
 from streamfleet.shared.redis import RawBatch, RedisTarget, _route_key
 from streamfleet.shared.settings import CommonSettings
@@ -71,7 +71,7 @@ def test_every_lua_script_touches_only_declared_keys(script: str) -> None:
     KEYS[n], so the caller's hash tags decide the slot (checked below for the enqueue)."""
     for call in re.findall(r"redis\.call\(([^)]*)\)", script):
         args = [a.strip() for a in call.split(",")]
-        if args[0] in ("'TIME'",):  # no key
+        if args[0] == "'TIME'":  # no key
             continue
         assert len(args) >= 2 and _key_arg(args).startswith("KEYS["), call
 

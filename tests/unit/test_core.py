@@ -9,12 +9,10 @@ bytes (0..255) plus EOS (256) and PAD (257), decoded like a byte-level BPE.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from streamfleet.shared.schema import DoneEvent, ErrorEvent
 from tests.support.toy_core import EOS, PAD, ByteTokenizer, Clock, Log, make_core, run, task
-
 
 # -- basic generation ----------------------------------------------------------
 
@@ -283,7 +281,7 @@ def _sampled(rid_prompt_seed, others, stagger):
 def test_seeded_sampling_same_alone_and_batched():
     alone, _ = _sampled(("R", "hello world", 123), [], 0)
     others = [(f"o{i}", p) for i, p in enumerate(["zzz", "你好", "q", "abcdefg", "0"])]
-    batched, log = _sampled(("R", "hello world", 123), others, 2)
+    batched, _log = _sampled(("R", "hello world", 123), others, 2)
     assert alone == batched
     assert len(alone) == 30
     other_seed, _ = _sampled(("R", "hello world", 124), [], 0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from streamfleet.shared.schema import SamplingParams, Task
-
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.coreset import CoreSet, VersionedCore
 from streamfleet.workers.engines.echo import EchoEngine

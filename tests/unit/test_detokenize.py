@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from streamfleet.workers.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopMatcher
 
@@ -40,15 +42,10 @@ def tokenizer():
     return _build_tokenizer()
 
 
-_TOK = None
-
-
+@functools.cache
 def _tok():
     # hypothesis tests cannot take function-scoped fixtures; share one instance
-    global _TOK
-    if _TOK is None:
-        _TOK = _build_tokenizer()
-    return _TOK
+    return _build_tokenizer()
 
 
 def stream(tokenizer, ids, prompt_ids=()):
@@ -237,7 +234,7 @@ def test_stop_across_tokens_with_real_tokenizer(tokenizer):
 )
 def test_property_stop_matcher_equals_cut_at_first_stop(text, stops, cuts):
     pos = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    chunks = [text[a:b] for a, b in zip(pos, pos[1:])]
+    chunks = [text[a:b] for a, b in itertools.pairwise(pos)]
     out, hit = run_stop(stops, chunks)
     # reference: grow the text one character at a time; cut when a stop first appears
     for end in range(len(text) + 1):

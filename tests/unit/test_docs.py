@@ -93,7 +93,7 @@ def test_documented_defaults_are_the_code_defaults(clean_env: pytest.MonkeyPatch
                 clean_env.setenv(name, doc)
                 try:
                     ok = getattr(cls(), field) == default and default is not None
-                except Exception as exc:  # noqa: BLE001 — a value the process itself would refuse
+                except Exception as exc:  # a value the process itself would refuse
                     ok = False
                     doc = f"{doc} (refused: {exc})"
                 finally:

@@ -11,8 +11,18 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from streamfleet.gateway.edge.guard import (HEAD_TOO_LARGE, OVER_CAPACITY, SCOPE_KEY, TOO_MANY_FROM_ADDRESS, EdgeGuard,
-                                      EdgeHttpToolsProtocol, EdgeLimits, Refusal, Ticket, authenticated)
+from streamfleet.gateway.edge.guard import (
+    HEAD_TOO_LARGE,
+    OVER_CAPACITY,
+    SCOPE_KEY,
+    TOO_MANY_FROM_ADDRESS,
+    EdgeGuard,
+    EdgeHttpToolsProtocol,
+    EdgeLimits,
+    Refusal,
+    Ticket,
+    authenticated,
+)
 from streamfleet.shared.errors import ErrorCode
 from streamfleet.shared.settings import GatewaySettings
 from tests.support.wait import until_async

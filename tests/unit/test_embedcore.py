@@ -9,9 +9,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamfleet.shared.schema import (AudioInput, DoneEvent, EmbeddingEvent, EmbedTask, ErrorEvent, SamplingParams,
-                                       SpeechTask, Task, decode_events, decode_task, encode_events, LogEntry)
 from streamfleet.shared.modelrepo import load_tokenizer
+from streamfleet.shared.schema import (
+    AudioInput,
+    DoneEvent,
+    EmbeddingEvent,
+    EmbedTask,
+    ErrorEvent,
+    LogEntry,
+    SamplingParams,
+    SpeechTask,
+    Task,
+    decode_events,
+    decode_task,
+    encode_events,
+)
 from streamfleet.workers.coreset import Core
 from streamfleet.workers.embedcore import EmbeddingCore
 from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine

@@ -180,9 +180,8 @@ def test_identical_graphs_have_no_divergence(measured):
     from streamfleet.shared.quality import QUALITY_TEXT
 
     ids = Tokenizer.from_file(str(spec.tokenizer_path)).encode(QUALITY_TEXT.read_text()).ids
-    got = evaluate({"a": spec.path / "model.gqa.fp32.onnx", "b": spec.path / "model.gqa.fp32.onnx"}, "a", ids, n_ctx=128,
-                   chunks=1,
-                   threads=1)
+    got = evaluate({"a": spec.path / "model.gqa.fp32.onnx", "b": spec.path / "model.gqa.fp32.onnx"}, "a", ids,
+                   n_ctx=128, chunks=1, threads=1)
     assert got["b"].mean_kld == 0 and got["b"].top1 == 1.0 and got["b"].ppl == got["a"].ppl
     # 63 tokens scored a chunk of 128 (a random model: its perplexity is only finite)
     assert got["a"].tokens == 63 and 1 < got["a"].ppl < float("inf")
@@ -203,7 +202,7 @@ def test_a_worker_measures_in_a_process_of_its_own_and_says_why_it_failed(tmp_pa
 
     spec = _auto_folder(tmp_path, max_kld=1.0)
     (spec.path / "model.gqa.fp32.onnx").unlink()
-    with pytest.raises(FatalError, match='measuring the execution modes of tiny failed: .*graphs of weights = "auto" '
+    with pytest.raises(FatalError, match=r'measuring the execution modes of tiny failed: .*graphs of weights = "auto" '
                                          'are missing'):
         ensure_artifacts(spec)
     assert not (spec.path / "execution.json").exists()

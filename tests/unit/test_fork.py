@@ -69,7 +69,7 @@ def test_a_takeover_replay_is_not_forked(engine, tiny_spec):
         ids += [tid for (rid, _), tid in sorted(out.token_ids.items()) if rid == "r"]
     core.add(task("x", seed=5))
     core.add(task("y", seed=3), replay=ids[:5])
-    texts, shared = generate(core)
+    _texts, shared = generate(core)
     assert shared == 0
 
 

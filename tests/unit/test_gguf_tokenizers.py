@@ -175,15 +175,15 @@ def test_a_tokenizer_the_import_does_not_build_is_refused_by_name(tmp_path, src,
 def test_a_sentencepiece_vocabulary_in_a_gemma_file_is_refused(tmp_path):
     from streamfleet.shared.ggufimport import read_gguf
 
-    arch_file = sorted((FIXTURES.parent / "gemma2").glob("*.gguf"))[0]
+    arch_file = min((FIXTURES.parent / "gemma2").glob("*.gguf"))
     bad = _rewrite(FIXTURES / "spm.gguf", tmp_path / "g.gguf", arch_from=arch_file)
-    with pytest.raises(FatalError, match="SentencePiece tokenizer .* in a gemma2 file is not supported"):
+    with pytest.raises(FatalError, match=r"SentencePiece tokenizer .* in a gemma2 file is not supported"):
         read_gguf(bad)
     # the same keys around a SentencePiece vocabulary in a llama file pass the tokenizer checks
     # (and stop at the missing tensors)
-    with pytest.raises(FatalError, match="tensor .* is missing"):
+    with pytest.raises(FatalError, match=r"tensor .* is missing"):
         read_gguf(_rewrite(FIXTURES / "spm.gguf", tmp_path / "l.gguf",
-                           arch_from=sorted((FIXTURES.parent / "qwen2").glob("*.gguf"))[0]))
+                           arch_from=min((FIXTURES.parent / "qwen2").glob("*.gguf"))))
 
 
 def test_a_llama_file_with_a_sentencepiece_tokenizer_imports_and_says_so(tmp_path):

@@ -126,8 +126,9 @@ def test_bos_is_added_when_the_file_says_so(tmp_path):
     model = TinyLlama(seed=8)
     m = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", model))
     m.add_bos = True
-    from tokenizers import Tokenizer
     import json
+
+    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(m)))
     assert tok.encode("hello").ids[0] == 1

@@ -9,13 +9,21 @@ import time
 
 import pytest
 
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.errors import ErrorCode, ValidationError
-from streamfleet.shared.grammar import (COSTLY, GrammarError, GrammarLimits, Grammars, check_constraint, depth_problem,
-                                        grammar_of, plain_error)
+from streamfleet.shared.grammar import (
+    COSTLY,
+    GrammarError,
+    GrammarLimits,
+    Grammars,
+    check_constraint,
+    depth_problem,
+    grammar_of,
+    plain_error,
+)
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, SamplingParams, Task
 from streamfleet.shared.settings import GatewaySettings
-from streamfleet.gateway.admission.validation import Validator
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.engines.onnxruntime import OnnxRuntimeEngine
 
@@ -29,7 +37,8 @@ LEGIT = [
     {"guided_regex": r"[a-z ]{1000}"},
     {"response_format": {"type": "json_object"}},
     {"guided_json": {"type": "object", "properties": {
-        f"f{i}": {"type": "string", "pattern": "^[A-Z][a-z]{2,20}$"} if i % 2 else {"enum": [f"v{j}" for j in range(30)]}
+        f"f{i}": {"type": "string", "pattern": "^[A-Z][a-z]{2,20}$"} if i % 2
+        else {"enum": [f"v{j}" for j in range(30)]}
         for i in range(60)}}},
     {"guided_choice": [f"option number {i}" for i in range(500)]},
     {"guided_grammar": 'start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]+/'},
@@ -113,8 +122,8 @@ def test_nesting_is_bounded_before_anything_serialises_it():
 
 def test_plain_errors_carry_no_library_state():
     raw = "lexer error: too many expressions constructed\n<non-verbose/>"
-    assert plain_error(raw) == f"{COSTLY}: its regular expressions expand past the lexer's work limit " \
-                               f"(SF_GRAMMAR_LEXER_FUEL=50000)"
+    assert plain_error(raw) == (f"{COSTLY}: its regular expressions expand past the lexer's work limit "
+                                "(SF_GRAMMAR_LEXER_FUEL=50000)")
     assert plain_error("at 1(8): invalid regex\n   1 | start: /(x/\n") == "at 1(8): invalid regex 1 | start: /(x/"
 
 

@@ -9,8 +9,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from scripts import gen_proto
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.v1 import inference_pb2_grpc as pb_grpc
+from streamfleet.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
 
 
 def test_committed_descriptor_is_the_protos():

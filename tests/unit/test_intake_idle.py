@@ -68,7 +68,7 @@ async def test_what_a_read_cut_short_returns_later_is_started_by_the_next_admiss
 
 
 async def test_close_cancels_a_read_still_out():
-    intake, table, reads, started = make(5.0, [])
+    intake, table, _reads, _started = make(5.0, [])
     asyncio.get_running_loop().call_later(0.02, table.hold, Delivery("normal", b"1-0", {}))
     await intake.admit(block=True)
     read = intake._idle_read

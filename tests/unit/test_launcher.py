@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 from streamfleet.launcher import port_free, wait_ready
 
@@ -14,9 +15,9 @@ class _Fleet(BaseHTTPRequestHandler):
     """Another fleet's gateway: ready, and its /healthz names its own pid; its workers
     are ``workers`` (the gateway is ready without any)."""
 
-    workers: dict = {"tiny-gpt": 1}
+    workers: ClassVar[dict] = {"tiny-gpt": 1}
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         body = json.dumps({"status": "ok", "pid": 4242} if self.path == "/healthz"
                           else {"status": "ready", "workers": _Fleet.workers}).encode()
         self.send_response(200)

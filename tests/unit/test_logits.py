@@ -15,7 +15,8 @@ from tests.support.toy_core import EOS, Log, make_core, task
 VOCAB = 300
 
 
-def reference(row: np.ndarray, p: SamplingParams, prompt: list[int], generated: list[int], ends: set[int]) -> np.ndarray:
+def reference(row: np.ndarray, p: SamplingParams, prompt: list[int], generated: list[int],
+              ends: set[int]) -> np.ndarray:
     """One row, the way the definitions read, token by token."""
     x = row.astype(np.float64).copy()
     if len(generated) < p.min_tokens:
@@ -120,7 +121,7 @@ def generate(core, *tasks) -> tuple[Log, dict[str, list[int]], list]:
             break
         out = log.feed(core.step())
         outs.append(out)
-        for (rid, i), tid in sorted(out.token_ids.items()):
+        for (rid, _i), tid in sorted(out.token_ids.items()):
             ids.setdefault(rid, []).append(tid)
     for t in tasks:
         log.check(t.request_id)

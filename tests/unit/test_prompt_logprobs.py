@@ -14,15 +14,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamfleet.gateway.protocols.openai_mapping import (ChoiceStream, Echo, Gathered, ResponseShape, completion_echo,
-                                                request_payload)
-from streamfleet.gateway.requests.request_stream import RequestStream
 from streamfleet.gateway.admission.validation import Validator, echo_of
+from streamfleet.gateway.protocols.openai_mapping import (
+    ChoiceStream,
+    Echo,
+    Gathered,
+    ResponseShape,
+    completion_echo,
+    request_payload,
+)
+from streamfleet.gateway.requests.request_stream import RequestStream
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.ggufimport import import_gguf
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
-from streamfleet.shared.schema import (DoneEvent, ErrorEvent, PromptEvent, SamplingParams, Task, TokenEvent,
-                                       decode_events, encode_events)
+from streamfleet.shared.schema import (
+    DoneEvent,
+    ErrorEvent,
+    PromptEvent,
+    SamplingParams,
+    Task,
+    TokenEvent,
+    decode_events,
+    encode_events,
+)
 from streamfleet.shared.settings import GatewaySettings
 from streamfleet.workers.core import WorkerCore
 from streamfleet.workers.engines.echo import EchoEngine

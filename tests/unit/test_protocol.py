@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Resume, Send, Submit, render
 from streamfleet.shared.errors import ErrorCode, StreamfleetError, ValidationError
 from streamfleet.shared.keys import LANES
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Resume, Send, Submit, render
-from streamfleet.gateway.admission.validation import Validator
 from tests.support.fuzzframes import frames, plausible
 
 

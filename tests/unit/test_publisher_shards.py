@@ -119,7 +119,7 @@ async def test_a_dead_shards_share_is_kept_and_goes_out_first_in_order(cluster):
 
 
 async def test_an_ack_after_a_dead_shards_log_waits_and_the_request_is_kept_until_it_went_out(cluster):
-    pub, table, cores = make()
+    pub, table, _cores = make()
     rb = admit(table, B, 2)
     cluster.down = {"bbbb"}
     await pub.publish_all([("1", step((B, DoneEvent(rb, "length", 2, 1))))])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from streamfleet.gateway.admission.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
 from streamfleet.shared.errors import FatalError

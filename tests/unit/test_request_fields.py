@@ -11,19 +11,18 @@ from typing import get_args
 import orjson
 import pytest
 
-from streamfleet.shared.errors import ErrorCode, ValidationError
-from streamfleet.shared.modelrepo import ModelRepository
-from streamfleet.shared.schema import SamplingParams, Task, decode_task, sampling_problem
-from streamfleet.shared.settings import GatewaySettings
-from streamfleet.v1 import inference_pb2 as pb
-from streamfleet.workers.detokenize import StopMatcher
-
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.validation import GENERATE_FIELDS, UNSUPPORTED, GenerateField, Validator
 from streamfleet.gateway.doors.grpc_server import generate_payload, grpc_carries
 from streamfleet.gateway.protocols.openai_mapping import openai_carries, request_payload
 from streamfleet.gateway.protocols.responses_mapping import chat_body, parse_request, responses_carries
+from streamfleet.shared.errors import ErrorCode, ValidationError
 from streamfleet.shared.grammar import CONSTRAINTS
+from streamfleet.shared.modelrepo import ModelRepository
+from streamfleet.shared.schema import SamplingParams, Task, decode_task, sampling_problem
+from streamfleet.shared.settings import GatewaySettings
+from streamfleet.v1 import inference_pb2 as pb
+from streamfleet.workers.detokenize import StopMatcher
 
 FIELD = "include_stop_str_in_output"
 #: what a door does not take, and why: each entry is a decision, not an oversight

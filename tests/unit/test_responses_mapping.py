@@ -10,11 +10,19 @@ import typing
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
-from streamfleet.gateway.protocols.responses_mapping import (CHAT_ONLY, UNSUPPORTED, ResponseEvents, chat_body, input_items,
-                                                   output_as_input, parse_request, renamed)
 from streamfleet.gateway.admission.tools import parse_tools
 from streamfleet.gateway.admission.validation import Validator
+from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
+from streamfleet.gateway.protocols.responses_mapping import (
+    CHAT_ONLY,
+    UNSUPPORTED,
+    ResponseEvents,
+    chat_body,
+    input_items,
+    output_as_input,
+    parse_request,
+    renamed,
+)
 from streamfleet.shared.errors import ErrorCode, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, StoredResponse, TokenEvent
@@ -158,7 +166,7 @@ def test_what_is_not_implemented_or_malformed_is_refused_by_name(body, param):
 def test_defaults_spelled_out_are_accepted():
     body = {"input": "x", **{name: next((v for v in inert if v is not None), None)
                               for name, inert in UNSUPPORTED.items()},
-            **{name: None for name in CHAT_ONLY}, "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            **dict.fromkeys(CHAT_ONLY), "text": {"format": {"type": "text"}, "verbosity": "medium"},
             "parallel_tool_calls": False, "tools": [{**TOOL, "strict": True}], "tool_choice": "required",
             "user": "u", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False, "stream": False}
     req = parse_request(body)
@@ -228,8 +236,8 @@ def test_text_streams_as_the_typed_events_in_order():
     assert r["output"] == [{"id": "msg_" + RID, "type": "message", "status": "completed", "role": "assistant",
                             "content": [{"type": "output_text", "text": "Hello", "annotations": [],
                                          "logprobs": []}]}]
-    assert r["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": 3,
-                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
+    assert r["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
     assert r["metadata"] == {"a": "b"} and r["store"] is True and r["tool_choice"] == "auto" and r["tools"] == []
     assert r["text"] == {"format": {"type": "text"}} and r["incomplete_details"] is None
     assert out.events[0]["response"]["status"] == "in_progress" and out.events[0]["response"]["output"] == []

@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from streamfleet.shared.schema import SamplingParams
 from streamfleet.workers.sampling import Sampler

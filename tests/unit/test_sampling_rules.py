@@ -8,12 +8,11 @@ import dataclasses
 
 import pytest
 
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.errors import ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DEFAULT_MAX_TOKENS, RANGES, SamplingParams, sampling_problem
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.admission.validation import Validator
 
 VOCAB = 1000
 #: RANGES names -> the request field the gateway reads it from
@@ -47,7 +46,7 @@ def test_worker_recheck_follows_the_table(name):
 
 def test_worker_recheck_of_lists_and_token_ids():
     base = SamplingParams()
-    lo, hi = RANGES["logit_bias"]
+    _lo, hi = RANGES["logit_bias"]
     assert sampling_problem(dataclasses.replace(base, logit_bias=[[5, hi]]), VOCAB) is None
     for bad in ([[5, hi + 1]], [[VOCAB, 0.0]], [[-1, 0.0]], [[5]], "x"):
         assert "logit_bias" in sampling_problem(dataclasses.replace(base, logit_bias=bad), VOCAB)

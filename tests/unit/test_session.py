@@ -17,12 +17,11 @@ import orjson
 import pytest
 from structlog.testing import capture_logs
 
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, UnavailableError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.schema import DoneEvent, ErrorEvent, TokenEvent
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.admission.validation import Validator
 from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

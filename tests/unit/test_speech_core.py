@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.shared.schema import AudioInput, DoneEvent, ErrorEvent, SamplingParams, SpeechTask, Task, TranscriptEvent
-
+from streamfleet.shared.schema import (
+    AudioInput,
+    DoneEvent,
+    ErrorEvent,
+    SamplingParams,
+    SpeechTask,
+    Task,
+    TranscriptEvent,
+)
 from streamfleet.workers.coreset import Core
 from streamfleet.workers.engines.speech import SpeechDecoder, SpeechEngine
 from streamfleet.workers.speechcore import AUDIO_IDLE_S, SpeechCore
@@ -149,7 +156,8 @@ def test_a_broken_decoder_ends_its_utterance_only():
     core.feed("bad", [b"\xff\xff" * 1600], ended=False)
     core.feed("good", [CHUNK], ended=False)
     got = {e.request_id: e for e in events(core.step())}
-    assert isinstance(got["bad"], ErrorEvent) and got["bad"].code == "engine_error" and "decoder broke" in got["bad"].message
+    assert isinstance(got["bad"], ErrorEvent)
+    assert got["bad"].code == "engine_error" and "decoder broke" in got["bad"].message
     assert got["good"] == TranscriptEvent("good", 1, "w1")
     assert "bad" not in core and "good" in core and engine.in_use == 1
 

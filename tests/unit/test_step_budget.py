@@ -7,6 +7,7 @@ takes a request whose first token is not out yet (``StartedEvent``)."""
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ class Trace:
 
     def longest_gap(self, rid: str, after: float) -> float:
         times = [t for t in self.tokens[rid] if t >= after]
-        return max(b - a for a, b in zip(times, times[1:]))
+        return max(b - a for a, b in itertools.pairwise(times))
 
 
 def streams_then_long(core: WorkerCore, clock: Clock, trace: Trace, streams: int = 4, warm_steps: int = 40
@@ -92,7 +93,7 @@ def test_every_step_keeps_the_target_while_a_long_prompt_goes_in(slow, target_ms
     and follows the cost per token as it grows with the position. The streams' longest
     gap is one step, and the prompt's chunks shrink as they get dearer, never below 16."""
     clock = Clock()
-    core, engine = core_on(clock, target_ms=target_ms, slow=slow)
+    core, _engine = core_on(clock, target_ms=target_ms, slow=slow)
     trace = Trace(clock)
     arrived = streams_then_long(core, clock, trace)
     during = trace.steps[40:]
@@ -206,7 +207,7 @@ def test_a_started_event_comes_before_the_first_token_and_again_while_the_prompt
     while "long" not in trace.tokens:
         trace.step(core)
     said = trace.started["long"]
-    assert len(said) >= 2 and all(b - a >= ANNOUNCE_EVERY_S for a, b in zip(said, said[1:]))
+    assert len(said) >= 2 and all(b - a >= ANNOUNCE_EVERY_S for a, b in itertools.pairwise(said))
     assert said[-1] < trace.tokens["long"][0]
     events = trace.log.events["long"]
     first = events[0]
@@ -327,6 +328,6 @@ def test_consecutive_long_prompts_each_keep_the_target():
         while f"long{k}" not in trace.tokens:
             trace.step(core)
         assert max(trace.steps[n0:]) <= 0.100 * 1.1
-        assert [n for n in trace.prefill[n0:] if n][0] <= 2 * 64
+        assert next(n for n in trace.prefill[n0:] if n) <= 2 * 64
         for _ in range(5):
             trace.step(core)

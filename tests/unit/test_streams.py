@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-
-from streamfleet.shared.errors import UnavailableError, ValidationError
-from streamfleet.shared.schema import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, decode_events, encode_event,
-                                       encode_events)
-
 from streamfleet.gateway.requests.request_stream import TICK, RequestStream
+from streamfleet.shared.errors import UnavailableError, ValidationError
+from streamfleet.shared.schema import (
+    DoneEvent,
+    ErrorEvent,
+    StartedEvent,
+    TokenEvent,
+    decode_events,
+    encode_event,
+    encode_events,
+)
 
 
 def tok(i: int, text: str | None = None) -> TokenEvent:

@@ -43,7 +43,8 @@ def test_same_seed_same_bytes(seven, tmp_path):
     # --model-dir rebuilds the same files from that engine.toml (in a copy: the fixture is shared)
     shutil.copytree(seven, tmp_path / "a")
     (tmp_path / "a" / "model.onnx").unlink()
-    subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(tmp_path / "a"), "-q"], check=True)
+    subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(tmp_path / "a"), "-q"],
+                   check=True)
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
@@ -135,8 +136,8 @@ PUNCT = set(" .,;:!?'\"-\n")
 @pytest.fixture(scope="module")
 def fresh_tiny(tmp_path_factory):
     """tiny-gpt generated now from its engine.toml [build] (not a stale file in engines/)."""
-    from streamfleet.shared.tinymodel import params_from_model_dir, write_model
     from streamfleet.shared.modelrepo import ModelRepository
+    from streamfleet.shared.tinymodel import params_from_model_dir, write_model
 
     params, _, _ = params_from_model_dir(REPO_ROOT / "engines" / "tiny-gpt")
     root = tmp_path_factory.mktemp("engines")
@@ -260,8 +261,7 @@ def test_a_model_from_an_older_generator_is_made_again(tiny_spec, tmp_path):
     files again when that is not the generator in the repository now."""
     import shutil
 
-    from streamfleet.shared.modelrepo import (GENERATOR_KEY, ModelSpec, ensure_artifacts, generator_digest,
-                                              onnx_metadata)
+    from streamfleet.shared.modelrepo import GENERATOR_KEY, ModelSpec, ensure_artifacts, generator_digest, onnx_metadata
 
     current = {p.key: p.value for p in onnx.load(str(tiny_spec.onnx_path), load_external_data=False).metadata_props}
     assert current[GENERATOR_KEY] == generator_digest()

@@ -24,12 +24,13 @@ def test_a_constrained_call_keeps_the_models_arguments_byte_for_byte():
 
 
 def test_other_shapes_are_normalised_exactly_or_are_text():
-    tagged = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris", "n": 12345678901234567890123}} </tool_call>'
+    tagged = ('<tool_call> {"name": "get_weather", "arguments": {"city": "Paris", "n": 12345678901234567890123}} '
+              '</tool_call>')
     assert parse_calls(tagged, NAMES) == [("get_weather", '{"city":"Paris","n":12345678901234567890123}')]
     as_string = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Lima\\"}"}'
     assert parse_calls(as_string, NAMES) == [("get_weather", '{"city":"Lima"}')]
-    for text in ('{"name":"nope","arguments":{}}', "hello", '{"name":"register"}', '{"name":"register","arguments":[1]}',
-                 '{"name":"register","arguments":{"a":1}} and more'):
+    for text in ('{"name":"nope","arguments":{}}', "hello", '{"name":"register"}',
+                 '{"name":"register","arguments":[1]}', '{"name":"register","arguments":{"a":1}} and more'):
         assert parse_calls(text, NAMES) is None, text
 
 

@@ -19,10 +19,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
+from streamfleet.devkit.trt_emulation import HostMem, OrtRunner, emulated_engine
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.modelrepo import ModelSpec
-from streamfleet.devkit.trt_emulation import HostMem, OrtRunner, emulated_engine
-from streamfleet.devkit.greedy import greedy_alone, greedy_scenario
 from streamfleet.workers.engines import cuda_mem, load_engine, trt_build, trt_plan
 from streamfleet.workers.engines.onnxruntime import InvalidSequenceError, OnnxRuntimeEngine
 from streamfleet.workers.engines.tensorrt import TensorRTEngine, prefill_groups
@@ -119,7 +119,7 @@ def test_synthetic_graph_refusals():
     with pytest.raises(FatalError, match="token_type_ids"):
         trt_plan.graph_info_from_model(_synthetic_graph(extra_input=True))
     # positions from cache columns would shift under padding: refused, naming the fix
-    with pytest.raises(FatalError, match="no position_ids input.*onnxruntime"):
+    with pytest.raises(FatalError, match=r"no position_ids input.*onnxruntime"):
         trt_plan.graph_info_from_model(_synthetic_graph(positions=False))
     with pytest.raises(FatalError, match="merged decoder"):
         trt_plan.graph_info_from_model(_synthetic_graph(extra_input="use_cache_branch"))
@@ -525,7 +525,7 @@ def test_emulated_full_batch_and_small_prefill_budget(tiny_spec, ort_engine):
         got = {k: [int(row.argmax())] for k, row in zip(prompts, logits)}
         for _ in range(3):
             out = eng.decode([(k, t[-1]) for k, t in got.items()])
-            for (k, t), row in zip(got.items(), out):
+            for (_k, t), row in zip(got.items(), out):
                 t.append(int(row.argmax()))
         assert got == {k: w[0] for k, w in want.items()}
     finally:
@@ -538,7 +538,7 @@ def test_profile_limits_are_enforced_by_the_emulation(tiny_spec):
     eng = TensorRTEngine(tiny_spec, mem=mem, runner=runner)
     try:
         shapes = {"input_ids": (1, 1), "attention_mask": (1, 1), "position_ids": (1, 1)}
-        shapes.update({n: (1, eng.kv_heads, 0, eng.head_dim) for n in runner.info.past_names})
+        shapes.update(dict.fromkeys(runner.info.past_names, (1, eng.kv_heads, 0, eng.head_dim)))
         with pytest.raises(AssertionError, match="outside the decode profile"):
             runner.run(DECODE, shapes, {}, None)             # decode needs a past of >= 1
     finally:
@@ -607,7 +607,7 @@ def test_engine_over_the_real_runner(model_copy, fake_trt, ort_engine):
     from streamfleet.devkit.greedy import compare, greedy_alone, greedy_batched, greedy_staggered, random_prompts
 
     trt, mem = fake_trt
-    with pytest.raises(FatalError, match="no TensorRT plan for tiny-gpt .*streamfleet engines build tiny-gpt"):
+    with pytest.raises(FatalError, match=r"no TensorRT plan for tiny-gpt .*streamfleet engines build tiny-gpt"):
         TensorRTEngine(model_copy, mem=mem, build_if_missing=False)
     eng = TensorRTEngine(model_copy, mem=mem)                    # builds the plan, then loads it
     try:

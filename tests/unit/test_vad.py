@@ -5,16 +5,30 @@ stream's own bytes."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech
 from streamfleet.gateway.services.silero import SileroDetector, silero_model
-from streamfleet.gateway.services.vad import Segmenter, SpeechAudio, SpeechStarted, SpeechStopped, UtteranceEnd, VadEvent
-from streamfleet.gateway.services.vad_detectors import (BYTES_PER_MS, DEFAULT_DETECTOR, DETECTORS, EnergyDetector,
-                                               WebRtcDetector, make_detector)
+from streamfleet.gateway.services.vad import (
+    Segmenter,
+    SpeechAudio,
+    SpeechStarted,
+    SpeechStopped,
+    UtteranceEnd,
+    VadEvent,
+)
+from streamfleet.gateway.services.vad_detectors import (
+    BYTES_PER_MS,
+    DEFAULT_DETECTOR,
+    DETECTORS,
+    EnergyDetector,
+    WebRtcDetector,
+    make_detector,
+)
 
 KINDS = ["silero", "webrtc", "energy"]
 HANGOVER_MS = 200
@@ -190,7 +204,7 @@ def test_max_utterance_ms_splits_and_the_audio_stays_contiguous(kind: str) -> No
     assert all(end.end_ms - end.start_ms <= 3000 for end, _ in utts)
     assert_exact(pcm, utts)
     # a split while speaking: the next utterance starts where the last one ended
-    assert any(b.start_ms == a.end_ms for (a, _), (b, _) in zip(utts, utts[1:]))
+    assert any(b.start_ms == a.end_ms for (a, _), (b, _) in itertools.pairwise(utts))
     # and they cover all of the speech
     covered = sum(end.end_ms - end.start_ms for end, _ in utts)
     assert covered >= len(talk) // BYTES_PER_MS - 500
@@ -212,7 +226,7 @@ def test_flush_ends_an_open_utterance(kind: str) -> None:
 
 
 def test_unknown_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="'vosk'.*energy, silero, webrtc"):
+    with pytest.raises(ValueError, match=r"'vosk'.*energy, silero, webrtc"):
         make_detector("vosk")
     with pytest.raises(ValueError, match="webrtc"):
         make_detector("webrtc", agressiveness=3)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from streamfleet.gateway.admission.chat_template import render_chat
+from streamfleet.gateway.admission.validation import Validator
 from streamfleet.shared.errors import NotFoundError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.admission.chat_template import render_chat
-from streamfleet.gateway.admission.validation import Validator
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +81,8 @@ def test_prompt_encoding_matches_the_tokenizer(tiny_spec):
     from streamfleet.shared.modelrepo import load_tokenizer
 
     tok = load_tokenizer(tiny_spec)
-    for text in ("Once upon a time", "  spaced\n\nout\t", "héllo wörld", "日本語のテキスト", "emoji 🤖👍🏽 ok", "a" * 3000):
+    for text in ("Once upon a time", "  spaced\n\nout\t", "héllo wörld", "日本語のテキスト", "emoji 🤖👍🏽 ok",
+                 "a" * 3000):
         assert encode_prompt(tok, text) == tok.encode(text, add_special_tokens=False)
 
     class Truncating:

@@ -10,10 +10,9 @@ import random
 import pytest
 
 from streamfleet.devkit.speech import SENTENCES, flite_missing, noise, silence, speech
-from streamfleet.gateway.services.silero import SileroDetector
+from streamfleet.gateway.services.silero import SileroBatch, SileroDetector
 from streamfleet.gateway.services.vad import Segmenter
 from streamfleet.gateway.services.vad_detectors import AlwaysSpeech
-from streamfleet.gateway.services.silero import SileroBatch
 from streamfleet.gateway.services.voice import new_detector
 
 pytestmark = pytest.mark.skipif(flite_missing() is not None, reason=flite_missing() or "")

@@ -22,19 +22,17 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from streamfleet.gateway.admission.validation import MAX_ID_CHARS, Validator
+from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.gateway.requests.reply_channel import ReplyChannel
+from streamfleet.gateway.services.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
 from streamfleet.shared.errors import ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.modelrepo import ModelRepository, load_tokenizer
 from streamfleet.shared.schema import DoneEvent, EmbeddingEvent, ErrorEvent, RequestRecord
 from streamfleet.shared.settings import GatewaySettings
-
-from streamfleet.gateway.services.embeddings import MAX_INPUTS, EmbeddingsBody, check_body
-from streamfleet.gateway.protocols.frames import Cancel, ConnectionProtocol, Embed, Send, Submit, embeddings_frame
-from streamfleet.gateway.requests.reply_channel import ReplyChannel
-from streamfleet.gateway.requests.lifecycle import ClientRequest
-from streamfleet.gateway.admission.validation import MAX_ID_CHARS, Validator
 from tests.support.sessionstub import Conn, Hub, idle, refusals, until
 from tests.support.tinybert import tiny_embedding_model
 
