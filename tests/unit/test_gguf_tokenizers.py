@@ -12,6 +12,8 @@ disagreements. Neither torch nor transformers' GGUF reader is needed.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.ggufimport import build_tokenizer_json, read_gguf_tokenizer, write_tokenizer_only
+from streamfleet.shared.ggufimport import GgufTokenizer, build_tokenizer_json, read_gguf_tokenizer, write_tokenizer_only
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / "tokenizers"
 REF = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
@@ -44,8 +46,24 @@ HELD_TO = {
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
 
 
+@functools.cache
+def _read(name: str) -> GgufTokenizer:
+    return read_gguf_tokenizer(FIXTURES / name)
+
+
+def _fields(name: str) -> GgufTokenizer:
+    """A fixture file's tokenizer fields, read once for the module's tests (each file is
+    read and checked all the same): a copy, which a test may change."""
+    return copy.copy(_read(name))
+
+
+@functools.cache
+def _tokenizer_json(name: str) -> str:
+    return json.dumps(build_tokenizer_json(_read(name)))
+
+
 def _tokenizer(name: str) -> Tokenizer:
-    return Tokenizer.from_str(json.dumps(build_tokenizer_json(read_gguf_tokenizer(FIXTURES / name))))
+    return Tokenizer.from_str(_tokenizer_json(name))
 
 
 def test_every_fixture_is_checked():
@@ -81,7 +99,7 @@ def test_transformers_differs_only_where_it_ignores_the_files_split(name):
 
 @pytest.mark.parametrize("name", sorted(HELD_TO))
 def test_bos_and_decoding(name):
-    m = read_gguf_tokenizer(FIXTURES / name)
+    m = _fields(name)
     tok = _tokenizer(name)
     entry = REF["tokenizers"][name]
     plain = TABLES[entry[HELD_TO[name][-1]]]
@@ -96,9 +114,9 @@ def test_bos_and_decoding(name):
 
 
 def test_the_sentencepiece_file_is_read_as_sentencepiece():
-    m = read_gguf_tokenizer(FIXTURES / "spm.gguf")
+    m = _fields("spm.gguf")
     assert m.tokenizer_model == "llama" and m.add_bos and m.add_space_prefix
-    assert not read_gguf_tokenizer(FIXTURES / "spm-no-prefix.gguf").add_space_prefix
+    assert not _fields("spm-no-prefix.gguf").add_space_prefix
     tok = _tokenizer("spm.gguf")
     # bytes outside the vocabulary fall back to <0xNN> tokens
     ids = tok.encode("😀", add_special_tokens=False).ids
@@ -109,7 +127,7 @@ def test_the_sentencepiece_file_is_read_as_sentencepiece():
 def test_the_chat_template_comes_from_the_file(tmp_path, name):
     from streamfleet.shared.modelrepo import _load_tokenizer_cached
 
-    m = read_gguf_tokenizer(FIXTURES / name)
+    m = _fields(name)
     write_tokenizer_only(m, tmp_path, max_context=64)
     tok = _load_tokenizer_cached(str(tmp_path / "tokenizer.json"))
     # as the fleet loads it: BOS once where the file says so
@@ -230,7 +248,7 @@ def test_a_llama_file_with_a_sentencepiece_tokenizer_imports_and_says_so(tmp_pat
 def test_eos_is_added_when_the_file_says_so(tmp_path, name):
     from streamfleet.shared.modelrepo import _load_tokenizer_cached
 
-    m = read_gguf_tokenizer(FIXTURES / name)
+    m = _fields(name)
     plain = _tokenizer(name).encode("Hello world", add_special_tokens=False).ids
     m.add_eos = True
     tok = Tokenizer.from_str(json.dumps(build_tokenizer_json(m)))

@@ -14,21 +14,31 @@ import numpy as np
 import onnx
 import pytest
 
-from streamfleet.shared.modelrepo import REPO_ROOT, load_tokenizer
+from streamfleet.shared.modelrepo import ensure_artifacts, load_tokenizer
 
 SMALL = ["--seed", "7", "--vocab-size", "512", "--n-layer", "1", "--n-head", "2", "--d-model", "32",
          "--max-context", "64", "--max-batch", "4"]
 
 
 def make(out: Path, *args: str) -> None:
+    """The generator's command line, in a process of its own."""
     subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--out", str(out), "-q", *args], check=True)
+
+
+def make_here(*args: str) -> None:
+    """The same command line in this process (where a process of its own is not what is
+    checked)."""
+    from streamfleet.shared.tinymodel import main
+
+    assert main(["-q", *args]) == 0
 
 
 @pytest.fixture(scope="module")
 def seven(tmp_path_factory) -> Path:
-    """The small model of seed 7, made once for the tests that compare against it."""
+    """The small model of seed 7, made once (in this process) for the tests that compare
+    against it."""
     out = tmp_path_factory.mktemp("seven") / "a"
-    make(out, *SMALL)
+    make_here("--out", str(out), *SMALL)
     return out
 
 
@@ -43,14 +53,13 @@ def test_same_seed_same_bytes(seven, tmp_path):
     # --model-dir rebuilds the same files from that engine.toml (in a copy: the fixture is shared)
     shutil.copytree(seven, tmp_path / "a")
     (tmp_path / "a" / "model.onnx").unlink()
-    subprocess.run([sys.executable, "-m", "streamfleet.shared.tinymodel", "--model-dir", str(tmp_path / "a"), "-q"],
-                   check=True)
+    make_here("--model-dir", str(tmp_path / "a"))
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
 @pytest.mark.slow
 def test_other_seed_other_weights(seven, tmp_path):
-    make(tmp_path / "c", *SMALL[:1], "8", *SMALL[2:])
+    make_here("--out", str(tmp_path / "c"), *SMALL[:1], "8", *SMALL[2:])
     assert (seven / "model.onnx").read_bytes() != (tmp_path / "c" / "model.onnx").read_bytes()
 
 
@@ -134,15 +143,26 @@ PUNCT = set(" .,;:!?'\"-\n")
 
 
 @pytest.fixture(scope="module")
-def fresh_tiny(tmp_path_factory):
-    """tiny-gpt generated now from its engine.toml [build] (not a stale file in engines/)."""
+def fresh_tiny(tiny_spec, tmp_path_factory):
+    """tiny-gpt generated now from its engine.toml [build] (not a stale file in engines/):
+    engines/tiny-gpt's files copied, the graph's metadata removed (what the generator
+    before this one wrote), then made again by ensure_artifacts, as a checkout updated to
+    a new demo model makes them (test_a_model_from_an_older_generator_is_made_again checks
+    that it did; one generation serves both)."""
     from streamfleet.shared.modelrepo import ModelRepository
-    from streamfleet.shared.tinymodel import params_from_model_dir, write_model
 
-    params, _, _ = params_from_model_dir(REPO_ROOT / "engines" / "tiny-gpt")
     root = tmp_path_factory.mktemp("engines")
-    write_model(root / "tiny-gpt", params, toml=True)
-    return ModelRepository(root).get("tiny-gpt")
+    d = root / tiny_spec.name
+    d.mkdir()
+    for name in ("engine.toml", tiny_spec.onnx, tiny_spec.tokenizer):
+        shutil.copy(tiny_spec.path / name, d / name)
+    old = onnx.load(str(d / tiny_spec.onnx))
+    del old.metadata_props[:]
+    onnx.save(old, str(d / tiny_spec.onnx))
+    assert (d / tiny_spec.onnx).read_bytes() != tiny_spec.onnx_path.read_bytes()
+    spec = ModelRepository(root).get(tiny_spec.name)
+    ensure_artifacts(spec)
+    return spec
 
 
 def generate(spec, requests: list[tuple[str, float, int]], max_tokens: int = 48):
@@ -255,13 +275,13 @@ def test_context_moves_the_logits(fresh_tiny):
 
 
 @pytest.mark.slow
-def test_a_model_from_an_older_generator_is_made_again(tiny_spec, tmp_path):
+def test_a_model_from_an_older_generator_is_made_again(tiny_spec, fresh_tiny, tmp_path):
     """A checkout updated to a new demo model must not keep serving the files an older
     generator left behind: the graph names its generator, and ensure_artifacts makes the
     files again when that is not the generator in the repository now."""
     import shutil
 
-    from streamfleet.shared.modelrepo import GENERATOR_KEY, ModelSpec, ensure_artifacts, generator_digest, onnx_metadata
+    from streamfleet.shared.modelrepo import GENERATOR_KEY, ModelSpec, generator_digest, onnx_metadata
 
     current = {p.key: p.value for p in onnx.load(str(tiny_spec.onnx_path), load_external_data=False).metadata_props}
     assert current[GENERATOR_KEY] == generator_digest()
@@ -278,8 +298,8 @@ def test_a_model_from_an_older_generator_is_made_again(tiny_spec, tmp_path):
     ensure_artifacts(spec)  # a copy of current files: nothing to do
     assert (d / tiny_spec.onnx).read_bytes() == tiny_spec.onnx_path.read_bytes()
 
-    old = onnx.load(str(d / tiny_spec.onnx))
-    del old.metadata_props[:]  # what the generator before this one wrote
-    onnx.save(old, str(d / tiny_spec.onnx))
-    ensure_artifacts(spec)
-    assert (d / tiny_spec.onnx).read_bytes() == tiny_spec.onnx_path.read_bytes()
+    # fresh_tiny is such a copy whose graph lost its metadata (what the generator before
+    # this one wrote), given to ensure_artifacts: made again, the same files
+    assert fresh_tiny.onnx_path.read_bytes() == tiny_spec.onnx_path.read_bytes()
+    assert fresh_tiny.tokenizer_path.read_bytes() == tiny_spec.tokenizer_path.read_bytes()
+    assert onnx_metadata(fresh_tiny.onnx_path)[GENERATOR_KEY] == generator_digest()
