@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, Response
 
 __all__ = ["router", "STATIC_DIR"]
 
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"  # gateway/static
 
 _MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
