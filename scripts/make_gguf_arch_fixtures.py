@@ -66,6 +66,8 @@ MERGES = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or", "hell o"]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map. workers/logits.py has the product's copy;
+    this script runs in a transformers venv without streamfleet installed, so it keeps its own."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0

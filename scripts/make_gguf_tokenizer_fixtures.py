@@ -92,18 +92,6 @@ def texts() -> list[str]:
     return out
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def train_bpe(work: Path) -> tuple[list[str], list[str], list[int]]:
     """A byte-level BPE trained with GPT-2's split: (tokens, merges, token types)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
