@@ -60,6 +60,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from streamfleet.shared.gguf_gqa import CACHE_ROW_MULTIPLE, CACHE_ROWS_KEY, GQA_GRAPH_FILE, POSITIONS_KEY
 from streamfleet.shared.modelrepo import GENERATOR_KEY, generator_digest
 
 OPSET = 17
@@ -69,9 +70,6 @@ BLOCK_MIX = 0.025
 EOS_TOKEN = "<|endoftext|>"
 #: the graph layouts (``BuildParams.attention``)
 ATTENTIONS = ("concat", "gqa")
-#: the GroupQueryAttention graph's metadata (shared/gguf_gqa.py's keys)
-_POSITIONS_KEY = "streamfleet.gqa.max_positions"
-_CACHE_ROWS_KEY = "streamfleet.gqa.cache_rows"
 
 
 @dataclass(frozen=True)
@@ -567,7 +565,8 @@ def build_graph(params: BuildParams, tokenizer_json: str) -> onnx.ModelProto:
     if gqa:
         # the positions the table holds (no RoPE caches bound the KV buffers' length; the
         # rows are rounded up to whole 4 KiB pages of a head's slots as the import's are)
-        props |= {_POSITIONS_KEY: str(n_ctx), _CACHE_ROWS_KEY: str(-(-n_ctx // 64) * 64)}
+        rows = -(-n_ctx // CACHE_ROW_MULTIPLE) * CACHE_ROW_MULTIPLE
+        props |= {POSITIONS_KEY: str(n_ctx), CACHE_ROWS_KEY: str(rows)}
     helper.set_model_props(model, props)
     # the contrib op has no schema in onnx's checker: a GQA graph is checked without
     # shape inference
@@ -621,8 +620,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def graph_file(params: BuildParams) -> str:
     """The graph's file name in a model folder: the GroupQueryAttention layout's is the
-    name workers/engines/onnx_gqa.py looks for (shared/gguf_gqa.py's ``GQA_GRAPH_FILE``)."""
-    return "model.gqa.onnx" if params.attention == "gqa" else "model.onnx"
+    name workers/engines/onnx_gqa.py looks for."""
+    return GQA_GRAPH_FILE if params.attention == "gqa" else "model.onnx"
 
 
 def engine_toml(name: str, params: BuildParams) -> str:
