@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
+
+# The machines CI runs on set PYTHONDONTWRITEBYTECODE=1. Without bytecode, pytest rewrites the
+# asserts of every test module again in each -n process, and every gateway, worker and CLI
+# process the tests start compiles the package from source again. The test run keeps its
+# bytecode (in __pycache__ folders, which git ignores); this process and the ones it starts.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(scope="session")

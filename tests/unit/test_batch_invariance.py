@@ -181,7 +181,7 @@ def test_processing_and_logprobs_are_row_by_row_bit_for_bit():
 
 @pytest.mark.slow
 def test_seeded_requests_give_the_same_text_alone_and_in_any_batch(specs):
-    """Issue 35, item 6: 200 seeded sampled requests (temperature 0.8, up to 120 tokens)
+    """Issue 35, item 6: 100 seeded sampled requests (temperature 0.8, up to 120 tokens)
     alone, then inside batches of 1 to 32 with staggered joins: no text differs, nor any
     token, nor any log probability (which would show a logit differing in its last bit
     even where the draw does not change)."""
@@ -189,16 +189,16 @@ def test_seeded_requests_give_the_same_text_alone_and_in_any_batch(specs):
     engine = OnnxRuntimeEngine(spec, threads=1)
     core = WorkerCore(engine, load_tokenizer(spec), clock=lambda: 1000.0)
     assert core.max_batch == 32
-    alone = run_alone(core, seeded_tasks(200, engine.vocab_size))
+    alone = run_alone(core, seeded_tasks(100, engine.vocab_size))
     sizes = collections.Counter()
-    batched = run_staggered(core, seeded_tasks(200, engine.vocab_size), [1, 32, 4, 24, 2, 16, 32, 8],
+    batched = run_staggered(core, seeded_tasks(100, engine.vocab_size), [1, 32, 4, 24, 2, 16, 32, 8],
                             on_step=lambda b: sizes.update([b]))
     engine.close()
-    assert len(alone) == len(batched) == 200
+    assert len(alone) == len(batched) == 100
     assert sizes[1] and sizes[32] and len(sizes) >= 25, sizes  # batches of every size, 1 to 32
-    assert sum(len(o.ids) for o in alone.values()) > 150 * 60
-    assert sum(len(o.logprobs) for o in alone.values()) > 40 * 60
+    assert sum(len(o.ids) for o in alone.values()) > 75 * 60
+    assert sum(len(o.logprobs) for o in alone.values()) > 20 * 60
     texts = sorted(k for k in alone if batched[k].text != alone[k].text)
-    assert texts == [], f"{len(texts)} of 200 texts differ: {texts[:10]}"
+    assert texts == [], f"{len(texts)} of 100 texts differ: {texts[:10]}"
     differ = sorted(k for k in alone if batched[k] != alone[k])
-    assert differ == [], f"{len(differ)} of 200 requests differ (tokens or log probabilities): {differ[:10]}"
+    assert differ == [], f"{len(differ)} of 100 requests differ (tokens or log probabilities): {differ[:10]}"

@@ -59,22 +59,26 @@ def _engines(tmp_path: Path, model: TinyLlama, weights: str):
     return OnnxRuntimeEngine(spec, threads=1), OnnxGqaEngine(spec, threads=1), description
 
 
-def _check(engine, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> None:
-    """All prompts prefilled together, then decode steps of all of them batched: every row
-    equals the numpy forward pass of its own sequence."""
+def _check(engines, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> None:
+    """All prompts prefilled together, then decode steps of all of them batched, in each of
+    ``engines`` (one or several, fed the same tokens): every row equals the numpy forward
+    pass of its own sequence, computed once for all the engines."""
+    engines = engines if isinstance(engines, tuple) else (engines,)
     seqs = {f"s{i}": list(p) for i, p in enumerate(PROMPTS)}
-    logits = engine.prefill(list(seqs.items()))
+    logits = [engine.prefill(list(seqs.items())) for engine in engines]
     for step in range(steps + 1):
-        for r, (sid, ids) in enumerate(seqs.items()):
-            np.testing.assert_allclose(logits[r], numpy_logits(model, ids)[-1], atol=atol, rtol=0,
-                                       err_msg=f"{model.arch} {sid} step {step}")
+        want = [numpy_logits(model, ids)[-1] for ids in seqs.values()]
+        for engine, got in zip(engines, logits, strict=True):
+            for r, sid in enumerate(seqs):
+                np.testing.assert_allclose(got[r], want[r], atol=atol, rtol=0,
+                                           err_msg=f"{model.arch} {type(engine).__name__} {sid} step {step}")
         if step == steps:
             break
         feed = []
         for r, (sid, ids) in enumerate(seqs.items()):
-            ids.append(int(np.argmax(logits[r])))
+            ids.append(int(np.argmax(logits[0][r])))
             feed.append((sid, ids[-1]))
-        logits = engine.decode(feed)
+        logits = [engine.decode(feed) for engine in engines]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -83,8 +87,7 @@ def _check(engine, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> None
 def test_both_graph_layouts_equal_the_numpy_forward_pass(tmp_path, arch, weights, tied):
     model = _model(arch, seed=31, tied=tied)
     concat, gqa, description = _engines(tmp_path, model, weights)
-    _check(concat, model)
-    _check(gqa, model)
+    _check((concat, gqa), model)
     gqa.close()
     assert f"architecture  {arch}:" in description
 
@@ -108,8 +111,7 @@ def test_quantized_mixes_equal_the_numpy_forward_pass(tmp_path, arch, mix):
     model = _model(arch, seed=32, hidden=256, intermediate=256, n_head=4, n_kv_head=2, tied=False, **kw)
     concat, gqa, _ = _engines(tmp_path, model, "q4")
     # logits up to about 36 in size here: fp32 rounding of sums over 256 and 512 terms
-    _check(concat, model, atol=5e-4, steps=1)
-    _check(gqa, model, atol=5e-4, steps=1)
+    _check((concat, gqa), model, atol=5e-4, steps=1)
     gqa.close()
 
 
@@ -233,8 +235,7 @@ def test_linear_rope_scaling(tmp_path, arch):
     Llama-family files: every layer) divides the positions by the factor, in both layouts."""
     model = _model(arch, seed=39, rope_scale=8.0) if arch != "llama" else TinyLlama(seed=39, rope_scale=4.0)
     concat, gqa, description = _engines(tmp_path, model, "fp32")
-    _check(concat, model, steps=2)
-    _check(gqa, model, steps=2)
+    _check((concat, gqa), model, steps=2)
     gqa.close()
     assert "(linear scaling" in description
     unscaled = _model(arch, seed=39) if arch != "llama" else TinyLlama(seed=39)
