@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from streamfleet.shared.modelrepo import ModelRepository, ModelSpec, ensure_artifacts
+from tests.support import schedule
 
 # The machines CI runs on set PYTHONDONTWRITEBYTECODE=1. Without bytecode, pytest rewrites the
 # asserts of every test module again in each -n process, and every gateway, worker and CLI
@@ -23,3 +24,16 @@ def tiny_spec() -> ModelSpec:
     spec = ModelRepository().get("tiny-gpt")
     ensure_artifacts(spec)
     return spec
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    schedule.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    schedule.configure(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the longest modules first, so that with -n none runs alone at the end (tests/support/schedule.py)
+    schedule.reorder(config, items)

@@ -303,3 +303,27 @@ def test_a_model_from_an_older_generator_is_made_again(tiny_spec, fresh_tiny, tm
     assert fresh_tiny.onnx_path.read_bytes() == tiny_spec.onnx_path.read_bytes()
     assert fresh_tiny.tokenizer_path.read_bytes() == tiny_spec.tokenizer_path.read_bytes()
     assert onnx_metadata(fresh_tiny.onnx_path)[GENERATOR_KEY] == generator_digest()
+
+
+def test_graph_metadata_is_read_as_onnx_reads_it(tmp_path):
+    """shared.modelrepo.onnx_metadata parses the metadata entries itself (no onnx import in
+    the processes that only check a folder): the same dictionary as onnx's own reading, for
+    unicode, empty and long values, and a clear ValueError for a broken entry."""
+    from onnx import TensorProto, helper
+
+    from streamfleet.shared.modelrepo import onnx_metadata
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph)
+    entries = {"plain": "1", "empty": "", "": "no key", "unicode ✓": "日本語 ü", "long": "x" * 70_000}
+    helper.set_model_props(model, entries)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert onnx_metadata(path) == {p.key: p.value for p in onnx.load(str(path)).metadata_props} == entries
+    # an entry whose value claims more bytes than it has
+    entry = b"\x0a\x01k\x12\x05ab"
+    (tmp_path / "bad.onnx").write_bytes(b"\x72" + bytes([len(entry)]) + entry)
+    with pytest.raises(ValueError, match="truncated"):
+        onnx_metadata(tmp_path / "bad.onnx")
