@@ -16,7 +16,8 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "run", "settle_heap"]
+__all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "raise_if_cancelled",
+           "run", "settle_heap"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -27,6 +28,17 @@ def mark_retrieved(fut: asyncio.Future[Any]) -> None:
     left to await is not reported as never retrieved (those that awaited got it)."""
     if not fut.cancelled():
         fut.exception()
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError where the running task was cancelled but the cancel never
+    reached it as an exception: a library call that caught it and went on (seen with
+    redis-py 8.2, a heartbeat cancelled inside its Redis pipeline on a loaded machine:
+    the task stayed "cancelling" and beat forever, so the stop that awaited it hung).
+    Loops that run until cancelled call this before they sleep."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
