@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 __all__ = ["EVENT_LOOPS", "LightQueue", "cancel_and_wait", "loop_factory", "mark_retrieved", "raise_if_cancelled",
-           "run", "settle_heap"]
+           "run", "settle_heap", "sleep_unless_cancelled"]
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -35,10 +35,17 @@ def raise_if_cancelled() -> None:
     reached it as an exception: a library call that caught it and went on (seen with
     redis-py 8.2, a heartbeat cancelled inside its Redis pipeline on a loaded machine:
     the task stayed "cancelling" and beat forever, so the stop that awaited it hung).
-    Loops that run until cancelled call this before they sleep."""
+    Loops that run until cancelled sleep through ``sleep_unless_cancelled``."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def sleep_unless_cancelled(seconds: float) -> None:
+    """The pause of a loop that runs until it is cancelled: ``asyncio.sleep``, after
+    ``raise_if_cancelled`` (a cancel that a call of the last round swallowed)."""
+    raise_if_cancelled()
+    await asyncio.sleep(seconds)
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:

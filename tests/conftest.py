@@ -36,4 +36,4 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # the longest modules first, so that with -n none runs alone at the end (tests/support/schedule.py)
-    schedule.reorder(config, items)
+    schedule.reorder(items)

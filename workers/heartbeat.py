@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from streamfleet.shared.aio import raise_if_cancelled
+from streamfleet.shared.aio import sleep_unless_cancelled
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
@@ -97,8 +97,7 @@ class HeartbeatLoop(Part):
                         self.advert.refreshed(results[-1])
                 except BROKER_ERRORS as exc:
                     log.warning("heartbeat failed", error=str(exc))
-            raise_if_cancelled()  # a cancel a Redis call swallowed: stop now, not never (shared/aio.py)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await sleep_unless_cancelled(self.settings.heartbeat_interval_s)  # a cancel a Redis call swallowed stops it
 
     async def refresh_slots(self) -> None:
         """Push the expiry of the stream slots of the requests running here."""

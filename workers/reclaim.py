@@ -25,7 +25,7 @@ import time
 from redis.exceptions import ResponseError
 from redis.typing import StreamIdT
 
-from streamfleet.shared.aio import raise_if_cancelled
+from streamfleet.shared.aio import sleep_unless_cancelled
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
@@ -155,8 +155,7 @@ class Reclaimer(Part):
                     log.warning("reclaim failed", error=str(exc))
                 except ResponseError as exc:
                     log.warning("reclaim failed", error=str(exc))
-            raise_if_cancelled()  # a cancel a Redis call swallowed (shared/aio.py)
-            await asyncio.sleep(self.settings.reclaim_interval_s)
+            await sleep_unless_cancelled(self.settings.reclaim_interval_s)
 
     def _free(self) -> int:
         """Slots not yet promised to a held delivery."""

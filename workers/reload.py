@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from streamfleet.shared.aio import raise_if_cancelled
+from streamfleet.shared.aio import sleep_unless_cancelled
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
@@ -55,8 +55,7 @@ class Reloader(Part):
     async def run(self) -> None:
         lock_key = self.keys.reload_lock(self.model)
         while True:
-            raise_if_cancelled()  # a cancel a Redis call swallowed (shared/aio.py)
-            await asyncio.sleep(1.0)
+            await sleep_unless_cancelled(1.0)
             if self.stopping.is_set():
                 continue
             try:

@@ -335,8 +335,7 @@ class Admission:
         next_refresh = loop.time() + refresh_every
         assert self.store is not None and self.connections is not None, "Admission.start first"
         while True:
-            aio.raise_if_cancelled()  # a cancel a Redis call swallowed (shared/aio.py)
-            await asyncio.sleep(period)
+            await aio.sleep_unless_cancelled(period)
             try:
                 for key_id in list(self._watched):
                     record = await self.store.lookup(key_id)

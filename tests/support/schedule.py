@@ -57,13 +57,13 @@ def add_option(parser: pytest.Parser) -> None:
                      help=f"write each test module's time to {DURATIONS.name} (tests/support/schedule.py)")
 
 
-def reorder(config: pytest.Config, items: list[pytest.Item]) -> None:
+def reorder(items: list[pytest.Item]) -> None:
     items[:] = longest_first(items, load_durations())
 
 
 class DurationStore:
-    """Sums the reports of a run per module (with -n, in the controlling process, which
-    receives every report) and writes them when the run ends."""
+    """Sums the reports of a run per module and writes them when the run ends; registered
+    only in the controlling process with -n (``configure``), which receives every report."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -72,8 +72,6 @@ class DurationStore:
         self.seconds[module_of(report.nodeid)] += report.duration
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if hasattr(session.config, "workerinput"):  # an -n worker: the controller writes
-            return
         root = DURATIONS.parent.parent
         merged = {k: v for k, v in load_durations().items() if (root / k).is_file()}  # gone modules leave
         merged.update({k: round(v, 2) for k, v in self.seconds.items()})

@@ -1,4 +1,5 @@
-"""shared.aio.raise_if_cancelled: a loop whose cancel a library call swallowed still stops."""
+"""shared.aio.raise_if_cancelled and sleep_unless_cancelled: a loop whose cancel a library call
+swallowed still stops."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from streamfleet.shared.aio import raise_if_cancelled
+from streamfleet.shared.aio import raise_if_cancelled, sleep_unless_cancelled
 
 
 async def test_a_swallowed_cancel_still_stops_the_loop():
@@ -25,8 +26,7 @@ async def test_a_swallowed_cancel_still_stops_the_loop():
         while True:
             rounds += 1
             await swallowing_call()
-            raise_if_cancelled()
-            await asyncio.sleep(0.01)
+            await sleep_unless_cancelled(0.01)
 
     task = asyncio.create_task(loop())
     await started.wait()

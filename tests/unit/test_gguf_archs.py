@@ -59,11 +59,10 @@ def _engines(tmp_path: Path, model: TinyLlama, weights: str):
     return OnnxRuntimeEngine(spec, threads=1), OnnxGqaEngine(spec, threads=1), description
 
 
-def _check(engines, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> None:
+def _check(model: TinyLlama, *engines, atol: float = 2e-4, steps: int = 3) -> None:
     """All prompts prefilled together, then decode steps of all of them batched, in each of
-    ``engines`` (one or several, fed the same tokens): every row equals the numpy forward
-    pass of its own sequence, computed once for all the engines."""
-    engines = engines if isinstance(engines, tuple) else (engines,)
+    ``engines`` (fed the same tokens): every row equals the numpy forward pass of its own
+    sequence, computed once for all the engines."""
     seqs = {f"s{i}": list(p) for i, p in enumerate(PROMPTS)}
     logits = [engine.prefill(list(seqs.items())) for engine in engines]
     for step in range(steps + 1):
@@ -87,7 +86,7 @@ def _check(engines, model: TinyLlama, atol: float = 2e-4, steps: int = 3) -> Non
 def test_both_graph_layouts_equal_the_numpy_forward_pass(tmp_path, arch, weights, tied):
     model = _model(arch, seed=31, tied=tied)
     concat, gqa, description = _engines(tmp_path, model, weights)
-    _check((concat, gqa), model)
+    _check(model, concat, gqa)
     gqa.close()
     assert f"architecture  {arch}:" in description
 
@@ -111,7 +110,7 @@ def test_quantized_mixes_equal_the_numpy_forward_pass(tmp_path, arch, mix):
     model = _model(arch, seed=32, hidden=256, intermediate=256, n_head=4, n_kv_head=2, tied=False, **kw)
     concat, gqa, _ = _engines(tmp_path, model, "q4")
     # logits up to about 36 in size here: fp32 rounding of sums over 256 and 512 terms
-    _check((concat, gqa), model, atol=5e-4, steps=1)
+    _check(model, concat, gqa, atol=5e-4, steps=1)
     gqa.close()
 
 
@@ -129,7 +128,7 @@ def test_qwen3s_query_scale_goes_into_its_norm_not_its_rows(tmp_path):
     # head size 64: 1/8 folded; the Q norm would undo a scale on the rows
     model = _model("qwen3", seed=34, head_dim=64)
     _, gqa, _ = _engines(tmp_path, model, "q4")
-    _check(gqa, model, steps=1)
+    _check(model, gqa, steps=1)
     gqa.close()
 
 
@@ -200,7 +199,7 @@ def test_the_gqa_graph_masks_gemmas_sliding_window(tmp_path, arch, weights):
     toml.write_text(toml.read_text().replace("max_context = 4\n", f"max_context = {model.context}\n"))
     write_gqa_graph(m, dest, weights=weights, max_context=model.context)
     gqa = OnnxGqaEngine(ModelRepository(tmp_path / "engines").get("m"), threads=1)
-    _check(gqa, model)
+    _check(model, gqa)
     # a prompt in chunks (a later chunk of several tokens after a past: the op's other path)
     prompt = PROMPTS[2] + PROMPTS[0]
     gqa.start([("c", prompt)])
@@ -235,7 +234,7 @@ def test_linear_rope_scaling(tmp_path, arch):
     Llama-family files: every layer) divides the positions by the factor, in both layouts."""
     model = _model(arch, seed=39, rope_scale=8.0) if arch != "llama" else TinyLlama(seed=39, rope_scale=4.0)
     concat, gqa, description = _engines(tmp_path, model, "fp32")
-    _check((concat, gqa), model, steps=2)
+    _check(model, concat, gqa, steps=2)
     gqa.close()
     assert "(linear scaling" in description
     unscaled = _model(arch, seed=39) if arch != "llama" else TinyLlama(seed=39)
