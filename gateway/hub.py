@@ -174,13 +174,13 @@ class Hub:
         return {name: len(await self.broker.live_workers(name)) for name in self.validator.model_names()}
 
     def request(self, client_id: str, *, identity: Identity | None = None, channel: ReplyChannel | None = None,
-                share: bool = False) -> ClientRequest:
+                share: bool = False, peer: str = "") -> ClientRequest:
         """A new request of one client, handed this process's admission, validator and
         broker, its live-worker check and its shared reply channel (``ClientRequest``
         says what ``client_id``, ``channel`` and ``share`` mean)."""
         return ClientRequest(client_id, admission=self.admission, validator=self.validator, broker=self.broker,
                              check_workers=self.check_workers, shared_channel=self.shared_channel,
-                             identity=identity, channel=channel, share=share)
+                             identity=identity, channel=channel, share=share, peer=peer)
 
 
 async def refresh_fleet_gauges(hub: Hub) -> None:
@@ -212,6 +212,7 @@ async def refresh_fleet_gauges(hub: Hub) -> None:
                     g = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None)
                     inflight += g.get("pending", 0) if g else 0
                     lag += (g.get("lag") or 0) if g else 0
+                depth += await r.llen(keys.fair(model, lane).queued)  # waiting for their tenant's turn
                 m.lane_depth.labels(model, lane).set(depth)
                 m.lane_inflight.labels(model, lane).set(inflight)
                 m.lane_lag.labels(model, lane).set(lag)

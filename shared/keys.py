@@ -23,7 +23,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["GROUP", "LANES", "TAG_LEN", "Keys", "LaneKeys", "affinity_source", "split_source"]
+__all__ = ["GROUP", "LANES", "TAG_LEN", "FairKeys", "Keys", "LaneKeys", "affinity_source", "split_source"]
 
 #: characters of a connection id that tag its reply channel, and start its requests' ids
 TAG_LEN = 4
@@ -63,6 +63,47 @@ class LaneKeys(dict[str, str]):
         if not worker or lane not in LANES:
             raise KeyError(source)
         return self._keys.affinity(self._model, lane, worker)
+
+
+@dataclass(frozen=True, slots=True)
+class FairKeys:
+    """The fair-share state of one lane (shared/fairshare.py, docs/operations.md "Redis
+    keys"), on the lanes' slot: ``waiting`` the tenants with tasks waiting, sorted by
+    counter; ``seen`` the counters of tenants served lately; ``queued`` a list of one
+    element per task waiting (``LLEN``: how many); ``vtime`` the lane's virtual time;
+    ``tasks`` the waiting tasks (hash, field ``<tenant> <n>``) and ``ends`` each waiting
+    tenant's first and last ``n`` (hash): a queue per tenant."""
+
+    base: str
+
+    @property
+    def waiting(self) -> str:
+        return self.base
+
+    @property
+    def seen(self) -> str:
+        return f"{self.base}:seen"
+
+    @property
+    def queued(self) -> str:
+        return f"{self.base}:queued"
+
+    @property
+    def vtime(self) -> str:
+        return f"{self.base}:vt"
+
+    @property
+    def tasks(self) -> str:
+        return f"{self.base}:tasks"
+
+    @property
+    def ends(self) -> str:
+        return f"{self.base}:ends"
+
+    @property
+    def script_keys(self) -> tuple[str, str, str, str, str, str]:
+        """The keys the scripts take after the lane's stream (``shared.fairshare.FAIR_LIB``)."""
+        return self.waiting, self.seen, self.queued, self.vtime, self.tasks, self.ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +166,11 @@ class Keys:
     def stream(self, model: str, source: str) -> str:
         """The stream key of a source: a lane, or an affinity stream (``"normal@w1"``)."""
         return self.lanes(model)[source]
+
+    def fair(self, model: str, lane: str) -> FairKeys:
+        """The fair-share state of a lane (``FairKeys``): the tasks that wait for their
+        tenant's turn before they join the lane's stream."""
+        return FairKeys(f"{self.prefix}:{{{model}}}:fair:{lane}")
 
     def dead(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dead"

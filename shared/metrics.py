@@ -25,6 +25,11 @@ class gateway:
                        ["transport", "code"])
     queue_time = Histogram("streamfleet_queue_time_seconds", "Time from enqueue to a worker admitting the task",
                            ["model", "lane"], buckets=LATENCY_BUCKETS)
+    # per tier, never per key (fair share, docs/admission.md): "none" with auth off
+    tier_tokens = Counter("streamfleet_tier_tokens_total", "Tokens served to the requests of a tier's keys",
+                          ["tier", "kind"])
+    tier_queue_time = Histogram("streamfleet_tier_queue_time_seconds", "Time from enqueue to a worker admitting "
+                                "the task, per tier", ["tier"], buckets=LATENCY_BUCKETS)
     ttft = Histogram("streamfleet_time_to_first_token_seconds", "Time from enqueue to the first token "
                      "reaching the gateway", ["model", "lane", "transport"], buckets=LATENCY_BUCKETS)
     itl = Histogram("streamfleet_inter_token_latency_seconds", "Time between consecutive tokens of a stream, "
@@ -33,7 +38,8 @@ class gateway:
                      ["model", "transport"])
     connections = Gauge("streamfleet_active_connections", "Open WebSocket connections")
     streams = Gauge("streamfleet_active_streams", "Requests being streamed to clients", ["transport"])
-    lane_depth = Gauge("streamfleet_lane_depth", "Tasks queued or in flight in a lane (XLEN)", ["model", "lane"])
+    lane_depth = Gauge("streamfleet_lane_depth", "Tasks queued (waiting for their tenant's turn or read) or in "
+                       "flight in a lane", ["model", "lane"])
     lane_inflight = Gauge("streamfleet_lane_in_flight", "Tasks delivered to a worker and not yet acked (XPENDING)",
                           ["model", "lane"])
     lane_lag = Gauge("streamfleet_lane_lag", "Tasks not yet read by any worker (XINFO GROUPS lag)",

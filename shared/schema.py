@@ -284,6 +284,10 @@ class Task:
     #: there are; a worker prefills their prompt once (``WorkerCore._prefill``)
     group: str = ""
     group_size: int = 1
+    #: the tenant whose fair share it counts against (shared/fairshare.py; "" for none) and
+    #: what each generated token adds to that tenant's counter; left off the wire when unset
+    tenant: str = ""
+    token_cost: float = 0.0
     #: not on the wire: a lane entry without ``kind`` is text
     kind: ClassVar[str] = "text"
 
@@ -380,7 +384,10 @@ def _task_fields(obj: object) -> dict[str, Any]:
             del d["include_stop_str_in_output"]
         return d
     if type(obj) is Task:
-        return {name: getattr(obj, name) for name in _TASK_FIELDS}
+        d = {name: getattr(obj, name) for name in _TASK_FIELDS}
+        if not obj.tenant:
+            del d["tenant"], d["token_cost"]
+        return d
     raise TypeError(f"{type(obj).__name__} is not part of a task")
 
 

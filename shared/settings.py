@@ -76,6 +76,12 @@ class CommonSettings(BaseSettings):
     #: tokens in one block of the prefix cache, which gateways and workers hash alike
     #: (shared/prefixhash.py); the same in every process of a fleet
     prefix_block_tokens: int = Field(32, ge=1, le=4096)
+    #: fair share inside a lane (shared/fairshare.py): unread entries a lane's stream keeps
+    #: while tasks wait for their tenant's turn (so an idle worker's read wakes); at most
+    #: this many tasks of a lane are ever taken out of fair order. The same in every process
+    fair_window: int = Field(1, ge=1, le=1024)
+    #: seconds the counters of tenants who no longer send anything are kept
+    fair_ttl_s: int = Field(3600, ge=1, le=30 * 86400)
 
     @model_validator(mode="after")
     def _cluster_from_url(self) -> CommonSettings:
@@ -141,6 +147,10 @@ class GatewaySettings(CommonSettings):
     #: what one task waiting or running at a worker weighs in the routing choice, in prompt
     #: tokens to prefill (about a step's work: SF_MAX_STEP_TOKENS' default)
     route_task_tokens: int = Field(256, ge=0, le=1_000_000)
+    #: inside a lane, the next task taken belongs to the waiting tenant (API key; its
+    #: connection with auth off) served the fewest weighted tokens (docs/scheduling.md,
+    #: "Fair share"); off: first come, first served
+    fair_share: bool = True
     overload_fraction: float = 0.8
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds

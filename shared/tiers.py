@@ -54,6 +54,9 @@ class Tier:
         max_utterances: speech decoder slots the key's utterances may hold at once, all
             gateways together (a further cap, besides the fair share every key gets);
             ``None`` = the fair share alone.
+        share: the key's weight in the fair share inside a lane (shared/fairshare.py): a
+            key of share 2 is served twice the weighted tokens of a key of share 1 when
+            both wait. A number > 0; default 1.
 
     Raises:
         ValueError: a field is out of range.
@@ -68,6 +71,7 @@ class Tier:
     max_tokens: int | None = None
     max_timeout_s: float | None = None
     max_utterances: int | None = None
+    share: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -86,6 +90,9 @@ class Tier:
         if mt is not None and (isinstance(mt, bool) or not isinstance(mt, (int, float)) or not math.isfinite(mt)
                                or mt <= 0):
             raise ValueError(f"tier {self.name}: max_timeout_s must be a number > 0 or null, got {mt!r}")
+        sh = self.share
+        if isinstance(sh, bool) or not isinstance(sh, (int, float)) or not math.isfinite(sh) or sh <= 0:
+            raise ValueError(f"tier {self.name}: share must be a number > 0, got {sh!r}")
         if self.max_lane not in LANES:
             raise ValueError(f"tier {self.name}: max_lane must be one of {', '.join(LANES)}, got {self.max_lane!r}")
 

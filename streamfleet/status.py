@@ -19,6 +19,11 @@ the ``redis-cli`` equivalent of every field):
   worker, ``{prefix}:{model}:tasks:{lane}:@{worker}``, listed in the set
   ``{prefix}:{model}:affinity``): read as the lanes and counted in their lane (backlog,
   queued, in flight, the oldest of each), ``affinity_length`` of the backlog being theirs;
+* tasks waiting for their tenant's turn (fair share, shared/fairshare.py): ``LLEN`` of
+  ``{prefix}:{model}:fair:{lane}:queued``, counted in their lane's backlog and queue;
+  ``ZCARD`` of ``{prefix}:{model}:fair:{lane}`` (the tenants waiting) and ``HGET`` of the
+  first 100 of them in ``…:ends`` (their queues' first and last numbers) for the five
+  with the most waiting;
 * dead letters: ``XLEN`` and ``XREVRANGE … COUNT n`` of ``{prefix}:{model}:dead``;
 * gateways: ``PUBSUB CHANNELS {prefix}:gateway:*`` (each gateway holds one control
   subscription), and ``PUBSUB NUMSUB {prefix}:cancel`` (workers listening for cancels).
@@ -104,6 +109,12 @@ class LaneStatus:
     affinity_streams: int = 0
     affinity_length: int = 0
     affinity_lag: int = 0
+    #: fair share (shared/fairshare.py): tasks waiting for their tenant's turn (counted in
+    #: ``length`` and ``lag`` too), how many tenants they belong to, and the tenants with
+    #: the most waiting: ``[tenant, tasks]`` (a key's id, never its secret)
+    waiting: int = 0
+    waiting_tenants: int = 0
+    top_waiting: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -216,6 +227,29 @@ def _model_names(r: SyncRedis, keys: Keys, repo: ModelRepository) -> list[str]:
         if name:
             names.add(name)
     return sorted(names)
+
+
+#: tenants looked at for the ones with the most tasks waiting, and how many are shown
+WAITING_LOOKED, WAITING_SHOWN = 100, 5
+
+
+def _add_waiting(r: SyncRedis, keys: Keys, model: str, st: LaneStatus) -> None:
+    """The lane's tasks that wait for their tenant's turn (``LLEN`` of its ``queued``
+    list), counted in its backlog and queue, and the tenants with the most of them among
+    the ``WAITING_LOOKED`` served least so far (those next in turn)."""
+    fair = keys.fair(model, st.lane)
+    st.waiting = int(r.llen(fair.queued))
+    if not st.waiting:
+        return
+    st.length += st.waiting
+    st.lag = (st.lag or 0) + st.waiting
+    st.waiting_tenants = int(r.zcard(fair.waiting))
+    tenants = [_s(t) for t in r.zrange(fair.waiting, 0, WAITING_LOOKED - 1)]
+    counts = []
+    for t in tenants:  # a tenant's queue: its first and last number ("<first> <last>")
+        first, _, last = _s(r.hget(fair.ends, t) or "1 0").partition(" ")
+        counts.append(int(last) - int(first) + 1)
+    st.top_waiting = [[t, n] for n, t in sorted(zip(counts, tenants, strict=True), key=lambda p: -p[0])[:WAITING_SHOWN]]
 
 
 def _lane(r: SyncRedis, lane: str, key: str, now_ms: int) -> LaneStatus:
@@ -345,6 +379,7 @@ def collect(r: SyncRedis, settings: CommonSettings, models: list[str] | None = N
                 source = keys.affinity_source_of(name, key)
                 if source is not None and split_source(source)[0] == lane:
                     _add_affinity(st, _lane(r, lane, key, now_ms))
+            _add_waiting(r, keys, name, st)
             st.consumers = readers
             m.lanes.append(st)
         m.dead_count, m.dead_latest = _dead(r, m.dead_key, now_ms, DEAD_SHOWN)
@@ -487,6 +522,11 @@ def render(st: FleetStatus) -> str:
             if lane.affinity_length:
                 routed = f"{lane.affinity_length} routed ({lane.affinity_lag} queued)"
                 note = f"{note}; {routed}" if note else routed
+            if lane.waiting:
+                most = ", ".join(f"{t} {n}" for t, n in lane.top_waiting)
+                turn = (f"{lane.waiting} waiting their tenant's turn ({lane.waiting_tenants} "
+                        f"tenant{'s' if lane.waiting_tenants != 1 else ''}; most: {most})")
+                note = f"{note}; {turn}" if note else turn
             rows.append([lane.lane, str(lane.length), str(lane.lag if lane.lag is not None else "?"),
                          str(lane.pending), str(lane.consumers), _age(oq.age_s) if oq else "-",
                          f"{_age(op.age_s)} (idle {_age(op.idle_s)}, {op.consumer}, x{op.deliveries})" if op else "-",

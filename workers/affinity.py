@@ -39,6 +39,7 @@ from collections.abc import Callable, Coroutine
 
 from redis.exceptions import NoScriptError, ResponseError
 
+from streamfleet.shared.fairshare import FAIR_LIB
 from streamfleet.shared.keys import GROUP, LANES, affinity_source, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
@@ -65,22 +66,29 @@ WAIT_CAP = 4.0
 STEPS_TTL_S = 0.5
 
 #: Read each lane's share: this worker's affinity stream of the lane first, then the
-#: shared lane for what is left. KEYS[2i-1] the affinity stream of lane i, KEYS[2i] lane
-#: i; ARGV[1] group, ARGV[2] consumer, ARGV[2+i] how many to read of lane i. Returns, per
-#: lane, {affinity entries, lane entries} (as XREADGROUP gives them). An affinity stream
-#: that does not exist (cleaned up, or Redis restarted) is skipped: the next routed task
-#: makes it again.
-READ_LUA = """
+#: shared lane for what is left, after moving tasks that wait for their tenant's turn into
+#: it (fair share, shared/fairshare.py). KEYS, eight per lane i: its affinity stream, then
+#: the lane's stream and fair-share keys (``FAIR_LIB``, o = 8(i-1) + 1); ARGV[1] group,
+#: ARGV[2] consumer, ARGV[3] the fair-share window, ARGV[4] its ttl (s), ARGV[4 + i] how
+#: many to read of lane i. Returns, per lane, {affinity entries, lane entries} (as
+#: XREADGROUP gives them). An affinity stream that does not exist (cleaned up, or Redis
+#: restarted) is skipped: the next routed task makes it again.
+READ_LUA = FAIR_LIB + """
 local out = {}
-for i = 1, #KEYS / 2 do
-  local n = tonumber(ARGV[2 + i])
+local window, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+for i = 1, #KEYS / 8 do
+  local k = 8 * (i - 1)
+  local n = tonumber(ARGV[4 + i])
   local own, shared = {}, {}
-  if n > 0 and redis.call('EXISTS', KEYS[2 * i - 1]) == 1 then
-    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', KEYS[2 * i - 1], '>')
+  if n > 0 and redis.call('EXISTS', KEYS[k + 1]) == 1 then
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', KEYS[k + 1], '>')
     if r then own = r[1][2] end
   end
   if #own < n then
-    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n - #own, 'STREAMS', KEYS[2 * i], '>')
+    if redis.call('ZCARD', KEYS[k + 3]) > 0 then
+      release(k + 1, ARGV[1], n - #own + window, ttl)
+    end
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n - #own, 'STREAMS', KEYS[k + 2], '>')
     if r then shared = r[1][2] end
   end
   out[i] = {own, shared}
@@ -237,8 +245,11 @@ class Affinity(Part):
             BROKER_ERRORS: Redis is unreachable.
         """
         lanes = list(counts)
-        script_keys = [k for lane in lanes for k in (self.own_keys[lane], self.lane_keys[lane])]
-        args: tuple[bytes | str | int, ...] = (GROUP, self.worker_id, *(counts[lane] for lane in lanes))
+        fair = {lane: self.keys.fair(self.model, lane) for lane in lanes}
+        script_keys = [k for lane in lanes for k in (self.own_keys[lane], self.lane_keys[lane],
+                                                     *fair[lane].script_keys)]
+        args: tuple[bytes | str | int, ...] = (GROUP, self.worker_id, self.settings.fair_window,
+                                                 self.settings.fair_ttl_s, *(counts[lane] for lane in lanes))
         for attempt in range(2):
             sha = self._read_sha
             if sha is None:

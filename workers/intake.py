@@ -20,13 +20,14 @@ import time
 from collections.abc import Callable, Coroutine
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ReadOnlyError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
 from streamfleet.shared.command_socket import blocking_link
+from streamfleet.shared.fairshare import FAIR_READ_LUA, read_call
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, raw_streams, read_streams
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, as_bytes, raw_streams, read_streams
 from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
@@ -156,6 +157,7 @@ class Intake(Part):
         self._idle_read: asyncio.Future[list[Delivery]] | None = None  # an idle worker's blocking read, still out
         self._idle_read_own = False  # ... and whether it waits on this worker's affinity streams too
         self._held_wake = asyncio.Event()  # a delivery was held: an idle wait ends
+        self._fair_read_sha: bytes | None = None  # FAIR_READ_LUA's, once loaded
         table.on_hold = self._held_wake.set
 
     async def admit(self, block: bool, read: bool = True, block_ms: int | None = None) -> None:
@@ -311,7 +313,20 @@ class Intake(Part):
             for extra in out[free:]:
                 self.table.hold(extra)
             out = out[:free]
+            shared = {d.lane for d in out if d.lane in LANES}
+            if shared:  # it took a lane's unread entry: the next waiting task takes its place
+                self.spawn(self._top_up(shared))
         return out
+
+    async def _top_up(self, lanes: set[str]) -> None:
+        """Move tasks that wait for their tenant's turn into ``lanes`` until each holds the
+        fair-share window unread again (shared/fairshare.py), so that the other idle workers'
+        blocking reads wake for them; off the path of the task just read. A failure is left
+        to the next read, which tops up as well."""
+        try:
+            await self._read_new(dict.fromkeys(lanes, 0), plain=True)
+        except (*BROKER_ERRORS, ReadOnlyError, ResponseError) as exc:
+            log.debug("fair-share top-up failed; the next read does it", error=str(exc))
 
     def _sources(self) -> dict[bytes, str]:
         """Stream key -> source of what an idle worker waits on: the lanes, and this
@@ -346,27 +361,41 @@ class Intake(Part):
                                   block_s=block_ms / 1000)
         return raw_streams(res)
 
-    async def _read_new(self, counts: dict[str, int]) -> dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]]:
+    async def _read_new(self, counts: dict[str, int], plain: bool = False,
+                        ) -> dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]]:
         """New entries of each lane (up to its count), without blocking, as ``(source,
-        entry id, fields)``: one ``XREADGROUP`` per lane, all in one ``RawBatch`` on the
-        worker's command socket (their replies read raw: no redis-py pipeline and
+        entry id, fields)``: one ``FAIR_READ_LUA`` per lane (the tasks waiting for their
+        tenant's turn moved into it first, then ``XREADGROUP``), all in one ``RawBatch``
+        on the worker's command socket (their replies read raw: no redis-py pipeline and
         response callbacks for a burst of tasks at a step boundary). Once gateways route
         tasks here, one script instead, which reads each lane's share from this worker's
-        affinity stream first (``Affinity.read``).
+        affinity stream first (``Affinity.read``); ``plain``: the shared lanes' script
+        all the same (``_top_up``).
 
         Raises:
             ResponseError: a lane refused the read (NOGROUP: its stream or group vanished).
             BROKER_ERRORS: Redis is unreachable.
         """
-        if self.affinity is not None and self.affinity.active:
+        if not plain and self.affinity is not None and self.affinity.active:
             return await self.affinity.read(counts)
-        batch = RawBatch()
-        for lane, n in counts.items():
-            batch.add(b"XREADGROUP", b"GROUP", GROUP, self.worker_id, b"COUNT", n, b"STREAMS",
-                      self.lane_keys[lane], b">")
+        s = self.settings
+        for attempt in range(2):
+            sha = self._fair_read_sha
+            if sha is None:
+                sha = self._fair_read_sha = as_bytes(await self.redis.script_load(FAIR_READ_LUA))
+            batch = RawBatch()
+            for lane, n in counts.items():
+                script_keys, args = read_call(self.keys, self.model, lane, self.worker_id, n, window=s.fair_window,
+                                              ttl_s=s.fair_ttl_s)
+                batch.add(b"EVALSHA", sha, len(script_keys), *script_keys, *args)
+            # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
+            results = await batch.execute(self.redis, partial=True)
+            if attempt == 0 and any(isinstance(res, NoScriptError) for res in results):
+                self._fair_read_sha = None  # a restarted or flushed Redis
+                continue
+            break
         out: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {}
-        # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
-        for lane, res in zip(counts, await batch.execute(self.redis, partial=True)):
+        for lane, res in zip(counts, results):
             if isinstance(res, Exception):
                 raise res
             # RESP2: [[stream, entries]]; RESP3 (a cluster client's connections): {stream: entries}

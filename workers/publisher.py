@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 
-from streamfleet.shared.keys import GROUP
+from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
 from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
@@ -38,6 +38,7 @@ from streamfleet.shared.schema import (
     LogEntry,
     PromptEvent,
     StartedEvent,
+    Task,
     TokenEvent,
     encode_events,
 )
@@ -139,10 +140,19 @@ class Publisher(Part):
         if acked:
             ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
                     for _, ev in out.events if isinstance(ev, ENDS)} if tags is not None else {}
+            generated = {ev.request_id: ev.completion_tokens for _, ev in out.events if type(ev) is DoneEvent}
             for rid, fl in acked:
                 after = (keys.log(rid),) if cluster else ()
                 i = batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
                 batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
+                task = fl.task
+                if type(task) is Task and task.tenant and task.token_cost > 0 and generated.get(rid):
+                    # its tenant's counter grows by the tokens it generated (shared/fairshare.py):
+                    # in the waiting set or among those served lately, wherever it is
+                    fair = keys.fair(task.model, split_source(fl.lane)[0])
+                    inc = repr(generated[rid] * task.token_cost)
+                    batch.add(b"ZADD", fair.waiting, b"XX", b"INCR", inc, task.tenant, after=after)
+                    batch.add(b"ZADD", fair.seen, b"XX", b"INCR", inc, task.tenant, after=after)
                 fl.acking = True
                 if tags is not None:
                     tags[i] = (rid, fl, ends.get(rid, "unknown"))

@@ -490,7 +490,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             identity = await self._caller(md)
             draft = _within_deadline(hub.validator.check(generate_payload(request, "grpc")), context)
-            req = hub.request("grpc", identity=identity)
+            # with auth off the tenant of its fair share is its connection (``ipv4:host:port``)
+            req = hub.request("grpc", identity=identity, peer=context.peer() or "")
             depth = await req.submit(draft, trace_id=trace_id_from(md.get("traceparent")))
         except StreamfleetError as exc:
             await self._refuse(context, exc)

@@ -31,7 +31,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.admission.tools import Tools
-from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end, until_disconnect
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, client_host, open_json, read_to_end, until_disconnect
 from streamfleet.gateway.edge.httperror import openai_error_response
 from streamfleet.gateway.protocols.openai_mapping import (
     ChoiceStream,
@@ -80,7 +80,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         stream_mode, include_usage = stream_flags(body)
         n, best_of = choice_counts(body, chat, stream_mode)
         resume = parse_last_event_id(request.headers.get("last-event-id"))
-        req = hub.request("http", identity=identity)
+        req = hub.request("http", identity=identity, peer=client_host(request))
         tools: Tools | None = None
         drafts: list[TextRequest] = []
         if resume is not None:  # a reconnecting SSE client: continue that request
@@ -100,7 +100,8 @@ async def _generate(request: Request, chat: bool) -> Response:
             tools = draft.tools
             trace = trace_id_from(request.headers.get("traceparent"))
             if best_of > 1 or len(drafts) > 1:
-                reqs = await _submit_choices(hub, identity, drafts, best_of, scored=best_of > n, trace=trace)
+                reqs = await _submit_choices(hub, identity, drafts, best_of, scored=best_of > n, trace=trace,
+                                             peer=client_host(request))
             else:
                 await req.submit(draft, trace_id=trace)
     except StreamfleetError as exc:
@@ -161,7 +162,7 @@ def _checked(hub: Hub, body: dict[str, Any], chat: bool, priority: str | None, p
 
 
 async def _submit_choices(hub: Hub, identity: Identity | None, prompts: list[TextRequest], k: int, *, scored: bool,
-                          trace: str | None) -> list[ClientRequest]:
+                          trace: str | None, peer: str = "") -> list[ClientRequest]:
     """Submit the ``k`` completions of each of a request's ``prompts`` (checked requests), prompt by
     prompt: one task each (admitted, rate limited and run as any request), seeds ``seed``,
     ``seed + 1``, …, so that a prompt's choices differ and the same request gives the same
@@ -175,7 +176,7 @@ async def _submit_choices(hub: Hub, identity: Identity | None, prompts: list[Tex
     total = k * len(prompts)
     # all or nothing: a refusal here takes nothing
     await hub.admission.charge(identity, total, "prompt" if len(prompts) > 1 else "best_of" if scored else "n")
-    reqs = [hub.request("http", identity=identity) for _ in range(total)]
+    reqs = [hub.request("http", identity=identity, peer=peer) for _ in range(total)]
     drafts = []
     for draft in prompts:
         params, group = draft.params, uuid.uuid4().hex

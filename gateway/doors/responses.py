@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from streamfleet.gateway.admission.gate import owner_of
-from streamfleet.gateway.edge.httpbody import DISCONNECTED, open_json, read_to_end
+from streamfleet.gateway.edge.httpbody import DISCONNECTED, client_host, open_json, read_to_end
 from streamfleet.gateway.edge.httperror import openai_error_response
 from streamfleet.gateway.protocols.openai_mapping import ResponseShape, request_payload
 from streamfleet.gateway.protocols.responses_mapping import (
@@ -150,7 +150,7 @@ async def create(request: Request) -> Response:
         payload = request_payload(chat_body(req, conversation), True,
                                   priority_header=request.headers.get("x-priority"))
         draft = hub.validator.check(payload)
-        creq = hub.request("http", identity=identity)
+        creq = hub.request("http", identity=identity, peer=client_host(request))
         await creq.submit(draft, trace_id=trace_id_from(request.headers.get("traceparent")))
     except StreamfleetError as exc:
         metrics.refusals.labels("http", str(exc.code)).inc()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from streamfleet.gateway.admission.auth import Identity
     from streamfleet.gateway.hub import Hub
 
-__all__ = ["DISCONNECTED", "Disconnected", "read_body", "open_json", "until_disconnect", "read_to_end"]
+__all__ = ["DISCONNECTED", "Disconnected", "client_host", "read_body", "open_json", "until_disconnect", "read_to_end"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,12 @@ class Disconnected(enum.Enum):
 
 #: what ``until_disconnect`` returns when the client left before the work was done
 DISCONNECTED: Final = Disconnected.DISCONNECTED
+
+
+def client_host(request: Request) -> str:
+    """The client's address as the server saw it ("" when unknown): with auth off, the
+    tenant of its requests' fair share (``ClientRequest.tenant``)."""
+    return request.client.host if request.client is not None else ""
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:

@@ -14,6 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from streamfleet.gateway.requests.prefixroute import PrefixRouter
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
+from streamfleet.shared.fairshare import FAIR_ENQUEUE_LUA, enqueue_call, prompt_cost, token_cost
 from streamfleet.shared.keys import GROUP, affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
@@ -29,6 +30,7 @@ from streamfleet.shared.schema import (
     Heartbeat,
     LogEntry,
     RequestRecord,
+    Task,
     decode_events,
     live_workers,
 )
@@ -137,6 +139,7 @@ class Broker:
         self._redis = r = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s,
                                   command_name=f"sf-gateway-{self.gateway_id}-commands")
         self._enqueue = r.register_script(ENQUEUE_LUA)
+        self._fair_enqueue = r.register_script(FAIR_ENQUEUE_LUA)
         self._coalescer = Coalescer(r)
         self.router = PrefixRouter(s, self.keys, r, self._coalescer)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
@@ -331,9 +334,13 @@ class Broker:
         cap = self.settings.lane_capacity.get(lane, 0)
         return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
 
-    async def submit(self, task: AnyTask, owner: str = "") -> int:
+    async def submit(self, task: AnyTask, owner: str = "", tenant: str = "", share: float = 1.0) -> int:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
+
+        With fair share on (``fair_share``) and a ``tenant``, the task waits for its
+        tenant's turn (shared/fairshare.py), charged by its prompt tokens and, for text,
+        its generated tokens, each divided by the tenant tier's ``share``.
 
         A text task whose prompt's first blocks a live worker holds in its prefix cache
         goes to that worker's affinity stream of the lane instead (``PrefixRouter``,
@@ -356,7 +363,8 @@ class Broker:
         else:
             lane_key, source = keys.affinity(task.model, task.lane, worker), affinity_source(task.lane, worker)
             extra = (keys.affinity_streams(task.model),)
-        counted = (*extra, *self.router.counted(task.model, task.lane, lane_key))
+        others = self.router.counted(task.model, task.lane, lane_key)  # the lane's other streams
+        counted = (*extra, *others)
         threshold = self.lane_threshold(task.lane)
         now = time.time()
         deadline = task.deadline or (now + self.settings.request_timeout_s)
@@ -365,18 +373,28 @@ class Broker:
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
         wake = keys.wake(task.model)
-        args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
-        script_keys = (lane_key, wake, *counted)
+        fair_on = self.settings.fair_share and bool(tenant)
+        script = self._fair_enqueue if fair_on else self._enqueue
+        if fair_on:
+            if isinstance(task, Task):
+                task.tenant, task.token_cost = tenant, token_cost(share)
+            script_keys, args = enqueue_call(
+                keys, task.model, task.lane, lane_key, others, threshold=threshold, task=task.encode(),
+                source=source, tenant=tenant, cost=prompt_cost(task.prompt_tokens, share),
+                window=self.settings.fair_window, ttl_s=self.settings.fair_ttl_s)
+        else:
+            args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
+            script_keys = (lane_key, wake, *counted)
         ok = False
         try:
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
             record_set = self._coalescer.send(b"SET", keys.request(task.request_id), record.encode(),
                                               b"PX", ttl_ms)
             try:
-                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, len(script_keys), *script_keys,
+                ok, depth = await self._coalescer.call(b"EVALSHA", script.sha, len(script_keys), *script_keys,
                                                        *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
-                ok, depth = await self._enqueue(keys=list(script_keys), args=list(args))
+                ok, depth = await script(keys=list(script_keys), args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc

@@ -78,7 +78,8 @@ class ClientRequest:
     def __init__(self, client_id: str, *, admission: Admission, validator: Validator, broker: Broker,
                  check_workers: Callable[[str], Awaitable[None]],
                  shared_channel: Callable[[], Awaitable[ReplyChannel | None]],
-                 identity: Identity | None = None, channel: ReplyChannel | None = None, share: bool = False) -> None:
+                 identity: Identity | None = None, channel: ReplyChannel | None = None, share: bool = False,
+                 peer: str = "") -> None:
         self.admission = admission
         self.validator = validator
         self.broker = broker
@@ -87,6 +88,8 @@ class ClientRequest:
         self.client_id = client_id
         self.identity = identity
         self.channel = channel
+        #: the client's address (an HTTP door's): its tenant with auth off (``tenant``)
+        self.peer = peer
         self.ticket: Ticket | None = None  # set once submitted (a resume has none)
         #: the request as validated, admitted and prepared, as enqueued (its prompt, and the
         #: text an ``echo`` shows of it); None for a resume
@@ -130,6 +133,19 @@ class ClientRequest:
         """With auth off, the secret that lets the client resume the request: the ticket's
         for a submit, the one it was resumed with for a resume."""
         return self.ticket.resume_token if self.ticket is not None else self._resume_token
+
+    def tenant(self, ticket: Ticket) -> str:
+        """Whose fair share inside the lane the request counts against (shared/fairshare.py):
+        its API key; with auth off, its WebSocket connection (the channel it was given),
+        else what its door named it by (``peer``: an HTTP client's address, a gRPC
+        connection), else the request itself."""
+        if self.identity is not None:
+            return ticket.owner
+        if not self._own_channel and self.channel is not None:
+            return "conn:" + self.channel.connection_id
+        if self.peer:
+            return "peer:" + self.peer
+        return "conn:" + self._channel_id()
 
     # -- opening ----------------------------------------------------------------------
     async def _open_channel(self) -> ReplyChannel:
@@ -186,7 +202,8 @@ class ClientRequest:
                 if before_enqueue is not None:
                     await before_enqueue()
                 stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
-                                                     slot=ticket.slot, trace_id=trace_id)
+                                                     slot=ticket.slot, trace_id=trace_id, tenant=self.tenant(ticket),
+                                                     share=self.identity.tier.share if self.identity else 1.0)
             except BaseException:
                 await self._close_own_channel()
                 raise
@@ -240,7 +257,8 @@ class ClientRequest:
         """The stream's events, with its metrics and its "request ended" log line
         (``gateway.requests.observe.observed``); ``aclose`` it when stopping early."""
         assert self.stream is not None, "submit or resume first"
-        return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane)
+        return observed(self.stream, transport=transport, model=self.model or self.stream.model, lane=self.lane,
+                        tier=self.identity.tier.name if self.identity is not None else "none")
 
     def cancel(self, reason: str = "client") -> None:
         """The client asked to stop the request (``ReplyChannel.cancel``); before the

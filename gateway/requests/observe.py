@@ -54,9 +54,17 @@ def _requests(model: str, lane: str, transport: str, outcome: str, code: str) ->
     return m.requests.labels(model, lane, transport, outcome, code)
 
 
-async def observed(stream: RequestStream, *, transport: str, model: str, lane: str
+@functools.cache
+def _tier(tier: str) -> tuple[Counter, Counter, Histogram]:
+    """The per-tier children (fair share: what each tier is served, and how long it waits)."""
+    return (m.tier_tokens.labels(tier, "prompt"), m.tier_tokens.labels(tier, "generated"),
+            m.tier_queue_time.labels(tier))
+
+
+async def observed(stream: RequestStream, *, transport: str, model: str, lane: str, tier: str = "none"
                    ) -> AsyncGenerator[Event | Tick, None]:
-    """Yield the stream's events, recording TTFT, inter-token latency, tokens and the outcome."""
+    """Yield the stream's events, recording TTFT, inter-token latency, tokens and the outcome,
+    and per ``tier`` (its key's; ``"none"`` with auth off) the tokens served and the wait."""
     streams, ttft, itl, tokens, queue_time = _children(transport, model, lane)
     streams.inc()
     started = stream.created
@@ -77,7 +85,12 @@ async def observed(stream: RequestStream, *, transport: str, model: str, lane: s
             elif isinstance(ev, DoneEvent):
                 outcome = ev.finish_reason
                 if not stream.ended_here and not stream.resumed:  # a worker's end: it timed the queue
-                    queue_time.observe(ev.timing()["queue_ms"] / 1000)
+                    waited = ev.timing()["queue_ms"] / 1000
+                    queue_time.observe(waited)
+                    prompt, generated, tier_wait = _tier(tier)
+                    prompt.inc(ev.prompt_tokens)
+                    generated.inc(ev.completion_tokens)
+                    tier_wait.observe(waited)
             elif isinstance(ev, ErrorEvent):
                 outcome, code = "error", str(ev.error().code)
             yield ev

@@ -420,10 +420,13 @@ def test_k8s_keda_uses_the_cluster_scaler(cluster, base):
     model = env_value(container(target), "SF_MODEL")
     lanes = set(Keys(data["SF_KEY_PREFIX"]).lanes(model).values())
     assert lanes == {"sf:{tiny-gpt}:tasks:high", "sf:{tiny-gpt}:tasks:normal"}
-    assert {t["metadata"]["stream"] for t in so["spec"]["triggers"]} == lanes
+    waiting = {Keys(data["SF_KEY_PREFIX"]).fair(model, lane).queued for lane in ("high", "normal")}
+    assert {t["metadata"]["stream"] for t in so["spec"]["triggers"] if "stream" in t["metadata"]} == lanes
+    assert {t["metadata"]["listName"] for t in so["spec"]["triggers"] if "listName" in t["metadata"]} == waiting
     for t, t0 in zip(so["spec"]["triggers"], so_base["spec"]["triggers"], strict=True):
         md = t["metadata"]
-        assert t["type"] == "redis-cluster-streams"
+        # the streams' scaler, and the lists' (fair share: the tasks waiting for their turn)
+        assert t["type"] == ("redis-cluster-streams" if "stream" in md else "redis-cluster")
         assert "address" not in md and "addressFromEnv" not in md, "the single-node scaler's keys"
         addresses = md.get("addresses") or data[md["addressesFromEnv"]]
         # KEDA's operator resolves names from its own namespace: fully qualified

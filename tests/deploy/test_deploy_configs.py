@@ -707,17 +707,21 @@ def test_keda_scaled_object(k8s_docs):
     triggers = spec["triggers"]
     model = "tiny-gpt"
     lanes = {f"sf:{{{model}}}:tasks:high", f"sf:{{{model}}}:tasks:normal"}
+    waiting = {f"sf:{{{model}}}:fair:high:queued", f"sf:{{{model}}}:fair:normal:queued"}
     # XLEN of a lane = queued + in flight (workers XDEL what they finish)
     lengths = [t for t in triggers if "streamLength" in t["metadata"]]
     assert {t["metadata"]["stream"] for t in lengths} == lanes, "one stream-length trigger per lane"
+    # LLEN of a lane's list of tasks waiting for their tenant's turn (fair share)
+    lists = [t for t in triggers if "listLength" in t["metadata"]]
+    assert {t["metadata"]["listName"] for t in lists} == waiting, "one list-length trigger per lane"
     names = set()
     for t in triggers:
-        assert t["type"] == "redis-streams"
         md = t["metadata"]
+        assert (t["type"], "stream" in md) in (("redis-streams", True), ("redis", False))
         assert "consumerGroup" not in md, "a consumerGroup turns the scaler from XLEN to XPENDING / lag"
-        assert md["stream"] in lanes
+        assert md.get("stream", md.get("listName")) in lanes | waiting
         assert md.get("addressFromEnv") == "KEDA_REDIS_ADDRESS" or "address" in md
-        for count in ("streamLength",):
+        for count in ("streamLength", "listLength"):
             if count in md:
                 assert isinstance(md[count], str) and int(md[count]) > 0, f"{count} is a string of digits"
         assert re.fullmatch(r"[a-z_][a-z0-9_]*", t["name"]), "trigger names are formula identifiers"

@@ -350,7 +350,8 @@ def test_redis_probes_against_a_real_server(base, redis_with_password):
 def test_keda_scales_on_lane_lengths_of_the_served_model(overlays_root):
     """XLEN of a lane = queued + in flight (workers XACK + XDEL on finish); `lag` can read
     NULL after XDEL and XPENDING fails before the group exists. The streams are the lane
-    keys of the target's SF_MODEL under SF_KEY_PREFIX (shared/keys.py)."""
+    keys of the target's SF_MODEL under SF_KEY_PREFIX (shared/keys.py), the lists their
+    tasks waiting for their tenant's turn (LLEN)."""
     for comps in [(), ("scale-to-zero",)]:
         docs = render(overlays_root, *comps)
         prefix = config(docs)["SF_KEY_PREFIX"]
@@ -360,19 +361,27 @@ def test_keda_scales_on_lane_lengths_of_the_served_model(overlays_root):
             model = env_value(container(target), "SF_MODEL")
             assert so["metadata"]["labels"]["streamfleet.io/model"] == model
             lanes = Keys(prefix).lanes(model)
-            by_stream = {t["metadata"]["stream"]: t for t in spec["triggers"]}
+            waiting = {lane: Keys(prefix).fair(model, lane).queued for lane in LANES}
+            streams = [t for t in spec["triggers"] if t["type"] == "redis-streams"]
+            lists = [t for t in spec["triggers"] if t["type"] == "redis"]
+            assert len(streams) + len(lists) == len(spec["triggers"])
+            by_stream = {t["metadata"]["stream"]: t for t in streams}
             assert set(by_stream) == set(lanes.values()), f"streams {set(by_stream)} != lane keys {lanes}"
+            # the tasks waiting for their tenant's turn (fair share): LLEN of each lane's list
+            by_list = {t["metadata"]["listName"]: t for t in lists}
+            assert set(by_list) == set(waiting.values()), f"lists {set(by_list)} != waiting lists {waiting}"
             names = set()
             for t in spec["triggers"]:
                 md = t["metadata"]
-                assert t["type"] == "redis-streams"
                 assert "consumerGroup" not in md, "with a consumerGroup the scaler reads XPENDING or lag, not XLEN"
                 assert set(md) & {"lagCount", "pendingEntriesCount"} == set()
-                assert isinstance(md["streamLength"], str) and md["streamLength"].isdigit()
+                length = md["streamLength"] if t["type"] == "redis-streams" else md["listLength"]
+                assert isinstance(length, str) and length.isdigit()
                 assert md["addressFromEnv"] == "KEDA_REDIS_ADDRESS" and "KEDA_REDIS_ADDRESS" in config(docs)
                 assert re.fullmatch(r"[a-z_][a-z0-9_]*", t["name"])
                 names.add(t["name"])
-            assert {by_stream[lanes[lane]]["name"] for lane in LANES} == names
+            assert {by_stream[lanes[lane]]["name"] for lane in LANES} | \
+                {by_list[waiting[lane]]["name"] for lane in LANES} == names
             _check_formula(spec, names)
 
 

@@ -110,9 +110,10 @@ async def test_a_token_message_is_handled_only_by_the_shard_owning_its_channel(r
         # every token message went to the one primary owning the reply channel (at least one
         # per request; steps batch the requests' tokens into one message per channel) ...
         assert stats[reply_port]["spublish"] >= tokens, stats
-        # ... the lanes' primary published one wake per enqueue (sharded too), and the third
-        # primary handled nothing
-        assert stats[lanes_port]["spublish"] == n, stats
+        # ... the lanes' primary published a wake per task an enqueue put in the stream
+        # (sharded too; with fair share the one connection's others wait in its queue and the
+        # worker's own reads move them in, which needs no wake), and the third handled nothing
+        assert 1 <= stats[lanes_port]["spublish"] <= n, stats
         [other] = [p for p in stats if p not in (reply_port, lanes_port)]
         assert stats[other]["spublish"] == 0 and stats[other]["bus_publishshard"] == 0, stats
         # a sharded message crosses the cluster bus only to its own shard's replica: once each

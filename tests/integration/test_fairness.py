@@ -1,11 +1,14 @@
-"""Lane fairness with a real worker: under a flood on `high`, `normal` keeps its share."""
+"""Lane fairness with a real worker: under a flood on `high`, `normal` keeps its share; inside
+a lane, tenants share by tokens (fair share), across gateways."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
+from tests.support.keys import TIERS, add_key
 from tests.support.wsclient import Client
 
 pytestmark = pytest.mark.slow  # a flood on one lane against a real worker
@@ -18,7 +21,9 @@ async def test_normal_lane_gets_its_share_under_a_high_flood(fleet, rds, key_pre
     futs += [c.start(f"n{i}", "calm", max_tokens=2, ignore_eos=True, priority="normal") for i in range(20)]
     while sum(1 for r in c.results.values() if r.accepted) < 60:
         await asyncio.sleep(0.01)
-    assert rds.xlen(f"{key_prefix}:{{tiny-gpt}}:tasks:high") == 40
+    # one tenant (this connection): its tasks wait in its queue, all but one (fair share)
+    high = f"{key_prefix}:{{tiny-gpt}}:"
+    assert rds.xlen(high + "tasks:high") + rds.llen(high + "fair:high:queued") == 40
     # one slot, so the order in which requests finish is the order the worker admitted them
     fleet.worker(backend="echo", echo_delay_ms=2, max_batch=1)
     await asyncio.wait_for(asyncio.gather(*futs), 120)
@@ -74,3 +79,36 @@ async def test_busy_worker_admits_new_work_at_once_and_without_a_wake(fleet, rds
     await c.send({"type": "cancel", "id": "busy"})
     assert (await asyncio.wait_for(busy, 30)).end["finish_reason"] == "cancelled"
     await c.close()
+
+
+async def test_a_light_key_is_served_beside_a_heavy_one_across_gateways(fleet, rds, key_prefix):
+    """Fair share inside a lane (docs/admission.md, "Fair share"): a key that queued 12
+    requests does not hold back another key's 3, sent through another gateway after them;
+    the two alternate once both wait, the heavy key takes the rest."""
+    gws = [fleet.gateway(auth_enabled="true", tiers=TIERS) for _ in range(2)]
+    heavy_key, light_key = add_key(fleet, "heavy", "internal"), add_key(fleet, "light", "internal")
+    heavy = await Client.connect(gws[0].ws + "?api_key=" + heavy_key)
+    light = await Client.connect(gws[1].ws + "?api_key=" + light_key)
+    ended: list[str] = []
+    futs = []
+    for c, name, n in ((heavy, "h", 12), (light, "l", 3)):
+        for i in range(n):
+            fut = c.start(f"{name}{i}", "the same prompt for everyone", max_tokens=2, ignore_eos=True)
+            fut.add_done_callback(lambda _f, rid=f"{name}{i}": ended.append(rid))
+            futs.append(fut)
+        while sum(1 for r in c.results.values() if r.accepted) < n:
+            await asyncio.sleep(0.01)
+    prefix = f"{key_prefix}:{{tiny-gpt}}:"
+    # visible while they wait: the stream holds one (the window), the rest wait their turn
+    assert rds.xlen(prefix + "tasks:normal") == 1 and rds.llen(prefix + "fair:normal:queued") == 14
+    assert rds.zcard(prefix + "fair:normal") == 2
+    t0 = time.monotonic()
+    fleet.worker(backend="echo", echo_delay_ms=2, max_batch=1)  # one slot: ends in the order taken
+    await asyncio.wait_for(asyncio.gather(*futs), 120)
+    assert len(ended) == 15, ended
+    light_at = [i for i, rid in enumerate(ended) if rid.startswith("l")]
+    # first come, first served they would be 12-14; fair share: within the first six
+    assert light_at[-1] <= 6, (ended, time.monotonic() - t0)
+    assert sorted(ended) == sorted([f"h{i}" for i in range(12)] + ["l0", "l1", "l2"])
+    await heavy.close()
+    await light.close()

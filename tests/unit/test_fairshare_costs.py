@@ -1,0 +1,71 @@
+"""Fair share's pure parts (shared/fairshare.py; its scripts run on a real Redis in
+tests/integration/test_fairshare.py): what a request costs its tenant, a tier's share, the
+task's fields on the wire, and who the tenant of a request is."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from streamfleet.gateway.admission.auth import Identity
+from streamfleet.gateway.admission.gate import Ticket
+from streamfleet.gateway.requests.lifecycle import ClientRequest
+from streamfleet.shared.errors import FatalError
+from streamfleet.shared.fairshare import GENERATED_WEIGHT, MIN_COST, prompt_cost, token_cost
+from streamfleet.shared.keys import Keys
+from streamfleet.shared.schema import SamplingParams, Task, decode_task
+from streamfleet.shared.tiers import DEFAULT_TIERS, parse_tiers
+
+
+def test_a_request_costs_its_prompt_tokens_and_at_least_one_divided_by_its_share():
+    assert prompt_cost(100, 1.0) == 100.0
+    assert prompt_cost(100, 2.0) == 50.0
+    assert prompt_cost(0, 1.0) == MIN_COST  # an utterance, whose audio is still coming, takes turns too
+    assert token_cost(1.0) == GENERATED_WEIGHT == 2.0
+    assert token_cost(4.0) == 0.5
+
+
+def test_a_tier_has_a_share_of_one_unless_set_and_a_bad_share_stops_the_gateway():
+    assert all(t.share == 1.0 for t in DEFAULT_TIERS.values())
+    assert parse_tiers('{"gold": {"requests_per_minute": null, "share": 3}}')["gold"].share == 3
+    for bad in ("0", "-1", "true", '"2"', "1e999"):
+        with pytest.raises(FatalError, match="share must be a number > 0"):
+            parse_tiers(f'{{"free": {{"share": {bad}}}}}')
+
+
+def _task(**fields: object) -> Task:
+    return Task(request_id="r1", model="m", lane="normal", reply_to="c1", client_id="x", prompt_ids=[1, 2],
+                params=SamplingParams(), created_at=1.0, **fields)  # type: ignore[arg-type]
+
+
+def test_a_task_carries_its_tenant_only_when_it_has_one():
+    plain = orjson.loads(_task().encode())
+    assert "tenant" not in plain and "token_cost" not in plain  # read alike by a worker that predates it
+    fair = _task(tenant="key:abc", token_cost=0.5)
+    assert decode_task(fair.encode()) == fair
+
+
+def test_the_fair_keys_of_a_lane_share_its_hash_tag():
+    keys = Keys("sf", cluster=True)
+    fair = keys.fair("tiny-gpt", "normal")
+    lane = keys.lane("tiny-gpt", "normal")
+    names = list(fair.script_keys)
+    assert all("{tiny-gpt}" in n for n in names) and "{tiny-gpt}" in lane
+    assert len(set(names)) == len(names) and not any(n.startswith(lane + ":") for n in names)  # no affinity name
+
+
+def _request(**kw: object) -> ClientRequest:
+    async def nothing(*_a: object) -> None:
+        return None
+
+    return ClientRequest("c", admission=None, validator=None, broker=None, check_workers=nothing,  # type: ignore[arg-type]
+                         shared_channel=nothing, **kw)  # type: ignore[arg-type]
+
+
+def test_the_tenant_is_the_key_then_the_connection_then_the_peer():
+    ticket = Ticket("rid", "key:k1", "k1")
+    keyed = _request(identity=Identity(key_id="k1", name="a", tier=DEFAULT_TIERS["paid"]), peer="10.0.0.1")
+    assert keyed.tenant(ticket) == "key:k1"
+    assert _request(peer="10.0.0.1").tenant(Ticket("rid", "tok:x")) == "peer:10.0.0.1"
+    anonymous = _request()
+    assert anonymous.tenant(Ticket("rid", "tok:x")).startswith("conn:")
