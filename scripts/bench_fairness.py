@@ -6,11 +6,12 @@ workers, and two gateways with auth on: one with ``SF_FAIR_SHARE`` on, one with 
     python -m scripts.bench_fairness                         # smollm2-135m, 1 worker
     python -m scripts.bench_fairness --model tiny-gpt --window-s 20
 
-* **light beside heavy**: a heavy key keeps ``--heavy-streams`` streams of long prompts
-  (``--long-tokens``) going, four light keys one short request each at a time; each light
+* **light beside heavy**: a heavy key keeps ``--heavy-streams`` (40) streams of long
+  prompts (``--long-tokens``) going, four light keys one short request each at a time; each light
   key's TTFT p50 beside it, over its TTFT p50 alone (goal: at most 1.5);
 * **Jain's index** over the weighted tokens (prompt + 2 x generated) served to four keys of
-  the same tier that keep 2, 4, 8 and 16 streams going (goal: at least 0.95);
+  the same tier that keep 16, 24, 32 and 48 streams going, so that all of them always
+  have requests waiting (goal: at least 0.95);
 * **one key**: 16 streams of one key, tokens generated per second (goal: within 5%).
 """
 
@@ -33,7 +34,10 @@ from scripts.fleetstack import StackLife, clean_env, threads, wait_fleet
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 
 LIGHT_KEYS = 4
-JAIN_STREAMS = (2, 4, 8, 16)
+#: streams each of the Jain run's keys keeps going: every key more than a worker's batch
+#: (16), so all four always have requests waiting, first come, first served serving them
+#: in proportion to these
+JAIN_STREAMS = (16, 24, 32, 48)
 
 
 def log(msg: str) -> None:
@@ -124,7 +128,7 @@ async def run_mode(url: str, keys: dict[str, str], args: argparse.Namespace) -> 
                            max(1, args.long_tokens // 16))
     short = "Name a colour."
     out: dict[str, float] = {}
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         # each light key alone
         alone: dict[str, float] = {}
@@ -172,7 +176,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--window-s", type=float, default=40.0, help="length of the light-beside-heavy and Jain runs")
-    ap.add_argument("--heavy-streams", type=int, default=10)
+    ap.add_argument("--heavy-streams", type=int, default=40, help="the heavy key's streams: 10 x the light keys' "
+                    "requests, and more than a worker's batch, so that its requests wait")
     ap.add_argument("--long-tokens", type=int, default=400, help="about how long the heavy key's prompts are")
     ap.add_argument("--heavy-tokens", type=int, default=32, help="max_tokens of a long prompt's request")
     ap.add_argument("--light-tokens", type=int, default=8, help="max_tokens of a light key's request")

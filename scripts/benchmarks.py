@@ -60,6 +60,7 @@ BENCHMARKS = (
     Benchmark("itl-c16", "itl.md", ("-m", "scripts.bench_itl", "--streams", "16", "--long-count", "0",
                                     "--steady-s", "15", "--no-baseline"), 1, quick=False),
     Benchmark("embed", "embed.md", ("-m", "scripts.bench_embed"), 5, quick=False),
+    Benchmark("bench_fairness", "fairness.md", ("-m", "scripts.bench_fairness"), 6, quick=False),
 )
 
 

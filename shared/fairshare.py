@@ -62,9 +62,10 @@ def token_cost(share: float) -> float:
 #: KEYS[o + 1] (``FairKeys.script_keys`` after the lane's stream): its stream (L), the
 #: tenants waiting, sorted by counter (F), the counters of tenants served but not waiting
 #: (S), one element per task waiting (Q), the lane's virtual time (V), the waiting tasks
-#: (T: a hash, field ``<tenant> <n>``, value ``<cost> <task JSON>``) and each waiting
-#: tenant's first and last n (E: a hash, ``<first> <last>``): a FIFO per tenant in two
-#: hashes, so no script names a key of its own making (Redis Cluster).
+#: (T: a hash, field ``<tenant> <n>``, value ``<cost> <tokens> <task JSON>``), each
+#: waiting tenant's first and last n (E: a hash, ``<first> <last>``) and its waiting
+#: prompt tokens (C: a hash): a FIFO per tenant in hashes, so no script names a key of
+#: its own making (Redis Cluster).
 FAIR_LIB = """
 local function unread(o, group)
   local n = redis.call('XLEN', KEYS[o + 1])
@@ -94,7 +95,7 @@ local function ends(o, tenant)
   return tonumber(string.sub(e, 1, sp - 1)), tonumber(string.sub(e, sp + 1))
 end
 
-local function stage(o, tenant, item)
+local function stage(o, tenant, tokens, item)
   if not redis.call('ZSCORE', KEYS[o + 2], tenant) then
     local c = vtime(o)
     local seen = redis.call('ZSCORE', KEYS[o + 3], tenant)
@@ -108,6 +109,7 @@ local function stage(o, tenant, item)
   if first then last = last + 1 else first, last = 1, 1 end
   redis.call('HSET', KEYS[o + 6], tenant .. ' ' .. last, item)
   redis.call('HSET', KEYS[o + 7], tenant, first .. ' ' .. last)
+  redis.call('HINCRBY', KEYS[o + 8], tenant, tokens)
   redis.call('RPUSH', KEYS[o + 4], '1')
 end
 
@@ -125,11 +127,18 @@ local function release(o, group, want, ttl)
     if not item then
       redis.call('ZREM', KEYS[o + 2], tenant)
       redis.call('HDEL', KEYS[o + 7], tenant)
+      redis.call('HDEL', KEYS[o + 8], tenant)
     else
       redis.call('HDEL', KEYS[o + 6], tenant .. ' ' .. first)
       local sp = string.find(item, ' ', 1, true)
+      local sp2 = string.find(item, ' ', sp + 1, true)
       local cost = tonumber(string.sub(item, 1, sp - 1))
-      last_id = redis.call('XADD', KEYS[o + 1], '*', 'task', string.sub(item, sp + 1))
+      last_id = redis.call('XADD', KEYS[o + 1], '*', 'task', string.sub(item, sp2 + 1))
+      if first < last then
+        redis.call('HINCRBY', KEYS[o + 8], tenant, -tonumber(string.sub(item, sp + 1, sp2 - 1)))
+      else
+        redis.call('HDEL', KEYS[o + 8], tenant)
+      end
       have = have + 1
       redis.call('LPOP', KEYS[o + 4])
       advance(o, c, ttl)
@@ -163,28 +172,40 @@ end
 #: unless the lane's backlog (its stream, the tasks waiting, its affinity streams) has
 #: reached the refusal threshold, the task waits in its tenant's queue and tasks move into
 #: the stream in fair order up to ``window`` unread. A task routed to a worker's affinity
-#: stream (prefix-aware routing) goes there directly while no tenant waits in the lane (the
-#: router already keeps such a stream short: a task ahead weighs against the cache's
-#: saving); otherwise it waits its turn in the shared lane like the rest.
+#: stream (prefix-aware routing) goes there directly while no tenant waits in the lane and
+#: that stream holds fewer than ``routed_window`` unread tasks (a burst of one tenant's
+#: requests on one prefix keeps its locality; a flood does not go around the fair share:
+#: its worker reads its affinity stream first); otherwise it waits its turn in the shared
+#: lane like the rest.
 #: KEYS[1] the stream the task is routed to (the lane, or an affinity stream), KEYS[2] the
-#: wake channel, KEYS[3] the model's set of affinity streams, KEYS[4..10] the lane's keys
+#: wake channel, KEYS[3] the model's set of affinity streams, KEYS[4..11] the lane's keys
 #: (``FAIR_LIB``, o = 3), the keys after those: the lane's other streams, counted in its
 #: backlog. ARGV[1] threshold (0 = none), ARGV[2] task JSON, ARGV[3] the wake's source for
 #: a routed task, ARGV[4] PUBLISH or SPUBLISH, ARGV[5] the consumer group, ARGV[6] tenant,
-#: ARGV[7] its cost, ARGV[8] window, ARGV[9] ttl (s), ARGV[10] the lane's name. Returns
-#: {1, depth after add} or {0, depth}.
+#: ARGV[7] its cost, ARGV[8] window, ARGV[9] ttl (s), ARGV[10] the lane's name, ARGV[11]
+#: the task's prompt tokens, ARGV[12] the most prompt tokens the tenant may have waiting
+#: in the lane (0 = no cap; a task is taken whatever its size while none of the tenant's
+#: wait), ARGV[13] ``routed_window``. Returns {1, depth after add}, {0, depth} (the lane is full) or {2, the tokens
+#: the tenant has waiting} (its cap).
 FAIR_ENQUEUE_LUA = FAIR_LIB + """
 local group, window, ttl = ARGV[5], tonumber(ARGV[8]), tonumber(ARGV[9])
 local depth = redis.call('XLEN', KEYS[4]) + redis.call('LLEN', KEYS[7])
 if KEYS[1] ~= KEYS[4] then depth = depth + redis.call('XLEN', KEYS[1]) end
-for i = 11, #KEYS do
+for i = 12, #KEYS do
   depth = depth + redis.call('XLEN', KEYS[i])
 end
 local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then
   return {0, depth}
 end
-if KEYS[1] ~= KEYS[4] and redis.call('ZCARD', KEYS[5]) == 0 then
+local cap = tonumber(ARGV[12])
+if cap > 0 then
+  local waiting = tonumber(redis.call('HGET', KEYS[11], ARGV[6]) or '0')
+  if waiting > 0 and waiting + tonumber(ARGV[11]) > cap then
+    return {2, waiting}
+  end
+end
+if KEYS[1] ~= KEYS[4] and redis.call('ZCARD', KEYS[5]) == 0 and unread(0, group) < tonumber(ARGV[13]) then
   if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('XGROUP', 'CREATE', KEYS[1], group, '0', 'MKSTREAM')
   end
@@ -194,7 +215,7 @@ if KEYS[1] ~= KEYS[4] and redis.call('ZCARD', KEYS[5]) == 0 then
   redis.call(ARGV[4], KEYS[2], ARGV[3] .. ' ' .. id)
   return {1, depth + 1}
 end
-stage(3, ARGV[6], ARGV[7] .. ' ' .. ARGV[2])
+stage(3, ARGV[6], tonumber(ARGV[11]), ARGV[7] .. ' ' .. ARGV[11] .. ' ' .. ARGV[2])
 local id = release(3, group, window, ttl)
 if id then
   redis.call(ARGV[4], KEYS[2], ARGV[10] .. ' ' .. id)
@@ -205,7 +226,7 @@ return {1, depth + 1}
 #: A worker's read of one lane (``workers.intake.Intake``): tasks move into the stream
 #: in fair order until it holds ``n + window`` unread entries, then the worker reads ``n``
 #: (``n`` = 0: only the top-up, after an idle worker's blocking read took the window's).
-#: KEYS[1..7] the lane's keys (``FAIR_LIB``, o = 0); ARGV[1] group, ARGV[2] consumer,
+#: KEYS[1..8] the lane's keys (``FAIR_LIB``, o = 0); ARGV[1] group, ARGV[2] consumer,
 #: ARGV[3] n, ARGV[4] window, ARGV[5] ttl (s). Returns what XREADGROUP does.
 FAIR_READ_LUA = FAIR_LIB + """
 local n = tonumber(ARGV[3])
@@ -220,15 +241,18 @@ return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS'
 
 
 def enqueue_call(keys: Keys, model: str, lane: str, target: str, counted: Sequence[str], *, threshold: int,
-                 task: bytes, source: str, tenant: str, cost: float, window: int, ttl_s: int,
+                 task: bytes, source: str, tenant: str, cost: float, window: int, ttl_s: int, tokens: int = 0,
+                 max_queued_tokens: int | None = None, routed_window: int = 4,
                  ) -> tuple[tuple[str, ...], tuple[bytes | str | int, ...]]:
     """``FAIR_ENQUEUE_LUA``'s keys and arguments: a task of ``tenant`` costing ``cost``
-    for ``lane`` of ``model``, routed to ``target`` (the lane's stream, or an affinity
-    stream named ``source``), the lane's other streams ``counted`` in its backlog."""
+    (of ``tokens`` prompt tokens, the tenant allowed ``max_queued_tokens`` waiting, None
+    for no cap) for ``lane`` of ``model``, routed to ``target`` (the lane's stream, or an
+    affinity stream named ``source``), the lane's other streams ``counted`` in its backlog."""
     shared_lane = keys.lane(model, lane)
     script_keys = (target, keys.wake(model), keys.affinity_streams(model), shared_lane,
                    *keys.fair(model, lane).script_keys, *(k for k in counted if k not in (shared_lane, target)))
-    args = (threshold, task, source, keys.publish, GROUP, tenant, repr(float(cost)), window, ttl_s, lane)
+    args = (threshold, task, source, keys.publish, GROUP, tenant, repr(float(cost)), window, ttl_s, lane, tokens,
+            max_queued_tokens or 0, routed_window)
     return script_keys, args
 
 

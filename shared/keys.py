@@ -72,7 +72,8 @@ class FairKeys:
     counter; ``seen`` the counters of tenants served lately; ``queued`` a list of one
     element per task waiting (``LLEN``: how many); ``vtime`` the lane's virtual time;
     ``tasks`` the waiting tasks (hash, field ``<tenant> <n>``) and ``ends`` each waiting
-    tenant's first and last ``n`` (hash): a queue per tenant."""
+    tenant's first and last ``n`` (hash): a queue per tenant; ``tokens`` each waiting
+    tenant's prompt tokens waiting (hash; the tier's ``max_queued_tokens``)."""
 
     base: str
 
@@ -101,9 +102,13 @@ class FairKeys:
         return f"{self.base}:ends"
 
     @property
-    def script_keys(self) -> tuple[str, str, str, str, str, str]:
+    def tokens(self) -> str:
+        return f"{self.base}:tokens"
+
+    @property
+    def script_keys(self) -> tuple[str, str, str, str, str, str, str]:
         """The keys the scripts take after the lane's stream (``shared.fairshare.FAIR_LIB``)."""
-        return self.waiting, self.seen, self.queued, self.vtime, self.tasks, self.ends
+        return self.waiting, self.seen, self.queued, self.vtime, self.tasks, self.ends, self.tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,10 @@ class GatewaySettings(CommonSettings):
     #: connection with auth off) served the fewest weighted tokens (docs/scheduling.md,
     #: "Fair share"); off: first come, first served
     fair_share: bool = True
+    #: with fair share on, a task routed to a worker's affinity stream (prefix-aware
+    #: routing) goes there directly only while nobody waits in its lane and that stream
+    #: holds fewer unread tasks than this; otherwise it waits its turn in the shared lane
+    fair_routed_window: int = Field(4, ge=1, le=1024)
     overload_fraction: float = 0.8
     overload_retry_after_ms: int = 1000
     #: most WebSocket connections one gateway process holds

@@ -57,6 +57,10 @@ class Tier:
         share: the key's weight in the fair share inside a lane (shared/fairshare.py): a
             key of share 2 is served twice the weighted tokens of a key of share 1 when
             both wait. A number > 0; default 1.
+        max_queued_tokens: the most prompt tokens the key's requests may have waiting for
+            their turn in one lane of a model (fair share); past it a request is refused
+            with 429 ``too_many_requests`` before anything is queued (one request is taken
+            whatever its size while none of the key's wait). ``None`` = no cap.
 
     Raises:
         ValueError: a field is out of range.
@@ -72,6 +76,7 @@ class Tier:
     max_timeout_s: float | None = None
     max_utterances: int | None = None
     share: float = 1.0
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -82,7 +87,7 @@ class Tier:
                 raise ValueError(f"tier {self.name}: requests_per_minute must be a number > 0 or null, got {rpm!r}")
             if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
                 raise ValueError(f"tier {self.name}: burst must be an integer >= 1, got {self.burst!r}")
-        for fname in ("max_streams", "max_connections", "max_tokens", "max_utterances"):
+        for fname in ("max_streams", "max_connections", "max_tokens", "max_utterances", "max_queued_tokens"):
             v = getattr(self, fname)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"tier {self.name}: {fname} must be an integer >= 1 or null, got {v!r}")

@@ -67,8 +67,8 @@ STEPS_TTL_S = 0.5
 
 #: Read each lane's share: this worker's affinity stream of the lane first, then the
 #: shared lane for what is left, after moving tasks that wait for their tenant's turn into
-#: it (fair share, shared/fairshare.py). KEYS, eight per lane i: its affinity stream, then
-#: the lane's stream and fair-share keys (``FAIR_LIB``, o = 8(i-1) + 1); ARGV[1] group,
+#: it (fair share, shared/fairshare.py). KEYS, nine per lane i: its affinity stream, then
+#: the lane's stream and fair-share keys (``FAIR_LIB``, o = 9(i-1) + 1); ARGV[1] group,
 #: ARGV[2] consumer, ARGV[3] the fair-share window, ARGV[4] its ttl (s), ARGV[4 + i] how
 #: many to read of lane i. Returns, per lane, {affinity entries, lane entries} (as
 #: XREADGROUP gives them). An affinity stream that does not exist (cleaned up, or Redis
@@ -76,8 +76,8 @@ STEPS_TTL_S = 0.5
 READ_LUA = FAIR_LIB + """
 local out = {}
 local window, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
-for i = 1, #KEYS / 8 do
-  local k = 8 * (i - 1)
+for i = 1, #KEYS / 9 do
+  local k = 9 * (i - 1)
   local n = tonumber(ARGV[4 + i])
   local own, shared = {}, {}
   if n > 0 and redis.call('EXISTS', KEYS[k + 1]) == 1 then

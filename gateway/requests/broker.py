@@ -334,13 +334,15 @@ class Broker:
         cap = self.settings.lane_capacity.get(lane, 0)
         return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
 
-    async def submit(self, task: AnyTask, owner: str = "", tenant: str = "", share: float = 1.0) -> int:
+    async def submit(self, task: AnyTask, owner: str = "", tenant: str = "", share: float = 1.0,
+                     max_queued_tokens: int | None = None) -> int:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
 
         With fair share on (``fair_share``) and a ``tenant``, the task waits for its
         tenant's turn (shared/fairshare.py), charged by its prompt tokens and, for text,
-        its generated tokens, each divided by the tenant tier's ``share``.
+        its generated tokens, each divided by the tenant tier's ``share``; refused when
+        the tenant already has ``max_queued_tokens`` prompt tokens waiting in the lane.
 
         A text task whose prompt's first blocks a live worker holds in its prefix cache
         goes to that worker's affinity stream of the lane instead (``PrefixRouter``,
@@ -381,7 +383,8 @@ class Broker:
             script_keys, args = enqueue_call(
                 keys, task.model, task.lane, lane_key, others, threshold=threshold, task=task.encode(),
                 source=source, tenant=tenant, cost=prompt_cost(task.prompt_tokens, share),
-                window=self.settings.fair_window, ttl_s=self.settings.fair_ttl_s)
+                window=self.settings.fair_window, ttl_s=self.settings.fair_ttl_s, tokens=task.prompt_tokens,
+                max_queued_tokens=max_queued_tokens, routed_window=self.settings.fair_routed_window)
         else:
             args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
             script_keys = (lane_key, wake, *counted)
@@ -403,6 +406,11 @@ class Broker:
                 record_set.exception()  # a failure shows in the enqueue's own result
             if worker is not None:  # the next routing choices count it in the stream's length
                 self.router.enqueued(worker, task, bool(ok))
+        if ok == 2:
+            raise RefusedError(
+                f"this key already has {depth} prompt tokens waiting for their turn in the {task.lane} lane of "
+                f"{task.model} (its tier's max_queued_tokens is {max_queued_tokens}); retry shortly",
+                code=ErrorCode.too_many_requests, retry_after_ms=self.settings.overload_retry_after_ms)
         if not ok:
             raise RefusedError(
                 f"the {task.lane} lane of {task.model} is overloaded ({depth} requests queued or running, "

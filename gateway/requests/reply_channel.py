@@ -155,7 +155,7 @@ class ReplyChannel:
 
     async def submit(self, request: AnyRequest, request_id: str | None = None, owner: str = "", slot: str = "",
                      trace_id: str | None = None, tenant: str = "", share: float = 1.0,
-                     ) -> tuple[RequestStream, int]:
+                     max_queued_tokens: int | None = None) -> tuple[RequestStream, int]:
         """Enqueue a prepared request (``Validator.finish``); returns its stream and the
         lane depth. Its task (``to_task``) is the one serialized form it takes.
 
@@ -163,8 +163,8 @@ class ReplyChannel:
             owner: the tenant the request belongs to (recorded with it; a resume must match).
             slot: the API key id whose stream slot the request holds ("" for none); the
                 worker gives it back when the request ends.
-            tenant, share: whose fair share inside the lane it counts against, and that
-                tenant's tier's weight (``Broker.submit``).
+            tenant, share, max_queued_tokens: whose fair share inside the lane it counts
+                against, that tenant's tier's weight and cap (``Broker.submit``).
 
         Raises:
             StreamfleetError: refused (overload, broker down).
@@ -180,7 +180,7 @@ class ReplyChannel:
         stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
         try:
-            depth = await self.broker.submit(task, owner, tenant, share)
+            depth = await self.broker.submit(task, owner, tenant, share, max_queued_tokens)
         except StreamfleetError:
             self.streams.pop(rid, None)
             raise

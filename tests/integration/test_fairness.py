@@ -112,3 +112,23 @@ async def test_a_light_key_is_served_beside_a_heavy_one_across_gateways(fleet, r
     assert sorted(ended) == sorted([f"h{i}" for i in range(12)] + ["l0", "l1", "l2"])
     await heavy.close()
     await light.close()
+
+
+async def test_a_key_past_its_tiers_cap_of_waiting_tokens_gets_429_before_anything_is_queued(fleet, rds, key_prefix):
+    """``max_queued_tokens`` (docs/admission.md, "Fair share"): with no worker yet, one
+    request goes into the lane, the next waits its turn, and the one after is refused with
+    ``too_many_requests`` and a retry hint; nothing of it reaches the lane."""
+    tiers = '{"capped": {"requests_per_minute": null, "max_queued_tokens": 1}}'
+    gw = fleet.gateway(auth_enabled="true", tiers=tiers)
+    key = add_key(fleet, "capped", "capped", tiers=tiers)
+    c = await Client.connect(gw.ws + "?api_key=" + key)
+    for i in range(2):
+        c.start(f"r{i}", "the same prompt for everyone", max_tokens=2)
+        while not c.results[f"r{i}"].accepted:
+            await asyncio.sleep(0.01)
+    refused = await c.generate("r2", "the same prompt for everyone", max_tokens=2)
+    assert refused.end["type"] == "error" and refused.end["code"] == "too_many_requests", refused.end
+    assert refused.end["retry_after_ms"] > 0 and "max_queued_tokens" in refused.end["message"]
+    prefix = f"{key_prefix}:{{tiny-gpt}}:"
+    assert rds.xlen(prefix + "tasks:normal") == 1 and rds.llen(prefix + "fair:normal:queued") == 1
+    await c.close()

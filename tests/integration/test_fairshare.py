@@ -25,13 +25,19 @@ class Lane:
         self._enqueue = rds.register_script(FAIR_ENQUEUE_LUA)
         self._read = rds.register_script(FAIR_READ_LUA)
 
-    def send(self, tenant: str, name: str, tokens: int = 10, share: float = 1.0) -> int:
-        """Enqueue task ``name``; the lane's depth after it (0: refused)."""
-        keys, args = enqueue_call(self.keys, MODEL, LANE, self.stream, (), threshold=self.threshold,
-                                  task=name.encode(), source=LANE, tenant=tenant,
-                                  cost=prompt_cost(tokens, share), window=self.window, ttl_s=60)
+    def send(self, tenant: str, name: str, tokens: int = 10, share: float = 1.0, cap: int | None = None,
+             routed: str = "") -> int:
+        """Enqueue task ``name`` (``routed``: to that worker's affinity stream); the lane's
+        depth after it (0: the lane is full; -1: the tenant's ``cap`` of waiting tokens
+        refused it)."""
+        target = self.keys.affinity(MODEL, LANE, routed) if routed else self.stream
+        source = f"{LANE}@{routed}" if routed else LANE
+        keys, args = enqueue_call(self.keys, MODEL, LANE, target, (), threshold=self.threshold,
+                                  task=name.encode(), source=source, tenant=tenant,
+                                  cost=prompt_cost(tokens, share), window=self.window, ttl_s=60, tokens=tokens,
+                                  max_queued_tokens=cap)
         ok, depth = self._enqueue(keys=list(keys), args=list(args))
-        return int(depth) if ok else 0
+        return -1 if ok == 2 else int(depth) if ok else 0
 
     def take(self, n: int = 1, consumer: str = "w1") -> list[str]:
         """What a worker with ``n`` free slots reads (and finishes at once: XACK + XDEL)."""
@@ -128,6 +134,33 @@ def test_the_refusal_threshold_counts_the_tasks_that_wait(rds, broker, key_prefi
 
 
 @pytest.mark.both_brokers
+def test_a_key_past_its_cap_of_waiting_tokens_is_refused_before_anything_is_queued(lane):
+    assert lane.send("key:a", "a0", tokens=500, cap=300) > 0  # left at once: nothing waits
+    assert lane.send("key:a", "a1", tokens=500, cap=300) > 0  # one is taken whatever its size
+    assert lane.send("key:a", "a2", tokens=10, cap=300) == -1  # 500 waiting: over the cap
+    assert lane.send("key:b", "b0", tokens=10, cap=300) > 0  # another key's own cap
+    assert lane.rds.hget(lane.fair.tokens, "key:a") == b"500" and lane.waiting() == 2
+    assert lane.take(3) == ["a0", "a1", "b0"]  # (b was lifted to a's counter: a tie, a first)
+    assert not lane.rds.exists(lane.fair.tokens)  # nothing waits: nothing counted
+    assert lane.send("key:a", "a3", tokens=10, cap=300) > 0
+
+
+@pytest.mark.both_brokers
+def test_routed_tasks_keep_their_worker_until_its_stream_is_full_or_others_wait(lane):
+    own = lane.keys.affinity(MODEL, LANE, "w1")
+    for i in range(6):  # a burst on one prefix: four go to the worker that holds it
+        lane.send("key:a", f"a{i}", routed="w1")
+    assert lane.rds.xlen(own) == 4 and lane.rds.xlen(lane.stream) == 1 and lane.waiting() == 1
+    lane.rds.xreadgroup(GROUP, "w1", {own: ">"}, count=4)  # w1 takes them
+    lane.send("key:b", "b0")  # b waits beside a's last one: from now on routed tasks wait too
+    lane.send("key:a", "a6", routed="w1")
+    assert lane.rds.xlen(own) == 4 and lane.waiting() == 3  # (a5 and a6, b0)
+    order = lane.drain()
+    # b level with a (a tie: a's next first), then they alternate: a's routed a6 waited its turn
+    assert order == ["a4", "a5", "b0", "a6"], order
+
+
+@pytest.mark.both_brokers
 def test_a_wider_window_leaves_more_unread_for_idle_workers(rds, broker, key_prefix):
     lane = Lane(rds, key_prefix, broker.cluster, window=3)
     for i in range(6):
@@ -144,7 +177,7 @@ def test_a_drained_lane_leaves_only_bounded_expiring_state(lane):
     lane.drain()
     r = lane.rds
     assert r.zcard(lane.fair.waiting) == 0 and lane.waiting() == 0
-    assert not r.exists(lane.fair.tasks) and not r.exists(lane.fair.ends)
+    assert not r.exists(lane.fair.tasks) and not r.exists(lane.fair.ends) and not r.exists(lane.fair.tokens)
     # the counters kept are those above the lane's virtual time, and they expire
     assert r.zcard(lane.fair.seen) <= 20
     assert 0 < r.ttl(lane.fair.seen) <= 60 and 0 < r.ttl(lane.fair.vtime) <= 60

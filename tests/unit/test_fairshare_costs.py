@@ -33,6 +33,13 @@ def test_a_tier_has_a_share_of_one_unless_set_and_a_bad_share_stops_the_gateway(
             parse_tiers(f'{{"free": {{"share": {bad}}}}}')
 
 
+def test_a_tier_may_cap_the_tokens_its_keys_have_waiting():
+    assert all(t.max_queued_tokens is None for t in DEFAULT_TIERS.values())
+    assert parse_tiers('{"free": {"max_queued_tokens": 4096}}')["free"].max_queued_tokens == 4096
+    with pytest.raises(FatalError, match="max_queued_tokens must be an integer >= 1 or null"):
+        parse_tiers('{"free": {"max_queued_tokens": 0}}')
+
+
 def _task(**fields: object) -> Task:
     return Task(request_id="r1", model="m", lane="normal", reply_to="c1", client_id="x", prompt_ids=[1, 2],
                 params=SamplingParams(), created_at=1.0, **fields)  # type: ignore[arg-type]
