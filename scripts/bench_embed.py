@@ -56,7 +56,7 @@ import httpx
 import orjson
 
 from scripts import benchtable
-from scripts.fleetstack import ModelStack, threads
+from scripts.fleetstack import ModelStack, chat_chunks, threads
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 EMBED_MODEL = "minilm-l6-v2"
@@ -313,19 +313,11 @@ async def chat_stream(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}
     arrivals = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    arrivals.append(time.perf_counter())
+    async for chunk in chat_chunks(client, url, body):
+        for choice in chunk.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                arrivals.append(time.perf_counter())
     return arrivals
 
 

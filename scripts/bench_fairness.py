@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from scripts import benchtable
-from scripts.fleetstack import StackLife, clean_env, threads, wait_fleet
+from scripts.fleetstack import StackLife, chat_chunks, clean_env, threads, wait_fleet
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 
 LIGHT_KEYS = 4
@@ -91,19 +90,10 @@ async def chat(client: httpx.AsyncClient, url: str, key: str, model: str, prompt
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+    async for chunk in chat_chunks(client, url, body, {"Authorization": f"Bearer {key}"}):
+        if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            ttft = time.perf_counter() - t0
+        usage = chunk.get("usage") or usage
     now = time.perf_counter()
     return Done(ttft if ttft is not None else now - t0, usage.get("prompt_tokens", 0),
                 usage.get("completion_tokens", 0), now)

@@ -40,7 +40,7 @@ import redis
 
 from scripts import benchtable
 from scripts.bench_prefix import WORDS, chat, log, pctl
-from scripts.fleetstack import ModelStack, threads
+from scripts.fleetstack import ModelStack, chat_chunks, threads
 from scripts.procstats import cpu_line
 from streamfleet.shared.keys import Keys
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
@@ -86,18 +86,10 @@ async def stream_arrivals(stack: ModelStack, tokenizer, args) -> dict:
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to 10000."}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-        async with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                for choice in chunk.get("choices", []):
-                    if (choice.get("delta") or {}).get("content"):
-                        arrivals[i].append(time.perf_counter())
+        async for chunk in chat_chunks(client, stack.url, body):
+            for choice in chunk.get("choices", []):
+                if (choice.get("delta") or {}).get("content"):
+                    arrivals[i].append(time.perf_counter())
 
     beats: list[tuple[float, Heartbeat]] = []
 

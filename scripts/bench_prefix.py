@@ -46,7 +46,7 @@ import time
 import httpx
 
 from scripts import benchtable
-from scripts.fleetstack import ModelStack, threads
+from scripts.fleetstack import ModelStack, chat_chunks, threads
 from streamfleet.shared.modelrepo import ModelRepository, ensure_artifacts, load_tokenizer
 
 MODEL = "smollm2-135m"
@@ -111,23 +111,15 @@ async def chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_to
             **extra}
     t0 = time.perf_counter()
     ttft, text, arrivals = None, [], []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                content = (choice.get("delta") or {}).get("content")
-                if content is not None and (content or choice.get("finish_reason")):
-                    now = time.perf_counter()
-                    arrivals.append(now)
-                    if ttft is None:
-                        ttft = now - t0
-                    text.append(content)
+    async for chunk in chat_chunks(client, url, body):
+        for choice in chunk.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content is not None and (content or choice.get("finish_reason")):
+                now = time.perf_counter()
+                arrivals.append(now)
+                if ttft is None:
+                    ttft = now - t0
+                text.append(content)
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), arrivals
 
 

@@ -11,9 +11,10 @@ echo-engine benchmarks have theirs in ``scripts/bench_fleet.py``, which waits wi
 from __future__ import annotations
 
 import collections
+import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -21,7 +22,27 @@ import redis
 
 from streamfleet.launcher import EmbeddedRedis, Fleet, free_port
 
-__all__ = ["ModelStack", "StackLife", "clean_env", "threads", "wait_fleet", "wait_until"]
+__all__ = ["ModelStack", "StackLife", "chat_chunks", "clean_env", "threads", "wait_fleet", "wait_until"]
+
+
+async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str] | None = None,
+                      ) -> AsyncIterator[dict]:
+    """The chunks of one streamed ``/v1/chat/completions`` (``body`` with ``"stream": true``)
+    from the gateway at ``url``, as they arrive.
+
+    Raises:
+        RuntimeError: the gateway answered other than 200, or the stream carried an error.
+    """
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            yield chunk
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str,

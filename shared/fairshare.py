@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from streamfleet.shared.keys import GROUP, Keys
 
-__all__ = ["PROMPT_WEIGHT", "GENERATED_WEIGHT", "MIN_COST", "FAIR_LIB", "FAIR_ENQUEUE_LUA", "FAIR_READ_LUA",
+__all__ = ["PROMPT_WEIGHT", "GENERATED_WEIGHT", "MIN_COST", "FAIR_LIB", "ENQUEUE_LUA", "FAIR_READ_LUA",
            "prompt_cost", "token_cost", "enqueue_call", "read_call"]
 
 #: weighted cost of one prompt token (prefill: read in parallel, cheap per token)
@@ -168,29 +168,37 @@ local function charge(o, tenant, cost, ttl)
 end
 """
 
-#: A gateway's enqueue with fair share on (``gateway.requests.broker.Broker.submit``):
-#: unless the lane's backlog (its stream, the tasks waiting, its affinity streams) has
-#: reached the refusal threshold, the task waits in its tenant's queue and tasks move into
-#: the stream in fair order up to ``window`` unread. A task routed to a worker's affinity
-#: stream (prefix-aware routing) goes there directly while no tenant waits in the lane and
-#: that stream holds fewer than ``routed_window`` unread tasks (a burst of one tenant's
+#: A gateway's enqueue (``gateway.requests.broker.Broker.submit``): one round trip,
+#: atomic, so all gateways together never push a lane past its refusal threshold. Unless
+#: the lane's backlog (its stream, the tasks waiting, its affinity streams: XLEN counts
+#: queued + in flight, since workers XDEL what they ack) has reached the threshold, a task
+#: of a tenant (fair share on) waits in its tenant's queue and tasks move into the stream
+#: in fair order up to ``window`` unread; a task of no tenant (fair share off) joins its
+#: stream at once. A task routed to a worker's affinity stream (prefix-aware routing,
+#: docs/architecture.md) goes there directly while no tenant waits in the lane and that
+#: stream holds fewer than ``routed_window`` unread tasks (a burst of one tenant's
 #: requests on one prefix keeps its locality; a flood does not go around the fair share:
 #: its worker reads its affinity stream first); otherwise it waits its turn in the shared
-#: lane like the rest.
+#: lane like the rest. An affinity stream is made (with its group) when new, and joins
+#: the model's set of them.
 #: KEYS[1] the stream the task is routed to (the lane, or an affinity stream), KEYS[2] the
-#: wake channel, KEYS[3] the model's set of affinity streams, KEYS[4..11] the lane's keys
+#: wake channel (declared: on a cluster it is published with SPUBLISH and shares the
+#: lane's slot), KEYS[3] the model's set of affinity streams, KEYS[4..11] the lane's keys
 #: (``FAIR_LIB``, o = 3), the keys after those: the lane's other streams, counted in its
-#: backlog. ARGV[1] threshold (0 = none), ARGV[2] task JSON, ARGV[3] the wake's source for
-#: a routed task, ARGV[4] PUBLISH or SPUBLISH, ARGV[5] the consumer group, ARGV[6] tenant,
-#: ARGV[7] its cost, ARGV[8] window, ARGV[9] ttl (s), ARGV[10] the lane's name, ARGV[11]
-#: the task's prompt tokens, ARGV[12] the most prompt tokens the tenant may have waiting
-#: in the lane (0 = no cap; a task is taken whatever its size while none of the tenant's
-#: wait), ARGV[13] ``routed_window``. Returns {1, depth after add}, {0, depth} (the lane is full) or {2, the tokens
-#: the tenant has waiting} (its cap).
-FAIR_ENQUEUE_LUA = FAIR_LIB + """
+#: backlog. ARGV[1] threshold (0 = none), ARGV[2] task JSON, ARGV[3] the wake's source
+#: (the lane's name, or ``<lane>@<worker id>``), ARGV[4] PUBLISH or SPUBLISH, ARGV[5] the
+#: consumer group, ARGV[6] tenant ("": none), ARGV[7] its cost, ARGV[8] window, ARGV[9]
+#: ttl (s), ARGV[10] the lane's name, ARGV[11] the task's prompt tokens, ARGV[12] the most
+#: prompt tokens the tenant may have waiting in the lane (0 = no cap; a task is taken
+#: whatever its size while none of the tenant's wait), ARGV[13] ``routed_window``.
+#: Publishes a ``shared.schema.Wake`` (``"<source> <entry id>"``) for a task that joined
+#: a stream. Returns {1, depth after add}, {0, depth} (the lane is full) or {2, the
+#: tokens the tenant has waiting} (its cap).
+ENQUEUE_LUA = FAIR_LIB + """
 local group, window, ttl = ARGV[5], tonumber(ARGV[8]), tonumber(ARGV[9])
+local routed = KEYS[1] ~= KEYS[4]
 local depth = redis.call('XLEN', KEYS[4]) + redis.call('LLEN', KEYS[7])
-if KEYS[1] ~= KEYS[4] then depth = depth + redis.call('XLEN', KEYS[1]) end
+if routed then depth = depth + redis.call('XLEN', KEYS[1]) end
 for i = 12, #KEYS do
   depth = depth + redis.call('XLEN', KEYS[i])
 end
@@ -198,20 +206,25 @@ local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then
   return {0, depth}
 end
+local fair = ARGV[6] ~= ''
 local cap = tonumber(ARGV[12])
-if cap > 0 then
+if fair and cap > 0 then
   local waiting = tonumber(redis.call('HGET', KEYS[11], ARGV[6]) or '0')
   if waiting > 0 and waiting + tonumber(ARGV[11]) > cap then
     return {2, waiting}
   end
 end
-if KEYS[1] ~= KEYS[4] and redis.call('ZCARD', KEYS[5]) == 0 and unread(0, group) < tonumber(ARGV[13]) then
-  if redis.call('EXISTS', KEYS[1]) == 0 then
-    redis.call('XGROUP', 'CREATE', KEYS[1], group, '0', 'MKSTREAM')
+if not fair or (routed and redis.call('ZCARD', KEYS[5]) == 0 and unread(0, group) < tonumber(ARGV[13])) then
+  if routed then
+    if redis.call('EXISTS', KEYS[1]) == 0 then
+      redis.call('XGROUP', 'CREATE', KEYS[1], group, '0', 'MKSTREAM')
+    end
+    redis.call('SADD', KEYS[3], KEYS[1])
   end
-  redis.call('SADD', KEYS[3], KEYS[1])
   local id = redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
-  charge(3, ARGV[6], tonumber(ARGV[7]), ttl)
+  if fair then
+    charge(3, ARGV[6], tonumber(ARGV[7]), ttl)
+  end
   redis.call(ARGV[4], KEYS[2], ARGV[3] .. ' ' .. id)
   return {1, depth + 1}
 end
@@ -244,7 +257,7 @@ def enqueue_call(keys: Keys, model: str, lane: str, target: str, counted: Sequen
                  task: bytes, source: str, tenant: str, cost: float, window: int, ttl_s: int, tokens: int = 0,
                  max_queued_tokens: int | None = None, routed_window: int = 4,
                  ) -> tuple[tuple[str, ...], tuple[bytes | str | int, ...]]:
-    """``FAIR_ENQUEUE_LUA``'s keys and arguments: a task of ``tenant`` costing ``cost``
+    """``ENQUEUE_LUA``'s keys and arguments: a task of ``tenant`` costing ``cost``
     (of ``tokens`` prompt tokens, the tenant allowed ``max_queued_tokens`` waiting, None
     for no cap) for ``lane`` of ``model``, routed to ``target`` (the lane's stream, or an
     affinity stream named ``source``), the lane's other streams ``counted`` in its backlog."""

@@ -660,8 +660,9 @@ def stream_entry_id(entry: str) -> tuple[int, int]:
 @dataclass(frozen=True, slots=True)
 class Wake:
     """A task was added to ``lane`` as stream entry ``entry_id``: ``b"<lane> <ms>-<seq>"``.
-    Its producer is the enqueue script (``ENQUEUE_LUA``: ``ARGV[3] .. ' ' .. id``), which
-    must write exactly what ``encode`` writes. A task sent to one worker's affinity
+    Its producer is the enqueue script (``shared.fairshare.ENQUEUE_LUA``: ``ARGV[3] .. ' '
+    .. id``, or the lane's name ``ARGV[10]`` for a task moved into the lane), which must
+    write exactly what ``encode`` writes. A task sent to one worker's affinity
     stream (prefix-aware routing) names that worker: ``lane`` is then its source,
     ``"<lane>@<worker id>"`` (``shared.keys.affinity_source``)."""
 

@@ -14,8 +14,8 @@ from redis.exceptions import NoScriptError, ResponseError
 from streamfleet.gateway.requests.prefixroute import PrefixRouter
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
-from streamfleet.shared.fairshare import FAIR_ENQUEUE_LUA, enqueue_call, prompt_cost, token_cost
-from streamfleet.shared.keys import GROUP, affinity_source
+from streamfleet.shared.fairshare import ENQUEUE_LUA, enqueue_call, prompt_cost, token_cost
+from streamfleet.shared.keys import affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
 from streamfleet.shared.pubsub import PubSubConnection, ShardSubscriptions, open_pubsub
@@ -59,44 +59,6 @@ class Listener(Protocol):
 
     def resync(self) -> None: ...
 
-#: Enqueue a task unless the lane's backlog (XLEN: queued + in flight, since workers
-#: XDEL what they ack) has reached the refusal threshold. One round trip, atomic, so
-#: all gateways together never push a lane past it.
-#: KEYS[1] the stream the task joins: the lane, or one worker's affinity stream of it
-#: (prefix-aware routing, docs/architecture.md); KEYS[2] the model's wake channel
-#: (declared: on a cluster it is published with SPUBLISH and shares the lane's slot);
-#: for an affinity stream KEYS[3] the model's set of affinity streams, which it joins
-#: (and its group is made, when the stream is new); the keys after those: the lane's
-#: other streams (the shared lane, the affinity streams), whose backlog counts with
-#: KEYS[1]'s. ARGV[1] threshold (0 = none); ARGV[2] task JSON; ARGV[3] the wake's
-#: source (the lane's name, or ``<lane>@<worker id>``); ARGV[4] PUBLISH or SPUBLISH;
-#: ARGV[5] "affinity" for an affinity stream, ARGV[6] then the consumer group.
-#: Publishes a ``shared.schema.Wake`` (``"<source> <entry id>"``). Returns {1, depth
-#: after add} or {0, depth}.
-ENQUEUE_LUA = """
-local affinity = ARGV[5] == 'affinity'
-local first = 3
-if affinity then first = 4 end
-local depth = redis.call('XLEN', KEYS[1])
-for i = first, #KEYS do
-  depth = depth + redis.call('XLEN', KEYS[i])
-end
-local limit = tonumber(ARGV[1])
-if limit > 0 and depth >= limit then
-  return {0, depth}
-end
-if affinity then
-  if redis.call('EXISTS', KEYS[1]) == 0 then
-    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
-  end
-  redis.call('SADD', KEYS[3], KEYS[1])
-end
-local id = redis.call('XADD', KEYS[1], '*', 'task', ARGV[2])
-redis.call(ARGV[4], KEYS[2], ARGV[3] .. ' ' .. id)
-return {1, depth + 1}
-"""
-
-
 class Broker:
     """Redis I/O for one gateway process."""
 
@@ -139,7 +101,6 @@ class Broker:
         self._redis = r = connect(s.redis_url, cluster=cluster, socket_timeout=s.redis_socket_timeout_s,
                                   command_name=f"sf-gateway-{self.gateway_id}-commands")
         self._enqueue = r.register_script(ENQUEUE_LUA)
-        self._fair_enqueue = r.register_script(FAIR_ENQUEUE_LUA)
         self._coalescer = Coalescer(r)
         self.router = PrefixRouter(s, self.keys, r, self._coalescer)
         # blocking log tails (resumed streams) get their own pool, so they never starve the hot path
@@ -359,14 +320,11 @@ class Broker:
         """
         keys = self.keys
         worker = await self.router.route(task) if self.router.applies(task) else None
-        extra: tuple[str, ...]
         if worker is None:
-            lane_key, source, extra = keys.lane(task.model, task.lane), task.lane, ()
+            lane_key, source = keys.lane(task.model, task.lane), task.lane
         else:
             lane_key, source = keys.affinity(task.model, task.lane, worker), affinity_source(task.lane, worker)
-            extra = (keys.affinity_streams(task.model),)
         others = self.router.counted(task.model, task.lane, lane_key)  # the lane's other streams
-        counted = (*extra, *others)
         threshold = self.lane_threshold(task.lane)
         now = time.time()
         deadline = task.deadline or (now + self.settings.request_timeout_s)
@@ -374,30 +332,24 @@ class Broker:
                                task.prompt_tokens)
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
-        wake = keys.wake(task.model)
         fair_on = self.settings.fair_share and bool(tenant)
-        script = self._fair_enqueue if fair_on else self._enqueue
-        if fair_on:
-            if isinstance(task, Task):
-                task.tenant, task.token_cost = tenant, token_cost(share)
-            script_keys, args = enqueue_call(
-                keys, task.model, task.lane, lane_key, others, threshold=threshold, task=task.encode(),
-                source=source, tenant=tenant, cost=prompt_cost(task.prompt_tokens, share),
-                window=self.settings.fair_window, ttl_s=self.settings.fair_ttl_s, tokens=task.prompt_tokens,
-                max_queued_tokens=max_queued_tokens, routed_window=self.settings.fair_routed_window)
-        else:
-            args = (threshold, task.encode(), source, keys.publish) + (() if worker is None else (b"affinity", GROUP))
-            script_keys = (lane_key, wake, *counted)
+        if fair_on and isinstance(task, Task):
+            task.tenant, task.token_cost = tenant, token_cost(share)
+        script_keys, args = enqueue_call(
+            keys, task.model, task.lane, lane_key, others, threshold=threshold, task=task.encode(), source=source,
+            tenant=tenant if fair_on else "", cost=prompt_cost(task.prompt_tokens, share),
+            window=self.settings.fair_window, ttl_s=self.settings.fair_ttl_s, tokens=task.prompt_tokens,
+            max_queued_tokens=max_queued_tokens, routed_window=self.settings.fair_routed_window)
         ok = False
         try:
             # both go out with the other requests of this loop turn (shared.redis.Coalescer)
             record_set = self._coalescer.send(b"SET", keys.request(task.request_id), record.encode(),
                                               b"PX", ttl_ms)
             try:
-                ok, depth = await self._coalescer.call(b"EVALSHA", script.sha, len(script_keys), *script_keys,
+                ok, depth = await self._coalescer.call(b"EVALSHA", self._enqueue.sha, len(script_keys), *script_keys,
                                                        *args)
             except NoScriptError:  # a restarted or flushed Redis: the wrapper loads it again
-                ok, depth = await script(keys=list(script_keys), args=list(args))
+                ok, depth = await self._enqueue(keys=list(script_keys), args=list(args))
         except BROKER_ERRORS as exc:
             metrics.redis_errors.labels("enqueue").inc()
             raise UnavailableError(f"message broker unavailable: {exc}", retry_after_ms=1000) from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamfleet.shared.fairshare import FAIR_ENQUEUE_LUA, FAIR_READ_LUA, enqueue_call, prompt_cost, read_call
+from streamfleet.shared.fairshare import ENQUEUE_LUA, FAIR_READ_LUA, enqueue_call, prompt_cost, read_call
 from streamfleet.shared.keys import GROUP, Keys
 
 MODEL, LANE = "m", "normal"
@@ -22,7 +22,7 @@ class Lane:
         self.stream = self.keys.lane(MODEL, LANE)
         self.fair = self.keys.fair(MODEL, LANE)
         rds.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        self._enqueue = rds.register_script(FAIR_ENQUEUE_LUA)
+        self._enqueue = rds.register_script(ENQUEUE_LUA)
         self._read = rds.register_script(FAIR_READ_LUA)
 
     def send(self, tenant: str, name: str, tokens: int = 10, share: float = 1.0, cap: int | None = None,

@@ -10,8 +10,7 @@ from redis.crc import key_slot
 
 from streamfleet.gateway.admission.ratelimit import STREAM_SLOTS_LUA, TOKEN_BUCKET_LUA
 from streamfleet.gateway.admission.voiceslots import VOICE_SLOTS_LUA
-from streamfleet.gateway.requests.broker import ENQUEUE_LUA
-from streamfleet.shared.fairshare import FAIR_ENQUEUE_LUA, FAIR_READ_LUA
+from streamfleet.shared.fairshare import ENQUEUE_LUA, FAIR_READ_LUA
 from streamfleet.shared.keys import TAG_LEN, Keys, affinity_source, split_source
 from streamfleet.shared.redis import RawBatch, RedisTarget, _route_key
 from streamfleet.shared.settings import CommonSettings
@@ -66,7 +65,7 @@ def _key_arg(args: list[str]) -> str:
 
 
 @pytest.mark.parametrize("script", [ENQUEUE_LUA, TOKEN_BUCKET_LUA, STREAM_SLOTS_LUA, REQUEUE_LUA, VOICE_SLOTS_LUA,
-                                    READ_LUA, STEAL_LUA, RETIRE_LUA, ADVERTISE_LUA, FAIR_ENQUEUE_LUA, FAIR_READ_LUA])
+                                    READ_LUA, STEAL_LUA, RETIRE_LUA, ADVERTISE_LUA, FAIR_READ_LUA])
 def test_every_lua_script_touches_only_declared_keys(script: str) -> None:
     """A script names no key of its own making: every command's key (or channel) is a
     KEYS[n], so the caller's hash tags decide the slot (checked below for the enqueue)."""
