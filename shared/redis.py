@@ -22,6 +22,7 @@ from redis.exceptions import (
     ClusterDownError,
     ConnectionError as RedisConnectionError,
     MovedError,
+    NoScriptError,
     RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
@@ -33,9 +34,9 @@ from streamfleet.shared.command_socket import close_command_link, command_link
 from streamfleet.shared.resp import pack, slot_of
 
 __all__ = ["connect", "sync_client", "SyncRedis", "RedisTarget", "FleetCluster", "BROKER_ERRORS", "pack", "RawBatch",
-           "Coalescer", "refresh_members", "slot_of", "StreamEntry", "ClaimedEntry", "Pending", "ConsumerInfo",
-           "as_bytes", "as_str", "stream_entries", "claimed_entries", "autoclaimed_entries", "pending_entries",
-           "consumer_infos", "raw_entries", "raw_streams", "read_streams"]
+           "RawScript", "Coalescer", "refresh_members", "slot_of", "StreamEntry", "ClaimedEntry", "Pending",
+           "ConsumerInfo", "as_bytes", "as_str", "stream_entries", "claimed_entries", "autoclaimed_entries",
+           "pending_entries", "consumer_infos", "raw_entries", "raw_streams", "read_streams"]
 
 #: exceptions meaning "the broker is not reachable right now" (a cluster whose slot map
 #: cannot be read, or whose slot has no live primary during a failover, included)
@@ -732,6 +733,41 @@ class RawBatch:
 
 _ASKING = pack(b"ASKING")
 _PUBLISHES = (b"SPUBLISH", b"PUBLISH", "SPUBLISH", "PUBLISH")
+
+
+class RawScript:
+    """A Lua script run with ``EVALSHA`` in a ``RawBatch`` (one call or several in one round
+    trip, their replies raw), loaded on first use and again when Redis answers NOSCRIPT (a
+    restarted or flushed server)."""
+
+    __slots__ = ("source", "sha")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha: bytes | None = None
+
+    async def run(self, client: aioredis.Redis, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], *,
+                  partial: bool = False) -> list[Any]:
+        """One result per ``(keys, args)`` call, in order (error replies in place, as
+        ``RawBatch.execute``, whose ``partial`` it takes).
+
+        Raises:
+            BROKER_ERRORS: as ``RawBatch.execute``.
+        """
+        results = await self._once(client, calls, partial)
+        if any(isinstance(res, NoScriptError) for res in results):
+            self.sha = None
+            results = await self._once(client, calls, partial)
+        return results
+
+    async def _once(self, client: aioredis.Redis, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+                    partial: bool) -> list[Any]:
+        if self.sha is None:
+            self.sha = as_bytes(await client.script_load(self.source))
+        batch = RawBatch()
+        for keys, args in calls:
+            batch.add(b"EVALSHA", self.sha, len(keys), *keys, *args)
+        return await batch.execute(client, partial=partial)
 
 
 class Coalescer:

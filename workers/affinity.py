@@ -37,13 +37,13 @@ import math
 import time
 from collections.abc import Callable, Coroutine
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from streamfleet.shared.fairshare import FAIR_LIB
 from streamfleet.shared.keys import GROUP, LANES, affinity_source, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, as_bytes, raw_entries, read_streams
+from streamfleet.shared.redis import BROKER_ERRORS, RawScript, raw_entries, read_streams
 from streamfleet.shared.schema import Wake, live_workers
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.inflight import Delivery, InFlightTable
@@ -183,7 +183,7 @@ class Affinity(Part):
         self.streams: set[str] = set()
         self._due: dict[str, float] = {}  # another worker's stream -> monotonic time an entry is overdue
         self._kick = asyncio.Event()
-        self._read_sha: bytes | None = None
+        self._read = RawScript(READ_LUA)
         self._made = False  # this worker's affinity streams and their group were made (``ready``)
         self._steal = ctx.redis.register_script(STEAL_LUA) if ctx.redis is not None else None
         self._retire = ctx.redis.register_script(RETIRE_LUA) if ctx.redis is not None else None
@@ -250,19 +250,9 @@ class Affinity(Part):
                                                      *fair[lane].script_keys)]
         args: tuple[bytes | str | int, ...] = (GROUP, self.worker_id, self.settings.fair_window,
                                                  self.settings.fair_ttl_s, *(counts[lane] for lane in lanes))
-        for attempt in range(2):
-            sha = self._read_sha
-            if sha is None:
-                sha = self._read_sha = as_bytes(await self.redis.script_load(READ_LUA))
-            batch = RawBatch()
-            batch.add(b"EVALSHA", sha, len(script_keys), *script_keys, *args)
-            [res] = await batch.execute(self.redis, partial=True)
-            if isinstance(res, NoScriptError) and attempt == 0:  # a restarted or flushed Redis
-                self._read_sha = None
-                continue
-            if isinstance(res, Exception):
-                raise res
-            break
+        [res] = await self._read.run(self.redis, [(script_keys, args)], partial=True)
+        if isinstance(res, Exception):
+            raise res
         out: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {}
         for lane, (own, shared) in zip(lanes, res):
             out[lane] = [(self.own[lane], mid, f) for mid, f in raw_entries(own)] + \

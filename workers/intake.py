@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Coroutine
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 from streamfleet.shared.command_socket import blocking_link
 from streamfleet.shared.fairshare import FAIR_READ_LUA, read_call
 from streamfleet.shared.keys import GROUP, LANES, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, as_bytes, raw_streams, read_streams
+from streamfleet.shared.redis import BROKER_ERRORS, RawScript, raw_streams, read_streams
 from streamfleet.shared.schema import Wake, decode_task, stream_entry_id
 from streamfleet.workers.affinity import Affinity
 from streamfleet.workers.context import Part, WorkerContext
@@ -157,7 +157,7 @@ class Intake(Part):
         self._idle_read: asyncio.Future[list[Delivery]] | None = None  # an idle worker's blocking read, still out
         self._idle_read_own = False  # ... and whether it waits on this worker's affinity streams too
         self._held_wake = asyncio.Event()  # a delivery was held: an idle wait ends
-        self._fair_read_sha: bytes | None = None  # FAIR_READ_LUA's, once loaded
+        self._fair_read = RawScript(FAIR_READ_LUA)
         table.on_hold = self._held_wake.set
 
     async def admit(self, block: bool, read: bool = True, block_ms: int | None = None) -> None:
@@ -379,21 +379,10 @@ class Intake(Part):
         if not plain and self.affinity is not None and self.affinity.active:
             return await self.affinity.read(counts)
         s = self.settings
-        for attempt in range(2):
-            sha = self._fair_read_sha
-            if sha is None:
-                sha = self._fair_read_sha = as_bytes(await self.redis.script_load(FAIR_READ_LUA))
-            batch = RawBatch()
-            for lane, n in counts.items():
-                script_keys, args = read_call(self.keys, self.model, lane, self.worker_id, n, window=s.fair_window,
-                                              ttl_s=s.fair_ttl_s)
-                batch.add(b"EVALSHA", sha, len(script_keys), *script_keys, *args)
-            # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
-            results = await batch.execute(self.redis, partial=True)
-            if attempt == 0 and any(isinstance(res, NoScriptError) for res in results):
-                self._fair_read_sha = None  # a restarted or flushed Redis
-                continue
-            break
+        calls = [read_call(self.keys, self.model, lane, self.worker_id, n, window=s.fair_window, ttl_s=s.fair_ttl_s)
+                 for lane, n in counts.items()]
+        # (partial: on a cluster a lanes' shard found unreachable is not tried at every step)
+        results = await self._fair_read.run(self.redis, calls, partial=True)
         out: dict[str, list[tuple[str, bytes, dict[bytes, bytes]]]] = {}
         for lane, res in zip(counts, results):
             if isinstance(res, Exception):

@@ -10,7 +10,7 @@ import pytest
 import redis
 from redis.exceptions import ResponseError
 
-from streamfleet.shared.redis import RawBatch, connect
+from streamfleet.shared.redis import RawBatch, RawScript, connect
 
 
 async def test_results_in_order_with_errors_in_place(redis_server, key_prefix):
@@ -31,6 +31,21 @@ async def test_results_in_order_with_errors_in_place(redis_server, key_prefix):
     # the connection went back to the pool in a usable state
     assert await client.get(f"{key_prefix}:s") == b"x"
     r.close()
+    await client.aclose()
+
+
+async def test_a_raw_script_runs_its_calls_in_one_batch_and_loads_itself_again_after_a_flush(own_redis):
+    client = connect(own_redis.url)
+    script = RawScript("return {KEYS[1], ARGV[1], redis.call('INCR', KEYS[1])}")
+    calls = [(["k1"], ["a"]), (["k2"], ["b"])]
+    assert await script.run(client, calls) == [[b"k1", b"a", 1], [b"k2", b"b", 1]]
+    sha = script.sha
+    await client.script_flush()  # a restarted or flushed server: NOSCRIPT, then loaded again
+    assert await script.run(client, calls) == [[b"k1", b"a", 2], [b"k2", b"b", 2]]
+    assert script.sha == sha
+    push = RawScript("return redis.call('LPUSH', KEYS[1], 'x')")
+    bad, good = await push.run(client, [(["k1"], []), (["list"], [])])  # k1 holds a string: in place
+    assert isinstance(bad, ResponseError) and "WRONGTYPE" in str(bad) and good == 1
     await client.aclose()
 
 
