@@ -58,7 +58,7 @@ def token_cost(share: float) -> float:
     return GENERATED_WEIGHT / share
 
 
-#: The functions the scripts share. A lane's keys are declared, seven in a row from
+#: The functions the scripts share. A lane's keys are declared, eight in a row from
 #: KEYS[o + 1] (``FairKeys.script_keys`` after the lane's stream): its stream (L), the
 #: tenants waiting, sorted by counter (F), the counters of tenants served but not waiting
 #: (S), one element per task waiting (Q), the lane's virtual time (V), the waiting tasks
@@ -134,20 +134,17 @@ local function release(o, group, want, ttl)
       local sp2 = string.find(item, ' ', sp + 1, true)
       local cost = tonumber(string.sub(item, 1, sp - 1))
       last_id = redis.call('XADD', KEYS[o + 1], '*', 'task', string.sub(item, sp2 + 1))
-      if first < last then
-        redis.call('HINCRBY', KEYS[o + 8], tenant, -tonumber(string.sub(item, sp + 1, sp2 - 1)))
-      else
-        redis.call('HDEL', KEYS[o + 8], tenant)
-      end
       have = have + 1
       redis.call('LPOP', KEYS[o + 4])
       advance(o, c, ttl)
       c = c + cost
       if first < last then
         redis.call('HSET', KEYS[o + 7], tenant, (first + 1) .. ' ' .. last)
+        redis.call('HINCRBY', KEYS[o + 8], tenant, -tonumber(string.sub(item, sp + 1, sp2 - 1)))
         redis.call('ZADD', KEYS[o + 2], c, tenant)
       else
         redis.call('HDEL', KEYS[o + 7], tenant)
+        redis.call('HDEL', KEYS[o + 8], tenant)
         redis.call('ZREM', KEYS[o + 2], tenant)
         redis.call('ZADD', KEYS[o + 3], c, tenant)
         redis.call('EXPIRE', KEYS[o + 3], ttl)

@@ -35,6 +35,7 @@ from streamfleet.shared.schema import (
     live_workers,
 )
 from streamfleet.shared.settings import GatewaySettings
+from streamfleet.shared.tiers import Tier
 
 __all__ = ["Broker"]
 
@@ -295,15 +296,15 @@ class Broker:
         cap = self.settings.lane_capacity.get(lane, 0)
         return max(1, int(cap * self.settings.overload_fraction)) if cap > 0 else 0
 
-    async def submit(self, task: AnyTask, owner: str = "", tenant: str = "", share: float = 1.0,
-                     max_queued_tokens: int | None = None) -> int:
+    async def submit(self, task: AnyTask, owner: str = "", tenant: str = "", tier: Tier | None = None) -> int:
         """Enqueue the task on its lane unless the lane is overloaded; returns the lane's
         depth (queued + in flight) after the add.
 
         With fair share on (``fair_share``) and a ``tenant``, the task waits for its
         tenant's turn (shared/fairshare.py), charged by its prompt tokens and, for text,
-        its generated tokens, each divided by the tenant tier's ``share``; refused when
-        the tenant already has ``max_queued_tokens`` prompt tokens waiting in the lane.
+        its generated tokens, each divided by the ``share`` of the tenant's ``tier`` (1
+        without one); refused when the tenant already has the tier's ``max_queued_tokens``
+        prompt tokens waiting in the lane.
 
         A text task whose prompt's first blocks a live worker holds in its prefix cache
         goes to that worker's affinity stream of the lane instead (``PrefixRouter``,
@@ -333,6 +334,8 @@ class Broker:
         # the worker extends this TTL when the request ends, like its log's
         ttl_ms = int((max(0.0, deadline - now) + self.settings.log_ttl_s) * 1000)
         fair_on = self.settings.fair_share and bool(tenant)
+        share = tier.share if tier is not None else 1.0
+        max_queued_tokens = tier.max_queued_tokens if tier is not None else None
         if fair_on and isinstance(task, Task):
             task.tenant, task.token_cost = tenant, token_cost(share)
         script_keys, args = enqueue_call(

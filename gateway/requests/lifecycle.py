@@ -195,7 +195,6 @@ class ClientRequest:
         ticket, request = await self.admission.admit(self.identity, request,
                                                      request_id=self.broker.keys.new_request_id(self._channel_id()),
                                                      charged=charged)
-        tier = self.identity.tier if self.identity is not None else None
         try:
             request = await self.validator.finish_async(request)
             channel = await self._open_channel()
@@ -204,8 +203,7 @@ class ClientRequest:
                     await before_enqueue()
                 stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
                                                      slot=ticket.slot, trace_id=trace_id, tenant=self.tenant(ticket),
-                                                     share=tier.share if tier else 1.0,
-                                                     max_queued_tokens=tier.max_queued_tokens if tier else None)
+                                                     tier=self.identity.tier if self.identity is not None else None)
             except BaseException:
                 await self._close_own_channel()
                 raise

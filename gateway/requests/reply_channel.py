@@ -31,6 +31,7 @@ from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.kinds import AnyRequest
     from streamfleet.gateway.requests.broker import Broker
+    from streamfleet.shared.tiers import Tier
 
 __all__ = ["ReplyChannel"]
 
@@ -154,8 +155,8 @@ class ReplyChannel:
         return read
 
     async def submit(self, request: AnyRequest, request_id: str | None = None, owner: str = "", slot: str = "",
-                     trace_id: str | None = None, tenant: str = "", share: float = 1.0,
-                     max_queued_tokens: int | None = None) -> tuple[RequestStream, int]:
+                     trace_id: str | None = None, tenant: str = "", tier: Tier | None = None,
+                     ) -> tuple[RequestStream, int]:
         """Enqueue a prepared request (``Validator.finish``); returns its stream and the
         lane depth. Its task (``to_task``) is the one serialized form it takes.
 
@@ -163,8 +164,8 @@ class ReplyChannel:
             owner: the tenant the request belongs to (recorded with it; a resume must match).
             slot: the API key id whose stream slot the request holds ("" for none); the
                 worker gives it back when the request ends.
-            tenant, share, max_queued_tokens: whose fair share inside the lane it counts
-                against, that tenant's tier's weight and cap (``Broker.submit``).
+            tenant, tier: whose fair share inside the lane it counts against, and that
+                tenant's tier (its weight and cap; ``Broker.submit``).
 
         Raises:
             StreamfleetError: refused (overload, broker down).
@@ -180,7 +181,7 @@ class ReplyChannel:
         stream.model = task.model
         self.streams[rid] = stream  # before XADD: a fast worker may answer before XADD returns
         try:
-            depth = await self.broker.submit(task, owner, tenant, share, max_queued_tokens)
+            depth = await self.broker.submit(task, owner, tenant, tier)
         except StreamfleetError:
             self.streams.pop(rid, None)
             raise
