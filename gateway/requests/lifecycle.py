@@ -90,6 +90,9 @@ class ClientRequest:
         self.channel = channel
         #: the client's address (an HTTP door's): its tenant with auth off (``tenant``)
         self.peer = peer
+        #: with auth off, the tenant of a request given its connection's channel: that
+        #: connection (named now: a submit may move to the process's shared channel)
+        self._connection = "conn:" + channel.connection_id if channel is not None else ""
         self.ticket: Ticket | None = None  # set once submitted (a resume has none)
         #: the request as validated, admitted and prepared, as enqueued (its prompt, and the
         #: text an ``echo`` shows of it); None for a resume
@@ -136,13 +139,13 @@ class ClientRequest:
 
     def tenant(self, ticket: Ticket) -> str:
         """Whose fair share inside the lane the request counts against (shared/fairshare.py):
-        its API key; with auth off, its WebSocket connection (the channel it was given),
-        else what its door named it by (``peer``: an HTTP client's address, a gRPC
-        connection), else the request itself."""
+        its API key; with auth off, its WebSocket connection (the channel it was given,
+        not the process's shared one it may be submitted on), else what its door named it
+        by (``peer``: an HTTP client's address, a gRPC connection), else the request itself."""
         if self.identity is not None:
             return ticket.owner
-        if not self._own_channel and self.channel is not None:
-            return "conn:" + self.channel.connection_id
+        if self._connection:
+            return self._connection
         if self.peer:
             return "peer:" + self.peer
         return "conn:" + self._channel_id()

@@ -87,8 +87,22 @@ async def test_a_light_key_is_served_beside_a_heavy_one_across_gateways(fleet, r
     the two alternate once both wait, the heavy key takes the rest."""
     gws = [fleet.gateway(auth_enabled="true", tiers=TIERS) for _ in range(2)]
     heavy_key, light_key = add_key(fleet, "heavy", "internal"), add_key(fleet, "light", "internal")
-    heavy = await Client.connect(gws[0].ws + "?api_key=" + heavy_key)
-    light = await Client.connect(gws[1].ws + "?api_key=" + light_key)
+    await _light_beside_heavy(fleet, rds, key_prefix, gws[0].ws + "?api_key=" + heavy_key,
+                              gws[1].ws + "?api_key=" + light_key)
+
+
+async def test_with_auth_off_each_websocket_is_a_tenant_of_its_own(fleet, rds, key_prefix):
+    """With auth off a WebSocket connection is the tenant, though a gateway submits every
+    connection's requests on its one shared reply channel."""
+    gw = fleet.gateway()
+    await _light_beside_heavy(fleet, rds, key_prefix, gw.ws, gw.ws)
+
+
+async def _light_beside_heavy(fleet, rds, key_prefix, heavy_url: str, light_url: str) -> None:
+    """12 requests of one tenant (``heavy_url``'s connection), then 3 of another, with no
+    worker; then one worker of one slot: the light tenant's end within the first six."""
+    heavy = await Client.connect(heavy_url)
+    light = await Client.connect(light_url)
     ended: list[str] = []
     futs = []
     for c, name, n in ((heavy, "h", 12), (light, "l", 3)):
