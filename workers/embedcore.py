@@ -5,19 +5,26 @@ embedded together step by step (docs/architecture.md, "A request's path"; docs/o
 ``EmbeddingCore`` has the shape of ``workers.core.WorkerCore`` (the ``Core`` protocol of
 ``workers/coreset.py``: ``add``, ``cancel``, ``abandon``, ``step``, ``free_slots``…), so
 the worker's parts — intake, publisher, reclaim, dead letters, drain, reload — serve
-embedding models unchanged. A task holds one slot from ``add`` to its end. Each ``step``
-takes the waiting tasks in the order they came, whole, up to the engine's ``max_batch``
-inputs and ``max_batch_tokens`` tokens (a larger task goes alone), and embeds all their
-inputs in one ``OnnxEmbeddingEngine.embed`` call (which sorts them by length and runs
-them in padded groups itself), then emits for each task:
+embedding models unchanged. A task holds one slot from ``add`` to its end.
 
-* ``EmbeddingEvent(index, vector)`` for each input, in order, then
+A task is not one engine call: each ``step`` takes inputs, not tasks, up to the engine's
+``max_batch`` inputs and ``max_batch_tokens`` tokens (one input longer than that runs
+alone), one input from each task in turn, in the order the tasks came (round robin), so
+a request of 2,048 inputs runs over many steps, interleaved with the inputs of requests
+that came after it, and a one-input request beside it waits one step, not the whole of
+it (docs/openai.md, "Embeddings"). The inputs of a step go to the engine in one
+``OnnxEmbeddingEngine.embed`` call (which sorts them by length and runs them in padded
+groups itself), and each task gets:
+
+* ``EmbeddingEvent(index, vector)`` for each of its inputs embedded in the step, in order,
+  then, in the step of its last input,
 * ``DoneEvent`` (``stop``; ``prompt_tokens``: the task's input tokens, ``completion_tokens``
-  0), all in the same step, so the publisher sends them in one message;
-* or instead ``DoneEvent`` ``cancelled`` (cancelled before its vectors went out),
-  ``ErrorEvent`` ``timeout`` (its deadline passed before it ran), ``invalid_request``
-  (an input the engine refuses: the message names its index; never a crash), or
-  ``engine_error`` (the engine failed).
+  0);
+* or instead ``DoneEvent`` ``cancelled`` (cancelled: it ends at the next step, with the
+  vectors sent so far), ``ErrorEvent`` ``timeout`` (its deadline passed before its first
+  input ran), ``invalid_request`` (an input the engine refuses, checked before its first
+  input runs: the message names its index; never a crash), or ``engine_error`` (the
+  engine failed).
 
 A redelivered task (its worker died) is embedded again from its first input: the gateway
 drops the indices it delivered already. Thread safety as ``WorkerCore``: ``add``,
@@ -51,6 +58,10 @@ class _Job:
     task: EmbedTask
     admitted_at: float
     cancelled: bool = False
+    #: inputs embedded so far (their events went out): the next step's first is this one
+    cursor: int = 0
+    #: when its first vectors went out (its time to first result)
+    first_at: float | None = None
 
 
 class EmbeddingCore:
@@ -71,6 +82,7 @@ class EmbeddingCore:
         self._jobs: dict[str, _Job] = {}  # in the order they came
         self._rejected: list[tuple[AnyTask, ErrorCode, str]] = []
         self._lock = threading.Lock()
+        self._turn = -1  # the task (by its place in arrival order) whose input leads a step
 
     # -- the core's shape ---------------------------------------------------------------
     @property
@@ -132,7 +144,8 @@ class EmbeddingCore:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """End what is cancelled, late or malformed; embed the next tasks' inputs together."""
+        """End what is cancelled, late or malformed; embed the next inputs of the tasks
+        here, one from each in turn, up to the engine's limits."""
         out = StepOutput()
         now = self._clock()
         with self._lock:
@@ -141,53 +154,91 @@ class EmbeddingCore:
         for task, code, message in rejected:
             out.events.append((task.reply_to, ErrorEvent(task.request_id, str(code), message)))
             out.finished.append(task.request_id)
-        batch: list[_Job] = []
-        inputs = tokens = 0
+        live: list[_Job] = []
         for job in jobs:
             t = job.task
             if job.cancelled:
                 self._end(job, out, now, "cancelled")
                 continue
-            if t.deadline is not None and now > t.deadline:
-                self._fail(job, out, ErrorCode.timeout, "the request's deadline passed before a worker could start it")
-                continue
-            problem = self._problem(t)
-            if problem is not None:
-                self._fail(job, out, ErrorCode.invalid_request, problem)
-                continue
-            n, k = len(t.inputs), t.prompt_tokens
-            if batch and (inputs + n > self.engine.max_batch or tokens + k > self.engine.max_batch_tokens):
-                continue  # the next step's (whole tasks only; those after it may still fit)
-            batch.append(job)
-            inputs, tokens = inputs + n, tokens + k
-        if not batch:
+            if job.cursor == 0:  # not started: its deadline and its inputs are checked once
+                if t.deadline is not None and now > t.deadline:
+                    self._fail(job, out, ErrorCode.timeout,
+                               "the request's deadline passed before a worker could start it")
+                    continue
+                problem = self._problem(t)
+                if problem is not None:
+                    self._fail(job, out, ErrorCode.invalid_request, problem)
+                    continue
+            live.append(job)
+        picks = self._pick(live)
+        if not picks:
             return out
+        order = [(job, i) for job in live for i in range(job.cursor, job.cursor + picks.get(id(job), 0))]
         try:
-            vectors = self.engine.embed([ids for job in batch for ids in job.task.inputs])
+            vectors = self.engine.embed([job.task.inputs[i] for job, i in order])
         except Exception as exc:  # an engine failure ends these tasks, not the worker
-            log.exception("embedding failed", request_ids=[j.task.request_id for j in batch])
-            for job in batch:
-                self._fail(job, out, ErrorCode.engine_error, f"embedding failed: {exc}")
+            log.exception("embedding failed", request_ids=[j.task.request_id for j in live if id(j) in picks])
+            for job in live:
+                if id(job) in picks:
+                    self._fail(job, out, ErrorCode.engine_error, f"embedding failed: {exc}")
             return out
         done_at = self._clock()
-        out.batch_size, out.prefill_tokens = inputs, tokens
+        out.batch_size, out.prefill_tokens = len(order), sum(len(job.task.inputs[i]) for job, i in order)
         row = 0
-        for job in batch:
-            t, n = job.task, len(job.task.inputs)
+        for job in live:
+            n = picks.get(id(job), 0)
+            if not n:
+                continue
+            t, first = job.task, job.cursor
             rows, row = vectors[row:row + n], row + n
+            last = first + n >= len(t.inputs)
             with self._lock:
                 if self._jobs.get(t.request_id) is not job:
                     continue  # abandoned meanwhile: another worker has it
                 cancelled = job.cancelled
-                if not cancelled:  # its vectors and end go out together
-                    del self._jobs[t.request_id]
+                if not cancelled:
+                    job.cursor = first + n
+                    if last:  # its last vectors and its end go out together
+                        del self._jobs[t.request_id]
             if cancelled:
                 self._end(job, out, done_at, "cancelled")
                 continue
-            for i in range(n):
-                out.events.append((t.reply_to, EmbeddingEvent(t.request_id, i, EmbeddingEvent.pack(rows[i]))))
-            self._done(job, out, done_at, "stop")
+            if job.first_at is None:
+                job.first_at = done_at
+            for k in range(n):
+                out.events.append((t.reply_to, EmbeddingEvent(t.request_id, first + k, EmbeddingEvent.pack(rows[k]))))
+            if last:
+                self._done(job, out, done_at, "stop")
         return out
+
+    def _pick(self, live: list[_Job]) -> dict[int, int]:
+        """How many inputs of each task (by ``id``) the step embeds, from each task's
+        cursor: one from each in turn while the step holds fewer than ``max_batch``
+        inputs, skipping an input that would take it past ``max_batch_tokens`` (the first
+        input of a step goes whatever its length). The turn starts one task further each
+        step, so a task whose next input is long is not always the one left out."""
+        max_inputs, max_tokens = self.engine.max_batch, self.engine.max_batch_tokens
+        picks: dict[int, int] = {}
+        if not live:
+            return picks
+        self._turn = (self._turn + 1) % len(live)
+        ring = live[self._turn:] + live[:self._turn]
+        inputs = tokens = 0
+        progressed = True
+        while progressed and inputs < max_inputs:  # each round adds an input or ends
+            progressed = False
+            for job in ring:
+                k = picks.get(id(job), 0)
+                if job.cursor + k >= len(job.task.inputs):
+                    continue
+                size = len(job.task.inputs[job.cursor + k])
+                if inputs and tokens + size > max_tokens:
+                    continue  # this task's next input waits for the next step
+                picks[id(job)] = k + 1
+                inputs, tokens, progressed = inputs + 1, tokens + size, True
+                if inputs >= max_inputs:
+                    break
+        return picks
 
     def _problem(self, task: EmbedTask) -> str | None:
         """What the engine would refuse in the task's inputs (naming the input), or None.
@@ -212,7 +263,8 @@ class EmbeddingCore:
         created = t.created_at
         out.events.append((t.reply_to, DoneEvent(
             t.request_id, reason, prompt_tokens=t.prompt_tokens, completion_tokens=0,
-            queue_ms=max(0.0, (job.admitted_at - created) * 1000.0), ttft_ms=max(0.0, (now - created) * 1000.0),
+            queue_ms=max(0.0, (job.admitted_at - created) * 1000.0),
+            ttft_ms=max(0.0, ((job.first_at or now) - created) * 1000.0),
             total_ms=max(0.0, (now - created) * 1000.0))))
         out.finished.append(t.request_id)
 

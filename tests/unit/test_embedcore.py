@@ -95,16 +95,64 @@ def test_tasks_are_embedded_together_and_each_vector_matches_its_input_alone(tin
         assert (got * alone).sum(1).min() >= 0.99999
 
 
-def test_a_step_takes_whole_tasks_up_to_the_engines_batch(tiny):
+def test_a_large_task_runs_over_steps_interleaved_with_a_later_small_one(tiny):
     engine, ids = tiny
     core = EmbeddingCore(engine, slots=8)
-    big = [ids[0]] * engine.max_batch
-    core.add(_task("big", big))  # a whole batch on its own
-    core.add(_task("small", ids[:1]))
+    big = [ids[1]] * (3 * engine.max_batch)  # three engine batches' worth
+    core.add(_task("big", big))
     first = core.step()
-    assert first.finished == ["big"] and first.batch_size == engine.max_batch
+    assert first.batch_size == engine.max_batch and not first.finished
+    assert [ev.index for _, ev in first.events] == list(range(engine.max_batch))
+    core.add(_task("small", ids[:1]))  # came while the big one runs
     second = core.step()
-    assert second.finished == ["small"]
+    assert second.finished == ["small"] and second.batch_size == engine.max_batch  # one step, not three
+    got_big = [ev.index for _, ev in second.events if ev.request_id == "big" and isinstance(ev, EmbeddingEvent)]
+    assert got_big == list(range(engine.max_batch, 2 * engine.max_batch - 1))
+    events = first.events + second.events
+    while core.has_work():
+        events += core.step().events
+    indices = [ev.index for _, ev in events if ev.request_id == "big" and isinstance(ev, EmbeddingEvent)]
+    assert indices == list(range(len(big)))  # every input once, in order, then the end
+    assert isinstance(events[-1][1], DoneEvent) and events[-1][1].prompt_tokens == sum(map(len, big))
+    assert float(_vectors(events, "big")[0] @ engine.embed([ids[1]])[0]) >= 0.99999  # batched as alone
+
+
+def test_a_step_holds_at_most_max_batch_tokens_and_every_task_gets_its_turn(tiny):
+    engine, ids = tiny
+    core = EmbeddingCore(engine, slots=8)
+    long_one = [2] + [5] * 40 + [3]
+    engine_tokens = engine.max_batch_tokens
+    try:
+        engine.max_batch_tokens = 100
+        core.add(_task("long", [long_one] * 6))
+        core.add(_task("short", [ids[2]] * 6))
+        taken: dict[str, int] = {"long": 0, "short": 0}
+        while core.has_work():
+            out = core.step()
+            assert out.prefill_tokens <= 100 or out.batch_size == 1
+            for _, ev in out.events:
+                if isinstance(ev, EmbeddingEvent):
+                    taken[ev.request_id] += 1
+            assert taken["long"] > 0  # never left out: it leads every other step
+        assert taken == {"long": 6, "short": 6}
+        core.add(_task("huge", [[2] + [5] * 46 + [3]] * 3))  # 48 tokens an input, no two fit in 60
+        engine.max_batch_tokens = 60
+        sizes = []
+        while core.has_work():
+            sizes.append(core.step().batch_size)
+        assert sizes == [1, 1, 1]  # an input longer than the rest of the step runs alone
+    finally:
+        engine.max_batch_tokens = engine_tokens
+
+
+def test_a_task_cancelled_between_steps_ends_with_what_went_out(tiny):
+    engine, ids = tiny
+    core = EmbeddingCore(engine, slots=8)
+    core.add(_task("big", [ids[0]] * (3 * engine.max_batch)))
+    first = core.step()
+    assert len(first.events) == engine.max_batch and core.cancel("big")
+    (_, done), = core.step().events
+    assert isinstance(done, DoneEvent) and done.finish_reason == "cancelled" and not core.has_work()
 
 
 def test_a_cancelled_task_ends_cancelled_without_vectors(tiny):
