@@ -8,7 +8,10 @@ Models" (OSDI 2024), kept in Redis so that every gateway and worker of the fleet
   connection, or an HTTP client's address. Its counter grows by the weighted tokens it is
   served: a request's prompt tokens times ``PROMPT_WEIGHT`` when a worker takes it, its
   generated tokens times ``GENERATED_WEIGHT`` when it ends, each divided by the share of
-  the key's tier (``Tier.share``), at least ``MIN_COST`` a request.
+  the key's tier (``Tier.share``), at least ``MIN_COST`` a request. An embeddings
+  request is charged its input tokens as a prompt; an utterance ``MIN_COST`` when it is
+  taken and its audio when it ends (``shared.tiers.AUDIO_TOKENS_PER_S`` tokens a second,
+  times ``PROMPT_WEIGHT``).
 * A task does not join the lane's stream at once: it waits in its tenant's queue (a FIFO
   per tenant kept in two hashes, ``<base>:tasks`` and ``<base>:ends``), and the tenant,
   while it has tasks waiting, in a sorted set scored by its counter (``<base>``). Tasks
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 from streamfleet.shared.keys import GROUP, Keys
 
 __all__ = ["PROMPT_WEIGHT", "GENERATED_WEIGHT", "MIN_COST", "FAIR_LIB", "ENQUEUE_LUA", "FAIR_READ_LUA",
-           "prompt_cost", "token_cost", "enqueue_call", "read_call"]
+           "prompt_cost", "token_cost", "audio_cost", "enqueue_call", "read_call"]
 
 #: weighted cost of one prompt token (prefill: read in parallel, cheap per token)
 PROMPT_WEIGHT = 1.0
@@ -56,6 +59,12 @@ def prompt_cost(tokens: int, share: float) -> float:
 def token_cost(share: float) -> float:
     """What one generated token adds to its tenant's counter, for a tier of ``share``."""
     return GENERATED_WEIGHT / share
+
+
+def audio_cost(share: float) -> float:
+    """What one token of transcribed audio (``shared.tiers.AUDIO_TOKENS_PER_S`` a second)
+    adds to its tenant's counter, for a tier of ``share``: audio is input, like a prompt."""
+    return PROMPT_WEIGHT / share
 
 
 #: The functions the scripts share. A lane's keys are declared, eight in a row from

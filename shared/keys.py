@@ -252,8 +252,13 @@ class Keys:
         return f"{base}:held", f"{base}:waiting", f"{base}:turns"
 
     def ratelimit(self, key_id: str) -> str:
-        """Hash ``{tokens, ts}``: the token bucket of one API key."""
+        """Hash ``{tokens, ts}``: the request bucket of one API key."""
         return f"{self.prefix}:rl:{key_id}"
+
+    def token_ratelimit(self, key_id: str) -> str:
+        """Hash ``{tokens, ts}``: the bucket of tokens served of one API key (its tier's
+        ``tokens_per_minute``)."""
+        return f"{self.prefix}:rlt:{key_id}"
 
     @property
     def api_keys(self) -> str:

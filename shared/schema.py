@@ -288,6 +288,12 @@ class Task:
     #: what each generated token adds to that tenant's counter; left off the wire when unset
     tenant: str = ""
     token_cost: float = 0.0
+    #: the API key whose token rate limit (its tier's ``tokens_per_minute``,
+    #: shared/tokenbucket.py) the tokens it generates are charged to when it ends, with
+    #: that bucket's refill (tokens a second) and capacity; left off the wire when unset
+    token_limit: str = ""
+    token_rate: float = 0.0
+    token_burst: int = 0
     #: not on the wire: a lane entry without ``kind`` is text
     kind: ClassVar[str] = "text"
 
@@ -330,6 +336,15 @@ class SpeechTask:
     #: the API key id whose stream slot this utterance holds ("" for none), as for text
     slot: str = ""
     kind: str = "speech"
+    #: as a text task's: its tenant, and what one token of its audio (a second is
+    #: ``shared.tiers.AUDIO_TOKENS_PER_S`` of them) adds to the tenant's counter, charged
+    #: when it ends; the API key whose token rate limit its audio is charged to, with that
+    #: bucket's refill and capacity
+    tenant: str = ""
+    token_cost: float = 0.0
+    token_limit: str = ""
+    token_rate: float = 0.0
+    token_burst: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -387,6 +402,8 @@ def _task_fields(obj: object) -> dict[str, Any]:
         d = {name: getattr(obj, name) for name in _TASK_FIELDS}
         if not obj.tenant:
             del d["tenant"], d["token_cost"]
+        if not obj.token_limit:
+            del d["token_limit"], d["token_rate"], d["token_burst"]
         return d
     raise TypeError(f"{type(obj).__name__} is not part of a task")
 
@@ -523,6 +540,9 @@ class DoneEvent:
     #: prompt tokens the worker's prefix cache had (not prefilled again); left off the
     #: wire when 0
     cached_tokens: int = 0
+    #: seconds of audio an utterance's worker transcribed (what its tenant is charged);
+    #: left off the wire when 0
+    audio_s: float = 0.0
 
     def usage(self) -> dict[str, int]:
         """The WebSocket ``done`` frame's usage: ``cached_tokens`` only when some were."""
@@ -582,12 +602,12 @@ def event_from_dict(d: dict[str, Any]) -> Event:
 def _wire(ev: Event) -> Event | dict[str, Any]:
     """A token without log probabilities leaves the field out (most tokens: bytes saved on
     every publish and log entry), an error its unset retry hint and param, an end its
-    ``cached_tokens`` when 0."""
+    ``cached_tokens`` and ``audio_s`` when 0."""
     if type(ev) is TokenEvent and ev.logprobs is None:
         return {"request_id": ev.request_id, "index": ev.index, "text": ev.text, "type": "token"}
     if type(ev) is ErrorEvent and ev.retry_after_ms is None and ev.param is None:
         return {"request_id": ev.request_id, "code": ev.code, "message": ev.message, "type": "error"}
-    if type(ev) is DoneEvent and not ev.cached_tokens:
+    if type(ev) is DoneEvent and not ev.cached_tokens and not ev.audio_s:
         return {"request_id": ev.request_id, "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
                 "completion_tokens": ev.completion_tokens, "queue_ms": ev.queue_ms, "ttft_ms": ev.ttft_ms,
                 "total_ms": ev.total_ms, "model_version": ev.model_version, "type": "done"}

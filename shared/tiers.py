@@ -2,10 +2,12 @@
 defaults and every field: docs/configuration.md, "Tiers").
 
 A tier names a token-bucket rate (requests per minute, refilled continuously, and a
-burst capacity), a cap on concurrent streams and one on open WebSockets (both counted
-across every gateway), ceilings on ``max_tokens`` and the queue ``timeout`` a request may
-ask for, the highest priority lane it may use, and a cap on the speech decoder slots its
-utterances may hold at once (docs/voice.md, "Fair slots").
+burst capacity), another of tokens served (tokens per minute), a cap on concurrent
+streams and one on open WebSockets (both counted across every gateway), ceilings on
+``max_tokens`` and the queue ``timeout`` a request may ask for, the highest priority lane
+it may use, a cap on the speech decoder slots its utterances may hold at once
+(docs/voice.md, "Fair slots"), and its weight in the fair share inside a lane.
+
 The defaults below can be changed, and tiers added, with a JSON object (setting
 ``tiers``, env ``SF_TIERS``)::
 
@@ -27,7 +29,12 @@ from typing import Any
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.keys import LANES
 
-__all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers", "STREAM_SLOT_TTL_S", "CONNECTION_SLOT_TTL_S"]
+__all__ = ["Tier", "DEFAULT_TIERS", "parse_tiers", "STREAM_SLOT_TTL_S", "CONNECTION_SLOT_TTL_S",
+           "AUDIO_TOKENS_PER_S"]
+
+#: what a second of speech costs in tokens, in the token rate limit and the fair share
+#: (OpenAI's Realtime API counts audio input as one token per 100 ms)
+AUDIO_TOKENS_PER_S = 10.0
 
 #: a stream slot lapses this long after it was taken or last refreshed (workers refresh
 #: the slots of the requests they run), so slots of a fleet that lost track of them return
@@ -61,6 +68,14 @@ class Tier:
             their turn in one lane of a model (fair share); past it a request is refused
             with 429 ``too_many_requests`` before anything is queued (one request is taken
             whatever its size while none of the key's wait). ``None`` = no cap.
+        tokens_per_minute: a second token bucket, of tokens served: a text request's
+            prompt tokens (taken before it is queued) and generated tokens (charged when
+            it ends, the bucket going into debt if need be), an embeddings request's
+            input tokens, ``AUDIO_TOKENS_PER_S`` a second of speech transcribed. A
+            request is refused with 429 ``rate_limited`` while the bucket is empty or
+            holds fewer tokens than its prompt. ``None`` = no token limit.
+        token_burst: that bucket's capacity; ``None`` = a minute's worth
+            (``tokens_per_minute``). The largest prompt the key may send at once.
 
     Raises:
         ValueError: a field is out of range.
@@ -77,6 +92,8 @@ class Tier:
     max_utterances: int | None = None
     share: float = 1.0
     max_queued_tokens: int | None = None
+    tokens_per_minute: float | None = None
+    token_burst: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -87,7 +104,12 @@ class Tier:
                 raise ValueError(f"tier {self.name}: requests_per_minute must be a number > 0 or null, got {rpm!r}")
             if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
                 raise ValueError(f"tier {self.name}: burst must be an integer >= 1, got {self.burst!r}")
-        for fname in ("max_streams", "max_connections", "max_tokens", "max_utterances", "max_queued_tokens"):
+        tpm = self.tokens_per_minute
+        if tpm is not None and (isinstance(tpm, bool) or not isinstance(tpm, (int, float)) or not math.isfinite(tpm)
+                                or tpm <= 0):
+            raise ValueError(f"tier {self.name}: tokens_per_minute must be a number > 0 or null, got {tpm!r}")
+        for fname in ("max_streams", "max_connections", "max_tokens", "max_utterances", "max_queued_tokens",
+                      "token_burst"):
             v = getattr(self, fname)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"tier {self.name}: {fname} must be an integer >= 1 or null, got {v!r}")
@@ -110,6 +132,18 @@ class Tier:
     def rate_per_s(self) -> float | None:
         return None if self.requests_per_minute is None else self.requests_per_minute / 60.0
 
+    @property
+    def token_rate_per_s(self) -> float | None:
+        """The token bucket's refill, tokens a second; None: no token limit."""
+        return None if self.tokens_per_minute is None else self.tokens_per_minute / 60.0
+
+    @property
+    def token_capacity(self) -> int:
+        """The token bucket's capacity (``token_burst``, else a minute's worth)."""
+        if self.token_burst is not None:
+            return self.token_burst
+        return max(1, math.ceil(self.tokens_per_minute or 0))
+
     def allows_lane(self, lane: str) -> bool:
         """Whether a request of this tier may use ``lane`` (lanes rank as in ``LANES``)."""
         if lane not in LANES:
@@ -120,9 +154,9 @@ class Tier:
 #: the tiers every gateway knows unless ``tiers`` overrides them
 DEFAULT_TIERS: dict[str, Tier] = {
     "free": Tier("free", requests_per_minute=10, burst=5, max_streams=2, max_lane="normal",
-                 max_connections=8, max_tokens=1024, max_timeout_s=120.0),
+                 max_connections=8, max_tokens=1024, max_timeout_s=120.0, tokens_per_minute=20_000),
     "paid": Tier("paid", requests_per_minute=100, burst=20, max_streams=16, max_lane="high",
-                 max_connections=256, max_tokens=4096, max_timeout_s=600.0),
+                 max_connections=256, max_tokens=4096, max_timeout_s=600.0, tokens_per_minute=400_000),
     "internal": Tier("internal", requests_per_minute=None, burst=0, max_streams=None, max_lane="high"),
 }
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from streamfleet.shared.keys import GROUP, split_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import worker as metrics
-from streamfleet.shared.redis import BROKER_ERRORS, RawBatch
+from streamfleet.shared.redis import BROKER_ERRORS, RawBatch, RawScript
 from streamfleet.shared.schema import (
     ENDS,
     AnyTask,
@@ -37,11 +37,14 @@ from streamfleet.shared.schema import (
     Event,
     LogEntry,
     PromptEvent,
+    SpeechTask,
     StartedEvent,
     Task,
     TokenEvent,
     encode_events,
 )
+from streamfleet.shared.tiers import AUDIO_TOKENS_PER_S
+from streamfleet.shared.tokenbucket import EXPIRE_MARGIN_MS, TOKEN_BUCKET_LUA
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlight, InFlightTable
@@ -50,11 +53,27 @@ __all__ = ["Publisher"]
 
 log = get_logger("worker")
 
+#: the token bucket's script (shared/tokenbucket.py), for the generated tokens' charges
+TOKEN_BUCKET = RawScript(TOKEN_BUCKET_LUA)
+
 #: what a kept command of a cluster's batch does once it went out: a publish, the set of
 #: the request ids it carries; an ack, ``(request id, its InFlight, its outcome)``
 _Tag = set[str] | tuple[str, InFlight, str]
 #: the events whose log entry always refreshes the log's expiry (a token's, every 64th)
 _EXPIRE_EACH = (*ENDS, PromptEvent, StartedEvent)
+
+
+def served(task: object, done: DoneEvent | None) -> float:
+    """The tokens a request that ended was served, charged to its tenant's fair share and
+    its key's token rate limit at its end: a text request's generated tokens, an
+    utterance's seconds of audio at ``AUDIO_TOKENS_PER_S``; nothing for one that failed."""
+    if done is None:
+        return 0.0
+    if type(task) is Task:
+        return float(done.completion_tokens)
+    if type(task) is SpeechTask:
+        return done.audio_s * AUDIO_TOKENS_PER_S
+    return 0.0
 
 
 class Publisher(Part):
@@ -75,6 +94,9 @@ class Publisher(Part):
         #: gateways re-subscribe on the new primary meanwhile (a longer orphan grace)
         self._recovered: dict[str, float] = {}
         self._sharded = ctx.keys.cluster
+        #: (bucket key, args) of the token rate limits to charge for the tokens of the
+        #: requests that ended in the batch being built (``_charge_tokens``)
+        self._token_charges: list[tuple[list[str], list[str | int]]] = []
 
     @property
     def pending(self) -> bool:
@@ -140,19 +162,27 @@ class Publisher(Part):
         if acked:
             ends = {ev.request_id: (ev.finish_reason if isinstance(ev, DoneEvent) else "error")
                     for _, ev in out.events if isinstance(ev, ENDS)} if tags is not None else {}
-            generated = {ev.request_id: ev.completion_tokens for _, ev in out.events if type(ev) is DoneEvent}
+            done = {ev.request_id: ev for _, ev in out.events if type(ev) is DoneEvent}
             for rid, fl in acked:
                 after = (keys.log(rid),) if cluster else ()
                 i = batch.add(b"XACK", self.lane_keys[fl.lane], GROUP, fl.message_id, after=after)
                 batch.add(b"XDEL", self.lane_keys[fl.lane], fl.message_id, after=after)
                 task = fl.task
-                if type(task) is Task and task.tenant and task.token_cost > 0 and generated.get(rid):
-                    # its tenant's counter grows by the tokens it generated (shared/fairshare.py):
-                    # in the waiting set or among those served lately, wherever it is
-                    fair = keys.fair(task.model, split_source(fl.lane)[0])
-                    inc = repr(generated[rid] * task.token_cost)
-                    batch.add(b"ZADD", fair.waiting, b"XX", b"INCR", inc, task.tenant, after=after)
-                    batch.add(b"ZADD", fair.seen, b"XX", b"INCR", inc, task.tenant, after=after)
+                tokens = served(task, done.get(rid))
+                if tokens and isinstance(task, (Task, SpeechTask)):
+                    if task.tenant and task.token_cost > 0:
+                        # its tenant's counter grows by what it was served (shared/fairshare.py):
+                        # in the waiting set or among those served lately, wherever it is
+                        fair = keys.fair(task.model, split_source(fl.lane)[0])
+                        inc = repr(tokens * task.token_cost)
+                        batch.add(b"ZADD", fair.waiting, b"XX", b"INCR", inc, task.tenant, after=after)
+                        batch.add(b"ZADD", fair.seen, b"XX", b"INCR", inc, task.tenant, after=after)
+                    if task.token_limit and task.token_rate > 0:
+                        # the key's token rate limit takes them, into debt if need be
+                        # (shared/tokenbucket.py: a forced take)
+                        self._token_charges.append(([keys.token_ratelimit(task.token_limit)], [
+                            repr(task.token_rate), max(1, task.token_burst), repr(float(tokens)),
+                            EXPIRE_MARGIN_MS, 1]))
                 fl.acking = True
                 if tags is not None:
                     tags[i] = (rid, fl, ends.get(rid, "unknown"))
@@ -174,7 +204,9 @@ class Publisher(Part):
         except BaseException:
             for _, fl in acked:
                 fl.acking = False
+            self._token_charges.clear()  # (built again with the step when it is sent again)
             raise
+        self._charge_tokens()
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             metrics.redis_errors.labels("publish").inc()
@@ -185,6 +217,25 @@ class Publisher(Part):
             self._finished(rid, fl, ends.get(rid, "unknown"))
         self._check_heard(zip([rids_by_channel[ch] for ch in channels],
                               results[first_publish:first_publish + len(channels)]))
+
+    def _charge_tokens(self) -> None:
+        """Charge the token rate limits of the requests that ended (their generated
+        tokens) in a round trip of its own, off the step's path; a charge that cannot be
+        made is logged and dropped (the key is charged less, never more)."""
+        if not self._token_charges:
+            return
+        calls, self._token_charges = self._token_charges, []
+
+        async def charge() -> None:
+            try:
+                results = await TOKEN_BUCKET.run(self.redis, calls, partial=True)
+            except BROKER_ERRORS as exc:
+                results = [exc]
+            failed = [r for r in results if isinstance(r, Exception)]
+            if failed:
+                log.warning("could not charge generated tokens to token rate limits", failed=len(failed),
+                            first=str(failed[0]))
+        self.spawn(charge())
 
     def _finished(self, rid: str, fl, outcome: str) -> None:
         self.table.finish(rid, fl)
@@ -205,6 +256,7 @@ class Publisher(Part):
         self._kept, self._kept_tags = None, {}
         if out is not None:
             self._build(batch, out, version, tags)
+        self._charge_tokens()  # (built once: kept commands are sent again, not built again)
         try:
             results = await batch.execute(self.redis, partial=True)
         except BaseException:

@@ -61,6 +61,7 @@ class _Utterance:
     hypothesis: str | None = None
     first_partial_at: float | None = None
     fed_at: float = 0.0  # when audio last arrived
+    audio_s: float = 0.0  # seconds of audio fed to its decoder (what its tenant is charged)
     begun: bool = False  # the decoder's begin() ran (in the step, never on the event loop)
     finishing: Future[str] | None = None  # the final pass, running on a thread of its own
 
@@ -234,7 +235,9 @@ class SpeechCore:
                 out.batch_size += 1
                 for piece in pcm:
                     u.decoder.feed(piece)
-                    out.audio_s += len(piece) / (2 * self.engine.sample_rate)
+                    seconds = len(piece) / (2 * self.engine.sample_rate)
+                    out.audio_s += seconds
+                    u.audio_s += seconds
             except Exception as exc:  # a decoder failure ends this utterance, not the worker
                 self._decoding_failed(u, out, exc)
                 failed.add(u.task.request_id)
@@ -321,7 +324,7 @@ class SpeechCore:
         done = DoneEvent(t.request_id, reason, prompt_tokens=0, completion_tokens=u.partials + 1,
                          queue_ms=max(0.0, (u.admitted_at - created) * 1000.0),
                          ttft_ms=max(0.0, ((u.first_partial_at or now) - created) * 1000.0),
-                         total_ms=max(0.0, (now - created) * 1000.0))
+                         total_ms=max(0.0, (now - created) * 1000.0), audio_s=round(u.audio_s, 3))
         out.events.append((t.reply_to, done))
         out.finished.append(t.request_id)
         self._remove(u)

@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING, TypeVar, overload
 
 from streamfleet.gateway.admission.auth import REVOKED_KEY_MESSAGE, Identity, KeyStore, extract_key
 from streamfleet.gateway.admission.kinds import AnyRequest
-from streamfleet.gateway.admission.ratelimit import ConnectionSlots, RateLimiter, StreamSlots, rate_limited
+from streamfleet.gateway.admission.ratelimit import (
+    ConnectionSlots,
+    RateLimiter,
+    StreamSlots,
+    TokensLimited,
+    rate_limited,
+    tokens_limited,
+)
 from streamfleet.shared import aio
 from streamfleet.shared.errors import AuthError, ErrorCode, RefusedError, StreamfleetError, ValidationError
 from streamfleet.shared.logging import get_logger
@@ -108,7 +115,7 @@ class Admission:
         self._watcher: asyncio.Task[None] | None = None
         self._handles = itertools.count(1)
         #: key id -> monotonic time until which its bucket is known empty (``spent``)
-        self._spent: dict[str, float] = {}
+        self._spent: dict[str, tuple[float, bool]] = {}
 
     def start(self) -> None:
         """Bind to the broker's Redis client (after ``Broker.start``)."""
@@ -150,29 +157,37 @@ class Admission:
         """
         if identity is None or not self._spent:
             return
-        until = self._spent.get(identity.key_id)
-        if until is None:
+        spent = self._spent.get(identity.key_id)
+        if spent is None:
             return
+        until, of_tokens = spent
         left = until - asyncio.get_running_loop().time()
         if left <= 0:
             del self._spent[identity.key_id]
             return
-        raise rate_limited(identity.tier, max(1, int(left * 1000)))
+        refusal = tokens_limited if of_tokens else rate_limited
+        raise refusal(identity.tier, max(1, int(left * 1000)))
 
-    async def _take(self, identity: Identity) -> None:
-        """One request from the key's bucket (``RateLimiter.check``), remembering when it
-        is empty (``spent``)."""
+    async def _take(self, identity: Identity, cost: int = 1, *, tokens: bool = True) -> None:
+        """``cost`` requests from the key's bucket (``RateLimiter.check``) and, with
+        ``tokens``, a look at its token bucket (refused while it is in debt: the tokens
+        of its earlier requests are not paid back yet), remembering when either is empty
+        (``spent``)."""
         self.spent(identity)
         assert self.limiter is not None, "Admission.start first"
         try:
-            await self.limiter.check(identity)
+            if tokens and identity.tier.tokens_per_minute is not None:
+                await asyncio.gather(self.limiter.check(identity, cost=cost), self._tokens(identity, 0))
+            else:
+                await self.limiter.check(identity, cost=cost)
         except RefusedError as exc:
             if exc.code == ErrorCode.rate_limited and exc.retry_after_ms:
                 now = asyncio.get_running_loop().time()
                 if len(self._spent) >= 10_000:  # bounded: drop what has lapsed
-                    self._spent = {k: t for k, t in self._spent.items() if t > now}
+                    self._spent = {k: t for k, t in self._spent.items() if t[0] > now}
                 if len(self._spent) < 10_000:
-                    self._spent[identity.key_id] = now + exc.retry_after_ms / 1000
+                    self._spent[identity.key_id] = (now + exc.retry_after_ms / 1000,
+                                                        isinstance(exc, TokensLimited))
             raise
 
     async def admit(self, identity: Identity | None, request: R, request_id: str, *,
@@ -244,9 +259,49 @@ class Admission:
         if tier.max_streams is not None and choices > tier.max_streams:
             raise ValidationError(f"{choices} choices need {choices} streams at once; the {tier.name} tier allows "
                                   f"{tier.max_streams}", code=ErrorCode.out_of_range, param=param)
-        self.spent(identity)
+        await self._take(identity, choices)
+
+    async def _tokens(self, identity: Identity, cost: int) -> None:
+        """Take ``cost`` tokens from the key's token bucket, or refuse.
+
+        Raises:
+            RefusedError: ``rate_limited``, naming the tier's ``tokens_per_minute``.
+        """
         assert self.limiter is not None, "Admission.start first"
-        await self.limiter.check(identity, cost=choices)
+        decision = await self.limiter.take_tokens(identity.key_id, identity.tier, cost)
+        if decision is not None and not decision.allowed:
+            raise tokens_limited(identity.tier, decision.retry_after_ms, cost)
+
+    async def charge_tokens(self, identity: Identity | None, request: AnyRequest) -> int:
+        """Take a prepared request's prompt (or input) tokens from its key's token bucket
+        (its tier's ``tokens_per_minute``), once it is tokenized and before it is queued.
+        Returns the tokens taken (``refund_tokens`` gives them back if it is not queued).
+
+        Raises:
+            ValidationError: ``out_of_range`` — more tokens than the bucket ever holds.
+            RefusedError: ``rate_limited``, with the time until they are there.
+        """
+        if identity is None or identity.tier.tokens_per_minute is None:
+            return 0
+        tier, n = identity.tier, request.input_tokens
+        if n <= 0:
+            return 0
+        if n > tier.token_capacity:
+            raise ValidationError(f"the request's {n} input tokens are more than the {tier.name} tier's token rate "
+                                  f"limit ever allows at once ({tier.token_capacity} tokens)",
+                                  code=ErrorCode.out_of_range)
+        await self._tokens(identity, n)
+        return n
+
+    async def refund_tokens(self, identity: Identity | None, tokens: int) -> None:
+        """Give back what ``charge_tokens`` took for a request that was then not queued."""
+        if identity is None or tokens <= 0:
+            return
+        assert self.limiter is not None, "Admission.start first"
+        try:
+            await self.limiter.take_tokens(identity.key_id, identity.tier, -tokens, force=True)
+        except StreamfleetError as exc:  # Redis away: the charge stays
+            log.warning("could not give a refused request's tokens back to its rate limit", error=str(exc))
 
     async def refund(self, identity: Identity | None, choices: int) -> None:
         """A request of several choices was refused after ``charge``: it keeps the charge
@@ -272,7 +327,7 @@ class Admission:
                 raise ValidationError("resuming needs the 'resume_token' of the request's 'accepted' frame",
                                       code=ErrorCode.missing_field, param="resume_token")
             return token_owner(resume_token)
-        await self._take(identity)
+        await self._take(identity, tokens=False)
         return owner_of(identity)
 
     async def release(self, ticket: Ticket | None) -> None:

@@ -86,6 +86,11 @@ class TextRequest:
     #: ``Validator.finish`` ran: rendered, compiled, tokenized, within the context
     prepared: bool = False
 
+    @property
+    def input_tokens(self) -> int:
+        """The prompt's tokens, once ``prepared`` (what the token rate limit takes)."""
+        return len(self.prompt_ids) if self.prompt_ids is not None else 0
+
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None, slot: str = "") -> Task:
         if not self.prepared or self.prompt_ids is None:
             raise _not_prepared("text")
@@ -111,6 +116,12 @@ class SpeechRequest:
     params: SamplingParams = field(default_factory=fixed_params)
     prepared: bool = True
 
+    @property
+    def input_tokens(self) -> int:
+        """None to take before it is queued: its audio is charged by the second as it is
+        transcribed (``shared.tiers.AUDIO_TOKENS_PER_S``)."""
+        return 0
+
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,
                 slot: str = "") -> SpeechTask:
         now, deadline, trace_id = _times(self.timeout_s, trace_id)
@@ -135,6 +146,11 @@ class EmbeddingsRequest:
     #: what admission's ceilings read (``fixed_params``: embeddings sample nothing)
     params: SamplingParams = field(default_factory=fixed_params)
     prepared: bool = False
+
+    @property
+    def input_tokens(self) -> int:
+        """The inputs' tokens, once ``prepared`` (what the token rate limit takes)."""
+        return sum(len(i) for i in self.inputs if not isinstance(i, str))
 
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None, slot: str = "") -> EmbedTask:
         if not self.prepared:

@@ -25,10 +25,8 @@ gateway every 20 s and lapsing 60 s after the last refresh.
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -38,105 +36,17 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
+from streamfleet.shared.tokenbucket import EXPIRE_MARGIN_MS, TOKEN_BUCKET_LUA, BucketDecision, TokenBucket
 
-__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "rate_limited", "StreamSlots", "ConnectionSlots",
+__all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "rate_limited", "tokens_limited", "TokensLimited",
+           "StreamSlots",
+           "ConnectionSlots",
            "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
 
 log = get_logger("gateway.ratelimit")
 
-#: kept past the moment the bucket is full again (ms) before the key expires
-EXPIRE_MARGIN_MS = 1000
-#: tokens short of ``cost`` that still count as enough: absorbs float rounding, so a
-#: request made exactly ``retry_after_ms`` later is admitted
-EPSILON = 1e-9
 #: retry hint when every stream slot is taken (a slot frees when a stream ends)
 STREAMS_RETRY_AFTER_MS = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class BucketDecision:
-    """Outcome of one take: ``retry_after_ms`` is 0 when allowed, ``ttl_ms`` is how long
-    until the bucket is full again (plus the margin): the key's expiry."""
-
-    allowed: bool
-    tokens_left: float
-    retry_after_ms: int
-    ttl_ms: int
-
-
-class TokenBucket:
-    """Token-bucket arithmetic, no I/O; times are integer microseconds.
-
-    Args:
-        rate_per_s: tokens added per second (> 0).
-        burst: capacity (>= 1); a new bucket starts full.
-        tokens, ts_us: stored state, ``None`` for a new (or expired) bucket.
-    """
-
-    def __init__(self, rate_per_s: float, burst: int, tokens: float | None = None, ts_us: int | None = None) -> None:
-        if not rate_per_s > 0 or burst < 1:
-            raise ValueError("rate_per_s must be > 0 and burst >= 1")
-        self.rate_per_s = float(rate_per_s)
-        self.burst = burst
-        self.tokens = tokens
-        self.ts_us = ts_us
-
-    def take(self, now_us: int, cost: int = 1) -> BucketDecision:
-        """Refill up to ``now_us``, then take ``cost`` tokens if there are that many."""
-        rate_us = self.rate_per_s / 1e6
-        burst = float(self.burst)
-        tokens = burst
-        if self.tokens is not None and self.ts_us is not None:
-            elapsed = now_us - self.ts_us
-            if elapsed < 0:  # the clock went back (Redis failover): refill nothing
-                elapsed = 0
-            tokens = min(burst, self.tokens + elapsed * rate_us)
-        allowed = tokens + EPSILON >= cost
-        if allowed:  # (a negative cost gives tokens back: ``RateLimiter.refund``)
-            tokens = min(burst, max(0.0, tokens - cost))
-            retry = 0
-        else:
-            retry = math.ceil((cost - EPSILON - tokens) / rate_us / 1000)
-        ttl = math.ceil((burst - tokens) / rate_us / 1000) + EXPIRE_MARGIN_MS
-        self.tokens, self.ts_us = tokens, now_us
-        return BucketDecision(allowed, tokens, retry, ttl)
-
-
-#: KEYS[1] bucket hash; ARGV rate per second, burst, cost, expiry margin ms,
-#: [now µs: tests only, else Redis TIME] -> {allowed 0|1, tokens left (string),
-#: retry_after_ms, ttl_ms}
-TOKEN_BUCKET_LUA = """
-if redis.replicate_commands then redis.replicate_commands() end
-local rate_us = tonumber(ARGV[1]) / 1e6
-local burst = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-local now
-if ARGV[5] then
-  now = tonumber(ARGV[5])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = burst
-local stored, ts = tonumber(state[1]), tonumber(state[2])
-if stored and ts then
-  local elapsed = now - ts
-  if elapsed < 0 then elapsed = 0 end
-  tokens = math.min(burst, stored + elapsed * rate_us)
-end
-local allowed, retry = 0, 0
-if tokens + 1e-9 >= cost then
-  tokens = math.min(burst, math.max(0, tokens - cost))
-  allowed = 1
-else
-  retry = math.ceil((cost - 1e-9 - tokens) / rate_us / 1000)
-end
-local ttl = math.ceil((burst - tokens) / rate_us / 1000) + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', now))
-redis.call('PEXPIRE', KEYS[1], ttl)
-return {allowed, string.format('%.17g', tokens), retry, ttl}
-"""
 
 
 class RateLimiter:
@@ -154,8 +64,9 @@ class RateLimiter:
 
     async def take(self, key_id: str, tier: Tier, *, cost: int = 1,
                    _now_us: int | None = None) -> BucketDecision | None:
-        """One atomic take from ``key_id``'s bucket; ``None`` for an unlimited tier (no
-        Redis call). Does not raise on refusal: see ``decision.allowed``.
+        """One atomic take from ``key_id``'s request bucket; ``None`` for a tier without
+        a request rate (no Redis call). Does not raise on refusal: see
+        ``decision.allowed``.
 
         Raises:
             ValueError: ``cost`` exceeds the tier's burst (it could never be allowed).
@@ -165,11 +76,31 @@ class RateLimiter:
             return None
         if cost > tier.burst:
             raise ValueError(f"cost {cost} exceeds the burst {tier.burst} of tier {tier.name}")
-        args: list[str | int] = [repr(tier.rate_per_s), tier.burst, cost, EXPIRE_MARGIN_MS]
-        if _now_us is not None:
-            args.append(_now_us)
+        assert tier.rate_per_s is not None
+        return await self._bucket(self.keys.ratelimit(key_id), tier.rate_per_s, tier.burst, cost, False, _now_us)
+
+    async def take_tokens(self, key_id: str, tier: Tier, cost: float, *, force: bool = False,
+                          _now_us: int | None = None) -> BucketDecision | None:
+        """One atomic take of ``cost`` tokens from ``key_id``'s token bucket (the tier's
+        ``tokens_per_minute``); ``force``: whatever is left (tokens already served).
+        ``None`` for a tier without a token rate (no Redis call).
+
+        Raises:
+            UnavailableError: Redis cannot be reached.
+        """
+        rate = tier.token_rate_per_s
+        if rate is None:
+            return None
+        return await self._bucket(self.keys.token_ratelimit(key_id), rate, tier.token_capacity, cost, force,
+                                  _now_us)
+
+    async def _bucket(self, key: str, rate: float, burst: int, cost: float, force: bool,
+                      now_us: int | None) -> BucketDecision:
+        args: list[str | int | float] = [repr(rate), burst, repr(float(cost)), EXPIRE_MARGIN_MS, int(force)]
+        if now_us is not None:
+            args.append(now_us)
         try:
-            allowed, tokens, retry, ttl = await self._script(keys=[self.keys.ratelimit(key_id)], args=args)
+            allowed, tokens, retry, ttl = await self._script(keys=[key], args=args)
         except BROKER_ERRORS as exc:
             raise UnavailableError(f"cannot check the rate limit: Redis unavailable ({exc})") from exc
         return BucketDecision(bool(allowed), float(tokens), int(retry), int(ttl))
@@ -211,6 +142,19 @@ def _wait(ms: int) -> str:
 def rate_limited(tier: Tier, retry_after_ms: int, what: str = "exceeded") -> RefusedError:
     """The 429 ``rate_limited`` refusal of a key of ``tier``, due again in ``retry_after_ms``."""
     return RefusedError(f"rate limit of {tier.requests_per_minute:g} requests/min for tier {tier.name} {what}; "
+                        f"retry in {_wait(retry_after_ms)}", code=ErrorCode.rate_limited, retry_after_ms=retry_after_ms)
+
+
+class TokensLimited(RefusedError):
+    """``rate_limited`` by the token bucket (``tokens_per_minute``), not the request one."""
+
+
+def tokens_limited(tier: Tier, retry_after_ms: int, tokens: int = 0) -> RefusedError:
+    """The 429 ``rate_limited`` refusal of a key of ``tier`` out of tokens (its
+    ``tokens_per_minute``): ``tokens`` the request needs, 0 when the bucket is in debt."""
+    what = (f"has not the {tokens} tokens this request needs left" if tokens
+            else "is spent (the tokens its earlier requests generated are being paid back)")
+    return TokensLimited(f"token rate limit of {tier.tokens_per_minute:g} tokens/min for tier {tier.name} {what}; "
                         f"retry in {_wait(retry_after_ms)}", code=ErrorCode.rate_limited, retry_after_ms=retry_after_ms)
 
 

@@ -14,7 +14,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from streamfleet.gateway.requests.prefixroute import PrefixRouter
 from streamfleet.shared import aio
 from streamfleet.shared.errors import ErrorCode, RefusedError, UnavailableError
-from streamfleet.shared.fairshare import ENQUEUE_LUA, enqueue_call, prompt_cost, token_cost
+from streamfleet.shared.fairshare import ENQUEUE_LUA, audio_cost, enqueue_call, prompt_cost, token_cost
 from streamfleet.shared.keys import affinity_source
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.metrics import gateway as metrics
@@ -30,6 +30,7 @@ from streamfleet.shared.schema import (
     Heartbeat,
     LogEntry,
     RequestRecord,
+    SpeechTask,
     Task,
     decode_events,
     live_workers,
@@ -338,6 +339,8 @@ class Broker:
         max_queued_tokens = tier.max_queued_tokens if tier is not None else None
         if fair_on and isinstance(task, Task):
             task.tenant, task.token_cost = tenant, token_cost(share)
+        elif fair_on and isinstance(task, SpeechTask):  # charged its audio when it ends
+            task.tenant, task.token_cost = tenant, audio_cost(share)
         script_keys, args = enqueue_call(
             keys, task.model, task.lane, lane_key, others, threshold=threshold, task=task.encode(), source=source,
             tenant=tenant if fair_on else "", cost=prompt_cost(task.prompt_tokens, share),

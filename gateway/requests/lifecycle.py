@@ -179,8 +179,9 @@ class ClientRequest:
 
     async def submit(self, request: AnyRequest, trace_id: str | None = None,
                      before_enqueue: Callable[[], Awaitable[Any]] | None = None, *, charged: bool = False) -> int:
-        """Admit (rate limit, stream slot) a checked request, then tokenize and enqueue it:
-        a refused request costs no tokenizer pass. Returns the lane's depth. A refusal
+        """Admit (rate limit, stream slot) a checked request, then tokenize it, take its
+        prompt tokens from its key's token rate limit and enqueue it: a refused request
+        costs no tokenizer pass. Returns the lane's depth. A refusal
         gives back what admission took. ``trace_id``: the caller's (``traceparent``);
         None for a new one. ``before_enqueue``: awaited just before the enqueue (the
         choices of one request wait for each other there, so that they are enqueued in
@@ -198,20 +199,25 @@ class ClientRequest:
         ticket, request = await self.admission.admit(self.identity, request,
                                                      request_id=self.broker.keys.new_request_id(self._channel_id()),
                                                      charged=charged)
+        charged_tokens = 0
         try:
             request = await self.validator.finish_async(request)
+            charged_tokens = await self.admission.charge_tokens(self.identity, request)
             channel = await self._open_channel()
             try:
                 if before_enqueue is not None:
                     await before_enqueue()
-                stream, depth = await channel.submit(request, ticket.request_id, owner=ticket.owner,
-                                                     slot=ticket.slot, trace_id=trace_id, tenant=self.tenant(ticket),
-                                                     tier=self.identity.tier if self.identity is not None else None)
+                tier = self.identity.tier if self.identity is not None else None
+                stream, depth = await channel.submit(
+                    request, ticket.request_id, owner=ticket.owner, slot=ticket.slot, trace_id=trace_id,
+                    tenant=self.tenant(ticket), tier=tier,
+                    token_limit=ticket.key_id if tier is not None and tier.tokens_per_minute is not None else None)
             except BaseException:
                 await self._close_own_channel()
                 raise
         except BaseException:
             await self.admission.release(ticket)
+            await self.admission.refund_tokens(self.identity, charged_tokens)
             raise
         self.ticket, self.model, self.lane = ticket, request.model, request.lane
         self.submitted = request

@@ -26,7 +26,7 @@ from streamfleet.gateway.admission.kinds import TextRequest
 from streamfleet.gateway.requests.request_stream import CANCEL_GRACE_S, LogReader, RequestStream
 from streamfleet.shared.errors import ErrorCode, NotFoundError, StreamfleetError, UnavailableError
 from streamfleet.shared.logging import get_logger
-from streamfleet.shared.schema import ENDS, Event, RequestRecord, Task
+from streamfleet.shared.schema import ENDS, Event, RequestRecord, SpeechTask, Task
 
 if TYPE_CHECKING:
     from streamfleet.gateway.admission.kinds import AnyRequest
@@ -156,7 +156,7 @@ class ReplyChannel:
 
     async def submit(self, request: AnyRequest, request_id: str | None = None, owner: str = "", slot: str = "",
                      trace_id: str | None = None, tenant: str = "", tier: Tier | None = None,
-                     ) -> tuple[RequestStream, int]:
+                     token_limit: str | None = None) -> tuple[RequestStream, int]:
         """Enqueue a prepared request (``Validator.finish``); returns its stream and the
         lane depth. Its task (``to_task``) is the one serialized form it takes.
 
@@ -166,12 +166,19 @@ class ReplyChannel:
                 worker gives it back when the request ends.
             tenant, tier: whose fair share inside the lane it counts against, and that
                 tenant's tier (its weight and cap; ``Broker.submit``).
+            token_limit: the API key id whose token rate limit (``tier``'s
+                ``tokens_per_minute``) a text request's generated tokens are charged to
+                when it ends (the worker charges them), None for none.
 
         Raises:
             StreamfleetError: refused (overload, broker down).
         """
         rid = request_id or self.broker.keys.new_request_id(self.connection_id)
         task = request.to_task(self.connection_id, request_id=rid, slot=slot, trace_id=trace_id)
+        if token_limit and tier is not None and tier.token_rate_per_s is not None and \
+                isinstance(task, (Task, SpeechTask)):  # charged what it generated, or its audio, at its end
+            task.token_limit, task.token_rate, task.token_burst = token_limit, tier.token_rate_per_s, \
+                tier.token_capacity
         scored = isinstance(task, Task) and task.params.prompt_logprobs is not None
         stream = RequestStream(rid, request.client_id, prompt_tokens=task.prompt_tokens,
                                deadline=task.deadline or (time.time() + 3600), log_reader=self._reader(rid),

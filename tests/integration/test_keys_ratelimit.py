@@ -217,6 +217,24 @@ async def test_lua_script_and_token_bucket_agree(ards, keys):
             assert got == want, (tier.name, i)
 
 
+async def test_the_token_buckets_forced_takes_agree_with_the_model_and_keep_their_debt(ards, keys, rds):
+    """Tokens served: a prompt taken if it fits, generated tokens forced into debt, a
+    refund; the script and ``TokenBucket`` give the same answers, and the debt keeps the
+    key (its expiry counts the time to pay it back)."""
+    limiter = RateLimiter(ards, keys)
+    tier = Tier("t", None, 0, None, tokens_per_minute=600)  # 10 tokens a second, 600 at once
+    model = TokenBucket(tier.token_rate_per_s, tier.token_capacity)
+    now = 1_700_000_000_000_000
+    for gap, cost, force in [(0, 500, False), (0, 300, True), (0, 0, False), (1_000_000, 0, False),
+                             (30_000_000, 0, False), (0, 40, False), (0, -40, True), (5, 900, True)]:
+        now += gap
+        got = await limiter.take_tokens("debt", tier, cost, force=force, _now_us=now)
+        want = model.take(now, cost, force=force)
+        assert got == want, (gap, cost, force)
+    assert got.tokens_left < -300 and rds.pttl(keys.token_ratelimit("debt")) > 90_000
+    assert await limiter.take_tokens("debt", Tier("u", None, 0, None), 5) is None  # no token limit: no call
+
+
 TWO_PROCESS_SNIPPET = textwrap.dedent("""
     import asyncio, sys
     import redis

@@ -8,6 +8,7 @@ tests/integration/test_keys_ratelimit.py and test_auth_limits.py."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -101,14 +102,18 @@ async def test_a_key_known_dry_is_refused_locally_until_its_next_token():
     adm = admission(auth=True)
     adm.spent(WHO)  # nothing known: no refusal
     now = asyncio.get_running_loop().time()
-    adm._spent["k1"] = now + 2.0
+    adm._spent["k1"] = (now + 2.0, False)
     with pytest.raises(RefusedError) as err:
         adm.spent(WHO)
     assert err.value.code == ErrorCode.rate_limited and 1000 <= err.value.retry_after_ms <= 2000
     adm.spent(Identity(key_id="k2", name="bob", tier=FREE))  # another key is not affected
-    adm._spent["k1"] = now - 0.1
+    adm._spent["k1"] = (now - 0.1, False)
     adm.spent(WHO)  # lapsed: forgotten
     assert "k1" not in adm._spent
+    adm._spent["k1"] = (now + 2.0, True)  # dry of tokens (tokens_per_minute): refused naming them
+    with pytest.raises(RefusedError) as err:
+        adm.spent(Identity(key_id="k1", name="alice", tier=replace(FREE, tokens_per_minute=600)))
+    assert err.value.code == ErrorCode.rate_limited and "600 tokens/min for tier free is spent" in err.value.message
 
 
 async def test_revocation_watches_are_per_key_and_undone():

@@ -11,10 +11,21 @@ from streamfleet.gateway.admission.auth import Identity
 from streamfleet.gateway.admission.gate import Ticket
 from streamfleet.gateway.requests.lifecycle import ClientRequest
 from streamfleet.shared.errors import FatalError
-from streamfleet.shared.fairshare import GENERATED_WEIGHT, MIN_COST, prompt_cost, token_cost
+from streamfleet.shared.fairshare import GENERATED_WEIGHT, MIN_COST, PROMPT_WEIGHT, audio_cost, prompt_cost, token_cost
 from streamfleet.shared.keys import Keys
-from streamfleet.shared.schema import SamplingParams, Task, decode_task
-from streamfleet.shared.tiers import DEFAULT_TIERS, parse_tiers
+from streamfleet.shared.schema import (
+    AudioInput,
+    DoneEvent,
+    EmbedTask,
+    SamplingParams,
+    SpeechTask,
+    Task,
+    decode_events,
+    decode_task,
+    encode_events,
+)
+from streamfleet.shared.tiers import AUDIO_TOKENS_PER_S, DEFAULT_TIERS, parse_tiers
+from streamfleet.workers.publisher import served
 
 
 def test_a_request_costs_its_prompt_tokens_and_at_least_one_divided_by_its_share():
@@ -76,3 +87,31 @@ def test_the_tenant_is_the_key_then_the_connection_then_the_peer():
     assert _request(peer="10.0.0.1").tenant(Ticket("rid", "tok:x")) == "peer:10.0.0.1"
     anonymous = _request()
     assert anonymous.tenant(Ticket("rid", "tok:x")).startswith("conn:")
+
+
+def test_what_a_request_is_served_at_its_end_generated_tokens_or_seconds_of_audio():
+    """``workers.publisher.served``: charged to the tenant's counter (times the task's
+    ``token_cost``) and to its key's token rate limit when the request ends."""
+    text = Task("r", "m", "normal", "c", "x", [1, 2], SamplingParams(), 1.0)
+    speech = SpeechTask("s", "m", "normal", "c", "x", AudioInput(), 1.0)
+    embed = EmbedTask("e", "m", "normal", "c", "x", [[1, 2]], 1.0)
+    done = DoneEvent("r", "stop", prompt_tokens=2, completion_tokens=7, audio_s=2.5)
+    assert served(text, done) == 7.0
+    assert served(speech, done) == 2.5 * AUDIO_TOKENS_PER_S == 25.0  # a second of speech is 10 tokens
+    assert served(embed, done) == 0.0  # its input tokens were charged when it was taken
+    assert served(text, None) == 0.0  # failed: nothing
+    assert audio_cost(2.0) == PROMPT_WEIGHT / 2.0  # audio is input, weighted as a prompt
+
+
+def test_the_charges_travel_on_the_wire_only_when_set():
+    text = Task("r", "m", "normal", "c", "x", [1], SamplingParams(), 1.0)
+    assert b"token_limit" not in text.encode()
+    text.token_limit, text.token_rate, text.token_burst = "k1", 10.0, 600
+    assert decode_task(text.encode()) == text
+    speech = SpeechTask("s", "m", "normal", "c", "x", AudioInput(), 1.0, tenant="key:k1", token_cost=0.5,
+                        token_limit="k1", token_rate=10.0, token_burst=600)
+    assert decode_task(speech.encode()) == speech
+    plain = DoneEvent("r", "stop", 1, 2)
+    assert b"audio_s" not in encode_events([plain])
+    timed = DoneEvent("r", "stop", 0, 3, audio_s=1.25)
+    assert decode_events(encode_events([plain, timed])) == [plain, timed]

@@ -132,7 +132,8 @@ def test_overrides_merge_into_defaults_and_add_tiers():
     t = parse_tiers('{"free": {"requests_per_minute": 20}, '
                     '"gold": {"requests_per_minute": 600, "burst": 50, "max_streams": 64, "max_lane": "high"},'
                     '"ops": {"requests_per_minute": null}}')
-    assert t["free"] == Tier("free", 20, 5, 2, "normal", max_connections=8, max_tokens=1024, max_timeout_s=120.0)
+    assert t["free"] == Tier("free", 20, 5, 2, "normal", max_connections=8, max_tokens=1024, max_timeout_s=120.0,
+                             tokens_per_minute=20_000)
     assert t["paid"] == DEFAULT_TIERS["paid"]
     assert t["gold"] == Tier("gold", 600, 50, 64, "high")
     assert t["ops"].unlimited and t["ops"].max_streams is None and t["ops"].max_lane == "normal"
@@ -176,3 +177,34 @@ def test_tiers_setting_reads_env(monkeypatch):
     assert g.auth_enabled is True and g.key_cache_s == 5.0
     monkeypatch.delenv("SF_AUTH_ENABLED")
     assert GatewaySettings().auth_enabled is False
+
+
+# -- tokens served: forced takes and debt ---------------------------------------------
+def test_a_forced_take_goes_into_debt_and_the_refill_pays_it_back_first():
+    b = TokenBucket(rate_per_s=100, burst=1000)  # 6,000 tokens a minute
+    assert b.take(0, 600).allowed  # a prompt of 600: 400 left
+    d = b.take(0, 900, force=True)  # then it generated 900: 500 in debt
+    assert d.allowed and d.tokens_left == -500 and d.retry_after_ms == 0
+    assert d.ttl_ms == 15_000 + EXPIRE_MARGIN_MS  # 1,500 tokens short of full, at 100 a second
+    refused = b.take(1_000_000, 0)  # 1 s later: still 400 in debt; nothing passes
+    assert not refused.allowed and refused.retry_after_ms == 4_000
+    assert b.take(5_000_000, 0).allowed  # paid back: a new request may start
+    assert not b.take(5_000_000, 1).allowed
+
+
+def test_a_forced_take_never_fills_past_the_burst_and_a_negative_one_gives_back():
+    b = TokenBucket(rate_per_s=1, burst=10)
+    assert b.take(0, 8).tokens_left == 2
+    assert b.take(0, -5, force=True).tokens_left == 7  # a refund
+    assert b.take(0, -50, force=True).tokens_left == 10
+
+
+def test_the_token_limit_of_a_tier():
+    tier = Tier("t", 60, 5, None, tokens_per_minute=6000)
+    assert tier.token_rate_per_s == 100 and tier.token_capacity == 6000
+    assert Tier("t", 60, 5, None, tokens_per_minute=600, token_burst=50).token_capacity == 50
+    assert Tier("t", 60, 5, None).token_rate_per_s is None
+    assert DEFAULT_TIERS["free"].tokens_per_minute == 20_000 and DEFAULT_TIERS["internal"].tokens_per_minute is None
+    for bad in ({"tokens_per_minute": 0}, {"tokens_per_minute": "1k"}, {"token_burst": 0}, {"token_burst": 1.5}):
+        with pytest.raises(FatalError, match="tiers: tier free: token"):
+            parse_tiers({"free": bad})

@@ -109,6 +109,7 @@ def test_partials_then_final():
     assert final == TranscriptEvent("u1", 2, "W1 W2 W3", final=True)
     assert isinstance(done, DoneEvent) and done.finish_reason == "stop"
     assert done.completion_tokens == 3 and out.finished == ["u1"]  # the gateway checks every index came
+    assert done.audio_s == 0.3  # three chunks of 0.1 s: what its tenant is charged
     assert "u1" not in core and core.free_slots == 2 and engine.in_use == 0 and not core.has_work()
 
 
