@@ -12,7 +12,11 @@ workers, and two gateways with auth on: one with ``SF_FAIR_SHARE`` on, one with 
 * **Jain's index** over the weighted tokens (prompt + 2 x generated) served to four keys of
   the same tier that keep 16, 24, 32 and 48 streams going, so that all of them always
   have requests waiting (goal: at least 0.95);
-* **one key**: 16 streams of one key, tokens generated per second (goal: within 5%).
+* **one key**: 16 streams of one key, tokens generated per second (goal: within 5%);
+* **embeddings flood** (``--embed-model``, default ``minilm-l6-v2``; ``none``: skipped): a
+  heavy key sends requests of ``--embed-inputs`` (2,048) texts of ``--embed-tokens``
+  tokens one after another, a light key one text at a time; the light key's latency p50
+  beside it, over alone (goal: at most 1.5), and the heavy key's texts per second.
 """
 
 from __future__ import annotations
@@ -50,24 +54,31 @@ class FairStack(StackLife):
 
     model: str
     workers: int
+    embed_model: str | None = None
+    embed_step_ms: float | None = None
     redis: EmbeddedRedis | None = None
     fleet: Fleet = field(default_factory=Fleet)
     urls: dict[str, str] = field(default_factory=dict)
 
     def env(self, **extra: str) -> dict[str, str]:
-        return clean_env(SF_REDIS_URL=self.redis.url, SF_LOG_LEVEL="warning", SF_MODEL=self.model,
-                         SF_DEFAULT_MODEL=self.model, SF_GRPC_PORT="0", SF_METRICS_PORT="0", **extra)
+        return clean_env(**({"SF_REDIS_URL": self.redis.url, "SF_LOG_LEVEL": "warning", "SF_MODEL": self.model,
+                             "SF_DEFAULT_MODEL": self.model, "SF_GRPC_PORT": "0", "SF_METRICS_PORT": "0"} | extra))
 
     def _start(self) -> None:
         share = threads(max(1, (os.cpu_count() or 2) // self.workers))
         for i in range(self.workers):
             self.fleet.start(f"worker {i}", ["worker"], self.env(**share))
+        if self.embed_model:  # its own worker, idle but for the embeddings runs
+            step = {} if self.embed_step_ms is None else {"SF_EMBED_STEP_MS": str(self.embed_step_ms)}
+            self.fleet.start("embedding worker", ["worker"], self.env(SF_MODEL=self.embed_model, **step,
+                                                                      **threads(os.cpu_count() or 2)))
         for mode in ("on", "off"):
             port = free_port()
             self.urls[mode] = f"http://127.0.0.1:{port}"
             self.fleet.start(f"gateway {mode}", ["gateway", "--port", str(port)],
                              self.env(SF_AUTH_ENABLED="true", SF_FAIR_SHARE="true" if mode == "on" else "false"))
-        wait_fleet(self.redis.url, {self.model: self.workers}, list(self.urls.values()), self.fleet.dead,
+        workers = {self.model: self.workers} | ({self.embed_model: 1} if self.embed_model else {})
+        wait_fleet(self.redis.url, workers, list(self.urls.values()), self.fleet.dead,
                    worker_timeout=600, gateway_timeout=60)
 
     def key(self, name: str) -> str:
@@ -103,6 +114,53 @@ async def closed_loop(client: httpx.AsyncClient, url: str, key: str, model: str,
                       until: float, out: list[Done]) -> None:
     while time.perf_counter() < until:
         out.append(await chat(client, url, key, model, prompt, max_tokens))
+
+
+async def embed(client: httpx.AsyncClient, url: str, key: str, model: str, texts: list[str]) -> float:
+    """One embeddings request; its latency (s)."""
+    t0 = time.perf_counter()
+    r = await client.post(url + "/v1/embeddings", json={"model": model, "input": texts},
+                          headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+async def run_embeddings(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    """A light key's one-text requests, alone and beside a heavy key's requests of
+    ``--embed-inputs`` texts sent one after another."""
+    words = ["fleet", "lane", "worker", "token", "stream", "tenant", "share", "model", "queue", "vector"]
+    heavy_texts = [" ".join(words[(i + j) % len(words)] for j in range(args.embed_tokens - 2))
+                   for i in range(args.embed_inputs)]
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=600) as client:
+        await embed(client, url, keys["elight"], args.embed_model, ["warm up"])
+        alone = [await embed(client, url, keys["elight"], args.embed_model, ["a short text to embed"])
+                 for _ in range(args.alone_requests * 2)]
+        flood_alone = p50([await embed(client, url, keys["eheavy"], args.embed_model, heavy_texts)
+                           for _ in range(3)])
+        stop = asyncio.Event()
+        heavy_done: list[float] = []
+
+        async def heavy() -> None:
+            while not stop.is_set():
+                heavy_done.append(await embed(client, url, keys["eheavy"], args.embed_model, heavy_texts))
+
+        t0 = time.perf_counter()
+        flood = asyncio.create_task(heavy())
+        await asyncio.sleep(0.5)  # (the first large request is running)
+        beside: list[float] = []
+        until = time.perf_counter() + args.window_s / 2
+        while time.perf_counter() < until or not beside:
+            beside.append(await embed(client, url, keys["elight"], args.embed_model, ["a short text to embed"]))
+        stop.set()
+        await flood
+        elapsed = time.perf_counter() - t0
+    out["embeddings: light latency p50 alone (s)"] = p50(alone)
+    out["embeddings: light latency p50 beside a flood (s)"] = p50(beside)
+    out["embeddings: light beside / alone"] = p50(beside) / p50(alone)
+    out["embeddings: flood alone, texts/s"] = args.embed_inputs / flood_alone
+    out["embeddings: flood beside the light key, texts/s"] = len(heavy_done) * args.embed_inputs / elapsed
+    return out
 
 
 def p50(values: list[float]) -> float:
@@ -172,30 +230,48 @@ def main() -> int:
     ap.add_argument("--heavy-tokens", type=int, default=32, help="max_tokens of a long prompt's request")
     ap.add_argument("--light-tokens", type=int, default=8, help="max_tokens of a light key's request")
     ap.add_argument("--alone-requests", type=int, default=5)
+    ap.add_argument("--embed-model", default="minilm-l6-v2", help="the embedding model of the embeddings flood "
+                    "('none': no embeddings run)")
+    ap.add_argument("--embed-inputs", type=int, default=2048, help="texts in one of the flood's requests")
+    ap.add_argument("--embed-tokens", type=int, default=32, help="tokens of each of them")
+    ap.add_argument("--embed-step-ms", type=float, default=None, help="the embedding worker's SF_EMBED_STEP_MS "
+                    "(default: its own default)")
+    ap.add_argument("--parts", default="text,embeddings", help="what to run: text, embeddings or both")
     benchtable.add_argument(ap)
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if args.embed_model == "none" or "embeddings" not in parts:
+        args.embed_model = None
     log(f"starting {args.workers} worker(s) of {args.model} and two gateways ...")
-    with FairStack(args.model, args.workers) as st:
+    with FairStack(args.model, args.workers, args.embed_model, args.embed_step_ms) as st:
         names = ["heavy", "lone", *(f"light{i}" for i in range(LIGHT_KEYS)),
-                 *(f"jain{i}" for i in range(len(JAIN_STREAMS)))]
+                 *(f"jain{i}" for i in range(len(JAIN_STREAMS))), "eheavy", "elight"]
         results = {}
         for mode in ("on", "off"):
             keys = {name: st.key(f"{mode}-{name}") for name in names}
-            log(f"fair share {mode} ...")
-            results[mode] = asyncio.run(run_mode(st.urls[mode], keys, args))
+            results[mode] = {}
+            if "text" in parts:
+                log(f"fair share {mode} ...")
+                results[mode] = asyncio.run(run_mode(st.urls[mode], keys, args))
+            if args.embed_model:
+                log(f"embeddings, fair share {mode} ...")
+                results[mode] |= asyncio.run(run_embeddings(st.urls[mode], keys, args))
     goals = {"worst light key: beside / alone": "<= 1.5", "Jain's index, 4 backlogged keys": ">= 0.95",
-             "one key, 16 streams: tokens/s": "on within 5% of off"}
+             "one key, 16 streams: tokens/s": "on within 5% of off", "embeddings: light beside / alone": "<= 1.5"}
     print(f"\nfair share inside a lane: {args.model}, {args.workers} worker(s), {os.cpu_count()} cores, "
           f"{args.window_s:.0f} s windows; heavy key {args.heavy_streams} streams of ~{args.long_tokens}-token "
-          f"prompts, {LIGHT_KEYS} light keys one request at a time\n")
+          f"prompts, {LIGHT_KEYS} light keys one request at a time"
+          + (f"; embeddings: {args.embed_model}, a flood of {args.embed_inputs} x {args.embed_tokens}-token texts "
+             f"a request beside one text at a time" if args.embed_model else "") + "\n")
     print(f"| {'':40} | fair share on | fair share off | goal |")
     print("| --- | ---: | ---: | --- |")
     for metric in results["on"]:
         row = [results[m][metric] for m in ("on", "off")]
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
         print(f"| {metric:40} | {cells[0]} | {cells[1]} | {goals.get(metric, '')} |")
-    on, off = results["on"]["one key, 16 streams: tokens/s"], results["off"]["one key, 16 streams: tokens/s"]
-    print(f"\none key's throughput, on / off: {on / off:.3f}")
+    if "text" in parts:
+        on, off = results["on"]["one key, 16 streams: tokens/s"], results["off"]["one key, 16 streams: tokens/s"]
+        print(f"\none key's throughput, on / off: {on / off:.3f}")
     return 0
 
 

@@ -293,6 +293,9 @@ class WorkerSettings(CommonSettings):
     backend: str | None = None
     #: override engine.toml's max_batch
     max_batch: int | None = None
+    #: an embedding model's step: about this long (ms), its inputs sized by the measured
+    #: time per token (workers/embedcore.py); 0 = as many as the engine's limits allow
+    embed_step_ms: float = Field(50.0, ge=0, le=60_000)
     #: admission weights per lane; with both lanes backlogged each gets at least its share
     lane_weights: dict[str, float] = {"high": 0.8, "normal": 0.2}
     #: ms an idle worker blocks on XREADGROUP

@@ -7,14 +7,23 @@ embedded together step by step (docs/architecture.md, "A request's path"; docs/o
 the worker's parts — intake, publisher, reclaim, dead letters, drain, reload — serve
 embedding models unchanged. A task holds one slot from ``add`` to its end.
 
-A task is not one engine call: each ``step`` takes inputs, not tasks, up to the engine's
-``max_batch`` inputs and ``max_batch_tokens`` tokens (one input longer than that runs
-alone), one input from each task in turn, in the order the tasks came (round robin), so
-a request of 2,048 inputs runs over many steps, interleaved with the inputs of requests
-that came after it, and a one-input request beside it waits one step, not the whole of
-it (docs/openai.md, "Embeddings"). The inputs of a step go to the engine in one
-``OnnxEmbeddingEngine.embed`` call (which sorts them by length and runs them in padded
-groups itself), and each task gets:
+A task is not one engine call: each ``step`` takes inputs, not tasks, so a request of
+2,048 inputs runs over many steps, interleaved with the requests that come after it and
+cancellable between them (docs/openai.md, "Embeddings"). A step holds:
+
+* at most the engine's ``max_batch`` inputs and ``max_batch_tokens`` tokens (one input
+  longer than that runs alone), and about ``step_ms`` of work: the core keeps a running
+  estimate of the engine's time per token and sizes each step's tokens by it, since on a
+  CPU a step of 8 inputs already embeds nearly as many a second as one of 64, and a
+  shorter step is a shorter wait for whoever comes next;
+* the inputs of the tasks that have not started yet, first and alone (a task that came
+  while another runs waits for the step under way, then its own), but never two such
+  steps in a row, so a stream of new requests cannot stall one that has started;
+* otherwise one input of each task in turn (round robin), the turn starting one task
+  further each step.
+
+The inputs of a step go to the engine in one ``OnnxEmbeddingEngine.embed`` call (which
+sorts them by length and runs them in padded groups itself), and each task gets:
 
 * ``EmbeddingEvent(index, vector)`` for each of its inputs embedded in the step, in order,
   then, in the step of its last input,
@@ -48,7 +57,12 @@ from streamfleet.workers.core import StepOutput
 if TYPE_CHECKING:
     from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 
-__all__ = ["EmbeddingCore"]
+__all__ = ["EmbeddingCore", "STEP_MS"]
+
+#: about how long an embedding step takes by default (``SF_EMBED_STEP_MS``): on a CPU,
+#: long enough to embed nearly as fast as the largest steps, short enough that a request
+#: coming in waits little (docs/benchmarks/fairness.md)
+STEP_MS = 50.0
 
 log = get_logger("worker.embedding")
 
@@ -71,13 +85,21 @@ class EmbeddingCore:
         engine: a ``workers.engines.embedding.OnnxEmbeddingEngine`` (or anything with its
             ``embed``, ``check_input``, ``max_batch`` and ``max_batch_tokens``).
         slots: tasks held at once (default: the engine's ``max_batch``).
+        step_ms: about how long a step takes (its tokens sized by the measured time per
+            token); 0: as many as the engine's limits allow.
         clock: unix seconds (``created_at`` of a task is on the same scale).
+        timer: seconds, for the time steps take.
     """
 
-    def __init__(self, engine: OnnxEmbeddingEngine, *, slots: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: OnnxEmbeddingEngine, *, slots: int | None = None, step_ms: float = STEP_MS,
+                 clock: Callable[[], float] = time.time, timer: Callable[[], float] = time.perf_counter) -> None:
         self.engine = engine
         self.slots = int(slots or engine.max_batch)
+        self.step_s = max(0.0, step_ms) / 1000.0
+        #: the engine's seconds per token, a running average over steps (None: no step yet)
+        self.s_per_token: float | None = None
+        self._timer = timer
+        self._new_last = False  # the last step held only tasks that had not started
         self._clock = clock
         self._jobs: dict[str, _Job] = {}  # in the order they came
         self._rejected: list[tuple[AnyTask, ErrorCode, str]] = []
@@ -174,6 +196,7 @@ class EmbeddingCore:
         if not picks:
             return out
         order = [(job, i) for job in live for i in range(job.cursor, job.cursor + picks.get(id(job), 0))]
+        started = self._timer()
         try:
             vectors = self.engine.embed([job.task.inputs[i] for job, i in order])
         except Exception as exc:  # an engine failure ends these tasks, not the worker
@@ -184,6 +207,8 @@ class EmbeddingCore:
             return out
         done_at = self._clock()
         out.batch_size, out.prefill_tokens = len(order), sum(len(job.task.inputs[i]) for job, i in order)
+        took = (self._timer() - started) / max(1, out.prefill_tokens)
+        self.s_per_token = took if self.s_per_token is None else 0.7 * self.s_per_token + 0.3 * took
         row = 0
         for job in live:
             n = picks.get(id(job), 0)
@@ -211,18 +236,33 @@ class EmbeddingCore:
                 self._done(job, out, done_at, "stop")
         return out
 
+    def step_tokens(self) -> int:
+        """The tokens a step may hold: ``max_batch_tokens``, lowered to about ``step_ms``
+        of work at the engine's measured time per token (before the first step: one
+        input, which measures it)."""
+        limit = int(self.engine.max_batch_tokens)
+        if not self.step_s:
+            return limit
+        if self.s_per_token is None:
+            return 1
+        return max(1, min(limit, int(self.step_s / max(self.s_per_token, 1e-9))))
+
     def _pick(self, live: list[_Job]) -> dict[int, int]:
         """How many inputs of each task (by ``id``) the step embeds, from each task's
-        cursor: one from each in turn while the step holds fewer than ``max_batch``
-        inputs, skipping an input that would take it past ``max_batch_tokens`` (the first
-        input of a step goes whatever its length). The turn starts one task further each
-        step, so a task whose next input is long is not always the one left out."""
-        max_inputs, max_tokens = self.engine.max_batch, self.engine.max_batch_tokens
+        cursor: the tasks not started yet alone when there are some (not two steps in a
+        row), else every task; one input of each in turn while the step holds fewer than
+        ``max_batch`` inputs, skipping an input that would take it past the step's tokens
+        (``step_tokens``; the first input of a step goes whatever its length)."""
+        max_inputs, max_tokens = self.engine.max_batch, self.step_tokens()
         picks: dict[int, int] = {}
         if not live:
             return picks
-        self._turn = (self._turn + 1) % len(live)
-        ring = live[self._turn:] + live[:self._turn]
+        new = [job for job in live if job.cursor == 0]
+        if new and (not self._new_last or len(new) == len(live)):
+            ring, self._new_last = new, len(new) < len(live)
+        else:
+            self._turn = (self._turn + 1) % len(live)
+            ring, self._new_last = live[self._turn:] + live[:self._turn], False
         inputs = tokens = 0
         progressed = True
         while progressed and inputs < max_inputs:  # each round adds an input or ends

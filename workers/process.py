@@ -176,7 +176,8 @@ class WorkerProcess:
             from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
 
             embedder = OnnxEmbeddingEngine(spec, threads=self.settings.threads or None)
-            return VersionedCore(spec.version, EmbeddingCore(embedder, slots=self.settings.max_batch or None))
+            return VersionedCore(spec.version, EmbeddingCore(embedder, slots=self.settings.max_batch or None,
+                                                               step_ms=self.settings.embed_step_ms))
         options: dict[str, Any] = {}
         backend = self.settings.backend or spec.backend
         if backend == "onnxruntime" and self.settings.threads:

@@ -12,8 +12,9 @@ empty; token ids in the vocabulary and within the model's ``max_context``;
 ``encoding_format``; ``dimensions`` only as the model's own), then admitted
 (``gateway/admission/gate.py``: the key, its lane, its rate limit — one request, as a text
 request is — and its stream slot), then its texts tokenized (``Validator.finish``: each
-within ``max_context``, never truncated), then enqueued. The worker
-(``workers/embedcore.py``) answers with one ``EmbeddingEvent`` per input and a
+within ``max_context``, never truncated), its input tokens taken from the key's token
+rate limit, then enqueued. The worker (``workers/embedcore.py``) answers with one
+``EmbeddingEvent`` per input, over as many engine steps as its inputs take, and a
 ``DoneEvent`` whose ``prompt_tokens`` is the request's input tokens.
 """
 

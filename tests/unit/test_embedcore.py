@@ -60,13 +60,13 @@ def _vectors(events, rid: str) -> np.ndarray:
 
 def test_the_core_has_the_core_shape(tiny):
     engine, _ = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     assert isinstance(core, Core) and core.free_slots == engine.max_batch and not core.has_work()
 
 
 def test_each_input_gets_the_engines_vector_then_the_end(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine, clock=Clock())
+    core = EmbeddingCore(engine, step_ms=0, clock=Clock())
     core.add(_task("r1", ids))
     assert "r1" in core and core.active == 1
     out = core.step()
@@ -84,7 +84,7 @@ def test_each_input_gets_the_engines_vector_then_the_end(tiny):
 
 def test_tasks_are_embedded_together_and_each_vector_matches_its_input_alone(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     core.add(_task("a", ids[:2]))
     core.add(_task("b", ids[2:]))
     out = core.step()
@@ -95,20 +95,23 @@ def test_tasks_are_embedded_together_and_each_vector_matches_its_input_alone(tin
         assert (got * alone).sum(1).min() >= 0.99999
 
 
-def test_a_large_task_runs_over_steps_interleaved_with_a_later_small_one(tiny):
+def test_a_large_task_runs_over_steps_and_a_later_small_one_goes_next_alone(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine, slots=8)
+    core = EmbeddingCore(engine, slots=8, step_ms=0)  # (steps sized by the engine's limits only)
     big = [ids[1]] * (3 * engine.max_batch)  # three engine batches' worth
     core.add(_task("big", big))
     first = core.step()
     assert first.batch_size == engine.max_batch and not first.finished
     assert [ev.index for _, ev in first.events] == list(range(engine.max_batch))
-    core.add(_task("small", ids[:1]))  # came while the big one runs
+    core.add(_task("small", ids[:1]))  # came while the big one runs: the next step is its own
     second = core.step()
-    assert second.finished == ["small"] and second.batch_size == engine.max_batch  # one step, not three
-    got_big = [ev.index for _, ev in second.events if ev.request_id == "big" and isinstance(ev, EmbeddingEvent)]
-    assert got_big == list(range(engine.max_batch, 2 * engine.max_batch - 1))
-    events = first.events + second.events
+    assert second.finished == ["small"] and second.batch_size == 1
+    core.add(_task("small2", ids[:1]))  # never two such steps in a row: the big one's turn comes, beside it
+    third = core.step()
+    assert third.batch_size == engine.max_batch and third.finished == ["small2"]
+    got_big = [ev.index for _, ev in third.events if ev.request_id == "big" and isinstance(ev, EmbeddingEvent)]
+    assert got_big == list(range(engine.max_batch, 2 * engine.max_batch - 1))  # beside small2's one input
+    events = first.events + second.events + third.events
     while core.has_work():
         events += core.step().events
     indices = [ev.index for _, ev in events if ev.request_id == "big" and isinstance(ev, EmbeddingEvent)]
@@ -117,9 +120,38 @@ def test_a_large_task_runs_over_steps_interleaved_with_a_later_small_one(tiny):
     assert float(_vectors(events, "big")[0] @ engine.embed([ids[1]])[0]) >= 0.99999  # batched as alone
 
 
+def test_steps_are_sized_by_the_measured_time_per_token(tiny):
+    engine, ids = tiny
+    class Timer:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    timer = Timer()
+    core = EmbeddingCore(engine, slots=8, step_ms=50, timer=timer)
+    assert core.step_tokens() == 1  # nothing measured: one input, which measures it
+    n = len(ids[1])
+    core.add(_task("big", [ids[1]] * 40))
+    real_embed = engine.embed
+
+    def timed_embed(inputs):
+        timer.now += 0.001 * sum(map(len, inputs))  # 1 ms a token
+        return real_embed(inputs)
+
+    engine.embed = timed_embed
+    try:
+        assert core.step().batch_size == 1
+        assert core.s_per_token == pytest.approx(0.001) and core.step_tokens() == 50
+        assert core.step().batch_size == 50 // n  # about 50 ms of inputs
+    finally:
+        del engine.embed
+    assert EmbeddingCore(engine, step_ms=0).step_tokens() == engine.max_batch_tokens
+
+
 def test_a_step_holds_at_most_max_batch_tokens_and_every_task_gets_its_turn(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine, slots=8)
+    core = EmbeddingCore(engine, slots=8, step_ms=0)
     long_one = [2] + [5] * 40 + [3]
     engine_tokens = engine.max_batch_tokens
     try:
@@ -147,7 +179,7 @@ def test_a_step_holds_at_most_max_batch_tokens_and_every_task_gets_its_turn(tiny
 
 def test_a_task_cancelled_between_steps_ends_with_what_went_out(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine, slots=8)
+    core = EmbeddingCore(engine, slots=8, step_ms=0)
     core.add(_task("big", [ids[0]] * (3 * engine.max_batch)))
     first = core.step()
     assert len(first.events) == engine.max_batch and core.cancel("big")
@@ -157,7 +189,7 @@ def test_a_task_cancelled_between_steps_ends_with_what_went_out(tiny):
 
 def test_a_cancelled_task_ends_cancelled_without_vectors(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     core.add(_task("r1", ids))
     assert core.cancel("r1") and not core.cancel("nope")
     (_, done), = core.step().events
@@ -167,7 +199,7 @@ def test_a_cancelled_task_ends_cancelled_without_vectors(tiny):
 def test_a_task_past_its_deadline_times_out(tiny):
     engine, ids = tiny
     clock = Clock()
-    core = EmbeddingCore(engine, clock=clock)
+    core = EmbeddingCore(engine, step_ms=0, clock=clock)
     core.add(_task("r1", ids, deadline=1001.0))
     clock.t = 1002.0
     (_, err), = core.step().events
@@ -183,7 +215,7 @@ def test_a_task_past_its_deadline_times_out(tiny):
 ])
 def test_bad_inputs_end_their_task_naming_the_input_and_spare_the_others(tiny, inputs, words):
     engine, ids = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     core.add(_task("bad", []))
     core._jobs["bad"].task.inputs = inputs  # as a task from a gateway that checked nothing would read
     core.add(_task("good", ids[:1]))
@@ -195,7 +227,7 @@ def test_bad_inputs_end_their_task_naming_the_input_and_spare_the_others(tiny, i
 
 def test_other_kinds_of_task_are_refused_by_name_and_an_embed_task_by_the_other_cores(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     core.add(Task("t", "tiny-embed", "normal", "conn", "c", [1, 2], SamplingParams(), 1000.0))
     core.add(SpeechTask("s", "tiny-embed", "normal", "conn", "c", AudioInput(), 1000.0))
     errs = [ev for _, ev in core.step().events]
@@ -209,7 +241,7 @@ def test_other_kinds_of_task_are_refused_by_name_and_an_embed_task_by_the_other_
 
 def test_abandoned_tasks_say_nothing_and_abandon_all_hands_them_back(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine)
+    core = EmbeddingCore(engine, step_ms=0)
     core.add(_task("a", ids))
     core.add(_task("b", ids))
     assert core.abandon("a") and not core.abandon("a")
@@ -224,7 +256,7 @@ def test_abandoned_tasks_say_nothing_and_abandon_all_hands_them_back(tiny):
 
 def test_a_full_core_refuses_more(tiny):
     engine, ids = tiny
-    core = EmbeddingCore(engine, slots=1)
+    core = EmbeddingCore(engine, slots=1, step_ms=0)
     core.add(_task("a", ids))
     assert core.free_slots == 0
     with pytest.raises(ValueError, match="no free slot"):
@@ -237,7 +269,7 @@ def test_the_task_and_the_events_round_trip_the_wire(tiny):
     assert decode_task(task.encode()) == task and task.prompt_tokens == sum(map(len, ids))
     with pytest.raises(ValueError, match="malformed task"):
         decode_task(b'{"kind": "embed", "request_id": "r", "inputs": [1, 2]}')
-    core = EmbeddingCore(engine, clock=Clock())
+    core = EmbeddingCore(engine, step_ms=0, clock=Clock())
     core.add(task)
     events = [ev for _, ev in core.step().events]
     back = decode_events(encode_events(events))
