@@ -46,10 +46,11 @@ def smol_pair(request, tmp_path_factory):
 def test_smollm2_greedy_tokens_equal_the_reference_alone(smol_pair):
     gqa, old = smol_pair
     steps = REFERENCE["steps"] - 1
-    for name, prompt in SMOL_PROMPTS.items():
+    for i, (name, prompt) in enumerate(SMOL_PROMPTS.items()):
         tokens, rows = greedy_alone(gqa, prompt, steps, seq_id=name)
         assert tokens == WANT[name], name
-        if old is not None:  # fp32: the current graph's logits within 1e-3
+        if old is not None and i < 2:  # fp32: the current graph's logits within 1e-3 (on two prompts: its
+            # tokens are the reference's on all of them in tests/models/test_smollm2_exact.py)
             want, old_rows = greedy_alone(old, prompt, steps, seq_id=name)
             assert want == tokens
             assert max(np.abs(a - b).max() for a, b in zip(rows, old_rows)) < 1e-3, name
