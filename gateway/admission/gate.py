@@ -181,7 +181,9 @@ class Admission:
             else:
                 await self.limiter.check(identity, cost=cost)
         except RefusedError as exc:
-            if exc.code == ErrorCode.rate_limited and exc.retry_after_ms:
+            # a refusal of several requests at once (choices) leaves the key the ones it has
+            one = cost == 1 or isinstance(exc, TokensLimited)
+            if exc.code == ErrorCode.rate_limited and exc.retry_after_ms and one:
                 now = asyncio.get_running_loop().time()
                 if len(self._spent) >= 10_000:  # bounded: drop what has lapsed
                     self._spent = {k: t for k, t in self._spent.items() if t[0] > now}
