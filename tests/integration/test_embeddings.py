@@ -25,6 +25,7 @@ from streamfleet.shared.keys import GROUP, Keys
 from streamfleet.shared.modelrepo import load_tokenizer
 from streamfleet.shared.schema import DeadLetter, DoneEvent, EmbeddingEvent, EmbedTask, LogEntry
 from streamfleet.workers.engines.embedding import OnnxEmbeddingEngine
+from tests.support.keys import add_key
 from tests.support.tinybert import tiny_embedding_model
 from tests.support.wait import until
 from tests.support.wsclient import Client
@@ -36,16 +37,23 @@ MAX_FRAME = 200_000
 
 
 @pytest.fixture(scope="module")
-def parts(module_fleets, tiny_spec, tmp_path_factory):
-    """The fleet (private engines dir: tiny-gpt and the tiny BERT), its gateway, and the
-    model's engine and tokenizer in this process."""
+def embed_fleet(module_fleets, tiny_spec, tmp_path_factory):
+    """The fleet (private engines dir: tiny-gpt and the tiny BERT) with a worker of the
+    tiny BERT: the factory, its engines dir and the model's spec."""
     engines = tmp_path_factory.mktemp("embeddings") / "engines"
     engines.mkdir()
     shutil.copytree(tiny_spec.path, engines / tiny_spec.name, ignore=shutil.ignore_patterns("versions", "plans"))
     spec = tiny_embedding_model(engines, MODEL)
     fleet = module_fleets()
-    gw = fleet.gateway(engines_dir=engines, max_frame_bytes=MAX_FRAME)
     fleet.worker(model=MODEL, engines_dir=engines)
+    return fleet, engines, spec
+
+
+@pytest.fixture(scope="module")
+def parts(embed_fleet):
+    """The fleet's gateway (auth off), and the model's engine and tokenizer in this process."""
+    fleet, engines, spec = embed_fleet
+    gw = fleet.gateway(engines_dir=engines, max_frame_bytes=MAX_FRAME)
     return gw, OnnxEmbeddingEngine(spec, threads=1), load_tokenizer(spec), spec
 
 
@@ -412,3 +420,27 @@ async def test_ws_a_cancel_before_the_vectors_ends_it_and_only_its_connection_ma
     finally:
         await c.close()
         await other.close()
+
+
+#: 100 tokens a second, 1,000 at once; no request limit
+TOKEN_TIERS = '{"tok": {"requests_per_minute": null, "tokens_per_minute": 6000, "token_burst": 1000}}'
+
+
+def test_an_embeddings_request_is_charged_its_input_tokens_by_the_token_rate_limit(embed_fleet, rds):
+    """docs/admission.md, "Token rate limit": an embeddings request's input tokens are taken
+    once tokenized; one of more tokens than the bucket ever holds is 400 naming the limit."""
+    fleet, engines, _spec = embed_fleet
+    gw = fleet.gateway(engines_dir=engines, auth_enabled="true", tiers=TOKEN_TIERS)
+    key = add_key(fleet, "embedder", "tok", tiers=TOKEN_TIERS)
+    headers = {"authorization": f"Bearer {key}"}
+    t0 = time.monotonic()
+    r = httpx.post(gw.http + "/v1/embeddings", headers=headers, json={"model": MODEL, "input": TEXTS}, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["prompt_tokens"]
+    left = float(rds.hget(f"{fleet.prefix}:rlt:{key.split('-', 2)[1]}", "tokens"))
+    assert 1000 - used <= left <= 1000 - used + 100 * elapsed + 1  # (refilled while it ran)
+    r = httpx.post(gw.http + "/v1/embeddings", headers=headers,  # several tokens an input: over 1,000 in all
+                   json={"model": MODEL, "input": ["streams and lanes and workers"] * 200}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "token rate limit ever allows at once (1000 tokens)" in r.json()["error"]["message"]
