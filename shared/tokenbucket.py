@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["BucketDecision", "TokenBucket", "TOKEN_BUCKET_LUA", "EXPIRE_MARGIN_MS", "EPSILON"]
+__all__ = ["BucketDecision", "TokenBucket", "TOKEN_BUCKET_LUA", "EXPIRE_MARGIN_MS", "EPSILON", "bucket_args"]
 
 #: kept past the moment the bucket is full again (ms) before the key expires
 EXPIRE_MARGIN_MS = 1000
@@ -119,3 +119,14 @@ redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', stri
 redis.call('PEXPIRE', KEYS[1], ttl)
 return {allowed, string.format('%.17g', tokens), retry, ttl}
 """
+
+
+def bucket_args(rate_per_s: float, burst: int, cost: float, *, force: bool = False,
+                now_us: int | None = None) -> list[str | int]:
+    """``TOKEN_BUCKET_LUA``'s ARGV for one take (``now_us``: tests only, else Redis'
+    clock), for every caller of the script: the gateway's ``RateLimiter`` and the
+    worker's charge of what a request was served."""
+    args: list[str | int] = [repr(float(rate_per_s)), burst, repr(float(cost)), EXPIRE_MARGIN_MS, int(force)]
+    if now_us is not None:
+        args.append(now_us)
+    return args

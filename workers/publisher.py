@@ -44,7 +44,7 @@ from streamfleet.shared.schema import (
     encode_events,
 )
 from streamfleet.shared.tiers import AUDIO_TOKENS_PER_S
-from streamfleet.shared.tokenbucket import EXPIRE_MARGIN_MS, TOKEN_BUCKET_LUA
+from streamfleet.shared.tokenbucket import TOKEN_BUCKET_LUA, bucket_args
 from streamfleet.workers.context import Part, WorkerContext
 from streamfleet.workers.coreset import CoreSet
 from streamfleet.workers.inflight import InFlight, InFlightTable
@@ -180,9 +180,8 @@ class Publisher(Part):
                     if task.token_limit and task.token_rate > 0:
                         # the key's token rate limit takes them, into debt if need be
                         # (shared/tokenbucket.py: a forced take)
-                        self._token_charges.append(([keys.token_ratelimit(task.token_limit)], [
-                            repr(task.token_rate), max(1, task.token_burst), repr(float(tokens)),
-                            EXPIRE_MARGIN_MS, 1]))
+                        self._token_charges.append(([keys.token_ratelimit(task.token_limit)], bucket_args(
+                            task.token_rate, max(1, task.token_burst), tokens, force=True)))
                 fl.acking = True
                 if tags is not None:
                     tags[i] = (rid, fl, ends.get(rid, "unknown"))

@@ -118,8 +118,8 @@ class SpeechRequest:
 
     @property
     def input_tokens(self) -> int:
-        """None to take before it is queued: its audio is charged by the second as it is
-        transcribed (``shared.tiers.AUDIO_TOKENS_PER_S``)."""
+        """Nothing to take before it is queued: its audio is charged by the second when it
+        has been transcribed (``shared.tiers.AUDIO_TOKENS_PER_S``)."""
         return 0
 
     def to_task(self, reply_to: str, *, request_id: str, trace_id: str | None = None,

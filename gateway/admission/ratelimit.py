@@ -36,12 +36,10 @@ from streamfleet.shared.keys import Keys
 from streamfleet.shared.logging import get_logger
 from streamfleet.shared.redis import BROKER_ERRORS, refresh_members
 from streamfleet.shared.tiers import CONNECTION_SLOT_TTL_S, STREAM_SLOT_TTL_S, Tier
-from streamfleet.shared.tokenbucket import EXPIRE_MARGIN_MS, TOKEN_BUCKET_LUA, BucketDecision, TokenBucket
+from streamfleet.shared.tokenbucket import TOKEN_BUCKET_LUA, BucketDecision, TokenBucket, bucket_args
 
 __all__ = ["BucketDecision", "TokenBucket", "RateLimiter", "rate_limited", "tokens_limited", "TokensLimited",
-           "StreamSlots",
-           "ConnectionSlots",
-           "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
+           "StreamSlots", "ConnectionSlots", "TOKEN_BUCKET_LUA", "STREAM_SLOTS_LUA"]
 
 log = get_logger("gateway.ratelimit")
 
@@ -96,11 +94,9 @@ class RateLimiter:
 
     async def _bucket(self, key: str, rate: float, burst: int, cost: float, force: bool,
                       now_us: int | None) -> BucketDecision:
-        args: list[str | int | float] = [repr(rate), burst, repr(float(cost)), EXPIRE_MARGIN_MS, int(force)]
-        if now_us is not None:
-            args.append(now_us)
         try:
-            allowed, tokens, retry, ttl = await self._script(keys=[key], args=args)
+            allowed, tokens, retry, ttl = await self._script(
+                keys=[key], args=bucket_args(rate, burst, cost, force=force, now_us=now_us))
         except BROKER_ERRORS as exc:
             raise UnavailableError(f"cannot check the rate limit: Redis unavailable ({exc})") from exc
         return BucketDecision(bool(allowed), float(tokens), int(retry), int(ttl))

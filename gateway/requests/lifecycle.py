@@ -210,8 +210,7 @@ class ClientRequest:
                 tier = self.identity.tier if self.identity is not None else None
                 stream, depth = await channel.submit(
                     request, ticket.request_id, owner=ticket.owner, slot=ticket.slot, trace_id=trace_id,
-                    tenant=self.tenant(ticket), tier=tier,
-                    token_limit=ticket.key_id if tier is not None and tier.tokens_per_minute is not None else None)
+                    tenant=self.tenant(ticket), tier=tier, token_limit=ticket.key_id)
             except BaseException:
                 await self._close_own_channel()
                 raise

@@ -167,8 +167,9 @@ class ReplyChannel:
             tenant, tier: whose fair share inside the lane it counts against, and that
                 tenant's tier (its weight and cap; ``Broker.submit``).
             token_limit: the API key id whose token rate limit (``tier``'s
-                ``tokens_per_minute``) a text request's generated tokens are charged to
-                when it ends (the worker charges them), None for none.
+                ``tokens_per_minute``, where it has one) a text request's generated
+                tokens, or an utterance's audio, are charged to when it ends (the worker
+                charges them), None for none.
 
         Raises:
             StreamfleetError: refused (overload, broker down).

@@ -7,9 +7,10 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from streamfleet.gateway.admission.ratelimit import EXPIRE_MARGIN_MS, TokenBucket
+from streamfleet.gateway.admission.ratelimit import TokenBucket
 from streamfleet.shared.errors import FatalError
 from streamfleet.shared.tiers import DEFAULT_TIERS, Tier, parse_tiers
+from streamfleet.shared.tokenbucket import EXPIRE_MARGIN_MS
 
 S = 1_000_000  # µs per second
 
